@@ -1,0 +1,16 @@
+"""FP8 formats, the saturating cast, delayed scaling (TE-exact), quantize, FP8 linear, scope."""
+
+from fp8ops.precision.formats import E4M3, E5M2, Fp8Dtype, Fp8Format, saturating_cast
+from fp8ops.precision.linear import EmulatedGemm, Fp8Gemm, Fp8Linear, fp8_linear
+from fp8ops.precision.quantize import CastStats, QuantizedTensor, amax_of, quantize
+from fp8ops.precision.recipe import DelayedScalingRecipe
+from fp8ops.precision.scaling import AmaxAlgo, parse_amax_algo, update_delayed_scaling
+from fp8ops.precision.scope import Fp8Scope, active_scope
+from fp8ops.precision.state import Fp8Meta, ScalingState
+
+__all__ = [
+    "E4M3", "E5M2", "AmaxAlgo", "CastStats", "DelayedScalingRecipe", "EmulatedGemm",
+    "Fp8Dtype", "Fp8Format", "Fp8Gemm", "Fp8Linear", "Fp8Meta", "Fp8Scope", "QuantizedTensor",
+    "ScalingState", "active_scope", "amax_of", "fp8_linear", "parse_amax_algo", "quantize",
+    "saturating_cast", "update_delayed_scaling",
+]

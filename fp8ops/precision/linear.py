@@ -1,0 +1,192 @@
+"""The FP8 linear: casts recorded into delayed-scaling state, with a pluggable GEMM.
+
+Forward: input and weight are cast to E4M3 with their slot scales; the GEMM multiplies the
+FP8 operands. Backward: grad output is cast with the backward scale (E5M2 under HYBRID);
+dgrad = grad_out @ W and wgrad = grad_out^T @ x use the same FP8 operands, as TE does.
+Every cast max-accumulates its amax into history row 0 of its slot. The weight is cast (and
+its amax recorded) only on the first micro-batch of a step, so its history rolls once per
+optimizer step.
+
+Backends differ only in :class:`Fp8Gemm`: :class:`EmulatedGemm` here, a native
+``torch._scaled_mm`` GEMM on GPUs. The scaling bookkeeping never changes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from fp8ops.precision.quantize import QuantizedTensor, amax_of, quantize
+from fp8ops.precision.formats import saturating_cast
+from fp8ops.precision.recipe import DelayedScalingRecipe
+from fp8ops.precision.scaling import BWD_GRAD_OUTPUT, FWD_INPUT, FWD_WEIGHT
+from fp8ops.precision.scope import Fp8Scope, active_scope
+from fp8ops.precision.state import Fp8Meta, ScalingState
+
+
+class Fp8Gemm(Protocol):
+    """``a @ b.T`` of two FP8 tensors, scaled back by both ``scale_inv``s."""
+
+    def __call__(
+        self, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype
+    ) -> torch.Tensor: ...
+
+
+class EmulatedGemm:
+    """FP8 GEMM on any device: the FP8 values are exact in float32, so multiplying them
+    there and applying ``scale_inv_a * scale_inv_b`` to the float32 accumulator is what a
+    tensor-core FP8 GEMM computes, up to accumulation order."""
+
+    def __call__(self, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype):
+        accumulator = a.data.float() @ b.data.float().t()
+        return (accumulator * (a.scale_inv * b.scale_inv)).to(out_dtype)
+
+
+def _transpose(q: QuantizedTensor) -> QuantizedTensor:
+    return QuantizedTensor(data=q.data.t().contiguous(), scale_inv=q.scale_inv, fp8=q.fp8)
+
+
+def cast_and_record(
+    x: torch.Tensor, state: ScalingState, slot: int, track: dict | None, role: str
+) -> QuantizedTensor:
+    """Cast ``x`` with the slot's current scale and fold its amax into row 0.
+
+    With ``track`` (a dict) the full cast statistics are stored under ``role`` for telemetry;
+    without it only the amax pass runs, which is all delayed scaling needs.
+    """
+    scale = state.scale[slot]
+    if track is None:
+        amax = amax_of(x)
+        quantized = QuantizedTensor(
+            data=saturating_cast(x.detach(), scale, state.fp8),
+            scale_inv=torch.reciprocal(scale),
+            fp8=state.fp8,
+        )
+    else:
+        quantized, stats = quantize(x, scale, state.fp8)
+        amax = stats.amax
+        track[role] = stats
+    state.record_amax(slot, amax)
+    return quantized
+
+
+class Fp8LinearFunction(torch.autograd.Function):
+    """``y = x @ W.T + b`` with FP8 operands. ``x`` is ``[..., in]``, ``W`` is ``[out, in]``.
+
+    The FP8 weight arrives already cast (it may come from the step's first micro-batch);
+    ``weight`` itself is only here to receive its gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, qw_data, qw_scale_inv, meta, gemm, update_scope, track):
+        qw = QuantizedTensor(qw_data, qw_scale_inv, meta.forward.fp8)
+        x2d = x.reshape(-1, weight.shape[1])  # [tokens, in]
+        qx = cast_and_record(x2d, meta.forward, FWD_INPUT, track, "input")
+        out = gemm(qx, qw, out_dtype=x.dtype)  # [tokens, out]
+        if bias is not None:
+            out = out + bias.to(out.dtype)
+
+        # FP8 operands are what backward needs, as in TE: a quarter of the float32 memory.
+        ctx.save_for_backward(qx.data, qx.scale_inv, qw_data, qw_scale_inv)
+        ctx.meta, ctx.gemm, ctx.track, ctx.update_scope = meta, gemm, track, update_scope
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.has_bias = bias is not None
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qx_data, qx_scale_inv, qw_data, qw_scale_inv = ctx.saved_tensors
+        fwd = ctx.meta.forward.fp8
+        qx = QuantizedTensor(qx_data, qx_scale_inv, fwd)
+        qw = QuantizedTensor(qw_data, qw_scale_inv, fwd)
+
+        grad2d = grad_out.reshape(-1, qw_data.shape[0])  # [tokens, out]
+        qg = cast_and_record(grad2d, ctx.meta.backward, BWD_GRAD_OUTPUT, ctx.track, "grad_output")
+        grad_input = ctx.gemm(qg, _transpose(qw), out_dtype=ctx.x_dtype)  # [tokens, in]
+        grad_weight = ctx.gemm(_transpose(qg), _transpose(qx), out_dtype=ctx.w_dtype)  # [out, in]
+        grad_bias = grad2d.sum(dim=0) if ctx.has_bias else None
+
+        if ctx.update_scope is not None:
+            # This module ran first in the scope, so its backward runs last: every grad
+            # amax of this backward pass has been recorded by now.
+            ctx.update_scope.reduce_and_update(forward=False)
+        return (
+            grad_input.reshape(ctx.x_shape), grad_weight, grad_bias,
+            None, None, None, None, None, None,
+        )
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    meta: Fp8Meta,
+    scope: Fp8Scope,
+    *,
+    gemm: Fp8Gemm,
+    cached_weight: QuantizedTensor | None = None,
+    track: dict | None = None,
+) -> tuple[torch.Tensor, QuantizedTensor]:
+    """Run one FP8 linear inside ``scope``.
+
+    Returns the output and the FP8 weight used; pass that back as ``cached_weight`` on later
+    micro-batches of the same step to skip the weight cast (and its amax), as TE does when
+    ``is_first_microbatch`` is False.
+    """
+    scope.register(meta)
+    qw = cached_weight or cast_and_record(weight, meta.forward, FWD_WEIGHT, track, "weight")
+    update_scope = scope if scope.claim_backward_update() and torch.is_grad_enabled() else None
+    out = Fp8LinearFunction.apply(
+        x, weight, bias, qw.data, qw.scale_inv, meta, gemm, update_scope, track
+    )
+    return out, qw
+
+
+class Fp8Linear(nn.Module):
+    """A plain FP8 linear layer (the Megatron tensor-parallel layers build on ``fp8_linear``).
+
+    Outside an active :class:`Fp8Scope` it runs in the weight's dtype, like a TE module
+    outside ``fp8_autocast``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        recipe: DelayedScalingRecipe,
+        *,
+        bias: bool = True,
+        gemm: Fp8Gemm | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        self.fp8_meta = Fp8Meta.fresh(recipe)
+        self.gemm = gemm or EmulatedGemm()
+        self.track_stats = False
+        self.last_cast_stats: dict = {}
+        self._weight_fp8: QuantizedTensor | None = None
+
+    def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        scope = active_scope()
+        if scope is None:
+            return nn.functional.linear(x, self.weight, self.bias)
+        # TE semantics: None means "no micro-batching", so the weight is cast every call.
+        reuse = is_first_microbatch is False and self._weight_fp8 is not None
+        self.last_cast_stats = {} if self.track_stats else None
+        out, self._weight_fp8 = fp8_linear(
+            x,
+            self.weight,
+            self.bias,
+            self.fp8_meta,
+            scope,
+            gemm=self.gemm,
+            cached_weight=self._weight_fp8 if reuse else None,
+            track=self.last_cast_stats,
+        )
+        return out

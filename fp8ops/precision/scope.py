@@ -1,0 +1,123 @@
+"""The FP8 scope: fp8ops' equivalent of ``te.fp8_autocast`` under delayed scaling.
+
+Usage::
+
+    scope = Fp8Scope(recipe, group=amax_reduction_group)
+    with scope():                # every FP8 module used inside registers once
+        loss = model(batch)      # casts max-accumulate amaxes into history row 0
+    # outermost exit in grad mode: one all_reduce(MAX) of all forward amaxes, then the update
+    loss.backward()              # the first module's backward ends with the backward update
+
+Timing follows TE (reference §2.4): the forward update runs at the exit of the outermost
+scope, only when grad is enabled; the backward update runs once per backward pass, at the end
+of the backward of the first FP8 module that ran in the scope (it runs last). Every update
+covers all registered modules, whether they ran or not: one that did not run has amax 0 and
+is left untouched by the kernel's zero gate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from fp8ops.precision.recipe import DelayedScalingRecipe
+from fp8ops.precision.state import Fp8Meta
+from fp8ops.precision.scaling import update_delayed_scaling
+
+# The innermost active (scope, enabled) pair; a context variable so threads don't share it.
+_ACTIVE: contextvars.ContextVar[tuple["Fp8Scope", bool] | None] = contextvars.ContextVar(
+    "fp8ops_active_scope", default=None
+)
+
+
+def active_scope() -> "Fp8Scope | None":
+    """The scope FP8 modules should use now, or None (run in high precision)."""
+    current = _ACTIVE.get()
+    if current is None or not current[1]:
+        return None
+    return current[0]
+
+
+class Fp8Scope:
+    """A recipe, its amax reduction group and the modules registered under them."""
+
+    def __init__(self, recipe: DelayedScalingRecipe, group: dist.ProcessGroup | None = None):
+        self.recipe = recipe
+        self.group = group
+        self._metas: list[Fp8Meta] = []
+        self._registered: set[int] = set()
+        self._depth = 0
+        self._first_module_pending = False
+
+    @contextlib.contextmanager
+    def __call__(self, enabled: bool = True) -> Iterator["Fp8Scope"]:
+        """Enter the scope. ``enabled=False`` nested inside runs its modules in high precision."""
+        token = _ACTIVE.set((self, enabled))
+        self._depth += 1
+        if self._depth == 1:
+            self._first_module_pending = True
+        try:
+            yield self
+        finally:
+            self._depth -= 1
+            _ACTIVE.reset(token)
+            if self._depth == 0 and torch.is_grad_enabled():
+                self.reduce_and_update(forward=True)
+
+    # -- called by FP8 modules -----------------------------------------------------------
+
+    def register(self, meta: Fp8Meta) -> None:
+        """Add a module's state to every later update (once; repeated calls are no-ops)."""
+        if id(meta) not in self._registered:
+            self._registered.add(id(meta))
+            self._metas.append(meta)
+
+    def claim_backward_update(self) -> bool:
+        """True for exactly the first FP8 module run in an outermost scope: its backward
+        runs last, so it is the one that triggers the backward update."""
+        claimed, self._first_module_pending = self._first_module_pending, False
+        return claimed
+
+    # -- the update ----------------------------------------------------------------------
+
+    @property
+    def metas(self) -> tuple[Fp8Meta, ...]:
+        return tuple(self._metas)
+
+    def reduce_and_update(self, forward: bool) -> None:
+        """All-reduce (MAX) every registered module's row-0 amaxes, then update them all.
+
+        One collective and one update call for all modules, as TE concatenates its buffers.
+        """
+        if not self._metas:
+            return
+        states = [meta.direction(forward) for meta in self._metas]
+        amax = torch.cat([s.amax_history[0] for s in states])
+        if self._should_reduce():
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+        history, scale = update_delayed_scaling(
+            torch.cat([s.amax_history for s in states], dim=1),
+            torch.cat([s.scale for s in states]),
+            amax,
+            fp8_max=states[0].fp8.max,
+            margin=self.recipe.margin,
+            algo=self.recipe.amax_compute_algo,
+        )
+        start = 0
+        for s in states:
+            width = s.scale.numel()
+            s.amax_history.copy_(history[:, start : start + width])
+            s.scale.copy_(scale[start : start + width])
+            start += width
+
+    def _should_reduce(self) -> bool:
+        return (
+            self.recipe.reduce_amax
+            and dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size(self.group) > 1
+        )

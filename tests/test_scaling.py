@@ -262,3 +262,9 @@ def test_invariants_of_the_fused_update(state, algo, margin):
         else:
             assert new_scale[k] == scale[k]
     assert new_history.shape == history.shape and new_scale.dtype == torch.float32
+
+
+def test_a_kept_infinite_scale_is_clamped_like_a_new_one():
+    # The kernel's `isinf(scale) -> FLT_MAX` runs after it chose between new and old scale.
+    _, scale = update([[0.0, 0.0], [0.0, 0.0]], [math.inf, -math.inf], [0.0, math.nan])
+    assert scale.tolist() == [FLT_MAX, FLT_MAX]

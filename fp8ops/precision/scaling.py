@@ -179,8 +179,9 @@ def _new_scale_ieee(amax, scale, scaled_max):
     # Tensor / tensor on float32 is one correctly rounded division (TE: div.rn.f32). The
     # denominator of unusable slots is replaced by 1 so no inf/NaN is ever produced there.
     quotient = scaled_max / torch.where(usable, amax, 1.0)
-    quotient = torch.where(torch.isinf(quotient), FLT_MAX, quotient)
-    return torch.where(usable, quotient, scale).to(torch.float32)
+    new_scale = torch.where(usable, quotient, scale)
+    # The kernel clamps after choosing, so a kept infinite scale (loaded state) is clamped too.
+    return torch.where(torch.isinf(new_scale), FLT_MAX, new_scale).to(torch.float32)
 
 
 def _callable_path_update(amax_history, scale, amax, fp8_max, margin, algo):

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Set up a fresh machine for fp8ops on the CPU: a .venv with a CPU build of torch, fp8ops
+# (editable) with its test extras, and Transformer Engine's pure-Python recipe module.
+# Idempotent: re-running only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+# A CPU machine needs torch installed first and exactly: a bare `torch` requirement would
+# pull a multi-GB CUDA build. GPU machines set TORCH_SPEC="" to keep the torch they have.
+TORCH_SPEC=${TORCH_SPEC-torch==2.13.0}
+
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+# (this machine's pip config lists index folders that may not exist; hide only that noise)
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "is ignored" >&2); }
+
+if [ -n "$TORCH_SPEC" ] && ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    pip install "$TORCH_SPEC"
+fi
+pip install -e '.[test]'
+# Only TE's recipe module is usable without a GPU build; --no-deps keeps the 276 MB CUDA
+# core library out (docs/precision.md).
+.venv/bin/python -c "import importlib.util as u; exit(u.find_spec('transformer_engine') is None)" \
+    || pip install --no-deps transformer-engine==2.20.2
+
+.venv/bin/python -c "import fp8ops, torch; print(f'fp8ops {fp8ops.__version__} with torch {torch.__version__}')"

@@ -1,0 +1,84 @@
+"""Transformer Engine's own ``DelayedScaling`` recipe, built from ours.
+
+On a GPU machine TE imports normally. On a CPU machine only its pure-Python recipe module can
+import, and only with ``NVTE_PROJECT_BUILDING=1``, which skips the package's load of CUDA
+libraries (reference §8); ``transformer_engine.pytorch`` never imports there. Without TE at
+all, :func:`load_te_recipe_module` returns None and callers skip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from types import ModuleType
+
+import torch
+
+from fp8ops.precision.formats import Fp8Format
+from fp8ops.precision.recipe import DelayedScalingRecipe
+from fp8ops.precision.scaling import AmaxAlgo
+
+
+def load_te_recipe_module() -> ModuleType | None:
+    """``transformer_engine.common.recipe``, or None when Transformer Engine is not installed."""
+    try:
+        import transformer_engine.common.recipe as te_recipe
+    except ImportError:
+        return None
+    except RuntimeError:
+        if torch.cuda.is_available():
+            raise  # a broken GPU install must not be hidden
+        with _cpu_recipe_only(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # "torch extension not found"
+            import transformer_engine.common.recipe as te_recipe
+    return te_recipe
+
+
+@contextlib.contextmanager
+def _cpu_recipe_only():
+    previous = os.environ.get("NVTE_PROJECT_BUILDING")
+    os.environ["NVTE_PROJECT_BUILDING"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["NVTE_PROJECT_BUILDING"]
+        else:
+            os.environ["NVTE_PROJECT_BUILDING"] = previous
+
+
+class WindowStatistic:
+    """A window-statistic algorithm as the callable TE's ``amax_compute_algo`` accepts.
+
+    TE calls it with the whole ``[L, n]`` history on its unfused path; fp8ops' emulation of
+    that path (``scaling._callable_path_update``) calls the same statistic.
+    """
+
+    def __init__(self, algo: AmaxAlgo):
+        self.algo = algo
+
+    def __call__(self, amax_history: torch.Tensor) -> torch.Tensor:
+        return self.algo.window_amax(amax_history)
+
+    def __repr__(self) -> str:  # TE keys its global buffers on the recipe's repr
+        return f"WindowStatistic({self.algo.name})"
+
+
+def to_te_recipe(recipe: DelayedScalingRecipe, te_recipe: ModuleType | None = None):
+    """A real ``transformer_engine.common.recipe.DelayedScaling`` with our recipe's fields."""
+    te_recipe = te_recipe or load_te_recipe_module()
+    if te_recipe is None:
+        raise ImportError(
+            "Transformer Engine is not installed; on a CPU machine "
+            "`pip install --no-deps transformer-engine==2.20.2` provides its recipe module"
+        )
+    formats = {Fp8Format.HYBRID: te_recipe.Format.HYBRID, Fp8Format.E4M3: te_recipe.Format.E4M3}
+    algo = recipe.amax_compute_algo
+    return te_recipe.DelayedScaling(
+        margin=recipe.margin,
+        fp8_format=formats[recipe.fp8_format],
+        amax_history_len=recipe.amax_history_len,
+        amax_compute_algo=algo.name if algo.fused else WindowStatistic(algo),
+        reduce_amax=recipe.reduce_amax,
+    )

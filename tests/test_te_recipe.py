@@ -1,0 +1,61 @@
+"""Our recipe as Transformer Engine's real DelayedScaling (skipped where TE's recipe module
+cannot import)."""
+
+import pytest
+import torch
+
+from fp8ops.precision import DelayedScalingRecipe, Fp8Format, parse_amax_algo
+from fp8ops.precision.te_recipe import WindowStatistic, load_te_recipe_module, to_te_recipe
+
+te_recipe = load_te_recipe_module()
+needs_te = pytest.mark.skipif(te_recipe is None, reason="transformer-engine is not installed")
+
+
+@needs_te
+@pytest.mark.parametrize(
+    "fmt, algo, length, margin, reduce",
+    [
+        (Fp8Format.HYBRID, "max", 16, 0, True),
+        (Fp8Format.E4M3, "most_recent", 1, 3, False),
+        (Fp8Format.HYBRID, "max", 1024, 1, True),
+    ],
+)
+def test_fields_match(fmt, algo, length, margin, reduce):
+    ours = DelayedScalingRecipe(
+        fp8_format=fmt,
+        amax_history_len=length,
+        amax_compute_algo=parse_amax_algo(algo),
+        margin=margin,
+        reduce_amax=reduce,
+    )
+    theirs = to_te_recipe(ours, te_recipe)
+    assert isinstance(theirs, te_recipe.DelayedScaling)
+    assert theirs.fp8_format == getattr(te_recipe.Format, fmt.name)
+    assert (theirs.amax_history_len, theirs.amax_compute_algo) == (length, algo)
+    assert (theirs.margin, theirs.reduce_amax) == (margin, reduce)
+    # TE's format maxima are the ones our formats use
+    assert theirs.fp8_format.value.max_fwd == fmt.forward.max
+    assert theirs.fp8_format.value.max_bwd == fmt.backward.max
+
+
+@needs_te
+def test_te_itself_refuses_pure_e5m2():
+    with pytest.raises(Exception, match="E5M2"):
+        te_recipe.DelayedScaling(fp8_format=te_recipe.Format.E5M2)
+
+
+@needs_te
+def test_window_statistic_becomes_a_callable():
+    ours = DelayedScalingRecipe(amax_history_len=8, amax_compute_algo=parse_amax_algo("quantile:0.9"))
+    theirs = to_te_recipe(ours, te_recipe)
+    assert isinstance(theirs.amax_compute_algo, WindowStatistic)
+    history = torch.tensor([[1.0], [2.0], [9.0]])
+    assert theirs.amax_compute_algo(history).tolist() == [9.0]
+
+
+def test_missing_te_gives_an_install_hint(monkeypatch):
+    import fp8ops.precision.te_recipe as module
+
+    monkeypatch.setattr(module, "load_te_recipe_module", lambda: None)
+    with pytest.raises(ImportError, match="pip install --no-deps transformer-engine"):
+        module.to_te_recipe(DelayedScalingRecipe())

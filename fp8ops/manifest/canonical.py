@@ -1,0 +1,108 @@
+"""The canonical form of a manifest, its hash, its YAML rendering and field-by-field diffs.
+
+The canonical form is the validated model dumped to JSON types with every default filled
+in, keys sorted, no whitespace. Two files that mean the same run (keys in another order,
+other comments, flow or block style, defaults written out or left implicit, ``1e-5`` or
+``0.00001``) have the same canonical form and so the same hash; any change of meaning
+changes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import yaml
+
+from fp8ops.manifest.schema import Manifest
+from fp8ops.manifest.yaml_io import ManifestDumper
+
+
+def canonical_dict(m: Manifest) -> dict[str, Any]:
+    """Every field, defaults included, as JSON types (tuples become lists)."""
+    return _positive_zero(m.model_dump(mode="json"))
+
+
+def canonical_json(m: Manifest) -> str:
+    return json.dumps(
+        canonical_dict(m), sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    )
+
+
+def manifest_hash(m: Manifest) -> str:
+    """sha256 hex digest of the canonical JSON: the manifest's identity."""
+    return hashlib.sha256(canonical_json(m).encode("ascii")).hexdigest()
+
+
+def to_yaml(m: Manifest) -> str:
+    """The canonical content as block-style YAML, keys sorted, headed by its hash."""
+    body = yaml.dump(
+        canonical_dict(m),
+        Dumper=ManifestDumper,
+        sort_keys=True,
+        default_flow_style=False,
+        allow_unicode=True,
+        width=100,
+    )
+    return (
+        f"# fp8ops manifest {m.name} revision {m.revision.number}\n"
+        f"# sha256 {manifest_hash(m)} (canonical form)\n"
+        f"{body}"
+    )
+
+
+def _positive_zero(value: Any) -> Any:
+    # -0.0 passes ">= 0" and means 0, but json.dumps writes "-0.0": the hash must not see it.
+    if isinstance(value, dict):
+        return {k: _positive_zero(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_positive_zero(v) for v in value]
+    if isinstance(value, float) and value == 0.0:
+        return 0.0
+    return value
+
+
+# --------------------------------------------------------------------------------------
+# Diff
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FieldChange:
+    """One differing leaf of the canonical form. ``old``/``new`` are None when absent."""
+
+    path: str
+    kind: Literal["added", "removed", "changed"]
+    old: Any
+    new: Any
+
+
+def diff_manifests(a: Manifest, b: Manifest) -> list[FieldChange]:
+    """Field-by-field changes from ``a`` to ``b``, sorted by dotted path.
+
+    Lists (module globs) are compared as whole values: ``[] -> ['*.linear_fc2']`` reads
+    better than a change per index.
+    """
+    old, new = _leaves(canonical_dict(a)), _leaves(canonical_dict(b))
+    changes = []
+    for path in sorted(old.keys() | new.keys()):
+        if path not in new:
+            changes.append(FieldChange(path, "removed", old[path], None))
+        elif path not in old:
+            changes.append(FieldChange(path, "added", None, new[path]))
+        elif old[path] != new[path] or type(old[path]) is not type(new[path]):
+            changes.append(FieldChange(path, "changed", old[path], new[path]))
+    return changes
+
+
+def _leaves(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    leaves = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            leaves.update(_leaves(value, f"{path}."))
+        else:
+            leaves[path] = value
+    return leaves

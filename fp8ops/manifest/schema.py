@@ -1,0 +1,805 @@
+"""The run manifest: what a run is, as one frozen and strictly validated object.
+
+One pydantic model per section, a description on every field, checks beside the fields they
+check. Three settings hold for every model (``_Section``):
+
+* ``extra="forbid"``: a misspelt key is an error, never a silently ignored option (TE's own
+  pydantic recipe drops unknown keywords, which is how ``--no-fp8-wgrad`` became a no-op);
+* ``strict=True``: YAML ``"16"`` is not the integer 16 and ``yes`` is not a string. Floats
+  still accept YAML integers (``lr: 1`` is 1.0);
+* ``frozen=True``: a manifest never changes; a change is a new revision (``revisions.py``).
+
+Lists are stored as tuples so that frozen means frozen all the way down; YAML lists are
+accepted and dump back as lists.
+
+Cross-field rules raise every violation at once, each at the location of the field to fix
+(``_raise_problems``), so ``load.py`` can report them all with their dotted paths.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+if TYPE_CHECKING:
+    from fp8ops.precision.scaling import AmaxAlgo
+
+SCHEMA_VERSION = 1
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
+
+
+def _raise_problems(title: str, problems: list[tuple[tuple[str | int, ...], Any, str]]) -> None:
+    """Raise all cross-field problems at once, each located at the field to fix.
+
+    ``problems`` holds ``(loc relative to the model, bad value, message)``; pydantic prefixes
+    the model's own location, so a rule in ``Manifest`` names e.g. ``model.num_layers``.
+    """
+    if problems:
+        raise ValidationError.from_exception_data(
+            title,
+            [
+                {
+                    "type": PydanticCustomError("manifest_rule", "{detail}", {"detail": message}),
+                    "loc": loc,
+                    "input": value,
+                }
+                for loc, value, message in problems
+            ],
+        )
+
+
+# --------------------------------------------------------------------------------------
+# Shared field types
+# --------------------------------------------------------------------------------------
+
+
+def _list_to_tuple(value: Any) -> Any:
+    # Only lists: strict mode must still reject a string or a mapping where a list belongs.
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _check_sha256(value: str) -> str:
+    if not re.fullmatch(r"[0-9a-f]{64}", value):
+        raise ValueError("must be a sha256 digest: 64 lowercase hex digits")
+    return value
+
+
+def _check_name(value: str) -> str:
+    if not re.fullmatch(r"[a-z0-9][a-z0-9._-]*", value):
+        raise ValueError(
+            "must start with a lowercase letter or digit and use only a-z, 0-9, '.', '_' and '-'"
+        )
+    return value
+
+
+# Module FQNs are dotted Python identifiers and layer indices, e.g.
+# "decoder.layers.3.self_attention.linear_qkv"; globs add fnmatch's *, ? and [...] / [!...].
+_GLOB_CHARS = re.compile(r"[A-Za-z0-9_.*?\[\]!-]")
+
+
+def _check_glob(pattern: str) -> str:
+    if not pattern:
+        raise ValueError("must be a non-empty module glob such as '*.linear_qkv'")
+    bad = [ch for ch in pattern if not _GLOB_CHARS.fullmatch(ch)]
+    if bad:
+        raise ValueError(
+            f"contains {bad[0]!r}; module globs use letters, digits, '_', '.' "
+            "and the wildcards '*', '?', '[...]'"
+        )
+    # fnmatch treats an unclosed '[' as a literal, which would silently match nothing.
+    if re.search(r"\[[^\]]*(\[|$)", pattern) or re.search(r"(^|\])[^\[]*\]", pattern):
+        raise ValueError("has an unbalanced '[' or ']'")
+    if pattern.startswith(".") or pattern.endswith(".") or ".." in pattern:
+        raise ValueError("has an empty name segment (leading, trailing or doubled '.')")
+    return pattern
+
+
+Sha256 = Annotated[str, AfterValidator(_check_sha256)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+ModuleGlob = Annotated[str, AfterValidator(_check_glob)]
+Globs = Annotated[tuple[ModuleGlob, ...], BeforeValidator(_list_to_tuple)]
+Fraction = Annotated[float, Field(ge=0, le=1)]
+
+
+def _duplicate_globs(
+    field: str, globs: tuple[str, ...]
+) -> list[tuple[tuple[str | int, ...], Any, str]]:
+    first_seen: dict[str, int] = {}
+    problems = []
+    for index, glob in enumerate(globs):
+        if glob in first_seen:
+            problems.append(((field, index), glob, f"duplicate of item [{first_seen[glob]}]"))
+        first_seen.setdefault(glob, index)
+    return problems
+
+
+# --------------------------------------------------------------------------------------
+# Revision
+# --------------------------------------------------------------------------------------
+
+
+class Revision(_Section):
+    """Where this manifest comes from: a root (number 0) or a derived revision of a parent."""
+
+    number: int = Field(
+        0, ge=0, description="0 for a root manifest; parent's number + 1 for a derived one."
+    )
+    parent: Sha256 | None = Field(
+        None, description="sha256 of the parent manifest's canonical form; null for a root."
+    )
+    reason: str | None = Field(
+        None,
+        description="Why this revision exists (required for a derived revision, null for a root).",
+    )
+
+    @model_validator(mode="after")
+    def _root_or_derived(self) -> Revision:
+        problems = []
+        if self.number == 0:
+            if self.parent is not None:
+                problems.append(
+                    (("parent",), self.parent, "must be null for revision 0 (a root has no parent)")
+                )
+            if self.reason is not None:
+                problems.append(
+                    (("reason",), self.reason, "must be null for revision 0 (a root has no reason)")
+                )
+        else:
+            if self.parent is None:
+                problems.append(
+                    (("parent",), None, f"revision {self.number} needs its parent's sha256")
+                )
+            if self.reason is None or not self.reason.strip():
+                problems.append(
+                    (("reason",), self.reason, "a derived revision needs a non-empty reason")
+                )
+        _raise_problems("Revision", problems)
+        return self
+
+
+# --------------------------------------------------------------------------------------
+# Precision policy
+# --------------------------------------------------------------------------------------
+
+
+class SmallGemmRule(_Section):
+    """Keep GEMMs too small to gain from FP8 in the base dtype (applied by admission).
+
+    Shapes are per tensor-parallel rank, the GEMM that actually runs: a linear layer with
+    input K and output N (after sharding) is admitted only if ``min(K, N) >= min_dim`` and
+    ``2*K*N >= min_flops_per_token``. The token dimension M is left out: in training it is
+    micro_batch * seq_length, thousands of rows.
+    """
+
+    enabled: bool = Field(
+        True, description="Apply the rule; false admits every included module whatever its shape."
+    )
+    min_dim: int = Field(
+        1024,
+        ge=1,
+        description=(
+            "Smallest K or N (per TP rank) worth casting to FP8. torchao measured float8 GEMMs "
+            "on H100 with a dimension below ~1024-2048 running slower than bf16 (M,K,N = "
+            "1024,2048,1024 gives 0.80x), and TE#445 saw 1024-wide GEMMs 10x slower in FP8: "
+            "the casts and scale bookkeeping cost more than the faster matmul saves."
+        ),
+    )
+    min_flops_per_token: int = Field(
+        2**23,
+        ge=0,
+        description=(
+            "Smallest 2*K*N (FLOPs per token, per TP rank) worth casting. 2**23 (e.g. K=1024, "
+            "N=4096) is twice the K=2048, N=1024 GEMM torchao measured at 0.80x of bf16 on "
+            "H100. 0 turns this part of the rule off."
+        ),
+    )
+
+
+class PrecisionPolicy(_Section):
+    """Which modules run FP8 and how their scales are kept: TE's DelayedScaling recipe."""
+
+    base_dtype: Literal["bf16", "fp16", "fp32"] = Field(
+        "bf16",
+        description="Dtype of everything not in FP8: weights, optimizer math, excluded modules.",
+    )
+    fp8_format: Literal["hybrid", "e4m3"] = Field(
+        "hybrid",
+        description=(
+            "'hybrid' (TE's default): E4M3 for forward tensors, E5M2 (more range) for gradients. "
+            "'e4m3': E4M3 everywhere. Pure E5M2 is rejected, as TE rejects it."
+        ),
+    )
+    scaling: Literal["delayed"] = Field(
+        "delayed",
+        description=(
+            "Scaling recipe. Delayed scaling (the scale comes from the amax history of past "
+            "steps) is the only one fp8ops implements."
+        ),
+    )
+    amax_history_len: int = Field(
+        1024,
+        ge=1,
+        description=(
+            "Length of the amax history window per tensor (TE's default, 1024, is conservative: "
+            "a spike keeps scales low for 1024 steps; 16-32 adapt faster but need watching)."
+        ),
+    )
+    amax_compute_algo: str = Field(
+        "max",
+        description=(
+            "How the window becomes one amax: 'max' (TE default), 'most_recent', "
+            "'quantile:Q' (0 < Q <= 1) or 'trimmed_max:K' (drop the K largest; "
+            "K < amax_history_len)."
+        ),
+    )
+    margin: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Headroom in powers of two: scale = fp8_max / amax / 2**margin. 0 in every "
+            "published recipe."
+        ),
+    )
+    reduce_amax: bool = Field(
+        True,
+        description=(
+            "All-reduce (MAX) amaxes across ranks before the scale update, so every shard of a "
+            "tensor shares one scale."
+        ),
+    )
+    include_modules: Globs = Field(
+        ("*.linear_qkv", "*.linear_proj", "*.linear_fc1", "*.linear_fc2"),
+        description=(
+            "fnmatch globs on module names that may run FP8 (default: the four attention/MLP "
+            "projections of a Megatron GPT layer). Embedding, LM head and norms are never FP8."
+        ),
+    )
+    exclude_modules: Globs = Field(
+        (), description="Globs removed from include_modules; exclusion wins."
+    )
+    small_gemm: SmallGemmRule = Field(
+        default_factory=SmallGemmRule, description="Shape rule that keeps tiny GEMMs in base_dtype."
+    )
+
+    @field_validator("fp8_format", mode="before")
+    @classmethod
+    def _no_pure_e5m2(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.lower() == "e5m2":
+            raise ValueError(
+                'pure E5M2 training is not supported (Transformer Engine rejects it: "Pure E5M2 '
+                "training is not supported\"); use 'hybrid', which gives E5M2 to gradients and "
+                "keeps E4M3 for forward tensors"
+            )
+        return value
+
+    @field_validator("include_modules")
+    @classmethod
+    def _something_included(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        # Not Field(min_length=1): pydantic counts only the items that validated, so a list
+        # with one bad glob would also be reported as empty.
+        if not value:
+            raise ValueError("must list at least one module glob, e.g. '*.linear_fc1'")
+        return value
+
+    @field_validator("amax_compute_algo")
+    @classmethod
+    def _known_algo(cls, value: str) -> str:
+        _parse_amax_algo(value)
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PrecisionPolicy:
+        problems = _duplicate_globs("include_modules", self.include_modules)
+        problems += _duplicate_globs("exclude_modules", self.exclude_modules)
+        algo = self.amax_algo
+        if algo.kind == "trimmed_max" and algo.k >= self.amax_history_len:
+            problems.append(
+                (
+                    ("amax_compute_algo",),
+                    self.amax_compute_algo,
+                    f"trimmed_max:K needs K < amax_history_len ({self.amax_history_len})",
+                )
+            )
+        _raise_problems("PrecisionPolicy", problems)
+        return self
+
+    @property
+    def amax_algo(self) -> AmaxAlgo:
+        """The parsed ``amax_compute_algo``."""
+        return _parse_amax_algo(self.amax_compute_algo)
+
+
+def _parse_amax_algo(name: str) -> AmaxAlgo:
+    # Imported here, not at the top: the precision package imports torch (about 2 s), and the
+    # manifest must stay importable cheaply (console, tooling). One parser, one truth.
+    from fp8ops.precision.scaling import parse_amax_algo
+
+    return parse_amax_algo(name)
+
+
+# --------------------------------------------------------------------------------------
+# Model, tokenizer, data
+# --------------------------------------------------------------------------------------
+
+
+class ModelConfig(_Section):
+    """The network: a Megatron-Core GPT, dense layers."""
+
+    arch: Literal["gpt"] = Field(
+        "gpt", description="Model family; Megatron-Core GPT is the only one."
+    )
+    num_layers: int = Field(ge=1, description="Transformer layers.")
+    hidden_size: int = Field(ge=1, description="Model width.")
+    ffn_hidden_size: int = Field(ge=1, description="MLP inner width (per gate for swiglu).")
+    num_attention_heads: int = Field(ge=1, description="Attention heads; must divide hidden_size.")
+    num_query_groups: int | None = Field(
+        None,
+        ge=1,
+        description="Key/value heads for grouped-query attention; null means one per head (MHA).",
+    )
+    seq_length: int = Field(ge=1, description="Tokens per sequence.")
+    vocab_size: int = Field(ge=1, description="Vocabulary size (before Megatron's padding for TP).")
+    normalization: Literal["LayerNorm", "RMSNorm"] = Field(
+        "LayerNorm", description="Normalization layer; never FP8."
+    )
+    activation: Literal["gelu", "swiglu"] = Field("gelu", description="MLP activation.")
+    position_embedding: Literal["learned_absolute", "rope"] = Field(
+        "learned_absolute", description="Position encoding."
+    )
+    init_checkpoint: NonEmptyStr | None = Field(
+        None, description="Checkpoint to fine-tune from; null initialises from seeds.model."
+    )
+    fingerprint: Sha256 | None = Field(
+        None, description="sha256 of the initial weights, checked when the run starts."
+    )
+
+    @model_validator(mode="after")
+    def _heads_fit(self) -> ModelConfig:
+        problems = []
+        if self.hidden_size % self.num_attention_heads:
+            problems.append(
+                (
+                    ("hidden_size",),
+                    self.hidden_size,
+                    f"must be divisible by num_attention_heads ({self.num_attention_heads})",
+                )
+            )
+        if self.num_query_groups is not None and self.num_attention_heads % self.num_query_groups:
+            problems.append(
+                (
+                    ("num_query_groups",),
+                    self.num_query_groups,
+                    f"must divide num_attention_heads ({self.num_attention_heads})",
+                )
+            )
+        _raise_problems("ModelConfig", problems)
+        return self
+
+
+class TokenizerConfig(_Section):
+    """How text becomes token ids."""
+
+    kind: Literal["byte", "sentencepiece", "huggingface"] = Field(
+        "byte", description="'byte': raw UTF-8 bytes, ids 0-255, no file. Others load path."
+    )
+    path: NonEmptyStr | None = Field(
+        None, description="Tokenizer file or directory; required unless kind is 'byte'."
+    )
+    fingerprint: Sha256 | None = Field(
+        None, description="sha256 of the tokenizer files, checked when the run starts."
+    )
+
+    @model_validator(mode="after")
+    def _path_matches_kind(self) -> TokenizerConfig:
+        problems = []
+        if self.kind == "byte" and self.path is not None:
+            problems.append(
+                (("path",), self.path, "must be null for kind 'byte' (it needs no file)")
+            )
+        if self.kind != "byte" and self.path is None:
+            problems.append((("path",), None, f"required for kind '{self.kind}'"))
+        _raise_problems("TokenizerConfig", problems)
+        return self
+
+
+class DataConfig(_Section):
+    """Training and evaluation data."""
+
+    kind: Literal["synthetic", "jsonl"] = Field(
+        description=(
+            "'synthetic': generated from seeds.data, no file. 'jsonl': one JSON document per "
+            "line at path."
+        )
+    )
+    path: NonEmptyStr | None = Field(
+        None, description="The JSONL file; required for 'jsonl', null for 'synthetic'."
+    )
+    fingerprint: Sha256 | None = Field(
+        None, description="sha256 of the data file, checked when the run starts."
+    )
+    eval_fraction: float = Field(
+        0.1, ge=0, le=0.5, description="Fraction of documents held out for evaluation."
+    )
+
+    @model_validator(mode="after")
+    def _path_matches_kind(self) -> DataConfig:
+        problems = []
+        if self.kind == "jsonl" and self.path is None:
+            problems.append((("path",), None, "required for kind 'jsonl'"))
+        if self.kind == "synthetic" and self.path is not None:
+            problems.append(
+                (("path",), self.path, "must be null for kind 'synthetic' (it reads no file)")
+            )
+        _raise_problems("DataConfig", problems)
+        return self
+
+
+# --------------------------------------------------------------------------------------
+# Optimisation
+# --------------------------------------------------------------------------------------
+
+
+class OptimizerConfig(_Section):
+    """The optimizer. Defaults are Megatron/Llama fine-tuning values."""
+
+    name: Literal["adamw", "sgd"] = Field(
+        "adamw", description="'adamw', or 'sgd' (beta1 is its momentum; beta2, eps unused)."
+    )
+    lr: float = Field(1e-5, gt=0, description="Peak learning rate (a fine-tuning default).")
+    min_lr: float = Field(0.0, ge=0, description="Learning rate at the end of decay; at most lr.")
+    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay.")
+    beta1: float = Field(0.9, ge=0, lt=1, description="First-moment decay (momentum for sgd).")
+    beta2: float = Field(
+        0.95, ge=0, lt=1, description="Second-moment decay; 0.95 is the usual LLM value."
+    )
+    eps: float = Field(1e-8, gt=0, description="Adam denominator epsilon.")
+    clip_grad: float | None = Field(
+        1.0, gt=0, description="Global gradient-norm clip; null turns clipping off."
+    )
+
+    @model_validator(mode="after")
+    def _min_below_peak(self) -> OptimizerConfig:
+        problems = []
+        if self.min_lr > self.lr:
+            problems.append((("min_lr",), self.min_lr, f"must be <= lr ({self.lr:g})"))
+        _raise_problems("OptimizerConfig", problems)
+        return self
+
+
+class Schedule(_Section):
+    """How long, how big, how often."""
+
+    train_steps: int = Field(ge=1, description="Optimizer steps.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps; at most train_steps.")
+    micro_batch_size: int = Field(
+        1, ge=1, description="Sequences per forward pass per data-parallel rank."
+    )
+    global_batch_size: int = Field(
+        ge=1,
+        description="Sequences per optimizer step; a multiple of micro_batch_size * data_parallel.",
+    )
+    lr_decay: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="Decay from lr to min_lr after warm-up."
+    )
+    log_interval: int = Field(1, ge=1, description="Steps between loss/throughput log lines.")
+    eval_interval: int = Field(100, ge=1, description="Steps between evaluations.")
+    checkpoint_interval: int = Field(100, ge=1, description="Steps between checkpoints.")
+    keep_checkpoints: int = Field(
+        3, ge=1, description="Checkpoints kept on disk; older ones are deleted."
+    )
+
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> Schedule:
+        problems = []
+        if self.warmup_steps > self.train_steps:
+            problems.append(
+                (
+                    ("warmup_steps",),
+                    self.warmup_steps,
+                    f"must be <= train_steps ({self.train_steps})",
+                )
+            )
+        _raise_problems("Schedule", problems)
+        return self
+
+
+class Seeds(_Section):
+    """Random seeds, recorded so a rerun is comparable step by step."""
+
+    model: int = Field(
+        1234,
+        ge=0,
+        description="Seed for weight initialisation (when not loading a checkpoint) and dropout.",
+    )
+    data: int = Field(1234, ge=0, description="Seed for data order and synthetic data.")
+
+
+class Topology(_Section):
+    """The parallel layout. The world size is their product."""
+
+    tensor_parallel: int = Field(
+        1,
+        ge=1,
+        description="Tensor-parallel ranks; must divide heads, query groups and ffn_hidden_size.",
+    )
+    pipeline_parallel: int = Field(1, ge=1, description="Pipeline stages; must divide num_layers.")
+    data_parallel: int = Field(1, ge=1, description="Data-parallel replicas.")
+    amax_reduction: Literal["tp_dp_cp", "tp_cp"] = Field(
+        "tp_dp_cp",
+        description=(
+            "Group the amax all-reduce spans: 'tp_dp_cp' (Megatron's default, every rank that "
+            "sees the tensor) or 'tp_cp' (Megatron's tp_only_amax_red: cheaper, DP replicas "
+            "may then drift to different scales)."
+        ),
+    )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+
+
+# --------------------------------------------------------------------------------------
+# Alerts, gates, telemetry
+# --------------------------------------------------------------------------------------
+
+
+class Levels(_Section):
+    """Three escalating thresholds for one per-layer metric; null turns a level off.
+
+    observe: log it. degrade: propose a BF16 override for the layer. stop: checkpoint and halt.
+    Set levels must be ordered observe <= degrade <= stop. A level you don't write keeps the
+    metric's default; write null to turn it off.
+    """
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Levels:
+        levels = [(name, getattr(self, name)) for name in ("observe", "degrade", "stop")]
+        present = [(name, value) for name, value in levels if value is not None]
+        problems = []
+        for (low_name, low), (high_name, high) in zip(present, present[1:], strict=False):
+            if low <= high:
+                continue
+            # Blame the level the user wrote, not the default it collides with.
+            if high_name in self.model_fields_set:
+                default = "" if low_name in self.model_fields_set else ", its default"
+                problems.append(((high_name,), high, f"must be >= {low_name} ({low:g}{default})"))
+            else:
+                problems.append(
+                    ((low_name,), low, f"must be <= {high_name} ({high:g}, its default)")
+                )
+        _raise_problems(type(self).__name__, problems)
+        return self
+
+
+class SaturationLevels(Levels):
+    """Fraction of a tensor's elements that clip at the FP8 maximum after scaling."""
+
+    observe: Fraction | None = Field(
+        1e-5, description="Any sustained clipping means the delayed scale is stale: note it."
+    )
+    degrade: Fraction | None = Field(
+        1e-3, description="0.1% clipped outliers: they carry much of the signal; propose BF16."
+    )
+    stop: Fraction | None = Field(
+        1e-2, description="1% clipped: amax is running away (the pattern before FP8 NaNs)."
+    )
+
+
+class UnderflowLevels(Levels):
+    """Fraction of a tensor's non-zero elements that flush to zero in FP8."""
+
+    observe: Fraction | None = Field(0.01, description="1% of values lost to zero: worth watching.")
+    degrade: Fraction | None = Field(
+        0.05, description="5% lost: the scale is too small for this tensor's range; propose BF16."
+    )
+    stop: Fraction | None = Field(
+        None,
+        description=(
+            "Off by default: underflow degrades quality gradually; the evaluation gates catch it."
+        ),
+    )
+
+
+class ScaleChangeLevels(Levels):
+    """Step-to-step factor by which a tensor's scale moved (max(new/old, old/new), > 1)."""
+
+    observe: Annotated[float, Field(gt=1)] | None = Field(
+        4.0, description="Amax moved two binades in one step."
+    )
+    degrade: Annotated[float, Field(gt=1)] | None = Field(
+        16.0, description="Four binades: the layer's distribution is unstable."
+    )
+    stop: Annotated[float, Field(gt=1)] | None = Field(
+        1024.0,
+        description="Ten binades, sustained: an amax spike of the kind that precedes divergence.",
+    )
+
+
+class Fp8ErrorLevels(Levels):
+    """Relative error ||y_fp8 - y_ref|| / ||y_ref|| of a sampled GEMM against the base dtype."""
+
+    observe: Annotated[float, Field(ge=0)] | None = Field(
+        0.06,
+        description=(
+            "Rounding both operands to E4M3 gives ~0.037 on well-scaled data; 0.06 is clearly "
+            "above that floor."
+        ),
+    )
+    degrade: Annotated[float, Field(ge=0)] | None = Field(
+        0.10, description="10%: FP8 is measurably changing the layer; propose BF16."
+    )
+    stop: Annotated[float, Field(ge=0)] | None = Field(
+        0.25,
+        description="A quarter of the output is error: the layer no longer computes its function.",
+    )
+
+
+class Alerts(_Section):
+    """Per-layer alert thresholds, evaluated on every telemetry step."""
+
+    saturation: SaturationLevels = Field(
+        default_factory=SaturationLevels,
+        description="Clipping at the FP8 max (fraction of elements).",
+    )
+    underflow: UnderflowLevels = Field(
+        default_factory=UnderflowLevels,
+        description="Flush to zero (fraction of non-zero elements).",
+    )
+    scale_change: ScaleChangeLevels = Field(
+        default_factory=ScaleChangeLevels, description="Step-to-step scale change (ratio > 1)."
+    )
+    fp8_rel_error: Fp8ErrorLevels = Field(
+        default_factory=Fp8ErrorLevels,
+        description="Sampled FP8-vs-reference GEMM error (relative).",
+    )
+    nonfinite_stop: bool = Field(
+        True,
+        description=(
+            "Stop at the first NaN/Inf in loss, gradients or scales; never waits for patience."
+        ),
+    )
+    patience_steps: int = Field(
+        3,
+        ge=1,
+        description=(
+            "Consecutive steps over a threshold before the alert fires: one-step spikes (first "
+            "step after resume, a big value leaving the history window) are common and harmless."
+        ),
+    )
+
+
+class Gates(_Section):
+    """Acceptance bar for the dual-track (FP8 vs base dtype) evaluation."""
+
+    loss_gap: float = Field(
+        0.01,
+        ge=0,
+        description=(
+            "Largest allowed matched-step eval-loss gap, FP8 minus reference (the bar "
+            "marin#7298 used)."
+        ),
+    )
+    bucket_accuracy_gap: float = Field(
+        0.02, ge=0, description="Largest allowed accuracy drop in any evaluation bucket."
+    )
+    allow_nonfinite: bool = Field(False, description="Pass a run that ever produced NaN/Inf.")
+    allow_skipped_steps: bool = Field(False, description="Pass a run that skipped optimizer steps.")
+    require_resume_continuity: bool = Field(
+        True,
+        description=(
+            "Require a resumed run to continue the uninterrupted run's trajectory within tolerance."
+        ),
+    )
+
+
+class Telemetry(_Section):
+    """How often per-layer FP8 state is recorded."""
+
+    every_steps: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Record amax/scale/cast statistics every N steps (cheap: TE keeps the state anyway)."
+        ),
+    )
+    error_sample_every: int = Field(
+        10,
+        ge=1,
+        description=(
+            "Measure FP8-vs-reference GEMM error every N steps (costs an extra base-dtype GEMM "
+            "per sampled layer)."
+        ),
+    )
+
+
+# --------------------------------------------------------------------------------------
+# The manifest
+# --------------------------------------------------------------------------------------
+
+
+class Manifest(_Section):
+    """A run, completely: hashed (``canonical.py``), never edited, revised by derivation."""
+
+    schema_version: Literal[1] = Field(
+        description="Manifest format version; this fp8ops reads version 1."
+    )
+    name: str = Field(
+        description=(
+            "Run family name: lowercase letters, digits, '.', '_' and '-', starting with a "
+            "letter or digit."
+        )
+    )
+    revision: Revision = Field(
+        default_factory=Revision, description="Root manifest or derived revision."
+    )
+    precision: PrecisionPolicy = Field(
+        default_factory=PrecisionPolicy, description="The FP8 policy the run starts with."
+    )
+    model: ModelConfig = Field(description="The network.")
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="Tokenizer.")
+    data: DataConfig = Field(description="Data.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer.")
+    schedule: Schedule = Field(description="Steps and batch sizes.")
+    seeds: Seeds = Field(default_factory=Seeds, description="Random seeds.")
+    topology: Topology = Field(default_factory=Topology, description="Parallel layout.")
+    alerts: Alerts = Field(default_factory=Alerts, description="Alert thresholds.")
+    gates: Gates = Field(default_factory=Gates, description="Dual-track acceptance gates.")
+    telemetry: Telemetry = Field(default_factory=Telemetry, description="Telemetry cadence.")
+
+    @field_validator("schema_version", mode="before")
+    @classmethod
+    def _integer_version(cls, value: Any) -> Any:
+        # Literal[1] alone accepts true and 1.0 (they compare equal to 1).
+        if type(value) is not int:
+            raise PydanticCustomError("manifest_rule", "must be the integer 1")
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, value: str) -> str:
+        if not value:
+            raise ValueError("must not be empty")
+        return _check_name(value)
+
+    @model_validator(mode="after")
+    def _layout_fits(self) -> Manifest:
+        topology, schedule = self.topology, self.schedule
+        problems = []
+
+        def divisible(section: str, field: str, by: int, by_name: str) -> None:
+            value = getattr(getattr(self, section), field)
+            if value is not None and value % by:
+                problems.append(((section, field), value, f"must be divisible by {by_name} ({by})"))
+
+        tp = topology.tensor_parallel
+        divisible("model", "num_attention_heads", tp, "topology.tensor_parallel")
+        divisible("model", "num_query_groups", tp, "topology.tensor_parallel")
+        divisible("model", "ffn_hidden_size", tp, "topology.tensor_parallel")
+        divisible("model", "num_layers", topology.pipeline_parallel, "topology.pipeline_parallel")
+        divisible(
+            "schedule",
+            "global_batch_size",
+            schedule.micro_batch_size * topology.data_parallel,
+            "schedule.micro_batch_size * topology.data_parallel",
+        )
+        if self.tokenizer.kind == "byte" and self.model.vocab_size < 256:
+            problems.append(
+                (("model", "vocab_size"), self.model.vocab_size, "must be >= 256 for byte tokens")
+            )
+        _raise_problems("Manifest", problems)
+        return self

@@ -1,0 +1,49 @@
+"""A short human summary of a manifest: what `fp8ops manifest validate` prints."""
+
+from __future__ import annotations
+
+from fp8ops.manifest.canonical import manifest_hash
+from fp8ops.manifest.schema import Manifest
+
+
+def summary_rows(m: Manifest) -> list[tuple[str, str]]:
+    """``(label, text)`` rows: identity first, then the precision policy, model and layout."""
+    p, model, topo = m.precision, m.model, m.topology
+    revision = "0 (root)"
+    if m.revision.parent is not None:
+        revision = f"{m.revision.number} (parent {m.revision.parent[:12]}: {m.revision.reason})"
+    small = p.small_gemm
+    small_rule = (
+        f"keep K or N < {small.min_dim}, or < {small.min_flops_per_token:,} FLOPs/token, "
+        f"in {p.base_dtype}"
+        if small.enabled
+        else "off (every included module runs FP8)"
+    )
+    reduction = (
+        f"all-reduce over {topo.amax_reduction}" if p.reduce_amax else "off (per-rank scales)"
+    )
+    return [
+        ("name", m.name),
+        ("revision", revision),
+        ("sha256", manifest_hash(m)),
+        (
+            "precision",
+            f"{p.fp8_format} FP8, {p.scaling} scaling, history {p.amax_history_len} "
+            f"({p.amax_compute_algo}), margin {p.margin}, base {p.base_dtype}",
+        ),
+        ("amax reduction", reduction),
+        ("FP8 modules", ", ".join(p.include_modules)),
+        ("excluded", ", ".join(p.exclude_modules) or "none"),
+        ("small GEMMs", small_rule),
+        (
+            "model",
+            f"{model.arch}: {model.num_layers} layers, hidden {model.hidden_size}, "
+            f"ffn {model.ffn_hidden_size}, {model.num_attention_heads} heads, "
+            f"seq {model.seq_length}",
+        ),
+        (
+            "topology",
+            f"TP {topo.tensor_parallel} x PP {topo.pipeline_parallel} x DP {topo.data_parallel} "
+            f"= {topo.world_size} ranks",
+        ),
+    ]

@@ -185,3 +185,15 @@ def test_cast_statistics_are_tracked_on_request():
     stats = layer.last_cast_stats
     assert set(stats) == {"input", "weight", "grad_output"}
     assert stats["input"].as_dict()["saturated"] > 0
+
+
+def test_a_disabled_outermost_scope_does_not_update():
+    layer, scope = make()
+    with scope():
+        layer(torch.full((2, 32), 2.0))  # registers, then updates: scale 224
+    with torch.no_grad(), scope():
+        layer(torch.full((2, 32), 4.0))  # eval cast: amax 4 waits in row 0
+    with scope(enabled=False):
+        layer(torch.full((2, 32), 1.0))
+    assert layer.fp8_meta.forward.scale[0] == 224.0
+    assert layer.fp8_meta.forward.amax_history[0, 0] == 4.0

@@ -59,3 +59,19 @@ def test_missing_te_gives_an_install_hint(monkeypatch):
     monkeypatch.setattr(module, "load_te_recipe_module", lambda: None)
     with pytest.raises(ImportError, match="pip install --no-deps transformer-engine"):
         module.to_te_recipe(DelayedScalingRecipe())
+
+
+@needs_te
+def test_production_manifest_becomes_te_recipe():
+    from pathlib import Path
+
+    from fp8ops.manifest import load_manifest
+
+    manifest = load_manifest(Path(__file__).parents[1] / "manifests" / "llama3-8b-h100.yaml")
+    theirs = to_te_recipe(DelayedScalingRecipe.from_precision(manifest.precision), te_recipe)
+    precision = manifest.precision
+    assert theirs.fp8_format == te_recipe.Format.HYBRID
+    assert theirs.amax_history_len == precision.amax_history_len == 16
+    assert theirs.amax_compute_algo == precision.amax_compute_algo == "max"
+    assert theirs.margin == precision.margin == 0
+    assert theirs.reduce_amax is precision.reduce_amax is True

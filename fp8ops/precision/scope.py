@@ -51,6 +51,7 @@ class Fp8Scope:
         self._metas: list[Fp8Meta] = []
         self._registered: set[int] = set()
         self._depth = 0
+        self._outermost_enabled = False
         self._first_module_pending = False
 
     @contextlib.contextmanager
@@ -59,13 +60,15 @@ class Fp8Scope:
         token = _ACTIVE.set((self, enabled))
         self._depth += 1
         if self._depth == 1:
+            self._outermost_enabled = enabled
             self._first_module_pending = True
         try:
             yield self
         finally:
             self._depth -= 1
             _ACTIVE.reset(token)
-            if self._depth == 0 and torch.is_grad_enabled():
+            # As TE's autocast_exit: only an enabled outermost scope, only in grad mode.
+            if self._depth == 0 and self._outermost_enabled and torch.is_grad_enabled():
                 self.reduce_and_update(forward=True)
 
     # -- called by FP8 modules -----------------------------------------------------------

@@ -21,7 +21,9 @@ from fp8ops.precision import DelayedScalingRecipe, Fp8Linear, Fp8Scope
 
 DEMO_STEPS = 24
 TOKENS = 64
-SPIKE_STEP = 6  # one activation outlier: the scale drops at once, recovers when it leaves the window
+SPIKE_STEP = (
+    6  # one activation outlier: the scale drops at once, recovers when it leaves the window
+)
 
 
 @dataclass

@@ -49,8 +49,10 @@ def test_forward_and_gradients_match_float64_on_the_fp8_operands():
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
 
-    xq, wq, gq = q64(x.detach(), s_in, E4M3), q64(layer.weight.detach(), s_w, E4M3), q64(
-        grad_out, s_grad, E5M2
+    xq, wq, gq = (
+        q64(x.detach(), s_in, E4M3),
+        q64(layer.weight.detach(), s_w, E4M3),
+        q64(grad_out, s_grad, E5M2),
     )
     expected_out = xq @ wq.T + layer.bias.double()
     torch.testing.assert_close(out.double(), expected_out, rtol=1e-5, atol=1e-5)
@@ -197,3 +199,98 @@ def test_a_disabled_outermost_scope_does_not_update():
         layer(torch.full((2, 32), 1.0))
     assert layer.fp8_meta.forward.scale[0] == 224.0
     assert layer.fp8_meta.forward.amax_history[0, 0] == 4.0
+
+
+def count_updates(scope, monkeypatch):
+    calls = []
+    original = scope.reduce_and_update
+    monkeypatch.setattr(
+        scope, "reduce_and_update", lambda forward: (calls.append(forward), original(forward))
+    )
+    return calls
+
+
+def test_exactly_one_forward_and_one_backward_update_per_step(monkeypatch):
+    first, scope = make()
+    second, third = Fp8Linear(16, 16, RECIPE), Fp8Linear(16, 4, RECIPE)
+    calls = count_updates(scope, monkeypatch)
+    for _ in range(2):
+        with scope():
+            out = third(second(first(torch.randn(4, 32))))
+        out.sum().backward()
+    assert calls == [True, False, True, False]
+
+
+def test_frozen_first_module_still_gets_a_backward_update(monkeypatch):
+    frozen, scope = make()
+    frozen.requires_grad_(False)
+    trained = Fp8Linear(16, 8, RECIPE)
+    calls = count_updates(scope, monkeypatch)
+    with scope():
+        out = trained(frozen(torch.randn(4, 32)))
+    out.sum().backward()
+    assert calls == [True, False]
+    assert trained.fp8_meta.backward.scale[0] != 1.0
+
+
+def test_first_step_output_is_computed_with_scale_one():
+    layer, scope = make()
+    x = torch.randn(4, 32) * 0.01  # far below 448: scale 1 underflows much of it
+    with scope():
+        out = layer(x)
+    one = torch.tensor(1.0)
+    expected = q64(x, one, E4M3) @ q64(layer.weight.detach(), one, E4M3).T + layer.bias.double()
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_three_dimensional_input_without_bias_matches_float64():
+    torch.manual_seed(1)
+    layer, scope = Fp8Linear(32, 8, RECIPE, bias=False), Fp8Scope(RECIPE)
+    warm_up(layer, scope, torch.randn(2, 3, 32))
+    meta = layer.fp8_meta
+    s_in, s_w, s_g = (
+        meta.forward.scale[0].clone(),
+        meta.forward.scale[1].clone(),
+        meta.backward.scale[0].clone(),
+    )
+    x = torch.randn(2, 3, 32, requires_grad=True)
+    with scope():
+        out = layer(x)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    xq, wq, gq = (
+        q64(x.detach().reshape(6, 32), s_in, E4M3),
+        q64(layer.weight.detach(), s_w, E4M3),
+        q64(grad.reshape(6, 8), s_g, E5M2),
+    )
+    torch.testing.assert_close(out.double().reshape(6, 8), xq @ wq.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double().reshape(6, 32), gq @ wq, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.weight.grad.double(), gq.T @ xq, rtol=1e-5, atol=1e-5)
+
+
+def test_module_built_for_another_recipe_is_refused():
+    _, scope = make()
+    other = Fp8Linear(32, 8, DelayedScalingRecipe(amax_history_len=8))
+    with pytest.raises(ValueError, match="does not match the scope's recipe"):
+        with scope():
+            other(torch.randn(2, 32))
+
+
+def test_a_second_scope_cannot_nest_inside_the_first():
+    _, scope = make()
+    with pytest.raises(RuntimeError, match="another Fp8Scope is active"):
+        with scope(), Fp8Scope(RECIPE)():
+            pass
+
+
+def test_state_dict_round_trip():
+    layer, scope = make()
+    warm_up(layer, scope, torch.randn(4, 32))
+    fresh = Fp8Linear(32, 16, RECIPE)
+    fresh.fp8_meta.load_state_dict(layer.fp8_meta.state_dict())
+    for key, value in layer.fp8_meta.state_dict().items():
+        assert torch.equal(fresh.fp8_meta.state_dict()[key], value)
+    with pytest.raises(ValueError, match="amax_history_fwd: shape"):
+        Fp8Linear(32, 16, DelayedScalingRecipe(amax_history_len=2)).fp8_meta.load_state_dict(
+            layer.fp8_meta.state_dict()
+        )

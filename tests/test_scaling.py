@@ -153,8 +153,12 @@ def test_inputs_are_not_modified():
 def test_shape_and_dtype_errors():
     with pytest.raises(TypeError, match="float32"):
         update_delayed_scaling(
-            torch.zeros(2, 1, dtype=torch.float64), torch.ones(1), torch.ones(1),
-            fp8_max=448.0, margin=0, algo="max",
+            torch.zeros(2, 1, dtype=torch.float64),
+            torch.ones(1),
+            torch.ones(1),
+            fp8_max=448.0,
+            margin=0,
+            algo="max",
         )
     with pytest.raises(ValueError, match="scale and amax must be"):
         update_delayed_scaling(

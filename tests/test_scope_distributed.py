@@ -21,7 +21,9 @@ def run_two_ranks(tmp_path: Path, mode: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return {mode: run_two_ranks(tmp_path_factory.mktemp(mode), mode) for mode in ("reduce", "local")}
+    return {
+        mode: run_two_ranks(tmp_path_factory.mktemp(mode), mode) for mode in ("reduce", "local")
+    }
 
 
 @pytest.mark.slow
@@ -32,8 +34,9 @@ def test_reduce_amax_makes_all_ranks_agree(results):
     # the element-wise max of the two ranks' local histories.
     local0, local1 = results["local"]
     reduced = rank0["first"]["amax_history_fwd"]
-    for row, (a, b) in enumerate(zip(local0["first"]["amax_history_fwd"],
-                                     local1["first"]["amax_history_fwd"])):
+    for row, (a, b) in enumerate(
+        zip(local0["first"]["amax_history_fwd"], local1["first"]["amax_history_fwd"])
+    ):
         assert reduced[row][0] == max(a[0], b[0])
     assert rank0["first"]["scale_fwd"][0] == min(
         local0["first"]["scale_fwd"][0], local1["first"]["scale_fwd"][0]

@@ -46,11 +46,13 @@ def test_te_itself_refuses_pure_e5m2():
 
 @needs_te
 def test_window_statistic_becomes_a_callable():
-    ours = DelayedScalingRecipe(amax_history_len=8, amax_compute_algo=parse_amax_algo("quantile:0.9"))
+    ours = DelayedScalingRecipe(
+        amax_history_len=8, amax_compute_algo=parse_amax_algo("quantile:0.9")
+    )
     theirs = to_te_recipe(ours, te_recipe)
     assert isinstance(theirs.amax_compute_algo, WindowStatistic)
-    history = torch.tensor([[1.0], [2.0], [9.0]])
-    assert theirs.amax_compute_algo(history).tolist() == [9.0]
+    history = torch.arange(1.0, 21.0).reshape(20, 1)  # 1..20: the 0.9 quantile is not the max
+    assert theirs.amax_compute_algo(history).tolist() == [19.0]
 
 
 def test_missing_te_gives_an_install_hint(monkeypatch):

@@ -34,7 +34,7 @@ class Fp8Format(enum.Enum):
     E5M2 = "e5m2"  # exists only to be refused with a clear message
 
     @classmethod
-    def parse(cls, name: str) -> "Fp8Format":
+    def parse(cls, name: str) -> Fp8Format:
         fmt = cls(name.lower())
         if fmt is cls.E5M2:
             raise ValueError(

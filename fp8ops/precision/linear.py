@@ -7,8 +7,12 @@ Every cast max-accumulates its amax into history row 0 of its slot. The weight i
 its amax recorded) only on the first micro-batch of a step, so its history rolls once per
 optimizer step.
 
-Backends differ only in :class:`Fp8Gemm`: :class:`EmulatedGemm` here, a native
-``torch._scaled_mm`` GEMM on GPUs. The scaling bookkeeping never changes.
+Backends differ only in :class:`Fp8Gemm`: :class:`EmulatedGemm` here; a native FP8 GEMM
+(``torch._scaled_mm`` on GPUs) is another implementation of the same protocol. The scaling
+bookkeeping never changes.
+
+Not supported yet: activation recompute (its forward replay runs outside the scope) and
+Megatron's fused ``main_grad`` accumulation; the Megatron layers do not enable either.
 """
 
 from __future__ import annotations
@@ -19,8 +23,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from fp8ops.precision.quantize import QuantizedTensor, amax_of, quantize
-from fp8ops.precision.formats import saturating_cast
+from fp8ops.precision.quantize import QuantizedTensor, amax_of, cast, quantize
 from fp8ops.precision.recipe import DelayedScalingRecipe
 from fp8ops.precision.scaling import BWD_GRAD_OUTPUT, FWD_INPUT, FWD_WEIGHT
 from fp8ops.precision.scope import Fp8Scope, active_scope
@@ -28,21 +31,29 @@ from fp8ops.precision.state import Fp8Meta, ScalingState
 
 
 class Fp8Gemm(Protocol):
-    """``a @ b.T`` of two FP8 tensors, scaled back by both ``scale_inv``s."""
+    """``a @ b.T (+ bias)`` of two FP8 tensors, scaled back by both ``scale_inv``s, with the
+    bias added to the float32 accumulator before the one rounding to ``out_dtype``."""
 
     def __call__(
-        self, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype
+        self,
+        a: QuantizedTensor,
+        b: QuantizedTensor,
+        out_dtype: torch.dtype,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
 class EmulatedGemm:
     """FP8 GEMM on any device: the FP8 values are exact in float32, so multiplying them
     there and applying ``scale_inv_a * scale_inv_b`` to the float32 accumulator is what a
-    tensor-core FP8 GEMM computes, up to accumulation order."""
+    tensor-core FP8 GEMM computes, up to accumulation order; the bias joins in float32 as in
+    cuBLAS's epilogue."""
 
-    def __call__(self, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype):
-        accumulator = a.data.float() @ b.data.float().t()
-        return (accumulator * (a.scale_inv * b.scale_inv)).to(out_dtype)
+    def __call__(self, a, b, out_dtype, bias=None):
+        accumulator = (a.data.float() @ b.data.float().t()) * (a.scale_inv * b.scale_inv)
+        if bias is not None:
+            accumulator = accumulator + bias.float()
+        return accumulator.to(out_dtype)
 
 
 def _transpose(q: QuantizedTensor) -> QuantizedTensor:
@@ -59,16 +70,10 @@ def cast_and_record(
     """
     scale = state.scale[slot]
     if track is None:
-        amax = amax_of(x)
-        quantized = QuantizedTensor(
-            data=saturating_cast(x.detach(), scale, state.fp8),
-            scale_inv=torch.reciprocal(scale),
-            fp8=state.fp8,
-        )
+        quantized, amax = cast(x, scale, state.fp8), amax_of(x)
     else:
         quantized, stats = quantize(x, scale, state.fp8)
-        amax = stats.amax
-        track[role] = stats
+        amax, track[role] = stats.amax, stats
     state.record_amax(slot, amax)
     return quantized
 
@@ -85,9 +90,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         qw = QuantizedTensor(qw_data, qw_scale_inv, meta.forward.fp8)
         x2d = x.reshape(-1, weight.shape[1])  # [tokens, in]
         qx = cast_and_record(x2d, meta.forward, FWD_INPUT, track, "input")
-        out = gemm(qx, qw, out_dtype=x.dtype)  # [tokens, out]
-        if bias is not None:
-            out = out + bias.to(out.dtype)
+        out = gemm(qx, qw, out_dtype=x.dtype, bias=bias)  # [tokens, out]
 
         # FP8 operands are what backward needs, as in TE: a quarter of the float32 memory.
         ctx.save_for_backward(qx.data, qx.scale_inv, qw_data, qw_scale_inv)
@@ -105,18 +108,21 @@ class Fp8LinearFunction(torch.autograd.Function):
 
         grad2d = grad_out.reshape(-1, qw_data.shape[0])  # [tokens, out]
         qg = cast_and_record(grad2d, ctx.meta.backward, BWD_GRAD_OUTPUT, ctx.track, "grad_output")
-        grad_input = ctx.gemm(qg, _transpose(qw), out_dtype=ctx.x_dtype)  # [tokens, in]
-        grad_weight = ctx.gemm(_transpose(qg), _transpose(qx), out_dtype=ctx.w_dtype)  # [out, in]
-        grad_bias = grad2d.sum(dim=0) if ctx.has_bias else None
+        needs_input, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        grad_input = grad_weight = grad_bias = None
+        if needs_input:
+            grad_input = ctx.gemm(qg, _transpose(qw), out_dtype=ctx.x_dtype)  # [tokens, in]
+            grad_input = grad_input.reshape(ctx.x_shape)
+        if needs_weight:
+            grad_weight = ctx.gemm(_transpose(qg), _transpose(qx), out_dtype=ctx.w_dtype)
+        if needs_bias and ctx.has_bias:
+            grad_bias = grad2d.sum(dim=0)
 
         if ctx.update_scope is not None:
             # This module ran first in the scope, so its backward runs last: every grad
             # amax of this backward pass has been recorded by now.
             ctx.update_scope.reduce_and_update(forward=False)
-        return (
-            grad_input.reshape(ctx.x_shape), grad_weight, grad_bias,
-            None, None, None, None, None, None,
-        )
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def fp8_linear(
@@ -136,13 +142,29 @@ def fp8_linear(
     micro-batches of the same step to skip the weight cast (and its amax), as TE does when
     ``is_first_microbatch`` is False.
     """
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {weight.shape[1]}")
     scope.register(meta)
-    qw = cached_weight or cast_and_record(weight, meta.forward, FWD_WEIGHT, track, "weight")
-    update_scope = scope if scope.claim_backward_update() and torch.is_grad_enabled() else None
-    out = Fp8LinearFunction.apply(
-        x, weight, bias, qw.data, qw.scale_inv, meta, gemm, update_scope, track
+    if cached_weight is None:
+        cached_weight = cast_and_record(weight, meta.forward, FWD_WEIGHT, track, "weight")
+    # Only a call that will run a backward may own the backward update (TE does the same):
+    # otherwise a frozen or no-grad first module would leave gradients never rescaled.
+    builds_graph = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, weight, bias)
     )
-    return out, qw
+    update_scope = scope if builds_graph and scope.claim_backward_update() else None
+    out = Fp8LinearFunction.apply(
+        x,
+        weight,
+        bias,
+        cached_weight.data,
+        cached_weight.scale_inv,
+        meta,
+        gemm,
+        update_scope,
+        track,
+    )
+    return out, cached_weight
 
 
 class Fp8Linear(nn.Module):
@@ -169,7 +191,7 @@ class Fp8Linear(nn.Module):
         self.fp8_meta = Fp8Meta.fresh(recipe)
         self.gemm = gemm or EmulatedGemm()
         self.track_stats = False
-        self.last_cast_stats: dict = {}
+        self.last_cast_stats: dict | None = None  # role -> CastStats of the last call
         self._weight_fp8: QuantizedTensor | None = None
 
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
@@ -179,7 +201,7 @@ class Fp8Linear(nn.Module):
         # TE semantics: None means "no micro-batching", so the weight is cast every call.
         reuse = is_first_microbatch is False and self._weight_fp8 is not None
         self.last_cast_stats = {} if self.track_stats else None
-        out, self._weight_fp8 = fp8_linear(
+        out, weight_fp8 = fp8_linear(
             x,
             self.weight,
             self.bias,
@@ -189,4 +211,6 @@ class Fp8Linear(nn.Module):
             cached_weight=self._weight_fp8 if reuse else None,
             track=self.last_cast_stats,
         )
+        # Keep the FP8 weight only when micro-batching says a later call may reuse it.
+        self._weight_fp8 = weight_fp8 if is_first_microbatch is not None else None
         return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -48,31 +49,33 @@ def amax_of(x: torch.Tensor) -> torch.Tensor:
     """max |x| ignoring NaN and seeded with 0, as the cast kernels' fmaxf reduction."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32)
-    magnitude = x.detach().abs().float()
-    return torch.where(torch.isnan(magnitude), 0.0, magnitude).amax()
+    # nan_to_num would also clip +inf to FLT_MAX unless told otherwise; TE keeps the inf.
+    return x.detach().float().abs().nan_to_num_(nan=0.0, posinf=math.inf).amax()
+
+
+def cast(x: torch.Tensor, scale: torch.Tensor, fp8: Fp8Dtype) -> QuantizedTensor:
+    """The saturating cast of ``x * scale`` with its ``scale_inv``; no statistics."""
+    scale = scale.detach().float().reshape(())
+    return QuantizedTensor(
+        data=saturating_cast(x.detach(), scale, fp8), scale_inv=torch.reciprocal(scale), fp8=fp8
+    )
 
 
 def quantize(
-    x: torch.Tensor, scale: torch.Tensor, fp8: Fp8Dtype, *, with_stats: bool = True
-) -> tuple[QuantizedTensor, CastStats | None]:
+    x: torch.Tensor, scale: torch.Tensor, fp8: Fp8Dtype
+) -> tuple[QuantizedTensor, CastStats]:
     """Cast ``x`` to FP8 with ``scale`` (saturating, RNE), returning the data and statistics.
 
-    ``with_stats=False`` skips the counting passes (amax is still needed by delayed scaling,
-    so callers that only want the amax use :func:`amax_of`).
+    The statistics cost extra passes over ``x``; delayed scaling itself needs only the amax
+    (:func:`amax_of`), which is what the FP8 linear computes on ordinary steps.
     """
-    scale = scale.detach().float().reshape(())
-    data = saturating_cast(x.detach(), scale, fp8)
-    quantized = QuantizedTensor(data=data, scale_inv=torch.reciprocal(scale), fp8=fp8)
-    if not with_stats:
-        return quantized, None
-
+    quantized = cast(x, scale, fp8)
     flat = x.detach().float()
     is_nan = torch.isnan(flat)
-    scaled_magnitude = (flat * scale).abs()
     stats = CastStats(
         amax=amax_of(flat),
-        saturated=(scaled_magnitude > fp8.max).sum(),
-        underflow=((flat != 0) & ~is_nan & (data.float() == 0)).sum(),
+        saturated=((flat * scale.detach().float()).abs() > fp8.max).sum(),
+        underflow=((flat != 0) & ~is_nan & (quantized.data.float() == 0)).sum(),
         nan=is_nan.sum(),
         inf=torch.isinf(flat).sum(),
         numel=flat.numel(),

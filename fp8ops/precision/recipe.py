@@ -27,7 +27,7 @@ class DelayedScalingRecipe:
             raise ValueError(f"margin must be >= 0, got {self.margin}")
 
     @classmethod
-    def from_precision(cls, precision) -> "DelayedScalingRecipe":
+    def from_precision(cls, precision) -> DelayedScalingRecipe:
         """Build from a manifest's ``precision`` section (already validated)."""
         return cls(
             fp8_format=Fp8Format.parse(precision.fp8_format),

@@ -32,8 +32,6 @@ FLT_MAX = torch.finfo(torch.float32).max
 # Slot indices within one GEMM's state, as in TE's FP8FwdTensors / FP8BwdTensors.
 FWD_INPUT, FWD_WEIGHT, FWD_OUTPUT = 0, 1, 2
 BWD_GRAD_OUTPUT, BWD_GRAD_INPUT = 0, 1
-FWD_SLOT_NAMES = ("input", "weight", "output")
-BWD_SLOT_NAMES = ("grad_output", "grad_input")
 
 
 # --------------------------------------------------------------------------------------

@@ -25,16 +25,18 @@ import torch
 import torch.distributed as dist
 
 from fp8ops.precision.recipe import DelayedScalingRecipe
-from fp8ops.precision.state import Fp8Meta
 from fp8ops.precision.scaling import update_delayed_scaling
+from fp8ops.precision.state import Fp8Meta
 
-# The innermost active (scope, enabled) pair; a context variable so threads don't share it.
-_ACTIVE: contextvars.ContextVar[tuple["Fp8Scope", bool] | None] = contextvars.ContextVar(
+# The innermost active (scope, enabled) pair. A context variable: a new thread starts with
+# no active scope (its modules run in high precision), as a new thread under TE does not
+# inherit the autocast state either.
+_ACTIVE: contextvars.ContextVar[tuple[Fp8Scope, bool] | None] = contextvars.ContextVar(
     "fp8ops_active_scope", default=None
 )
 
 
-def active_scope() -> "Fp8Scope | None":
+def active_scope() -> Fp8Scope | None:
     """The scope FP8 modules should use now, or None (run in high precision)."""
     current = _ACTIVE.get()
     if current is None or not current[1]:
@@ -55,8 +57,15 @@ class Fp8Scope:
         self._first_module_pending = False
 
     @contextlib.contextmanager
-    def __call__(self, enabled: bool = True) -> Iterator["Fp8Scope"]:
+    def __call__(self, enabled: bool = True) -> Iterator[Fp8Scope]:
         """Enter the scope. ``enabled=False`` nested inside runs its modules in high precision."""
+        outer = _ACTIVE.get()
+        if outer is not None and outer[0] is not self:
+            # TE keeps one process-wide autocast depth; two scope objects nested would each
+            # update at their own exit, in the middle of the other's step.
+            raise RuntimeError(
+                "another Fp8Scope is active; nest the same scope (scope(enabled=False)) instead"
+            )
         token = _ACTIVE.set((self, enabled))
         self._depth += 1
         if self._depth == 1:
@@ -75,9 +84,24 @@ class Fp8Scope:
 
     def register(self, meta: Fp8Meta) -> None:
         """Add a module's state to every later update (once; repeated calls are no-ops)."""
-        if id(meta) not in self._registered:
-            self._registered.add(id(meta))
-            self._metas.append(meta)
+        if id(meta) in self._registered:
+            return
+        expected = (
+            self.recipe.amax_history_len,
+            self.recipe.fp8_format.forward,
+            self.recipe.fp8_format.backward,
+        )
+        found = (meta.forward.amax_history.shape[0], meta.forward.fp8, meta.backward.fp8)
+        if found != expected:
+            # One update covers all modules with the scope's recipe: a module built for
+            # another history length or format would be updated with the wrong FP8 max.
+            raise ValueError(
+                f"module FP8 state (history {found[0]}, {found[1].name}/{found[2].name}) does "
+                f"not match the scope's recipe (history {expected[0]}, "
+                f"{expected[1].name}/{expected[2].name}); build the module from the same recipe"
+            )
+        self._registered.add(id(meta))
+        self._metas.append(meta)
 
     def claim_backward_update(self) -> bool:
         """True for exactly the first FP8 module run in an outermost scope: its backward
@@ -86,10 +110,6 @@ class Fp8Scope:
         return claimed
 
     # -- the update ----------------------------------------------------------------------
-
-    @property
-    def metas(self) -> tuple[Fp8Meta, ...]:
-        return tuple(self._metas)
 
     def reduce_and_update(self, forward: bool) -> None:
         """All-reduce (MAX) every registered module's row-0 amaxes, then update them all.

@@ -25,7 +25,7 @@ class ScalingState:
     fp8: Fp8Dtype
 
     @classmethod
-    def fresh(cls, history_len: int, num_slots: int, fp8: Fp8Dtype) -> "ScalingState":
+    def fresh(cls, history_len: int, num_slots: int, fp8: Fp8Dtype) -> ScalingState:
         return cls(
             amax_history=torch.zeros(history_len, num_slots, dtype=torch.float32),
             scale=torch.ones(num_slots, dtype=torch.float32),
@@ -46,7 +46,7 @@ class Fp8Meta:
     backward: ScalingState
 
     @classmethod
-    def fresh(cls, recipe: DelayedScalingRecipe) -> "Fp8Meta":
+    def fresh(cls, recipe: DelayedScalingRecipe) -> Fp8Meta:
         return cls(
             forward=ScalingState.fresh(recipe.amax_history_len, 3, recipe.fp8_format.forward),
             backward=ScalingState.fresh(recipe.amax_history_len, 2, recipe.fp8_format.backward),

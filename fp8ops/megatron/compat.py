@@ -1,0 +1,125 @@
+"""The boundary with megatron-core: every Megatron name fp8ops uses is imported here.
+
+Two reasons for one module:
+
+1. **Importing megatron-core next to Transformer Engine's recipe-only package.** ``ci/setup.sh``
+   installs TE's pure-Python package (``--no-deps``) for ``fp8ops.precision.te_recipe``. Megatron
+   guards every TE import with ``except ImportError``, but that package raises ``RuntimeError``
+   ("empty meta package") on import, and once its recipe module is loaded,
+   ``import transformer_engine.pytorch`` raises ``FileNotFoundError`` (no torch extension). Either
+   way ``import megatron.core`` fails. Without CUDA, TE's PyTorch side can never work, so on such a
+   machine Megatron is imported once, here, with TE hidden: it takes its own "TE not installed"
+   paths, the configuration the CPU reference validated. TE is visible again right after, so
+   ``te_recipe`` keeps working. Megatron modules imported later, elsewhere, would not get this
+   guard: import them here.
+2. **Version-sensitive calls.** The CPU shims replace Megatron's RNG tracker through private
+   module globals (:func:`set_rng_tracker` is the one place that knows their names), and the amax
+   reduction group comes from a getter whose arguments have grown across versions
+   (:func:`amax_reduction_group`).
+
+Supported: megatron-core 0.16.1, the newest release for Python 3.11 and the one tested. 0.17 to
+0.19 need Python >= 3.12 and are untested; by reading its source, Megatron-LM's main branch (0.20
+dev) still has every name and signature used here and in cpu_shims.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import warnings
+from collections.abc import Iterator
+
+import torch
+
+
+@contextlib.contextmanager
+def _transformer_engine_hidden() -> Iterator[None]:
+    """Make ``import transformer_engine*`` raise ImportError, then restore what was there.
+
+    A ``None`` entry in ``sys.modules`` is Python's documented way to make an import fail with
+    ModuleNotFoundError; already-imported TE modules are put back untouched.
+    """
+    names = {"transformer_engine", "transformer_engine_torch"}
+    names |= {name for name in sys.modules if name.startswith("transformer_engine.")}
+    saved = {name: sys.modules[name] for name in names if name in sys.modules}
+    sys.modules.update(dict.fromkeys(names))
+    try:
+        yield
+    finally:
+        for name in names:
+            if name in saved:
+                sys.modules[name] = saved[name]
+            else:
+                sys.modules.pop(name, None)
+
+
+@contextlib.contextmanager
+def _import_guard() -> Iterator[None]:
+    with warnings.catch_warnings():
+        # Megatron's own deprecation notices about its own modules, raised at import.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        if torch.cuda.is_available():
+            yield  # a GPU machine imports Megatron (and TE) as they are
+            return
+        # Expected on a CPU machine, and printed once per Megatron module that checks.
+        warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
+        with _transformer_engine_hidden():
+            yield
+
+
+with _import_guard():
+    import megatron.core
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import random as megatron_random
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_tensor_model_parallel_region,
+        reduce_from_tensor_model_parallel_region,
+        scatter_to_tensor_model_parallel_region,
+    )
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+MEGATRON_CORE_VERSION: str = megatron.core.__version__
+
+
+def set_rng_tracker(tracker: megatron_random.CudaRNGStatesTracker) -> None:
+    """Install ``tracker`` as the one ``get_cuda_rng_tracker()`` returns.
+
+    Megatron has no public setter: ``initialize_rng_tracker`` only chooses between its CUDA and
+    TE classes. Setting the initialised flag keeps ``model_parallel_cuda_manual_seed`` from
+    replacing it (unless called with ``force_reset_rng=True``).
+    """
+    for name in ("_CUDA_RNG_STATE_TRACKER", "_CUDA_RNG_STATE_TRACKER_INITIALIZED"):
+        if not hasattr(megatron_random, name):
+            raise ImportError(
+                f"megatron-core {MEGATRON_CORE_VERSION} has no tensor_parallel.random.{name}; "
+                "fp8ops' CPU RNG tracker supports 0.16.1 (see fp8ops/megatron/compat.py)"
+            )
+    megatron_random._CUDA_RNG_STATE_TRACKER = tracker
+    megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+def amax_reduction_group(*, tp_only: bool) -> torch.distributed.ProcessGroup:
+    """Megatron's FP8 amax reduction group, as ``fp8_utils.get_fp8_context`` picks it.
+
+    TP x DP x CP by default; TP x CP with ``tp_only`` (Megatron's ``tp_only_amax_red``).
+    """
+    return parallel_state.get_amax_reduction_group(
+        with_context_parallel=True, tp_only_amax_red=tp_only
+    )
+
+
+__all__ = [
+    "MEGATRON_CORE_VERSION", "ColumnParallelLinear", "GPTModel", "ModuleSpec", "RowParallelLinear",
+    "TransformerConfig", "amax_reduction_group", "copy_to_tensor_model_parallel_region",
+    "filesystem_async", "fused_softmax", "gather_from_tensor_model_parallel_region",
+    "get_gpt_layer_local_spec", "megatron_random", "parallel_state",
+    "reduce_from_tensor_model_parallel_region", "scatter_to_tensor_model_parallel_region",
+    "set_rng_tracker", "tensor_parallel",
+]

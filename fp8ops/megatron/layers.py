@@ -1,0 +1,234 @@
+"""Megatron's tensor-parallel linears with the local GEMM in FP8, under fp8ops' delayed scaling.
+
+:class:`Fp8ColumnParallelLinear` and :class:`Fp8RowParallelLinear` subclass Megatron's
+``ColumnParallelLinear`` and ``RowParallelLinear`` (``spec.py`` puts them in the four projections
+of a GPT layer). Inside an active :class:`~fp8ops.precision.Fp8Scope` the local GEMM runs through
+:func:`~fp8ops.precision.linear.fp8_linear`, and Megatron's own mapping functions around it do the
+tensor-parallel communication, so the collectives are Megatron's::
+
+    column:  x ─copy_to_tp─► FP8 GEMM with the W shard (+ bias shard) ─[gather_from_tp]─► y
+             (copy_to_tp: identity forward, all-reduce of the input gradient in backward)
+    row:     x ─[scatter_to_tp]─► FP8 GEMM with the W shard ─reduce_from_tp─► (+ bias) ─► y
+             (reduce_from_tp: all-reduce of the partial sums forward, identity backward)
+
+Each rank casts its own shard with the module's scales; the scope all-reduces (MAX) the amaxes
+over its group, which contains the TP group, so every shard of a tensor shares one scale, as in TE.
+Return values follow Megatron's ``(output, bias)`` convention, ``skip_bias_add`` included.
+
+Outside an active scope (or inside ``scope(enabled=False)``) ``forward`` *is* the parent's.
+
+How the recipe reaches a layer: a ``recipe`` constructor argument, which ``ModuleSpec.params``
+carries (``spec.py``). The recipe fixes the shape of the module's state (history length) and its
+formats, so the state exists from construction, as in fp8ops' ``Fp8Linear`` and TE's modules, and
+checkpoint state can load before the first forward. The alternative, TransformerConfig's own
+``fp8*`` fields, would switch Megatron onto its Transformer Engine code paths
+(``fp8_utils.get_fp8_context`` needs TE). The scope must run the same recipe; a mismatch raises.
+
+Micro-batches (TE's convention, which Megatron's TE modules follow): ``is_first_microbatch`` is
+None by default, and the weight is cast on every call. Set it to True on the first micro-batch of
+each step (:func:`mark_first_microbatch` does, for a whole model): the layer then casts the weight,
+keeps the FP8 copy and sets the flag to False, so later micro-batches reuse it and the weight's
+amax history rolls once per optimizer step. Megatron's ``set_is_first_microbatch()`` only acts when
+``config.fp8`` is set, which fp8ops does not set (see above), so the training loop calls
+:func:`mark_first_microbatch` itself.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fp8ops.megatron.compat import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from fp8ops.precision import (
+    DelayedScalingRecipe,
+    EmulatedGemm,
+    Fp8Gemm,
+    Fp8Meta,
+    Fp8Scope,
+    QuantizedTensor,
+    active_scope,
+    fp8_linear,
+)
+
+
+class _Fp8LocalGemm:
+    """What both FP8 layers share: the FP8 state and the local GEMM. Mixed in before Megatron's
+    class, so ``self.weight``, ``self.config`` and ``self.tp_group`` are Megatron's."""
+
+    def _init_fp8(self, recipe: DelayedScalingRecipe, gemm: Fp8Gemm | None) -> None:
+        self.fp8_recipe = recipe
+        # Plain attributes, not buffers: a buffer would enter Megatron's sharded_state_dict as a
+        # ShardedTensor with replica semantics to define; the state travels in _extra_state.
+        self.fp8_meta = Fp8Meta.fresh(recipe)
+        self.gemm = gemm or EmulatedGemm()
+        self.is_first_microbatch: bool | None = None
+        self.track_stats = False  # telemetry: keep each cast's full statistics
+        self.last_cast_stats: dict | None = None
+        self._weight_fp8: QuantizedTensor | None = None
+        self._weight_fp8_version = -1  # the weight's version counter when it was cast
+
+    def _refuse(self, unsupported: dict[str, bool]) -> None:
+        # Fail when the model is built, not at the first step.
+        unsupported = {
+            **unsupported,
+            "sequence_parallel": self.sequence_parallel,
+            "expert layers (is_expert)": self.is_expert,
+            # The recomputed forward would run in backward, outside the scope, in high precision.
+            "activation recomputation": self.config.recompute_granularity is not None,
+        }
+        for setting, is_on in unsupported.items():
+            if is_on:
+                raise NotImplementedError(
+                    f"{type(self).__name__} does not support {setting} yet; "
+                    "build this layer from Megatron's plain local spec instead"
+                )
+
+    def _fp8_local_gemm(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scope: Fp8Scope
+    ) -> torch.Tensor:
+        """``x @ weight.T (+ bias)`` on this rank's shard, FP8 operands, state in ``fp8_meta``."""
+        if scope.recipe != self.fp8_recipe:
+            raise ValueError(
+                f"{type(self).__name__} was built for {self.fp8_recipe} but runs in a scope "
+                f"with {scope.recipe}; build the model and the scope from the same recipe"
+            )
+        # Only the module's own weight is cached, not one passed to forward (tied embeddings).
+        owns_weight = weight is self.weight
+        cached = self._reusable_weight() if owns_weight else None
+        self.last_cast_stats = {} if self.track_stats else None
+        out, weight_fp8 = fp8_linear(
+            x, weight, bias, self.fp8_meta, scope,
+            gemm=self.gemm, cached_weight=cached, track=self.last_cast_stats,
+        )  # fmt: skip
+        if self.is_first_microbatch and owns_weight:
+            self._weight_fp8, self._weight_fp8_version = weight_fp8, weight._version
+        if self.is_first_microbatch is not None:
+            self.is_first_microbatch = False
+        return out
+
+    def _reusable_weight(self) -> QuantizedTensor | None:
+        """The FP8 weight cast on this step's first micro-batch, when this is a later one."""
+        if self.is_first_microbatch is not False or self._weight_fp8 is None:
+            return None  # None: no micro-batching; or told to reuse before any cast: cast now
+        # _version counts in-place writes (an optimizer step is one): reusing a cast of older
+        # weights would silently train on stale values.
+        if self.weight._version != self._weight_fp8_version:
+            raise RuntimeError(
+                f"{type(self).__name__}: is_first_microbatch is False but the weight changed "
+                "since its FP8 cast; call mark_first_microbatch(model) before the first "
+                "micro-batch of every step"
+            )
+        return self._weight_fp8
+
+    # The FP8 state in checkpoints, under TE's _extra_state names (tensors only). Megatron's
+    # load pre-hook passes None for checkpoints without it: the state is then left as it is.
+    def get_extra_state(self) -> dict[str, torch.Tensor]:
+        return self.fp8_meta.state_dict()
+
+    def set_extra_state(self, state: dict[str, torch.Tensor] | None) -> None:
+        if state is not None:
+            self.fp8_meta.load_state_dict(state)
+
+
+class Fp8ColumnParallelLinear(_Fp8LocalGemm, ColumnParallelLinear):
+    """Megatron's ``ColumnParallelLinear`` (``Y = X A^T``, A split by output rows) with an FP8 GEMM.
+
+    ``recipe`` and ``gemm`` are keyword arguments on top of the parent's; everything else is
+    passed through unchanged.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        recipe: DelayedScalingRecipe,
+        gemm: Fp8Gemm | None = None,
+        **kwargs,
+    ):
+        super().__init__(input_size, output_size, **kwargs)
+        self._init_fp8(recipe, gemm)
+        self._refuse({
+            "disable_grad_reduce": self.disable_grad_reduce,
+            "defer_embedding_wgrad_compute": self.config.defer_embedding_wgrad_compute,
+        })  # fmt: skip
+
+    def forward(
+        self,
+        input_: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        runtime_gather_output: bool | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        scope = active_scope()
+        if scope is None:
+            return super().forward(input_, weight, runtime_gather_output)
+        if weight is None:
+            weight = self.weight
+        # [s, b, h] replicated on every TP rank; backward all-reduces its gradient.
+        input_parallel = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        bias = None if self.skip_bias_add else self.bias
+        output_parallel = self._fp8_local_gemm(input_parallel, weight, bias, scope)  # [s, b, h/tp]
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather:
+            output = gather_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+        else:
+            output = output_parallel
+        return output, (self.bias if self.skip_bias_add else None)
+
+
+class Fp8RowParallelLinear(_Fp8LocalGemm, RowParallelLinear):
+    """Megatron's ``RowParallelLinear`` (A split by input columns) with an FP8 GEMM.
+
+    ``recipe`` and ``gemm`` are keyword arguments on top of the parent's; everything else is
+    passed through unchanged.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        recipe: DelayedScalingRecipe,
+        gemm: Fp8Gemm | None = None,
+        **kwargs,
+    ):
+        super().__init__(input_size, output_size, **kwargs)
+        self._init_fp8(recipe, gemm)
+        self._refuse({})
+
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        scope = active_scope()
+        if scope is None:
+            return super().forward(input_)
+        if self.input_is_parallel:
+            input_parallel = input_  # [s, b, h/tp]: already this rank's slice
+        else:
+            input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        # The bias is added once, after the reduction, not on every rank's partial sum.
+        output_parallel = self._fp8_local_gemm(input_parallel, self.weight, None, scope)
+        output = reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+        if self.skip_bias_add:
+            return output, self.bias
+        return (output + self.bias if self.bias is not None else output), None
+
+
+FP8_PARALLEL_LINEARS = (Fp8ColumnParallelLinear, Fp8RowParallelLinear)
+
+
+def fp8_modules(model: nn.Module) -> dict[str, Fp8ColumnParallelLinear | Fp8RowParallelLinear]:
+    """The model's FP8 linears by fully qualified name, in module order."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, FP8_PARALLEL_LINEARS)}
+
+
+def mark_first_microbatch(model: nn.Module) -> None:
+    """Before the first micro-batch of a step: every FP8 linear casts its weight once and reuses
+    that FP8 copy for the step's later micro-batches."""
+    for module in fp8_modules(model).values():
+        module.is_first_microbatch = True

@@ -1,0 +1,137 @@
+"""A Megatron-Core GPT from a manifest's ``model`` section.
+
+The caller owns the process groups (fp8ops' launcher will; tests do it themselves)::
+
+    torch.distributed.init_process_group("gloo")      # "nccl" on GPUs
+    tp = manifest.topology.tensor_parallel            # the world size is TP x PP x DP
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    recipe = DelayedScalingRecipe.from_precision(manifest.precision)
+    model = build_gpt(manifest, recipe)
+    scope = Fp8Scope(recipe, group=amax_reduction_group(manifest.topology))
+    with scope():
+        per_token_loss = model(tokens, position_ids, attention_mask=None, labels=labels)
+
+``parallel_state`` is ``fp8ops.megatron.compat.parallel_state`` (Megatron's).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from fp8ops.megatron import compat
+from fp8ops.megatron.compat import (
+    GPTModel,
+    TransformerConfig,
+    get_gpt_layer_local_spec,
+    parallel_state,
+    tensor_parallel,
+)
+from fp8ops.megatron.cpu_shims import apply_cpu_shims
+from fp8ops.megatron.spec import get_gpt_layer_fp8_emulated_spec
+from fp8ops.precision import DelayedScalingRecipe
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def build_gpt(manifest, recipe: DelayedScalingRecipe | None) -> GPTModel:
+    """The manifest's GPT on this rank, its four projections per layer in FP8 under ``recipe``.
+
+    ``recipe=None`` builds the same model from Megatron's plain local spec: the high-precision
+    reference. Both draw their initial weights from ``seeds.model`` in the same order, so they
+    start identical. Megatron's parallel state must be initialised (module docstring). On a
+    machine without CUDA this applies the CPU shims (``cpu_shims.py``) first. The model is on the
+    CPU in ``precision.base_dtype``. All four projections of every layer are FP8: the manifest's
+    ``include_modules``/``exclude_modules`` and small-GEMM rule are not applied here (yet).
+    """
+    apply_cpu_shims()
+    model_cfg, topology = manifest.model, manifest.topology
+    _check_parallel_state(topology)
+
+    # Seeds Megatron's RNG tracker as Megatron-LM's initialisation does; the weights below are
+    # drawn from torch's default generator (use_cpu_initialization).
+    torch.manual_seed(manifest.seeds.model)
+    tensor_parallel.model_parallel_cuda_manual_seed(manifest.seeds.model)
+
+    if recipe is None:
+        layer_spec = get_gpt_layer_local_spec(normalization=model_cfg.normalization)
+    else:
+        layer_spec = get_gpt_layer_fp8_emulated_spec(recipe, normalization=model_cfg.normalization)
+    model = GPTModel(
+        config=transformer_config(manifest),
+        transformer_layer_spec=layer_spec,
+        vocab_size=padded_vocab_size(model_cfg.vocab_size, topology.tensor_parallel),
+        max_sequence_length=model_cfg.seq_length,
+        position_embedding_type=model_cfg.position_embedding,
+    )
+    # The local spec's torch norms are created in float32 whatever params_dtype says; casting
+    # the whole model is what Megatron's Float16Module does to the module it wraps (the wrapper
+    # itself would prefix every name with "module.").
+    return model.to(DTYPES[manifest.precision.base_dtype])
+
+
+def transformer_config(manifest) -> TransformerConfig:
+    """Megatron's TransformerConfig for the manifest's model and tensor parallelism."""
+    model_cfg = manifest.model
+    dtype = DTYPES[manifest.precision.base_dtype]
+    swiglu = model_cfg.activation == "swiglu"
+    return TransformerConfig(
+        num_layers=model_cfg.num_layers,
+        hidden_size=model_cfg.hidden_size,
+        ffn_hidden_size=model_cfg.ffn_hidden_size,
+        num_attention_heads=model_cfg.num_attention_heads,
+        num_query_groups=model_cfg.num_query_groups,
+        normalization=model_cfg.normalization,
+        activation_func=F.silu if swiglu else F.gelu,
+        gated_linear_unit=swiglu,
+        tensor_model_parallel_size=manifest.topology.tensor_parallel,
+        params_dtype=dtype,
+        bf16=dtype is torch.bfloat16,
+        fp16=dtype is torch.float16,
+        # The manifest has no dropout: fp8ops fine-tunes without it, so a run is reproducible
+        # step by step and across TP layouts (Megatron seeds dropout per TP rank).
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # Every rank draws the full weight from one CPU stream and keeps its shard, so a TP=2
+        # model is exactly the TP=1 model split (reference: megatron-core-cpu.md).
+        use_cpu_initialization=True,
+        # The default, "full", is deprecated in favour of [] (same meaning) and warns.
+        cuda_graph_scope=[],
+    )
+
+
+def padded_vocab_size(vocab_size: int, tensor_parallel: int, divisible_by: int = 128) -> int:
+    """Megatron-LM's padding (``_vocab_size_with_padding``): a multiple of 128 x TP, so the
+    embedding splits evenly and checkpoints from Megatron-LM have the same shape."""
+    multiple = divisible_by * tensor_parallel
+    return math.ceil(vocab_size / multiple) * multiple
+
+
+def amax_reduction_group(topology) -> torch.distributed.ProcessGroup:
+    """The group an :class:`~fp8ops.precision.Fp8Scope` reduces amaxes over, per
+    ``topology.amax_reduction``: Megatron's TP x DP x CP group, or TP x CP for ``tp_cp``."""
+    return compat.amax_reduction_group(tp_only=topology.amax_reduction == "tp_cp")
+
+
+def _check_parallel_state(topology) -> None:
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError(
+            "Megatron's parallel state is not initialised: call "
+            "parallel_state.initialize_model_parallel(tensor_model_parallel_size=...) "
+            "after torch.distributed.init_process_group (see fp8ops/megatron/model.py)"
+        )
+    layout = (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_data_parallel_world_size(),
+    )
+    wanted = (topology.tensor_parallel, topology.pipeline_parallel, topology.data_parallel)
+    if layout != wanted:
+        raise ValueError(
+            "topology (tensor_parallel, pipeline_parallel, data_parallel) = {}, but Megatron's "
+            "parallel state was initialised with TP, PP, DP = {}".format(wanted, layout)
+        )
+    if topology.pipeline_parallel != 1:
+        raise NotImplementedError("pipeline parallelism is not supported yet (PP must be 1)")

@@ -1,0 +1,66 @@
+"""GPT layer specs with fp8ops' FP8 projections, swapped in by ModuleSpec.
+
+The four projections of a dense GPT layer become FP8; everything else stays Megatron's plain local
+module (norms, core attention; the embedding and the LM head are built by ``GPTModel``, outside the
+layer spec). The module names are those of Megatron's Transformer Engine spec,
+``decoder.layers.{i}.self_attention.linear_qkv`` and so on, so manifests' module globs, telemetry
+and checkpoints name the same modules on the CPU emulation and on a TE run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Literal
+
+from fp8ops.megatron.compat import (
+    ColumnParallelLinear,
+    ModuleSpec,
+    RowParallelLinear,
+    get_gpt_layer_local_spec,
+)
+from fp8ops.megatron.layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear
+from fp8ops.precision import DelayedScalingRecipe, Fp8Gemm
+
+
+def get_gpt_layer_fp8_emulated_spec(
+    recipe: DelayedScalingRecipe,
+    *,
+    gemm: Fp8Gemm | None = None,
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm",
+) -> ModuleSpec:
+    """Megatron's local GPT layer spec with the four projections in FP8 under ``recipe``.
+
+    ``gemm`` defaults to the emulated FP8 GEMM (any device).
+    """
+    return with_fp8_projections(get_gpt_layer_local_spec(normalization=normalization), recipe, gemm)
+
+
+def with_fp8_projections(
+    layer_spec: ModuleSpec, recipe: DelayedScalingRecipe, gemm: Fp8Gemm | None = None
+) -> ModuleSpec:
+    """A copy of a local-spec GPT layer with ``linear_qkv``, ``linear_proj``, ``linear_fc1`` and
+    ``linear_fc2`` in FP8. ``layer_spec`` itself is not modified."""
+    params = {"recipe": recipe, "gemm": gemm}
+    column = ModuleSpec(module=Fp8ColumnParallelLinear, params=params)
+    row = ModuleSpec(module=Fp8RowParallelLinear, params=params)
+    layer = layer_spec.submodules
+    attention, mlp = layer.self_attention, layer.mlp
+    _expect(attention, "self_attention", linear_qkv=ColumnParallelLinear)
+    _expect(attention, "self_attention", linear_proj=RowParallelLinear)
+    _expect(mlp, "mlp", linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    attention = replace(
+        attention, submodules=replace(attention.submodules, linear_qkv=column, linear_proj=row)
+    )
+    mlp = replace(mlp, submodules=replace(mlp.submodules, linear_fc1=column, linear_fc2=row))
+    return replace(layer_spec, submodules=replace(layer, self_attention=attention, mlp=mlp))
+
+
+def _expect(block: ModuleSpec, name: str, **slots: type) -> None:
+    # A TE spec, an MoE layer or an already swapped one is not what this transform knows.
+    for slot, expected in slots.items():
+        current = getattr(block.submodules, slot, None)
+        if current is not expected:
+            raise ValueError(
+                f"layer spec slot {name}.{slot} holds {current!r}, expected Megatron's "
+                f"{expected.__name__} (start from get_gpt_layer_local_spec for a dense layer)"
+            )

@@ -1,0 +1,254 @@
+"""The FP8 Megatron GPT on one process (TP=1): structure, FP8 state, equivalence with Megatron's
+local GPT outside a scope, and the CPU shims. The TP=2 checks are in test_megatron_tp.py."""
+
+import importlib.util
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from manifest_support import TINY
+
+if importlib.util.find_spec("megatron") is None:  # not importorskip: fp8ops.megatron imports it
+    pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
+
+from fp8ops.manifest import derive, load_manifest  # noqa: E402
+from fp8ops.megatron import (  # noqa: E402
+    Fp8ColumnParallelLinear,
+    Fp8RowParallelLinear,
+    amax_reduction_group,
+    apply_cpu_shims,
+    build_gpt,
+    fp8_modules,
+    get_gpt_layer_fp8_emulated_spec,
+    mark_first_microbatch,
+    with_fp8_projections,
+)
+from fp8ops.megatron.compat import (  # noqa: E402
+    ColumnParallelLinear,
+    filesystem_async,
+    megatron_random,
+    parallel_state,
+)
+from fp8ops.precision import DelayedScalingRecipe, Fp8Scope  # noqa: E402
+
+# Megatron's own deprecation notices, raised by its local spec and layers whatever fp8ops does.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
+]
+
+PROJECTIONS = {
+    "self_attention.linear_qkv": Fp8ColumnParallelLinear,
+    "self_attention.linear_proj": Fp8RowParallelLinear,
+    "mlp.linear_fc1": Fp8ColumnParallelLinear,
+    "mlp.linear_fc2": Fp8RowParallelLinear,
+}
+INPUT, WEIGHT, OUTPUT = 0, 1, 2
+GRAD_OUTPUT, GRAD_INPUT = 0, 1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_tp1(tmp_path_factory):
+    """A one-rank gloo group and Megatron's parallel state at TP=1, as a launcher sets them up."""
+    store = tmp_path_factory.mktemp("dist") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def manifest():
+    return load_manifest(TINY)
+
+
+@pytest.fixture(scope="module")
+def recipe(manifest):
+    return DelayedScalingRecipe.from_precision(manifest.precision)
+
+
+@pytest.fixture
+def model(manifest, recipe):
+    return build_gpt(manifest, recipe)
+
+
+@pytest.fixture
+def scope(manifest, recipe):
+    return Fp8Scope(recipe, group=amax_reduction_group(manifest.topology))
+
+
+def make_batch(manifest, seed=0):
+    """(tokens, position ids, labels), each [b, s]: random byte tokens, next-token labels."""
+    b, s = manifest.schedule.micro_batch_size, manifest.model.seq_length
+    tokens = torch.randint(0, 256, (b, s + 1), generator=torch.Generator().manual_seed(seed))
+    return tokens[:, :-1], torch.arange(s).expand(b, s), tokens[:, 1:]
+
+
+def loss_of(model, batch, attention_mask=None):
+    tokens, positions, labels = batch
+    return model(tokens, positions, attention_mask, labels=labels).mean()  # float32
+
+
+def fp8_step(model, scope, batch):
+    with scope():
+        loss = loss_of(model, batch)
+    loss.backward()
+    return loss
+
+
+# -- structure -------------------------------------------------------------------------------
+
+
+def test_fp8_modules_are_the_four_projections_under_te_spec_names(model, manifest):
+    expected = {
+        f"decoder.layers.{i}.{name}": cls
+        for i in range(manifest.model.num_layers)
+        for name, cls in PROJECTIONS.items()
+    }
+    found = fp8_modules(model)
+    assert {name: type(module) for name, module in found.items()} == expected
+    # Embedding, LM head and norms stay Megatron's plain modules.
+    assert type(model.output_layer) is ColumnParallelLinear
+    for name, module in model.named_modules():
+        if name not in expected:
+            assert not isinstance(module, tuple(PROJECTIONS.values())), name
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # precision.base_dtype
+
+
+def test_spec_transform_refuses_a_spec_it_does_not_know(recipe):
+    already_fp8 = get_gpt_layer_fp8_emulated_spec(recipe)
+    with pytest.raises(ValueError, match="self_attention.linear_qkv"):
+        with_fp8_projections(already_fp8, recipe)
+
+
+def test_build_checks_the_topology_against_megatrons_parallel_state(manifest, recipe):
+    tp2 = derive(manifest, {"topology.tensor_parallel": 2}, "mismatch")
+    with pytest.raises(ValueError, match="TP, PP, DP"):
+        build_gpt(tp2, recipe)
+
+
+# -- outside a scope: Megatron's local GPT -----------------------------------------------------
+
+
+def test_outside_a_scope_the_model_is_megatrons_local_gpt(model, manifest):
+    plain = build_gpt(manifest, None)  # Megatron's own local spec, same seed
+    ours = dict(model.named_parameters())
+    theirs = dict(plain.named_parameters())
+    assert ours.keys() == theirs.keys()
+    for name, param in ours.items():
+        assert torch.equal(param, theirs[name]), name
+
+    batch = make_batch(manifest)
+    loss, plain_loss = loss_of(model, batch), loss_of(plain, batch)
+    assert torch.equal(loss, plain_loss)
+    loss.backward()
+    plain_loss.backward()
+    for name, param in ours.items():
+        assert torch.equal(param.grad, theirs[name].grad), name
+
+
+# -- inside a scope: FP8 -------------------------------------------------------------------------
+
+
+def test_one_step_gives_finite_values_and_real_scales(model, scope, manifest):
+    loss = fp8_step(model, scope, make_batch(manifest))
+    assert math.isfinite(loss.item())
+    for name, param in model.named_parameters():
+        assert torch.isfinite(param.grad).all(), name
+    for name, module in fp8_modules(model).items():
+        forward, backward = module.fp8_meta.forward.scale, module.fp8_meta.backward.scale
+        for slot, scale in (("input", forward[INPUT]), ("weight", forward[WEIGHT]),
+                            ("grad_output", backward[GRAD_OUTPUT])):  # fmt: skip
+            assert torch.isfinite(scale) and scale != 1.0, f"{name} {slot}"
+        # No FP8 output is requested, so those slots stay as TE leaves them.
+        assert forward[OUTPUT] == 1.0 and backward[GRAD_INPUT] == 1.0
+
+
+def test_amax_histories_roll_once_per_update(model, scope, manifest):
+    steps = 3
+    for seed in range(steps):
+        fp8_step(model, scope, make_batch(manifest, seed))
+    length = manifest.precision.amax_history_len
+    for name, module in fp8_modules(model).items():
+        for history in (module.fp8_meta.forward.amax_history[:, [INPUT, WEIGHT]],
+                        module.fp8_meta.backward.amax_history[:, [GRAD_OUTPUT]]):  # fmt: skip
+            assert history.shape[0] == length
+            # [0 (accumulator, cleared), zeros not reached yet, one amax per update]
+            assert (history[: length - steps] == 0).all(), name
+            assert (history[length - steps :] > 0).all(), name
+
+
+def test_fp8_loss_is_close_to_but_not_the_high_precision_loss(model, scope, manifest):
+    fp8_step(model, scope, make_batch(manifest, seed=1))  # scales from real amaxes, not 1
+    batch = make_batch(manifest, seed=2)
+    with torch.no_grad():
+        high_precision = loss_of(model, batch).item()
+        with scope():
+            fp8 = loss_of(model, batch).item()
+    assert fp8 != high_precision
+    # Observed: 1e-4 to 3e-4 on a loss of 5.56; E4M3 has 3 mantissa bits, so single products
+    # are off by up to 6%, but the errors are unbiased and average out over the sums.
+    assert abs(fp8 - high_precision) < 2e-3
+
+
+def test_weight_is_cast_once_per_step_across_micro_batches(model, scope, manifest):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps, micro_batches = 2, 2
+    for step in range(steps):
+        mark_first_microbatch(model)
+        for micro in range(micro_batches):
+            fp8_step(model, scope, make_batch(manifest, seed=10 * step + micro))
+        optimizer.step()
+        optimizer.zero_grad()
+    for name, module in fp8_modules(model).items():
+        history = module.fp8_meta.forward.amax_history
+        assert (history[:, WEIGHT] > 0).sum() == steps, name
+        assert (history[:, INPUT] > 0).sum() == steps * micro_batches, name
+
+    # Reusing the FP8 weight after the optimizer changed it would train on stale values.
+    with pytest.raises(RuntimeError, match="mark_first_microbatch"):
+        fp8_step(model, scope, make_batch(manifest))
+
+
+def test_a_scope_with_another_recipe_is_refused(model, manifest):
+    other = Fp8Scope(DelayedScalingRecipe(amax_history_len=8))
+    with pytest.raises(ValueError, match="same recipe"):
+        with other():
+            loss_of(model, make_batch(manifest))
+
+
+def test_fp8_state_travels_in_extra_state(model, scope, manifest, recipe):
+    fp8_step(model, scope, make_batch(manifest))
+    state = model.state_dict()
+    extra = state["decoder.layers.0.mlp.linear_fc1._extra_state"]
+    assert set(extra) == {"scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd"}
+
+    restored = build_gpt(manifest, recipe)
+    restored.load_state_dict(state)
+    for name, module in fp8_modules(restored).items():
+        saved = fp8_modules(model)[name].fp8_meta.state_dict()
+        for key, value in module.fp8_meta.state_dict().items():
+            assert torch.equal(value, saved[key]), f"{name} {key}"
+    build_gpt(manifest, None).load_state_dict(state)  # Megatron's own layers ignore it
+
+
+# -- CPU shims -------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the shims are a no-op with CUDA")
+def test_cpu_shims_are_idempotent_and_cover_what_megatron_needs(model, manifest):
+    tracker = megatron_random.get_cuda_rng_tracker()
+    apply_cpu_shims()
+    apply_cpu_shims()
+    assert megatron_random.get_cuda_rng_tracker() is tracker  # seeds kept
+    assert torch.cuda.current_device() == "cpu"
+    # The checkpoint writer's host copy no longer waits on CUDA.
+    assert filesystem_async.FileSystemWriterAsync.preload_tensors([], non_blocking=True) == []
+    # No mask given: the shimmed default causal mask equals an explicit one.
+    s = manifest.model.seq_length
+    causal = torch.ones(s, s, dtype=torch.bool).triu(1).view(1, 1, s, s)  # True = masked out
+    batch = make_batch(manifest)
+    with torch.no_grad():
+        assert torch.equal(loss_of(model, batch), loss_of(model, batch, attention_mask=causal))

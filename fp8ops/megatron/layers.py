@@ -62,6 +62,25 @@ class _Fp8LocalGemm:
     """What both FP8 layers share: the FP8 state and the local GEMM. Mixed in before Megatron's
     class, so ``self.weight``, ``self.config`` and ``self.tp_group`` are Megatron's."""
 
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        recipe: DelayedScalingRecipe,
+        gemm: Fp8Gemm | None = None,
+        **kwargs,
+    ):
+        """``recipe`` and ``gemm`` are keyword arguments on top of Megatron's; everything else
+        is passed through to the Megatron parent unchanged."""
+        super().__init__(input_size, output_size, **kwargs)
+        self._init_fp8(recipe, gemm)
+        self._refuse(self._unsupported_settings())
+
+    def _unsupported_settings(self) -> dict[str, bool]:
+        """Settings of the Megatron parent this layer cannot honour (beyond the shared ones)."""
+        return {}
+
     def _init_fp8(self, recipe: DelayedScalingRecipe, gemm: Fp8Gemm | None) -> None:
         self.fp8_recipe = recipe
         # Plain attributes, not buffers: a buffer would enter Megatron's sharded_state_dict as a
@@ -138,27 +157,13 @@ class _Fp8LocalGemm:
 
 
 class Fp8ColumnParallelLinear(_Fp8LocalGemm, ColumnParallelLinear):
-    """Megatron's ``ColumnParallelLinear`` (``Y = X A^T``, A split by output rows) with an FP8 GEMM.
+    """Megatron's ``ColumnParallelLinear`` (``Y = X A^T``, A split by output rows) with an FP8 GEMM."""
 
-    ``recipe`` and ``gemm`` are keyword arguments on top of the parent's; everything else is
-    passed through unchanged.
-    """
-
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        *,
-        recipe: DelayedScalingRecipe,
-        gemm: Fp8Gemm | None = None,
-        **kwargs,
-    ):
-        super().__init__(input_size, output_size, **kwargs)
-        self._init_fp8(recipe, gemm)
-        self._refuse({
+    def _unsupported_settings(self) -> dict[str, bool]:
+        return {
             "disable_grad_reduce": self.disable_grad_reduce,
             "defer_embedding_wgrad_compute": self.config.defer_embedding_wgrad_compute,
-        })  # fmt: skip
+        }
 
     def forward(
         self,
@@ -184,24 +189,7 @@ class Fp8ColumnParallelLinear(_Fp8LocalGemm, ColumnParallelLinear):
 
 
 class Fp8RowParallelLinear(_Fp8LocalGemm, RowParallelLinear):
-    """Megatron's ``RowParallelLinear`` (A split by input columns) with an FP8 GEMM.
-
-    ``recipe`` and ``gemm`` are keyword arguments on top of the parent's; everything else is
-    passed through unchanged.
-    """
-
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        *,
-        recipe: DelayedScalingRecipe,
-        gemm: Fp8Gemm | None = None,
-        **kwargs,
-    ):
-        super().__init__(input_size, output_size, **kwargs)
-        self._init_fp8(recipe, gemm)
-        self._refuse({})
+    """Megatron's ``RowParallelLinear`` (A split by input columns) with an FP8 GEMM."""
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         scope = active_scope()

@@ -252,3 +252,27 @@ def test_cpu_shims_are_idempotent_and_cover_what_megatron_needs(model, manifest)
     batch = make_batch(manifest)
     with torch.no_grad():
         assert torch.equal(loss_of(model, batch), loss_of(model, batch, attention_mask=causal))
+
+
+@pytest.mark.parametrize(
+    "layer_cls, config_changes, layer_kwargs, message",
+    [
+        (Fp8RowParallelLinear, {"recompute_granularity": "selective"},
+         {"input_is_parallel": True}, "activation recomputation"),
+        (Fp8ColumnParallelLinear, {}, {"disable_grad_reduce": True}, "disable_grad_reduce"),
+    ],
+)  # fmt: skip
+@pytest.mark.filterwarnings("ignore:If you are using transformer_engine:UserWarning")
+def test_unsupported_megatron_settings_fail_at_build_time(
+    layer_cls, config_changes, layer_kwargs, message
+):
+    import dataclasses
+
+    from fp8ops.megatron.model import transformer_config
+
+    config = dataclasses.replace(transformer_config(load_manifest(TINY)), **config_changes)
+    with pytest.raises(NotImplementedError, match=message):
+        layer_cls(
+            64, 64, recipe=DelayedScalingRecipe(amax_history_len=16), config=config,
+            init_method=torch.nn.init.zeros_, bias=True, skip_bias_add=False, **layer_kwargs,
+        )  # fmt: skip

@@ -82,7 +82,6 @@ class _Fp8LocalGemm:
         return {}
 
     def _init_fp8(self, recipe: DelayedScalingRecipe, gemm: Fp8Gemm | None) -> None:
-        self.fp8_recipe = recipe
         # Plain attributes, not buffers: a buffer would enter Megatron's sharded_state_dict as a
         # ShardedTensor with replica semantics to define; the state travels in _extra_state.
         self.fp8_meta = Fp8Meta.fresh(recipe)
@@ -113,11 +112,6 @@ class _Fp8LocalGemm:
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scope: Fp8Scope
     ) -> torch.Tensor:
         """``x @ weight.T (+ bias)`` on this rank's shard, FP8 operands, state in ``fp8_meta``."""
-        if scope.recipe != self.fp8_recipe:
-            raise ValueError(
-                f"{type(self).__name__} was built for {self.fp8_recipe} but runs in a scope "
-                f"with {scope.recipe}; build the model and the scope from the same recipe"
-            )
         # Only the module's own weight is cached, not one passed to forward (tied embeddings).
         owns_weight = weight is self.weight
         cached = self._reusable_weight() if owns_weight else None

@@ -86,19 +86,12 @@ class Fp8Scope:
         """Add a module's state to every later update (once; repeated calls are no-ops)."""
         if id(meta) in self._registered:
             return
-        expected = (
-            self.recipe.amax_history_len,
-            self.recipe.fp8_format.forward,
-            self.recipe.fp8_format.backward,
-        )
-        found = (meta.forward.amax_history.shape[0], meta.forward.fp8, meta.backward.fp8)
-        if found != expected:
+        if meta.recipe != self.recipe:
             # One update covers all modules with the scope's recipe: a module built for
-            # another history length or format would be updated with the wrong FP8 max.
+            # another history length, format, margin or algorithm would be updated wrongly.
             raise ValueError(
-                f"module FP8 state (history {found[0]}, {found[1].name}/{found[2].name}) does "
-                f"not match the scope's recipe (history {expected[0]}, "
-                f"{expected[1].name}/{expected[2].name}); build the module from the same recipe"
+                f"module FP8 state was built for {meta.recipe} but the scope runs {self.recipe}; "
+                "build the module and the scope from the same recipe"
             )
         self._registered.add(id(meta))
         self._metas.append(meta)

@@ -44,10 +44,12 @@ class Fp8Meta:
 
     forward: ScalingState
     backward: ScalingState
+    recipe: DelayedScalingRecipe  # what the state was built for; a scope checks it matches
 
     @classmethod
     def fresh(cls, recipe: DelayedScalingRecipe) -> Fp8Meta:
         return cls(
+            recipe=recipe,
             forward=ScalingState.fresh(recipe.amax_history_len, 3, recipe.fp8_format.forward),
             backward=ScalingState.fresh(recipe.amax_history_len, 2, recipe.fp8_format.backward),
         )

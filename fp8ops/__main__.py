@@ -2,4 +2,7 @@
 
 from fp8ops.cli import main
 
-main()
+# The guard matters: Megatron's checkpoint writer starts a "spawn" multiprocessing manager,
+# which re-imports the main module; unguarded, that import would run the command again.
+if __name__ == "__main__":
+    main()

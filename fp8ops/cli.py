@@ -7,6 +7,7 @@ with their code (2). Anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -171,23 +172,106 @@ def chain(
 
 
 # --------------------------------------------------------------------------------------
-# fp8ops demo: the main job on the CPU until the fine-tuning run lands
+# fp8ops train: the main job
 # --------------------------------------------------------------------------------------
 
 
 @app.command()
-def demo(
+def train(
     file: ManifestFile,
-    steps: Annotated[int, typer.Option(min=1, help="Training steps of the demo layer.")] = 24,
+    run_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Where the run writes its files (default: runs/NAME).", show_default=False
+        ),
+    ] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            help=(
+                "PATH=VALUE: run a derived revision of MANIFEST with this change (repeatable), "
+                "e.g. --set topology.tensor_parallel=2 under torchrun; recorded in the run."
+            ),
+        ),
+    ] = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar or log lines.")] = True,
 ) -> None:
-    """Validate and print MANIFEST, then train one FP8 linear under its precision policy."""
-    from fp8ops.demo import print_demo, run_demo  # imports torch: only when asked
+    """Train MANIFEST's model (fine-tune from model.init_checkpoint, or pre-train from scratch).
 
-    validate(file)
-    print_demo(run_demo(load_manifest(file), steps=steps), _console())
+    One process trains at the manifest's topology of one rank; for more, start it with
+    `torchrun --nproc-per-node N -m fp8ops train ...`.
+    """
+    from fp8ops.train import run_training  # imports torch and Megatron: only when asked
+
+    run_dir = run_dir or Path("runs") / load_manifest(file).name
+    result = run_training(
+        file, run_dir, assignments=parse_assignments(set_ or []), progress=progress
+    )
+    if os.environ.get("RANK", "0") != "0":
+        return
+    out = _console()
+    eval_text = "" if result.last_eval_loss is None else f", eval loss {result.last_eval_loss:.4f}"
+    out.print(
+        f"trained {result.steps} steps in {result.seconds:.0f} s: loss {result.first_loss:.4f} -> "
+        f"{result.last_loss:.4f}{eval_text}"
+    )
+    out.print(
+        f"results in {result.run_dir}/: metrics.jsonl (per step), eval.jsonl, events.jsonl, "
+        "layers.json, run.json, manifest.yaml, final/ (weights)"
+    )
+    out.print(f"per-layer precision: fp8ops inspect {result.run_dir} --layers")
 
 
-# Further command groups (train, resume, inspect, alerts, overrides, console, dualtrack, ...)
+# --------------------------------------------------------------------------------------
+# fp8ops inspect: what a run directory records
+# --------------------------------------------------------------------------------------
+
+
+@app.command("inspect")
+def inspect_run(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory.", show_default=False)],
+    layers: Annotated[
+        bool, typer.Option("--layers", help="Every module's precision and why (layers.json).")
+    ] = False,
+) -> None:
+    """Summarise a run: its recipe and per-layer precision (--layers: the full table)."""
+    from rich import box
+
+    from fp8ops.admission import read_layers_json  # no torch or Megatron needed to read it
+
+    document = read_layers_json(run_dir)
+    table = document.table
+    out = _console()
+    if not out.is_terminal:
+        out.width = 200  # a log or a file: seven columns without folding module names
+    recipe = document.recipe
+    out.print(
+        f"{run_dir}: manifest {document.manifest_hash[:12]}, tensor_parallel "
+        f"{document.tensor_parallel}, layer table {document.table_hash[:12]}"
+    )
+    out.print(
+        f"recipe: {recipe.fp8_format}, amax_history_len {recipe.amax_history_len}, "
+        f"{recipe.amax_compute_algo}, margin {recipe.margin}, reduce_amax {recipe.reduce_amax}"
+    )
+    if layers:
+        # Every column folds rather than crops: a narrow terminal loses no text.
+        grid = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+        for name in ("module", "kind", "parallel", "global K x N", "per-rank K x N",
+                     "precision", "reason"):  # fmt: skip
+            grid.add_column(name, overflow="fold")
+        for row in table.rows:
+            grid.add_row(
+                row.fqn, row.kind, row.parallel, str(row.global_shape), str(row.rank_shape),
+                row.precision, row.reason.text,
+            )  # fmt: skip
+        out.print(grid)
+    out.print(table.summary())
+    if not layers:
+        out.print(f"fp8ops inspect {run_dir} --layers: every module's precision and why")
+
+
+# Further command groups (resume, alerts, overrides, console, dualtrack, ...)
 # go here, each a thin function over its package, registered on `app`.
 
 

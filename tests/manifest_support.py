@@ -20,7 +20,7 @@ model:
   seq_length: 64
   vocab_size: 256
 data:
-  kind: synthetic
+  kind: tasks
 schedule:
   train_steps: 10
   global_batch_size: 8

@@ -64,12 +64,12 @@ def test_tiny_manifest_runs_every_projection_in_fp8(tiny):
     assert len(tiny.precision.include_modules) == 4
     assert tiny.precision.exclude_modules == ()
     assert (tiny.model.num_layers, tiny.model.hidden_size, tiny.model.ffn_hidden_size) == (
-        2,
-        64,
-        256,
+        4,
+        128,
+        512,
     )
     assert (tiny.precision.amax_history_len, tiny.precision.amax_compute_algo) == (16, "max")
-    assert tiny.tokenizer.kind == "byte" and tiny.data.kind == "synthetic"
+    assert tiny.tokenizer.kind == "byte" and tiny.data.kind == "tasks"
     assert tiny.topology.world_size == 1
 
 
@@ -105,7 +105,7 @@ REORDERED = """\
 # Same run as MINIMAL: sections and keys in another order, comments, flow style.
 schedule: {global_batch_size: 8, train_steps: 10}   # flow mapping
 data:
-    kind: synthetic       # four-space indent
+    kind: tasks       # four-space indent
 model: {vocab_size: 256, seq_length: 64, num_attention_heads: 4,
         ffn_hidden_size: 256, hidden_size: 64, num_layers: 2}
 name: "minimal"
@@ -164,7 +164,7 @@ def test_hash_ignores_number_spelling():
         ("precision.reduce_amax", False),
         ("precision.include_modules", ["*.linear_qkv"]),
         ("precision.exclude_modules", ["*.layers.0.*"]),
-        ("model.num_layers", 4),
+        ("model.num_layers", 6),
         ("optimizer.lr", 2e-3),
         ("schedule.train_steps", 41),
         ("seeds.data", 1),

@@ -67,7 +67,7 @@ MALFORMED = [
     ),
     (
         "tab-indent",
-        MINIMAL.replace("  kind: synthetic", "\tkind: synthetic"),
+        MINIMAL.replace("  kind: tasks", "\tkind: tasks"),
         ["line 11, column 1: YAML syntax error", "'\\t'"],
     ),
     ("top-level-list", "- a\n- b\n", ["the top level must be a mapping of sections (got a list)"]),
@@ -92,7 +92,7 @@ MALFORMED = [
     ),
     (
         "missing-section",
-        MINIMAL.replace("data:\n  kind: synthetic\n", ""),
+        MINIMAL.replace("data:\n  kind: tasks\n", ""),
         ["data: required field missing"],
     ),
     (
@@ -130,7 +130,7 @@ MALFORMED = [
     ),
     (
         "fraction-out-of-range",
-        MINIMAL.replace("kind: synthetic", "kind: synthetic\n  eval_fraction: 0.7"),
+        MINIMAL.replace("kind: tasks", "kind: tasks\n  eval_fraction: 0.7"),
         ["data.eval_fraction: must be <= 0.5 (got 0.7) [line 12]"],
     ),
     (
@@ -278,7 +278,7 @@ MALFORMED = [
     ),
     (
         "jsonl-without-path",
-        MINIMAL.replace("kind: synthetic", "kind: jsonl"),
+        MINIMAL.replace("kind: tasks", "kind: jsonl"),
         ["data.path: required for kind 'jsonl' (got null)"],
     ),
     (
@@ -334,7 +334,7 @@ IN_SUBPROCESS = ["duplicate-key", "e5m2", "several-problems"]
 REFORMATTED = """\
 # MINIMAL again, another way round
 schedule: {global_batch_size: 8, train_steps: 10}
-data: {kind: synthetic}
+data: {kind: tasks}
 model: {vocab_size: 256, seq_length: 64, num_attention_heads: 4,
         ffn_hidden_size: 256, hidden_size: 64, num_layers: 2}
 name: 'minimal'
@@ -416,7 +416,7 @@ def test_diff_exit_codes_follow_diff(cli, tmp_path):
     changed = tmp_path / "changed.yaml"
     text = TINY.read_text()
     changed.write_text(
-        text.replace("margin: 0", "margin: 2").replace("train_steps: 40", "train_steps: 80")
+        text.replace("margin: 0", "margin: 2").replace("train_steps: 300", "train_steps: 600")
     )
     different = cli("manifest", "diff", TINY, changed)
     assert different.code == 1

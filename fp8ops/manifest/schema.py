@@ -213,6 +213,13 @@ class SmallGemmRule(_Section):
 class PrecisionPolicy(_Section):
     """Which modules run FP8 and how their scales are kept: TE's DelayedScaling recipe."""
 
+    enabled: bool = Field(
+        True,
+        description=(
+            "false: no module runs FP8 and the run is the base-dtype control (pre-training a base, "
+            "the BF16 track of a dual-track evaluation). The recipe below is still recorded."
+        ),
+    )
     base_dtype: Literal["bf16", "fp16", "fp32"] = Field(
         "bf16",
         description="Dtype of everything not in FP8: weights, optimizer math, excluded modules.",
@@ -418,19 +425,32 @@ class TokenizerConfig(_Section):
 
 
 class DataConfig(_Section):
-    """Training and evaluation data."""
+    """Training and evaluation data (built by ``fp8ops.data``)."""
 
-    kind: Literal["synthetic", "jsonl"] = Field(
+    kind: Literal["corpus", "tasks", "jsonl"] = Field(
         description=(
-            "'synthetic': generated from seeds.data, no file. 'jsonl': one JSON document per "
-            "line at path."
+            "'corpus': fp8ops' built-in byte-level text corpus (the docstrings of a fixed list of "
+            "Python standard-library modules, present wherever Python is), for pre-training; "
+            "loss on every token. 'tasks': fp8ops' built-in supervised tasks with checkable "
+            "answers and evaluation buckets, generated from seeds.data; loss on the answers. "
+            "'jsonl': your file at path, one JSON object per line, either {\"text\": ...} "
+            "(pre-training) or {\"prompt\": ..., \"answer\": ..., \"buckets\": {...}} (SFT)."
         )
     )
     path: NonEmptyStr | None = Field(
-        None, description="The JSONL file; required for 'jsonl', null for 'synthetic'."
+        None, description="The JSONL file; required for 'jsonl', null for the built-in kinds."
     )
     fingerprint: Sha256 | None = Field(
-        None, description="sha256 of the data file, checked when the run starts."
+        None,
+        description=(
+            "sha256 of the data as fp8ops reads it, checked when the run starts; null records "
+            "it without checking."
+        ),
+    )
+    num_examples: int = Field(
+        6000,
+        ge=2,
+        description="For 'tasks': how many examples to generate (train and evaluation together).",
     )
     eval_fraction: float = Field(
         0.1, ge=0, le=0.5, description="Fraction of documents held out for evaluation."
@@ -441,9 +461,9 @@ class DataConfig(_Section):
         problems = []
         if self.kind == "jsonl" and self.path is None:
             problems.append((("path",), None, "required for kind 'jsonl'"))
-        if self.kind == "synthetic" and self.path is not None:
+        if self.kind != "jsonl" and self.path is not None:
             problems.append(
-                (("path",), self.path, "must be null for kind 'synthetic' (it reads no file)")
+                (("path",), self.path, f"must be null for kind '{self.kind}' (it reads no file)")
             )
         _raise_problems("DataConfig", problems)
         return self
@@ -498,6 +518,14 @@ class Schedule(_Section):
     )
     log_interval: int = Field(1, ge=1, description="Steps between loss/throughput log lines.")
     eval_interval: int = Field(100, ge=1, description="Steps between evaluations.")
+    eval_iters: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Micro-batches of the held-out set per evaluation, always the same ones; null "
+            "evaluates the whole set."
+        ),
+    )
     checkpoint_interval: int = Field(100, ge=1, description="Steps between checkpoints.")
     keep_checkpoints: int = Field(
         3, ge=1, description="Checkpoints kept on disk; older ones are deleted."
@@ -526,7 +554,7 @@ class Seeds(_Section):
         ge=0,
         description="Seed for weight initialisation (when not loading a checkpoint) and dropout.",
     )
-    data: int = Field(1234, ge=0, description="Seed for data order and synthetic data.")
+    data: int = Field(1234, ge=0, description="Seed for data order and generated data.")
 
 
 class Topology(_Section):

@@ -28,8 +28,12 @@ def summary_rows(m: Manifest) -> list[tuple[str, str]]:
         ("sha256", manifest_hash(m)),
         (
             "precision",
-            f"{p.fp8_format} FP8, {p.scaling} scaling, history {p.amax_history_len} "
-            f"({p.amax_compute_algo}), margin {p.margin}, base {p.base_dtype}",
+            (
+                f"{p.fp8_format} FP8, {p.scaling} scaling, history {p.amax_history_len} "
+                f"({p.amax_compute_algo}), margin {p.margin}, base {p.base_dtype}"
+            )
+            if p.enabled
+            else f"FP8 off: everything in {p.base_dtype} (a control or base run)",
         ),
         ("amax reduction", reduction),
         ("FP8 modules", ", ".join(p.include_modules)),

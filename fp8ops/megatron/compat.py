@@ -115,11 +115,57 @@ def amax_reduction_group(*, tp_only: bool) -> torch.distributed.ProcessGroup:
     )
 
 
+def transformer_engine_pytorch():
+    """``transformer_engine.pytorch``, or None where it cannot work (no CUDA, not installed).
+
+    Never imported on a CPU machine: there TE's PyTorch extension cannot load (module docstring).
+    """
+    if not torch.cuda.is_available():
+        return None
+    try:
+        import transformer_engine.pytorch as te
+    except ImportError:
+        return None
+    return te
+
+
+def te_gpt_layer_spec() -> ModuleSpec:
+    """Megatron's Transformer Engine GPT layer spec (call only where TE imports)."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    return get_gpt_layer_with_transformer_engine_spec()
+
+
+def te_fp8_context(config: TransformerConfig):
+    """Megatron's FP8 context for ``config``: TE's ``fp8_autocast`` with a ``DelayedScaling``
+    built from the config's fp8 fields and Megatron's amax reduction group."""
+    from megatron.core.fp8_utils import get_fp8_context
+
+    return get_fp8_context(config)
+
+
 __all__ = [
-    "MEGATRON_CORE_VERSION", "ColumnParallelLinear", "GPTModel", "ModuleSpec", "RowParallelLinear",
-    "TransformerConfig", "amax_reduction_group", "copy_to_tensor_model_parallel_region",
-    "filesystem_async", "fused_softmax", "gather_from_tensor_model_parallel_region",
-    "get_gpt_layer_local_spec", "megatron_random", "parallel_state",
-    "reduce_from_tensor_model_parallel_region", "scatter_to_tensor_model_parallel_region",
-    "set_rng_tracker", "tensor_parallel",
+    "MEGATRON_CORE_VERSION",
+    "ColumnParallelLinear",
+    "GPTModel",
+    "ModuleSpec",
+    "RowParallelLinear",
+    "TransformerConfig",
+    "amax_reduction_group",
+    "copy_to_tensor_model_parallel_region",
+    "filesystem_async",
+    "fused_softmax",
+    "gather_from_tensor_model_parallel_region",
+    "get_gpt_layer_local_spec",
+    "megatron_random",
+    "parallel_state",
+    "reduce_from_tensor_model_parallel_region",
+    "scatter_to_tensor_model_parallel_region",
+    "set_rng_tracker",
+    "te_fp8_context",
+    "te_gpt_layer_spec",
+    "tensor_parallel",
+    "transformer_engine_pytorch",
 ]

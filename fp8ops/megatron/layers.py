@@ -15,7 +15,11 @@ Each rank casts its own shard with the module's scales; the scope all-reduces (M
 over its group, which contains the TP group, so every shard of a tensor shares one scale, as in TE.
 Return values follow Megatron's ``(output, bias)`` convention, ``skip_bias_add`` included.
 
-Outside an active scope (or inside ``scope(enabled=False)``) ``forward`` *is* the parent's.
+Outside an active scope (or inside ``scope(enabled=False)``) ``forward`` *is* the parent's, and so
+it is for a layer whose ``fp8_enabled`` is False: per-layer admission (``fp8ops.admission``) keeps
+such a layer in the base dtype. It keeps its FP8 state, frozen (it records no amax, so its scopes'
+updates leave it alone), so every module has the same state layout whether it runs FP8 or not, and
+a BF16 override can later be lifted without a gap in the checkpoint.
 
 How the recipe reaches a layer: a ``recipe`` constructor argument, which ``ModuleSpec.params``
 carries (``spec.py``). The recipe fixes the shape of the module's state (history length) and its
@@ -85,6 +89,7 @@ class _Fp8LocalGemm:
         # Plain attributes, not buffers: a buffer would enter Megatron's sharded_state_dict as a
         # ShardedTensor with replica semantics to define; the state travels in _extra_state.
         self.fp8_meta = Fp8Meta.fresh(recipe)
+        self.fp8_enabled = True  # False: admitted to the base dtype (see module docstring)
         self.gemm = gemm or EmulatedGemm()
         self.is_first_microbatch: bool | None = None
         self.track_stats = False  # telemetry: keep each cast's full statistics
@@ -166,7 +171,7 @@ class Fp8ColumnParallelLinear(_Fp8LocalGemm, ColumnParallelLinear):
         runtime_gather_output: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         scope = active_scope()
-        if scope is None:
+        if scope is None or not self.fp8_enabled:
             return super().forward(input_, weight, runtime_gather_output)
         if weight is None:
             weight = self.weight
@@ -187,7 +192,7 @@ class Fp8RowParallelLinear(_Fp8LocalGemm, RowParallelLinear):
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         scope = active_scope()
-        if scope is None:
+        if scope is None or not self.fp8_enabled:
             return super().forward(input_)
         if self.input_is_parallel:
             input_parallel = input_  # [s, b, h/tp]: already this rank's slice

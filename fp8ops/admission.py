@@ -1,0 +1,634 @@
+"""Per-layer FP8 admission: which module of a built model runs FP8, and why.
+
+The manifest's ``precision`` section says which modules *may* run FP8 (include and exclude
+globs, the small-GEMM rule, ``enabled``); only the built model says which modules exist, how
+they are sharded and what shape their GEMMs have on a rank. Admission puts the two together
+once, before training, into a table with one row per linear-like module::
+
+    table = decide_admission(model, manifest.precision, tensor_parallel=tp)  # decide
+    apply_admission(table, model)                 # set fp8_enabled on the FP8 linears
+    write_layers_json(run_dir, table, recipe, tensor_parallel=tp, manifest_hash=h)
+
+``layers.json`` is the run's record of its *effective* per-layer precision: ``fp8ops inspect
+RUN_DIR --layers`` prints it, and its ``table_hash`` is what checkpoints will carry. Two lessons
+from other stacks shape the rules: a filter that matches nothing must be an error, not a silent
+no-op (torchtitan PR#4008 quantised the LM head of its 405B config through a stale filter
+name), and small GEMMs lose in FP8 (the casts cost more than the faster matmul saves), so the
+size rule looks at the GEMM that actually runs: the per-rank shard.
+
+Megatron and torch are imported inside the functions that walk a model, so reading
+``layers.json`` (the ``inspect`` command) needs neither.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from fp8ops.errors import Fp8opsError, ManifestError
+from fp8ops.manifest.revisions import _atomic_write
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from fp8ops.manifest.schema import PrecisionPolicy, SmallGemmRule
+    from fp8ops.precision import DelayedScalingRecipe
+
+LAYERS_FILE = "layers.json"
+LAYERS_SCHEMA_VERSION = 1
+
+
+class AdmissionError(ManifestError):
+    """The precision policy does not fit the model (a glob matches no module), or an
+    admission table does not fit the model it is applied to."""
+
+
+class LayersFileError(Fp8opsError):
+    """A run's ``layers.json`` is missing, unreadable or corrupt."""
+
+
+# --------------------------------------------------------------------------------------
+# The table
+# --------------------------------------------------------------------------------------
+
+Kind = Literal[
+    "qkv", "proj", "fc1", "fc2", "embedding", "position_embedding", "lm_head", "norm", "other"
+]
+Parallel = Literal["column", "row", "vocab", "replicated"]
+ReasonCode = Literal[
+    "fp8", "excluded", "not_included", "small_gemm", "fp8_disabled", "not_fp8_capable",
+    "embedding", "lm_head", "norm",
+]  # fmt: skip
+
+
+class _Record(BaseModel):
+    # The rows are what layers.json holds: strict and closed, as the manifest is.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class GemmShape(_Record):
+    """A GEMM ``y = x @ W^T`` with ``W`` of shape ``[N, K]``: K inputs, N outputs.
+
+    Written ``{"in": K, "out": N}`` (``in`` is a Python keyword, hence the aliases). For an
+    embedding K is the vocabulary and N the width; for a norm both are the width.
+    """
+
+    k: int = Field(alias="in", ge=1)
+    n: int = Field(alias="out", ge=1)
+
+    @classmethod
+    def of(cls, k: int, n: int) -> GemmShape:
+        return cls.model_validate({"in": k, "out": n})
+
+    def __str__(self) -> str:
+        return f"{self.k} x {self.n}"
+
+
+class Reason(_Record):
+    """Why a module runs where it does: a code for programs, a sentence for people."""
+
+    code: ReasonCode
+    text: str
+
+
+class Formats(_Record):
+    """The FP8 encodings of an admitted module's casts."""
+
+    forward: Literal["E4M3", "E5M2"]
+    backward: Literal["E4M3", "E5M2"]
+
+
+class AdmissionRow(_Record):
+    """One linear-like module and the precision it runs in."""
+
+    fqn: str = Field(min_length=1)
+    kind: Kind
+    parallel: Parallel
+    global_shape: GemmShape
+    rank_shape: GemmShape
+    params_dtype: str
+    precision: Literal["fp8", "bf16", "fp16", "fp32"]  # "fp8" or precision.base_dtype
+    formats: Formats | None  # None unless precision is "fp8"
+    reason: Reason
+
+    @property
+    def fp8(self) -> bool:
+        return self.precision == "fp8"
+
+
+@dataclass(frozen=True)
+class AdmissionTable:
+    """Every linear-like module of a model, in ``named_modules()`` order, with its decision."""
+
+    rows: tuple[AdmissionRow, ...]
+    tensor_parallel: int
+
+    def row(self, fqn: str) -> AdmissionRow:
+        for row in self.rows:
+            if row.fqn == fqn:
+                return row
+        raise KeyError(fqn)
+
+    @property
+    def fp8_fqns(self) -> tuple[str, ...]:
+        return tuple(row.fqn for row in self.rows if row.fp8)
+
+    def counts(self) -> dict[str, int]:
+        """Modules per reason code, in the order of ``_SUMMARY_LABELS``."""
+        found = Counter(row.reason.code for row in self.rows)
+        return {code: found[code] for code in _SUMMARY_LABELS if found[code]}
+
+    def summary(self) -> str:
+        """One line, e.g. "8 of 16 modules FP8; 8 in bf16: 1 embedding, 1 LM head, 5 norm"."""
+        counts = self.counts()
+        fp8 = counts.pop("fp8", 0)
+        line = f"{fp8} of {len(self.rows)} modules FP8"
+        base = [row.precision for row in self.rows if not row.fp8]
+        if base:
+            dtypes = "/".join(sorted(set(base)))
+            parts = ", ".join(f"{n} {_SUMMARY_LABELS[code]}" for code, n in counts.items())
+            line += f"; {len(base)} in {dtypes}: {parts}"
+        return line
+
+
+_SUMMARY_LABELS = {
+    "fp8": "FP8",
+    "excluded": "excluded",
+    "not_included": "not included",
+    "small_gemm": "small GEMM",
+    "fp8_disabled": "FP8 disabled",
+    "not_fp8_capable": "not FP8-capable",
+    "embedding": "embedding",
+    "lm_head": "LM head",
+    "norm": "norm",
+}
+
+
+# --------------------------------------------------------------------------------------
+# Shapes and the small-GEMM rule (pure functions)
+# --------------------------------------------------------------------------------------
+
+
+def per_rank_shape(parallel: str, global_shape: GemmShape, tensor_parallel: int) -> GemmShape:
+    """The GEMM one tensor-parallel rank runs.
+
+    Column-parallel splits the outputs (weight ``[N/tp, K]`` per rank), row-parallel the inputs
+    (``[N, K/tp]``), a vocab-parallel embedding its rows (the vocabulary, K here); replicated
+    modules run whole on every rank.
+    """
+    k, n = global_shape.k, global_shape.n
+    split = {"column": (1, tensor_parallel), "row": (tensor_parallel, 1),
+             "vocab": (tensor_parallel, 1), "replicated": (1, 1)}[parallel]  # fmt: skip
+    if k % split[0] or n % split[1]:
+        raise ValueError(
+            f"a {parallel}-parallel GEMM of {global_shape} does not split evenly over "
+            f"tensor_parallel={tensor_parallel}"
+        )
+    return GemmShape.of(k // split[0], n // split[1])
+
+
+def small_gemm_verdict(rule: SmallGemmRule, rank_shape: GemmShape) -> str | None:
+    """None when a per-rank GEMM is large enough for FP8, else the sentence saying why not."""
+    k, n = rank_shape.k, rank_shape.n
+    failures = []
+    if min(k, n) < rule.min_dim:
+        failures.append(f"min(K,N) {min(k, n)} < precision.small_gemm.min_dim {rule.min_dim}")
+    if 2 * k * n < rule.min_flops_per_token:
+        failures.append(
+            f"2*K*N {2 * k * n} < precision.small_gemm.min_flops_per_token "
+            f"{rule.min_flops_per_token}"
+        )
+    if not failures:
+        return None
+    return f"small GEMM: K={k}, N={n} per rank; " + " and ".join(failures)
+
+
+# --------------------------------------------------------------------------------------
+# Deciding
+# --------------------------------------------------------------------------------------
+
+_PROJECTION_KINDS = {"linear_qkv": "qkv", "linear_proj": "proj", "linear_fc1": "fc1",
+                     "linear_fc2": "fc2"}  # fmt: skip
+_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+@dataclass(frozen=True)
+class _Found:
+    """A linear-like module as the model walk finds it, before any decision."""
+
+    fqn: str
+    module: Any
+    kind: str
+    parallel: str
+    global_shape: GemmShape
+    fp8_capable: bool
+    always_base: ReasonCode | None  # embedding, lm_head, norm: never FP8, whatever the globs
+
+
+def decide_admission(
+    model: nn.Module, precision: PrecisionPolicy, *, tensor_parallel: int
+) -> AdmissionTable:
+    """Decide, for every linear-like module of ``model``, whether it runs FP8.
+
+    ``model`` is a GPT from :func:`fp8ops.megatron.build_gpt` on this rank, built with
+    ``tensor_parallel`` ranks (checked against its weight shards). An FP8-capable projection
+    runs FP8 iff ``precision.enabled``, an include glob matches its full name, no exclude glob
+    does and (when on) its per-rank GEMM passes ``precision.small_gemm``. Every glob must
+    match some module of the table; the ones that don't are reported together as an
+    :class:`AdmissionError`.
+    """
+    found = _walk(model, tensor_parallel)
+    _check_globs(precision, [f.fqn for f in found])
+    formats = _formats(precision.fp8_format)
+    rows = []
+    for f in found:
+        rank_shape = per_rank_shape(f.parallel, f.global_shape, tensor_parallel)
+        reason = _decide(f, rank_shape, precision)
+        rows.append(
+            AdmissionRow(
+                fqn=f.fqn, kind=f.kind, parallel=f.parallel, global_shape=f.global_shape,
+                rank_shape=rank_shape, params_dtype=_params_dtype(f.module),
+                precision="fp8" if reason.code == "fp8" else precision.base_dtype,
+                formats=formats if reason.code == "fp8" else None, reason=reason,
+            )
+        )  # fmt: skip
+    return AdmissionTable(rows=tuple(rows), tensor_parallel=tensor_parallel)
+
+
+def _decide(f: _Found, rank_shape: GemmShape, precision: PrecisionPolicy) -> Reason:
+    include = _first_match(f.fqn, "include_modules", precision.include_modules)
+    if f.always_base is not None:
+        text = _ALWAYS_BASE[f.kind]
+        if include:
+            text += f"; {include} matches it, but these modules never run FP8"
+        return Reason(code=f.always_base, text=text)
+    if not precision.enabled:
+        return Reason(code="fp8_disabled", text="precision.enabled is false: no module runs FP8")
+    if not f.fp8_capable:
+        return Reason(
+            code="not_fp8_capable",
+            text=f"not an FP8-capable module ({type(f.module).__name__}, built from the plain "
+            "spec)",
+        )
+    if not include:
+        return Reason(code="not_included", text="matched by no glob in precision.include_modules")
+    exclude = _first_match(f.fqn, "exclude_modules", precision.exclude_modules)
+    if exclude:
+        return Reason(code="excluded", text=f"excluded by {exclude}")
+    text = f"included by {include}"
+    if precision.small_gemm.enabled:
+        too_small = small_gemm_verdict(precision.small_gemm, rank_shape)
+        if too_small:
+            return Reason(code="small_gemm", text=too_small)
+        text += f"; K={rank_shape.k}, N={rank_shape.n} per rank passes precision.small_gemm"
+    else:
+        text += "; precision.small_gemm is off"
+    return Reason(code="fp8", text=text)
+
+
+# Why the embedding, LM head and norms stay in the base dtype, by kind (the practice of TE,
+# torchtitan and DeepSeek-V3: the first and last layers are the most precision-sensitive).
+_ALWAYS_BASE = {
+    "embedding": "the word embedding is never FP8 (a lookup, not a GEMM)",
+    "position_embedding": "the position embedding is never FP8 (a lookup, not a GEMM)",
+    "lm_head": "the LM head is never FP8 (its logits feed the loss: the most sensitive GEMM)",
+    "norm": "norms are never FP8 (no GEMM)",
+}
+
+
+def _first_match(fqn: str, field: str, globs: tuple[str, ...]) -> str | None:
+    """``"precision.<field>[i] '<glob>'"`` for the first glob matching ``fqn``, else None."""
+    for index, glob in enumerate(globs):
+        if fnmatchcase(fqn, glob):
+            return f"precision.{field}[{index}] '{glob}'"
+    return None
+
+
+def _formats(fp8_format: str) -> Formats:
+    from fp8ops.precision import Fp8Format
+
+    fmt = Fp8Format.parse(fp8_format)
+    return Formats(forward=fmt.forward.name.upper(), backward=fmt.backward.name.upper())
+
+
+def _params_dtype(module: Any) -> str:
+    weight = getattr(module, "weight", None)
+    # An LM head tied to the embedding has no weight of its own; its config says the dtype.
+    dtype = weight.dtype if weight is not None else module.config.params_dtype
+    name = str(dtype).removeprefix("torch.")
+    return _DTYPE_NAMES.get(name, name)
+
+
+# --------------------------------------------------------------------------------------
+# Walking the model
+# --------------------------------------------------------------------------------------
+
+
+def _walk(model: nn.Module, tensor_parallel: int) -> list[_Found]:
+    """The linear-like modules of ``model``: projections, LM head, embeddings, norms."""
+    found = []
+    for fqn, module in model.named_modules():
+        item = _classify(fqn, module)
+        if item is not None:
+            _check_shard(item, tensor_parallel)
+            found.append(item)
+    return found
+
+
+def _classify(fqn: str, module: Any) -> _Found | None:
+    import torch
+
+    from fp8ops.megatron.compat import ColumnParallelLinear, RowParallelLinear, tensor_parallel
+    from fp8ops.megatron.layers import FP8_PARALLEL_LINEARS
+
+    name = fqn.rsplit(".", 1)[-1]
+    if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        parallel = "column" if isinstance(module, ColumnParallelLinear) else "row"
+        shape = GemmShape.of(module.input_size, module.output_size)
+        if name == "output_layer":
+            return _Found(fqn, module, "lm_head", parallel, shape, False, "lm_head")
+        kind = _PROJECTION_KINDS.get(name, "other")
+        capable = isinstance(module, FP8_PARALLEL_LINEARS)
+        return _Found(fqn, module, kind, parallel, shape, capable, None)
+    if isinstance(module, tensor_parallel.VocabParallelEmbedding):
+        shape = GemmShape.of(module.num_embeddings, module.embedding_dim)
+        return _Found(fqn, module, "embedding", "vocab", shape, False, "embedding")
+    if isinstance(module, torch.nn.Embedding):  # Megatron's learned absolute positions
+        shape = GemmShape.of(module.num_embeddings, module.embedding_dim)
+        return _Found(fqn, module, "position_embedding", "replicated", shape, False, "embedding")
+    if isinstance(module, torch.nn.Linear):
+        shape = GemmShape.of(module.in_features, module.out_features)
+        return _Found(fqn, module, "other", "replicated", shape, False, None)
+    if _is_norm(module):
+        width = module.weight.numel()
+        return _Found(fqn, module, "norm", "replicated", GemmShape.of(width, width), False, "norm")
+    return None
+
+
+def _is_norm(module: Any) -> bool:
+    import torch
+
+    # torch's own norms (Megatron's local spec), or Apex's FusedLayerNorm, TE's TENorm, ...;
+    # a norm without a weight (an IdentityOp slot, an L2 norm) has nothing to list.
+    is_norm = isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm))
+    is_norm = is_norm or type(module).__name__.endswith("Norm")
+    return is_norm and isinstance(getattr(module, "weight", None), torch.nn.Parameter)
+
+
+def _check_shard(item: _Found, tensor_parallel: int) -> None:
+    # The small-GEMM rule is only as right as the per-rank shape: a wrong tensor_parallel
+    # would admit or refuse modules silently, so check it against the weight this rank holds.
+    weight = getattr(item.module, "weight", None)
+    if item.parallel not in ("column", "row", "vocab") or weight is None:
+        return
+    shape = per_rank_shape(item.parallel, item.global_shape, tensor_parallel)
+    expected = (shape.k, shape.n) if item.parallel == "vocab" else (shape.n, shape.k)
+    if tuple(weight.shape) != expected:
+        raise ValueError(
+            f"tensor_parallel={tensor_parallel} does not fit the model: {item.fqn} holds a "
+            f"weight of shape {list(weight.shape)} on this rank, expected {list(expected)}; "
+            "pass the tensor-parallel size the model was built with"
+        )
+
+
+# --------------------------------------------------------------------------------------
+# Globs that match nothing
+# --------------------------------------------------------------------------------------
+
+
+def _check_globs(precision: PrecisionPolicy, fqns: list[str]) -> None:
+    """Every include and exclude glob must match some module: a glob that matches nothing is
+    a typo or a stale name, and silently ignoring it changes what runs FP8."""
+    problems = []
+    for field in ("include_modules", "exclude_modules"):
+        for index, glob in enumerate(getattr(precision, field)):
+            if not any(fnmatchcase(fqn, glob) for fqn in fqns):
+                problems.append(f"  precision.{field}[{index}] '{glob}': {_hint(glob, fqns)}")
+    if problems:
+        raise AdmissionError(
+            f"{len(problems)} module glob(s) in the manifest match no module of this model "
+            "(globs match the full module name, fnmatch-style):\n"
+            + "\n".join(problems)
+            + "\nFix them in a new revision (fp8ops manifest derive --set "
+            "'precision.include_modules=[...]' ...)."
+        )
+
+
+def _hint(glob: str, fqns: list[str]) -> str:
+    """A corrected glob when one is easy to guess, else a few real names to compare with."""
+    # Module names with layer indices as '*': 16 layers are one name to read, not 16.
+    patterns = list(dict.fromkeys(re.sub(r"\.\d+(?=\.|$)", ".*", fqn) for fqn in fqns))
+    suggestion = _suggest(glob, fqns)
+    if suggestion:
+        matched = [p for p in patterns if fnmatchcase(p, suggestion)] or [
+            fqn for fqn in fqns if fnmatchcase(fqn, suggestion)
+        ]
+        return f"matches nothing; did you mean '{suggestion}'? (it matches {_few(matched, 3)})"
+    names = difflib.get_close_matches(glob, patterns, n=3, cutoff=0.5) or patterns[:3]
+    return "matches nothing; module names look like " + ", ".join(names)
+
+
+# Names other stacks give the same modules (Hugging Face, torchtitan): a manifest written
+# with them matches nothing in a Megatron model.
+_OTHER_NAMES = {
+    "lm_head": "output_layer", "output": "output_layer",
+    "embed_tokens": "word_embeddings", "tok_embeddings": "word_embeddings",
+    "q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv",
+    "wq": "linear_qkv", "wk": "linear_qkv", "wv": "linear_qkv",
+    "o_proj": "linear_proj", "wo": "linear_proj",
+    "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "w1": "linear_fc1", "w3": "linear_fc1",
+    "down_proj": "linear_fc2", "w2": "linear_fc2",
+}  # fmt: skip
+
+
+def _suggest(glob: str, fqns: list[str]) -> str | None:
+    def matches(candidate: str) -> bool:
+        return any(fnmatchcase(fqn, candidate) for fqn in fqns)
+
+    # A bare or relative name ("linear_fc1", "layers.0.*"): the match is on the full name.
+    if matches("*." + glob):
+        return "*." + glob
+    # Another stack's name, or a misspelt one, in the last segment.
+    head, _, last = glob.rpartition(".")
+    segments = sorted({fqn.rsplit(".", 1)[-1] for fqn in fqns})
+    replacement = _OTHER_NAMES.get(last) or next(
+        iter(difflib.get_close_matches(last, segments, n=1)), None
+    )
+    if replacement is None:
+        return None
+    for candidate in (f"{head}.{replacement}" if head else replacement, "*." + replacement):
+        if matches(candidate):
+            return candidate
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# Applying
+# --------------------------------------------------------------------------------------
+
+
+def apply_admission(table: AdmissionTable, model: nn.Module) -> None:
+    """Set ``fp8_enabled`` on every FP8-capable linear of ``model`` as ``table`` decided.
+
+    The table must list exactly the model's linear-like modules (one decided for, or read from
+    the ``layers.json`` of, the same model); otherwise nothing is changed and
+    :class:`AdmissionError` says which names differ.
+    """
+    from fp8ops.megatron.layers import fp8_modules
+
+    in_model = [f.fqn for f in _walk(model, table.tensor_parallel)]
+    in_table = [row.fqn for row in table.rows]
+    if set(in_model) != set(in_table):
+        only_table = sorted(set(in_table) - set(in_model))
+        only_model = sorted(set(in_model) - set(in_table))
+        raise AdmissionError(
+            "the admission table does not fit the model (was it decided for another model?): "
+            f"only in the table: {_few(only_table)}; only in the model: {_few(only_model)}"
+        )
+    capable = fp8_modules(model)
+    wrong = [row.fqn for row in table.rows if row.fp8 and row.fqn not in capable]
+    if wrong:
+        raise AdmissionError(
+            f"the admission table runs {_few(wrong)} in FP8, but the model built them from the "
+            "plain spec (build the model with a recipe)"
+        )
+    for fqn, module in capable.items():
+        module.fp8_enabled = table.row(fqn).fp8
+
+
+def _few(names: list[str], limit: int = 4) -> str:
+    if not names:
+        return "none"
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+# --------------------------------------------------------------------------------------
+# layers.json
+# --------------------------------------------------------------------------------------
+
+
+class RecipeRecord(_Record):
+    """The delayed-scaling recipe the admitted modules run under, as layers.json writes it."""
+
+    fp8_format: Literal["hybrid", "e4m3"]
+    amax_history_len: int = Field(ge=1)
+    amax_compute_algo: str
+    margin: int = Field(ge=0)
+    reduce_amax: bool
+
+    @classmethod
+    def from_recipe(cls, recipe: DelayedScalingRecipe) -> RecipeRecord:
+        return cls(
+            fp8_format=recipe.fp8_format.value,
+            amax_history_len=recipe.amax_history_len,
+            amax_compute_algo=recipe.amax_compute_algo.name,
+            margin=recipe.margin,
+            reduce_amax=recipe.reduce_amax,
+        )
+
+
+class LayersDocument(_Record):
+    """The content of a run's ``layers.json``."""
+
+    schema_version: Literal[1]
+    manifest_hash: str = Field(pattern=r"^[0-9a-f]{64}$")
+    tensor_parallel: int = Field(ge=1)
+    table_hash: str = Field(pattern=r"^[0-9a-f]{64}$")
+    recipe: RecipeRecord
+    rows: tuple[AdmissionRow, ...]
+
+    @property
+    def table(self) -> AdmissionTable:
+        return AdmissionTable(rows=self.rows, tensor_parallel=self.tensor_parallel)
+
+
+def table_hash(rows: tuple[AdmissionRow, ...], recipe: RecipeRecord) -> str:
+    """sha256 of the canonical JSON of the rows and the recipe: the identity of a run's
+    per-layer precision, which checkpoints carry to refuse a resume under another one.
+
+    The reasons' sentences are left out (their codes stay in): rewording a message in a later
+    fp8ops must not make an old checkpoint look like another run.
+    """
+    content = {
+        "recipe": recipe.model_dump(mode="json"),
+        "rows": [
+            row.model_dump(mode="json", by_alias=True, exclude={"reason": {"text"}}) for row in rows
+        ],
+    }
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def write_layers_json(
+    run_dir: str | Path,
+    table: AdmissionTable,
+    recipe: DelayedScalingRecipe,
+    *,
+    tensor_parallel: int,
+    manifest_hash: str,
+) -> Path:
+    """Write ``run_dir/layers.json`` atomically (readers see the old file or the new one)."""
+    if tensor_parallel != table.tensor_parallel:
+        raise ValueError(
+            f"tensor_parallel={tensor_parallel}, but the table was decided for "
+            f"tensor_parallel={table.tensor_parallel}"
+        )
+    record = RecipeRecord.from_recipe(recipe)
+    document = LayersDocument(
+        schema_version=LAYERS_SCHEMA_VERSION,
+        manifest_hash=manifest_hash,
+        tensor_parallel=tensor_parallel,
+        table_hash=table_hash(table.rows, record),
+        recipe=record,
+        rows=table.rows,
+    )
+    path = Path(run_dir) / LAYERS_FILE
+    _atomic_write(path, document.model_dump_json(by_alias=True, indent=2) + "\n")
+    return path
+
+
+def read_layers_json(run_dir: str | Path) -> LayersDocument:
+    """Read and check ``run_dir/layers.json``; :class:`LayersFileError` names the file."""
+    run_dir = Path(run_dir)
+    path = run_dir / LAYERS_FILE
+    if not run_dir.is_dir():
+        what = "is not a directory" if run_dir.exists() else "no such run directory"
+        raise LayersFileError(f"{run_dir}: {what}")
+    if not path.is_file():
+        raise LayersFileError(
+            f"{path}: no such file; the run has not recorded its per-layer precision "
+            "(layers.json is written when training starts)"
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+        document = LayersDocument.model_validate_json(text)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LayersFileError(f"{path}: cannot read: {exc}") from None
+    except ValidationError as exc:
+        raise LayersFileError(f"{path}: corrupt layers file: {_describe(exc)}") from None
+    expected = table_hash(document.rows, document.recipe)
+    if document.table_hash != expected:
+        raise LayersFileError(
+            f"{path}: corrupt layers file: table_hash {document.table_hash[:12]}... does not "
+            f"match its rows and recipe ({expected[:12]}...); it was edited or damaged"
+        )
+    return document
+
+
+def _describe(exc: ValidationError, limit: int = 3) -> str:
+    problems = []
+    for error in exc.errors()[:limit]:
+        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"])
+        problems.append(f"{loc.lstrip('.') or 'top level'}: {error['msg']}")
+    more = f" (and {exc.error_count() - limit} more)" if exc.error_count() > limit else ""
+    return "; ".join(problems) + more

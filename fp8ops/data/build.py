@@ -1,0 +1,95 @@
+"""``build_data(manifest)``: the manifest's ``data`` section as train and eval sequences.
+
+Reads ``data`` (kind, path, num_examples, eval_fraction, fingerprint), ``tokenizer`` (byte
+only), ``model.seq_length`` and ``seeds.data``, and checks ``data.fingerprint`` when set.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from fp8ops.data.batches import TokenizedData, pack_documents, sft_sequences, text_sequences
+from fp8ops.data.corpus import build_corpus
+from fp8ops.data.jsonl import read_jsonl
+from fp8ops.data.tasks import Example, generate_examples, split_examples
+from fp8ops.data.tokenizer import EOD, ByteTokenizer, tokenizer_for
+from fp8ops.errors import ManifestError
+
+if TYPE_CHECKING:
+    from fp8ops.manifest.schema import Manifest
+
+
+def build_data(manifest: Manifest) -> TokenizedData:
+    """Tokenized train and eval data for ``manifest``; deterministic for a given manifest."""
+    config = manifest.data
+    tokenizer = tokenizer_for(manifest.tokenizer)
+    seq_length = manifest.model.seq_length
+    seed = manifest.seeds.data
+    source: dict = {"tokenizer": tokenizer.kind, "tokenizer_fingerprint": tokenizer.fingerprint()}
+
+    if config.kind == "corpus":
+        corpus = build_corpus(seed)
+        source |= {
+            "corpus_bytes": len(corpus.data),
+            "corpus_documents": len(corpus.documents),
+            "corpus_fingerprint": corpus.fingerprint,
+            # The corpus is Python's own documentation: another version, other bytes.
+            "python": platform.python_version(),
+        }
+        data = _pretraining(config.kind, corpus.data, seq_length, config.eval_fraction, source)
+    elif config.kind == "tasks":
+        examples = generate_examples(seed, config.num_examples)
+        data = _sft(config.kind, examples, seq_length, config.eval_fraction, tokenizer, source)
+    else:  # jsonl
+        file = read_jsonl(config.path)
+        source |= {"path": str(file.path), "file_sha256": file.sha256}
+        if file.kind == "text":
+            stream = b"".join(bytes(tokenizer.encode(text) + [EOD]) for text in file.texts)
+            data = _pretraining(config.kind, stream, seq_length, config.eval_fraction, source)
+        else:
+            data = _sft(
+                config.kind, file.examples, seq_length, config.eval_fraction, tokenizer, source
+            )
+
+    if len(data.train) == 0:
+        raise ManifestError(
+            f"data: no training sequences ({len(data.eval)} went to evaluation); add data "
+            "(data.num_examples, a longer file), lower data.eval_fraction or model.seq_length"
+        )
+    if config.fingerprint is not None and config.fingerprint != data.fingerprint:
+        raise ManifestError(
+            f"data.fingerprint: the manifest expects {config.fingerprint} but the data built "
+            f"from it now hashes to {data.fingerprint}. The data changed (a different data "
+            "file; for kind 'corpus', a different Python version; or a different fp8ops). "
+            "Restore the original data, or if the change is intended, derive a revision with "
+            "data.fingerprint set to the new value (or null to record it without checking)."
+        )
+    return data
+
+
+def _pretraining(
+    kind: str, stream: bytes, seq_length: int, eval_fraction: float, source: dict
+) -> TokenizedData:
+    windows = pack_documents(stream, seq_length)
+    # The held-out windows are the stream's tail; at least one whenever evaluation is asked for.
+    n_eval = math.ceil(len(windows) * eval_fraction) if len(windows) > 1 else 0
+    train, evaluation = text_sequences(windows).split_at(len(windows) - n_eval)
+    return TokenizedData(kind, "pretrain", train, evaluation, source)
+
+
+def _sft(
+    kind: str,
+    examples: Sequence[Example],
+    seq_length: int,
+    eval_fraction: float,
+    tokenizer: ByteTokenizer,
+    source: dict,
+) -> TokenizedData:
+    train, evaluation = split_examples(examples, eval_fraction)
+    # Tokenized together, so a length error reports the longest example of either split.
+    both = sft_sequences([*train, *evaluation], seq_length, tokenizer)
+    train_sequences, eval_sequences = both.split_at(len(train))
+    return TokenizedData(kind, "sft", train_sequences, eval_sequences, source)

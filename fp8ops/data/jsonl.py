@@ -1,0 +1,172 @@
+"""Your own data (data kind ``jsonl``): one JSON object per line, one kind per file.
+
+* pre-training: every line is ``{"text": "..."}``, a document;
+* SFT: every line is ``{"prompt": "...", "answer": "...", "buckets": {"name": "value", ...}}``;
+  ``buckets`` is optional, but when present every line must use the same bucket names.
+
+Blank lines are skipped. Anything else that is wrong is a ``ManifestError`` naming the file, the
+1-based line number and what to fix: the file is part of the run, as the manifest is, and is
+checked as strictly (an unknown key is an error, not ignored).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from fp8ops.data.tasks import Example
+from fp8ops.errors import ManifestError
+
+_TEXT_KEYS = {"text"}
+_SFT_KEYS = {"prompt", "answer", "buckets"}
+
+
+@dataclass(frozen=True)
+class JsonlData:
+    """A JSONL file's content: ``texts`` (pre-training) or ``examples`` (SFT), never both."""
+
+    path: Path
+    kind: Literal["text", "sft"]
+    texts: tuple[str, ...]
+    examples: tuple[Example, ...]
+    sha256: str  # of the file's bytes, for the record (the data fingerprint is what counts)
+
+
+def read_jsonl(path: str | Path) -> JsonlData:
+    """Read and check the JSONL file at ``path`` (``data.path``)."""
+    path = Path(path)
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "no such file"
+        raise ManifestError(f"data.path: {path}: {what}; it must name a JSONL file")
+    raw = path.read_bytes()
+    texts: list[str] = []
+    examples: list[Example] = []
+    first: dict[str, int] = {}  # kind -> its first line
+    bucket_names: tuple[str, ...] | None = None
+    # A byte-order mark from Windows editors is tolerated, as in manifests.
+    for number, line in enumerate(raw.removeprefix(b"\xef\xbb\xbf").split(b"\n"), 1):
+        where = f"{path}: line {number}"
+        obj = _parse(line, where)
+        if obj is None:
+            continue  # blank
+        kind = _kind_of(obj, where)
+        first.setdefault(kind, number)
+        if len(first) > 1:
+            other = "text" if kind == "sft" else "sft"
+            raise ManifestError(
+                f"{where}: a {_KIND_NAMES[kind]}, but line {first[other]} is a "
+                f"{_KIND_NAMES[other]}; one file holds one kind (split it into two files)"
+            )
+        if kind == "text":
+            texts.append(_string(obj, "text", where))
+            continue
+        buckets = _buckets(obj.get("buckets", {}), where)
+        names = tuple(sorted(buckets))
+        if bucket_names is None:
+            bucket_names = names
+        elif names != bucket_names:
+            raise ManifestError(
+                f"{where}: buckets are named {list(names)} but line {first['sft']} names "
+                f"{list(bucket_names)}; every example needs the same bucket names"
+            )
+        prompt, answer = _string(obj, "prompt", where), _string(obj, "answer", where)
+        examples.append(Example(prompt, answer, buckets))
+
+    if not first:
+        raise ManifestError(
+            f"{path}: no JSON objects (the file is empty or blank); data kind 'jsonl' needs "
+            'one {"text": ...} or {"prompt": ..., "answer": ...} object per line'
+        )
+    return JsonlData(
+        path=path,
+        kind="text" if texts else "sft",
+        texts=tuple(texts),
+        examples=tuple(examples),
+        sha256=hashlib.sha256(raw).hexdigest(),
+    )
+
+
+_KIND_NAMES = {"text": 'text document {"text": ...}', "sft": 'SFT example {"prompt", "answer"}'}
+
+
+def _parse(line: bytes, where: str) -> dict[str, Any] | None:
+    """The line's JSON object, or None for a blank line."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ManifestError(f"{where}: not UTF-8 (byte 0x{line[exc.start]:02x})") from None
+    if not text.strip():
+        return None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ManifestError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(obj, dict):
+        raise ManifestError(f"{where}: expected a JSON object, got {_json_type(obj)}")
+    return obj
+
+
+def _kind_of(obj: dict[str, Any], where: str) -> Literal["text", "sft"]:
+    keys = set(obj)
+    if "text" in keys:
+        kind, allowed = "text", _TEXT_KEYS
+    elif "prompt" in keys or "answer" in keys:
+        kind, allowed = "sft", _SFT_KEYS
+    else:
+        raise ManifestError(
+            f'{where}: has keys {sorted(keys)}; expected {{"text": ...}} or '
+            '{"prompt": ..., "answer": ..., "buckets": {...}}'
+        )
+    unknown = sorted(keys - allowed)
+    if unknown:
+        raise ManifestError(
+            f"{where}: unknown key {unknown[0]!r} for a {_KIND_NAMES[kind]}; "
+            f"allowed: {sorted(allowed)}"
+        )
+    missing = sorted({"prompt", "answer"} - keys) if kind == "sft" else []
+    if missing:
+        raise ManifestError(
+            f"{where}: missing key {missing[0]!r}; an SFT example needs 'prompt' and 'answer'"
+        )
+    return kind
+
+
+def _string(obj: dict[str, Any], key: str, where: str) -> str:
+    value = obj[key]
+    if not isinstance(value, str):
+        raise ManifestError(f"{where}: {key!r} must be a string, got {_json_type(value)}")
+    if not value:
+        # Empty text teaches nothing; an empty prompt leaves no position to predict the answer.
+        raise ManifestError(f"{where}: {key!r} is empty")
+    if "\x00" in value:
+        raise ManifestError(
+            f"{where}: {key!r} contains NUL (\\u0000), the byte tokenizer's end-of-document id"
+        )
+    return value
+
+
+def _buckets(value: Any, where: str) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise ManifestError(
+            f"{where}: 'buckets' must be an object of name -> value strings, "
+            f"got {_json_type(value)}"
+        )
+    for name, label in value.items():
+        if not isinstance(label, str):
+            raise ManifestError(
+                f"{where}: bucket {name!r} must be a string, got {_json_type(label)}"
+            )
+    return dict(value)
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return {dict: "an object", list: "an array", str: "a string"}[type(value)]

@@ -1,0 +1,160 @@
+"""Supervised tasks with checkable answers, and their evaluation buckets (data kind ``tasks``).
+
+Three tasks a tiny byte-level GPT can partly learn in a few hundred steps::
+
+    task     terse prompt       verbose prompt, then a newline and "A: "   answer  hard when
+    add      "add 12 39 = "     "Q: What is 12 plus 39?"                   "51"    a column carries
+    reverse  "reverse abca = "  "Q: What is abca backwards?"               "acba"  a letter repeats
+    sort     "sort 3142 = "     "Q: Sort the digits 3142."                 "1234"  a digit repeats
+
+Every example carries four buckets: ``task``; ``length`` (``short``/``medium``/``long``:
+operands of 1/2/3 digits for add, 3-4/5-6/7-8 characters for reverse and sort);
+``difficulty`` (``easy``/``hard``, the last column above); ``format`` (``terse``/``verbose``).
+Task, length, difficulty and format are drawn uniformly and independently, then an instance
+that fits them, so every bucket cell is populated.
+
+An answer is right only if it matches exactly (``check``). Examples go to evaluation by a hash
+of the prompt (``held_out``), so an identical prompt can never be in both splits, whatever the
+seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import random
+import string
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+TASKS = ("add", "reverse", "sort")
+LENGTHS = ("short", "medium", "long")
+DIFFICULTIES = ("easy", "hard")
+FORMATS = ("terse", "verbose")
+BUCKETS = {"task": TASKS, "length": LENGTHS, "difficulty": DIFFICULTIES, "format": FORMATS}
+
+# The schema's upper bound on data.eval_fraction. The corpus only uses prompts at or above it in
+# hash space, so they are training prompts for every eval_fraction a manifest can have.
+MAX_EVAL_FRACTION = 0.5
+
+
+@dataclass(frozen=True)
+class Example:
+    """One supervised example: the model sees ``prompt`` and must produce ``answer``."""
+
+    prompt: str
+    answer: str
+    buckets: dict[str, str] = field(default_factory=dict)  # bucket name -> value
+
+
+def check(example: Example, generated: str) -> bool:
+    """Whether ``generated`` (the text after the prompt) is exactly the answer.
+
+    Anything from an end-of-document (NUL) on is ignored, and so is trailing whitespace.
+    """
+    return generated.split("\x00", 1)[0].rstrip() == example.answer
+
+
+def held_out(prompt: str, eval_fraction: float) -> bool:
+    """Whether ``prompt`` belongs to the evaluation split."""
+    return split_point(prompt) < eval_fraction
+
+
+def split_point(prompt: str) -> float:
+    """A fixed pseudo-random number in [0, 1) for ``prompt``: the first 6 bytes of its sha256.
+
+    Six bytes, not eight: 48 bits divide exactly in a float, so the result is never 1.0.
+    """
+    digest = hashlib.sha256(prompt.encode("utf-8")).digest()
+    return int.from_bytes(digest[:6], "big") / 2**48
+
+
+def split_examples(
+    examples: Sequence[Example], eval_fraction: float
+) -> tuple[list[Example], list[Example]]:
+    """(train, eval), each in the original order."""
+    train, evaluation = [], []
+    for example in examples:
+        (evaluation if held_out(example.prompt, eval_fraction) else train).append(example)
+    return train, evaluation
+
+
+def generate_examples(seed: int | str, count: int) -> list[Example]:
+    """``count`` examples drawn from ``random.Random(seed)`` (never the global RNG).
+
+    Prompts may repeat, as the short cells are small (there are only 100 one-digit sums):
+    the examples sample the task distribution, they do not enumerate it.
+    """
+    return list(itertools.islice(example_stream(seed), count))
+
+
+def example_stream(seed: int | str) -> Iterator[Example]:
+    """The endless stream ``generate_examples`` takes its first ``count`` from."""
+    rng = random.Random(seed)
+    while True:
+        task = rng.choice(TASKS)
+        length = rng.choice(LENGTHS)
+        difficulty = rng.choice(DIFFICULTIES)
+        style = rng.choice(FORMATS)
+        prompt, answer = _MAKERS[task](rng, length, difficulty, style)
+        buckets = {"task": task, "length": length, "difficulty": difficulty, "format": style}
+        yield Example(prompt, answer, buckets)
+
+
+# --------------------------------------------------------------------------------------
+# The tasks. Each maker returns (prompt, answer) for the requested cell.
+# --------------------------------------------------------------------------------------
+
+
+def _prompt(style: str, terse: str, verbose: str) -> str:
+    return f"{terse} = " if style == "terse" else f"Q: {verbose}\nA: "
+
+
+def _add(rng: random.Random, length: str, difficulty: str, style: str) -> tuple[str, str]:
+    digits = LENGTHS.index(length) + 1
+    low, high = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
+    while True:  # rejection sampling: at worst ~1 in 6 three-digit pairs has no carry
+        a, b = rng.randint(low, high), rng.randint(low, high)
+        if carries(a, b) == (difficulty == "hard"):
+            break
+    return _prompt(style, f"add {a} {b}", f"What is {a} plus {b}?"), str(a + b)
+
+
+def carries(a: int, b: int) -> bool:
+    """Whether adding ``a`` and ``b`` column by column carries anywhere."""
+    while a or b:
+        if a % 10 + b % 10 >= 10:
+            return True
+        a, b = a // 10, b // 10
+    return False
+
+
+def _text_size(rng: random.Random, length: str) -> int:
+    return rng.choice({"short": (3, 4), "medium": (5, 6), "long": (7, 8)}[length])
+
+
+def _draw(rng: random.Random, alphabet: str, size: int, repeated: bool) -> str:
+    if not repeated:
+        return "".join(rng.sample(alphabet, size))
+    while True:  # at worst ~1 in 9 three-letter strings repeats a letter
+        text = "".join(rng.choice(alphabet) for _ in range(size))
+        if len(set(text)) < size:
+            return text
+
+
+def _reverse(rng: random.Random, length: str, difficulty: str, style: str) -> tuple[str, str]:
+    word = _draw(rng, string.ascii_lowercase, _text_size(rng, length), difficulty == "hard")
+    return _prompt(style, f"reverse {word}", f"What is {word} backwards?"), word[::-1]
+
+
+def _sort(rng: random.Random, length: str, difficulty: str, style: str) -> tuple[str, str]:
+    digits = _draw(rng, string.digits, _text_size(rng, length), difficulty == "hard")
+    answer = "".join(sorted(digits))
+    return _prompt(style, f"sort {digits}", f"Sort the digits {digits}."), answer
+
+
+_MAKERS: dict[str, Callable[[random.Random, str, str, str], tuple[str, str]]] = {
+    "add": _add,
+    "reverse": _reverse,
+    "sort": _sort,
+}

@@ -1,0 +1,87 @@
+"""Process groups for a run: one process, or one per rank under torchrun / srun.
+
+torchrun (and fp8ops' SLURM launcher, which starts torchrun) sets ``RANK``, ``WORLD_SIZE`` and
+``MASTER_ADDR``/``MASTER_PORT``; a plain ``fp8ops train`` sets none and runs as a world of one on a
+private port. Either way Megatron's parallel state is then initialised for the manifest's topology,
+so the rest of fp8ops sees the same groups in both cases.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fp8ops.errors import ManifestError
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where this process sits. ``dp_rank``/``tp_rank`` are Megatron's."""
+
+    rank: int
+    world_size: int
+    tp_rank: int
+    dp_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes the run directory; the others only compute."""
+        return self.rank == 0
+
+
+def init_distributed(topology, *, source: str) -> Ranks:
+    """Start torch.distributed and Megatron's parallel state for ``topology``.
+
+    The world must be exactly the manifest's: a run that silently used another layout would
+    record one topology and train another. ``source`` names the manifest in errors.
+    """
+    from fp8ops.megatron.compat import parallel_state
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size != topology.world_size:
+        raise ManifestError(
+            f"{source}: this job has {world_size} process(es) but topology asks for "
+            f"{topology.world_size} (tensor_parallel {topology.tensor_parallel} x pipeline_parallel "
+            f"{topology.pipeline_parallel} x data_parallel {topology.data_parallel}); start it "
+            f"with `torchrun --nproc-per-node {topology.world_size}` or change the topology, "
+            f"e.g. --set topology.tensor_parallel={world_size}"
+        )
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if "RANK" in os.environ:
+            dist.init_process_group(backend)  # env:// from torchrun
+        else:
+            dist.init_process_group(
+                backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+            )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=topology.tensor_parallel,
+        pipeline_model_parallel_size=topology.pipeline_parallel,
+    )
+    return Ranks(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+    )
+
+
+def shutdown_distributed() -> None:
+    """Undo :func:`init_distributed` (safe to call when nothing was started)."""
+    from fp8ops.megatron.compat import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    # The OS picks an unused port; a fixed one would collide with a second run or a test.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -1,0 +1,148 @@
+"""The run directory: everything a run leaves behind, written by rank 0 only.
+
+::
+
+    RUN_DIR/
+      manifest.yaml        the manifest the run is locked to (the derived revision under --set)
+      manifests/           every revision in its lineage, content-addressed (<sha256>.yaml)
+      run.json             fingerprints: manifest, environment, topology, data, tokenizer, model
+      status.json          running | completed | failed, and the last finished step
+      layers.json          per-layer admission (fp8ops.admission)
+      metrics.jsonl        one line per optimizer step
+      eval.jsonl           one line per evaluation
+      events.jsonl         what happened, in order (start, admission, evaluations, end, errors)
+      final/               the trained weights (a weights checkpoint, fp8ops.train.weights)
+
+Files that are rewritten (status, run info) are replaced atomically; the JSONL logs are only
+appended to, a line at a time, so a crash loses at most the line being written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from fp8ops.errors import Fp8opsError
+from fp8ops.manifest import ManifestStore, manifest_hash, write_manifest
+from fp8ops.manifest.schema import Manifest
+
+MANIFEST = "manifest.yaml"
+STATUS = "status.json"
+
+
+class RunAlreadyComplete(Fp8opsError):
+    """The run directory already holds a completed run of this very manifest."""
+
+    exit_code = 0
+
+
+class RunDir:
+    """Writes one run's files. Construct with :meth:`claim`."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    @classmethod
+    def check_free(cls, path: Path, manifest: Manifest) -> None:
+        """Refuse a directory that holds another run (call on every rank, before any writes).
+
+        A completed run of the same manifest raises :class:`RunAlreadyComplete` (exit code 0:
+        rerunning a finished command is not an error); anything else already there is refused,
+        since writing into it would mix two runs' records.
+        """
+        path = Path(path)
+        if not path.exists():
+            return
+        if not path.is_dir():
+            raise Fp8opsError(f"--run-dir {str(path)!r} is a file, not a directory")
+        if not any(path.iterdir()):
+            return
+        status = read_status(path)
+        digest = manifest_hash(manifest)
+        if status and status.get("state") == "completed" and status.get("manifest") == digest:
+            raise RunAlreadyComplete(
+                f"{path} already holds a completed run of this manifest (sha256 {digest[:12]}); "
+                "nothing to do. Its results are in that directory."
+            )
+        state = f"a {status['state']} run" if status else "files that are not an fp8ops run"
+        raise Fp8opsError(
+            f"--run-dir {str(path)!r} already holds {state}"
+            + (f" of manifest {status['manifest'][:12]}" if status else "")
+            + "; choose a new --run-dir (fp8ops never writes over a run)"
+        )
+
+    @classmethod
+    def claim(cls, path: Path, manifest: Manifest, lineage: list[Manifest]) -> RunDir:
+        """Create the directory with the locked manifest and its lineage (rank 0 only)."""
+        run = cls(path)
+        run.path.mkdir(parents=True, exist_ok=True)
+        store = ManifestStore(run.path / "manifests")
+        for revision in lineage:
+            store.put(revision)
+        write_manifest(manifest, run.path / MANIFEST)
+        run.set_status("running", step=0, manifest=manifest_hash(manifest))
+        return run
+
+    # -- whole files, replaced atomically ---------------------------------------------------
+
+    def write_json(self, name: str, document: dict[str, Any]) -> None:
+        _atomic_write(self.path / name, json.dumps(document, indent=2, sort_keys=True) + "\n")
+
+    def set_status(self, state: str, **fields: Any) -> None:
+        status = read_status(self.path) or {}
+        status.update(fields, state=state, updated=_now())
+        self.write_json(STATUS, status)
+
+    # -- append-only logs --------------------------------------------------------------------
+
+    def append(self, name: str, record: dict[str, Any]) -> None:
+        with open(self.path / name, "a") as log:
+            log.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def event(self, kind: str, **fields: Any) -> None:
+        self.append("events.jsonl", {"event": kind, "time": _now(), **fields})
+
+
+def read_status(path: Path) -> dict[str, Any] | None:
+    """A run directory's status, or None if it has none."""
+    try:
+        return json.loads((Path(path) / STATUS).read_text())
+    except FileNotFoundError:
+        return None
+    except json.JSONDecodeError as exc:
+        raise Fp8opsError(f"{Path(path) / STATUS}: not valid JSON ({exc})") from None
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of an append-only log; a torn last line (a crash mid-write) is skipped."""
+    records = []
+    with open(path) as log:
+        lines = log.read().split("\n")
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines) - 1:  # only the final, unterminated line may be torn
+                raise Fp8opsError(f"{path}:{number}: not valid JSON") from None
+    return records
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(handle, "w") as f:
+            f.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")

@@ -1,0 +1,397 @@
+"""``fp8ops train``: fine-tune (or pre-train) the manifest's Megatron GPT, FP8 where admitted.
+
+Reading order: :func:`run_training` is the whole command (load, check, start ranks, train,
+shut down); :class:`Trainer` builds the parts in ``__init__`` and ``train`` is the loop, in
+execution order. Delayed scaling as Megatron uses it: one FP8 scope per micro-batch forward (input
+and gradient histories advance per micro-batch), the weight cast once per optimizer step
+(``mark_first_microbatch``: weight histories advance per step), amaxes reduced over the manifest's
+amax reduction group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fp8ops.errors import ManifestError
+from fp8ops.manifest import derive, load_manifest, manifest_hash
+from fp8ops.manifest.schema import Manifest
+from fp8ops.train import weights
+from fp8ops.train.distributed import Ranks, init_distributed, shutdown_distributed
+from fp8ops.train.environment import environment_fingerprint
+from fp8ops.train.optimizer import MainParamsOptimizer, learning_rate
+from fp8ops.train.run_dir import RunDir
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a finished run reports to the command line."""
+
+    run_dir: Path
+    steps: int
+    first_loss: float
+    last_loss: float
+    last_eval_loss: float | None
+    seconds: float
+
+
+def run_training(
+    manifest_path: Path,
+    run_dir: Path,
+    *,
+    assignments: dict | None = None,
+    progress: bool = True,
+) -> TrainResult:
+    """Everything ``fp8ops train`` does. ``assignments`` (``--set``) derive a new revision of
+    the manifest first; the run is locked to that revision."""
+    manifest, lineage = _locked_manifest(Path(manifest_path), assignments or {})
+    source = str(manifest_path)
+    RunDir.check_free(run_dir, manifest)
+    _check_inputs(manifest, source)
+    ranks = init_distributed(manifest.topology, source=source)
+    try:
+        RunDir.check_free(run_dir, manifest)  # again, now that every rank is up
+        dist.barrier()  # nobody checks after rank 0 has started writing
+        trainer = Trainer(manifest, lineage, Path(run_dir), ranks, progress=progress)
+        return trainer.train()
+    finally:
+        shutdown_distributed()
+
+
+class Trainer:
+    """One run: the model, its data, optimizer and FP8 scope, and the run directory."""
+
+    def __init__(
+        self, manifest: Manifest, lineage: list[Manifest], run_dir: Path, ranks: Ranks,
+        *, progress: bool = True,
+    ):  # fmt: skip
+        # Imported here: Megatron takes seconds to import, and `fp8ops --help` should not.
+        from fp8ops.admission import apply_admission, decide_admission, write_layers_json
+        from fp8ops.data import TrainSampler, build_data
+        from fp8ops.megatron import amax_reduction_group, build_gpt
+        from fp8ops.megatron.compat import parallel_state
+        from fp8ops.precision import DelayedScalingRecipe, Fp8Scope
+
+        self.manifest, self.ranks = manifest, ranks
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.run = RunDir.claim(run_dir, manifest, lineage) if ranks.is_main else RunDir(run_dir)
+        self.progress = progress and ranks.is_main
+
+        self.data = build_data(manifest)
+        schedule = manifest.schedule
+        self.sampler = TrainSampler(
+            self.data.train, seed=manifest.seeds.data,
+            global_batch_size=schedule.global_batch_size,
+            micro_batch_size=schedule.micro_batch_size,
+            dp_rank=ranks.dp_rank, dp_size=manifest.topology.data_parallel,
+        )  # fmt: skip
+
+        precision = manifest.precision
+        self.recipe = DelayedScalingRecipe.from_precision(precision)
+        self.model = build_gpt(manifest, self.recipe if precision.enabled else None)
+        self.base = self._load_base()
+        self.admission = decide_admission(
+            self.model, precision, tensor_parallel=manifest.topology.tensor_parallel
+        )
+        apply_admission(self.admission, self.model)
+        amax_group = amax_reduction_group(manifest.topology)
+        self.scope = Fp8Scope(self.recipe, group=amax_group) if precision.enabled else None
+        self.optimizer = MainParamsOptimizer(
+            self.model, manifest.optimizer, tp_group=self.tp_group, dp_group=self.dp_group
+        )
+
+        if ranks.is_main:
+            write_layers_json(
+                self.run.path, self.admission, self.recipe,
+                tensor_parallel=manifest.topology.tensor_parallel,
+                manifest_hash=manifest_hash(manifest),
+            )  # fmt: skip
+        self._record_run_info(amax_group)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def train(self) -> TrainResult:
+        schedule = self.manifest.schedule
+        started = time.perf_counter()
+        losses: list[float] = []
+        last_eval = None
+        self._event("train_started", steps=schedule.train_steps)
+        try:
+            with self._progress_bar() as advance:
+                for step in range(schedule.train_steps):
+                    record = self.train_step(step)
+                    losses.append(record["loss"])
+                    self._log_step(record, advance)
+                    finished = step + 1
+                    if finished % schedule.eval_interval == 0 or finished == schedule.train_steps:
+                        last_eval = self.evaluate(finished)
+            self._save_final(losses[-1])
+        except BaseException as exc:
+            if self.ranks.is_main:
+                self.run.set_status("failed", error=f"{type(exc).__name__}: {exc}")
+                self.run.event("failed", error=f"{type(exc).__name__}: {exc}")
+            raise
+        seconds = time.perf_counter() - started
+        if self.ranks.is_main:
+            self.run.set_status("completed", step=schedule.train_steps)
+            self.run.event("train_completed", seconds=round(seconds, 3))
+        return TrainResult(
+            self.run.path, schedule.train_steps, losses[0], losses[-1], last_eval, seconds
+        )
+
+    def train_step(self, step: int) -> dict:
+        """One optimizer step over the global batch; returns its metrics record."""
+        started = time.perf_counter()
+        micro_batches = self.sampler.next_step()
+        lr = learning_rate(step, self.manifest.optimizer, self.manifest.schedule)
+        # The loss is a mean over every loss-bearing token of the global batch, so micro-batches
+        # and data-parallel ranks with more answer tokens weigh more (as one big batch would).
+        loss_tokens = self._dp_sum(sum(mb.loss_mask.sum() for mb in micro_batches))
+        from fp8ops.megatron import mark_first_microbatch
+
+        mark_first_microbatch(self.model)
+        step_loss = torch.zeros((), dtype=torch.float64)
+        for mb in micro_batches:
+            with self._fp8():
+                per_token = self.model(mb.tokens, mb.position_ids, None, labels=mb.labels)
+            loss = (per_token.float() * mb.loss_mask).sum() / loss_tokens
+            loss.backward()
+            step_loss += loss.detach().double()
+        step_loss = self._dp_sum(step_loss)
+        grad_norm, skipped = self.optimizer.step(lr)
+        seconds = time.perf_counter() - started
+        tokens = self._dp_sum(torch.tensor(float(sum(mb.tokens.numel() for mb in micro_batches))))
+        return {
+            "step": step + 1,
+            "loss": step_loss.item(),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "skipped": skipped,
+            "tokens": int(tokens.item()),
+            "loss_tokens": int(loss_tokens.item()),
+            "seconds": seconds,
+            "tokens_per_s": tokens.item() / seconds,
+            "peak_memory_mib": _peak_memory_mib(),
+        }
+
+    @torch.no_grad()
+    def evaluate(self, step: int) -> float:
+        """Mean loss over the held-out set, overall and per bucket; FP8 state left as it was.
+
+        The eval forward runs in FP8 with the training scales, but its amaxes are discarded: TE
+        would fold them into the next training update, so evaluating more or less often would
+        change the training run.
+        """
+        from fp8ops.megatron import mark_first_microbatch
+
+        saved = self._fp8_state()
+        self.model.eval()
+        mark_first_microbatch(self.model)  # cast the current weights once, reuse them after
+        totals: dict[str, list[float]] = {}
+        loss_sum, token_sum = 0.0, 0.0
+        schedule = self.manifest.schedule
+        batches = self.data.eval_batches(schedule.micro_batch_size)
+        for mb in itertools.islice(batches, schedule.eval_iters):  # None: all of them
+            with self._fp8():
+                per_token = self.model(mb.tokens, mb.position_ids, None, labels=mb.labels)
+            per_sequence = (per_token.float() * mb.loss_mask).sum(dim=1)
+            tokens = mb.loss_mask.sum(dim=1)
+            loss_sum += per_sequence.sum().item()
+            token_sum += tokens.sum().item()
+            for index, seq_loss, seq_tokens in zip(mb.indices.tolist(), per_sequence, tokens):
+                buckets = self.data.eval.buckets[index] if self.data.eval.examples else {}
+                for name, value in buckets.items():
+                    entry = totals.setdefault(f"{name}={value}", [0.0, 0.0])
+                    entry[0] += seq_loss.item()
+                    entry[1] += seq_tokens.item()
+        self.model.train()
+        self._restore_fp8_state(saved)
+        loss = loss_sum / max(token_sum, 1.0)
+        record = {
+            "step": step,
+            "loss": loss,
+            "tokens": int(token_sum),
+            "buckets": {name: s / max(t, 1.0) for name, (s, t) in sorted(totals.items())},
+        }
+        if self.ranks.is_main:
+            self.run.append("eval.jsonl", record)
+            self.run.event("evaluated", step=step, loss=loss)
+        return loss
+
+    # -- parts ---------------------------------------------------------------------------------
+
+    def _fp8(self):
+        return self.scope() if self.scope is not None else contextlib.nullcontext()
+
+    def _fp8_modules(self):
+        from fp8ops.megatron import fp8_modules
+
+        return fp8_modules(self.model)
+
+    def _fp8_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {
+            name: {k: v.clone() for k, v in m.fp8_meta.state_dict().items()}
+            for name, m in self._fp8_modules().items()
+        }
+
+    def _restore_fp8_state(self, saved: dict[str, dict[str, torch.Tensor]]) -> None:
+        for name, module in self._fp8_modules().items():
+            module.fp8_meta.load_state_dict(saved[name])
+
+    def _dp_sum(self, value) -> torch.Tensor:
+        value = torch.as_tensor(value, dtype=torch.float64).clone()
+        if dist.get_world_size(self.dp_group) > 1:
+            dist.all_reduce(value, group=self.dp_group)
+        return value
+
+    def _load_base(self) -> dict | None:
+        path = self.manifest.model.init_checkpoint
+        if path is None:
+            return None
+        meta = weights.load_weights(
+            self.model, Path(path), self.manifest.model,
+            tp_group=self.tp_group, field="model.init_checkpoint",
+        )  # fmt: skip
+        wanted = self.manifest.model.fingerprint
+        if wanted is not None and wanted != meta["fingerprint"]:
+            raise ManifestError(
+                f"model.fingerprint is {wanted} but {path} holds weights {meta['fingerprint']}; "
+                "point model.init_checkpoint at the intended base or update model.fingerprint"
+            )
+        return meta
+
+    def _record_run_info(self, amax_group) -> None:
+        manifest, topology = self.manifest, self.manifest.topology
+        initial = weights.weights_fingerprint(self.model, self.tp_group)
+        if not self.ranks.is_main:
+            return
+        from fp8ops.data import ByteTokenizer
+
+        self.run.write_json("run.json", {
+            "manifest": manifest_hash(manifest),
+            "revision": manifest.revision.number,
+            "command": sys.argv,
+            "environment": environment_fingerprint(),
+            "topology": {
+                "tensor_parallel": topology.tensor_parallel,
+                "pipeline_parallel": topology.pipeline_parallel,
+                "data_parallel": topology.data_parallel,
+                "world_size": self.ranks.world_size,
+                "amax_reduction": topology.amax_reduction,
+                "amax_reduction_ranks": dist.get_process_group_ranks(amax_group),
+            },
+            "seeds": manifest.seeds.model_dump(),
+            "model": {
+                "config_fingerprint": weights.architecture_fingerprint(manifest.model),
+                "init_checkpoint": manifest.model.init_checkpoint,
+                "init_fingerprint": self.base["fingerprint"] if self.base else None,
+                "initial_weights_fingerprint": initial,
+                "parameters": sum(p.numel() for p in self.model.parameters()),
+            },
+            "tokenizer": {"kind": manifest.tokenizer.kind, "fingerprint": ByteTokenizer().fingerprint()},
+            "data": {**self.data.summary(), "fingerprint": self.data.fingerprint,
+                     "sampler": self.sampler.state_dict()},
+            "admission": {"fp8_modules": sum(r.precision == "fp8" for r in self.admission.rows)},
+        })  # fmt: skip
+        self.run.event("run_started", manifest=manifest_hash(manifest))
+
+    def _save_final(self, last_loss: float) -> None:
+        fingerprint = weights.weights_fingerprint(self.model, self.tp_group)
+        meta = {
+            "architecture": weights.architecture(self.manifest.model),
+            "fingerprint": fingerprint,
+            "manifest": manifest_hash(self.manifest),
+            "steps": self.manifest.schedule.train_steps,
+            "last_loss": last_loss,
+        }
+        weights.save_weights(self.model, self.run.path / "final", meta, is_main=self.ranks.is_main)
+        if self.ranks.is_main:
+            self.run.event("weights_saved", path="final", fingerprint=fingerprint)
+
+    def _event(self, kind: str, **fields) -> None:
+        if self.ranks.is_main:
+            self.run.event(kind, **fields)
+
+    def _log_step(self, record: dict, advance) -> None:
+        if not self.ranks.is_main:
+            return
+        self.run.append("metrics.jsonl", record)
+        self.run.set_status("running", step=record["step"])
+        advance(record)
+
+    @contextlib.contextmanager
+    def _progress_bar(self):
+        """Yields ``advance(record)``: a rich progress bar on a terminal, log lines otherwise."""
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        schedule = self.manifest.schedule
+        console = Console(stderr=True, highlight=False)
+        live = self.progress and console.is_terminal
+        bar = Progress(
+            TextColumn("step"), MofNCompleteColumn(), BarColumn(),
+            TextColumn("loss {task.fields[loss]}  {task.fields[tps]} tok/s"), TimeElapsedColumn(),
+            console=console, disable=not live,
+        )  # fmt: skip
+        task = bar.add_task("train", total=schedule.train_steps, loss="-", tps="-")
+
+        def advance(record: dict) -> None:
+            loss, tps = f"{record['loss']:.4f}", f"{record['tokens_per_s']:,.0f}"
+            bar.update(task, completed=record["step"], loss=loss, tps=tps)
+            step = record["step"]
+            if (
+                self.progress
+                and not live
+                and (step % schedule.log_interval == 0 or step == schedule.train_steps)
+            ):
+                console.print(
+                    f"step {step}/{schedule.train_steps}  loss {loss}  grad_norm "
+                    f"{record['grad_norm']:.3f}  lr {record['lr']:.2e}  {tps} tok/s"
+                )
+
+        with bar:
+            yield advance
+
+
+def _locked_manifest(path: Path, assignments: dict) -> tuple[Manifest, list[Manifest]]:
+    """The manifest the run is locked to, and its lineage (root first)."""
+    manifest = load_manifest(path)
+    if not assignments:
+        return manifest, [manifest]
+    reason = "fp8ops train --set " + " ".join(f"{k}={v}" for k, v in assignments.items())
+    child = derive(manifest, assignments, reason, source=f"{path} with --set")
+    return child, [manifest, child]
+
+
+def _check_inputs(manifest: Manifest, source: str) -> None:
+    """What can be checked before any process group or model exists."""
+    if manifest.tokenizer.kind != "byte":
+        raise ManifestError(
+            f"{source}: tokenizer.kind {manifest.tokenizer.kind!r} is not supported yet; use 'byte'"
+        )
+    if manifest.model.init_checkpoint is not None:
+        weights.read_weights_meta(
+            Path(manifest.model.init_checkpoint), field=f"{source}: model.init_checkpoint"
+        )
+
+
+def _peak_memory_mib() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    # Linux reports the peak resident set size in KiB.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,0 +1,173 @@
+"""Model weights on disk: the base checkpoint a fine-tuning run starts from.
+
+A weights checkpoint is a Megatron ``dist_checkpointing`` directory (so a TP=1 base loads into a
+TP=2 run: Megatron reshards on load) plus ``fp8ops_weights.json``: the model section it was
+trained with and a fingerprint of the weights. The FP8 state (``_extra_state``) is left out: a
+base is a starting point, and a fine-tuning run starts its scaling state fresh from its own
+recipe. Full training checkpoints, with the FP8 state and optimizer, are a different thing.
+
+The fingerprint is a sha256 over every parameter's full (unsharded) tensor in the model's
+parameter order, so it is the same at any tensor-parallel size. Loading recomputes it: a base
+that loaded wrong, or a file that changed, cannot pass unnoticed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fp8ops.errors import ManifestError
+
+META_FILE = "fp8ops_weights.json"
+# The fields of the model section that do not change the weights' shapes or meaning.
+_NOT_ARCHITECTURE = {"init_checkpoint", "fingerprint"}
+
+
+def architecture(model_cfg) -> dict:
+    """The model section's fields that a checkpoint's weights depend on."""
+    return {
+        k: v for k, v in model_cfg.model_dump(mode="json").items() if k not in _NOT_ARCHITECTURE
+    }
+
+
+def architecture_fingerprint(model_cfg) -> str:
+    """sha256 of :func:`architecture` in canonical JSON: the model config's fingerprint."""
+    text = json.dumps(architecture(model_cfg), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def weights_fingerprint(model: nn.Module, tp_group) -> str:
+    """sha256 of the full weights, identical on every rank and at every TP size.
+
+    Each tensor-parallel shard is gathered one parameter at a time (peak memory: one full
+    parameter), which is collective: every rank of the TP group must call this.
+    """
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        full = _gather_full(param, tp_group)
+        digest.update(f"{name}|{full.dtype}|{tuple(full.shape)}|".encode())
+        digest.update(full.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def save_weights(model: nn.Module, directory: Path, meta: dict, *, is_main: bool) -> None:
+    """Write the model's weights to ``directory`` atomically (collective).
+
+    The checkpoint is written to a temporary sibling and renamed into place when complete, so
+    ``directory`` is either absent or a whole checkpoint, never a half-written one.
+    """
+    from megatron.core import dist_checkpointing
+
+    directory = Path(directory)
+    partial = directory.with_name(directory.name + ".partial")
+    if is_main:
+        shutil.rmtree(partial, ignore_errors=True)  # left by a crash: never a checkpoint
+        partial.mkdir(parents=True)
+    dist.barrier()
+    with _quiet_dcp():
+        dist_checkpointing.save(_weights_only(model.sharded_state_dict()), str(partial))
+    dist.barrier()
+    if is_main:
+        (partial / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        os.replace(partial, directory)
+    dist.barrier()
+
+
+def load_weights(model: nn.Module, directory: Path, model_cfg, *, tp_group, field: str) -> dict:
+    """Load a weights checkpoint into ``model`` and verify it; returns its metadata.
+
+    ``field`` names the manifest field that pointed here, for the errors: a missing directory,
+    a directory that is not an fp8ops weights checkpoint, an architecture other than the
+    manifest's, or weights whose fingerprint no longer matches.
+    """
+    from megatron.core import dist_checkpointing
+
+    directory = Path(directory)
+    meta_path = directory / META_FILE
+    meta = read_weights_meta(directory, field=field)
+    if meta["architecture"] != architecture(model_cfg):
+        differences = [
+            f"{key}: checkpoint {meta['architecture'].get(key)!r}, manifest {value!r}"
+            for key, value in architecture(model_cfg).items()
+            if meta["architecture"].get(key) != value
+        ]
+        raise ManifestError(
+            f"{field} {str(directory)!r} holds a different model than the manifest's model "
+            f"section ({'; '.join(differences)}); point {field} at a checkpoint of this model"
+        )
+    sharded = _weights_only(model.sharded_state_dict())
+    with _quiet_dcp():
+        loaded = dist_checkpointing.load(sharded, str(directory))
+    missing, unexpected = model.load_state_dict(loaded, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ManifestError(
+            f"{field} {str(directory)!r}: checkpoint and model disagree (missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]})"
+        )
+    found = weights_fingerprint(model, tp_group)
+    if found != meta["fingerprint"]:
+        raise ManifestError(
+            f"{meta_path}: the loaded weights hash to {found}, but the checkpoint was saved as "
+            f"{meta['fingerprint']}; its files changed or are damaged, so rebuild it"
+        )
+    return meta
+
+
+def read_weights_meta(directory: Path, *, field: str) -> dict:
+    """The metadata of a weights checkpoint, with errors that say what to do."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ManifestError(
+            f"{field}: base checkpoint {str(directory)!r} does not exist (paths are relative to "
+            "the directory you run fp8ops from); train the base first (README: the CPU default "
+            f"pre-trains it with manifests/tiny-gpt-cpu-base.yaml) or correct {field}"
+        )
+    meta_path = directory / META_FILE
+    try:
+        meta = json.loads(meta_path.read_text())
+    except FileNotFoundError:
+        raise ManifestError(
+            f"{field}: {str(directory)!r} is not an fp8ops weights checkpoint (no {META_FILE}); "
+            "point it at the 'final' directory of a completed run"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise ManifestError(
+            f"{meta_path}: not valid JSON ({exc}); the checkpoint is damaged"
+        ) from None
+    for key in ("architecture", "fingerprint"):
+        if key not in meta:
+            raise ManifestError(f"{meta_path}: missing {key!r}; the checkpoint is damaged")
+    return meta
+
+
+@contextmanager
+def _quiet_dcp():
+    # Megatron 0.16 calls torch.distributed.checkpoint APIs that torch 2.13 deprecates
+    # (ShardedTensor, load_state_dict): a warning per call that the user cannot act on.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
+def _weights_only(sharded_state_dict: dict) -> dict:
+    return {k: v for k, v in sharded_state_dict.items() if not k.endswith("_extra_state")}
+
+
+def _gather_full(param: nn.Parameter, tp_group) -> torch.Tensor:
+    # Megatron marks shards on the Parameter itself (tensor_model_parallel, partition_dim).
+    local = param.detach()
+    if not getattr(param, "tensor_model_parallel", False) or dist.get_world_size(tp_group) == 1:
+        return local
+    shards = [torch.empty_like(local) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(shards, local.contiguous(), group=tp_group)
+    return torch.cat(shards, dim=param.partition_dim)

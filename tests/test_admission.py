@@ -1,0 +1,391 @@
+"""Per-layer FP8 admission on a real Megatron GPT at TP=1: the decisions and their reasons, globs
+that match nothing, fp8_enabled in training, layers.json and ``fp8ops inspect``."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+if importlib.util.find_spec("megatron") is None:  # not importorskip: fp8ops.megatron imports it
+    pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
+
+from fp8ops.admission import (
+    AdmissionError,
+    AdmissionTable,
+    GemmShape,
+    LayersFileError,
+    apply_admission,
+    decide_admission,
+    per_rank_shape,
+    read_layers_json,
+    small_gemm_verdict,
+    write_layers_json,
+)
+from fp8ops.cli import main
+from fp8ops.manifest import SmallGemmRule, derive, manifest_hash, parse_manifest
+from fp8ops.megatron import amax_reduction_group, build_gpt, fp8_modules
+from fp8ops.megatron.compat import parallel_state
+from fp8ops.precision import DelayedScalingRecipe, Fp8Scope
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
+]
+
+# Two layers of width 64: qkv 64 -> 192, proj 64 -> 64, fc1 64 -> 256, fc2 256 -> 64.
+MANIFEST = """\
+schema_version: 1
+name: admission-test
+precision:
+  amax_history_len: 8
+  small_gemm: {enabled: false}
+model:
+  num_layers: 2
+  hidden_size: 64
+  ffn_hidden_size: 256
+  num_attention_heads: 4
+  seq_length: 16
+  vocab_size: 256
+data:
+  kind: tasks
+schedule:
+  train_steps: 10
+  micro_batch_size: 2
+  global_batch_size: 2
+"""
+LAYERS = range(2)
+PROJECTIONS = {"self_attention.linear_qkv": "qkv", "self_attention.linear_proj": "proj",
+               "mlp.linear_fc1": "fc1", "mlp.linear_fc2": "fc2"}  # fmt: skip
+GLOBAL_SHAPES = {"qkv": (64, 192), "proj": (64, 64), "fc1": (64, 256), "fc2": (256, 64)}
+NORMS = [
+    f"decoder.layers.{i}.{n}" for i in LAYERS for n in ("input_layernorm", "pre_mlp_layernorm")
+]
+NORMS.append("decoder.final_layernorm")
+
+
+def projections(layer=None):
+    layers = LAYERS if layer is None else [layer]
+    return {
+        f"decoder.layers.{i}.{name}": kind for i in layers for name, kind in PROJECTIONS.items()
+    }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_tp1(tmp_path_factory):
+    """A one-rank gloo group and Megatron's parallel state at TP=1, as a launcher sets them up."""
+    store = tmp_path_factory.mktemp("dist") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def manifest():
+    return parse_manifest(MANIFEST, "admission-test")
+
+
+@pytest.fixture(scope="module")
+def recipe(manifest):
+    return DelayedScalingRecipe.from_precision(manifest.precision)
+
+
+@pytest.fixture(scope="module")
+def model(manifest, recipe):
+    """Shared by the tests that only decide: deciding reads the model, never changes it."""
+    return build_gpt(manifest, recipe)
+
+
+def revised(manifest, **precision_changes):
+    changes = {f"precision.{field}": value for field, value in precision_changes.items()}
+    return derive(manifest, changes, "admission test")
+
+
+def decide(model, manifest, **precision_changes):
+    m = revised(manifest, **precision_changes) if precision_changes else manifest
+    return decide_admission(model, m.precision, tensor_parallel=1)
+
+
+def codes(table):
+    return {row.fqn: row.reason.code for row in table.rows}
+
+
+# -- decisions -----------------------------------------------------------------------------------
+
+
+def test_default_globs_admit_the_four_projections_of_every_layer(model, manifest):
+    table = decide(model, manifest)
+    expected = {fqn: "fp8" for fqn in projections()}
+    expected |= {"embedding.word_embeddings": "embedding", "embedding.position_embeddings":
+                 "embedding", "output_layer": "lm_head"} | dict.fromkeys(NORMS, "norm")  # fmt: skip
+    assert codes(table) == expected
+    assert table.fp8_fqns == tuple(fqn for fqn in codes(table) if fqn in projections())
+
+    for fqn, kind in projections().items():
+        row = table.row(fqn)
+        assert row.kind == kind
+        assert row.parallel == ("column" if kind in ("qkv", "fc1") else "row")
+        assert (row.global_shape.k, row.global_shape.n) == GLOBAL_SHAPES[kind]
+        assert row.rank_shape == row.global_shape  # TP=1
+        weight = model.get_submodule(fqn).weight  # [N, K]
+        assert list(weight.shape) == [row.rank_shape.n, row.rank_shape.k]
+        assert (row.precision, row.params_dtype) == ("fp8", "bf16")
+        assert (row.formats.forward, row.formats.backward) == ("E4M3", "E5M2")  # hybrid
+        assert "precision.include_modules[" in row.reason.text
+
+    embedding, lm_head = table.row("embedding.word_embeddings"), table.row("output_layer")
+    assert (embedding.parallel, embedding.precision) == ("vocab", "bf16")
+    assert (embedding.global_shape.k, embedding.global_shape.n) == (256, 64)  # vocab x hidden
+    assert table.row("embedding.position_embeddings").kind == "position_embedding"
+    assert (lm_head.kind, lm_head.parallel, lm_head.formats) == ("lm_head", "column", None)
+    assert "LM head is never FP8" in lm_head.reason.text
+    for fqn in NORMS:
+        assert table.row(fqn).kind == "norm" and table.row(fqn).precision == "bf16"
+    assert table.summary() == "8 of 16 modules FP8; 8 in bf16: 2 embedding, 1 LM head, 5 norm"
+
+
+def test_an_exclude_glob_moves_exactly_layer_0s_projections_to_the_base_dtype(model, manifest):
+    table = decide(model, manifest, exclude_modules=["decoder.layers.0.*"])
+    for fqn in projections(0):
+        row = table.row(fqn)
+        assert (row.precision, row.reason.code, row.formats) == ("bf16", "excluded", None)
+        assert row.reason.text == "excluded by precision.exclude_modules[0] 'decoder.layers.0.*'"
+    assert table.fp8_fqns == tuple(fqn for fqn in codes(table) if fqn in projections(1))
+    # The glob also matches layer 0's norms; they keep their own reason.
+    assert table.row("decoder.layers.0.input_layernorm").reason.code == "norm"
+    assert table.summary().startswith("4 of 16 modules FP8; 12 in bf16: 4 excluded, ")
+
+
+def test_a_narrower_include_admits_only_what_it_names(model, manifest):
+    table = decide(model, manifest, include_modules=["*.linear_fc1", "*.final_layernorm"])
+    for fqn, kind in projections().items():
+        assert codes(table)[fqn] == ("fp8" if kind == "fc1" else "not_included"), fqn
+    qkv = table.row("decoder.layers.0.self_attention.linear_qkv")
+    assert qkv.reason.text == "matched by no glob in precision.include_modules"
+    # Including a norm does not make it FP8; the reason says so.
+    norm = table.row("decoder.final_layernorm")
+    assert norm.reason.code == "norm" and "precision.include_modules[1]" in norm.reason.text
+
+
+def test_small_gemm_rule_decides_on_the_per_rank_shape(model, manifest):
+    # 2*K*N: qkv 24576, proj 8192, fc1 and fc2 32768; min(K, N) is 64 everywhere.
+    table = decide(model, manifest, small_gemm={"enabled": True, "min_dim": 64,
+                                                "min_flops_per_token": 20000})  # fmt: skip
+    for fqn, kind in projections().items():
+        assert codes(table)[fqn] == ("small_gemm" if kind == "proj" else "fp8"), fqn
+    assert table.row("decoder.layers.1.self_attention.linear_proj").reason.text == (
+        "small GEMM: K=64, N=64 per rank; "
+        "2*K*N 8192 < precision.small_gemm.min_flops_per_token 20000"
+    )
+    assert "passes precision.small_gemm" in table.row("decoder.layers.1.mlp.linear_fc2").reason.text
+
+    table = decide(model, manifest, small_gemm={"enabled": True, "min_dim": 128,
+                                                "min_flops_per_token": 0})  # fmt: skip
+    assert all(codes(table)[fqn] == "small_gemm" for fqn in projections())
+    assert table.row("decoder.layers.0.self_attention.linear_qkv").reason.text == (
+        "small GEMM: K=64, N=192 per rank; min(K,N) 64 < precision.small_gemm.min_dim 128"
+    )
+
+
+def test_per_rank_shapes_under_tensor_parallelism():
+    # Llama-3-8B's GEMMs at TP=8, against the default rule (min_dim 1024, 2*K*N >= 2**23).
+    qkv, fc2 = GemmShape.of(4096, 6144), GemmShape.of(14336, 4096)  # GQA: 4096 + 2*1024
+    assert per_rank_shape("column", qkv, 8) == GemmShape.of(4096, 768)  # outputs split
+    assert per_rank_shape("row", fc2, 8) == GemmShape.of(1792, 4096)  # inputs split
+    assert per_rank_shape("vocab", GemmShape.of(128256, 4096), 2) == GemmShape.of(64128, 4096)
+    assert per_rank_shape("replicated", qkv, 8) == qkv
+    with pytest.raises(ValueError, match="does not split evenly"):
+        per_rank_shape("column", GemmShape.of(64, 192), 5)
+
+    rule = SmallGemmRule()
+    assert small_gemm_verdict(rule, per_rank_shape("column", qkv, 1)) is None
+    assert small_gemm_verdict(rule, per_rank_shape("column", qkv, 8)) == (
+        "small GEMM: K=4096, N=768 per rank; min(K,N) 768 < precision.small_gemm.min_dim 1024 "
+        "and 2*K*N 6291456 < precision.small_gemm.min_flops_per_token 8388608"
+    )
+    assert small_gemm_verdict(rule, per_rank_shape("row", fc2, 8)) is None
+
+
+def test_a_tensor_parallel_size_the_model_was_not_built_with_is_refused(model, manifest):
+    with pytest.raises(ValueError, match="tensor_parallel=2 does not fit the model"):
+        decide_admission(model, manifest.precision, tensor_parallel=2)
+
+
+def test_precision_disabled_runs_nothing_in_fp8(model, manifest):
+    table = decide(model, manifest, enabled=False)
+    assert table.fp8_fqns == ()
+    for fqn in projections():
+        assert table.row(fqn).reason.code == "fp8_disabled"
+        assert table.row(fqn).reason.text == "precision.enabled is false: no module runs FP8"
+    assert table.summary().startswith("0 of 16 modules FP8; 16 in bf16: 8 FP8 disabled, ")
+
+
+def test_the_plain_spec_has_no_fp8_capable_module(manifest):
+    table = decide(build_gpt(manifest, None), manifest)
+    for fqn in projections():
+        row = table.row(fqn)
+        assert (row.precision, row.reason.code) == ("bf16", "not_fp8_capable")
+        assert "built from the plain spec" in row.reason.text
+
+
+def test_globs_that_match_nothing_are_reported_together(model, manifest):
+    with pytest.raises(AdmissionError) as info:
+        decide(model, manifest, include_modules=["*.linear_qkv", "linear_fc1"],
+               exclude_modules=["lm_head"])  # fmt: skip
+    message = str(info.value)
+    assert message.startswith("2 module glob(s) in the manifest match no module of this model")
+    bare = (
+        "precision.include_modules[1] 'linear_fc1': matches nothing; did you mean '*.linear_fc1'?"
+    )
+    other_stack = (
+        "precision.exclude_modules[0] 'lm_head': matches nothing; did you mean 'output_layer'?"
+    )
+    assert bare in message and other_stack in message
+    assert "include_modules[0]" not in message
+
+    with pytest.raises(AdmissionError, match=r"'\*\.linear_qvk'.*did you mean '\*\.linear_qkv'"):
+        decide(model, manifest, include_modules=["*.linear_qvk"])
+
+
+# -- applying it: fp8_enabled in training ------------------------------------------------------
+
+
+def test_applied_admission_freezes_the_fp8_state_of_excluded_modules(manifest, recipe):
+    m = revised(manifest, exclude_modules=["decoder.layers.0.*"])
+    model = build_gpt(m, recipe)
+    table = decide_admission(model, m.precision, tensor_parallel=1)
+    apply_admission(table, model)
+    modules = fp8_modules(model)
+    assert {fqn for fqn, module in modules.items() if module.fp8_enabled} == set(projections(1))
+
+    initial = {fqn: module.fp8_meta.state_dict() for fqn, module in modules.items()}
+    scope = Fp8Scope(recipe, group=amax_reduction_group(m.topology))
+    generator = torch.Generator().manual_seed(0)
+    b, s = m.schedule.micro_batch_size, m.model.seq_length
+    for _ in range(2):
+        tokens = torch.randint(0, 256, (b, s + 1), generator=generator)
+        with scope():
+            loss = model(tokens[:, :-1], torch.arange(s).expand(b, s), None, labels=tokens[:, 1:])
+        loss.mean().backward()
+
+    for fqn, module in modules.items():
+        after = module.fp8_meta.state_dict()
+        same = all(torch.equal(after[key], initial[fqn][key]) for key in after)
+        assert same == (fqn in projections(0)), fqn
+
+
+def test_a_table_for_another_model_is_refused(model, manifest):
+    table = decide(model, manifest)
+    shorter = AdmissionTable(rows=table.rows[:-1], tensor_parallel=1)
+    with pytest.raises(AdmissionError, match="only in the model: output_layer"):
+        apply_admission(shorter, model)
+    with pytest.raises(AdmissionError, match="built them from the plain spec"):
+        apply_admission(table, build_gpt(manifest, None))
+
+
+# -- layers.json ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def run_dir(tmp_path, model, manifest, recipe):
+    """A run directory holding the layers.json of layer 0 excluded."""
+    m = revised(manifest, exclude_modules=["decoder.layers.0.*"])
+    table = decide_admission(model, m.precision, tensor_parallel=1)
+    write_layers_json(tmp_path, table, recipe, tensor_parallel=1, manifest_hash=manifest_hash(m))
+    return tmp_path
+
+
+def test_layers_json_round_trip(run_dir, model, manifest, recipe):
+    document = read_layers_json(run_dir)
+    m = revised(manifest, exclude_modules=["decoder.layers.0.*"])
+    table = decide_admission(model, m.precision, tensor_parallel=1)
+    assert document.table == table
+    assert (document.manifest_hash, document.tensor_parallel) == (manifest_hash(m), 1)
+    assert document.recipe.model_dump() == {
+        "fp8_format": "hybrid", "amax_history_len": 8, "amax_compute_algo": "max", "margin": 0,
+        "reduce_amax": True,
+    }  # fmt: skip
+    raw = json.loads((run_dir / "layers.json").read_text())
+    assert raw["schema_version"] == 1 and raw["tensor_parallel"] == 1
+    assert raw["rows"][0]["global_shape"] == {"in": 256, "out": 64}
+
+    # The hash is of the content: the same table written again has the same one.
+    first = document.table_hash
+    write_layers_json(run_dir, table, recipe, tensor_parallel=1, manifest_hash="0" * 64)
+    assert read_layers_json(run_dir).table_hash == first
+    assert os.listdir(run_dir) == ["layers.json"]  # no temporary file left behind
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(run_dir, model, manifest, recipe,
+                                                             monkeypatch):  # fmt: skip
+    before = (run_dir / "layers.json").read_bytes()
+
+    def fail(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        write_layers_json(run_dir, decide(model, manifest), recipe, tensor_parallel=1,
+                          manifest_hash="0" * 64)  # fmt: skip
+    assert os.listdir(run_dir) == ["layers.json"]
+    assert (run_dir / "layers.json").read_bytes() == before
+
+
+def test_a_corrupt_or_edited_layers_json_is_refused_naming_the_file(run_dir):
+    path = run_dir / "layers.json"
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2])
+    with pytest.raises(LayersFileError, match=f"{path}: corrupt layers file: .*Invalid JSON"):
+        read_layers_json(run_dir)
+
+    edited = json.loads(text)
+    edited["rows"][3]["precision"] = "fp8"
+    path.write_text(json.dumps(edited))
+    with pytest.raises(LayersFileError, match="table_hash .* does not match its rows"):
+        read_layers_json(run_dir)
+
+    edited["rows"][3]["reason"]["code"] = "maybe"
+    path.write_text(json.dumps(edited))
+    with pytest.raises(LayersFileError, match=r"rows\[3\]\.reason\.code"):
+        read_layers_json(run_dir)
+
+    path.unlink()
+    with pytest.raises(LayersFileError, match="layers.json: no such file"):
+        read_layers_json(run_dir)
+
+
+# -- fp8ops inspect ------------------------------------------------------------------------------
+
+
+def inspect(*args, capsys):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["inspect", *map(str, args)])
+    out, err = capsys.readouterr()
+    return exit_info.value.code or 0, out, err
+
+
+def test_inspect_layers_prints_every_module_and_the_summary(run_dir, capsys):
+    code, out, _ = inspect(run_dir, "--layers", capsys=capsys)
+    assert code == 0
+    for fqn in [*projections(), "output_layer", "embedding.word_embeddings", *NORMS]:
+        assert fqn in out
+    assert "excluded by precision.exclude_modules[0] 'decoder.layers.0.*'" in out
+    assert "64 x 192" in out  # qkv, global and per rank
+    assert "4 of 16 modules FP8; 12 in bf16: 4 excluded, 2 embedding, 1 LM head, 5 norm" in out
+
+    code, out, _ = inspect(run_dir, capsys=capsys)
+    assert code == 0 and "4 of 16 modules FP8" in out and "decoder.layers" not in out
+
+
+def test_inspect_without_a_run_is_a_user_error(tmp_path, capsys):
+    code, out, err = inspect(tmp_path / "nowhere", "--layers", capsys=capsys)
+    assert (code, out) == (2, "")
+    assert err.strip() == f"{tmp_path / 'nowhere'}: no such run directory"
+
+    code, _, err = inspect(tmp_path, capsys=capsys)
+    assert code == 2 and "layers.json: no such file" in err

@@ -1,0 +1,84 @@
+"""The Transformer Engine path: its configuration everywhere, the model only where TE runs."""
+
+import importlib.util
+
+import pytest
+from manifest_support import TINY
+
+if importlib.util.find_spec("megatron") is None:
+    pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
+
+from fp8ops.errors import Fp8opsError
+from fp8ops.manifest import derive, load_manifest
+from fp8ops.megatron.te_backend import (
+    build_gpt_te,
+    te_available,
+    te_fp8_scope,
+    te_transformer_config,
+)
+
+needs_te = pytest.mark.skipif(not te_available(), reason="needs a GPU with Transformer Engine")
+
+
+@pytest.fixture(scope="module")
+def manifest():
+    return load_manifest(TINY)
+
+
+def test_config_carries_the_manifest_recipe(manifest):
+    changed = derive(
+        manifest,
+        {
+            "precision.margin": 2,
+            "precision.amax_history_len": 32,
+            "precision.amax_compute_algo": "most_recent",
+            "topology.amax_reduction": "tp_cp",
+        },
+        "te config",
+    )
+    config = te_transformer_config(changed)
+    assert (config.fp8, config.fp8_recipe) == ("hybrid", "delayed")
+    assert (config.fp8_margin, config.fp8_amax_history_len) == (2, 32)
+    assert config.fp8_amax_compute_algo == "most_recent"
+    assert config.tp_only_amax_red is True
+    assert te_transformer_config(manifest).tp_only_amax_red is False
+
+
+def test_window_statistics_megatron_cannot_express_are_refused(manifest):
+    changed = derive(manifest, {"precision.amax_compute_algo": "quantile:0.9"}, "quantile")
+    with pytest.raises(Fp8opsError, match="amax_compute_algo 'quantile:0.9'.*emulated"):
+        te_transformer_config(changed)
+
+
+@pytest.mark.skipif(te_available(), reason="checks the machine without Transformer Engine")
+def test_without_te_the_path_refuses_and_names_the_fallback(manifest):
+    with pytest.raises(Fp8opsError, match="emulated backend"):
+        build_gpt_te(manifest)
+
+
+@needs_te
+def test_te_model_trains_under_delayed_scaling(manifest):  # pragma: no cover - GPU only
+    import torch
+    import torch.distributed as dist
+
+    from fp8ops.megatron.compat import parallel_state, tensor_parallel
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29631", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    model = build_gpt_te(manifest)
+    names = {name for name, _ in model.named_modules()}
+    for suffix in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1"):
+        assert f"decoder.layers.0.{suffix}" in names
+    qkv = model.decoder.layers[0].self_attention.linear_qkv
+    s = manifest.model.seq_length
+    tokens = torch.randint(0, 256, (2, s), device="cuda")
+    positions = torch.arange(s, device="cuda").expand(2, s)
+    for _ in range(2):
+        with te_fp8_scope(model):
+            loss = model(tokens, positions, None, labels=tokens).float().mean()
+        loss.backward()
+    scale = qkv.fp8_meta["scaling_fwd"].scale
+    assert torch.isfinite(scale).all() and not torch.equal(scale, torch.ones_like(scale))
+    parallel_state.destroy_model_parallel()

@@ -11,6 +11,7 @@ amax reduction group.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import resource
 import sys
@@ -83,9 +84,10 @@ class Trainer:
         self.manifest, self.ranks = manifest, ranks
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
-        self.run = RunDir.claim(run_dir, manifest, lineage) if ranks.is_main else RunDir(run_dir)
         self.progress = progress and ranks.is_main
 
+        # Everything that can refuse the manifest runs before the run directory is claimed,
+        # so a refused run leaves nothing behind.
         self.data = build_data(manifest)
         schedule = manifest.schedule
         self.sampler = TrainSampler(
@@ -103,19 +105,21 @@ class Trainer:
             self.model, precision, tensor_parallel=manifest.topology.tensor_parallel
         )
         apply_admission(self.admission, self.model)
-        amax_group = amax_reduction_group(manifest.topology)
-        self.scope = Fp8Scope(self.recipe, group=amax_group) if precision.enabled else None
+        self.amax_group = amax_reduction_group(manifest.topology)
+        self.scope = Fp8Scope(self.recipe, group=self.amax_group) if precision.enabled else None
         self.optimizer = MainParamsOptimizer(
             self.model, manifest.optimizer, tp_group=self.tp_group, dp_group=self.dp_group
         )
 
+        dist.barrier()  # every rank has passed every check
+        self.run = RunDir.claim(run_dir, manifest, lineage) if ranks.is_main else RunDir(run_dir)
         if ranks.is_main:
             write_layers_json(
                 self.run.path, self.admission, self.recipe,
                 tensor_parallel=manifest.topology.tensor_parallel,
                 manifest_hash=manifest_hash(manifest),
             )  # fmt: skip
-        self._record_run_info(amax_group)
+        self._record_run_info(self.amax_group)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -134,6 +138,7 @@ class Trainer:
                     finished = step + 1
                     if finished % schedule.eval_interval == 0 or finished == schedule.train_steps:
                         last_eval = self.evaluate(finished)
+                        self.check_fp8_agreement(finished)
             self._save_final(losses[-1])
         except BaseException as exc:
             if self.ranks.is_main:
@@ -227,6 +232,36 @@ class Trainer:
             self.run.event("evaluated", step=step, loss=loss)
         return loss
 
+    def check_fp8_agreement(self, step: int) -> str | None:
+        """Check that every rank of the amax reduction group holds the same FP8 state.
+
+        Reduced amaxes make scales and histories identical across the group; a rank that
+        drifted (a missed collective, a module that ran on one rank only) would quietly train
+        with other scales. Compares one sha256 per rank; returns it (None when not checked:
+        FP8 off, or amaxes not reduced, so ranks may differ by design).
+        """
+        if self.scope is None or not self.recipe.reduce_amax:
+            return None
+        digest = hashlib.sha256()
+        for state in self._fp8_state().values():
+            for key in sorted(state):
+                digest.update(state[key].numpy().tobytes())
+        mine = torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8)
+        ranks = dist.get_world_size(self.amax_group)
+        everyone = [torch.empty_like(mine) for _ in range(ranks)]
+        dist.all_gather(everyone, mine, group=self.amax_group)
+        agree = all(torch.equal(mine, other) for other in everyone)
+        if self.ranks.is_main:
+            self.run.event(
+                "fp8_state_checked", step=step, ranks=ranks, agree=agree, digest=digest.hexdigest()
+            )
+        if not agree:
+            raise RuntimeError(
+                f"step {step}: FP8 scaling state differs across the {ranks} ranks of the amax "
+                "reduction group; their scales must be identical (see events.jsonl)"
+            )
+        return digest.hexdigest()
+
     # -- parts ---------------------------------------------------------------------------------
 
     def _fp8(self):
@@ -294,6 +329,7 @@ class Trainer:
                 "config_fingerprint": weights.architecture_fingerprint(manifest.model),
                 "init_checkpoint": manifest.model.init_checkpoint,
                 "init_fingerprint": self.base["fingerprint"] if self.base else None,
+                "init_verified": self.base["verified"] if self.base else None,
                 "initial_weights_fingerprint": initial,
                 "parameters": sum(p.numel() for p in self.model.parameters()),
             },

@@ -45,22 +45,27 @@ def architecture_fingerprint(model_cfg) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def weights_fingerprint(model: nn.Module, tp_group) -> str:
+def weights_fingerprint(model: nn.Module, tp_group, dtype: torch.dtype | None = None) -> str:
     """sha256 of the full weights, identical on every rank and at every TP size.
 
-    Each tensor-parallel shard is gathered one parameter at a time (peak memory: one full
-    parameter), which is collective: every rank of the TP group must call this.
+    ``dtype`` hashes the values converted to that dtype (a bf16 base loaded into an fp32 model
+    still hashes as the bf16 it was saved as). Each tensor-parallel shard is gathered one
+    parameter at a time (peak memory: one full parameter), which is collective: every rank of
+    the TP group must call this.
     """
     digest = hashlib.sha256()
     for name, param in model.named_parameters():
         full = _gather_full(param, tp_group)
+        if dtype is not None:
+            full = full.to(dtype)
         digest.update(f"{name}|{full.dtype}|{tuple(full.shape)}|".encode())
         digest.update(full.contiguous().view(torch.uint8).cpu().numpy().tobytes())
     return digest.hexdigest()
 
 
 def save_weights(model: nn.Module, directory: Path, meta: dict, *, is_main: bool) -> None:
-    """Write the model's weights to ``directory`` atomically (collective).
+    """Write the model's weights to ``directory`` atomically (collective); ``meta`` goes into
+    its metadata file, with the weights' dtype added.
 
     The checkpoint is written to a temporary sibling and renamed into place when complete, so
     ``directory`` is either absent or a whole checkpoint, never a half-written one.
@@ -68,6 +73,7 @@ def save_weights(model: nn.Module, directory: Path, meta: dict, *, is_main: bool
     from megatron.core import dist_checkpointing
 
     directory = Path(directory)
+    meta = {**meta, "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
     partial = directory.with_name(directory.name + ".partial")
     if is_main:
         shutil.rmtree(partial, ignore_errors=True)  # left by a crash: never a checkpoint
@@ -114,7 +120,14 @@ def load_weights(model: nn.Module, directory: Path, model_cfg, *, tp_group, fiel
             f"{field} {str(directory)!r}: checkpoint and model disagree (missing {missing[:5]}, "
             f"unexpected {unexpected[:5]})"
         )
-    found = weights_fingerprint(model, tp_group)
+    saved_dtype = getattr(torch, meta["dtype"])
+    model_dtype = next(model.parameters()).dtype
+    # Loading into a narrower dtype rounds (fp32 base, bf16 run): the saved hash cannot match,
+    # so that load is recorded as unverified rather than refused.
+    meta["verified"] = model_dtype in (saved_dtype, torch.float32)
+    if not meta["verified"]:
+        return meta
+    found = weights_fingerprint(model, tp_group, dtype=saved_dtype)
     if found != meta["fingerprint"]:
         raise ManifestError(
             f"{meta_path}: the loaded weights hash to {found}, but the checkpoint was saved as "
@@ -144,7 +157,7 @@ def read_weights_meta(directory: Path, *, field: str) -> dict:
         raise ManifestError(
             f"{meta_path}: not valid JSON ({exc}); the checkpoint is damaged"
         ) from None
-    for key in ("architecture", "fingerprint"):
+    for key in ("architecture", "fingerprint", "dtype"):
         if key not in meta:
             raise ManifestError(f"{meta_path}: missing {key!r}; the checkpoint is damaged")
     return meta

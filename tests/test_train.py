@@ -139,6 +139,9 @@ def test_finetune_run_records_everything(fp8_run, base, finetune_manifest):
     assert info["data"]["kind"] == "tasks" and len(info["data"]["fingerprint"]) == 64
     assert info["environment"]["torch"] == torch.__version__
     assert set(info["data"]["train"]["buckets"]) == {"task", "length", "difficulty", "format"}
+    sampler = info["data"]["sampler"]
+    assert sampler["position"] == {"epoch": 0, "cursor": 0, "seed": manifest.seeds.data}
+    assert len(sampler["epoch0_order_sha256"]) == 64 and "randperm" in sampler["order"]
 
     layers = json.loads((fp8_run / "layers.json").read_text())
     fp8 = [row["fqn"] for row in layers["rows"] if row["precision"] == "fp8"]

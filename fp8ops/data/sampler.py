@@ -12,6 +12,7 @@ uninterrupted run would have seen.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -81,6 +82,19 @@ class TrainSampler:
         per_rank = self.global_batch_size // self.dp_size
         mine = self.next_global_batch()[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
         return [self.sequences.batch(part) for part in mine.split(self.micro_batch_size)]
+
+    def describe(self) -> dict[str, Any]:
+        """How the order is drawn, and a fingerprint of the first epoch's, for the run record."""
+        first = epoch_order(len(self.sequences), self.seed, 0).numpy().astype("<i8").tobytes()
+        return {
+            "order": (
+                "epoch e walks torch.randperm(n, seed + e) in global batches, an incomplete last "
+                "batch dropped; data-parallel rank r takes the r-th slice of each global batch"
+            ),
+            "steps_per_epoch": self.steps_per_epoch,
+            "epoch0_order_sha256": hashlib.sha256(first).hexdigest(),
+            "position": self.state_dict(),
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """Plain integers (JSON-able): where the next step starts."""

@@ -335,7 +335,7 @@ class Trainer:
             },
             "tokenizer": {"kind": manifest.tokenizer.kind, "fingerprint": ByteTokenizer().fingerprint()},
             "data": {**self.data.summary(), "fingerprint": self.data.fingerprint,
-                     "sampler": self.sampler.state_dict()},
+                     "sampler": self.sampler.describe()},
             "admission": {"fp8_modules": sum(r.precision == "fp8" for r in self.admission.rows)},
         })  # fmt: skip
         self.run.event("run_started", manifest=manifest_hash(manifest))

@@ -76,6 +76,29 @@ def tasks_data():
 # --------------------------------------------------------------------------------------
 
 
+def problem_of(prompt: str) -> str:
+    """The format-independent problem of a task prompt, parsed here independently of tasks.py."""
+    patterns = [
+        (r"(add \d+ \d+|reverse [a-z]+|sort \d+) = ", "{0}"),
+        (r"Q: What is (\d+) plus (\d+)\?\nA: ", "add {0} {1}"),
+        (r"Q: What is ([a-z]+) backwards\?\nA: ", "reverse {0}"),
+        (r"Q: Sort the digits (\d+)\.\nA: ", "sort {0}"),
+    ]
+    for pattern, template in patterns:
+        match = re.fullmatch(pattern, prompt)
+        if match:
+            return template.format(*match.groups())
+    raise AssertionError(f"not a task prompt: {prompt!r}")
+
+
+def test_no_problem_is_in_both_splits_in_any_format():
+    train, evaluation = split_examples(generate_examples(1234, 6000), 0.1)
+    train_problems = {problem_of(e.prompt) for e in train}
+    eval_problems = {problem_of(e.prompt) for e in evaluation}
+    assert len(eval_problems) > 300
+    assert not train_problems & eval_problems
+
+
 def test_tokenizer_round_trips_utf8_bytes():
     tok = ByteTokenizer()
     text = "plain ASCII, Grüße, naïve, 数字 and 🙂"
@@ -140,7 +163,7 @@ def test_corpus_mixes_in_task_lines_from_the_training_side(corpus):
     prompt = re.compile(r"^(?:add|reverse|sort) [^=]+= |^Q: .*\nA: ", re.MULTILINE)
     prompts = prompt.findall("\n".join(task_docs))
     assert len(prompts) > 1000
-    assert not any(held_out(p, MAX_EVAL_FRACTION) for p in prompts)
+    assert not any(held_out(problem_of(p), MAX_EVAL_FRACTION) for p in prompts)
     # Task documents are spread through the stream, so the held-out tail has some too.
     positions = [i for i, d in enumerate(corpus.documents) if d in set(task_docs)]
     assert positions[0] < len(corpus.documents) * 0.1
@@ -254,7 +277,7 @@ def test_split_has_no_shared_prompt_and_respects_the_fraction(tasks_data):
     assert list(tasks_data.eval.examples) == evaluation
     assert list(tasks_data.train.examples) == train
     # The split is by prompt alone: the same prompt goes the same way under any seed.
-    assert all(split_point(e.prompt) < 0.1 for e in evaluation)
+    assert all(split_point(e.key) < 0.1 for e in evaluation)
 
 
 # --------------------------------------------------------------------------------------
@@ -424,8 +447,8 @@ def test_jsonl_sft_file_keeps_prompts_answers_and_buckets(tmp_path):
     examples = [*data.train.examples, *data.eval.examples]
     assert sorted(e.prompt for e in examples) == sorted(r["prompt"] for r in rows)
     assert all(e.buckets == {"size": "big" if int(e.answer) > 50 else "small"} for e in examples)
-    assert all(not held_out(e.prompt, 0.1) for e in data.train.examples)
-    assert all(held_out(e.prompt, 0.1) for e in data.eval.examples)
+    assert all(not held_out(e.key, 0.1) for e in data.train.examples)
+    assert all(held_out(e.key, 0.1) for e in data.eval.examples)
     row = data.train.examples.index(next(e for e in data.train.examples if e.answer == "42"))
     assert bytes(data.train.labels[row][data.train.loss_mask[row].bool()].tolist()) == b"42\x00"
     # Buckets are optional (the same on every line).

@@ -276,3 +276,13 @@ def test_unsupported_megatron_settings_fail_at_build_time(
             64, 64, recipe=DelayedScalingRecipe(amax_history_len=16), config=config,
             init_method=torch.nn.init.zeros_, bias=True, skip_bias_add=False, **layer_kwargs,
         )  # fmt: skip
+
+
+def test_vocabulary_padding_does_not_depend_on_tensor_parallel_size():
+    from fp8ops.megatron.model import padded_vocab_size
+
+    assert {padded_vocab_size(256, tp) for tp in (1, 2, 4, 8)} == {256}
+    assert {padded_vocab_size(50257, tp) for tp in (1, 2, 4, 8)} == {50304}
+    assert {padded_vocab_size(128256, tp) for tp in (1, 2, 4, 8)} == {128256}
+    # Only where TP does not divide the 128-padded size does it pad further, as Megatron-LM does.
+    assert padded_vocab_size(100, 3) == 384

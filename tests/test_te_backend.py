@@ -13,7 +13,6 @@ from fp8ops.manifest import derive, load_manifest
 from fp8ops.megatron.te_backend import (
     build_gpt_te,
     te_available,
-    te_fp8_scope,
     te_transformer_config,
 )
 
@@ -44,10 +43,17 @@ def test_config_carries_the_manifest_recipe(manifest):
     assert te_transformer_config(manifest).tp_only_amax_red is False
 
 
-def test_window_statistics_megatron_cannot_express_are_refused(manifest):
-    changed = derive(manifest, {"precision.amax_compute_algo": "quantile:0.9"}, "quantile")
-    with pytest.raises(Fp8opsError, match="amax_compute_algo 'quantile:0.9'.*emulated"):
-        te_transformer_config(changed)
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"precision.amax_compute_algo": "quantile:0.9"}, "amax_compute_algo 'quantile:0.9'"),
+        ({"precision.reduce_amax": False}, "reduce_amax is false"),
+        ({"precision.enabled": False}, "precision.enabled is false"),
+    ],
+)
+def test_settings_megatron_cannot_carry_to_te_are_refused(manifest, change, message):
+    with pytest.raises(Fp8opsError, match=message):
+        te_transformer_config(derive(manifest, change, "not expressible on TE"))
 
 
 @pytest.mark.skipif(te_available(), reason="checks the machine without Transformer Engine")
@@ -61,12 +67,13 @@ def test_te_model_trains_under_delayed_scaling(manifest):  # pragma: no cover - 
     import torch
     import torch.distributed as dist
 
-    from fp8ops.megatron.compat import parallel_state, tensor_parallel
+    from fp8ops.megatron.compat import parallel_state
+    from fp8ops.train.distributed import _free_port
 
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29631", rank=0, world_size=1)
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
     model = build_gpt_te(manifest)
     names = {name for name, _ in model.named_modules()}
     for suffix in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1"):
@@ -75,10 +82,10 @@ def test_te_model_trains_under_delayed_scaling(manifest):  # pragma: no cover - 
     s = manifest.model.seq_length
     tokens = torch.randint(0, 256, (2, s), device="cuda")
     positions = torch.arange(s, device="cuda").expand(2, s)
-    for _ in range(2):
-        with te_fp8_scope(model):
-            loss = model(tokens, positions, None, labels=tokens).float().mean()
+    for _ in range(2):  # Megatron's TransformerBlock enters TE's fp8_autocast itself
+        loss = model(tokens, positions, None, labels=tokens).float().mean()
         loss.backward()
     scale = qkv.fp8_meta["scaling_fwd"].scale
     assert torch.isfinite(scale).all() and not torch.equal(scale, torch.ones_like(scale))
     parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()

@@ -20,10 +20,11 @@ if importlib.util.find_spec("megatron") is None:
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
 
 from fp8ops.cli import main as cli_main
+from fp8ops.errors import Fp8opsError
 from fp8ops.manifest import derive, load_manifest, manifest_hash, write_manifest
 from fp8ops.train import run_training
 from fp8ops.train.distributed import init_distributed, shutdown_distributed
-from fp8ops.train.run_dir import read_jsonl
+from fp8ops.train.run_dir import RunDir, read_jsonl
 from fp8ops.train.trainer import Trainer
 from fp8ops.train.weights import META_FILE
 
@@ -247,19 +248,25 @@ def test_evaluation_leaves_fp8_state_untouched(trainer):
 # -- TP=2 over gloo --------------------------------------------------------------------------
 
 
+FP32 = {"precision.base_dtype": "fp32", "schedule.train_steps": 6, "schedule.eval_interval": 3}
+
+
+def _torchrun(manifest: Path, run_dir: Path, changes: dict) -> None:
+    settings = [arg for key, value in changes.items() for arg in ("--set", f"{key}={value}")]
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "fp8ops", "train", str(manifest), "--run-dir", str(run_dir), "--no-progress",
+         *settings],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
 def test_tp2_matches_tp1_and_ranks_agree(finetune_manifest, tmp_path):
     """fp32 base dtype, so the comparison is at float32 tolerance (bf16 would round each
     rank's partial sums before the all-reduce)."""
-    fp32 = {"precision.base_dtype": "fp32", "schedule.train_steps": 6, "schedule.eval_interval": 3}
-    settings = [arg for key, value in fp32.items() for arg in ("--set", f"{key}={value}")]
-    tp2 = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "-m", "fp8ops", "train", str(finetune_manifest), "--run-dir", str(tmp_path / "tp2"),
-         "--no-progress", "--set", "topology.tensor_parallel=2", *settings],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert tp2.returncode == 0, tp2.stdout[-3000:] + tp2.stderr[-3000:]
-    run_training(finetune_manifest, tmp_path / "tp1", assignments=fp32, progress=False)
+    _torchrun(finetune_manifest, tmp_path / "tp2", {**FP32, "topology.tensor_parallel": 2})
+    run_training(finetune_manifest, tmp_path / "tp1", assignments=FP32, progress=False)
 
     tp1_losses, tp2_losses = _losses(tmp_path / "tp1"), _losses(tmp_path / "tp2")
     # Measured: equal to 4e-7 for four steps; then a value within fp32 noise of an FP8 rounding
@@ -281,21 +288,72 @@ def test_tp2_matches_tp1_and_ranks_agree(finetune_manifest, tmp_path):
     assert (tmp_path / "tp2" / "manifests" / f"{manifest_hash(parent)}.yaml").exists()
 
 
+def test_dp2_matches_one_rank(finetune_manifest, tmp_path):
+    """Two data-parallel replicas, each half of every global batch, give the one-rank run's
+    gradients. FP8 off: with FP8 the two layouts would legitimately differ, since each DP rank
+    runs one micro-batch per step (one scale update) where one rank runs two."""
+    plain = {**FP32, "precision.enabled": False}
+    _torchrun(finetune_manifest, tmp_path / "dp2", {**plain, "topology.data_parallel": 2})
+    run_training(finetune_manifest, tmp_path / "dp1", assignments=plain, progress=False)
+    dp1 = read_jsonl(tmp_path / "dp1" / "metrics.jsonl")
+    dp2 = read_jsonl(tmp_path / "dp2" / "metrics.jsonl")
+    # Measured: within 1e-6 relative (fp32 summation order).
+    for key in ("loss", "grad_norm"):
+        assert [m[key] for m in dp2] == pytest.approx([m[key] for m in dp1], rel=1e-5), key
+    assert [m["tokens"] for m in dp2] == [m["tokens"] for m in dp1]
+
+
+def test_without_a_held_out_split_evaluation_is_skipped(finetune_manifest, tmp_path):
+    result = run_training(
+        finetune_manifest, tmp_path / "run",
+        assignments={"data.eval_fraction": 0.0, "schedule.train_steps": 2}, progress=False,
+    )  # fmt: skip
+    assert result.last_eval_loss is None
+    assert not (tmp_path / "run" / "eval.jsonl").exists()
+    assert json.loads((tmp_path / "run" / "status.json").read_text())["state"] == "completed"
+
+
+# -- run directories ------------------------------------------------------------------------
+
+
+def test_a_run_directory_is_claimed_once(finetune_manifest, tmp_path):
+    manifest = load_manifest(finetune_manifest)
+    RunDir.claim(tmp_path / "run", manifest, [manifest])
+    with pytest.raises(Fp8opsError, match="claimed by another fp8ops run"):
+        RunDir.claim(tmp_path / "run", manifest, [manifest])
+
+
+@pytest.mark.parametrize(
+    ("state", "advice"),
+    [("failed", "remove the directory to start over"), ("running", "it was interrupted")],
+)
+def test_an_unfinished_run_directory_is_refused_with_advice(finetune_manifest, tmp_path, state,
+                                                            advice):  # fmt: skip
+    manifest = load_manifest(finetune_manifest)
+    run = RunDir.claim(tmp_path / "run", manifest, [manifest])
+    run.set_status(state)
+    with pytest.raises(Fp8opsError, match=f"already holds a {state} run.*{advice}"):
+        RunDir.check_free(tmp_path / "run", manifest)
+
+
 # -- refused before anything is written -----------------------------------------------------
 
 
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        (["precision.exclude_modules=['*.linear_qvk']"], r"exclude_modules\[0\].*\*\.linear_qvk"),
+        (["precision.exclude_modules=['*.linear_qvk']"],
+         r"finetune.yaml.*exclude_modules\[0\].*\*\.linear_qvk"),
         (["topology.tensor_parallel=3"], r"num_attention_heads.*tensor_parallel"),
         (["model.init_checkpoint=/nonexistent/base"], r"init_checkpoint.*does not exist"),
         (["topology.tensor_parallel=2"], r"1 process.*topology asks for 2.*torchrun"),
-        (["model.num_layers=3"], r"different model.*num_layers: checkpoint 2, manifest 3"),
+        (["model.num_layers=3"],
+         r"finetune.yaml.*different model.*num_layers: checkpoint 2, manifest 3"),
         (["tokenizer.kind=sentencepiece", "tokenizer.path=x.model"], r"tokenizer.kind"),
+        (["topology.pipeline_parallel=2"], r"finetune.yaml.*topology.pipeline_parallel is 2"),
     ],
     ids=["glob-matches-nothing", "tp-not-dividing-heads", "missing-base", "world-size",
-         "base-of-another-model", "tokenizer"],
+         "base-of-another-model", "tokenizer", "pipeline-parallel"],
 )  # fmt: skip
 def test_bad_manifests_stop_before_training(finetune_manifest, tmp_path, capsys, settings, message):
     run_dir = tmp_path / "run"

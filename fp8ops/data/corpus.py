@@ -94,9 +94,7 @@ def _task_documents(seed: str, budget: int) -> list[str]:
     """Documents of task lines (prompt immediately followed by answer), ``budget`` bytes in all."""
     # Only prompts on the training side of every evaluation split a manifest can ask for.
     lines = (
-        e.prompt + e.answer
-        for e in example_stream(seed)
-        if split_point(e.prompt) >= MAX_EVAL_FRACTION
+        e.prompt + e.answer for e in example_stream(seed) if split_point(e.key) >= MAX_EVAL_FRACTION
     )
     documents: list[str] = []
     used = 0

@@ -14,8 +14,8 @@ Task, length, difficulty and format are drawn uniformly and independently, then 
 that fits them, so every bucket cell is populated.
 
 An answer is right only if it matches exactly (``check``). Examples go to evaluation by a hash
-of the prompt (``held_out``), so an identical prompt can never be in both splits, whatever the
-seed.
+of their problem (``held_out`` on ``Example.key``): the terse statement, the same in both formats,
+so "add 12 39" can never be trained in one format and evaluated in the other, whatever the seed.
 """
 
 from __future__ import annotations
@@ -45,6 +45,14 @@ class Example:
     prompt: str
     answer: str
     buckets: dict[str, str] = field(default_factory=dict)  # bucket name -> value
+    # The problem whatever its wording ("add 12 39"); empty for your own data, whose prompt is
+    # then its problem.
+    problem: str = ""
+
+    @property
+    def key(self) -> str:
+        """What the train/eval split hashes: the problem, or the prompt when there is none."""
+        return self.problem or self.prompt
 
 
 def check(example: Example, generated: str) -> bool:
@@ -55,9 +63,9 @@ def check(example: Example, generated: str) -> bool:
     return generated.split("\x00", 1)[0].rstrip() == example.answer
 
 
-def held_out(prompt: str, eval_fraction: float) -> bool:
-    """Whether ``prompt`` belongs to the evaluation split."""
-    return split_point(prompt) < eval_fraction
+def held_out(key: str, eval_fraction: float) -> bool:
+    """Whether the example with ``key`` (``Example.key``) belongs to the evaluation split."""
+    return split_point(key) < eval_fraction
 
 
 def split_point(prompt: str) -> float:
@@ -75,7 +83,7 @@ def split_examples(
     """(train, eval), each in the original order."""
     train, evaluation = [], []
     for example in examples:
-        (evaluation if held_out(example.prompt, eval_fraction) else train).append(example)
+        (evaluation if held_out(example.key, eval_fraction) else train).append(example)
     return train, evaluation
 
 
@@ -96,28 +104,25 @@ def example_stream(seed: int | str) -> Iterator[Example]:
         length = rng.choice(LENGTHS)
         difficulty = rng.choice(DIFFICULTIES)
         style = rng.choice(FORMATS)
-        prompt, answer = _MAKERS[task](rng, length, difficulty, style)
+        problem, verbose, answer = _MAKERS[task](rng, length, difficulty)
+        prompt = f"{problem} = " if style == "terse" else f"Q: {verbose}\nA: "
         buckets = {"task": task, "length": length, "difficulty": difficulty, "format": style}
-        yield Example(prompt, answer, buckets)
+        yield Example(prompt, answer, buckets, problem)
 
 
 # --------------------------------------------------------------------------------------
-# The tasks. Each maker returns (prompt, answer) for the requested cell.
+# The tasks. Each maker returns (terse problem, verbose question, answer) for the cell.
 # --------------------------------------------------------------------------------------
 
 
-def _prompt(style: str, terse: str, verbose: str) -> str:
-    return f"{terse} = " if style == "terse" else f"Q: {verbose}\nA: "
-
-
-def _add(rng: random.Random, length: str, difficulty: str, style: str) -> tuple[str, str]:
+def _add(rng: random.Random, length: str, difficulty: str) -> tuple[str, str, str]:
     digits = LENGTHS.index(length) + 1
     low, high = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
     while True:  # rejection sampling: at worst ~1 in 6 three-digit pairs has no carry
         a, b = rng.randint(low, high), rng.randint(low, high)
         if carries(a, b) == (difficulty == "hard"):
             break
-    return _prompt(style, f"add {a} {b}", f"What is {a} plus {b}?"), str(a + b)
+    return f"add {a} {b}", f"What is {a} plus {b}?", str(a + b)
 
 
 def carries(a: int, b: int) -> bool:
@@ -142,18 +147,18 @@ def _draw(rng: random.Random, alphabet: str, size: int, repeated: bool) -> str:
             return text
 
 
-def _reverse(rng: random.Random, length: str, difficulty: str, style: str) -> tuple[str, str]:
+def _reverse(rng: random.Random, length: str, difficulty: str) -> tuple[str, str, str]:
     word = _draw(rng, string.ascii_lowercase, _text_size(rng, length), difficulty == "hard")
-    return _prompt(style, f"reverse {word}", f"What is {word} backwards?"), word[::-1]
+    return f"reverse {word}", f"What is {word} backwards?", word[::-1]
 
 
-def _sort(rng: random.Random, length: str, difficulty: str, style: str) -> tuple[str, str]:
+def _sort(rng: random.Random, length: str, difficulty: str) -> tuple[str, str, str]:
     digits = _draw(rng, string.digits, _text_size(rng, length), difficulty == "hard")
     answer = "".join(sorted(digits))
-    return _prompt(style, f"sort {digits}", f"Sort the digits {digits}."), answer
+    return f"sort {digits}", f"Sort the digits {digits}.", answer
 
 
-_MAKERS: dict[str, Callable[[random.Random, str, str, str], tuple[str, str]]] = {
+_MAKERS: dict[str, Callable[[random.Random, str, str], tuple[str, str, str]]] = {
     "add": _add,
     "reverse": _reverse,
     "sort": _sort,

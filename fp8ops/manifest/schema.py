@@ -434,7 +434,7 @@ class DataConfig(_Section):
             "loss on every token. 'tasks': fp8ops' built-in supervised tasks with checkable "
             "answers and evaluation buckets, generated from seeds.data; loss on the answers. "
             "'jsonl': your file at path, one JSON object per line, either {\"text\": ...} "
-            "(pre-training) or {\"prompt\": ..., \"answer\": ..., \"buckets\": {...}} (SFT)."
+            '(pre-training) or {"prompt": ..., "answer": ..., "buckets": {...}} (SFT).'
         )
     )
     path: NonEmptyStr | None = Field(
@@ -482,7 +482,11 @@ class OptimizerConfig(_Section):
     )
     lr: float = Field(1e-5, gt=0, description="Peak learning rate (a fine-tuning default).")
     min_lr: float = Field(0.0, ge=0, description="Learning rate at the end of decay; at most lr.")
-    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay.")
+    weight_decay: float = Field(
+        0.1,
+        ge=0,
+        description="Weight decay: decoupled for adamw, L2 in the gradient for sgd (torch's).",
+    )
     beta1: float = Field(0.9, ge=0, lt=1, description="First-moment decay (momentum for sgd).")
     beta2: float = Field(
         0.95, ge=0, lt=1, description="Second-moment decay; 0.95 is the usual LLM value."

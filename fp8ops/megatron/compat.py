@@ -138,14 +138,6 @@ def te_gpt_layer_spec() -> ModuleSpec:
     return get_gpt_layer_with_transformer_engine_spec()
 
 
-def te_fp8_context(config: TransformerConfig):
-    """Megatron's FP8 context for ``config``: TE's ``fp8_autocast`` with a ``DelayedScaling``
-    built from the config's fp8 fields and Megatron's amax reduction group."""
-    from megatron.core.fp8_utils import get_fp8_context
-
-    return get_fp8_context(config)
-
-
 __all__ = [
     "MEGATRON_CORE_VERSION",
     "ColumnParallelLinear",

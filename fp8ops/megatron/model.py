@@ -1,6 +1,7 @@
 """A Megatron-Core GPT from a manifest's ``model`` section.
 
-The caller owns the process groups (fp8ops' launcher will; tests do it themselves)::
+The caller owns the process groups (``fp8ops.train.distributed`` for a run; tests do it
+themselves)::
 
     torch.distributed.init_process_group("gloo")      # "nccl" on GPUs
     tp = manifest.topology.tensor_parallel            # the world size is TP x PP x DP
@@ -43,8 +44,8 @@ def build_gpt(manifest, recipe: DelayedScalingRecipe | None) -> GPTModel:
     reference. Both draw their initial weights from ``seeds.model`` in the same order, so they
     start identical. Megatron's parallel state must be initialised (module docstring). On a
     machine without CUDA this applies the CPU shims (``cpu_shims.py``) first. The model is on the
-    CPU in ``precision.base_dtype``. All four projections of every layer are FP8: the manifest's
-    ``include_modules``/``exclude_modules`` and small-GEMM rule are not applied here (yet).
+    CPU in ``precision.base_dtype``. All four projections of every layer are built FP8-capable;
+    which of them run FP8 is per-layer admission's decision (``fp8ops.admission``).
     """
     apply_cpu_shims()
     model_cfg, topology = manifest.model, manifest.topology
@@ -103,10 +104,19 @@ def transformer_config(manifest) -> TransformerConfig:
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel: int, divisible_by: int = 128) -> int:
-    """Megatron-LM's padding (``_vocab_size_with_padding``): a multiple of 128 x TP, so the
-    embedding splits evenly and checkpoints from Megatron-LM have the same shape."""
-    multiple = divisible_by * tensor_parallel
-    return math.ceil(vocab_size / multiple) * multiple
+    """The embedding's row count: ``vocab_size`` padded to a multiple of 128, and further to a
+    multiple of 128 x TP only if TP does not divide that.
+
+    Megatron-LM always pads to 128 x TP, so a checkpoint's embedding shape depends on the TP it
+    was trained at. Padding that does not depend on TP (for every TP up to 128 that is a power
+    of two) lets a base trained at TP=1 load at TP=2, 4 or 8; the padded rows' logits join the
+    softmax, so equal padding also keeps losses comparable across layouts.
+    """
+    padded = math.ceil(vocab_size / divisible_by) * divisible_by
+    if padded % tensor_parallel:
+        multiple = divisible_by * tensor_parallel
+        padded = math.ceil(vocab_size / multiple) * multiple
+    return padded
 
 
 def amax_reduction_group(topology) -> torch.distributed.ProcessGroup:

@@ -40,7 +40,9 @@ class MainParamsOptimizer:
     """AdamW (or SGD) on float32 copies of the model's parameters.
 
     ``step()`` takes the model's gradients as they are after backward (already summed over
-    micro-batches), averages them over data-parallel replicas, clips, steps and copies back.
+    micro-batches), sums them over data-parallel replicas, clips, steps and copies back. A sum,
+    not a mean: each rank's loss is already divided by the token count of the whole global
+    batch (Megatron's per-token loss), so the sum is the global batch's gradient.
     It returns the global gradient norm before clipping, and whether the step was skipped
     because that norm is not finite (the weights are then left untouched).
     """
@@ -82,7 +84,7 @@ class MainParamsOptimizer:
     def step(self, lr: float) -> tuple[float, bool]:
         """One optimizer step at ``lr``; returns (gradient norm before clipping, skipped)."""
         grads = [self._main_grad(p) for p in self.model_params]
-        self._average_over_data_parallel(grads)
+        self._sum_over_data_parallel(grads)
         norm = self._global_norm(grads)
         skipped = not math.isfinite(norm)
         if not skipped:
@@ -116,12 +118,11 @@ class MainParamsOptimizer:
             return torch.zeros_like(param, dtype=torch.float32)
         return param.grad.detach().float()
 
-    def _average_over_data_parallel(self, grads: list[torch.Tensor]) -> None:
+    def _sum_over_data_parallel(self, grads: list[torch.Tensor]) -> None:
         if dist.get_world_size(self.dp_group) == 1:
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = torch.cat([g.reshape(-1) for g in grads])  # one collective, not one per tensor
         dist.all_reduce(flat, group=self.dp_group)
-        flat /= dist.get_world_size(self.dp_group)
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))

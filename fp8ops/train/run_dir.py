@@ -7,6 +7,7 @@
       manifests/           every revision in its lineage, content-addressed (<sha256>.yaml)
       run.json             fingerprints: manifest, environment, topology, data, tokenizer, model
       status.json          running | completed | failed, and the last finished step
+      run.lock             created exclusively when the run claims the directory
       layers.json          per-layer admission (fp8ops.admission)
       metrics.jsonl        one line per optimizer step
       eval.jsonl           one line per evaluation
@@ -68,18 +69,41 @@ class RunDir:
                 f"{path} already holds a completed run of this manifest (sha256 {digest[:12]}); "
                 "nothing to do. Its results are in that directory."
             )
-        state = f"a {status['state']} run" if status else "files that are not an fp8ops run"
+        if status is None:
+            raise Fp8opsError(
+                f"--run-dir {str(path)!r} holds files that are not an fp8ops run; choose a new "
+                "--run-dir (fp8ops never writes over existing files)"
+            )
+        advice = {
+            "completed": "choose a new --run-dir (fp8ops never writes over a run)",
+            "failed": "read its events.jsonl, then remove the directory to start over, or choose "
+            "a new --run-dir",
+            "running": "if no fp8ops process is using it, it was interrupted: remove the "
+            "directory to start over, or choose a new --run-dir",
+        }.get(status.get("state"), "choose a new --run-dir")
         raise Fp8opsError(
-            f"--run-dir {str(path)!r} already holds {state}"
-            + (f" of manifest {status['manifest'][:12]}" if status else "")
-            + "; choose a new --run-dir (fp8ops never writes over a run)"
+            f"--run-dir {str(path)!r} already holds a {status.get('state')} run of manifest "
+            f"{str(status.get('manifest'))[:12]}; {advice}"
         )
 
     @classmethod
     def claim(cls, path: Path, manifest: Manifest, lineage: list[Manifest]) -> RunDir:
-        """Create the directory with the locked manifest and its lineage (rank 0 only)."""
+        """Create the directory with the locked manifest and its lineage (rank 0 only).
+
+        ``run.lock`` is created exclusively first: of two runs started into one directory at
+        once, both of which passed :meth:`check_free`, exactly one gets it.
+        """
         run = cls(path)
         run.path.mkdir(parents=True, exist_ok=True)
+        try:
+            lock = os.open(run.path / "run.lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            raise Fp8opsError(
+                f"--run-dir {str(run.path)!r} was claimed by another fp8ops run a moment ago; "
+                "choose a new --run-dir"
+            ) from None
+        with os.fdopen(lock, "w") as f:
+            f.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
         store = ManifestStore(run.path / "manifests")
         for revision in lineage:
             store.put(revision)
@@ -138,6 +162,8 @@ def _atomic_write(path: Path, text: str) -> None:
     try:
         with os.fdopen(handle, "w") as f:
             f.write(text)
+            f.flush()
+            os.fsync(f.fileno())  # the new content is on disk before the name points at it
         os.replace(temporary, path)
     except BaseException:
         os.unlink(temporary)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
+import math
 import resource
 import sys
 import time
@@ -61,7 +62,12 @@ def run_training(
     try:
         RunDir.check_free(run_dir, manifest)  # again, now that every rank is up
         dist.barrier()  # nobody checks after rank 0 has started writing
-        trainer = Trainer(manifest, lineage, Path(run_dir), ranks, progress=progress)
+        try:
+            trainer = Trainer(manifest, lineage, Path(run_dir), ranks, progress=progress)
+        except ManifestError as exc:
+            if str(exc).startswith(source):
+                raise
+            raise type(exc)(f"{source}: {exc}") from None  # name the file, as load errors do
         return trainer.train()
     finally:
         shutdown_distributed()
@@ -113,13 +119,17 @@ class Trainer:
 
         dist.barrier()  # every rank has passed every check
         self.run = RunDir.claim(run_dir, manifest, lineage) if ranks.is_main else RunDir(run_dir)
-        if ranks.is_main:
-            write_layers_json(
-                self.run.path, self.admission, self.recipe,
-                tensor_parallel=manifest.topology.tensor_parallel,
-                manifest_hash=manifest_hash(manifest),
-            )  # fmt: skip
-        self._record_run_info(self.amax_group)
+        try:
+            if ranks.is_main:
+                write_layers_json(
+                    self.run.path, self.admission, self.recipe,
+                    tensor_parallel=manifest.topology.tensor_parallel,
+                    manifest_hash=manifest_hash(manifest),
+                )  # fmt: skip
+            self._record_run_info(self.amax_group)
+        except BaseException as exc:
+            self._mark_failed(exc)
+            raise
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -141,9 +151,7 @@ class Trainer:
                         self.check_fp8_agreement(finished)
             self._save_final(losses[-1])
         except BaseException as exc:
-            if self.ranks.is_main:
-                self.run.set_status("failed", error=f"{type(exc).__name__}: {exc}")
-                self.run.event("failed", error=f"{type(exc).__name__}: {exc}")
+            self._mark_failed(exc)
             raise
         seconds = time.perf_counter() - started
         if self.ranks.is_main:
@@ -178,7 +186,7 @@ class Trainer:
         return {
             "step": step + 1,
             "loss": step_loss.item(),
-            "grad_norm": grad_norm,
+            "grad_norm": grad_norm if math.isfinite(grad_norm) else None,  # JSON has no NaN
             "lr": lr,
             "skipped": skipped,
             "tokens": int(tokens.item()),
@@ -189,8 +197,9 @@ class Trainer:
         }
 
     @torch.no_grad()
-    def evaluate(self, step: int) -> float:
+    def evaluate(self, step: int) -> float | None:
         """Mean loss over the held-out set, overall and per bucket; FP8 state left as it was.
+        None when there is no held-out set (``data.eval_fraction: 0``).
 
         The eval forward runs in FP8 with the training scales, but its amaxes are discarded: TE
         would fold them into the next training update, so evaluating more or less often would
@@ -198,6 +207,8 @@ class Trainer:
         """
         from fp8ops.megatron import mark_first_microbatch
 
+        if len(self.data.eval) == 0:
+            return None
         saved = self._fp8_state()
         self.model.eval()
         mark_first_microbatch(self.model)  # cast the current weights once, reuse them after
@@ -353,6 +364,12 @@ class Trainer:
         if self.ranks.is_main:
             self.run.event("weights_saved", path="final", fingerprint=fingerprint)
 
+    def _mark_failed(self, exc: BaseException) -> None:
+        """Record why the run stopped, so nobody mistakes it for a live or finished one."""
+        if self.ranks.is_main:
+            self.run.set_status("failed", error=f"{type(exc).__name__}: {exc}")
+            self.run.event("failed", error=f"{type(exc).__name__}: {exc}")
+
     def _event(self, kind: str, **fields) -> None:
         if self.ranks.is_main:
             self.run.event(kind, **fields)
@@ -388,6 +405,7 @@ class Trainer:
 
         def advance(record: dict) -> None:
             loss, tps = f"{record['loss']:.4f}", f"{record['tokens_per_s']:,.0f}"
+            norm = "skipped" if record["skipped"] else f"{record['grad_norm']:.3f}"
             bar.update(task, completed=record["step"], loss=loss, tps=tps)
             step = record["step"]
             if (
@@ -396,8 +414,8 @@ class Trainer:
                 and (step % schedule.log_interval == 0 or step == schedule.train_steps)
             ):
                 console.print(
-                    f"step {step}/{schedule.train_steps}  loss {loss}  grad_norm "
-                    f"{record['grad_norm']:.3f}  lr {record['lr']:.2e}  {tps} tok/s"
+                    f"step {step}/{schedule.train_steps}  loss {loss}  grad_norm {norm}  "
+                    f"lr {record['lr']:.2e}  {tps} tok/s"
                 )
 
         with bar:
@@ -419,6 +437,11 @@ def _check_inputs(manifest: Manifest, source: str) -> None:
     if manifest.tokenizer.kind != "byte":
         raise ManifestError(
             f"{source}: tokenizer.kind {manifest.tokenizer.kind!r} is not supported yet; use 'byte'"
+        )
+    if manifest.topology.pipeline_parallel != 1:
+        raise ManifestError(
+            f"{source}: topology.pipeline_parallel is {manifest.topology.pipeline_parallel}, but "
+            "fp8ops trains without pipeline parallelism so far; set it to 1"
         )
     if manifest.model.init_checkpoint is not None:
         weights.read_weights_meta(

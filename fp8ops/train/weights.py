@@ -73,7 +73,11 @@ def save_weights(model: nn.Module, directory: Path, meta: dict, *, is_main: bool
     from megatron.core import dist_checkpointing
 
     directory = Path(directory)
-    meta = {**meta, "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
+    meta = {
+        **meta,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "padded_vocab_size": model.vocab_size,
+    }
     partial = directory.with_name(directory.name + ".partial")
     if is_main:
         shutil.rmtree(partial, ignore_errors=True)  # left by a crash: never a checkpoint
@@ -109,6 +113,12 @@ def load_weights(model: nn.Module, directory: Path, model_cfg, *, tp_group, fiel
         raise ManifestError(
             f"{field} {str(directory)!r} holds a different model than the manifest's model "
             f"section ({'; '.join(differences)}); point {field} at a checkpoint of this model"
+        )
+    if meta.get("padded_vocab_size", model.vocab_size) != model.vocab_size:
+        raise ManifestError(
+            f"{field} {str(directory)!r} has an embedding of {meta['padded_vocab_size']} rows but "
+            f"this run pads the vocabulary to {model.vocab_size} (model.vocab_size at this "
+            "topology.tensor_parallel); train at a tensor-parallel size that pads alike"
         )
     sharded = _weights_only(model.sharded_state_dict())
     with _quiet_dcp():

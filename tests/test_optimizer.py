@@ -1,0 +1,86 @@
+"""The optimizer step: learning-rate schedule, float32 main weights, clipping."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from manifest_support import TINY
+from torch import nn
+
+from fp8ops.manifest import derive, load_manifest
+from fp8ops.train.optimizer import MainParamsOptimizer, learning_rate
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank(tmp_path_factory):
+    store = tmp_path_factory.mktemp("dist") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _manifest(**changes):
+    return derive(load_manifest(TINY), changes, "optimizer test")
+
+
+def test_schedule_warms_up_then_decays_to_min_lr():
+    m = _manifest(**{"schedule.train_steps": 11, "schedule.warmup_steps": 2})
+    lrs = [learning_rate(step, m.optimizer, m.schedule) for step in range(11)]
+    peak, floor = m.optimizer.lr, m.optimizer.min_lr
+    assert lrs[:2] == [peak / 2, peak]
+    assert lrs[2] == pytest.approx(peak)  # decay starts from the peak ...
+    assert lrs[-1] == pytest.approx(floor)  # ... and ends at min_lr on the last step
+    assert lrs[6] == pytest.approx(floor + (peak - floor) * 0.5)  # cosine midpoint
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
+    linear = _manifest(**{"schedule.train_steps": 12, "schedule.warmup_steps": 1,
+                          "schedule.lr_decay": "linear"})  # fmt: skip
+    assert learning_rate(6, linear.optimizer, linear.schedule) == pytest.approx((peak + floor) / 2)
+
+
+def _bf16_layer() -> nn.Linear:
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 8, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.fill_(1.0)
+    return layer
+
+
+def test_updates_below_bf16_resolution_accumulate_in_float32_main_weights():
+    # bf16 has 8 significant bits: 1 + 1e-3 rounds back to 1. SGD steps of 1e-3 each vanish in a
+    # bf16 weight but add up in the float32 main copy, and reach the model once they exceed
+    # half a bf16 ulp of 1 (2**-8).
+    cfg = _manifest(**{"optimizer.name": "sgd", "optimizer.beta1": 0.0,
+                       "optimizer.weight_decay": 0.0, "optimizer.clip_grad": None}).optimizer  # fmt: skip
+    layer = _bf16_layer()
+    optimizer = MainParamsOptimizer(layer, cfg, tp_group=None, dp_group=None)
+    for _ in range(10):
+        layer.weight.grad = torch.full_like(layer.weight, -1.0)
+        optimizer.step(lr=1e-3)
+    assert optimizer.main_params[0].dtype == torch.float32
+    assert optimizer.main_params[0][0, 0].item() == pytest.approx(1.01, abs=1e-6)
+    assert layer.weight[0, 0].item() == 1.0078125  # bf16 rounding of 1.01
+    plain = _bf16_layer()
+    sgd = torch.optim.SGD(plain.parameters(), lr=1e-3)
+    for _ in range(10):
+        plain.weight.grad = torch.full_like(plain.weight, -1.0)
+        sgd.step()
+    assert plain.weight[0, 0].item() == 1.0  # every update rounded away
+
+
+def test_clipping_uses_the_global_norm_and_skips_non_finite_steps():
+    cfg = _manifest(**{"optimizer.name": "sgd", "optimizer.beta1": 0.0,
+                       "optimizer.weight_decay": 0.0, "optimizer.clip_grad": 1.0}).optimizer  # fmt: skip
+    layer = _bf16_layer()
+    optimizer = MainParamsOptimizer(layer, cfg, tp_group=None, dp_group=None)
+    layer.weight.grad = torch.full_like(layer.weight, 0.5)  # norm 0.5 * 8 = 4
+    norm, skipped = optimizer.step(lr=1.0)
+    assert (norm, skipped) == (4.0, False)
+    # Clipped to norm 1: each element moved by 0.5 / 4 (within torch's 1e-6 epsilon).
+    assert optimizer.main_params[0][0, 0].item() == pytest.approx(1 - 0.125, rel=1e-5)
+    before = optimizer.main_params[0].clone()
+    layer.weight.grad = torch.full_like(layer.weight, math.inf)
+    norm, skipped = optimizer.step(lr=1.0)
+    assert skipped and not math.isfinite(norm)
+    assert torch.equal(optimizer.main_params[0], before)  # weights untouched
+    assert layer.weight.grad is None

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fp8ops.errors import Fp8opsError, ManifestError
-from fp8ops.manifest.revisions import _atomic_write
+from fp8ops.files import atomic_write_text
 
 if TYPE_CHECKING:
     from torch import nn
@@ -593,7 +593,7 @@ def write_layers_json(
         rows=table.rows,
     )
     path = Path(run_dir) / LAYERS_FILE
-    _atomic_write(path, document.model_dump_json(by_alias=True, indent=2) + "\n")
+    atomic_write_text(path, document.model_dump_json(by_alias=True, indent=2) + "\n")
     return path
 
 

@@ -8,9 +8,7 @@ every number is its parent's plus one.
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ from typing import Any
 import yaml
 
 from fp8ops.errors import ManifestError, RevisionError
+from fp8ops.files import atomic_write_text
 from fp8ops.manifest.canonical import canonical_dict, manifest_hash, to_yaml
 from fp8ops.manifest.load import load_manifest
 from fp8ops.manifest.messages import dotted, validate_manifest
@@ -135,29 +134,8 @@ def write_manifest(m: Manifest, path: str | Path) -> Path:
         raise ManifestError(
             f"{path}: already exists with different content; refusing to overwrite it"
         )
-    _atomic_write(path, to_yaml(m))
+    atomic_write_text(path, to_yaml(m))
     return path
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    """Write through a temporary file in the same directory: readers see all or nothing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; stored manifests are for everyone to read
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
 
 
 # --------------------------------------------------------------------------------------
@@ -184,7 +162,7 @@ class ManifestStore:
             except RevisionError as exc:
                 raise RevisionError(f"{exc}; refusing to overwrite it") from None
             return path
-        _atomic_write(path, to_yaml(m))
+        atomic_write_text(path, to_yaml(m))
         return path
 
     def get(self, digest: str) -> Manifest:

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from fp8ops.errors import Fp8opsError
+from fp8ops.files import atomic_write_text
 from fp8ops.manifest import ManifestStore, manifest_hash, write_manifest
 from fp8ops.manifest.schema import Manifest
 
@@ -114,7 +114,7 @@ class RunDir:
     # -- whole files, replaced atomically ---------------------------------------------------
 
     def write_json(self, name: str, document: dict[str, Any]) -> None:
-        _atomic_write(self.path / name, json.dumps(document, indent=2, sort_keys=True) + "\n")
+        atomic_write_text(self.path / name, json.dumps(document, indent=2, sort_keys=True) + "\n")
 
     def set_status(self, state: str, **fields: Any) -> None:
         status = read_status(self.path) or {}
@@ -155,19 +155,6 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
             if number < len(lines) - 1:  # only the final, unterminated line may be torn
                 raise Fp8opsError(f"{path}:{number}: not valid JSON") from None
     return records
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(handle, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())  # the new content is on disk before the name points at it
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
 
 
 def _now() -> str:

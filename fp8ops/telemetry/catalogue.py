@@ -1,0 +1,83 @@
+"""Every telemetry metric, defined once: its name, unit and meaning.
+
+The store's columns, the reader's labels, the alert rules and the console all take their names
+from here; the store records the catalogue in its attributes, so a reader needs no code version
+to label what it reads.
+
+Module metrics are one row per FP8-capable module per step (a ``[modules, metrics]`` array).
+For each FP8 slot a module uses (``input`` and ``weight`` in forward, ``grad_output`` in
+backward) there are the same eleven metrics, named ``<slot>.<metric>``; then seven metrics of the
+module itself. Step metrics are one row per step for the whole run. Values are float32; a
+metric with nothing to report this step (an unsampled error, a BF16 module's saturation) is NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    unit: str
+    meaning: str
+
+
+SLOTS = ("input", "weight", "grad_output")
+
+SLOT_METRICS = (
+    Metric("amax", "|value|", "This step's amax after the reduction: the newest history entry."),
+    Metric("scale", "factor", "The scale in use after this step's update (fp8_max / amax / 2^margin)."),
+    Metric("scale_inv", "factor", "1 / scale: what dequantisation multiplies by."),
+    Metric("window_max", "|value|", "Largest amax in the history window (what `max` scales by)."),
+    Metric("window_p50", "|value|", "Median of the non-zero amaxes in the history window."),
+    Metric("window_p90", "|value|", "90th percentile of the non-zero amaxes in the history window."),
+    Metric(
+        "scale_change", "ratio >= 1",
+        "How far the scale moved since the previous step, either way: max(s/s', s'/s).",
+    ),
+    Metric("saturation", "fraction", "Elements clipped at the FP8 maximum in this step's casts."),
+    Metric("underflow", "fraction", "Non-zero elements that became zero in this step's casts."),
+    Metric("nan", "count", "NaN elements in this step's casts (the cast keeps them)."),
+    Metric("inf", "count", "Infinite elements in this step's casts (saturated to the FP8 max)."),
+)  # fmt: skip
+
+MODULE_OWN_METRICS = (
+    Metric("input_norm", "L2", "Norm of the module's input (this rank's view), last micro-batch."),
+    Metric("weight_norm", "L2", "Norm of the module's weight shard on this rank."),
+    Metric("grad_norm", "L2", "Norm of the weight shard's gradient, summed over micro-batches."),
+    Metric("fp8_gemms", "count", "GEMMs the module ran in FP8 this step (3 per micro-batch)."),
+    Metric("fallback_gemms", "count", "GEMMs it ran in higher precision this step."),
+    Metric(
+        "fp8_rel_error", "ratio",
+        "||y_fp8 - y_ref|| / ||y_ref|| of the forward output against the base-dtype GEMM on the "
+        "same input; measured every telemetry.error_sample_every steps, NaN otherwise.",
+    ),
+    Metric("fp8_enabled", "0/1", "1 if the module ran FP8 (admitted), 0 if held in the base dtype."),
+)  # fmt: skip
+
+MODULE_METRICS: tuple[Metric, ...] = tuple(
+    Metric(f"{slot}.{m.name}", m.unit, m.meaning) for slot in SLOTS for m in SLOT_METRICS
+) + MODULE_OWN_METRICS
+
+STEP_METRICS = (
+    Metric("loss", "nats/token", "Training loss of the step (global batch mean)."),
+    Metric("grad_norm", "L2", "Global gradient norm before clipping (NaN when not finite)."),
+    Metric("lr", "", "Learning rate of the step."),
+    Metric("skipped", "0/1", "1 if the optimizer step was skipped (non-finite gradients)."),
+    Metric("tokens_per_s", "tokens/s", "Positions processed per second, padding included."),
+    Metric("step_seconds", "s", "Wall time of the step."),
+)
+
+MODULE_METRIC_NAMES: tuple[str, ...] = tuple(m.name for m in MODULE_METRICS)
+STEP_METRIC_NAMES: tuple[str, ...] = tuple(m.name for m in STEP_METRICS)
+COLUMN = {name: index for index, name in enumerate(MODULE_METRIC_NAMES)}
+STEP_COLUMN = {name: index for index, name in enumerate(STEP_METRIC_NAMES)}
+
+
+def describe() -> dict[str, list[dict[str, str]]]:
+    """The catalogue as JSON-able lists (what the store keeps in its attributes)."""
+    return {
+        "module_metrics": [vars(m) for m in MODULE_METRICS],
+        "step_metrics": [vars(m) for m in STEP_METRICS],
+    }

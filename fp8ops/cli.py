@@ -271,6 +271,66 @@ def inspect_run(
         out.print(f"fp8ops inspect {run_dir} --layers: every module's precision and why")
 
 
+# --------------------------------------------------------------------------------------
+# fp8ops alerts: what the alert rules reported during a run
+# --------------------------------------------------------------------------------------
+
+
+@app.command("alerts")
+def alerts_(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory.", show_default=False)],
+    level: Annotated[
+        str | None,
+        typer.Option(help="Show this level and above: observe, degrade or stop."),
+    ] = None,
+    module: Annotated[
+        str | None,
+        typer.Option(
+            help="Only modules matching this glob, e.g. '*.linear_fc1'.", show_default=False
+        ),
+    ] = None,
+) -> None:
+    """List a run's alerts (alerts.jsonl): step, level, module, metric, value, threshold."""
+    from rich import box
+
+    from fp8ops.alerts import LEVELS, read_run_alerts, select_alerts
+    from fp8ops.alerts.records import format_value
+
+    if level is not None and level not in LEVELS:
+        raise typer.BadParameter(f"{level!r}: choose {', '.join(LEVELS)}", param_hint="--level")
+    alerts = read_run_alerts(run_dir)
+    shown = select_alerts(alerts, level, module)
+    out = _console()
+    if not out.is_terminal:
+        out.width = 200  # a log or a file: the table without folding module names
+    filters = " and ".join(
+        text
+        for text in (level and f"level {level} or above", module and f"module {module}")
+        if text
+    )
+    scope = f" ({filters}; {len(alerts)} in all)" if filters else ""
+    if not shown:
+        out.print(f"{run_dir}: no alerts{scope}")
+        return
+    ranks = any(a.rank is not None for a in shown)  # gathered from several ranks
+    grid = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for name in ("step", "level", *(["rank"] if ranks else []), "module", "metric", "value",
+                 "threshold", "message"):  # fmt: skip
+        grid.add_column(
+            name, overflow="fold", justify="right" if name in ("step", "rank") else "left"
+        )
+    for a in shown:
+        rank = [] if not ranks else ["" if a.rank is None else str(a.rank)]
+        grid.add_row(
+            str(a.step), a.level, *rank, a.module or "(run)", a.metric or "",
+            format_value(a.value), "" if a.threshold is None else format_value(a.threshold),
+            a.message,
+        )  # fmt: skip
+    out.print(grid)
+    counts = ", ".join(f"{sum(a.level == name for a in shown)} {name}" for name in LEVELS)
+    out.print(f"{run_dir}: {len(shown)} alert(s){scope}: {counts}")
+
+
 # Further command groups (resume, alerts, overrides, console, dualtrack, ...)
 # go here, each a thin function over its package, registered on `app`.
 

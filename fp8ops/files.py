@@ -1,10 +1,14 @@
-"""Writing files so that nothing already written is lost: all of a new version or none of it."""
+"""Files that survive crashes: whole files replaced atomically, logs read up to a torn last line."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
+
+from fp8ops.errors import Fp8opsError
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -31,3 +35,19 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         os.fsync(dir_fd)  # make the rename itself durable
     finally:
         os.close(dir_fd)
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The records of an append-only log; a torn last line (a crash mid-write) is skipped."""
+    records = []
+    with open(path) as log:
+        lines = log.read().split("\n")
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines) - 1:  # only the final, unterminated line may be torn
+                raise Fp8opsError(f"{path}:{number}: not valid JSON; the file is damaged") from None
+    return records

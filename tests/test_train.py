@@ -24,7 +24,8 @@ from fp8ops.errors import Fp8opsError
 from fp8ops.manifest import derive, load_manifest, manifest_hash, write_manifest
 from fp8ops.train import run_training
 from fp8ops.train.distributed import init_distributed, shutdown_distributed
-from fp8ops.train.run_dir import RunDir, read_jsonl
+from fp8ops.files import read_jsonl
+from fp8ops.train.run_dir import RunDir
 from fp8ops.train.trainer import Trainer
 from fp8ops.train.weights import META_FILE
 

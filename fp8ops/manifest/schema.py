@@ -622,7 +622,11 @@ class SaturationLevels(Levels):
     """Fraction of a tensor's elements that clip at the FP8 maximum after scaling."""
 
     observe: Fraction | None = Field(
-        1e-5, description="Any sustained clipping means the delayed scale is stale: note it."
+        1e-4,
+        description=(
+            "More than one element in ten thousand clipped, sustained: the delayed scale is "
+            "stale. (A single clipped element of a 64k-element weight as it grows is 1.5e-5.)"
+        ),
     )
     degrade: Fraction | None = Field(
         1e-3, description="0.1% clipped outliers: they carry much of the signal; propose BF16."
@@ -682,7 +686,11 @@ class Fp8ErrorLevels(Levels):
 
 
 class Alerts(_Section):
-    """Per-layer alert thresholds, evaluated on every telemetry step."""
+    """Per-layer alert thresholds, evaluated on every telemetry step (rules: ``fp8ops.alerts``).
+
+    Steps count the steps a metric was measured on (``telemetry.every_steps``); the sampled
+    FP8-vs-reference error counts in samples (``telemetry.error_sample_every``).
+    """
 
     saturation: SaturationLevels = Field(
         default_factory=SaturationLevels,
@@ -702,7 +710,8 @@ class Alerts(_Section):
     nonfinite_stop: bool = Field(
         True,
         description=(
-            "Stop at the first NaN/Inf in loss, gradients or scales; never waits for patience."
+            "Stop at the first NaN/Inf in loss, gradients or scales; never waits for patience. "
+            "false reports them as observe alerts (the optimizer still skips such steps)."
         ),
     )
     patience_steps: int = Field(
@@ -713,6 +722,111 @@ class Alerts(_Section):
             "step after resume, a big value leaving the history window) are common and harmless."
         ),
     )
+    window_steps: int = Field(
+        20,
+        ge=4,
+        description=(
+            "Measured steps in the trend windows: rising underflow compares the newer half of "
+            "the window with the older half, and a gradient spike is measured against the "
+            "module's median over the window. Long enough that a median ignores a few spikes, "
+            "short enough to follow a fine-tuning run's moving statistics."
+        ),
+    )
+    underflow_rise_factor: float = Field(
+        2.0,
+        gt=1,
+        description=(
+            "Rising zero-value ratio (observe): the newer half of the window flushes at least "
+            "this many times more values to zero than the older half. Doubling means the "
+            "tensor's range is drifting below what its scale can represent."
+        ),
+    )
+    underflow_rise_floor: Fraction = Field(
+        1e-3,
+        description=(
+            "Rising underflow is reported only once the newer half's mean reaches this "
+            "fraction (a tenth of the default observe level): doubling a negligible loss is "
+            "noise, not a trend."
+        ),
+    )
+    error_growth_samples: int = Field(
+        4,
+        ge=3,
+        description=(
+            "Growing FP8-vs-reference error (degrade): this many consecutive error samples, "
+            "each larger than the one before. Counted in samples (telemetry.error_sample_every "
+            "steps apart); three rises in a row are unlikely from sampling noise alone."
+        ),
+    )
+    error_growth_floor: Annotated[float, Field(ge=0)] = Field(
+        0.04,
+        description=(
+            "Growth is reported only once the latest sample reaches this relative error: "
+            "rounding both operands to E4M3 alone gives ~0.037 on well-scaled data, so growth "
+            "below that floor is rounding noise."
+        ),
+    )
+    grad_spike_factor: float = Field(
+        5.0,
+        gt=1,
+        description=(
+            "Gradient anomaly (degrade): a module's gradient norm above this many times its "
+            "median over the window, for patience_steps steps. In torchtitan#3109 the grad "
+            "norm went 105 -> 572 (5.4x) the step before the loss turned NaN."
+        ),
+    )
+    amax_jump_factor: float = Field(
+        4.0,
+        gt=1,
+        description=(
+            "Early warning (observe, no patience): a tensor's amax this many times above the "
+            "previous step's window max. The scale in use was computed from that window, so the "
+            "cast clipped; a per-layer amax spike is what precedes FP8 NaNs (torchtitan#3109)."
+        ),
+    )
+    divergence_factor: float = Field(
+        2.0,
+        gt=1,
+        description=(
+            "Divergence (stop): the training loss above this many times the lowest loss seen "
+            "so far, for patience_steps steps. A run at twice its best loss is not recovering "
+            "by itself; a checkpoint taken now is still worth resuming from."
+        ),
+    )
+    divergence_warmup_steps: int = Field(
+        10,
+        ge=0,
+        description=(
+            "Observed steps before the lowest loss starts to count: the first steps of a run "
+            "(and the first after a resume, while scales recalibrate) swing widely."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _window_holds_patience(self) -> Alerts:
+        # A spike that lasts patience_steps enters the window it is compared with; once it
+        # fills half the window it is its own median and never fires.
+        problems = []
+        if self.window_steps < 2 * self.patience_steps:
+            if "window_steps" in self.model_fields_set:
+                problems.append(
+                    (
+                        ("window_steps",),
+                        self.window_steps,
+                        f"must be >= 2 * patience_steps ({2 * self.patience_steps})",
+                    )
+                )
+            else:
+                problems.append(
+                    (
+                        ("patience_steps",),
+                        self.patience_steps,
+                        f"must be <= window_steps / 2 ({self.window_steps // 2}, from "
+                        "window_steps' default)",
+                    )
+                )
+        _raise_problems("Alerts", problems)
+        return self
 
 
 class Gates(_Section):

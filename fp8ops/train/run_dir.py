@@ -141,21 +141,5 @@ def read_status(path: Path) -> dict[str, Any] | None:
         raise Fp8opsError(f"{Path(path) / STATUS}: not valid JSON ({exc})") from None
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The records of an append-only log; a torn last line (a crash mid-write) is skipped."""
-    records = []
-    with open(path) as log:
-        lines = log.read().split("\n")
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if number < len(lines) - 1:  # only the final, unterminated line may be torn
-                raise Fp8opsError(f"{path}:{number}: not valid JSON") from None
-    return records
-
-
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")

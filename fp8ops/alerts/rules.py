@@ -1,0 +1,524 @@
+"""The alert rules: one :class:`AlertEngine` per run, fed one telemetry row per step.
+
+The trainer calls :meth:`AlertEngine.observe` with the step's ``[modules, metrics]`` row (the
+catalogue's columns, NaN where nothing was measured) and its step metrics. Nothing is read from
+disk; the engine keeps only what its windows need (a few ``[window, modules]`` arrays and a
+counter or two per condition).
+
+Rules, in the order a step's alerts are reported (Stop first, then Degrade, then Observe):
+
+==================  =======================================================  ==================
+rule                condition                                                level
+==================  =======================================================  ==================
+nonfinite           NaN/Inf in a cast (``<slot>.nan``/``.inf`` > 0), an     stop (observe if
+                    infinite amax or scale, a non-finite module gradient     ``nonfinite_stop``
+                    norm, or a non-finite step ``loss``/``grad_norm``;       is false); at once
+                    one alert, naming the first module where it appeared
+                    (forward casts in module order, gradients in reverse)
+divergence          loss > ``divergence_factor`` x lowest loss since         stop, patience
+                    ``divergence_warmup_steps``
+saturation          ``<slot>.saturation`` > a level of ``alerts.saturation`` its level, patience
+underflow           ``<slot>.underflow`` > a level of ``alerts.underflow``   its level, patience
+scale_jitter        ``<slot>.scale_change`` > a level of                     its level, patience
+                    ``alerts.scale_change``
+fp8_error           ``fp8_rel_error`` > a level of ``alerts.fp8_rel_error``  its level, patience
+                                                                             in samples
+fp8_error_growing   the last ``error_growth_samples`` error samples each     degrade
+                    larger than the one before, latest >=
+                    ``error_growth_floor``
+grad_spike          module ``grad_norm`` > ``grad_spike_factor`` x its       degrade, patience
+                    median over the window
+underflow_rising    newer half of the window's mean underflow >=             observe
+                    ``underflow_rise_factor`` x older half's, and >=
+                    ``underflow_rise_floor``
+amax_jump           ``<slot>.amax`` > ``amax_jump_factor`` x the previous    observe, at once
+                    step's ``<slot>.window_max``
+==================  =======================================================  ==================
+
+Modules held in the base dtype have no casts and no scales in use: every rule skips them except
+``grad_spike`` and the gradient part of ``nonfinite``. An alert fires once when its condition starts holding and again only
+after the condition has been false for ``patience_steps`` steps (samples, for the sampled
+error): a value hovering at a threshold does not repeat itself every few steps. When one step
+takes a condition past several levels at once, only the highest is reported.
+
+"Steps" are the steps the engine observes. A NaN cell means "not measured": it neither extends
+nor breaks a streak, so metrics measured every N steps count patience in measurements, and the
+windows (rising underflow, gradient median) hold measured steps only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from fp8ops.alerts.records import (
+    LEVELS,
+    SEVERITY,
+    Alert,
+    Level,
+    Proposal,
+    check_level,
+    format_value,
+)
+from fp8ops.manifest.schema import Alerts, Levels
+from fp8ops.telemetry.catalogue import COLUMN, MODULE_METRIC_NAMES, SLOTS
+
+# Threshold rules that pass Degrade on their way to Stop: their Stop also proposes an override.
+_PROPOSING_STOPS = frozenset({"saturation", "underflow", "scale_jitter", "fp8_error"})
+_FORWARD = tuple(slot for slot in SLOTS if slot != "grad_output")
+_BACKWARD = ("grad_output",)
+
+
+def _columns(metric: str, slots: Sequence[str] = SLOTS) -> list[int]:
+    return [COLUMN[f"{slot}.{metric}"] for slot in slots]
+
+
+def _py(value: Any) -> float:
+    """A float32 cell as the shortest Python float that reads back as the same float32."""
+    return float(str(np.float32(value)))
+
+
+class _Latch:
+    """Once-until-cleared bookkeeping for one condition over an array of keys.
+
+    ``streak`` counts consecutive known observations where the condition held, ``calm`` those
+    where it did not (both capped: only "reached" matters); ``open`` marks keys that fired and
+    have not cleared. An unknown observation (nothing measured) changes nothing.
+    """
+
+    def __init__(self, shape: tuple[int, ...], patience: int, clear_after: int):
+        self.patience, self.clear_after = patience, clear_after
+        self.streak = np.zeros(shape, np.int32)
+        self.calm = np.zeros(shape, np.int32)
+        self.open = np.zeros(shape, bool)
+
+    def update(self, held: np.ndarray, known: np.ndarray) -> np.ndarray:
+        """Advance one observation; return where the alert fires now."""
+        held = held & known
+        quiet = known & ~held
+        self.streak = np.where(held, np.minimum(self.streak + 1, self.patience), self.streak)
+        self.streak[quiet] = 0
+        self.calm = np.where(quiet, np.minimum(self.calm + 1, self.clear_after), self.calm)
+        self.calm[held] = 0
+        self.open &= ~(self.calm >= self.clear_after)
+        fired = held & ~self.open & (self.streak >= self.patience)
+        self.open |= fired
+        return fired
+
+
+class _Leveled:
+    """One metric (per module and slot) against the observe/degrade/stop levels of a section."""
+
+    def __init__(self, levels: Levels, shape: tuple[int, ...], patience: int):
+        self.latches: dict[Level, tuple[np.float32, _Latch]] = {
+            level: (np.float32(getattr(levels, level)), _Latch(shape, patience, patience))
+            for level in LEVELS
+            if getattr(levels, level) is not None
+        }
+
+    def update(self, values: np.ndarray, active: np.ndarray) -> dict[Level, np.ndarray]:
+        known = active & ~np.isnan(values)
+        fired = {
+            level: latch.update(values > threshold, known)
+            for level, (threshold, latch) in self.latches.items()
+        }
+        # Several levels reached at once: report the highest; the lower ones stay open (their
+        # latches fired), so they do not fire on a later step either.
+        higher = np.zeros(values.shape, bool)
+        for level in reversed(LEVELS):
+            if level in fired:
+                fired[level] = fired[level] & ~higher
+                higher |= fired[level]
+        return fired
+
+
+class AlertEngine:
+    """Evaluates the manifest's alert rules on each step's telemetry, in memory.
+
+    ``modules`` are the row order of the telemetry (module FQNs); ``fp8_enabled`` says which of
+    them run FP8: the others are skipped by the FP8-only rules.
+    """
+
+    def __init__(self, config: Alerts, modules: Sequence[str], fp8_enabled: Sequence[bool]):
+        self.config = config
+        self.modules = tuple(modules)
+        self.fp8 = np.array(list(fp8_enabled), dtype=bool)
+        if self.fp8.shape != (len(self.modules),):
+            raise ValueError(
+                f"fp8_enabled has {self.fp8.size} entries for {len(self.modules)} modules"
+            )
+        n, slots, patience = len(self.modules), len(SLOTS), config.patience_steps
+        window = config.window_steps
+        self._leveled = {
+            "saturation": (_columns("saturation"), _Leveled(config.saturation, (n, slots), patience)),
+            "underflow": (_columns("underflow"), _Leveled(config.underflow, (n, slots), patience)),
+            "scale_jitter": (
+                _columns("scale_change"), _Leveled(config.scale_change, (n, slots), patience)
+            ),
+            "fp8_error": (
+                [COLUMN["fp8_rel_error"]], _Leveled(config.fp8_rel_error, (n, 1), patience)
+            ),
+        }  # fmt: skip
+        self._nonfinite = _Latch((), 1, patience)
+        self._divergence = _Latch((), patience, patience)
+        self._rising = _Latch((n, slots), 1, patience)
+        self._growing = _Latch((n,), 1, patience)
+        self._spike = _Latch((n,), patience, patience)
+        self._jump = _Latch((n, slots), 1, patience)
+        # Windows of measured steps, oldest overwritten first.
+        self._underflow = np.full((window, n, slots), np.nan, np.float32)
+        self._underflow_rows = 0
+        self._grads = np.full((window, n), np.nan, np.float32)
+        self._grad_rows = 0
+        self._errors = np.full((n, config.error_growth_samples), np.nan, np.float32)
+        self._error_samples = np.zeros(n, np.int32)
+        self._previous_window_max = np.full((n, slots), np.nan, np.float32)
+        self._observed = 0
+        self._lowest_loss = np.inf
+        self._proposals: dict[str, Proposal] = {}
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def observe(
+        self, step: int, module_values: np.ndarray, step_values: Mapping[str, float]
+    ) -> list[Alert]:
+        """The alerts that start at ``step`` (Stop first), given its telemetry row."""
+        rows = np.asarray(module_values, dtype=np.float32)
+        expected = (len(self.modules), len(MODULE_METRIC_NAMES))
+        if rows.shape != expected:
+            raise ValueError(f"telemetry row has shape {rows.shape}; expected {expected}")
+        alerts = [
+            *self._check_nonfinite(step, rows, step_values),
+            *self._check_divergence(step, step_values),
+            *self._check_levels(step, rows),
+            *self._check_error_growth(step, rows),
+            *self._check_grad_spike(step, rows),
+            *self._check_underflow_rising(step, rows),
+            *self._check_amax_jump(step, rows),
+        ]
+        self._observed += 1
+        return sorted(alerts, key=lambda alert: -SEVERITY[alert.level])  # stable: rule order kept
+
+    def report(
+        self,
+        step: int,
+        rule: str,
+        level: str,
+        message: str,
+        module: str | None = None,
+        metric: str | None = None,
+        value: float | None = None,
+        threshold: float | None = None,
+    ) -> Alert:
+        """An alert for a condition the trainer detects itself (e.g. ranks' scales disagree)."""
+        return Alert(
+            step=step,
+            level=check_level(level),
+            rule=rule,
+            module=module,
+            metric=metric,
+            value=None if value is None else float(value),
+            threshold=None if threshold is None else float(threshold),
+            message=message,
+        )
+
+    # -- override proposals -----------------------------------------------------------------------
+
+    def proposals(self, alerts: Iterable[Alert | Mapping[str, Any]]) -> list[Proposal]:
+        """Override proposals for the Degrade alerts among ``alerts`` (Alerts or their JSON).
+
+        One per FP8 module at most while it is open: a module that already has an open proposal
+        gets no second one. Stop alerts of the threshold rules propose too (they passed Degrade
+        on the way). Modules held in the base dtype are never proposed.
+        """
+        alerts = [a if isinstance(a, Alert) else Alert.from_json(a) for a in alerts]
+        fp8 = dict(zip(self.modules, self.fp8.tolist(), strict=True))
+        new: dict[str, Proposal] = {}
+        for alert in sorted(alerts, key=lambda a: -SEVERITY[a.level]):
+            module = alert.module
+            proposes = alert.level == "degrade" or (
+                alert.level == "stop" and alert.rule in _PROPOSING_STOPS
+            )
+            if not proposes or module is None or not fp8.get(module, True):
+                continue
+            if module in self._proposals or module in new:
+                continue
+            metrics = {
+                a.metric: a.value
+                for a in alerts
+                if a.module == module and a.metric is not None and a.step == alert.step
+            }
+            new[module] = Proposal(alert.step, module, alert.message, metrics)
+        self._proposals.update(new)
+        return list(new.values())
+
+    proposals_from = proposals
+
+    @property
+    def open_proposals(self) -> dict[str, Proposal]:
+        """Module -> its open proposal."""
+        return dict(self._proposals)
+
+    def close_proposal(self, module: str) -> None:
+        """Mark a module's proposal decided (the ledger's business): a new one may follow."""
+        self._proposals.pop(module, None)
+
+    # -- rules --------------------------------------------------------------------------------
+
+    def _alert(self, step, level, rule, index, metric, value, threshold, message) -> Alert:
+        return Alert(
+            step=step,
+            level=level,
+            rule=rule,
+            module=None if index is None else self.modules[index],
+            metric=metric,
+            value=None if value is None else _py(value),
+            threshold=None if threshold is None else _py(threshold),
+            message=message,
+        )
+
+    def _for_steps(self, patience: int, unit: str = "steps") -> str:
+        return f" for {patience} consecutive {unit}" if patience > 1 else ""
+
+    def _check_nonfinite(self, step, rows, step_values) -> list[Alert]:
+        """NaN/Inf anywhere: one alert naming where it appeared first.
+
+        The forward pass runs in module order, so of the modules whose forward casts saw NaN or
+        Inf the first is where it entered; the backward pass runs in reverse, so for gradients
+        the last module in module order is the first to see them.
+        """
+        cells = self._nonfinite_cells(rows, step_values)
+        loss, grad_norm = step_values.get("loss"), step_values.get("grad_norm")
+        run_level = [
+            (name, value)
+            for name, value in (("loss", loss), ("grad_norm", grad_norm))
+            if value is not None and not np.isfinite(value)
+        ]
+        held = bool(cells) or bool(run_level)
+        if not self._nonfinite.update(np.array(held), np.array(True)):
+            return []
+        level: Level = "stop" if self.config.nonfinite_stop else "observe"
+        also = [f"the step's {name} is {format_value(value)}" for name, value in run_level]
+        if cells:
+            (index, metric, value, order), affected = cells[0], len({c[0] for c in cells})
+            limit = "above 0" if metric.endswith((".nan", ".inf")) else "not finite"
+            if affected > 1:
+                also.insert(0, f"{affected} of {len(self.modules)} modules affected")
+            message = (
+                f"Step {step}: {self.modules[index]} {metric} was {format_value(value)}, "
+                f"{limit}: the first non-finite value of the step in {order} order"
+                + (f" ({'; '.join(also)})" if also else "")
+                + "."
+            )
+            threshold = 0.0 if limit == "above 0" else None
+            return [self._alert(step, level, "nonfinite", index, metric, value, threshold, message)]
+        name, value = run_level[0]
+        message = (
+            f"Step {step}: the run's {name} was {format_value(value)}, not finite"
+            + (f" ({'; '.join(also[1:])})" if len(also) > 1 else "")
+            + "; no module's telemetry shows where it started."
+        )
+        return [self._alert(step, level, "nonfinite", None, name, value, None, message)]
+
+    def _nonfinite_cells(self, rows, step_values) -> list[tuple[int, str, float, str]]:
+        """(module index, metric, value, pass) of every non-finite cell, first appearance first."""
+
+        def slot_cells(slots: Sequence[str]) -> list[tuple[int, str, float]]:
+            counts = [f"{s}.{m}" for s in slots for m in ("nan", "inf")]
+            infinite = [f"{s}.{m}" for s in slots for m in ("amax", "scale", "scale_inv")]
+            names = counts + infinite
+            cells = rows[:, [COLUMN[name] for name in names]]
+            bad = np.concatenate(
+                [cells[:, : len(counts)] > 0, np.isinf(cells[:, len(counts) :])], axis=1
+            )
+            return [(int(i), names[j], float(cells[i, j])) for i, j in np.argwhere(bad & fp8)]
+
+        fp8 = self.fp8[:, None]
+        forward = slot_cells(_FORWARD)
+        # A module gradient norm is NaN also when it was not measured this step; it is
+        # non-finite data only when it is infinite, or NaN while the global norm is non-finite
+        # too (one non-finite gradient makes the global norm so).
+        grads = rows[:, COLUMN["grad_norm"]]
+        global_norm = step_values.get("grad_norm")
+        global_bad = global_norm is not None and not np.isfinite(global_norm)
+        measured = ~np.isnan(rows[:, COLUMN["weight_norm"]])
+        bad_grad = np.isinf(grads) | (np.isnan(grads) & measured & global_bad)
+        backward = slot_cells(_BACKWARD) + [
+            (int(i), "grad_norm", float(grads[i])) for i in np.flatnonzero(bad_grad)
+        ]
+        # Forward: module order. Backward: from the last module, its grad_output first.
+        backward.sort(key=lambda cell: (-cell[0], cell[1] == "grad_norm"))
+        return [(*cell, "forward") for cell in forward] + [(*cell, "backward") for cell in backward]
+
+    def _check_divergence(self, step, step_values) -> list[Alert]:
+        loss = step_values.get("loss")
+        if (
+            loss is None
+            or not np.isfinite(loss)
+            or self._observed < self.config.divergence_warmup_steps
+        ):
+            return []
+        lowest, factor = self._lowest_loss, self.config.divergence_factor
+        self._lowest_loss = min(lowest, float(loss))
+        known = bool(np.isfinite(lowest) and lowest > 0)
+        threshold = factor * lowest if known else np.inf
+        if not self._divergence.update(np.array(loss > threshold), np.array(known)):
+            return []
+        patience = self.config.patience_steps
+        message = (
+            f"Step {step}: the run's loss was {format_value(loss)}, above {factor:g}x its lowest "
+            f"loss {format_value(lowest)} (threshold {format_value(threshold)})"
+            f"{self._for_steps(patience)}: the run is diverging."
+        )
+        return [self._alert(step, "stop", "divergence", None, "loss", loss, threshold, message)]
+
+    def _check_levels(self, step, rows) -> list[Alert]:
+        alerts = []
+        patience = self.config.patience_steps
+        for rule, (columns, leveled) in self._leveled.items():
+            values = rows[:, columns]
+            unit = "samples" if rule == "fp8_error" else "steps"
+            for level, fired in leveled.update(values, self.fp8[:, None]).items():
+                threshold = float(leveled.latches[level][0])
+                for i, j in np.argwhere(fired):
+                    metric = MODULE_METRIC_NAMES[columns[j]]
+                    message = (
+                        f"Step {step}: {self.modules[i]} {metric} was "
+                        f"{format_value(_py(values[i, j]))}, above the {level} level "
+                        f"{format_value(threshold)}{self._for_steps(patience, unit)}."
+                    )
+                    alerts.append(
+                        self._alert(step, level, rule, i, metric, values[i, j], threshold, message)
+                    )
+        return alerts
+
+    def _check_error_growth(self, step, rows) -> list[Alert]:
+        """fp8_rel_error rising sample after sample: FP8 is losing this layer."""
+        errors = rows[:, COLUMN["fp8_rel_error"]]
+        sampled = self.fp8 & ~np.isnan(errors)
+        self._errors[sampled] = np.roll(self._errors[sampled], -1, axis=1)
+        self._errors[sampled, -1] = errors[sampled]
+        self._error_samples[sampled] += 1
+        count, floor = self.config.error_growth_samples, self.config.error_growth_floor
+        full = sampled & (self._error_samples >= count)
+        rising = np.all(np.diff(self._errors, axis=1) > 0, axis=1)
+        held = rising & (self._errors[:, -1] >= np.float32(floor))
+        alerts = []
+        for i in np.flatnonzero(self._growing.update(held, full)):
+            history = " -> ".join(format_value(_py(v)) for v in self._errors[i])
+            message = (
+                f"Step {step}: {self.modules[i]} fp8_rel_error grew over its last {count} "
+                f"samples ({history}) to {format_value(_py(errors[i]))}, at or above the floor "
+                f"{format_value(floor)}."
+            )
+            rule, value = "fp8_error_growing", errors[i]
+            alerts.append(
+                self._alert(step, "degrade", rule, i, "fp8_rel_error", value, floor, message)
+            )
+        return alerts
+
+    def _check_grad_spike(self, step, rows) -> list[Alert]:
+        """A module's gradient norm far above its recent median (measured steps only)."""
+        grads = rows[:, COLUMN["grad_norm"]]
+        if np.all(np.isnan(grads)):  # not measured this step
+            return []
+        window, factor = self.config.window_steps, self.config.grad_spike_factor
+        counts = np.sum(~np.isnan(self._grads), axis=0)
+        ready = counts >= max(2, window // 2)
+        median = np.full(len(self.modules), np.nan, np.float32)
+        if ready.any():
+            median[ready] = np.nanmedian(self._grads[:, ready], axis=0)
+        threshold = np.float32(factor) * median
+        known = ready & np.isfinite(grads) & (median > 0)
+        with np.errstate(invalid="ignore"):
+            fired = self._spike.update(grads > threshold, known)
+        self._grads[self._grad_rows % window] = np.where(np.isfinite(grads), grads, np.nan)
+        self._grad_rows += 1
+        alerts = []
+        for i in np.flatnonzero(fired):
+            message = (
+                f"Step {step}: {self.modules[i]} grad_norm was {format_value(_py(grads[i]))}, "
+                f"above {factor:g}x its median {format_value(_py(median[i]))} over the last "
+                f"{counts[i]} measured steps (threshold {format_value(_py(threshold[i]))})"
+                f"{self._for_steps(self.config.patience_steps)}."
+            )
+            alerts.append(
+                self._alert(
+                    step, "degrade", "grad_spike", i, "grad_norm", grads[i], threshold[i], message
+                )
+            )
+        return alerts
+
+    def _check_underflow_rising(self, step, rows) -> list[Alert]:
+        """The zero-value ratio trending up: the newer half of the window against the older."""
+        underflow = rows[:, _columns("underflow")]
+        if np.all(np.isnan(underflow)):  # not measured this step
+            return []
+        window = self.config.window_steps
+        self._underflow[self._underflow_rows % window] = underflow
+        self._underflow_rows += 1
+        if self._underflow_rows < window:
+            return []
+        start = self._underflow_rows % window  # the oldest row
+        chronological = np.roll(self._underflow, -start, axis=0)
+        half = window // 2
+        older, older_n = _mean(chronological[:half])
+        newer, newer_n = _mean(chronological[half:])
+        factor, floor = self.config.underflow_rise_factor, self.config.underflow_rise_floor
+        threshold = np.maximum(np.float32(factor) * older, np.float32(floor))
+        known = self.fp8[:, None] & (older_n > 0) & (newer_n > 0)
+        with np.errstate(invalid="ignore"):
+            fired = self._rising.update(newer >= threshold, known)
+        alerts = []
+        for i, j in np.argwhere(fired):
+            metric = f"{SLOTS[j]}.underflow"
+            message = (
+                f"Step {step}: {self.modules[i]} {metric} is rising: its mean was "
+                f"{format_value(_py(newer[i, j]))} over the last {window - half} measured steps "
+                f"against {format_value(_py(older[i, j]))} over the {half} before, at or above "
+                f"{factor:g}x that and the floor {format_value(floor)} "
+                f"(threshold {format_value(_py(threshold[i, j]))})."
+            )
+            value, limit = newer[i, j], threshold[i, j]
+            alerts.append(
+                self._alert(step, "observe", "underflow_rising", i, metric, value, limit, message)
+            )
+        return alerts
+
+    def _check_amax_jump(self, step, rows) -> list[Alert]:
+        """Early warning: this step's amax far above the window its scale was computed from."""
+        amax = rows[:, _columns("amax")]
+        previous = self._previous_window_max
+        factor = self.config.amax_jump_factor
+        threshold = np.float32(factor) * previous
+        known = self.fp8[:, None] & np.isfinite(amax) & np.isfinite(previous) & (previous > 0)
+        with np.errstate(invalid="ignore"):
+            fired = self._jump.update(amax > threshold, known)
+        window_max = rows[:, _columns("window_max")]
+        self._previous_window_max = np.where(np.isnan(window_max), previous, window_max)
+        alerts = []
+        for i, j in np.argwhere(fired):
+            metric = f"{SLOTS[j]}.amax"
+            message = (
+                f"Step {step}: {self.modules[i]} {metric} was {format_value(_py(amax[i, j]))}, "
+                f"above {factor:g}x the previous step's window max "
+                f"{format_value(_py(previous[i, j]))} (threshold "
+                f"{format_value(_py(threshold[i, j]))}): the scale in use was set for a range "
+                f"{factor:g}x smaller, so this step's cast clipped."
+            )
+            alerts.append(
+                self._alert(
+                    step, "observe", "amax_jump", i, metric, amax[i, j], threshold[i, j], message
+                )
+            )
+        return alerts
+
+
+def _mean(block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Mean over axis 0 ignoring NaN, and how many values it took (0: the mean is NaN)."""
+    count = np.sum(~np.isnan(block), axis=0)
+    total = np.nansum(block, axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(count > 0, total / count, np.nan).astype(np.float32), count

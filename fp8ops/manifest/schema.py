@@ -854,13 +854,15 @@ class Gates(_Section):
 
 
 class Telemetry(_Section):
-    """How often per-layer FP8 state is recorded."""
+    """How often per-layer FP8 telemetry is measured and how fresh the store is."""
 
     every_steps: int = Field(
         1,
         ge=1,
         description=(
-            "Record amax/scale/cast statistics every N steps (cheap: TE keeps the state anyway)."
+            "Measure cast statistics (saturation, underflow, NaN/Inf) and norms every N steps. "
+            "Amax, scales and history statistics are recorded every step (they are there "
+            "anyway); the cast statistics cost extra passes over every FP8 tensor."
         ),
     )
     error_sample_every: int = Field(
@@ -871,6 +873,23 @@ class Telemetry(_Section):
             "per sampled layer)."
         ),
     )
+    flush_steps: int = Field(
+        256,
+        ge=1,
+        le=2048,
+        description=(
+            "Steps per block the store writes and commits: how far behind training a reader "
+            "is at most. Must divide 2048 (the store's history shard); smaller blocks mean "
+            "fresher reads and more, smaller chunks."
+        ),
+    )
+
+    @field_validator("flush_steps")
+    @classmethod
+    def _divides_shard(cls, value: int) -> int:
+        if 2048 % value:
+            raise ValueError("must divide 2048 (1, 2, 4, ..., 2048)")
+        return value
 
 
 # --------------------------------------------------------------------------------------

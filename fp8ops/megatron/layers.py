@@ -60,6 +60,7 @@ from fp8ops.precision import (
     active_scope,
     fp8_linear,
 )
+from fp8ops.telemetry.probe import Probe
 
 
 class _Fp8LocalGemm:
@@ -92,8 +93,7 @@ class _Fp8LocalGemm:
         self.fp8_enabled = True  # False: admitted to the base dtype (see module docstring)
         self.gemm = gemm or EmulatedGemm()
         self.is_first_microbatch: bool | None = None
-        self.track_stats = False  # telemetry: keep each cast's full statistics
-        self.last_cast_stats: dict | None = None
+        self.probe: Probe | None = None  # telemetry attaches one (fp8ops.telemetry.probe)
         self._weight_fp8: QuantizedTensor | None = None
         self._weight_fp8_version = -1  # the weight's version counter when it was cast
 
@@ -120,11 +120,13 @@ class _Fp8LocalGemm:
         # Only the module's own weight is cached, not one passed to forward (tied embeddings).
         owns_weight = weight is self.weight
         cached = self._reusable_weight() if owns_weight else None
-        self.last_cast_stats = {} if self.track_stats else None
+        track = self.probe.track() if self.probe is not None else None
         out, weight_fp8 = fp8_linear(
             x, weight, bias, self.fp8_meta, scope,
-            gemm=self.gemm, cached_weight=cached, track=self.last_cast_stats,
+            gemm=self.gemm, cached_weight=cached, track=track,
         )  # fmt: skip
+        if self.probe is not None:
+            self.probe.fp8_call(x, out, weight, bias)
         if self.is_first_microbatch and owns_weight:
             self._weight_fp8, self._weight_fp8_version = weight_fp8, weight._version
         if self.is_first_microbatch is not None:
@@ -172,6 +174,8 @@ class Fp8ColumnParallelLinear(_Fp8LocalGemm, ColumnParallelLinear):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         scope = active_scope()
         if scope is None or not self.fp8_enabled:
+            if self.probe is not None:
+                self.probe.fallback_call(input_, self.weight if weight is None else weight)
             return super().forward(input_, weight, runtime_gather_output)
         if weight is None:
             weight = self.weight
@@ -193,6 +197,8 @@ class Fp8RowParallelLinear(_Fp8LocalGemm, RowParallelLinear):
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         scope = active_scope()
         if scope is None or not self.fp8_enabled:
+            if self.probe is not None:
+                self.probe.fallback_call(input_, self.weight)
             return super().forward(input_)
         if self.input_is_parallel:
             input_parallel = input_  # [s, b, h/tp]: already this rank's slice

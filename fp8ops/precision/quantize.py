@@ -69,15 +69,23 @@ def quantize(
     The statistics cost extra passes over ``x``; delayed scaling itself needs only the amax
     (:func:`amax_of`), which is what the FP8 linear computes on ordinary steps.
     """
-    quantized = cast(x, scale, fp8)
+    # One scaled copy serves the cast and the counts: a telemetry step casts every FP8 tensor
+    # this way, so each pass over the data shows in the step time.
     flat = x.detach().float()
+    scale = scale.detach().float().reshape(())
+    scaled = flat * scale
+    data = scaled.clamp(-fp8.max, fp8.max).to(fp8.torch_dtype)  # = saturating_cast
     is_nan = torch.isnan(flat)
+    magnitude = flat.abs()
+    # FP8 zero is +0 or -0: every bit but the sign is clear. NaN casts to NaN, never to zero.
+    zero = (data.view(torch.uint8) & 0x7F) == 0
     stats = CastStats(
-        amax=amax_of(flat),
-        saturated=((flat * scale.detach().float()).abs() > fp8.max).sum(),
-        underflow=((flat != 0) & ~is_nan & (quantized.data.float() == 0)).sum(),
+        amax=magnitude.masked_fill(is_nan, 0.0).amax() if flat.numel() else torch.zeros(()),
+        saturated=(scaled.abs() > fp8.max).sum(),
+        underflow=((flat != 0) & zero).sum(),
         nan=is_nan.sum(),
         inf=torch.isinf(flat).sum(),
         numel=flat.numel(),
     )
+    quantized = QuantizedTensor(data=data, scale_inv=torch.reciprocal(scale), fp8=fp8)
     return quantized, stats

@@ -2,5 +2,15 @@
 is read back."""
 
 from fp8ops.telemetry.catalogue import MODULE_METRIC_NAMES, STEP_METRIC_NAMES, Metric
+from fp8ops.telemetry.reader import TelemetryRun, open_run
+from fp8ops.telemetry.store import TelemetryError, TelemetryWriter
 
-__all__ = ["MODULE_METRIC_NAMES", "STEP_METRIC_NAMES", "Metric"]
+__all__ = [
+    "MODULE_METRIC_NAMES",
+    "STEP_METRIC_NAMES",
+    "Metric",
+    "TelemetryError",
+    "TelemetryRun",
+    "TelemetryWriter",
+    "open_run",
+]

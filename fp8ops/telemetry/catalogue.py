@@ -37,7 +37,10 @@ SLOT_METRICS = (
         "How far the scale moved since the previous step, either way: max(s/s', s'/s).",
     ),
     Metric("saturation", "fraction", "Elements clipped at the FP8 maximum in this step's casts."),
-    Metric("underflow", "fraction", "Non-zero elements that became zero in this step's casts."),
+    Metric(
+        "underflow", "fraction",
+        "Share of this step's cast elements that were non-zero and became zero (flushed).",
+    ),
     Metric("nan", "count", "NaN elements in this step's casts (the cast keeps them)."),
     Metric("inf", "count", "Infinite elements in this step's casts (saturated to the FP8 max)."),
 )  # fmt: skip
@@ -56,9 +59,10 @@ MODULE_OWN_METRICS = (
     Metric("fp8_enabled", "0/1", "1 if the module ran FP8 (admitted), 0 if held in the base dtype."),
 )  # fmt: skip
 
-MODULE_METRICS: tuple[Metric, ...] = tuple(
-    Metric(f"{slot}.{m.name}", m.unit, m.meaning) for slot in SLOTS for m in SLOT_METRICS
-) + MODULE_OWN_METRICS
+MODULE_METRICS: tuple[Metric, ...] = (
+    tuple(Metric(f"{slot}.{m.name}", m.unit, m.meaning) for slot in SLOTS for m in SLOT_METRICS)
+    + MODULE_OWN_METRICS
+)
 
 STEP_METRICS = (
     Metric("loss", "nats/token", "Training loss of the step (global batch mean)."),

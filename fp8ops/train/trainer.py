@@ -20,17 +20,29 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from fp8ops.errors import ManifestError
+from fp8ops.errors import Fp8opsError, ManifestError
 from fp8ops.manifest import derive, load_manifest, manifest_hash
 from fp8ops.manifest.schema import Manifest
+from fp8ops.telemetry.catalogue import STEP_METRIC_NAMES
 from fp8ops.train import weights
 from fp8ops.train.distributed import Ranks, init_distributed, shutdown_distributed
 from fp8ops.train.environment import environment_fingerprint
 from fp8ops.train.optimizer import MainParamsOptimizer, learning_rate
 from fp8ops.train.run_dir import RunDir
+
+
+class StopRun(Fp8opsError):
+    """A Stop alert: the run saved its weights and telemetry and ended (exit code 3)."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, alerts: list[dict]):
+        super().__init__(f"stopped by an alert: {message}")
+        self.alerts = alerts
 
 
 @dataclass(frozen=True)
@@ -83,7 +95,9 @@ class Trainer:
         # Imported here: Megatron takes seconds to import, and `fp8ops --help` should not.
         from fp8ops.admission import apply_admission, decide_admission, write_layers_json
         from fp8ops.data import TrainSampler, build_data
-        from fp8ops.megatron import amax_reduction_group, build_gpt
+        from fp8ops.alerts import AlertEngine
+        from fp8ops.megatron import amax_reduction_group, build_gpt, fp8_modules
+        from fp8ops.telemetry.collector import TelemetryCollector
         from fp8ops.megatron.compat import parallel_state
         from fp8ops.precision import DelayedScalingRecipe, Fp8Scope
 
@@ -111,6 +125,12 @@ class Trainer:
             self.model, precision, tensor_parallel=manifest.topology.tensor_parallel
         )
         apply_admission(self.admission, self.model)
+        self.collector = TelemetryCollector(fp8_modules(self.model), manifest.telemetry)
+        self.alert_engine = AlertEngine(
+            manifest.alerts,
+            self.collector.names,
+            [module.fp8_enabled for module in self.collector.modules.values()],
+        )
         self.amax_group = amax_reduction_group(manifest.topology)
         self.scope = Fp8Scope(self.recipe, group=self.amax_group) if precision.enabled else None
         self.optimizer = MainParamsOptimizer(
@@ -127,6 +147,7 @@ class Trainer:
                     manifest_hash=manifest_hash(manifest),
                 )  # fmt: skip
             self._record_run_info(self.amax_group)
+            self.telemetry = self._open_telemetry()
         except BaseException as exc:
             self._mark_failed(exc)
             raise
@@ -145,12 +166,19 @@ class Trainer:
                     record = self.train_step(step)
                     losses.append(record["loss"])
                     self._log_step(record, advance)
+                    self._observe(record)  # telemetry and alerts; raises StopRun
                     finished = step + 1
                     if finished % schedule.eval_interval == 0 or finished == schedule.train_steps:
                         last_eval = self.evaluate(finished)
                         self.check_fp8_agreement(finished)
+            if self.telemetry is not None:  # the last steps reach the disk before "completed"
+                self.telemetry.close()
             self._save_final(losses[-1])
+        except StopRun as stop:
+            self._stop(stop)
+            raise
         except BaseException as exc:
+            self._close_telemetry_after(exc)  # keep what was measured up to the failure
             self._mark_failed(exc)
             raise
         seconds = time.perf_counter() - started
@@ -172,6 +200,7 @@ class Trainer:
         from fp8ops.megatron import mark_first_microbatch
 
         mark_first_microbatch(self.model)
+        self.collector.begin_step(step + 1)
         step_loss = torch.zeros((), dtype=torch.float64)
         for mb in micro_batches:
             with self._fp8():
@@ -180,6 +209,8 @@ class Trainer:
             loss.backward()
             step_loss += loss.detach().double()
         step_loss = self._dp_sum(step_loss)
+        # Read before the optimizer step: it zeroes the gradients the row reports.
+        self._telemetry_row = self.collector.end_step()
         grad_norm, skipped = self.optimizer.step(lr)
         seconds = time.perf_counter() - started
         tokens = self._dp_sum(torch.tensor(float(sum(mb.tokens.numel() for mb in micro_batches))))
@@ -243,6 +274,90 @@ class Trainer:
             self.run.event("evaluated", step=step, loss=loss)
         return loss
 
+    def _observe(self, record: dict) -> None:
+        """Hand the step's telemetry row to the store and the alert rules.
+
+        Every rank evaluates its own row (saturation and norms are per shard); the alerts of all
+        ranks are gathered to rank 0, which writes them, so a NaN on one shard is not missed and
+        every rank stops at the same step.
+        """
+        step = record["step"]
+        step_values = {
+            "loss": record["loss"],
+            "grad_norm": math.nan if record["grad_norm"] is None else record["grad_norm"],
+            "lr": record["lr"],
+            "skipped": float(record["skipped"]),
+            "tokens_per_s": record["tokens_per_s"],
+            "step_seconds": record["seconds"],
+        }
+        row = self._telemetry_row
+        if self.telemetry is not None:
+            scalars = np.array([step_values[m] for m in STEP_METRIC_NAMES], dtype=np.float32)
+            self.telemetry.append(step, row, scalars)
+        if self.collector.active:  # an unobserved step (a benchmark's) has nothing to judge
+            self._raise_alerts(step, self.alert_engine.observe(step, row, step_values))
+
+    def _raise_alerts(self, step: int, alerts: list) -> None:
+        """Gather every rank's alerts to rank 0 (only when some rank has any), record them and
+        their proposals, and stop all ranks together on a Stop alert."""
+        from fp8ops.alerts import write_alerts, write_proposals
+
+        flag = torch.tensor(float(len(alerts) > 0))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() == 0:
+            return
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, [a.to_json() for a in alerts])
+        everyone = [dict(a, rank=rank) for rank, found in enumerate(gathered) for a in found]
+        if self.ranks.is_main:
+            write_alerts(self.run.path, everyone)
+            proposals = self.alert_engine.proposals(everyone)
+            if proposals:
+                write_proposals(self.run.path, proposals)
+        stops = [a for a in everyone if a["level"] == "stop"]
+        if stops:
+            raise StopRun(stops[0]["message"], stops)
+
+    def _open_telemetry(self):
+        """The store, or None for a run without FP8-capable modules (FP8 off: the per-step
+        metrics are in metrics.jsonl, and there is no per-module FP8 state to record)."""
+        from fp8ops.telemetry import TelemetryWriter
+
+        if not self.collector.names:
+            return None
+        return TelemetryWriter(
+            self.run.path / "telemetry.zarr", rank=self.ranks.rank,
+            modules=self.collector.names, flush_every=self.manifest.telemetry.flush_steps,
+            attrs={"manifest": manifest_hash(self.manifest), "world_size": self.ranks.world_size},
+        )  # fmt: skip
+
+    def _close_telemetry_after(self, failure: BaseException) -> None:
+        """Flush telemetry on a failure path; a writer error then is recorded, not raised, so
+        the failure that stopped the run stays the one reported."""
+        try:
+            if self.telemetry is not None:
+                self.telemetry.close()
+        except Exception as exc:  # noqa: BLE001 - secondary to `failure`
+            if self.ranks.is_main:
+                self.run.event("telemetry_lost", error=str(exc), during=type(failure).__name__)
+
+    def _stop(self, stop: StopRun) -> None:
+        """The Stop path: telemetry flushed, the weights saved, the run marked stopped."""
+        self._close_telemetry_after(stop)
+        first = stop.alerts[0]
+        directory = self.run.path / "stopped"
+        meta = {
+            "architecture": weights.architecture(self.manifest.model),
+            "fingerprint": weights.weights_fingerprint(self.model, self.tp_group),
+            "manifest": manifest_hash(self.manifest),
+            "steps": first["step"],
+            "stop_alert": first,
+        }
+        weights.save_weights(self.model, directory, meta, is_main=self.ranks.is_main)
+        if self.ranks.is_main:
+            self.run.set_status("stopped", step=first["step"], alert=first)
+            self.run.event("stopped", alert=first, weights="stopped")
+
     def check_fp8_agreement(self, step: int) -> str | None:
         """Check that every rank of the amax reduction group holds the same FP8 state.
 
@@ -266,11 +381,13 @@ class Trainer:
             self.run.event(
                 "fp8_state_checked", step=step, ranks=ranks, agree=agree, digest=digest.hexdigest()
             )
-        if not agree:
-            raise RuntimeError(
+        if not agree:  # a Stop alert, reported once (by rank 0), raised on every rank
+            message = (
                 f"step {step}: FP8 scaling state differs across the {ranks} ranks of the amax "
                 "reduction group; their scales must be identical (see events.jsonl)"
             )
+            alert = self.alert_engine.report(step, "ranks_disagree", "stop", message)
+            self._raise_alerts(step, [alert] if self.ranks.is_main else [])
         return digest.hexdigest()
 
     # -- parts ---------------------------------------------------------------------------------

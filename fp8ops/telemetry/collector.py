@@ -1,0 +1,137 @@
+"""The collector: one ``[modules, metrics]`` row of telemetry per step, from the model itself.
+
+Reading order: :class:`TelemetryCollector` attaches a :class:`~fp8ops.telemetry.probe.Probe` to
+every FP8-capable module; the trainer calls :meth:`begin_step` before the step's first
+micro-batch and :meth:`end_step` after its last backward, before the optimizer zeroes the
+gradients. The FP8 state has then been updated for this step, so the row holds the scales the
+next step will use.
+
+Cadence (``telemetry`` section of the manifest): the scaling state is read every step (it is
+there anyway); full cast statistics and norms every ``every_steps`` steps, because they cost
+extra passes over every cast tensor; the FP8-vs-reference error every ``error_sample_every``
+steps, because it costs one more GEMM per module. Unmeasured values are NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from fp8ops.precision.scaling import BWD_GRAD_OUTPUT, FWD_INPUT, FWD_WEIGHT
+from fp8ops.telemetry.catalogue import COLUMN, MODULE_METRIC_NAMES
+from fp8ops.telemetry.probe import Probe
+
+# (slot name in the catalogue, forward?, slot index in the FP8 state)
+_SLOTS = (("input", True, FWD_INPUT), ("weight", True, FWD_WEIGHT),
+          ("grad_output", False, BWD_GRAD_OUTPUT))  # fmt: skip
+
+
+class TelemetryCollector:
+    """Per-step telemetry rows for a model's FP8-capable modules (in module order)."""
+
+    def __init__(self, modules: dict, telemetry_cfg):
+        """``modules``: FQN -> FP8 linear (``fp8ops.megatron.fp8_modules(model)``)."""
+        self.modules = modules
+        self.names = list(modules)
+        self.cfg = telemetry_cfg
+        self._previous_scale: dict[str, dict[str, float]] = {}
+        self.active = False
+        self.set_active(True)
+
+    def set_active(self, active: bool) -> None:
+        """Attach probes to the modules (True) or remove them, so the model runs unobserved
+        (False: :meth:`end_step` then returns an all-NaN row). Benchmarks toggle this."""
+        if active != self.active:
+            for module in self.modules.values():
+                module.probe = Probe() if active else None
+            self.active = active
+
+    def begin_step(self, step: int) -> None:
+        """Set this step's cadence on every probe (``step`` counts from 1)."""
+        if not self.active:
+            return
+        measure = step % self.cfg.every_steps == 0
+        sample = step % self.cfg.error_sample_every == 0
+        for module in self.modules.values():
+            module.probe.measure = measure
+            module.probe.sample_error = sample and module.fp8_enabled
+
+    def end_step(self) -> np.ndarray:
+        """This step's ``[modules, metrics]`` float32 row (NaN where nothing was measured)."""
+        row = np.full((len(self.names), len(MODULE_METRIC_NAMES)), np.nan, dtype=np.float32)
+        if not self.active:
+            return row
+        for i, (name, module) in enumerate(self.modules.items()):
+            record = module.probe.take()
+            values = self._state_metrics(name, module)
+            values.update(self._cast_metrics(record))
+            values.update(self._module_metrics(module, record))
+            for metric, value in values.items():
+                row[i, COLUMN[metric]] = value
+        return row
+
+    # -- the three kinds of metrics --------------------------------------------------------
+
+    def _state_metrics(self, name: str, module) -> dict[str, float]:
+        """From the delayed-scaling state: what the scales are and what they are based on."""
+        # numpy on the small CPU state: this runs every step for every module, and a torch
+        # call per value (quantile, item) would cost more than the whole rest of the row.
+        values = {}
+        previous = self._previous_scale.setdefault(name, {})
+        for slot, forward, index in _SLOTS:
+            state = module.fp8_meta.direction(forward)
+            history = state.amax_history[1:, index].numpy()  # row 0 is the accumulator
+            scale = float(state.scale[index])
+            values[f"{slot}.amax"] = history[-1]
+            values[f"{slot}.scale"] = scale
+            values[f"{slot}.scale_inv"] = 1.0 / scale
+            values[f"{slot}.window_max"] = history.max()
+            seen = np.sort(history[history > 0])
+            if seen.size:
+                values[f"{slot}.window_p50"] = _quantile(seen, 0.5)
+                values[f"{slot}.window_p90"] = _quantile(seen, 0.9)
+            if slot in previous:
+                ratio = scale / previous[slot]
+                values[f"{slot}.scale_change"] = max(ratio, 1.0 / ratio)
+            previous[slot] = scale
+        return values
+
+    @staticmethod
+    def _cast_metrics(record: Probe) -> dict[str, float]:
+        """From this step's casts: saturation, underflow, NaN and Inf over all micro-batches."""
+        values = {}
+        for slot, _, _ in _SLOTS:
+            stats = [log[slot] for log in record.cast_logs if slot in log]
+            if not stats:
+                continue
+            numel = sum(s.numel for s in stats)
+            values[f"{slot}.saturation"] = sum(int(s.saturated) for s in stats) / numel
+            values[f"{slot}.underflow"] = sum(int(s.underflow) for s in stats) / numel
+            values[f"{slot}.nan"] = sum(int(s.nan) for s in stats)
+            values[f"{slot}.inf"] = sum(int(s.inf) for s in stats)
+        return values
+
+    @staticmethod
+    def _module_metrics(module, record: Probe) -> dict[str, float]:
+        values = {
+            "fp8_gemms": record.fp8_gemms,
+            "fallback_gemms": record.fallback_gemms,
+            "fp8_enabled": float(module.fp8_enabled),
+            "input_norm": record.input_norm,
+            "fp8_rel_error": record.rel_error,
+        }
+        if record.measure:
+            values["weight_norm"] = module.weight.detach().float().norm().item()
+            grad = module.weight.grad
+            values["grad_norm"] = grad.float().norm().item() if grad is not None else math.nan
+        return values
+
+
+def _quantile(ordered: np.ndarray, q: float) -> float:
+    """numpy's default (linear) quantile of sorted values; ``np.quantile`` costs ~30 us a call
+    in argument handling, more than the whole row of a small module."""
+    position = q * (ordered.size - 1)
+    low = int(position)
+    high = min(low + 1, ordered.size - 1)
+    return float(ordered[low] + (ordered[high] - ordered[low]) * (position - low))

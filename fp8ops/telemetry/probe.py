@@ -1,0 +1,71 @@
+"""What an FP8 layer tells telemetry about one step: a probe the collector attaches to it.
+
+The layer calls the probe after each forward (``fp8_call`` or ``fallback_call``); the
+collector reads and resets it once per step (``take``). On steps that measure, the layer casts
+with full statistics (``track``: the forward casts fill it at once, the backward cast of the
+gradient fills it later, during backward) and the probe keeps every micro-batch's; on other
+steps the probe only counts GEMMs, which costs nothing measurable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Probe:
+    """One module's telemetry for the step in progress."""
+
+    measure: bool = False  # this step: full cast statistics and norms
+    sample_error: bool = False  # this step: FP8 output against the base-dtype GEMM
+    fp8_gemms: int = 0
+    fallback_gemms: int = 0
+    cast_logs: list[dict] = field(default_factory=list)  # role -> CastStats, per micro-batch
+    input_norm: float = float("nan")
+    rel_error: float = float("nan")
+
+    def track(self) -> dict | None:
+        """The dict to pass to ``fp8_linear`` as ``track`` (None when not measuring)."""
+        if not self.measure:
+            return None
+        log: dict = {}
+        self.cast_logs.append(log)
+        return log
+
+    def fp8_call(self, x: torch.Tensor, out: torch.Tensor, weight, bias) -> None:
+        """After an FP8 forward: count its GEMMs; measure the input and, when sampling, the
+        error against the same GEMM in the input's dtype."""
+        self.fp8_gemms += _gemms(x, weight)
+        if self.measure:
+            self.input_norm = x.detach().float().norm().item()
+        if self.sample_error:
+            with torch.no_grad():
+                reference = F.linear(x.detach(), weight.detach(), bias)
+                difference = (out.detach().float() - reference.float()).norm()
+                self.rel_error = (difference / reference.float().norm()).item()
+
+    def fallback_call(self, x: torch.Tensor, weight) -> None:
+        """After a forward in the base dtype (the module is held out of FP8, or no scope)."""
+        self.fallback_gemms += _gemms(x, weight)
+        if self.measure:
+            self.input_norm = x.detach().float().norm().item()
+
+    def take(self) -> Probe:
+        """This step's record; the probe starts the next step empty (same cadence flags)."""
+        record = Probe(
+            self.measure, self.sample_error, self.fp8_gemms, self.fallback_gemms,
+            self.cast_logs, self.input_norm, self.rel_error,
+        )  # fmt: skip
+        self.fp8_gemms = self.fallback_gemms = 0
+        self.cast_logs = []
+        self.input_norm = self.rel_error = float("nan")
+        return record
+
+
+def _gemms(x: torch.Tensor, weight) -> int:
+    # fprop, plus dgrad and wgrad when this call will run a backward.
+    builds_graph = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return 3 if builds_graph else 1

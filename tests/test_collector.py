@@ -1,0 +1,139 @@
+"""The telemetry collector on a real Megatron GPT (TP=1): what one step's row holds."""
+
+import importlib.util
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from manifest_support import TINY
+
+if importlib.util.find_spec("megatron") is None:
+    pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
+
+from fp8ops.manifest import derive, load_manifest
+from fp8ops.megatron import build_gpt, fp8_modules, mark_first_microbatch
+from fp8ops.megatron.compat import parallel_state
+from fp8ops.precision import DelayedScalingRecipe, Fp8Scope
+from fp8ops.telemetry.catalogue import COLUMN, MODULE_METRIC_NAMES
+from fp8ops.telemetry.collector import TelemetryCollector
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
+]
+MICRO_BATCHES = 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_tp1(tmp_path_factory):
+    store = tmp_path_factory.mktemp("dist") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def setup():
+    manifest = derive(
+        load_manifest(TINY),
+        {"model.num_layers": 2, "model.hidden_size": 64, "model.ffn_hidden_size": 256,
+         "model.seq_length": 32, "model.init_checkpoint": None,
+         "telemetry.every_steps": 2, "telemetry.error_sample_every": 2},
+        "collector test",
+    )  # fmt: skip
+    recipe = DelayedScalingRecipe.from_precision(manifest.precision)
+    model = build_gpt(manifest, recipe)
+    modules = fp8_modules(model)
+    modules["decoder.layers.0.mlp.linear_fc1"].fp8_enabled = False  # held in bf16
+    collector = TelemetryCollector(modules, manifest.telemetry)
+    return manifest, model, Fp8Scope(recipe), collector
+
+
+def run_step(model, scope, collector, step, seed):
+    mark_first_microbatch(model)
+    collector.begin_step(step)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(MICRO_BATCHES):
+        tokens = torch.randint(0, 256, (2, 33), generator=generator)
+        positions = torch.arange(32).expand(2, 32)
+        with scope():
+            loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).mean()
+        loss.backward()
+    row = collector.end_step()
+    model.zero_grad()
+    return row
+
+
+def value(row, collector, module, metric):
+    return row[collector.names.index(module), COLUMN[metric]]
+
+
+def test_a_measured_step_reports_state_casts_norms_and_error(setup):
+    manifest, model, scope, collector = setup
+    run_step(model, scope, collector, 1, seed=0)  # step 1: state only (every_steps 2)
+    row = run_step(model, scope, collector, 2, seed=1)
+    assert row.shape == (len(collector.names), len(MODULE_METRIC_NAMES))
+    assert row.dtype == np.float32
+    qkv = "decoder.layers.1.self_attention.linear_qkv"
+    module = collector.modules[qkv]
+    forward = module.fp8_meta.forward
+    # The state metrics are the module's own FP8 state, read after this step's updates.
+    assert value(row, collector, qkv, "input.scale") == forward.scale[0].item()
+    assert value(row, collector, qkv, "weight.amax") == forward.amax_history[-1, 1].item()
+    assert value(row, collector, qkv, "input.window_max") == forward.amax_history[1:, 0].max()
+    assert value(row, collector, qkv, "input.scale_change") >= 1.0
+    # Every cast of the step was counted: no NaN/Inf in a healthy step, fractions in [0, 1].
+    for slot in ("input", "weight", "grad_output"):
+        assert value(row, collector, qkv, f"{slot}.nan") == 0
+        assert 0 <= value(row, collector, qkv, f"{slot}.saturation") <= 1
+        assert 0 <= value(row, collector, qkv, f"{slot}.underflow") <= 1
+    # fprop + dgrad + wgrad per micro-batch, all in FP8.
+    assert value(row, collector, qkv, "fp8_gemms") == 3 * MICRO_BATCHES
+    assert value(row, collector, qkv, "fallback_gemms") == 0
+    assert value(row, collector, qkv, "weight_norm") == pytest.approx(
+        module.weight.float().norm().item(), rel=1e-6
+    )
+    assert value(row, collector, qkv, "grad_norm") > 0
+    error = value(row, collector, qkv, "fp8_rel_error")
+    assert 0 < error < 0.2  # E4M3 operands: a few percent
+
+
+def test_an_unmeasured_step_reports_only_the_state(setup):
+    manifest, model, scope, collector = setup
+    row = run_step(model, scope, collector, 1, seed=0)
+    qkv = "decoder.layers.1.self_attention.linear_qkv"
+    assert math.isfinite(value(row, collector, qkv, "input.scale"))
+    for metric in ("input.saturation", "grad_output.nan", "input_norm", "grad_norm",
+                   "fp8_rel_error"):  # fmt: skip
+        assert math.isnan(value(row, collector, qkv, metric)), metric
+    assert value(row, collector, qkv, "fp8_gemms") == 3 * MICRO_BATCHES  # counted every step
+
+
+def test_a_bf16_module_appears_with_its_frozen_state_marked(setup):
+    manifest, model, scope, collector = setup
+    fc1 = "decoder.layers.0.mlp.linear_fc1"
+    fresh_scale = collector.modules[fc1].fp8_meta.forward.scale.clone()
+    run_step(model, scope, collector, 1, seed=0)
+    row = run_step(model, scope, collector, 2, seed=1)
+    assert value(row, collector, fc1, "fp8_enabled") == 0
+    assert value(row, collector, fc1, "input.scale") == fresh_scale[0].item()
+    assert value(row, collector, fc1, "fp8_gemms") == 0
+    assert value(row, collector, fc1, "fallback_gemms") == 3 * MICRO_BATCHES
+    assert math.isnan(value(row, collector, fc1, "input.saturation"))
+    assert math.isnan(value(row, collector, fc1, "fp8_rel_error"))  # nothing to compare
+
+
+def test_saturation_is_measured_when_the_scale_is_stale(setup):
+    manifest, model, scope, collector = setup
+    run_step(model, scope, collector, 2, seed=0)
+    fc2 = "decoder.layers.1.mlp.linear_fc2"
+    with torch.no_grad():
+        collector.modules[fc2].weight.mul_(64)  # amax jumps; this step's scale predates it
+    row = run_step(model, scope, collector, 2, seed=1)
+    assert value(row, collector, fc2, "weight.saturation") > 0.01
+    other = "decoder.layers.1.self_attention.linear_proj"
+    assert value(row, collector, other, "weight.saturation") == 0

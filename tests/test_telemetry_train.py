@@ -1,0 +1,182 @@
+"""Telemetry and alerts in a real training run: the store a run leaves, NaN injected into one
+module stopping the run at that step by name, a weight forced to saturate drawing a Degrade
+alert and a BF16 proposal, and a training process killed with SIGKILL leaving its store
+readable up to the last commit."""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+if importlib.util.find_spec("megatron") is None:
+    pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
+
+from fp8ops.alerts import read_alerts, read_proposals
+from fp8ops.files import read_jsonl
+from fp8ops.manifest import derive, load_manifest, write_manifest
+from fp8ops.telemetry import open_run
+from fp8ops.telemetry.catalogue import MODULE_METRIC_NAMES
+from fp8ops.train import run_training
+from fp8ops.train.distributed import init_distributed, shutdown_distributed
+from fp8ops.train.trainer import StopRun, Trainer
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
+]
+
+MANIFESTS = Path(__file__).resolve().parents[1] / "manifests"
+SMALL = {
+    "model.num_layers": 2, "model.hidden_size": 64, "model.ffn_hidden_size": 256,
+    "model.seq_length": 64, "model.init_checkpoint": None, "data.num_examples": 600,
+    "schedule.warmup_steps": 1, "schedule.micro_batch_size": 4, "schedule.global_batch_size": 8,
+    "schedule.eval_interval": 1000, "schedule.eval_iters": 2, "schedule.log_interval": 1,
+    "telemetry.every_steps": 1, "telemetry.error_sample_every": 2, "telemetry.flush_steps": 4,
+}  # fmt: skip
+TARGET = "decoder.layers.1.mlp.linear_fc1"
+
+
+@pytest.fixture(scope="module")
+def manifest():
+    """The CPU default shrunk, from random weights (no base needed), measuring every step."""
+    return derive(load_manifest(MANIFESTS / "tiny-gpt-cpu.yaml"), SMALL, "telemetry test")
+
+
+def _trainer(manifest, run_dir, steps: int):
+    manifest = derive(manifest, {"schedule.train_steps": steps}, f"{steps} steps")
+    ranks = init_distributed(manifest.topology, source="test")
+    return Trainer(manifest, [manifest], run_dir, ranks, progress=False)
+
+
+def test_a_run_leaves_a_readable_store_matching_its_metrics(manifest, tmp_path):
+    short = write_manifest(derive(manifest, {"schedule.train_steps": 6}, "6 steps"),
+                           tmp_path / "short.yaml")  # fmt: skip
+    run_training(short, tmp_path / "run", progress=False)
+    store = open_run(tmp_path / "run")
+    assert store.committed_steps == {0: 6}
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    steps = store.step_metrics()
+    assert steps["loss"].tolist() == pytest.approx([m["loss"] for m in metrics], rel=1e-6)
+    history = store.module_history(TARGET)
+    assert list(history.index) == [1, 2, 3, 4, 5, 6]
+    assert (history["fp8_gemms"] == 6).all()  # 2 micro-batches x 3 GEMMs
+    assert history["input.scale"].notna().all() and history["input.saturation"].notna().all()
+    errors = history["fp8_rel_error"]
+    assert errors[[2, 4, 6]].notna().all() and errors[[1, 3, 5]].isna().all()  # sampled
+    snapshot = store.step_snapshot(6)
+    assert list(snapshot.columns) == list(MODULE_METRIC_NAMES)
+    assert len(snapshot) == 8  # 2 layers x 4 projections
+    assert set(store.to_xarray().dims) == {"step", "module"}
+
+
+def test_nan_in_one_module_stops_the_run_at_that_step_naming_it(manifest, tmp_path):
+    nan_step = 4
+    trainer = _trainer(manifest, tmp_path / "run", steps=8)
+    calls = {"n": 0}
+
+    def inject(module, args):
+        calls["n"] += 1
+        if calls["n"] == 2 * (nan_step - 1) + 1:  # the first micro-batch of step nan_step
+            poisoned = args[0].clone()
+            poisoned.view(-1)[0] = float("nan")
+            return (poisoned, *args[1:])
+        return None
+
+    dict(trainer.model.named_modules())[TARGET].register_forward_pre_hook(inject)
+    try:
+        with pytest.raises(StopRun) as stop:
+            trainer.train()
+    finally:
+        shutdown_distributed()
+    first = stop.value.alerts[0]
+    assert (first["step"], first["module"], first["level"]) == (nan_step, TARGET, "stop")
+    assert first["metric"] == "input.nan"
+    assert TARGET in str(stop.value) and f"step {nan_step}" in str(stop.value).lower()
+    assert stop.value.exit_code == 3
+    run = tmp_path / "run"
+    status = json.loads((run / "status.json").read_text())
+    assert (status["state"], status["step"]) == ("stopped", nan_step)
+    assert (run / "stopped" / "fp8ops_weights.json").exists()
+    assert any(a.rule == "nonfinite" and a.module == TARGET for a in read_alerts(run))
+    assert open_run(run).committed_steps == {0: nan_step}  # flushed on the Stop path
+
+
+def test_a_saturating_weight_draws_degrade_and_a_proposal(manifest, tmp_path):
+    # Stop off for saturation and FP8 error: the weight below saturates far past their stop
+    # levels (and its clipped output errs accordingly); this test is about the level below.
+    no_stop = derive(
+        manifest, {"alerts.saturation.stop": None, "alerts.fp8_rel_error.stop": None},
+        "saturation never stops",
+    )  # fmt: skip
+    trainer = _trainer(no_stop, tmp_path / "run", steps=8)
+    module = dict(trainer.model.named_modules())[TARGET]
+    growth = {"factor": 1.0, "calls": 0}
+
+    def grow(mod, args):
+        # From step 2 on, before each step's first micro-batch (when the weight is cast), the
+        # weight is 4x larger than at the previous step: the delayed scale is always stale.
+        growth["calls"] += 1
+        if growth["calls"] % 2 == 1 and growth["calls"] > 1:
+            growth["factor"] *= 4.0
+            with torch.no_grad():
+                mod.weight.mul_(growth["factor"])
+        return None
+
+    module.register_forward_pre_hook(grow)
+    try:
+        trainer.train()
+    finally:
+        shutdown_distributed()
+    run = tmp_path / "run"
+    degrade = [a for a in read_alerts(run) if a.level == "degrade"]
+    # The cause first; its clipped output then disturbs the next module, which may follow.
+    assert (degrade[0].module, degrade[0].metric) == (TARGET, "weight.saturation")
+    assert degrade[0].value > 1e-3
+    assert not [a for a in degrade if a.module.startswith("decoder.layers.0.")]  # upstream: calm
+    proposals = [p.module for p in read_proposals(run)]
+    assert proposals[0] == TARGET and len(proposals) == len(set(proposals))
+    saturation = open_run(run).module_history(TARGET)["weight.saturation"]
+    assert saturation.iloc[-1] > 1e-3 and saturation.iloc[0] < 1e-3
+
+
+def test_sigkill_leaves_the_store_readable_up_to_its_last_commit(manifest, tmp_path):
+    manifest_file = write_manifest(
+        derive(manifest, {"schedule.train_steps": 200}, "long enough to kill"),
+        tmp_path / "long.yaml",
+    )
+    run = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fp8ops", "train", str(manifest_file), "--run-dir", str(run),
+         "--no-progress"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            try:
+                if open_run(run).committed_steps.get(0, 0) >= 12:
+                    break
+            except Exception:  # the store may not exist yet
+                continue
+        os.kill(process.pid, signal.SIGKILL)
+    finally:
+        process.wait(timeout=30)
+    assert process.returncode == -signal.SIGKILL
+    store = open_run(run)
+    committed = store.committed_steps[0]
+    assert committed >= 12 and committed % 4 == 0  # whole blocks only
+    losses = store.step_metrics()["loss"]
+    assert len(losses) == committed and np.isfinite(losses).all()
+    logged = {m["step"]: m["loss"] for m in read_jsonl(run / "metrics.jsonl")}
+    for step, loss in losses.items():
+        assert loss == pytest.approx(logged[step], rel=1e-6)
+    assert store.module_history(TARGET)["input.scale"].notna().all()

@@ -234,8 +234,18 @@ def inspect_run(
     layers: Annotated[
         bool, typer.Option("--layers", help="Every module's precision and why (layers.json).")
     ] = False,
+    worst: Annotated[
+        str,
+        typer.Option(
+            help="Rank modules by this telemetry metric (e.g. weight.saturation, "
+            "grad_output.underflow, fp8_rel_error, input.scale_change)."
+        ),
+    ] = "input.saturation",
+    top: Annotated[int, typer.Option(min=1, help="How many modules to list.")] = 10,
+    rank: Annotated[int, typer.Option(min=0, help="Whose telemetry (ranks record their own).")] = 0,
 ) -> None:
-    """Summarise a run: its recipe and per-layer precision (--layers: the full table)."""
+    """Summarise a run: recipe, per-layer precision (--layers: the full table), and the modules
+    worst by a telemetry metric over the run's committed steps."""
     from rich import box
 
     from fp8ops.admission import read_layers_json  # no torch or Megatron needed to read it
@@ -269,6 +279,39 @@ def inspect_run(
     out.print(table.summary())
     if not layers:
         out.print(f"fp8ops inspect {run_dir} --layers: every module's precision and why")
+    if (Path(run_dir) / "telemetry.zarr").exists():
+        _print_worst(out, run_dir, worst, top, rank)
+
+
+def _print_worst(out: Console, run_dir: Path, metric: str, top: int, rank: int) -> None:
+    """The ``top`` modules with the largest ``metric`` over the run (NaN: never measured)."""
+    import pandas as pd
+    from rich import box
+
+    from fp8ops.telemetry import open_run
+
+    store = open_run(run_dir)
+    window = store.metric_window(metric, rank=rank)  # steps x modules
+    if window.empty:
+        out.print(f"telemetry: no committed steps yet on rank {rank}")
+        return
+    summary = pd.DataFrame(
+        {"max": window.max(), "mean": window.mean(), "last": window.ffill().iloc[-1]}
+    ).sort_values("max", ascending=False)  # NaN (never measured) last
+    measured = window.notna().sum()
+    grid = Table(
+        box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False,
+        title=f"worst {min(top, len(summary))} modules by {metric}, steps "
+        f"{window.index[0]}-{window.index[-1]}, rank {rank}",
+    )  # fmt: skip
+    for name in ("module", "max", "mean", "last", "measured steps"):
+        grid.add_column(name, overflow="fold", justify="left" if name == "module" else "right")
+    for module, row in summary.head(top).iterrows():
+        grid.add_row(
+            str(module), f"{row['max']:.4g}", f"{row['mean']:.4g}", f"{row['last']:.4g}",
+            str(int(measured[module])),
+        )  # fmt: skip
+    out.print(grid)
 
 
 # --------------------------------------------------------------------------------------

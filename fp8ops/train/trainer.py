@@ -15,7 +15,9 @@ import hashlib
 import itertools
 import math
 import resource
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,31 @@ from fp8ops.train.distributed import Ranks, init_distributed, shutdown_distribut
 from fp8ops.train.environment import environment_fingerprint
 from fp8ops.train.optimizer import MainParamsOptimizer, learning_rate
 from fp8ops.train.run_dir import RunDir
+
+
+class Terminated(Fp8opsError):
+    """SIGTERM (a scheduler's kill, torchrun tearing down a failed job): the run records what
+    it has, telemetry included, marks itself failed and exits 143 (128 + SIGTERM)."""
+
+    exit_code = 143
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """Turn SIGTERM into :class:`Terminated` in the main thread, so the failure path runs
+    (Python's default action would end the process without flushing anything)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise Terminated("received SIGTERM; the run stopped where it was (see status.json)")
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class StopRun(Fp8opsError):
@@ -68,6 +95,11 @@ def run_training(
     the manifest first; the run is locked to that revision."""
     manifest, lineage = _locked_manifest(Path(manifest_path), assignments or {})
     source = str(manifest_path)
+    with _sigterm_raises():
+        return _run(manifest, lineage, source, Path(run_dir), progress)
+
+
+def _run(manifest, lineage, source: str, run_dir: Path, progress: bool) -> TrainResult:
     RunDir.check_free(run_dir, manifest)
     _check_inputs(manifest, source)
     ranks = init_distributed(manifest.topology, source=source)
@@ -94,12 +126,12 @@ class Trainer:
     ):  # fmt: skip
         # Imported here: Megatron takes seconds to import, and `fp8ops --help` should not.
         from fp8ops.admission import apply_admission, decide_admission, write_layers_json
-        from fp8ops.data import TrainSampler, build_data
         from fp8ops.alerts import AlertEngine
+        from fp8ops.data import TrainSampler, build_data
         from fp8ops.megatron import amax_reduction_group, build_gpt, fp8_modules
-        from fp8ops.telemetry.collector import TelemetryCollector
         from fp8ops.megatron.compat import parallel_state
         from fp8ops.precision import DelayedScalingRecipe, Fp8Scope
+        from fp8ops.telemetry.collector import TelemetryCollector
 
         self.manifest, self.ranks = manifest, ranks
         self.tp_group = parallel_state.get_tensor_model_parallel_group()

@@ -348,14 +348,24 @@ def losses(values):
 
 
 def test_divergence_stops_after_patience_against_the_lowest_loss_after_warmup():
-    values = [9.0, 9.0, 2.0, 1.5, 1.0, 1.2, 2.5, 2.6, 2.7, 2.8]
+    # Compared: the mean of the last 3 (patience) losses. After the 2 warm-up steps the means
+    # are 1.0 (the lowest), 1.67, 2.33, 3.0, 3.0: above 2 x 1.0 from the seventh step, for the
+    # third time at the ninth.
+    values = [9.0, 9.0, 1.0, 1.0, 1.0, 3.0, 3.0, 3.0, 3.0, 3.0]
     found = feed(engine(divergence_warmup_steps=2), [row()] * len(values), losses(values))
     alert = only(found)
     assert (alert.step, alert.level, alert.rule, alert.module, alert.metric) == (
         9, "stop", "divergence", None, "loss",
     )  # fmt: skip
-    assert (alert.value, alert.threshold) == (2.7, 2.0)
-    assert "above 2x its lowest loss 1" in alert.message
+    assert (alert.value, alert.threshold) == (3.0, 2.0)
+    assert "above 2x its lowest 1" in alert.message
+
+
+def test_divergence_is_not_fooled_by_one_easy_batch():
+    # One batch at 0.4 among batches near 1.0: the lowest single loss would put the threshold
+    # at 0.8, below every ordinary batch; the smoothed loss never drops that low.
+    values = [1.0, 1.0, 1.0, 0.4, 1.0, 1.1, 1.0, 1.1, 1.0, 1.1]
+    assert feed(engine(divergence_warmup_steps=2), [row()] * 10, losses(values)) == {}
 
 
 def test_divergence_ignores_warmup_and_noise_below_the_factor():

@@ -232,3 +232,16 @@ def test_sigterm_flushes_telemetry_and_marks_the_run_failed(manifest, tmp_path):
     # Every step that reached the store is committed (the signal may land between a step's
     # metrics line and its telemetry row).
     assert logged < 64 and committed in (logged, logged - 1) and committed >= 8
+
+
+def test_evaluations_between_steps_stay_out_of_the_telemetry(manifest, tmp_path):
+    every_step = write_manifest(
+        derive(manifest, {"schedule.train_steps": 4, "schedule.eval_interval": 1,
+                          "telemetry.every_steps": 2}, "evaluate after every step"),
+        tmp_path / "eval.yaml",
+    )  # fmt: skip
+    run_training(every_step, tmp_path / "run", progress=False)
+    history = open_run(tmp_path / "run").module_history(TARGET)
+    assert (history["fp8_gemms"] == 6).all()  # the training micro-batches' GEMMs only
+    assert history.loc[[1, 3], "input.saturation"].isna().all()  # not measuring steps
+    assert history.loc[[1, 3], "fp8_rel_error"].isna().all()

@@ -15,7 +15,8 @@ nonfinite           NaN/Inf in a cast (``<slot>.nan``/``.inf`` > 0), an     stop
                     norm, or a non-finite step ``loss``/``grad_norm``;       is false); at once
                     one alert, naming the first module where it appeared
                     (forward casts in module order, gradients in reverse)
-divergence          loss > ``divergence_factor`` x lowest loss since         stop, patience
+divergence          mean loss of the last ``patience_steps`` >               stop, patience
+                    ``divergence_factor`` x its lowest value since
                     ``divergence_warmup_steps``
 saturation          ``<slot>.saturation`` > a level of ``alerts.saturation`` its level, patience
 underflow           ``<slot>.underflow`` > a level of ``alerts.underflow``   its level, patience
@@ -48,6 +49,7 @@ windows (rising underflow, gradient median) hold measured steps only.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -176,7 +178,8 @@ class AlertEngine:
         self._error_samples = np.zeros(n, np.int32)
         self._previous_window_max = np.full((n, slots), np.nan, np.float32)
         self._observed = 0
-        self._lowest_loss = np.inf
+        self._lowest_loss = np.inf  # of the smoothed loss
+        self._recent_losses: deque[float] = deque(maxlen=config.patience_steps)
         self._proposals: dict[str, Proposal] = {}
 
     # -- the step -------------------------------------------------------------------------------
@@ -360,16 +363,23 @@ class AlertEngine:
             or self._observed < self.config.divergence_warmup_steps
         ):
             return []
+        # A mean over the last patience_steps losses, not one batch's: on mixed fine-tuning
+        # batches a single easy batch would otherwise set a floor ordinary batches exceed.
+        self._recent_losses.append(float(loss))
+        if len(self._recent_losses) < self._recent_losses.maxlen:
+            return []
+        loss = sum(self._recent_losses) / len(self._recent_losses)
         lowest, factor = self._lowest_loss, self.config.divergence_factor
-        self._lowest_loss = min(lowest, float(loss))
+        self._lowest_loss = min(lowest, loss)
         known = bool(np.isfinite(lowest) and lowest > 0)
         threshold = factor * lowest if known else np.inf
         if not self._divergence.update(np.array(loss > threshold), np.array(known)):
             return []
         patience = self.config.patience_steps
         message = (
-            f"Step {step}: the run's loss was {format_value(loss)}, above {factor:g}x its lowest "
-            f"loss {format_value(lowest)} (threshold {format_value(threshold)})"
+            f"Step {step}: the run's loss (mean of the last {patience} steps) was "
+            f"{format_value(loss)}, above {factor:g}x its lowest {format_value(lowest)} "
+            f"(threshold {format_value(threshold)})"
             f"{self._for_steps(patience)}: the run is diverging."
         )
         return [self._alert(step, "stop", "divergence", None, "loss", loss, threshold, message)]

@@ -26,10 +26,18 @@ class Metric:
 SLOTS = ("input", "weight", "grad_output")
 
 SLOT_METRICS = (
-    Metric("amax", "|value|", "This step's amax after the reduction: the newest history entry."),
+    Metric(
+        "amax", "|value|",
+        "The newest history entry, after the reduction: for input and grad_output the step's "
+        "last micro-batch (their histories roll per micro-batch), for weight the step's cast.",
+    ),
     Metric("scale", "factor", "The scale in use after this step's update (fp8_max / amax / 2^margin)."),
     Metric("scale_inv", "factor", "1 / scale: what dequantisation multiplies by."),
-    Metric("window_max", "|value|", "Largest amax in the history window (what `max` scales by)."),
+    Metric(
+        "window_max", "|value|",
+        "Largest amax in the history window (what `max` scales by); the window counts updates: "
+        "micro-batches for input and grad_output, steps for weight.",
+    ),
     Metric("window_p50", "|value|", "Median of the non-zero amaxes in the history window."),
     Metric("window_p90", "|value|", "90th percentile of the non-zero amaxes in the history window."),
     Metric(
@@ -48,7 +56,11 @@ SLOT_METRICS = (
 MODULE_OWN_METRICS = (
     Metric("input_norm", "L2", "Norm of the module's input (this rank's view), last micro-batch."),
     Metric("weight_norm", "L2", "Norm of the module's weight shard on this rank."),
-    Metric("grad_norm", "L2", "Norm of the weight shard's gradient, summed over micro-batches."),
+    Metric(
+        "grad_norm", "L2",
+        "Norm of this rank's weight-shard gradient, summed over micro-batches, before the "
+        "data-parallel sum.",
+    ),
     Metric("fp8_gemms", "count", "GEMMs the module ran in FP8 this step (3 per micro-batch)."),
     Metric("fallback_gemms", "count", "GEMMs it ran in higher precision this step."),
     Metric(

@@ -14,6 +14,7 @@ steps, because it costs one more GEMM per module. Unmeasured values are NaN.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -46,6 +47,17 @@ class TelemetryCollector:
             for module in self.modules.values():
                 module.probe = Probe() if active else None
             self.active = active
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Run the model unobserved (an evaluation): its GEMMs, casts and errors must not land
+        in the next training step's row. The probes come back empty."""
+        was_active = self.active
+        self.set_active(False)
+        try:
+            yield
+        finally:
+            self.set_active(was_active)
 
     def begin_step(self, step: int) -> None:
         """Set this step's cadence on every probe (``step`` counts from 1)."""

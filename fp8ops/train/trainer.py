@@ -207,7 +207,11 @@ class Trainer:
                 self.telemetry.close()
             self._save_final(losses[-1])
         except StopRun as stop:
-            self._stop(stop)
+            try:
+                self._stop(stop)
+            except BaseException as exc:  # the Stop path itself failed: say so, not "running"
+                self._mark_failed(exc)
+                raise
             raise
         except BaseException as exc:
             self._close_telemetry_after(exc)  # keep what was measured up to the failure
@@ -266,13 +270,20 @@ class Trainer:
 
         The eval forward runs in FP8 with the training scales, but its amaxes are discarded: TE
         would fold them into the next training update, so evaluating more or less often would
-        change the training run.
+        change the training run. Telemetry is paused, so the evaluation's GEMMs and casts do not
+        show up in the next step's row.
         """
-        from fp8ops.megatron import mark_first_microbatch
-
         if len(self.data.eval) == 0:
             return None
         saved = self._fp8_state()
+        with self.collector.paused():
+            loss = self._evaluate(step)
+        self._restore_fp8_state(saved)
+        return loss
+
+    def _evaluate(self, step: int) -> float:
+        from fp8ops.megatron import mark_first_microbatch
+
         self.model.eval()
         mark_first_microbatch(self.model)  # cast the current weights once, reuse them after
         totals: dict[str, list[float]] = {}
@@ -293,7 +304,6 @@ class Trainer:
                     entry[0] += seq_loss.item()
                     entry[1] += seq_tokens.item()
         self.model.train()
-        self._restore_fp8_state(saved)
         loss = loss_sum / max(token_sum, 1.0)
         record = {
             "step": step,
@@ -408,7 +418,11 @@ class Trainer:
         ranks = dist.get_world_size(self.amax_group)
         everyone = [torch.empty_like(mine) for _ in range(ranks)]
         dist.all_gather(everyone, mine, group=self.amax_group)
-        agree = all(torch.equal(mine, other) for other in everyone)
+        # Every rank learns whether any group disagreed (with amax_reduction tp_cp there is one
+        # group per DP replica), so all of them take the same collective path below.
+        agree = torch.tensor(float(all(torch.equal(mine, other) for other in everyone)))
+        dist.all_reduce(agree, op=dist.ReduceOp.MIN)
+        agree = bool(agree.item())
         if self.ranks.is_main:
             self.run.event(
                 "fp8_state_checked", step=step, ranks=ranks, agree=agree, digest=digest.hexdigest()

@@ -59,7 +59,7 @@ def main() -> None:
                 trainer.collector.set_active(observed)
                 started = time.perf_counter()
                 record = trainer.train_step(step)
-                trainer._observe(record)
+                trainer.observe(record)
                 elapsed = time.perf_counter() - started
                 measuring = number % telemetry.every_steps == 0 or (
                     number % telemetry.error_sample_every == 0

@@ -198,7 +198,7 @@ class Trainer:
                     record = self.train_step(step)
                     losses.append(record["loss"])
                     self._log_step(record, advance)
-                    self._observe(record)  # telemetry and alerts; raises StopRun
+                    self.observe(record)  # telemetry and alerts; raises StopRun
                     finished = step + 1
                     if finished % schedule.eval_interval == 0 or finished == schedule.train_steps:
                         last_eval = self.evaluate(finished)
@@ -316,8 +316,8 @@ class Trainer:
             self.run.event("evaluated", step=step, loss=loss)
         return loss
 
-    def _observe(self, record: dict) -> None:
-        """Hand the step's telemetry row to the store and the alert rules.
+    def observe(self, record: dict) -> None:
+        """After :meth:`train_step`: hand the step's telemetry row to the store and the alert rules.
 
         Every rank evaluates its own row (saturation and norms are per shard); the alerts of all
         ranks are gathered to rank 0, which writes them, so a NaN on one shard is not missed and

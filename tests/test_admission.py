@@ -7,7 +7,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 if importlib.util.find_spec("megatron") is None:  # not importorskip: fp8ops.megatron imports it
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
@@ -27,7 +26,6 @@ from fp8ops.admission import (
 from fp8ops.cli import main
 from fp8ops.manifest import SmallGemmRule, derive, manifest_hash, parse_manifest
 from fp8ops.megatron import amax_reduction_group, build_gpt, fp8_modules
-from fp8ops.megatron.compat import parallel_state
 from fp8ops.precision import DelayedScalingRecipe, Fp8Scope
 
 pytestmark = [
@@ -74,14 +72,8 @@ def projections(layer=None):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def megatron_tp1(tmp_path_factory):
-    """A one-rank gloo group and Megatron's parallel state at TP=1, as a launcher sets them up."""
-    store = tmp_path_factory.mktemp("dist") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+def _megatron_tp1(megatron_tp1):
+    """Every test here runs on a one-rank TP=1 Megatron (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

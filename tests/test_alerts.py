@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +27,6 @@ from fp8ops.alerts import (
     write_alerts,
     write_proposals,
 )
-from fp8ops.cli import main
 from fp8ops.manifest import load_manifest, parse_manifest
 from fp8ops.manifest.schema import Alerts
 from fp8ops.telemetry.catalogue import COLUMN, MODULE_METRIC_NAMES, SLOTS
@@ -494,27 +492,6 @@ def test_select_alerts_by_level_and_module_glob():
 
 
 # -- fp8ops alerts ------------------------------------------------------------------------------
-
-
-@dataclass
-class CliResult:
-    code: int
-    out: str
-    err: str
-
-
-@pytest.fixture
-def cli(capsys, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "200")
-
-    def run(*args: object) -> CliResult:
-        capsys.readouterr()
-        with pytest.raises(SystemExit) as exit_info:
-            main([str(a) for a in args])
-        out, err = capsys.readouterr()
-        return CliResult(exit_info.value.code or 0, out, err)
-
-    return run
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ import math
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from manifest_support import TINY
 
 if importlib.util.find_spec("megatron") is None:
@@ -14,7 +13,6 @@ if importlib.util.find_spec("megatron") is None:
 
 from fp8ops.manifest import derive, load_manifest
 from fp8ops.megatron import build_gpt, fp8_modules, mark_first_microbatch
-from fp8ops.megatron.compat import parallel_state
 from fp8ops.precision import DelayedScalingRecipe, Fp8Scope
 from fp8ops.telemetry.catalogue import COLUMN, MODULE_METRIC_NAMES
 from fp8ops.telemetry.collector import TelemetryCollector
@@ -27,13 +25,8 @@ MICRO_BATCHES = 2
 
 
 @pytest.fixture(scope="module", autouse=True)
-def megatron_tp1(tmp_path_factory):
-    store = tmp_path_factory.mktemp("dist") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+def _megatron_tp1(megatron_tp1):
+    """Every test here runs on a one-rank TP=1 Megatron (tests/conftest.py)."""
 
 
 @pytest.fixture

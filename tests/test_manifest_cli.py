@@ -9,41 +9,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from manifest_support import MINIMAL, ROOT, TINY
 
-from fp8ops.cli import main
 from fp8ops.manifest import load_manifest, manifest_hash
-
-
-@dataclass
-class CliResult:
-    code: int
-    out: str
-    err: str
-
-
-@pytest.fixture
-def cli(capsys, monkeypatch):
-    """Run ``fp8ops ARGS`` through ``main``, the console script's function, in this process.
-
-    ``main`` ends in ``SystemExit`` for success and user errors alike, so the code asserted is
-    the one the process would exit with; any other exception is a bug and fails the test.
-    """
-    monkeypatch.setenv("COLUMNS", "200")  # rich tables: no wrapping inside asserted text
-
-    def run(*args: object) -> CliResult:
-        capsys.readouterr()
-        with pytest.raises(SystemExit) as exit_info:
-            main([str(a) for a in args])
-        out, err = capsys.readouterr()
-        return CliResult(exit_info.value.code or 0, out, err)
-
-    return run
-
 
 MISSING, DIRECTORY = object(), object()
 

@@ -6,14 +6,13 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 from manifest_support import TINY
 
 if importlib.util.find_spec("megatron") is None:  # not importorskip: fp8ops.megatron imports it
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
 
-from fp8ops.manifest import derive, load_manifest  # noqa: E402
-from fp8ops.megatron import (  # noqa: E402
+from fp8ops.manifest import derive, load_manifest
+from fp8ops.megatron import (
     Fp8ColumnParallelLinear,
     Fp8RowParallelLinear,
     amax_reduction_group,
@@ -24,13 +23,12 @@ from fp8ops.megatron import (  # noqa: E402
     mark_first_microbatch,
     with_fp8_projections,
 )
-from fp8ops.megatron.compat import (  # noqa: E402
+from fp8ops.megatron.compat import (
     ColumnParallelLinear,
     filesystem_async,
     megatron_random,
-    parallel_state,
 )
-from fp8ops.precision import DelayedScalingRecipe, Fp8Scope  # noqa: E402
+from fp8ops.precision import DelayedScalingRecipe, Fp8Scope
 
 # Megatron's own deprecation notices, raised by its local spec and layers whatever fp8ops does.
 pytestmark = [
@@ -49,14 +47,8 @@ GRAD_OUTPUT, GRAD_INPUT = 0, 1
 
 
 @pytest.fixture(scope="module", autouse=True)
-def megatron_tp1(tmp_path_factory):
-    """A one-rank gloo group and Megatron's parallel state at TP=1, as a launcher sets them up."""
-    store = tmp_path_factory.mktemp("dist") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+def _megatron_tp1(megatron_tp1):
+    """Every test here runs on a one-rank TP=1 Megatron (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")
@@ -214,9 +206,8 @@ def test_weight_is_cast_once_per_step_across_micro_batches(model, scope, manifes
 
 def test_a_scope_with_another_recipe_is_refused(model, manifest):
     other = Fp8Scope(DelayedScalingRecipe(amax_history_len=8))
-    with pytest.raises(ValueError, match="same recipe"):
-        with other():
-            loss_of(model, make_batch(manifest))
+    with pytest.raises(ValueError, match="same recipe"), other():
+        loss_of(model, make_batch(manifest))
 
 
 def test_fp8_state_travels_in_extra_state(model, scope, manifest, recipe):

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 from manifest_support import TINY
 from torch import nn
 
@@ -13,11 +12,8 @@ from fp8ops.train.optimizer import MainParamsOptimizer, learning_rate
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_rank(tmp_path_factory):
-    store = tmp_path_factory.mktemp("dist") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+def _one_rank(gloo_world_of_one):
+    """The optimizer's collectives need a process group (tests/conftest.py)."""
 
 
 def _manifest(**changes):

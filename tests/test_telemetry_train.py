@@ -20,7 +20,6 @@ if importlib.util.find_spec("megatron") is None:
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
 
 from fp8ops.alerts import read_alerts, read_proposals
-from fp8ops.cli import main as cli_main
 from fp8ops.files import read_jsonl
 from fp8ops.manifest import derive, load_manifest, write_manifest
 from fp8ops.telemetry import TelemetryError, open_run
@@ -57,15 +56,7 @@ def _trainer(manifest, run_dir, steps: int):
     return Trainer(manifest, [manifest], run_dir, ranks, progress=False)
 
 
-def _cli(*args) -> int:
-    try:
-        cli_main([str(a) for a in args])
-    except SystemExit as exc:
-        return exc.code
-    return 0
-
-
-def test_a_run_leaves_a_readable_store_matching_its_metrics(manifest, tmp_path, capsys):
+def test_a_run_leaves_a_readable_store_matching_its_metrics(manifest, tmp_path, cli):
     short = write_manifest(derive(manifest, {"schedule.train_steps": 6}, "6 steps"),
                            tmp_path / "short.yaml")  # fmt: skip
     run_training(short, tmp_path / "run", progress=False)
@@ -86,12 +77,13 @@ def test_a_run_leaves_a_readable_store_matching_its_metrics(manifest, tmp_path, 
     assert set(store.to_xarray().dims) == {"step", "module"}
 
     # fp8ops inspect: the worst modules by a metric, from the store.
-    assert _cli("inspect", tmp_path / "run", "--worst", "input.scale", "--top", "3") == 0
-    out = capsys.readouterr().out
+    result = cli("inspect", tmp_path / "run", "--worst", "input.scale", "--top", "3")
+    assert result.code == 0
+    out = result.out
     assert "worst 3 modules by input.scale, steps 1-6" in out
     assert sum(name in out for name in snapshot.index) == 3
-    assert _cli("inspect", tmp_path / "run", "--worst", "input.nonsense") == 2
-    assert "input.nonsense" in capsys.readouterr().err
+    result = cli("inspect", tmp_path / "run", "--worst", "input.nonsense")
+    assert (result.code, "input.nonsense" in result.err) == (2, True)
 
 
 def test_nan_in_one_module_stops_the_run_at_that_step_naming_it(manifest, tmp_path):

@@ -19,12 +19,11 @@ import torch
 if importlib.util.find_spec("megatron") is None:
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
 
-from fp8ops.cli import main as cli_main
 from fp8ops.errors import Fp8opsError
+from fp8ops.files import read_jsonl
 from fp8ops.manifest import derive, load_manifest, manifest_hash, write_manifest
 from fp8ops.train import run_training
 from fp8ops.train.distributed import init_distributed, shutdown_distributed
-from fp8ops.files import read_jsonl
 from fp8ops.train.run_dir import RunDir
 from fp8ops.train.trainer import Trainer
 from fp8ops.train.weights import META_FILE
@@ -99,14 +98,6 @@ def _losses(run_dir: Path) -> list[float]:
     return [record["loss"] for record in read_jsonl(run_dir / "metrics.jsonl")]
 
 
-def _cli(*args: str) -> int:
-    try:
-        cli_main([str(a) for a in args])
-    except SystemExit as exc:
-        return exc.code
-    return 0
-
-
 # -- what a run writes ---------------------------------------------------------------------
 
 
@@ -135,7 +126,7 @@ def test_finetune_run_records_everything(fp8_run, base, finetune_manifest):
     base_meta = json.loads((base / "final" / META_FILE).read_text())
     assert info["model"]["init_fingerprint"] == base_meta["fingerprint"]
     assert info["model"]["init_verified"] is True
-    # The fine-tuning starts from exactly the base's weights.
+    # The fine-tuning starts from exactly the base's weights (rehashed when loaded).
     assert info["model"]["initial_weights_fingerprint"] == base_meta["fingerprint"]
     assert info["topology"]["amax_reduction_ranks"] == [0]
     assert info["data"]["kind"] == "tasks" and len(info["data"]["fingerprint"]) == 64
@@ -172,17 +163,18 @@ def test_fp8_loss_falls_and_tracks_bf16(fp8_run, bf16_run):
     assert abs(fp8_eval - bf16_eval) < 0.1
 
 
-def test_rerunning_a_completed_run_is_a_no_op(fp8_run, finetune_manifest, capsys):
+def test_rerunning_a_completed_run_is_a_no_op(fp8_run, finetune_manifest, cli):
     before = (fp8_run / "metrics.jsonl").read_text()
-    assert _cli("train", finetune_manifest, "--run-dir", fp8_run) == 0
-    assert "already holds a completed run" in capsys.readouterr().err
+    result = cli("train", finetune_manifest, "--run-dir", fp8_run)
+    assert result.code == 0
+    assert "already holds a completed run" in result.err
     assert (fp8_run / "metrics.jsonl").read_text() == before
 
 
-def test_a_run_directory_holding_another_run_is_refused(fp8_run, finetune_manifest, capsys):
-    code = _cli("train", finetune_manifest, "--run-dir", fp8_run, "--set", "optimizer.lr=1e-4")
-    assert code == 2
-    assert "already holds a completed run" in capsys.readouterr().err
+def test_a_run_directory_holding_another_run_is_refused(fp8_run, finetune_manifest, cli):
+    result = cli("train", finetune_manifest, "--run-dir", fp8_run, "--set", "optimizer.lr=1e-4")
+    assert result.code == 2
+    assert "already holds a completed run" in result.err
 
 
 # -- Megatron's delayed-scaling cadence, and BF16 modules --------------------------------------
@@ -356,24 +348,25 @@ def test_an_unfinished_run_directory_is_refused_with_advice(finetune_manifest, t
     ids=["glob-matches-nothing", "tp-not-dividing-heads", "missing-base", "world-size",
          "base-of-another-model", "tokenizer", "pipeline-parallel"],
 )  # fmt: skip
-def test_bad_manifests_stop_before_training(finetune_manifest, tmp_path, capsys, settings, message):
+def test_bad_manifests_stop_before_training(finetune_manifest, tmp_path, cli, settings, message):
     run_dir = tmp_path / "run"
     args = [arg for setting in settings for arg in ("--set", setting)]
-    assert _cli("train", finetune_manifest, "--run-dir", run_dir, *args) == 2
-    assert re.search(message, capsys.readouterr().err, re.DOTALL)
+    result = cli("train", finetune_manifest, "--run-dir", run_dir, *args)
+    assert result.code == 2
+    assert re.search(message, result.err, re.DOTALL)
     assert not run_dir.exists()
 
 
-def test_damaged_base_checkpoint_is_refused(base, finetune_manifest, tmp_path, capsys):
+def test_damaged_base_checkpoint_is_refused(base, finetune_manifest, tmp_path, cli):
     damaged = tmp_path / "damaged"
     shutil.copytree(base / "final", damaged)
     meta = json.loads((damaged / META_FILE).read_text())
     meta["fingerprint"] = "0" * 64
     (damaged / META_FILE).write_text(json.dumps(meta))
-    code = _cli(
+    result = cli(
         "train", finetune_manifest, "--run-dir", tmp_path / "run",
         "--set", f"model.init_checkpoint={damaged}",
     )  # fmt: skip
-    assert code == 2
-    assert "changed or are damaged" in capsys.readouterr().err
+    assert result.code == 2
+    assert "changed or are damaged" in result.err
     assert not (tmp_path / "run").exists()

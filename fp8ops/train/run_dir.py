@@ -6,7 +6,7 @@
       manifest.yaml        the manifest the run is locked to (the derived revision under --set)
       manifests/           every revision in its lineage, content-addressed (<sha256>.yaml)
       run.json             fingerprints: manifest, environment, topology, data, tokenizer, model
-      status.json          running | completed | failed, and the last finished step
+      status.json          running | completed | failed | stopped, and the step (every log_interval)
       run.lock             created exclusively when the run claims the directory
       layers.json          per-layer admission (fp8ops.admission)
       metrics.jsonl        one line per optimizer step
@@ -46,6 +46,7 @@ class RunDir:
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        self._status: dict[str, Any] | None = None  # what status.json holds, kept in memory
 
     @classmethod
     def check_free(cls, path: Path, manifest: Manifest) -> None:
@@ -117,9 +118,10 @@ class RunDir:
         atomic_write_text(self.path / name, json.dumps(document, indent=2, sort_keys=True) + "\n")
 
     def set_status(self, state: str, **fields: Any) -> None:
-        status = read_status(self.path) or {}
-        status.update(fields, state=state, updated=_now())
-        self.write_json(STATUS, status)
+        if self._status is None:
+            self._status = read_status(self.path) or {}
+        self._status.update(fields, state=state, updated=_now())
+        self.write_json(STATUS, self._status)
 
     # -- append-only logs --------------------------------------------------------------------
 

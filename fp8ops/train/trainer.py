@@ -152,6 +152,7 @@ class Trainer:
         precision = manifest.precision
         self.recipe = DelayedScalingRecipe.from_precision(precision)
         self.model = build_gpt(manifest, self.recipe if precision.enabled else None)
+        self.model_dtype = next(self.model.parameters()).dtype
         self.base = self._load_base()
         self.admission = decide_admission(
             self.model, precision, tensor_parallel=manifest.topology.tensor_parallel
@@ -441,19 +442,14 @@ class Trainer:
     def _fp8(self):
         return self.scope() if self.scope is not None else contextlib.nullcontext()
 
-    def _fp8_modules(self):
-        from fp8ops.megatron import fp8_modules
-
-        return fp8_modules(self.model)
-
     def _fp8_state(self) -> dict[str, dict[str, torch.Tensor]]:
         return {
             name: {k: v.clone() for k, v in m.fp8_meta.state_dict().items()}
-            for name, m in self._fp8_modules().items()
+            for name, m in self.collector.modules.items()
         }
 
     def _restore_fp8_state(self, saved: dict[str, dict[str, torch.Tensor]]) -> None:
-        for name, module in self._fp8_modules().items():
+        for name, module in self.collector.modules.items():
             module.fp8_meta.load_state_dict(saved[name])
 
     def _dp_sum(self, value) -> torch.Tensor:
@@ -480,7 +476,14 @@ class Trainer:
 
     def _record_run_info(self, amax_group) -> None:
         manifest, topology = self.manifest, self.manifest.topology
-        initial = weights.weights_fingerprint(self.model, self.tp_group)
+        # A base loaded and verified in the model's own dtype is already hashed: the same bytes.
+        same_dtype = self.base and self.base["dtype"] == str(self.model_dtype).removeprefix(
+            "torch."
+        )
+        if self.base and self.base["verified"] and same_dtype:
+            initial = self.base["fingerprint"]
+        else:
+            initial = weights.weights_fingerprint(self.model, self.tp_group)
         if not self.ranks.is_main:
             return
         from fp8ops.data import ByteTokenizer
@@ -541,7 +544,9 @@ class Trainer:
         if not self.ranks.is_main:
             return
         self.run.append("metrics.jsonl", record)
-        self.run.set_status("running", step=record["step"])
+        # status.json is rewritten with an fsync, so not on every step: metrics.jsonl has them.
+        if record["step"] % self.manifest.schedule.log_interval == 0:
+            self.run.set_status("running", step=record["step"])
         advance(record)
 
     @contextlib.contextmanager

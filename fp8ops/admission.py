@@ -66,7 +66,7 @@ Kind = Literal[
 Parallel = Literal["column", "row", "vocab", "replicated"]
 ReasonCode = Literal[
     "fp8", "excluded", "not_included", "small_gemm", "fp8_disabled", "not_fp8_capable",
-    "embedding", "lm_head", "norm",
+    "embedding", "lm_head", "norm", "override",
 ]  # fmt: skip
 
 
@@ -284,6 +284,14 @@ def _decide(f: _Found, rank_shape: GemmShape, precision: PrecisionPolicy) -> Rea
     exclude = _first_match(f.fqn, "exclude_modules", precision.exclude_modules)
     if exclude:
         return Reason(code="excluded", text=f"excluded by {exclude}")
+    override = next((o for o in precision.overrides if o.module == f.fqn), None)
+    if override is not None:
+        approval = f"approved in the ledger as {override.approval[:12]}" if override.approval else (
+            "written in the manifest"
+        )
+        return Reason(
+            code="override", text=f"BF16 override ({approval}): {override.reason}"
+        )
     text = f"included by {include}"
     if precision.small_gemm.enabled:
         too_small = small_gemm_verdict(precision.small_gemm, rank_shape)
@@ -413,6 +421,13 @@ def _check_globs(precision: PrecisionPolicy, fqns: list[str]) -> None:
         for index, glob in enumerate(getattr(precision, field)):
             if not any(fnmatchcase(fqn, glob) for fqn in fqns):
                 problems.append(f"  precision.{field}[{index}] '{glob}': {_hint(glob, fqns)}")
+    for index, override in enumerate(precision.overrides):
+        if override.module not in fqns:
+            close = difflib.get_close_matches(override.module, fqns, n=1)
+            hint = f"no module has that name; did you mean '{close[0]}'?" if close else (
+                "no module has that name"
+            )
+            problems.append(f"  precision.overrides[{index}].module '{override.module}': {hint}")
     if problems:
         raise AdmissionError(
             f"{len(problems)} module glob(s) in the manifest match no module of this model "

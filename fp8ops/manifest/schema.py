@@ -210,6 +210,34 @@ class SmallGemmRule(_Section):
     )
 
 
+def _check_fqn(value: str) -> str:
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*", value):
+        raise ValueError(
+            "must be a module's full name such as 'decoder.layers.3.mlp.linear_fc2' "
+            "(no wildcards: an override names one module)"
+        )
+    return value
+
+
+ModuleFqn = Annotated[str, AfterValidator(_check_fqn)]
+
+
+class Bf16Override(_Section):
+    """One module taken out of FP8 into the base dtype (a per-layer fallback).
+
+    fp8ops writes these when a resume applies approved overrides from the run's ledger
+    (``overrides.jsonl``); ``approval`` is then the hash of the approving record. A hand-written
+    override (``approval: null``) is reviewed with the manifest itself.
+    """
+
+    module: ModuleFqn = Field(description="Full module name, as in layers.json.")
+    dtype: Literal["bf16"] = Field("bf16", description="Where the module falls back to.")
+    reason: NonEmptyStr = Field(description="Why (the reason the operator staged it with).")
+    approval: Sha256 | None = Field(
+        None, description="sha256 of the ledger record that approved it; null if hand-written."
+    )
+
+
 class PrecisionPolicy(_Section):
     """Which modules run FP8 and how their scales are kept: TE's DelayedScaling recipe."""
 
@@ -282,6 +310,13 @@ class PrecisionPolicy(_Section):
     small_gemm: SmallGemmRule = Field(
         default_factory=SmallGemmRule, description="Shape rule that keeps tiny GEMMs in base_dtype."
     )
+    overrides: Annotated[tuple[Bf16Override, ...], BeforeValidator(_list_to_tuple)] = Field(
+        (),
+        description=(
+            "Per-module fallbacks to the base dtype, applied on top of the globs (usually added "
+            "by a resume from approved ledger records; see docs/resume.md)."
+        ),
+    )
 
     @field_validator("fp8_format", mode="before")
     @classmethod
@@ -313,6 +348,7 @@ class PrecisionPolicy(_Section):
     def _consistent(self) -> PrecisionPolicy:
         problems = _duplicate_globs("include_modules", self.include_modules)
         problems += _duplicate_globs("exclude_modules", self.exclude_modules)
+        problems += _duplicate_globs("overrides", tuple(o.module for o in self.overrides))
         algo = self.amax_algo
         if algo.kind == "trimmed_max" and algo.k >= self.amax_history_len:
             problems.append(
@@ -892,6 +928,18 @@ class Telemetry(_Section):
         return value
 
 
+class Review(_Section):
+    """Who may decide a per-layer override in the run's ledger (``overrides.jsonl``)."""
+
+    allow_self_approval: bool = Field(
+        False,
+        description=(
+            "true lets the operator who staged an override approve it too (a one-person team); "
+            "by default another operator must."
+        ),
+    )
+
+
 # --------------------------------------------------------------------------------------
 # The manifest
 # --------------------------------------------------------------------------------------
@@ -925,6 +973,7 @@ class Manifest(_Section):
     alerts: Alerts = Field(default_factory=Alerts, description="Alert thresholds.")
     gates: Gates = Field(default_factory=Gates, description="Dual-track acceptance gates.")
     telemetry: Telemetry = Field(default_factory=Telemetry, description="Telemetry cadence.")
+    review: Review = Field(default_factory=Review, description="Override review rules.")
 
     @field_validator("schema_version", mode="before")
     @classmethod

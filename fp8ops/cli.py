@@ -28,6 +28,7 @@ from fp8ops.manifest import (
 )
 from fp8ops.manifest.messages import yaml_value
 from fp8ops.manifest.summary import summary_rows
+from fp8ops.overrides.cli import overrides_app
 
 app = typer.Typer(
     name="fp8ops",
@@ -39,6 +40,7 @@ manifest_app = typer.Typer(
     help="Validate, hash, compare and revise run manifests.", no_args_is_help=True
 )
 app.add_typer(manifest_app, name="manifest")
+app.add_typer(overrides_app, name="overrides")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -176,6 +178,20 @@ def chain(
 # --------------------------------------------------------------------------------------
 
 
+AcceptDrift = Annotated[
+    str | None,
+    typer.Option(
+        help="Resume despite drift from the checkpoint; the reason is recorded with the changes "
+        "as a new manifest revision.",
+        show_default=False,
+    ),
+]
+StopAt = Annotated[
+    int | None,
+    typer.Option(help="Checkpoint after this step and stop (resumable).", show_default=False),
+]
+
+
 @app.command()
 def train(
     file: ManifestFile,
@@ -196,6 +212,15 @@ def train(
         ),
     ] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar or log lines.")] = True,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            help="Continue RUN_DIR from its latest checkpoint if it has one (refused if MANIFEST "
+            "or the environment drifted from the checkpoint's); start it otherwise."
+        ),
+    ] = False,
+    accept_drift: AcceptDrift = None,
+    stop_at: StopAt = None,
 ) -> None:
     """Train MANIFEST's model (fine-tune from model.init_checkpoint, or pre-train from scratch).
 
@@ -206,19 +231,59 @@ def train(
 
     run_dir = run_dir or Path("runs") / load_manifest(file).name
     result = run_training(
-        file, run_dir, assignments=parse_assignments(set_ or []), progress=progress
-    )
+        file, run_dir, assignments=parse_assignments(set_ or []), progress=progress,
+        resume=resume, accept_drift=accept_drift, stop_at=stop_at,
+    )  # fmt: skip
+    _report_training(result)
+
+
+@app.command()
+def resume(
+    run_dir: Annotated[Path, typer.Argument(help="The run directory to continue.")],
+    checkpoint: Annotated[
+        str | None,
+        typer.Option(help="Checkpoint name or step (default: latest).", show_default=False),
+    ] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="PATH=VALUE changes to the manifest (needs --accept-drift)."),
+    ] = None,
+    accept_drift: AcceptDrift = None,
+    stop_at: StopAt = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar or log lines.")] = True,
+) -> None:
+    """Continue RUN_DIR from a checkpoint, locked to the checkpoint's manifest.
+
+    Drift (another manifest, torch, megatron-core, TE, CUDA or GPU) is refused with exit code 4
+    before any model is built, unless accepted with a reason. Approved overrides from the
+    run's ledger are applied as a new manifest revision.
+    """
+    from fp8ops.train import resume_training
+
+    result = resume_training(
+        run_dir, checkpoint=checkpoint, assignments=parse_assignments(set_ or []),
+        accept_drift=accept_drift, progress=progress, stop_at=stop_at,
+    )  # fmt: skip
+    _report_training(result)
+
+
+def _report_training(result) -> None:
     if os.environ.get("RANK", "0") != "0":
         return
     out = _console()
+    for line in result.resume_summary or []:
+        out.print(line)
     eval_text = "" if result.last_eval_loss is None else f", eval loss {result.last_eval_loss:.4f}"
     out.print(
-        f"trained {result.steps} steps in {result.seconds:.0f} s: loss {result.first_loss:.4f} -> "
-        f"{result.last_loss:.4f}{eval_text}"
+        f"trained steps {result.first_step}-{result.steps} in {result.seconds:.0f} s: loss "
+        f"{result.first_loss:.4f} -> {result.last_loss:.4f}{eval_text}"
     )
+    if result.paused:
+        out.print(f"paused at step {result.steps}; continue with: fp8ops resume {result.run_dir}")
+        return
     out.print(
         f"results in {result.run_dir}/: metrics.jsonl (per step), eval.jsonl, events.jsonl, "
-        "layers.json, run.json, manifest.yaml, final/ (weights)"
+        "layers.json, run.json, manifest.yaml, checkpoints/, final/ (weights)"
     )
     out.print(f"per-layer precision: fp8ops inspect {result.run_dir} --layers")
 
@@ -374,8 +439,66 @@ def alerts_(
     out.print(f"{run_dir}: {len(shown)} alert(s){scope}: {counts}")
 
 
-# Further command groups (resume, alerts, overrides, console, dualtrack, ...)
-# go here, each a thin function over its package, registered on `app`.
+# --------------------------------------------------------------------------------------
+# fp8ops checkpoints list
+# --------------------------------------------------------------------------------------
+
+checkpoints_app = typer.Typer(help="A run's training checkpoints.", no_args_is_help=True)
+app.add_typer(checkpoints_app, name="checkpoints")
+
+
+@checkpoints_app.command("list")
+def checkpoints_list(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory.", show_default=False)],
+    verify: Annotated[
+        bool, typer.Option(help="Also re-hash every file of every checkpoint.")
+    ] = False,
+) -> None:
+    """List RUN_DIR's checkpoints: step, why it was saved, manifest, topology, size."""
+    from rich import box
+
+    from fp8ops.checkpoint import CheckpointDir, CheckpointError, read_meta
+    from fp8ops.checkpoint.directory import verify_files
+
+    store = CheckpointDir(run_dir)
+    found = store.complete()
+    if not found:
+        raise Fp8opsError(f"{run_dir}: no checkpoints (no {store.path}/step_*)")
+    try:
+        latest = store.latest()
+    except CheckpointError:
+        latest = None
+    grid = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    columns = ["", "checkpoint", "step", "reason", "saved", "manifest", "TP x DP", "MiB"]
+    for name in columns + (["files"] if verify else []):
+        grid.add_column(name, justify="right" if name in ("step", "MiB") else "left")
+    for path in found:
+        try:
+            meta = read_meta(path)
+        except CheckpointError as exc:
+            grid.add_row("", path.name, "", f"damaged: {exc}", "", "", "", "")
+            continue
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
+        topo = meta.topology
+        row = [
+            "*" if path == latest else "", path.name, str(meta.step), meta.reason,
+            meta.saved_at, meta.manifest[:12], f"{topo.tensor_parallel} x {topo.data_parallel}",
+            f"{size:.1f}",
+        ]  # fmt: skip
+        if verify:
+            try:
+                verify_files(path, meta.files)
+                row.append("ok")
+            except CheckpointError as exc:
+                row.append(f"DAMAGED: {exc}")
+        grid.add_row(*row)
+    out = _console()
+    out.print(grid)
+    out.print("* = latest (what `fp8ops resume` continues from)")
+
+
+# Further command groups (console, dualtrack, ...) go here, each a thin function over its
+# package, registered on `app`.
 
 
 if __name__ == "__main__":

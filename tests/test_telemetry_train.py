@@ -20,6 +20,8 @@ if importlib.util.find_spec("megatron") is None:
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
 
 from fp8ops.alerts import read_alerts, read_proposals
+from fp8ops.checkpoint import read_meta
+from fp8ops.checkpoint.state import fp8_digest
 from fp8ops.files import read_jsonl
 from fp8ops.manifest import derive, load_manifest, write_manifest
 from fp8ops.telemetry import TelemetryError, open_run
@@ -113,7 +115,11 @@ def test_nan_in_one_module_stops_the_run_at_that_step_naming_it(manifest, tmp_pa
     run = tmp_path / "run"
     status = json.loads((run / "status.json").read_text())
     assert (status["state"], status["step"]) == ("stopped", nan_step)
-    assert (run / "stopped" / "fp8ops_weights.json").exists()
+    # The Stop path saved a training checkpoint of that step, with the state as it stopped.
+    meta = read_meta(run / "checkpoints" / status["checkpoint"])
+    assert (meta.step, meta.reason) == (nan_step, "alert-stop: nonfinite")
+    assert meta.fp8.digests[TARGET] == [fp8_digest(trainer.collector.modules[TARGET])]
+    assert meta.telemetry_committed == nan_step
     assert any(a.rule == "nonfinite" and a.module == TARGET for a in read_alerts(run))
     assert open_run(run).committed_steps == {0: nan_step}  # flushed on the Stop path
 

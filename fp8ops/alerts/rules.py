@@ -227,6 +227,70 @@ class AlertEngine:
             message=message,
         )
 
+    # -- checkpointing -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The windows, latches and loss memory as arrays of fixed shapes, so a checkpoint
+        resumes alerting mid-window. (Open proposals are not here: the ledger holds them.)"""
+        state = {
+            "underflow": self._underflow,
+            "underflow_rows": np.array(self._underflow_rows, np.int64),
+            "grads": self._grads,
+            "grad_rows": np.array(self._grad_rows, np.int64),
+            "errors": self._errors,
+            "error_samples": self._error_samples,
+            "previous_window_max": self._previous_window_max,
+            "observed": np.array(self._observed, np.int64),
+            "lowest_loss": np.array(self._lowest_loss, np.float64),
+            "recent_losses": np.array(
+                list(self._recent_losses)
+                + [np.nan] * (self._recent_losses.maxlen - len(self._recent_losses)),
+                np.float64,
+            ),
+            "recent_count": np.array(len(self._recent_losses), np.int64),
+        }
+        for name, latch in self._latches().items():
+            state[f"{name}.streak"] = latch.streak
+            state[f"{name}.calm"] = latch.calm
+            state[f"{name}.open"] = latch.open.astype(np.uint8)
+        return {k: np.array(v, copy=True) for k, v in state.items()}
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        expected = self.state_dict()
+        for key, value in expected.items():
+            if key not in state or np.shape(state[key]) != value.shape:
+                raise ValueError(
+                    f"alert state {key!r}: missing or shaped {np.shape(state.get(key))}, expected "
+                    f"{value.shape} (the alert configuration or module list changed)"
+                )
+        self._underflow = state["underflow"].astype(np.float32)
+        self._underflow_rows = int(state["underflow_rows"])
+        self._grads = state["grads"].astype(np.float32)
+        self._grad_rows = int(state["grad_rows"])
+        self._errors = state["errors"].astype(np.float32)
+        self._error_samples = state["error_samples"].astype(np.int32)
+        self._previous_window_max = state["previous_window_max"].astype(np.float32)
+        self._observed = int(state["observed"])
+        self._lowest_loss = float(state["lowest_loss"])
+        count = int(state["recent_count"])
+        self._recent_losses.clear()
+        self._recent_losses.extend(float(x) for x in state["recent_losses"][:count])
+        for name, latch in self._latches().items():
+            latch.streak = state[f"{name}.streak"].astype(np.int32)
+            latch.calm = state[f"{name}.calm"].astype(np.int32)
+            latch.open = state[f"{name}.open"].astype(bool)
+
+    def _latches(self) -> dict[str, _Latch]:
+        latches = {
+            "nonfinite": self._nonfinite, "divergence": self._divergence,
+            "rising": self._rising, "growing": self._growing, "spike": self._spike,
+            "jump": self._jump,
+        }  # fmt: skip
+        for rule, (_, leveled) in self._leveled.items():
+            for level, (_, latch) in leveled.latches.items():
+                latches[f"{rule}.{level}"] = latch
+        return latches
+
     # -- override proposals -----------------------------------------------------------------------
 
     def proposals(self, alerts: Iterable[Alert | Mapping[str, Any]]) -> list[Proposal]:

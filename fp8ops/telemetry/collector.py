@@ -59,6 +59,15 @@ class TelemetryCollector:
         finally:
             self.set_active(was_active)
 
+    def seed_previous_scales(self) -> None:
+        """After a checkpoint is loaded: the scales it restored are the "previous" ones, so the
+        first resumed row reports the same scale change an uninterrupted run would."""
+        for name, module in self.modules.items():
+            self._previous_scale[name] = {
+                slot: float(module.fp8_meta.direction(forward).scale[index])
+                for slot, forward, index in _SLOTS
+            }
+
     def begin_step(self, step: int) -> None:
         """Set this step's cadence on every probe (``step`` counts from 1)."""
         if not self.active:

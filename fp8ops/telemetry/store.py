@@ -349,6 +349,36 @@ class TelemetryWriter:
 
     # -- the caller's side ---------------------------------------------------------------
 
+    @classmethod
+    def join(
+        cls,
+        path: str | Path,
+        *,
+        rank: int,
+        next_step: int,
+        flush_every: int = FLUSH_EVERY,
+        steps_per_shard: int = STEPS_PER_SHARD,
+    ) -> TelemetryWriter:
+        """A rank joining a store mid-run (a resume at a larger world size): its arrays start
+        at the store's first step with the steps before ``next_step`` empty (NaN, never
+        written: Zarr's fill value), then it appends from ``next_step`` on."""
+        path = Path(path)
+        _, schema = read_schema(path)
+        root = zarr.open_group(path, mode="r+", zarr_format=3, use_consolidated=False)
+        group = root.create_group(rank_group(rank))
+        _create_arrays(group, schema, flush_every, steps_per_shard)
+        rows = next_step - schema.first_step
+        for name in (MODULE_METRICS, MODULE_HISTORY, STEP_METRICS):
+            group[name].resize((rows, *group[name].shape[1:]))
+        group.update_attributes(
+            {COMMITTED: rows, HISTORY: rows // steps_per_shard * steps_per_shard, "rank": rank}
+        )
+        return cls.resume(path, rank=rank)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def append(self, step: int, module_values: np.ndarray, step_values: np.ndarray) -> None:
         """Record ``step``: ``module_values`` [modules, metrics], ``step_values`` [step_metrics].
 

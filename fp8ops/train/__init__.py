@@ -6,6 +6,6 @@ checkpoint a run starts from and the weights it ends with), ``run_dir`` (what a 
 ``environment`` (versions recorded with a run).
 """
 
-from fp8ops.train.trainer import TrainResult, run_training
+from fp8ops.train.trainer import TrainResult, resume_training, run_training
 
-__all__ = ["TrainResult", "run_training"]
+__all__ = ["TrainResult", "resume_training", "run_training"]

@@ -6,13 +6,20 @@
       manifest.yaml        the manifest the run is locked to (the derived revision under --set)
       manifests/           every revision in its lineage, content-addressed (<sha256>.yaml)
       run.json             fingerprints: manifest, environment, topology, data, tokenizer, model
-      status.json          running | completed | failed | stopped, and the step (every log_interval)
+      status.json          running | paused | completed | failed | stopped, and the step (every log_interval)
       run.lock             created exclusively when the run claims the directory
       layers.json          per-layer admission (fp8ops.admission)
       metrics.jsonl        one line per optimizer step
       eval.jsonl           one line per evaluation
       events.jsonl         what happened, in order (start, admission, evaluations, end, errors)
       final/               the trained weights (a weights checkpoint, fp8ops.train.weights)
+      checkpoints/         training checkpoints and the `latest` pointer (fp8ops.checkpoint)
+      overrides.jsonl      the per-layer override ledger (fp8ops.overrides)
+      fallbacks.json       modules running BF16 by approved override: since when, which revision
+
+A resume continues in the same directory: ``manifest.yaml`` becomes the resumed revision, the
+logs go on (a step logged again after a resume from an earlier checkpoint supersedes the
+earlier line: :func:`read_metrics`), and ``events.jsonl`` records the resume.
 
 Files that are rewritten (status, run info) are replaced atomically; the JSONL logs are only
 appended to, a line at a time, so a crash loses at most the line being written.
@@ -20,6 +27,7 @@ appended to, a line at a time, so a crash loses at most the line being written.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
@@ -29,6 +37,7 @@ from typing import Any
 from fp8ops.errors import Fp8opsError
 from fp8ops.files import atomic_write_text
 from fp8ops.manifest import ManifestStore, manifest_hash, write_manifest
+from fp8ops.manifest.canonical import to_yaml
 from fp8ops.manifest.schema import Manifest
 
 MANIFEST = "manifest.yaml"
@@ -75,6 +84,13 @@ class RunDir:
                 f"--run-dir {str(path)!r} holds files that are not an fp8ops run; choose a new "
                 "--run-dir (fp8ops never writes over existing files)"
             )
+        resumable = (path / "checkpoints" / "latest").exists()
+        if resumable and status.get("state") in ("paused", "failed", "stopped", "running"):
+            raise Fp8opsError(
+                f"--run-dir {str(path)!r} holds a {status.get('state')} run with checkpoints; "
+                f"continue it with `fp8ops resume {path}` (or `fp8ops train MANIFEST --resume "
+                f"--run-dir {path}`), or choose a new --run-dir"
+            )
         advice = {
             "completed": "choose a new --run-dir (fp8ops never writes over a run)",
             "failed": "read its events.jsonl, then remove the directory to start over, or choose "
@@ -105,12 +121,39 @@ class RunDir:
             ) from None
         with os.fdopen(lock, "w") as f:
             f.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+        run._hold()
         store = ManifestStore(run.path / "manifests")
         for revision in lineage:
             store.put(revision)
         write_manifest(manifest, run.path / MANIFEST)
         run.set_status("running", step=0, manifest=manifest_hash(manifest))
         return run
+
+    @classmethod
+    def reopen(cls, path: Path, manifest: Manifest, new_revisions: list[Manifest]) -> RunDir:
+        """Continue a run in its own directory (a resume; rank 0 only): the revisions the
+        resume adds are stored and ``manifest.yaml`` becomes the one it is locked to."""
+        run = cls(path)
+        run._hold()
+        store = ManifestStore(run.path / "manifests")
+        for revision in new_revisions:
+            store.put(revision)
+        if new_revisions:  # the lock moves to the new revision; all of them stay in manifests/
+            atomic_write_text(run.path / MANIFEST, to_yaml(manifest))
+        run.set_status("running", manifest=manifest_hash(manifest))
+        return run
+
+    def _hold(self) -> None:
+        """Hold an exclusive lock on ``run.lock`` while this process trains the run (the OS
+        drops it when the process ends, however it ends): a second trainer is refused."""
+        self._lock = open(self.path / "run.lock", "a")  # noqa: SIM115 - held until exit
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise Fp8opsError(
+                f"{self.path} is being trained by another fp8ops process right now; wait for it "
+                "to finish or stop it first"
+            ) from None
 
     # -- whole files, replaced atomically ---------------------------------------------------
 
@@ -131,6 +174,18 @@ class RunDir:
 
     def event(self, kind: str, **fields: Any) -> None:
         self.append("events.jsonl", {"event": kind, "time": _now(), **fields})
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The run's per-step records in step order, the latest line winning for a step that was
+    logged again after a resume from an earlier checkpoint."""
+    from fp8ops.files import read_jsonl
+
+    file = Path(path) / "metrics.jsonl"
+    if not file.exists():
+        return []
+    by_step = {record["step"]: record for record in read_jsonl(file)}
+    return [by_step[step] for step in sorted(by_step)]
 
 
 def read_status(path: Path) -> dict[str, Any] | None:

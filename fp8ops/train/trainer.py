@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
+import json
 import math
 import resource
 import signal
@@ -34,7 +35,7 @@ from fp8ops.train import weights
 from fp8ops.train.distributed import Ranks, init_distributed, shutdown_distributed
 from fp8ops.train.environment import environment_fingerprint
 from fp8ops.train.optimizer import MainParamsOptimizer, learning_rate
-from fp8ops.train.run_dir import RunDir
+from fp8ops.train.run_dir import RunAlreadyComplete, RunDir
 
 
 class Terminated(Fp8opsError):
@@ -74,14 +75,17 @@ class StopRun(Fp8opsError):
 
 @dataclass(frozen=True)
 class TrainResult:
-    """What a finished run reports to the command line."""
+    """What a run (or a segment of it, between resumes) reports to the command line."""
 
     run_dir: Path
-    steps: int
+    steps: int  # the step the run stands at
     first_loss: float
     last_loss: float
     last_eval_loss: float | None
     seconds: float
+    first_step: int = 1  # of this segment
+    paused: bool = False  # --stop-at: checkpointed and left to resume
+    resume_summary: list[str] | None = None
 
 
 def run_training(
@@ -90,29 +94,77 @@ def run_training(
     *,
     assignments: dict | None = None,
     progress: bool = True,
+    resume: bool = False,
+    accept_drift: str | None = None,
+    stop_at: int | None = None,
 ) -> TrainResult:
     """Everything ``fp8ops train`` does. ``assignments`` (``--set``) derive a new revision of
-    the manifest first; the run is locked to that revision."""
+    the manifest first; the run is locked to that revision. ``resume``: continue ``run_dir``
+    from its latest checkpoint if it has one (locked: see :mod:`fp8ops.checkpoint.resume`),
+    start it otherwise. ``stop_at``: checkpoint after that step and stop (resumable)."""
+    from fp8ops.checkpoint import CheckpointDir, plan_resume
+
+    if resume and CheckpointDir(run_dir).complete():
+        plan = plan_resume(
+            Path(run_dir), manifest_path=Path(manifest_path), assignments=assignments,
+            accept_drift=accept_drift,
+        )  # fmt: skip
+        return _resume(plan, str(manifest_path), progress, stop_at)
     manifest, lineage = _locked_manifest(Path(manifest_path), assignments or {})
     source = str(manifest_path)
     with _sigterm_raises():
-        return _run(manifest, lineage, source, Path(run_dir), progress)
+        return _run(manifest, lineage, source, Path(run_dir), progress, stop_at=stop_at)
 
 
-def _run(manifest, lineage, source: str, run_dir: Path, progress: bool) -> TrainResult:
-    RunDir.check_free(run_dir, manifest)
-    _check_inputs(manifest, source)
+def resume_training(
+    run_dir: Path,
+    *,
+    checkpoint: str | None = None,
+    assignments: dict | None = None,
+    accept_drift: str | None = None,
+    progress: bool = True,
+    stop_at: int | None = None,
+) -> TrainResult:
+    """Everything ``fp8ops resume`` does: continue ``run_dir`` from a checkpoint under the
+    checkpoint's manifest, plus approved overrides, plus accepted drift."""
+    from fp8ops.checkpoint import plan_resume
+
+    plan = plan_resume(
+        Path(run_dir), checkpoint=checkpoint, assignments=assignments, accept_drift=accept_drift
+    )
+    return _resume(plan, str(plan.checkpoint / "manifest.yaml"), progress, stop_at)
+
+
+def _resume(plan, source: str, progress: bool, stop_at: int | None) -> TrainResult:
+    if plan.step >= plan.manifest.schedule.train_steps:
+        raise RunAlreadyComplete(
+            f"{plan.checkpoint} is at step {plan.step} of {plan.manifest.schedule.train_steps}: "
+            "nothing to train. To train longer, raise schedule.train_steps "
+            '(--set schedule.train_steps=N --accept-drift "why")'
+        )
+    with _sigterm_raises():
+        return _run(plan.manifest, None, source, plan.run_dir, progress, plan=plan, stop_at=stop_at)
+
+
+def _run(manifest, lineage, source: str, run_dir: Path, progress: bool, *, plan=None,
+         stop_at: int | None = None) -> TrainResult:  # fmt: skip
+    if plan is None:
+        RunDir.check_free(run_dir, manifest)
+    _check_inputs(manifest, source, resuming=plan is not None)
     ranks = init_distributed(manifest.topology, source=source)
     try:
-        RunDir.check_free(run_dir, manifest)  # again, now that every rank is up
+        if plan is None:
+            RunDir.check_free(run_dir, manifest)  # again, now that every rank is up
         dist.barrier()  # nobody checks after rank 0 has started writing
         try:
-            trainer = Trainer(manifest, lineage, Path(run_dir), ranks, progress=progress)
+            trainer = Trainer(
+                manifest, lineage, Path(run_dir), ranks, progress=progress, resume=plan
+            )
         except ManifestError as exc:
             if str(exc).startswith(source):
                 raise
             raise type(exc)(f"{source}: {exc}") from None  # name the file, as load errors do
-        return trainer.train()
+        return trainer.train(stop_at=stop_at)
     finally:
         shutdown_distributed()
 
@@ -121,19 +173,23 @@ class Trainer:
     """One run: the model, its data, optimizer and FP8 scope, and the run directory."""
 
     def __init__(
-        self, manifest: Manifest, lineage: list[Manifest], run_dir: Path, ranks: Ranks,
-        *, progress: bool = True,
+        self, manifest: Manifest, lineage: list[Manifest] | None, run_dir: Path, ranks: Ranks,
+        *, progress: bool = True, resume=None,
     ):  # fmt: skip
+        """``lineage``: the manifest's revisions, root first, for a new run; ``resume``: a
+        :class:`~fp8ops.checkpoint.ResumePlan` to continue a run from instead."""
         # Imported here: Megatron takes seconds to import, and `fp8ops --help` should not.
         from fp8ops.admission import apply_admission, decide_admission, write_layers_json
         from fp8ops.alerts import AlertEngine
+        from fp8ops.checkpoint.state import Fp8Layout
         from fp8ops.data import TrainSampler, build_data
         from fp8ops.megatron import amax_reduction_group, build_gpt, fp8_modules
         from fp8ops.megatron.compat import parallel_state
         from fp8ops.precision import DelayedScalingRecipe, Fp8Scope
         from fp8ops.telemetry.collector import TelemetryCollector
 
-        self.manifest, self.ranks = manifest, ranks
+        self.manifest, self.ranks, self.resume = manifest, ranks, resume
+        self.start_step = resume.step if resume is not None else 0
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.progress = progress and ranks.is_main
@@ -153,7 +209,7 @@ class Trainer:
         self.recipe = DelayedScalingRecipe.from_precision(precision)
         self.model = build_gpt(manifest, self.recipe if precision.enabled else None)
         self.model_dtype = next(self.model.parameters()).dtype
-        self.base = self._load_base()
+        self.base = self._load_base() if resume is None else None  # resume: weights come later
         self.admission = decide_admission(
             self.model, precision, tensor_parallel=manifest.topology.tensor_parallel
         )
@@ -169,9 +225,20 @@ class Trainer:
         self.optimizer = MainParamsOptimizer(
             self.model, manifest.optimizer, tp_group=self.tp_group, dp_group=self.dp_group
         )
+        self.fp8_layout = Fp8Layout.for_run(
+            fp8=precision.enabled and bool(self.collector.names),
+            reduce_amax=precision.reduce_amax, topology=manifest.topology, ranks=ranks,
+        )  # fmt: skip
+        if resume is not None:
+            self._check_admission(resume)
 
         dist.barrier()  # every rank has passed every check
-        self.run = RunDir.claim(run_dir, manifest, lineage) if ranks.is_main else RunDir(run_dir)
+        if not ranks.is_main:
+            self.run = RunDir(run_dir)
+        elif resume is None:
+            self.run = RunDir.claim(run_dir, manifest, lineage)
+        else:
+            self.run = RunDir.reopen(run_dir, manifest, resume.new_revisions)
         try:
             if ranks.is_main:
                 write_layers_json(
@@ -179,7 +246,10 @@ class Trainer:
                     tensor_parallel=manifest.topology.tensor_parallel,
                     manifest_hash=manifest_hash(manifest),
                 )  # fmt: skip
-            self._record_run_info(self.amax_group)
+            if resume is None:
+                self._record_run_info(self.amax_group)
+            else:
+                self._restore(resume)
             self.telemetry = self._open_telemetry()
         except BaseException as exc:
             self._mark_failed(exc)
@@ -187,15 +257,16 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def train(self) -> TrainResult:
+    def train(self, stop_at: int | None = None) -> TrainResult:
+        """Train from :attr:`start_step` to the end (or to ``stop_at``: checkpoint, then stop)."""
         schedule = self.manifest.schedule
         started = time.perf_counter()
         losses: list[float] = []
         last_eval = None
-        self._event("train_started", steps=schedule.train_steps)
+        self._event("train_started", steps=schedule.train_steps, from_step=self.start_step)
         try:
             with self._progress_bar() as advance:
-                for step in range(schedule.train_steps):
+                for step in range(self.start_step, schedule.train_steps):
                     record = self.train_step(step)
                     losses.append(record["loss"])
                     self._log_step(record, advance)
@@ -204,6 +275,12 @@ class Trainer:
                     if finished % schedule.eval_interval == 0 or finished == schedule.train_steps:
                         last_eval = self.evaluate(finished)
                         self.check_fp8_agreement(finished)
+                    if finished == stop_at and finished < schedule.train_steps:
+                        return self._pause(finished, losses, last_eval, started)
+                    if finished % schedule.checkpoint_interval == 0 and (
+                        finished < schedule.train_steps
+                    ):
+                        self.save_checkpoint(finished, "periodic")
             if self.telemetry is not None:  # the last steps reach the disk before "completed"
                 self.telemetry.close()
             self._save_final(losses[-1])
@@ -223,8 +300,23 @@ class Trainer:
             self.run.set_status("completed", step=schedule.train_steps)
             self.run.event("train_completed", seconds=round(seconds, 3))
         return TrainResult(
-            self.run.path, schedule.train_steps, losses[0], losses[-1], last_eval, seconds
-        )
+            self.run.path, schedule.train_steps, losses[0], losses[-1], last_eval, seconds,
+            first_step=self.start_step + 1, resume_summary=self._resume_summary(),
+        )  # fmt: skip
+
+    def _pause(self, step: int, losses: list[float], last_eval, started: float) -> TrainResult:
+        """``--stop-at``: a checkpoint, the run marked paused, ready for ``fp8ops resume``."""
+        path = self.save_checkpoint(step, "stop-at")
+        if self.telemetry is not None:
+            self.telemetry.close()
+        if self.ranks.is_main:
+            self.run.set_status("paused", step=step, checkpoint=path.name)
+            self.run.event("paused", step=step, checkpoint=path.name)
+        seconds = time.perf_counter() - started
+        return TrainResult(
+            self.run.path, step, losses[0], losses[-1], last_eval, seconds,
+            first_step=self.start_step + 1, paused=True, resume_summary=self._resume_summary(),
+        )  # fmt: skip
 
     def train_step(self, step: int) -> dict:
         """One optimizer step over the global batch; returns its metrics record."""
@@ -365,11 +457,22 @@ class Trainer:
         """The store, or None for a run without FP8-capable modules (FP8 off: the per-step
         metrics are in metrics.jsonl, and there is no per-module FP8 state to record)."""
         from fp8ops.telemetry import TelemetryWriter
+        from fp8ops.telemetry.store import rank_group
 
         if not self.collector.names:
             return None
+        path = self.run.path / "telemetry.zarr"
+        if self.resume is not None and path.exists():
+            dist.barrier()  # rank 0 may have rewritten nothing yet; all ranks see one store
+            if (path / rank_group(self.ranks.rank)).exists():
+                return TelemetryWriter.resume(path, rank=self.ranks.rank,
+                                              next_step=self.start_step + 1)  # fmt: skip
+            return TelemetryWriter.join(
+                path, rank=self.ranks.rank, next_step=self.start_step + 1,
+                flush_every=self.manifest.telemetry.flush_steps,
+            )  # fmt: skip
         return TelemetryWriter(
-            self.run.path / "telemetry.zarr", rank=self.ranks.rank,
+            path, rank=self.ranks.rank, first_step=self.start_step + 1,
             modules=self.collector.names, flush_every=self.manifest.telemetry.flush_steps,
             attrs={"manifest": manifest_hash(self.manifest), "world_size": self.ranks.world_size},
         )  # fmt: skip
@@ -385,21 +488,154 @@ class Trainer:
                 self.run.event("telemetry_lost", error=str(exc), during=type(failure).__name__)
 
     def _stop(self, stop: StopRun) -> None:
-        """The Stop path: telemetry flushed, the weights saved, the run marked stopped."""
-        self._close_telemetry_after(stop)
+        """The Stop path: telemetry flushed, a checkpoint of the step that raised the alert
+        (resumable, e.g. with an approved override), the run marked stopped."""
         first = stop.alerts[0]
-        directory = self.run.path / "stopped"
-        meta = {
-            "architecture": weights.architecture(self.manifest.model),
-            "fingerprint": weights.weights_fingerprint(self.model, self.tp_group),
-            "manifest": manifest_hash(self.manifest),
-            "steps": first["step"],
-            "stop_alert": first,
-        }
-        weights.save_weights(self.model, directory, meta, is_main=self.ranks.is_main)
+        path = self.save_checkpoint(first["step"], f"alert-stop: {first['rule']}")
+        self._close_telemetry_after(stop)
         if self.ranks.is_main:
-            self.run.set_status("stopped", step=first["step"], alert=first)
-            self.run.event("stopped", alert=first, weights="stopped")
+            self.run.set_status("stopped", step=first["step"], alert=first, checkpoint=path.name)
+            self.run.event("stopped", alert=first, checkpoint=path.name)
+
+    # -- checkpoints and resume ------------------------------------------------------------------
+
+    def save_checkpoint(self, step: int, reason: str) -> Path:
+        """A training checkpoint of the state after ``step`` (collective)."""
+        from fp8ops.checkpoint.meta import TopologyRecord
+        from fp8ops.checkpoint.training import save_checkpoint
+
+        committed = None
+        if self.telemetry is not None and not self.telemetry.closed:
+            self.telemetry.flush()  # the store is committed up to the checkpoint's step
+            committed = self.telemetry.next_step - 1
+        topology = self.manifest.topology
+        path, seconds = save_checkpoint(
+            self._parts(), self.run.path, step=step, reason=reason, manifest=self.manifest,
+            revisions=self._revision_hashes(),
+            environment=environment_fingerprint(),
+            topology=TopologyRecord(
+                tensor_parallel=topology.tensor_parallel,
+                pipeline_parallel=topology.pipeline_parallel,
+                data_parallel=topology.data_parallel, world_size=self.ranks.world_size,
+                amax_reduction=topology.amax_reduction,
+                reduce_amax=self.manifest.precision.reduce_amax,
+            ),
+            admission=self._admission_hash(),
+            sampler=self.sampler.state_dict(),
+            telemetry_committed=committed,
+            keep=self.manifest.schedule.keep_checkpoints,
+        )  # fmt: skip
+        self._event("checkpoint_saved", step=step, path=path.name, reason=reason,
+                    seconds=round(seconds, 3))  # fmt: skip
+        return path
+
+    def _parts(self):
+        from fp8ops.checkpoint.training import TrainingParts
+
+        return TrainingParts(
+            model=self.model, optimizer=self.optimizer, fp8_modules=self.collector.modules,
+            alert_engine=self.alert_engine, layout=self.fp8_layout, ranks=self.ranks,
+            tp_group=self.tp_group,
+        )  # fmt: skip
+
+    def _restore(self, plan) -> None:
+        """Load the plan's checkpoint into the model, optimizer, FP8 state, data position and
+        alert windows, verified; record the resume and any overrides it applies."""
+        from fp8ops.checkpoint.training import load_checkpoint
+
+        seconds = load_checkpoint(self._parts(), plan.checkpoint, plan.meta, fp8_read=plan.fp8_read)
+        self.sampler.load_state_dict(plan.meta.sampler)
+        self.collector.seed_previous_scales()  # the next row's scale_change continues
+        if not self.ranks.is_main:
+            return
+        digest = manifest_hash(self.manifest)
+        applied = [o.id for o in plan.applied_overrides + plan.lifted_overrides]
+        if applied:
+            from fp8ops.overrides import Ledger
+
+            Ledger(self.run.path).record_applied(applied, step=plan.step + 1, revision=digest)
+        self._write_fallbacks(plan)
+        self.run.event(
+            "resumed", step=plan.step, checkpoint=plan.checkpoint.name, manifest=digest,
+            new_revisions=[manifest_hash(m) for m in plan.new_revisions],
+            drift=plan.drift.to_json(), accepted=plan.accepted_reason,
+            overrides_applied=[o.module for o in plan.applied_overrides],
+            overrides_lifted=[o.module for o in plan.lifted_overrides],
+            fp8_state=plan.fp8_read, environment=environment_fingerprint(),
+            command=sys.argv, load_seconds=round(seconds, 3),
+        )  # fmt: skip
+
+    def _write_fallbacks(self, plan) -> None:
+        """``fallbacks.json``: module -> dtype, reason, step it took effect, revision."""
+        path = self.run.path / "fallbacks.json"
+        before = json.loads(path.read_text()) if path.exists() else {}
+        table = {}
+        for override in self.manifest.precision.overrides:
+            table[override.module] = before.get(override.module) or {
+                "dtype": override.dtype, "reason": override.reason,
+                "approval": override.approval, "from_step": plan.step + 1,
+                "revision": manifest_hash(self.manifest),
+            }  # fmt: skip
+        self.run.write_json("fallbacks.json", table)
+
+    def _check_admission(self, plan) -> None:
+        """The per-layer decisions must be the checkpoint's unless the manifest changed."""
+        from fp8ops.checkpoint.drift import Change, Drift, refuse
+
+        found = self._admission_hash()
+        if found == plan.meta.admission or plan.new_revisions or plan.accepted_reason:
+            return
+        drift = Drift([Change("admission", "layers.json table", plan.meta.admission, found)])
+        raise refuse(
+            drift, str(plan.checkpoint),
+            "The manifest is unchanged, so the admission rules themselves changed (another "
+            "fp8ops version?); compare with `fp8ops inspect RUN_DIR --layers`, then accept the "
+            'change with --accept-drift "reason"',
+        )  # fmt: skip
+
+    def _admission_hash(self) -> str | None:
+        from fp8ops.admission import RecipeRecord, table_hash
+
+        if not self.collector.names:
+            return None
+        return table_hash(self.admission.rows, RecipeRecord.from_recipe(self.recipe))
+
+    def _revision_hashes(self) -> list[str]:
+        from fp8ops.manifest import ManifestStore
+
+        """The manifest's revision chain, root first, as far as the run knows it (a manifest
+        file that is itself a revision names a parent the run may not hold)."""
+        if not self.ranks.is_main:
+            return []
+        store = ManifestStore(self.run.path / "manifests")
+        current, chain = self.manifest, [manifest_hash(self.manifest)]
+        while current.revision.parent is not None:
+            chain.append(current.revision.parent)
+            if not store.path_for(current.revision.parent).exists():
+                break
+            current = store.get(current.revision.parent)
+        return chain[::-1]
+
+    def _resume_summary(self) -> list[str] | None:
+        """What the resume changed, and tokens/s over the 20 steps before and after it."""
+        plan = self.resume
+        if plan is None or not self.ranks.is_main:
+            return None
+        from fp8ops.train.run_dir import read_metrics
+
+        lines = [f"resumed from {plan.checkpoint.name} (step {plan.step})"]
+        if plan.accepted_reason:
+            lines.append(f"accepted drift: {plan.drift.summary()} ({plan.accepted_reason})")
+        lines += [f"fallback: {o.module} -> bf16 ({o.reason})" for o in plan.applied_overrides]
+        lines += [f"lifted: {o.module} -> fp8" for o in plan.lifted_overrides]
+        metrics = read_metrics(self.run.path)
+        before = [m["tokens_per_s"] for m in metrics if plan.step - 20 < m["step"] <= plan.step]
+        after = [m["tokens_per_s"] for m in metrics if plan.step < m["step"] <= plan.step + 20]
+        if before and after:
+            b, a = float(np.median(before)), float(np.median(after))
+            lines.append(f"tokens/s (median of 20 steps): {b:,.0f} before, {a:,.0f} after "
+                         f"({a / b - 1:+.1%})")  # fmt: skip
+        return lines
 
     def check_fp8_agreement(self, step: int) -> str | None:
         """Check that every rank of the amax reduction group holds the same FP8 state.
@@ -518,6 +754,7 @@ class Trainer:
         self.run.event("run_started", manifest=manifest_hash(manifest))
 
     def _save_final(self, last_loss: float) -> None:
+        self.save_checkpoint(self.manifest.schedule.train_steps, "final")
         fingerprint = weights.weights_fingerprint(self.model, self.tp_group)
         meta = {
             "architecture": weights.architecture(self.manifest.model),
@@ -600,7 +837,7 @@ def _locked_manifest(path: Path, assignments: dict) -> tuple[Manifest, list[Mani
     return child, [manifest, child]
 
 
-def _check_inputs(manifest: Manifest, source: str) -> None:
+def _check_inputs(manifest: Manifest, source: str, *, resuming: bool = False) -> None:
     """What can be checked before any process group or model exists."""
     if manifest.tokenizer.kind != "byte":
         raise ManifestError(
@@ -611,7 +848,7 @@ def _check_inputs(manifest: Manifest, source: str) -> None:
             f"{source}: topology.pipeline_parallel is {manifest.topology.pipeline_parallel}, but "
             "fp8ops trains without pipeline parallelism so far; set it to 1"
         )
-    if manifest.model.init_checkpoint is not None:
+    if manifest.model.init_checkpoint is not None and not resuming:
         weights.read_weights_meta(
             Path(manifest.model.init_checkpoint), field=f"{source}: model.init_checkpoint"
         )

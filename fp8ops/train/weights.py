@@ -88,7 +88,14 @@ def save_weights(model: nn.Module, directory: Path, meta: dict, *, is_main: bool
     dist.barrier()
     if is_main:
         (partial / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-        os.replace(partial, directory)
+        if directory.exists():  # a resumed run finishing again: the old weights step aside
+            old = directory.with_name(directory.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(directory, old)
+            os.replace(partial, directory)
+            shutil.rmtree(old)
+        else:
+            os.replace(partial, directory)
     dist.barrier()
 
 

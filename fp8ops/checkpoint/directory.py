@@ -1,0 +1,242 @@
+"""Where a run's training checkpoints live, and how they are made durable and found again.
+
+::
+
+    RUN_DIR/checkpoints/
+      step_00000100/            one checkpoint (a Megatron dist_checkpointing directory + ours)
+        fp8ops_checkpoint.json  what it holds, what it was made under, every file's sha256
+        manifest.yaml           the manifest revision it was trained under (self-contained)
+        .metadata, *.distcp, common.pt, metadata.json   (dist_checkpointing's files)
+      step_00000200/
+      latest                    the name of the newest complete checkpoint, replaced atomically
+      .step_00000300.partial/   a save in progress (or cut short): never read
+
+A save writes into the hidden ``.partial`` directory, renames it into place when complete, and
+only then moves ``latest``. Old checkpoints are renamed away before they are deleted. So a
+``kill -9`` at any moment leaves ``latest`` naming a whole checkpoint.
+
+Loading never runs pickled code that is not a checkpoint's own metadata: torch's distributed
+checkpoint keeps its index (``.metadata``) as a pickle, which is read here through an
+allow-list of torch's metadata classes before torch reads it; ``common.pt`` is loaded with
+``weights_only``; everything of fp8ops' own is JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pickle
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from fp8ops.errors import Fp8opsError
+from fp8ops.files import atomic_write_text
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+META_FILE = "fp8ops_checkpoint.json"
+_NAME = re.compile(r"step_(\d{8})")
+
+
+class CheckpointError(Fp8opsError):
+    """A checkpoint that is missing, incomplete or damaged; the message names the file."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def checkpoint_step(name: str) -> int | None:
+    match = _NAME.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+class CheckpointDir:
+    """``RUN_DIR/checkpoints``: the complete checkpoints, newest last, and the ``latest`` pointer."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / CHECKPOINTS
+
+    def complete(self) -> list[Path]:
+        """Every complete checkpoint directory, oldest first (partial saves are not listed)."""
+        if not self.path.is_dir():
+            return []
+        found = [p for p in self.path.iterdir() if p.is_dir() and checkpoint_step(p.name) is not None]
+        return sorted(found, key=lambda p: checkpoint_step(p.name))
+
+    def latest(self) -> Path | None:
+        """The checkpoint ``latest`` names, or None when the run has none yet."""
+        pointer = self.path / LATEST
+        if not pointer.is_file():
+            return None
+        name = pointer.read_text().strip()
+        if checkpoint_step(name) is None or not (self.path / name).is_dir():
+            raise CheckpointError(
+                f"{pointer} names {name!r}, which is not a checkpoint here; "
+                f"list them with `fp8ops checkpoints list {self.path.parent}` and resume from one "
+                "with --checkpoint NAME"
+            )
+        return self.path / name
+
+    def find(self, name: str | None) -> Path:
+        """The checkpoint to resume from: ``name`` (a directory name or a step) or the latest."""
+        if name is None:
+            latest = self.latest()
+            if latest is None:
+                raise CheckpointError(
+                    f"{self.path.parent} has no checkpoint to resume from (no {self.path / LATEST})"
+                )
+            return latest
+        wanted = checkpoint_name(int(name)) if name.isdigit() else name
+        path = self.path / wanted
+        if checkpoint_step(wanted) is None or not path.is_dir():
+            names = ", ".join(p.name for p in self.complete()) or "none"
+            raise CheckpointError(f"{path}: no such checkpoint (this run has: {names})")
+        return path
+
+    def begin(self, step: int) -> Path:
+        """A fresh, empty ``.partial`` directory for the save of ``step`` (rank 0 only)."""
+        partial = self.path / f".{checkpoint_name(step)}.partial"
+        shutil.rmtree(partial, ignore_errors=True)  # a save cut short earlier: never a checkpoint
+        partial.mkdir(parents=True)
+        return partial
+
+    def publish(self, partial: Path, step: int, keep: int) -> Path:
+        """Make a finished save visible: fsync its files, rename it into place, move ``latest``,
+        then delete all but the newest ``keep`` checkpoints (rank 0 only)."""
+        for file in partial.rglob("*"):
+            if file.is_file():
+                _fsync_path(file)
+        _fsync_path(partial)
+        final = self.path / checkpoint_name(step)
+        if final.exists():  # a rerun of the same step (after a resume from an earlier one)
+            _remove(final)
+        os.replace(partial, final)
+        _fsync_path(self.path)
+        atomic_write_text(self.path / LATEST, final.name + "\n")
+        for old in self.complete()[:-keep]:
+            _remove(old)
+        return final
+
+
+def _remove(path: Path) -> None:
+    # Renamed first (atomic), so a crash mid-delete leaves a hidden leftover, not a damaged
+    # checkpoint that looks complete.
+    doomed = path.with_name(f".{path.name}.deleting")
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- integrity ----------------------------------------------------------------------------
+
+
+def file_digests(directory: Path) -> dict[str, dict[str, int | str]]:
+    """``{relative path: {size, sha256}}`` of every file but the metadata file itself."""
+    digests = {}
+    for file in sorted(directory.rglob("*")):
+        if file.is_file() and file.name != META_FILE:
+            digests[file.relative_to(directory).as_posix()] = {
+                "size": file.stat().st_size,
+                "sha256": _sha256(file),
+            }
+    return digests
+
+
+def verify_files(directory: Path, expected: dict[str, dict[str, int | str]]) -> None:
+    """Every file the checkpoint was saved with is there, whole and unchanged; then its pickles
+    are checked to hold only data (see the module docstring)."""
+    for name, want in expected.items():
+        file = directory / name
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing; {_advice(directory)}")
+        size = file.stat().st_size
+        if size != want["size"]:
+            raise CheckpointError(
+                f"{file}: {size} bytes, but it was saved with {want['size']} (truncated or "
+                f"replaced); {_advice(directory)}"
+            )
+        if _sha256(file) != want["sha256"]:
+            raise CheckpointError(
+                f"{file}: its content changed since it was saved (sha256 mismatch); "
+                f"{_advice(directory)}"
+            )
+    extra = sorted(set(file_digests(directory)) - set(expected))
+    if extra:
+        raise CheckpointError(
+            f"{directory / extra[0]}: not part of the checkpoint as saved; remove it or "
+            f"{_advice(directory)}"
+        )
+    for file in directory.rglob(".metadata"):
+        check_dcp_metadata(file)
+    for file in directory.rglob("common.pt"):
+        try:
+            torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any failure means: do not load it
+            raise CheckpointError(
+                f"{file}: holds more than tensors and plain data ({exc}); {_advice(directory)}"
+            ) from None
+
+
+def _advice(directory: Path) -> str:
+    """Name the previous complete checkpoint, which a damaged one leaves to resume from."""
+    store = CheckpointDir(directory.parent.parent)
+    older = [p for p in store.complete() if p.name < directory.name]
+    if older:
+        return (
+            f"the checkpoint {directory.name} is damaged. The previous one is {older[-1].name}: "
+            f"resume from it with --checkpoint {older[-1].name}"
+        )
+    return f"the checkpoint {directory.name} is damaged and the run has no earlier one"
+
+
+# torch's distributed-checkpoint index: dataclasses and enums of these modules, torch dtypes,
+# torch.Size, and torch's layout lookup. Anything else in the pickle is refused unread.
+_DCP_MODULES = {
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.planner",
+    "torch.distributed.checkpoint.filesystem",
+}
+
+
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        found = super().find_class(module, name) if module in _DCP_MODULES | {"torch"} else None
+        allowed = (
+            (module in _DCP_MODULES and isinstance(found, type))
+            or (module == "torch" and (name == "Size" or isinstance(found, torch.dtype)))
+            or (module, name) == ("torch.serialization", "_get_layout")
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not checkpoint metadata")
+        return found if found is not None else super().find_class(module, name)
+
+
+def check_dcp_metadata(path: Path) -> None:
+    """Refuse a ``.metadata`` pickle that names anything but torch's checkpoint metadata."""
+    try:
+        _DcpMetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not let torch unpickle it
+        raise CheckpointError(
+            f"{path}: not a plain torch checkpoint index ({exc}); refusing to load it"
+        ) from None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -1,0 +1,194 @@
+"""The resume decision, made before any process group or model exists.
+
+:func:`plan_resume` reads the checkpoint's metadata (one JSON file), works out the manifest
+the resumed run will be locked to, and refuses drift:
+
+1. the requested manifest: the checkpoint's own (``fp8ops resume``), or a file
+   (``fp8ops train MANIFEST --resume``), with ``--set`` changes on top;
+2. drift = its fields, the environment fingerprint, or the FP8 state layout differ from the
+   checkpoint's. Refused (:class:`DriftRefused`, exit 4) unless ``accept_drift`` gives a reason:
+   the requested content then becomes a new revision whose parent is the checkpoint's
+   manifest and whose reason names the reason and the changed fields;
+3. approved overrides in the run's ledger become one more revision on top
+   (``precision.overrides``), and overrides revoked after they were applied come off. These are
+   not drift: they were reviewed in the ledger.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fp8ops.checkpoint.directory import CheckpointDir
+from fp8ops.checkpoint.drift import Change, Drift, environment_drift, manifest_drift, refuse
+from fp8ops.checkpoint.meta import CheckpointMeta, read_meta
+from fp8ops.errors import ManifestError
+from fp8ops.manifest import derive, load_manifest, manifest_hash
+from fp8ops.manifest.canonical import canonical_dict
+from fp8ops.manifest.schema import Manifest
+
+
+@dataclass
+class ResumePlan:
+    """Everything the trainer needs to continue a run from a checkpoint."""
+
+    run_dir: Path
+    checkpoint: Path
+    meta: CheckpointMeta
+    saved_manifest: Manifest  # what the checkpoint was trained under
+    manifest: Manifest  # what the resumed run is locked to
+    new_revisions: list[Manifest]  # revisions this resume adds, in order (may be empty)
+    drift: Drift
+    accepted_reason: str | None
+    applied_overrides: list = field(default_factory=list)  # ledger Overrides applied now
+    lifted_overrides: list = field(default_factory=list)  # ledger Overrides revoked after use
+    fp8_read: str = "own"  # "own": each state group reads its slice; "group0": all read slice 0
+
+    @property
+    def step(self) -> int:
+        return self.meta.step
+
+
+def plan_resume(
+    run_dir: Path,
+    *,
+    checkpoint: str | None = None,
+    manifest_path: Path | None = None,
+    assignments: dict | None = None,
+    accept_drift: str | None = None,
+    environment: dict | None = None,
+) -> ResumePlan:
+    """Decide how to resume ``run_dir``; raises :class:`DriftRefused` on unaccepted drift."""
+    from fp8ops.train.environment import environment_fingerprint
+
+    run_dir = Path(run_dir)
+    directory = CheckpointDir(run_dir).find(checkpoint)
+    meta = read_meta(directory)
+    saved = load_manifest(directory / "manifest.yaml")
+    if manifest_hash(saved) != meta.manifest:
+        raise ManifestError(
+            f"{directory / 'manifest.yaml'}: hashes to {manifest_hash(saved)[:12]} but the "
+            f"checkpoint was saved under {meta.manifest[:12]}; the checkpoint is damaged"
+        )
+    requested = load_manifest(manifest_path) if manifest_path is not None else saved
+    if assignments:
+        requested = derive(requested, assignments, "--set", source="--set")
+
+    drift = Drift(manifest_drift(saved, requested))
+    drift.changes += environment_drift(meta.environment, environment or environment_fingerprint())
+    fp8_read, fp8_problem = _fp8_mapping(meta, requested)
+    if fp8_problem:  # not acceptable: there is no state to resume with
+        raise refuse(Drift([Change("fp8 state", "layout", meta.fp8.layout, fp8_problem)]),
+                     str(directory), "")  # fmt: skip
+    if drift and accept_drift is None:
+        raise refuse(drift, str(directory), _hint(run_dir, manifest_path))
+
+    manifest, new = saved, []
+    content_changed = any(c.what == "manifest" for c in drift.changes)
+    if drift:
+        reason = f"resume accepted drift ({drift.summary()}): {accept_drift}"
+        if content_changed:
+            manifest = _rebase(saved, requested, reason)
+            new.append(manifest)
+    plan = ResumePlan(
+        run_dir, directory, meta, saved, manifest, new, drift, accept_drift if drift else None,
+        fp8_read=fp8_read,
+    )  # fmt: skip
+    _apply_ledger(plan)
+    return plan
+
+
+def _rebase(saved: Manifest, requested: Manifest, reason: str) -> Manifest:
+    """``requested``'s content as the next revision of ``saved``."""
+    old, new = canonical_dict(saved), canonical_dict(requested)
+    changes = {
+        section: new[section]
+        for section in new
+        if section not in ("revision", "schema_version") and new[section] != old[section]
+    }
+    return derive(saved, changes, reason, source="the resumed manifest")
+
+
+def _fp8_mapping(meta: CheckpointMeta, requested: Manifest) -> tuple[str, str | None]:
+    """How the saved FP8 state groups map onto the requested topology: ("own" | "group0",
+    None), or (_, why it cannot be mapped)."""
+    fp8 = meta.fp8
+    if fp8.layout == "none" or not requested.precision.enabled:
+        return "own", None
+    if fp8.history_len != requested.precision.amax_history_len:
+        return "own", (
+            f"precision.amax_history_len is {requested.precision.amax_history_len} but the "
+            f"checkpoint's histories hold {fp8.history_len} steps; keep the saved length"
+        )
+    topology, precision = requested.topology, requested.precision
+    if not precision.reduce_amax:
+        layout, groups = "per_rank", topology.world_size
+    elif topology.amax_reduction == "tp_cp" and topology.data_parallel > 1:
+        layout, groups = "per_dp_replica", topology.data_parallel
+    else:
+        layout, groups = "shared", 1
+    same = (
+        layout == fp8.layout
+        and groups == fp8.groups
+        and topology.tensor_parallel == meta.topology.tensor_parallel
+    )
+    if same:
+        return "own", None
+    # Another layout: well defined only if every saved group holds the same state.
+    differing = [m for m, digests in fp8.digests.items() if len(set(digests)) > 1]
+    if not differing:
+        return "group0", None
+    return "own", (
+        f"the checkpoint holds {fp8.groups} different FP8 states ({fp8.layout}: amaxes were not "
+        f"reduced across those ranks; e.g. {differing[0]}), so which rank's scales a rank of "
+        f"the new topology (tensor_parallel {topology.tensor_parallel}, data_parallel "
+        f"{topology.data_parallel}) should take is not defined; resume at the saved topology "
+        f"(tensor_parallel {meta.topology.tensor_parallel}, data_parallel "
+        f"{meta.topology.data_parallel})"
+    )
+
+
+def _apply_ledger(plan: ResumePlan) -> None:
+    """Approved overrides on (and revoked applied ones off) as one more revision."""
+    from fp8ops.overrides import Ledger
+
+    ledger = Ledger(plan.run_dir)
+    if not ledger.path.exists():
+        return
+    pending = ledger.pending_for_resume()
+    if not pending:
+        return
+    current = {o.module: o for o in plan.manifest.precision.overrides}
+    applied, lifted = [], []
+    for override in pending:
+        if override.status == "approved":
+            current[override.module] = override.as_manifest_override()
+            applied.append(override)
+        elif override.module in current:  # revoked after it was applied: back to FP8
+            del current[override.module]
+            lifted.append(override)
+    if not applied and not lifted:
+        return
+    overrides = [o.model_dump(mode="json") for o in current.values()]
+    words = [f"{o.module} to bf16 ({o.id[:12]})" for o in applied]
+    words += [f"{o.module} back to fp8 ({o.id[:12]} revoked)" for o in lifted]
+    child = derive(
+        plan.manifest, {"precision.overrides": overrides},
+        "resume applies approved overrides: " + "; ".join(words),
+        source="the overrides ledger",
+    )  # fmt: skip
+    plan.manifest = child
+    plan.new_revisions.append(child)
+    plan.applied_overrides, plan.lifted_overrides = applied, lifted
+
+
+def _hint(run_dir: Path, manifest_path: Path | None) -> str:
+    how = (
+        f"fp8ops train {manifest_path} --resume --run-dir {run_dir}"
+        if manifest_path is not None
+        else f"fp8ops resume {run_dir}"
+    )
+    return (
+        "Resume with the checkpoint's own manifest and environment, or accept the drift as a new "
+        f'manifest revision: {how} --accept-drift "why this change is safe"'
+    )

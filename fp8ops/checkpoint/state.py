@@ -1,0 +1,222 @@
+"""What a training checkpoint holds, as Megatron ``ShardedTensor``s, and how it is put back.
+
+Four kinds of state, all tensors, all through ``dist_checkpointing`` (so weights and optimizer
+state reshard when the tensor-parallel size changes):
+
+* **weights**: Megatron's own sharded state dict of the model, without ``_extra_state``
+  (Megatron would pickle it as a ``ShardedObject``).
+* **optimizer**: float32 main weights and the AdamW moments, each sharded exactly like its
+  parameter (``optimizer.<kind>.<parameter key>``), so they reshard with it.
+* **FP8 state**: every module's scales and full forward/backward amax histories, stored once per
+  *state group* (the ranks that share one state because their amaxes are reduced together) as
+  ``fp8.<module>.<tensor>`` with a leading group axis. See :class:`Fp8Layout`.
+* **per-rank state**: the torch RNG and the alert engine's windows, one row per rank
+  (restored only at the same world size; they have no meaning on another layout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+FP8_TENSORS = ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")
+
+
+@dataclass(frozen=True)
+class Fp8Layout:
+    """Which state group this rank's FP8 state belongs to, and how many groups there are.
+
+    The group is the set of ranks whose amaxes are all-reduced together: their states are
+    identical, so one of them (``replica == 0``) writes the group's copy.
+    """
+
+    name: str  # "shared" | "per_dp_replica" | "per_rank" | "none"
+    groups: int
+    group: int  # this rank's group index
+    replica: int  # this rank's index inside its group
+
+    @classmethod
+    def for_run(cls, *, fp8: bool, reduce_amax: bool, topology, ranks) -> Fp8Layout:
+        if not fp8:
+            return cls("none", 1, 0, ranks.rank)
+        if not reduce_amax:
+            index = ranks.dp_rank * topology.tensor_parallel + ranks.tp_rank
+            return cls("per_rank", topology.world_size, index, 0)
+        if topology.amax_reduction == "tp_cp" and topology.data_parallel > 1:
+            return cls("per_dp_replica", topology.data_parallel, ranks.dp_rank, ranks.tp_rank)
+        return cls("shared", 1, 0, ranks.rank)
+
+
+# -- FP8 state digests --------------------------------------------------------------------
+
+
+def fp8_digest(module) -> str:
+    """sha256 of one module's FP8 state: every tensor's bytes in a fixed order."""
+    digest = hashlib.sha256()
+    for key, tensor in sorted(module.fp8_meta.state_dict().items()):
+        digest.update(f"{key}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def group_digests(modules: dict[str, nn.Module], layout: Fp8Layout) -> dict[str, list[str]]:
+    """Module -> one digest per state group, as its group's first rank holds it (collective)."""
+    mine = {name: fp8_digest(module) for name, module in modules.items()}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (layout.group, layout.replica, mine))
+    by_group = {group: digests for group, replica, digests in everyone if replica == 0}
+    return {name: [by_group[g][name] for g in range(layout.groups)] for name in modules}
+
+
+# -- building the sharded state dict ---------------------------------------------------------
+
+
+def weights_state(model: nn.Module) -> dict:
+    """Megatron's sharded state dict of the model, minus ``_extra_state``."""
+    return {k: v for k, v in model.sharded_state_dict().items() if not k.endswith("_extra_state")}
+
+
+def optimizer_state(model: nn.Module, optimizer, weights: dict) -> dict:
+    """The optimizer's tensors, each a ``ShardedTensor`` shaped like its parameter's."""
+    ensure_optimizer_state(optimizer)
+    state = {}
+    for param, main in zip(optimizer.model_params, optimizer.main_params, strict=True):
+        # Dict keys are unique per parameter; ShardedTensor keys are not (a layer's tensors
+        # share one key and differ by their offset on the layer axis).
+        name, sharded = _sharded_param(weights, param)
+        tensors = {kind: optimizer.inner.state[main][kind] for kind in moment_kinds(optimizer)}
+        if main is not param:
+            tensors["main"] = main.detach()
+        for kind, tensor in tensors.items():
+            state[f"optimizer.{kind}.{name}"] = dataclasses.replace(
+                sharded, key=f"optimizer.{kind}.{sharded.key}", data=tensor, dtype=tensor.dtype
+            )
+    return state
+
+
+def _sharded_param(weights: dict, param: torch.Tensor):
+    for name, sharded in weights.items():
+        if sharded.data is not None and sharded.data.data_ptr() == param.data_ptr():
+            return name, sharded
+    raise KeyError("a trained parameter has no entry in the model's sharded state dict")
+
+
+def moment_kinds(optimizer) -> tuple[str, ...]:
+    if isinstance(optimizer.inner, torch.optim.AdamW):
+        return ("exp_avg", "exp_avg_sq")
+    return ("momentum_buffer",) if optimizer.cfg.beta1 else ()
+
+
+def ensure_optimizer_state(optimizer) -> None:
+    """Create the optimizer's state as torch would at its first step (zeros, step 0), so that a
+    checkpoint before any step, and a load into a fresh optimizer, have tensors to fill."""
+    for main in optimizer.main_params:
+        state = optimizer.inner.state[main]
+        for kind in moment_kinds(optimizer):
+            if state.get(kind) is None:
+                state[kind] = torch.zeros_like(main, memory_format=torch.preserve_format)
+        if isinstance(optimizer.inner, torch.optim.AdamW) and "step" not in state:
+            state["step"] = torch.tensor(0.0)
+
+
+def optimizer_steps(optimizer) -> int:
+    """How many steps the optimizer has taken (AdamW's per-parameter count; all agree)."""
+    if not isinstance(optimizer.inner, torch.optim.AdamW):
+        return 0
+    counts = {int(optimizer.inner.state[m].get("step", torch.tensor(0.0))) for m in optimizer.main_params}
+    if len(counts) != 1:
+        raise RuntimeError(f"optimizer parameters disagree on their step count: {sorted(counts)}")
+    return counts.pop()
+
+
+def set_optimizer_steps(optimizer, steps: int) -> None:
+    if isinstance(optimizer.inner, torch.optim.AdamW):
+        for main in optimizer.main_params:
+            optimizer.inner.state[main]["step"] = torch.tensor(float(steps))
+
+
+def fp8_state(modules: dict[str, nn.Module], layout: Fp8Layout) -> dict:
+    """Each module's FP8 tensors as this rank's group's slice of ``[groups, ...]`` tensors
+    (written by the group's first rank; the others hold replicas)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    state = {}
+    for name, module in modules.items():
+        for tensor_name, tensor in module.fp8_meta.state_dict().items():
+            key = f"fp8.{name}.{tensor_name}"
+            state[key] = ShardedTensor.from_rank_offsets(
+                key, tensor, (0, layout.group, layout.groups), replica_id=layout.replica,
+                prepend_axis_num=1,
+            )  # fmt: skip
+    return state
+
+
+def fp8_state_all_groups(modules: dict[str, nn.Module], groups: int, rank: int) -> dict:
+    """Load targets for a topology change: every rank reads the saved ``[groups, ...]`` tensors
+    whole (rank 0 as the main replica) and takes group 0, the groups being identical."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    state = {}
+    for name, module in modules.items():
+        for tensor_name, tensor in module.fp8_meta.state_dict().items():
+            key = f"fp8.{name}.{tensor_name}"
+            whole = torch.empty((groups, *tensor.shape), dtype=tensor.dtype)
+            state[key] = ShardedTensor.from_rank_offsets(key, whole, replica_id=rank)
+    return state
+
+
+def restore_fp8(modules: dict[str, nn.Module], loaded: dict) -> None:
+    """Put loaded FP8 tensors back: an own-group slice, or group 0 of the whole tensor."""
+    for name, module in modules.items():
+        shapes = {t: v.shape for t, v in module.fp8_meta.state_dict().items()}
+        module.fp8_meta.load_state_dict(
+            {t: loaded[f"fp8.{name}.{t}"].reshape(-1, *shapes[t])[0] for t in FP8_TENSORS}
+        )
+
+
+def per_rank_state(alert_engine, ranks) -> dict:
+    """This rank's RNG and alert windows, as row ``rank`` of ``[world, ...]`` tensors."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    tensors = {"rng.torch": torch.get_rng_state()}
+    if alert_engine is not None:
+        for name, array in alert_engine.state_dict().items():
+            if array.size:  # a run without FP8 modules has empty per-module windows
+                tensors[f"alerts.{name}"] = torch.from_numpy(np.ascontiguousarray(array)).clone()
+    return {
+        f"rank.{key}": ShardedTensor.from_rank_offsets(
+            f"rank.{key}", t, (0, ranks.rank, ranks.world_size), replica_id=0, prepend_axis_num=1
+        )
+        for key, t in tensors.items()
+    }
+
+
+def restore_per_rank(loaded: dict, alert_engine) -> None:
+    torch.set_rng_state(loaded["rank.rng.torch"].reshape(-1))
+    if alert_engine is not None:
+        # Reshaped to the engine's own shapes: a 0-d value comes back with the rank axis.
+        shapes = {k: v.shape for k, v in alert_engine.state_dict().items()}
+        alert_engine.load_state_dict({
+            k: loaded[f"rank.alerts.{k}"].numpy().reshape(shape) if np.prod(shape) else
+            np.empty(shape)
+            for k, shape in shapes.items()
+        })  # fmt: skip
+
+
+def restore_optimizer(optimizer, weights: dict, loaded: dict) -> None:
+    """Copy the loaded main weights and moments into the optimizer's tensors."""
+    with torch.no_grad():
+        for param, main in zip(optimizer.model_params, optimizer.main_params, strict=True):
+            key, _ = _sharded_param(weights, param)
+            for kind in moment_kinds(optimizer):
+                optimizer.inner.state[main][kind].copy_(loaded[f"optimizer.{kind}.{key}"])
+            if main is not param:
+                saved = loaded.get(f"optimizer.main.{key}")
+                # A checkpoint of a float32 model has no separate main copy: the weights are it.
+                main.copy_(saved if saved is not None else param.float())

@@ -1,0 +1,211 @@
+"""Saving and loading a training checkpoint (collective: every rank calls these together).
+
+Save: every rank hands its shards to ``dist_checkpointing.save`` in a hidden ``.partial``
+directory; rank 0 then writes the manifest and ``fp8ops_checkpoint.json`` (with every file's
+sha256) and publishes it (``directory.CheckpointDir.publish``).
+
+Load: rank 0 verifies every file against the saved hashes and the pickles against the
+allow-list (all ranks learn the verdict), then every rank loads its shards and puts them back.
+The restored weights are re-fingerprinted and every module's FP8 state is re-hashed against the
+digests saved with the checkpoint, so a silent reset (scales back to 1, empty histories) or a
+mis-mapped state can never pass.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+from torch import nn
+
+from fp8ops.checkpoint import state
+from fp8ops.checkpoint.directory import CheckpointDir, CheckpointError, file_digests, verify_files
+from fp8ops.checkpoint.meta import CheckpointMeta, Fp8StateRecord, TopologyRecord, write_meta
+from fp8ops.manifest import manifest_hash, write_manifest
+
+
+@dataclass
+class TrainingParts:
+    """What a checkpoint saves from, and loads into."""
+
+    model: nn.Module
+    optimizer: object  # fp8ops.train.optimizer.MainParamsOptimizer
+    fp8_modules: dict[str, nn.Module]
+    alert_engine: object | None
+    layout: state.Fp8Layout
+    ranks: object  # fp8ops.train.distributed.Ranks
+    tp_group: object
+
+
+def save_checkpoint(
+    parts: TrainingParts,
+    run_dir: Path,
+    *,
+    step: int,
+    reason: str,
+    manifest,
+    revisions: list[str],
+    environment: dict,
+    topology: TopologyRecord,
+    admission: str | None,
+    sampler: dict,
+    telemetry_committed: int | None,
+    keep: int,
+) -> tuple[Path, float]:
+    """Write the checkpoint of ``step`` and publish it; returns its path and the seconds taken."""
+    from megatron.core import dist_checkpointing
+
+    from fp8ops.train.weights import weights_fingerprint
+
+    started = time.perf_counter()
+    store = CheckpointDir(run_dir)
+    main = parts.ranks.is_main
+    partial = store.begin(step) if main else None
+    weights = state.weights_state(parts.model)
+    sharded = {
+        **weights,
+        **state.optimizer_state(parts.model, parts.optimizer, weights),
+        **state.fp8_state(parts.fp8_modules, parts.layout),
+        **state.per_rank_state(parts.alert_engine, parts.ranks),
+    }
+    digests = state.group_digests(parts.fp8_modules, parts.layout)
+    fingerprint = weights_fingerprint(parts.model, parts.tp_group)
+    partial = _from_rank0(partial)
+    with _quiet_dcp():
+        dist_checkpointing.save(sharded, str(partial))
+    dist.barrier()
+    path = store.path / partial.name
+    if main:
+        write_manifest(manifest, partial / "manifest.yaml")
+        history = next(iter(parts.fp8_modules.values())).fp8_meta.forward.amax_history.shape[0] if (
+            parts.fp8_modules) else 0  # fmt: skip
+        meta = CheckpointMeta(
+            step=step,
+            saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            reason=reason,
+            manifest=manifest_hash(manifest),
+            revisions=revisions,
+            environment=environment,
+            topology=topology,
+            admission=admission,
+            weights_fingerprint=fingerprint,
+            fp8=Fp8StateRecord(
+                layout=parts.layout.name, groups=parts.layout.groups, history_len=history,
+                modules=list(parts.fp8_modules), digests=digests,
+            ),  # fmt: skip
+            sampler=sampler,
+            optimizer_steps=state.optimizer_steps(parts.optimizer),
+            optimizer_main=any(m is not p for m, p in zip(
+                parts.optimizer.main_params, parts.optimizer.model_params, strict=True)),
+            telemetry_committed=telemetry_committed,
+            per_rank_state=True,
+            files=file_digests(partial),
+        )  # fmt: skip
+        write_meta(partial, meta)
+        path = store.publish(partial, step, keep)
+    dist.barrier()
+    return path, time.perf_counter() - started
+
+
+def load_checkpoint(parts: TrainingParts, directory: Path, meta: CheckpointMeta, *,
+                    fp8_read: str) -> float:  # fmt: skip
+    """Load ``directory`` into ``parts`` and verify what was restored; returns seconds taken.
+
+    ``fp8_read`` is ``resume.plan_resume``'s mapping: "own" (each state group reads its own
+    slice) or "group0" (a topology change over identical groups: every rank reads slice 0).
+    """
+    from megatron.core import dist_checkpointing
+
+    from fp8ops.train.weights import weights_fingerprint
+
+    started = time.perf_counter()
+    _agree_files_verified(directory, meta, parts.ranks.is_main)
+    weights = state.weights_state(parts.model)
+    state.ensure_optimizer_state(parts.optimizer)
+    optimizer = state.optimizer_state(parts.model, parts.optimizer, weights)
+    if not meta.optimizer_main:
+        optimizer = {k: v for k, v in optimizer.items() if not k.startswith("optimizer.main.")}
+    if fp8_read == "own":
+        fp8, read_group = state.fp8_state(parts.fp8_modules, parts.layout), parts.layout.group
+    else:
+        fp8 = state.fp8_state_all_groups(parts.fp8_modules, meta.fp8.groups, parts.ranks.rank)
+        read_group = 0
+    sharded = {**weights, **optimizer, **fp8}
+    same_world = meta.topology.world_size == parts.ranks.world_size
+    if same_world:
+        sharded.update(state.per_rank_state(parts.alert_engine, parts.ranks))
+    with _quiet_dcp():
+        loaded = dist_checkpointing.load(sharded, str(directory))
+    model_keys = {k: loaded[k] for k in weights}
+    missing, unexpected = parts.model.load_state_dict(model_keys, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{directory}: checkpoint and model disagree (missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]})"
+        )
+    state.restore_optimizer(parts.optimizer, weights, loaded)
+    state.set_optimizer_steps(parts.optimizer, meta.optimizer_steps)
+    state.restore_fp8(parts.fp8_modules, loaded)
+    if same_world:
+        state.restore_per_rank(loaded, parts.alert_engine)
+
+    found = weights_fingerprint(parts.model, parts.tp_group)
+    if found != meta.weights_fingerprint:
+        raise CheckpointError(
+            f"{directory}: the restored weights hash to {found[:12]}, but they were saved as "
+            f"{meta.weights_fingerprint[:12]}; refusing to train on them"
+        )
+    verify_fp8(parts.fp8_modules, meta, read_group, directory)
+    return time.perf_counter() - started
+
+
+def verify_fp8(modules: dict, meta: CheckpointMeta, group: int, directory: Path) -> None:
+    """Every module's restored FP8 state hashes to what its group saved."""
+    for name, module in modules.items():
+        saved = meta.fp8.digests.get(name)
+        if saved is None:
+            raise CheckpointError(
+                f"{directory}: holds no FP8 state for {name}; the model has modules the "
+                "checkpoint's does not"
+            )
+        found = state.fp8_digest(module)
+        if found != saved[group]:
+            raise CheckpointError(
+                f"{directory}: {name}'s FP8 state after loading (sha256 {found[:12]}) is not "
+                f"the state saved ({saved[group][:12]}): scales or amax histories were lost or "
+                "reset; refusing to train on them"
+            )
+
+
+def _agree_files_verified(directory: Path, meta: CheckpointMeta, is_main: bool) -> None:
+    """Rank 0 checks the files; every rank raises the same error if they are bad."""
+    error = None
+    if is_main:
+        try:
+            verify_files(directory, meta.files)
+        except CheckpointError as exc:
+            error = str(exc)
+    error = _from_rank0(error)
+    if error is not None:
+        raise CheckpointError(error)
+
+
+def _from_rank0(value):
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+@contextmanager
+def _quiet_dcp():
+    # Megatron 0.16 calls torch.distributed.checkpoint APIs torch 2.13 deprecates.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+

@@ -1,0 +1,157 @@
+"""``fp8ops overrides ...``: stage, review, list, verify and export per-layer BF16 overrides.
+
+Thin, as ``fp8ops/cli.py`` is: each command calls one :class:`Ledger` method and prints. Refusals
+and a damaged ledger are ``Fp8opsError``s, which ``fp8ops.cli.main`` prints and exits 2 on.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from fp8ops.files import atomic_write_text
+from fp8ops.overrides.ledger import Ledger, Override
+from fp8ops.overrides.te_debug import NAMINGS, te_debug_yaml
+
+overrides_app = typer.Typer(
+    help="Switch single layers from FP8 to BF16 through the run's reviewed ledger "
+    "(overrides.jsonl).",
+    no_args_is_help=True,
+)
+
+RunDir = Annotated[Path, typer.Argument(help="A run directory.", show_default=False)]
+OverrideId = Annotated[
+    str,
+    typer.Argument(help="Override id, or a unique prefix of 6+ hex digits.", show_default=False),
+]
+User = Annotated[
+    str | None,
+    typer.Option(help="Who acts (default: $FP8OPS_USER, else the login name).", show_default=False),
+]
+Reason = Annotated[str, typer.Option(help="Why (recorded in the ledger).", show_default=False)]
+
+
+def _console() -> Console:
+    # Module names are not markup; piped output gets room for the table.
+    return Console(highlight=False, markup=False, width=None if sys.stdout.isatty() else 160)
+
+
+def _line(verb: str, o: Override) -> str:
+    return f"{verb} {o.id[:12]}: {o.module} ({o.status})"
+
+
+@overrides_app.command()
+def stage(
+    run_dir: RunDir,
+    modules: Annotated[
+        list[str], typer.Argument(help="Full module names, as in layers.json.", show_default=False)
+    ],
+    reason: Reason,
+    user: User = None,
+) -> None:
+    """Ask for MODULE... to run in BF16 from the next resume; another operator approves."""
+    for o in Ledger(run_dir).stage_many(modules, reason, who=user):
+        print(_line("staged", o))
+        print(f"  approve: fp8ops overrides approve {run_dir} {o.id[:12]}")
+
+
+@overrides_app.command()
+def approve(
+    run_dir: RunDir,
+    override: OverrideId,
+    user: User = None,
+    note: Annotated[str | None, typer.Option(help="A note kept with the approval.")] = None,
+) -> None:
+    """Approve an override: the next resume runs its module in BF16."""
+    print(_line("approved", Ledger(run_dir).approve(override, who=user, note=note)))
+
+
+@overrides_app.command()
+def reject(run_dir: RunDir, override: OverrideId, reason: Reason, user: User = None) -> None:
+    """Reject a proposed or staged override (final)."""
+    print(_line("rejected", Ledger(run_dir).reject(override, reason, who=user)))
+
+
+@overrides_app.command()
+def revoke(run_dir: RunDir, override: OverrideId, reason: Reason, user: User = None) -> None:
+    """Withdraw an override; an applied one is lifted (back to FP8) at the next resume."""
+    o = Ledger(run_dir).revoke(override, reason, who=user)
+    print(_line("revoked", o))
+    if o.to_lift:
+        print(f"  {o.module} runs in BF16 until the next resume, then in FP8 again")
+
+
+@overrides_app.command("list")
+def list_(
+    run_dir: RunDir,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per override.")] = False,
+    all_: Annotated[
+        bool, typer.Option("--all", help="Also the rejected and finished revoked ones.")
+    ] = False,
+) -> None:
+    """List the overrides that are open or still to be lifted (--all: every one)."""
+    ledger = Ledger(run_dir)
+    overrides = [o for o in ledger.overrides().values() if all_ or o.is_open or o.to_lift]
+    if as_json:
+        for o in overrides:
+            print(json.dumps(o.to_json(), sort_keys=True))
+        return
+    out = _console()
+    if not overrides:
+        out.print(f"{ledger.path}: no {'' if all_ else 'open '}overrides")
+        return
+    grid = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for name in ("id", "module", "status", "who", "decided by", "reason", "step"):
+        grid.add_column(name, overflow="fold", justify="right" if name == "step" else "left")
+    for o in overrides:
+        status = "revoked, lift at resume" if o.to_lift else o.status
+        grid.add_row(
+            o.id[:12], o.module, status, o.who, o.decided_by or "", o.reason,
+            "" if o.step is None else str(o.step),
+        )  # fmt: skip
+    out.print(grid)
+
+
+@overrides_app.command()
+def verify(run_dir: RunDir) -> None:
+    """Check the ledger's hash chain and records; exit 2 naming the first bad line."""
+    ledger = Ledger(run_dir)
+    if not ledger.path.exists():
+        print(f"{ledger.path}: no ledger yet (nothing was proposed or staged)")
+        return
+    count = ledger.verify()
+    statuses = [o.status for o in ledger.overrides().values()]
+    summary = ", ".join(f"{statuses.count(s)} {s}" for s in dict.fromkeys(statuses))
+    print(f"{ledger.path}: {count} record(s), hash chain intact; {summary or 'no overrides'}")
+
+
+@overrides_app.command("export-te")
+def export_te(
+    run_dir: RunDir,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Write here (default: stdout).")
+    ] = None,
+    names: Annotated[
+        str,
+        typer.Option(
+            help="TE layer names: 'fqn' (fp8ops' module names) or 'inferred' "
+            "(debug_api.infer_and_assign_layer_names: 'model.' prefix, 1-based layer numbers)."
+        ),
+    ] = "fqn",
+) -> None:
+    """TE debug-API YAML: FP8 off in the layers of the applied and approved overrides."""
+    if names not in NAMINGS:
+        raise typer.BadParameter(f"{names!r}: choose {' or '.join(NAMINGS)}", param_hint="--names")
+    text = te_debug_yaml(Ledger(run_dir), naming=names)  # type: ignore[arg-type]
+    if output is None:
+        sys.stdout.write(text)
+    else:
+        atomic_write_text(output, text)
+        print(f"wrote {output}")

@@ -1,0 +1,558 @@
+"""The approved-override ledger: ``RUN_DIR/overrides.jsonl``.
+
+Operators take single modules out of FP8 into BF16 through a reviewed, append-only ledger::
+
+    ledger = Ledger(run_dir)
+    o = ledger.stage("decoder.layers.3.mlp.linear_fc1", "input saturation 3%", who="ana")
+    ledger.approve(o.id[:12], who="ben")        # another operator (review.allow_self_approval)
+    ledger.pending_for_resume()                 # what the next resume applies (or lifts)
+    ledger.record_applied([o.id], step=300, revision=sha256_of_the_new_manifest)
+
+The file is a hash chain of JSON lines (``chain.py``: an edited, deleted or reordered line is
+found and named). Here is what the records mean: the kinds (``proposed``/``staged`` open an
+override, whose id is that record's hash; ``approved``, ``rejected``, ``revoked`` decide it;
+``applied`` records a resume), the state machine they drive (:func:`_apply`, the one place its
+rules live, used for appending and for reading alike), and the checks that need the run: the
+module against ``layers.json``, the approver against ``review.allow_self_approval``. Every read
+and every append verifies the whole file first: a damaged ledger is never appended to. The
+kinds and the states are tabled in ``docs/overrides.md``.
+
+Reading needs neither torch nor Megatron: the module table comes from ``layers.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fcntl
+import getpass
+import json
+import os
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import IO, Any, Literal
+
+from fp8ops.admission import read_layers_json
+from fp8ops.alerts.files import read_alerts
+from fp8ops.alerts.records import Alert, decode_float, encode_float
+from fp8ops.errors import Fp8opsError
+from fp8ops.manifest import load_manifest
+from fp8ops.manifest.schema import Bf16Override
+from fp8ops.overrides.chain import GENESIS, LedgerError, canonical_json, parse_chain, record_hash
+
+LEDGER = "overrides.jsonl"
+ALERT_ENGINE = "fp8ops-alerts"  # who proposes: any person may approve its proposals
+MIN_PREFIX = 6  # hex digits of an id a user must give, like git's short hashes
+
+
+class OverrideError(Fp8opsError):
+    """An action on the ledger is refused: unknown module or id, wrong state, self-approval."""
+
+
+Status = Literal["proposed", "staged", "approved", "applied", "rejected", "revoked"]
+OPEN: frozenset[str] = frozenset({"proposed", "staged", "approved", "applied"})
+
+
+def default_user() -> str:
+    """Who acts when nobody is named: ``$FP8OPS_USER``, else the login name."""
+    return os.environ.get("FP8OPS_USER") or getpass.getuser()
+
+
+# --------------------------------------------------------------------------------------
+# What the records describe
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Trigger:
+    """A telemetry value that made someone want the override: the metric, what it was, the
+    threshold it crossed, and the alert (level, rule, step) that reported it."""
+
+    metric: str
+    value: float | None
+    threshold: float | None
+    level: str
+    rule: str
+    step: int
+
+    @classmethod
+    def from_alert(cls, alert: Alert) -> Trigger:
+        return cls(
+            metric=alert.metric or alert.rule, value=alert.value, threshold=alert.threshold,
+            level=alert.level, rule=alert.rule, step=alert.step,
+        )  # fmt: skip
+
+    def to_json(self) -> dict[str, Any]:
+        # JSON has no NaN or infinity, which are exactly what a Stop alert reports.
+        return {**dataclasses.asdict(self), "value": encode_float(self.value),
+                "threshold": encode_float(self.threshold)}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, record: Mapping[str, Any]) -> Trigger:
+        return cls(
+            metric=str(record["metric"]), value=decode_float(record["value"]),
+            threshold=decode_float(record["threshold"]), level=str(record["level"]),
+            rule=str(record["rule"]), step=int(record["step"]),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Override:
+    """One override as the ledger's records leave it, from its ``proposed``/``staged`` record
+    (``id`` is that record's hash) through its decision, application and revocation."""
+
+    id: str
+    module: str
+    dtype: str
+    status: Status
+    origin: Literal["proposed", "staged"]  # proposed by the alert engine, or staged by a person
+    reason: str
+    who: str  # who proposed or staged it
+    time: str
+    triggers: tuple[Trigger, ...]
+    step: int | None  # the training step it was staged at
+    data_version: str | None  # run.json's data fingerprint then
+    decided_by: str | None = None  # who approved or rejected it
+    decision_note: str | None = None  # the approval's note or the rejection's reason
+    approval: str | None = None  # hash of the approving record (the manifest's override.approval)
+    applied_step: int | None = None  # the resume step that switched the module to BF16
+    applied_revision: str | None = None  # sha256 of the manifest revision that did
+    revoked_by: str | None = None
+    revoke_reason: str | None = None
+    lifted_step: int | None = None  # after revocation: the resume that returned it to FP8
+    lifted_revision: str | None = None
+
+    @property
+    def is_open(self) -> bool:
+        """Proposed, staged, approved or applied: the module's one live override."""
+        return self.status in OPEN
+
+    @property
+    def to_lift(self) -> bool:
+        """Revoked after it was applied, and no resume has returned the module to FP8 yet."""
+        return (
+            self.status == "revoked" and self.applied_step is not None and self.lifted_step is None
+        )
+
+    def as_manifest_override(self) -> Bf16Override:
+        """The manifest entry a resume writes for this (approved) override."""
+        return Bf16Override(module=self.module, dtype="bf16", reason=self.reason,
+                            approval=self.approval)  # fmt: skip
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "triggers": [t.to_json() for t in self.triggers]}
+
+
+# --------------------------------------------------------------------------------------
+# The state machine: records folded into overrides
+# --------------------------------------------------------------------------------------
+
+# Which statuses each decision may follow; everything else is refused with _NEXT's advice.
+_FROM: dict[str, frozenset[str]] = {
+    "approved": frozenset({"proposed", "staged"}),
+    "rejected": frozenset({"proposed", "staged"}),
+    "revoked": OPEN,
+}
+_NEXT = {
+    "approved": "it is applied at the next resume; revoke it to withdraw it",
+    "applied": "the module runs in BF16; revoke it to return the module to FP8 at the next resume",
+    "rejected": "a rejected override is final; stage a new one",
+    "revoked": "a revoked override is final; stage a new one",
+}
+
+
+def _describe(o: Override) -> str:
+    return f"override {o.id[:12]} ({o.module}, {o.status})"
+
+
+def _check_transition(o: Override, kind: str) -> None:
+    if o.status not in _FROM[kind]:
+        verb = {"approved": "approve", "rejected": "reject", "revoked": "revoke"}[kind]
+        raise OverrideError(f"cannot {verb} {_describe(o)}: {_NEXT[o.status]}")
+
+
+def _open_conflict(overrides: Mapping[str, Override], module: str) -> Override | None:
+    return next((o for o in overrides.values() if o.module == module and o.is_open), None)
+
+
+def _apply(overrides: dict[str, Override], record: Mapping[str, Any]) -> None:
+    """Fold one record into ``overrides`` (id -> Override), refusing what the rules forbid."""
+    kind, who = record["kind"], record["who"]
+    if kind in ("proposed", "staged"):
+        existing = _open_conflict(overrides, record["module"])
+        if existing is not None:
+            raise OverrideError(_conflict_message(existing))
+        overrides[record["hash"]] = Override(
+            id=record["hash"], module=record["module"], dtype=record["dtype"], status=kind,
+            origin=kind, reason=record["reason"], who=who, time=record["time"],
+            triggers=tuple(Trigger.from_json(t) for t in record["triggers"]),
+            step=record["step"], data_version=record["data_version"],
+        )  # fmt: skip
+    elif kind in ("approved", "rejected", "revoked"):
+        o = _known(overrides, record["override"])
+        _check_transition(o, kind)
+        if kind == "approved":
+            change = {"decided_by": who, "decision_note": record["note"],
+                      "approval": record["hash"]}  # fmt: skip
+        elif kind == "rejected":
+            change = {"decided_by": who, "decision_note": record["reason"]}
+        else:
+            change = {"revoked_by": who, "revoke_reason": record["reason"]}
+        overrides[o.id] = dataclasses.replace(o, status=kind, **change)
+    elif kind == "applied":
+        for override_id in record["overrides"]:
+            o = _known(overrides, override_id)
+            step, revision = record["step"], record["revision"]
+            if o.status == "approved":
+                overrides[o.id] = dataclasses.replace(
+                    o, status="applied", applied_step=step, applied_revision=revision
+                )
+            elif o.to_lift:
+                overrides[o.id] = dataclasses.replace(o, lifted_step=step, lifted_revision=revision)
+            else:
+                raise OverrideError(
+                    f"a resume cannot apply {_describe(o)}: only approved overrides are applied "
+                    "and only revoked applied ones lifted (Ledger.pending_for_resume)"
+                )
+    else:
+        raise OverrideError(f"unknown record kind {kind!r}")
+
+
+def _known(overrides: Mapping[str, Override], override_id: str) -> Override:
+    if override_id not in overrides:
+        raise OverrideError(f"no override has the id {override_id}")
+    return overrides[override_id]
+
+
+def _conflict_message(existing: Override) -> str:
+    by = f", approved by {existing.decided_by}" if existing.decided_by else ""
+    return (
+        f"{existing.module} already has an open override: {existing.id[:12]} ({existing.status}, "
+        f"{existing.origin} by {existing.who}{by}); a module has at most one. Revoke that one "
+        f"first (fp8ops overrides revoke RUN_DIR {existing.id[:12]} --reason ...)"
+    )
+
+
+# --------------------------------------------------------------------------------------
+# The ledger
+# --------------------------------------------------------------------------------------
+
+
+class Ledger:
+    """``run_dir/overrides.jsonl``: read, verified, and appended to under a file lock.
+
+    Appends hold an exclusive ``flock`` on the ledger file itself from reading it to the
+    ``fsync`` of the new line(s), so writers in several processes (the trainer's alert engine,
+    operators' CLIs) never lose or interleave records; readers hold a shared one, so they never
+    see half a line. Locking the ledger rather than a separate lock file keeps a read-only run
+    directory readable and leaves no stray file behind.
+    """
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LEDGER
+        if not self.run_dir.is_dir():
+            what = "is not a directory" if self.run_dir.exists() else "no such run directory"
+            raise OverrideError(f"{self.run_dir}: {what}")
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every record, verified (:class:`LedgerError` names the first bad line)."""
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            fcntl.flock(f, fcntl.LOCK_SH)  # an append in flight is never read half-written
+            return parse_chain(self.path, f.read())
+
+    def verify(self) -> int:
+        """Check the whole chain and the state machine; the number of records."""
+        records = self.records()
+        self._fold(records)
+        return len(records)
+
+    def overrides(self) -> dict[str, Override]:
+        """Every override, id -> :class:`Override`, in the order they were proposed or staged."""
+        return self._fold(self.records())
+
+    def get(self, ref: str) -> Override:
+        """The override whose id is ``ref`` or starts with it (at least 6 hex digits)."""
+        overrides = self.overrides()
+        return overrides[self._resolve(overrides, ref)]
+
+    def pending_for_resume(self) -> list[Override]:
+        """What the next resume must do: apply the approved overrides (status ``approved``) and
+        lift the applied ones revoked since (``to_lift``: the module returns to FP8)."""
+        return [o for o in self.overrides().values() if o.status == "approved" or o.to_lift]
+
+    def active_fallbacks(self) -> list[Override]:
+        """The overrides the run applies now: applied and not revoked."""
+        return [o for o in self.overrides().values() if o.status == "applied"]
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def stage(
+        self,
+        module: str,
+        reason: str,
+        who: str | None = None,
+        triggers: Iterable[Trigger | Alert] | None = None,
+        step: int | None = None,
+    ) -> Override:
+        """An operator asks for ``module`` in BF16; another operator must approve it.
+
+        ``triggers`` default to the latest alert per metric for the module in ``alerts.jsonl``;
+        ``step`` to ``status.json``'s step.
+        """
+        return self.stage_many([module], reason, who, triggers=triggers, step=step)[0]
+
+    def stage_many(
+        self,
+        modules: Sequence[str],
+        reason: str,
+        who: str | None = None,
+        triggers: Iterable[Trigger | Alert] | None = None,
+        step: int | None = None,
+    ) -> list[Override]:
+        """:meth:`stage` for several modules at once: all are staged or none is."""
+        reason, who = _text(reason, "a reason"), _text(who or default_user(), "a user name")
+        given = None if triggers is None else _triggers(triggers)
+        step = self._status_step() if step is None else step
+
+        def build(overrides: dict[str, Override]) -> list[dict[str, Any]]:
+            for module in modules:
+                self._check_module(overrides, module)
+            return [
+                self._proposal("staged", module, reason, who, step,
+                               given if given is not None else self._alert_triggers(module))
+                for module in modules
+            ]  # fmt: skip
+
+        written, overrides = self._append(build)
+        return [overrides[record["hash"]] for record in written]
+
+    def propose(
+        self,
+        module: str,
+        reason: str,
+        triggers: Iterable[Trigger | Alert],
+        step: int,
+        who: str = ALERT_ENGINE,
+    ) -> Override | None:
+        """The alert engine proposes ``module`` in BF16; any person may approve it.
+
+        None when the module already has an open override: training never fails on a repeated
+        alert.
+        """
+        reason, found = _text(reason, "a reason"), _triggers(triggers)
+
+        def build(overrides: dict[str, Override]) -> list[dict[str, Any]]:
+            if _open_conflict(overrides, module) is not None:
+                return []
+            self._check_module(overrides, module)
+            return [self._proposal("proposed", module, reason, who, step, found)]
+
+        written, overrides = self._append(build)
+        return overrides[written[0]["hash"]] if written else None
+
+    def approve(self, ref: str, who: str | None = None, note: str | None = None) -> Override:
+        """Approve an override; the approver must not be who staged it, unless the run's
+        manifest sets ``review.allow_self_approval: true``."""
+        who = _text(who or default_user(), "a user name")
+
+        def build(overrides: dict[str, Override]) -> list[dict[str, Any]]:
+            o = overrides[self._resolve(overrides, ref)]
+            _check_transition(o, "approved")
+            if who == o.who and not self._self_approval_allowed():
+                raise OverrideError(
+                    f"{who} {o.origin} {_describe(o)} and cannot approve it too: another operator "
+                    "must (a one-person team sets review.allow_self_approval: true in the run's "
+                    "manifest)"
+                )
+            return [{"kind": "approved", "override": o.id, "who": who, "note": note or None}]
+
+        return _decided(*self._append(build))
+
+    def reject(self, ref: str, reason: str, who: str | None = None) -> Override:
+        """Reject an override (final). Anyone may: rejecting changes nothing in the run."""
+        return self._decide("rejected", ref, reason, who)
+
+    def revoke(self, ref: str, reason: str, who: str | None = None) -> Override:
+        """Withdraw a proposed, staged, approved or applied override. An applied one is lifted
+        at the next resume: the module returns to FP8."""
+        return self._decide("revoked", ref, reason, who)
+
+    def record_applied(
+        self, ids: Sequence[str], step: int, revision: str, who: str | None = None
+    ) -> list[Override]:
+        """Record that the resume at ``step``, under the manifest revision whose sha256 is
+        ``revision``, applied these approved overrides and lifted these revoked ones (ids from
+        :meth:`pending_for_resume`)."""
+        who = _text(who or default_user(), "a user name")
+        if not ids:
+            raise OverrideError("record_applied: no override ids given")
+        if not re.fullmatch(r"[0-9a-f]{64}", revision):
+            raise OverrideError(f"record_applied: revision {revision!r} is not a sha256")
+
+        def build(overrides: dict[str, Override]) -> list[dict[str, Any]]:
+            full = [self._resolve(overrides, ref) for ref in ids]
+            return [{"kind": "applied", "overrides": full, "step": int(step),
+                     "revision": revision, "who": who}]  # fmt: skip
+
+        (record,), overrides = self._append(build)
+        return [overrides[i] for i in record["overrides"]]
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _decide(self, kind: str, ref: str, reason: str, who: str | None) -> Override:
+        reason, who = _text(reason, "a reason"), _text(who or default_user(), "a user name")
+
+        def build(overrides: dict[str, Override]) -> list[dict[str, Any]]:
+            o = overrides[self._resolve(overrides, ref)]
+            _check_transition(o, kind)
+            return [{"kind": kind, "override": o.id, "who": who, "reason": reason}]
+
+        return _decided(*self._append(build))
+
+    @contextmanager
+    def _locked(self) -> Iterator[IO[bytes]]:
+        with open(self.path, "a+b") as f:  # created if absent; writes go to the end
+            fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+            yield f
+
+    def _append(
+        self, build: Callable[[dict[str, Override]], list[dict[str, Any]]]
+    ) -> tuple[list[dict[str, Any]], dict[str, Override]]:
+        """Under the lock: read and verify, let ``build`` make records from the current state,
+        chain and check them, and write them in one ``write`` followed by ``fsync``. A refused
+        record (OverrideError) writes nothing. The records written and the state after them."""
+        with self._locked() as f:
+            f.seek(0)
+            records = parse_chain(self.path, f.read())
+            overrides = self._fold(records)
+            prev = records[-1]["hash"] if records else GENESIS
+            now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            sealed, lines = [], []
+            for body in build(overrides):
+                record = {**body, "seq": len(records) + len(sealed), "prev": prev, "time": now}
+                record["hash"] = prev = record_hash(record)
+                _apply(overrides, record)
+                sealed.append(record)
+                lines.append(canonical_json(record) + "\n")
+            if lines:
+                # One write of whole lines: a crash tears at most the last one (verify says so).
+                f.write("".join(lines).encode("utf-8"))
+                f.flush()
+                os.fsync(f.fileno())
+        return sealed, overrides
+
+    def _fold(self, records: list[dict[str, Any]]) -> dict[str, Override]:
+        overrides: dict[str, Override] = {}
+        for n, record in enumerate(records, 1):
+            try:
+                _apply(overrides, record)
+            except OverrideError as exc:
+                raise LedgerError(f"{self.path}, line {n}: {exc}") from None
+            except (KeyError, TypeError, ValueError) as exc:
+                detail = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
+                raise LedgerError(f"{self.path}, line {n}: not a valid record ({detail})") from None
+        return overrides
+
+    def _resolve(self, overrides: Mapping[str, Override], ref: str) -> str:
+        ref = ref.strip().lower()
+        if not re.fullmatch(rf"[0-9a-f]{{{MIN_PREFIX},64}}", ref):
+            raise OverrideError(
+                f"{ref!r} is not an override id: give its sha256 or a unique prefix of at least "
+                f"{MIN_PREFIX} hex digits (fp8ops overrides list {self.run_dir})"
+            )
+        found = [i for i in overrides if i.startswith(ref)]
+        if not found:
+            raise OverrideError(
+                f"no override in {self.path} has an id starting with {ref} "
+                f"(fp8ops overrides list {self.run_dir} --all)"
+            )
+        if len(found) > 1:
+            raise OverrideError(
+                f"{ref} is ambiguous: {len(found)} override ids start with it "
+                f"({', '.join(i[:12] for i in found)}); give more digits"
+            )
+        return found[0]
+
+    def _check_module(self, overrides: Mapping[str, Override], module: str) -> None:
+        """``module`` must be a module of this run that runs FP8 and has no open override."""
+        existing = _open_conflict(overrides, module)
+        if existing is not None:
+            raise OverrideError(_conflict_message(existing))
+        rows = {row.fqn: row for row in read_layers_json(self.run_dir).rows}
+        row = rows.get(module)
+        if row is None:
+            close = difflib.get_close_matches(module, list(rows), n=3)
+            hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else (
+                f"fp8ops inspect {self.run_dir} --layers lists them"
+            )  # fmt: skip
+            raise OverrideError(f"'{module}' is not a module of this run (layers.json); {hint}")
+        # A revoked applied override still holds its module in BF16 until the next resume lifts
+        # it; staging it again keeps it there.
+        relapse = any(o.module == module and o.to_lift for o in overrides.values())
+        if not row.fp8 and not (row.reason.code == "override" and relapse):
+            raise OverrideError(
+                f"{module} already runs in {row.precision}, not FP8 ({row.reason.code}: "
+                f"{row.reason.text}); there is nothing to override"
+            )
+
+    def _proposal(
+        self, kind: str, module: str, reason: str, who: str, step: int | None,
+        triggers: list[Trigger],
+    ) -> dict[str, Any]:  # fmt: skip
+        return {
+            "kind": kind, "module": module, "dtype": "bf16", "reason": reason, "who": who,
+            "triggers": [t.to_json() for t in triggers], "step": step,
+            "data_version": self._data_version(),
+        }  # fmt: skip
+
+    def _alert_triggers(self, module: str) -> list[Trigger]:
+        """The latest alert per metric for ``module`` in alerts.jsonl, by metric name."""
+        latest = {a.metric or a.rule: a for a in read_alerts(self.run_dir) if a.module == module}
+        return [Trigger.from_alert(latest[metric]) for metric in sorted(latest)]
+
+    def _self_approval_allowed(self) -> bool:
+        return load_manifest(self.run_dir / "manifest.yaml").review.allow_self_approval
+
+    def _status_step(self) -> int | None:
+        return _json_field(self.run_dir / "status.json", "step")
+
+    def _data_version(self) -> str | None:
+        return _json_field(self.run_dir / "run.json", "data", "fingerprint")
+
+
+def _json_field(path: Path, *keys: str) -> Any:
+    """``document[k1][k2]...`` of a run's JSON file; None when the file or a key is absent."""
+    try:
+        value: Any = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise OverrideError(f"{path}: cannot read it ({exc})") from None
+    for key in keys:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
+def _decided(records: list[dict[str, Any]], overrides: Mapping[str, Override]) -> Override:
+    """The override a decision record was about, as the record left it."""
+    return overrides[records[0]["override"]]
+
+
+def _text(value: str, what: str) -> str:
+    value = value.strip()
+    if not value:
+        raise OverrideError(f"give {what} (it is recorded in the ledger)")
+    return value
+
+
+def _triggers(items: Iterable[Trigger | Alert]) -> list[Trigger]:
+    return [t if isinstance(t, Trigger) else Trigger.from_alert(t) for t in items]

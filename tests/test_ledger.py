@@ -1,0 +1,430 @@
+"""The override ledger (``overrides.jsonl``) on a real run directory: the state machine, the
+review rule, module checks against layers.json, the hash chain under tampering, two processes
+appending at once, id prefixes and the Transformer Engine debug-API export.
+
+The run directory's layers.json is decided from the tiny GPT itself (built once per module, in a
+few milliseconds after the imports), with one module excluded by glob and one kept in BF16 by a
+hand-written manifest override, so every kind of "not FP8" is there to be refused.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import yaml
+from manifest_support import ROOT, TINY
+
+if importlib.util.find_spec("megatron") is None:  # the layer table comes from the real model
+    pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
+
+from fp8ops.admission import decide_admission, write_layers_json
+from fp8ops.alerts import Alert, write_alerts
+from fp8ops.manifest import derive, load_manifest, manifest_hash, write_manifest
+from fp8ops.overrides import Ledger, LedgerError, OverrideError, Trigger, te_debug_yaml
+from fp8ops.overrides import ledger as ledger_module
+from fp8ops.overrides.chain import GENESIS, canonical_json, record_hash
+from fp8ops.overrides.te_debug import layer_regex, te_layer_name
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
+]
+
+FC1 = "decoder.layers.0.mlp.linear_fc1"
+QKV = "decoder.layers.1.self_attention.linear_qkv"
+EXCLUDED = "decoder.layers.3.mlp.linear_fc2"  # precision.exclude_modules
+HAND = "decoder.layers.3.mlp.linear_fc1"  # a hand-written precision.overrides entry
+DATA = "d" * 64
+REVISION = "e" * 64
+
+
+@pytest.fixture(scope="module")
+def admitted(megatron_tp1):
+    """The manifest, recipe and admission table of the tiny GPT, decided once per module."""
+    from fp8ops.megatron import build_gpt
+    from fp8ops.precision import DelayedScalingRecipe
+
+    manifest = derive(
+        load_manifest(TINY),
+        {
+            "precision.exclude_modules": [EXCLUDED],
+            "precision.overrides": [{"module": HAND, "reason": "kept in BF16 by hand"}],
+        },
+        "ledger tests",
+    )
+    recipe = DelayedScalingRecipe.from_precision(manifest.precision)
+    table = decide_admission(build_gpt(manifest, recipe), manifest.precision, tensor_parallel=1)
+    return manifest, recipe, table
+
+
+def make_run_dir(path, admitted, *, allow_self_approval=False):
+    """A run directory as training leaves it: manifest, layers.json, run.json, status, alerts."""
+    manifest, recipe, table = admitted
+    if allow_self_approval:
+        manifest = derive(manifest, {"review.allow_self_approval": True}, "one-person team")
+    path.mkdir(parents=True, exist_ok=True)
+    write_manifest(manifest, path / "manifest.yaml")
+    write_layers_json(path, table, recipe, tensor_parallel=1, manifest_hash=manifest_hash(manifest))
+    (path / "run.json").write_text(json.dumps({"data": {"fingerprint": DATA}}))
+    (path / "status.json").write_text(json.dumps({"state": "running", "step": 120}))
+    saturation = {"rule": "saturation", "metric": "input.saturation", "threshold": 0.02}
+    write_alerts(path, [
+        Alert(100, "observe", module=FC1, value=0.01, message="", **{**saturation,
+                                                                     "threshold": 0.005}),
+        Alert(110, "degrade", module=FC1, value=0.03, message="", **saturation),
+        Alert(110, "degrade", "underflow", FC1, "grad_output.underflow", math.nan, 0.1, ""),
+        Alert(115, "degrade", module=QKV, value=0.5, message="", **saturation),
+    ])  # fmt: skip
+    return path
+
+
+@pytest.fixture
+def run_dir(tmp_path, admitted):
+    return make_run_dir(tmp_path / "run", admitted)
+
+
+def lines(run_dir):
+    return (run_dir / "overrides.jsonl").read_text().splitlines()
+
+
+# -- the state machine ---------------------------------------------------------------------------
+
+
+def test_stage_then_approve(run_dir):
+    ledger = Ledger(run_dir)
+    staged = ledger.stage(FC1, "input saturation 3% at step 110", who="ana")
+    assert (staged.status, staged.origin, staged.who, staged.module) == (
+        "staged", "staged", "ana", FC1,
+    )  # fmt: skip
+    assert (staged.step, staged.data_version, staged.dtype) == (120, DATA, "bf16")
+    # The latest alert per metric for the module, with what it saw and its threshold.
+    (underflow, saturation) = staged.triggers
+    assert saturation == Trigger("input.saturation", 0.03, 0.02, "degrade", "saturation", 110)
+    assert underflow.metric == "grad_output.underflow" and math.isnan(underflow.value)
+
+    approved = ledger.approve(staged.id[:8], who="ben", note="seen it too")
+    assert (approved.id, approved.status, approved.decided_by) == (staged.id, "approved", "ben")
+    assert approved.decision_note == "seen it too"
+    # (Compared by id: the NaN trigger value makes the overrides unequal to themselves.)
+    assert [o.id for o in ledger.pending_for_resume()] == [staged.id]
+    assert ledger.active_fallbacks() == []
+
+    records = [json.loads(line) for line in lines(run_dir)]
+    assert [r["kind"] for r in records] == ["staged", "approved"]
+    assert [r["seq"] for r in records] == [0, 1]
+    assert records[0]["prev"] == GENESIS and records[1]["prev"] == records[0]["hash"]
+    assert records[0]["hash"] == staged.id and records[1]["override"] == staged.id
+    for line, record in zip(lines(run_dir), records):
+        assert line == canonical_json(record)  # keys sorted, compact
+        assert record["hash"] == record_hash(record)
+        assert record["time"].endswith("+00:00")
+    # What a resume writes into the next manifest revision: the approving record's hash.
+    entry = approved.as_manifest_override()
+    assert (entry.module, entry.reason, entry.approval) == (FC1, staged.reason, records[1]["hash"])
+
+
+def test_self_approval_is_refused_unless_the_manifest_allows_it(run_dir, tmp_path, admitted):
+    ledger = Ledger(run_dir)
+    o = ledger.stage(FC1, "saturation", who="ana")
+    with pytest.raises(OverrideError, match="ana staged override .* cannot approve it too"):
+        ledger.approve(o.id, who="ana")
+    assert len(lines(run_dir)) == 1  # nothing written
+
+    solo = Ledger(make_run_dir(tmp_path / "solo", admitted, allow_self_approval=True))
+    o = solo.stage(FC1, "saturation", who="ana")
+    assert solo.approve(o.id, who="ana").status == "approved"
+
+
+def test_an_alert_engine_proposal_is_approved_by_a_person(run_dir):
+    ledger = Ledger(run_dir)
+    alert = Alert(130, "degrade", "underflow", QKV, "grad_output.underflow", math.inf, 0.1, "")
+    proposed = ledger.propose(QKV, "grad_output.underflow > 0.1", [alert], step=130)
+    assert (proposed.status, proposed.who, proposed.step) == ("proposed", "fp8ops-alerts", 130)
+    assert proposed.triggers[0].value == math.inf  # written as "inf", read back as a float
+    # The engine alerting again on the same module: nothing written, training goes on.
+    assert ledger.propose(QKV, "again", [alert], step=131) is None
+    assert len(lines(run_dir)) == 1
+
+    assert ledger.approve(proposed.id, who="ana").decided_by == "ana"
+    with pytest.raises(OverrideError, match="unknown|not a module"):
+        ledger.propose("decoder.layers.9.mlp.linear_fc1", "x", [], step=1)
+
+
+def test_a_rejection_is_final(run_dir):
+    ledger = Ledger(run_dir)
+    o = ledger.stage(FC1, "saturation", who="ana")
+    rejected = ledger.reject(o.id, "transient; it settled by step 130", who="ben")
+    assert (rejected.status, rejected.decided_by) == ("rejected", "ben")
+    assert rejected.decision_note == "transient; it settled by step 130"
+    for action in (lambda: ledger.approve(o.id, who="cy"), lambda: ledger.revoke(o.id, "x")):
+        with pytest.raises(OverrideError, match="rejected override is final; stage a new one"):
+            action()
+    # No longer open: the module may be staged again, under a new id.
+    assert ledger.stage(FC1, "saturation again", who="ana").id != o.id
+
+
+def test_revoking_an_approved_and_an_applied_override(run_dir):
+    ledger = Ledger(run_dir)
+    a = ledger.stage(FC1, "saturation", who="ana")
+    b = ledger.stage(QKV, "underflow", who="ana")
+    ledger.approve(a.id, who="ben")
+    ledger.approve(b.id, who="ben")
+
+    # Revoked before any resume applied it: nothing to undo.
+    revoked = ledger.revoke(a.id, "the fix is a margin change instead", who="ana")
+    assert (revoked.status, revoked.to_lift) == ("revoked", False)
+    assert [o.id for o in ledger.pending_for_resume()] == [b.id]
+
+    (applied,) = ledger.record_applied([b.id[:10]], step=150, revision=REVISION, who="resume")
+    assert (applied.status, applied.applied_step, applied.applied_revision) == (
+        "applied", 150, REVISION,
+    )  # fmt: skip
+    assert ledger.active_fallbacks() == [applied] and ledger.pending_for_resume() == []
+
+    # Revoking an applied one: the next resume lifts the fallback (the module returns to FP8).
+    lifted = ledger.revoke(b.id, "underflow fixed upstream", who="ben")
+    assert lifted.to_lift and ledger.active_fallbacks() == []
+    assert ledger.pending_for_resume() == [lifted]
+    (done,) = ledger.record_applied([b.id], step=200, revision="f" * 64)
+    assert (done.lifted_step, done.to_lift, ledger.pending_for_resume()) == (200, False, [])
+    with pytest.raises(OverrideError, match="cannot apply"):
+        ledger.record_applied([a.id], step=201, revision="f" * 64)
+
+
+# -- which modules ----------------------------------------------------------------------------------
+
+
+def test_an_unknown_module_is_refused_with_a_suggestion(run_dir):
+    with pytest.raises(OverrideError) as info:
+        Ledger(run_dir).stage("decoder.layer.0.mlp.linear_fc1", "x", who="ana")
+    assert "'decoder.layer.0.mlp.linear_fc1' is not a module of this run" in str(info.value)
+    assert f"did you mean '{FC1}'" in str(info.value)  # the closest first
+
+
+@pytest.mark.parametrize(
+    "module, why",
+    [
+        ("output_layer", "lm_head: the LM head is never FP8"),
+        ("embedding.word_embeddings", "embedding: the word embedding is never FP8"),
+        (EXCLUDED, "excluded: excluded by precision.exclude_modules[0]"),
+        (HAND, "override: BF16 override (written in the manifest): kept in BF16 by hand"),
+    ],
+)
+def test_a_module_not_running_fp8_is_refused_with_its_reason(run_dir, module, why):
+    with pytest.raises(OverrideError) as info:
+        Ledger(run_dir).stage(module, "x", who="ana")
+    assert f"{module} already runs in bf16, not FP8 ({why}" in str(info.value)
+    assert not (run_dir / "overrides.jsonl").read_text()
+
+
+def test_a_module_has_at_most_one_open_override(run_dir):
+    ledger = Ledger(run_dir)
+    first = ledger.stage(FC1, "saturation", who="ana")
+    with pytest.raises(OverrideError, match=f"already has an open override: {first.id[:12]}"):
+        ledger.stage(FC1, "again", who="ben")
+    # Several modules at once: all or none.
+    with pytest.raises(OverrideError, match="already has an open override"):
+        ledger.stage_many([QKV, FC1], "both", who="ben")
+    with pytest.raises(OverrideError, match=f"{QKV} already has an open override"):
+        ledger.stage_many([QKV, QKV], "twice", who="ben")
+    assert len(lines(run_dir)) == 1
+
+
+# -- the hash chain ----------------------------------------------------------------------------------
+
+
+def _edit(text):
+    rows = text.splitlines(keepends=True)
+    rows[2] = rows[2].replace('"who":"ben"', '"who":"eve"')  # the approver's name
+    return "".join(rows)
+
+
+def _delete(text):
+    rows = text.splitlines(keepends=True)
+    return "".join(rows[:2] + rows[3:])
+
+
+def _reorder(text):
+    rows = text.splitlines(keepends=True)
+    return "".join(rows[:1] + [rows[2], rows[1]] + rows[3:])
+
+
+def _tear(text):
+    return text[: len(text) - 25]
+
+
+@pytest.mark.parametrize(
+    "tamper, message",
+    [
+        (_edit, "line 3: the record's hash does not match its content: line 3 was edited"),
+        (_delete, "line 3: the hash chain is broken (seq 3 where 2 belongs): a record before"),
+        (_reorder, "line 2: the hash chain is broken (seq 2 where 1 belongs)"),
+        (_tear, "line 4: incomplete last line (no newline at its end): a write was interrupted"),
+    ],
+)  # fmt: skip
+def test_tampering_is_detected_at_its_line_and_blocks_appends(run_dir, tamper, message):
+    ledger = Ledger(run_dir)
+    a = ledger.stage(FC1, "saturation", who="ana")
+    ledger.stage(QKV, "underflow", who="ana")
+    ledger.approve(a.id, who="ben")
+    ledger.stage(HAND.replace("3", "2"), "noise", who="cy")
+    path = run_dir / "overrides.jsonl"
+    path.write_text(tamper(path.read_text()))
+    damaged = path.read_bytes()
+
+    with pytest.raises(LedgerError) as info:
+        ledger.verify()
+    assert str(info.value).startswith(f"{path}, line ")
+    assert message in str(info.value)
+    for action in (
+        lambda: ledger.stage("decoder.layers.2.mlp.linear_fc2", "more", who="cy"),
+        lambda: ledger.revoke(a.id, "undo", who="ana"),
+        ledger.overrides,
+    ):
+        with pytest.raises(LedgerError, match=re.escape(message[:30])):
+            action()
+    assert path.read_bytes() == damaged  # never appended to
+
+
+def test_a_rehashed_edit_breaks_the_next_link(run_dir):
+    """An editor who also recomputes the edited line's hash breaks the next line's ``prev``."""
+    ledger = Ledger(run_dir)
+    a = ledger.stage(FC1, "saturation", who="ana")
+    ledger.approve(a.id, who="ben")
+    path = run_dir / "overrides.jsonl"
+    first, second = (json.loads(line) for line in lines(run_dir))
+    first["reason"] = "something else"
+    first["hash"] = record_hash(first)
+    path.write_text(canonical_json(first) + "\n" + canonical_json(second) + "\n")
+    with pytest.raises(
+        LedgerError, match="line 2: the hash chain is broken .* line 1 was rewritten"
+    ):
+        ledger.verify()
+
+
+WORKER = textwrap.dedent("""\
+    import sys, time
+    from pathlib import Path
+    from fp8ops.overrides import Ledger
+    run_dir, who, go, *modules = sys.argv[1:]
+    ledger = Ledger(run_dir)
+    Path(f"{go}.{who}").touch()  # imported and ready
+    while not Path(go).exists():  # start together
+        time.sleep(0.001)
+    for i in range(20):  # 40 records: stage, then revoke, so the module is free again
+        o = ledger.stage(modules[i % len(modules)], f"{who} {i}", who=who, triggers=[])
+        ledger.revoke(o.id, f"{who} {i} done", who=who)
+""")
+
+
+@pytest.mark.slow
+def test_two_processes_appending_at_once_lose_nothing(run_dir, admitted, tmp_path):
+    fp8 = admitted[2].fp8_fqns
+    go = tmp_path / "go"
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, str(run_dir), who, str(go), *modules], cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for who, modules in (("p0", fp8[0::2]), ("p1", fp8[1::2]))
+    ]  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"go.{who}").exists() for who in ("p0", "p1")):
+        assert time.monotonic() < deadline and all(w.poll() is None for w in workers)
+        time.sleep(0.01)
+    go.touch()
+    for worker in workers:
+        _, err = worker.communicate(timeout=120)
+        assert worker.returncode == 0, err
+
+    ledger = Ledger(run_dir)
+    assert ledger.verify() == 80
+    records = ledger.records()
+    assert [r["seq"] for r in records] == list(range(80))
+    for who in ("p0", "p1"):
+        mine = [r for r in records if r["who"] == who]
+        assert [r["kind"] for r in mine] == ["staged", "revoked"] * 20
+        assert [r.get("reason") for r in mine[::2]] == [f"{who} {i}" for i in range(20)]
+    assert {o.status for o in ledger.overrides().values()} == {"revoked"}
+
+
+# -- ids ----------------------------------------------------------------------------------------------
+
+
+def test_ids_are_resolved_from_unique_prefixes(run_dir, admitted, monkeypatch):
+    ledger = Ledger(run_dir)
+    staged = [ledger.stage(module, "x", who="ana", triggers=[]) for module in admitted[2].fp8_fqns]
+    target = staged[0]
+    assert ledger.get(target.id[:6].upper()) == target
+    for ref, message in [
+        (target.id[:5], "is not an override id: give its sha256 or a unique prefix of at least 6"),
+        ("zzzzzzzz", "is not an override id"),
+        ("0123456789" if not any(o.id.startswith("0123456789") for o in staged) else "abcdef1234",
+         "has an id starting with"),
+    ]:  # fmt: skip
+        with pytest.raises(OverrideError, match=message):
+            ledger.approve(ref, who="ben")
+    # Ambiguity needs two ids sharing a prefix: among 14 ids, some share their first digit.
+    monkeypatch.setattr(ledger_module, "MIN_PREFIX", 1)
+    digit = next(d for d in "0123456789abcdef" if sum(o.id[0] == d for o in staged) > 1)
+    with pytest.raises(OverrideError, match=f"{digit} is ambiguous: .* override ids start"):
+        ledger.get(digit)
+
+
+def test_a_missing_run_directory_and_an_empty_ledger(tmp_path, run_dir):
+    with pytest.raises(OverrideError, match="no such run directory"):
+        Ledger(tmp_path / "nowhere")
+    ledger = Ledger(run_dir)
+    assert (ledger.records(), ledger.verify(), ledger.overrides()) == ([], 0, {})
+    assert not ledger.path.exists()  # reading creates nothing
+
+
+# -- the Transformer Engine export ---------------------------------------------------------------
+
+
+def test_te_debug_yaml_disables_fp8_in_exactly_the_overridden_layers(run_dir, admitted):
+    ledger = Ledger(run_dir)
+    with pytest.raises(OverrideError, match="nothing to export"):
+        te_debug_yaml(ledger)
+    applied, approved, _staged, revoked = (
+        ledger.stage(m, "x", who="ana", triggers=[])
+        for m in (FC1, QKV, "decoder.layers.2.mlp.linear_fc2", "decoder.layers.0.mlp.linear_fc2")
+    )  # fmt: skip
+    for o in (applied, approved, revoked):
+        ledger.approve(o.id, who="ben")
+    ledger.record_applied([applied.id], step=150, revision=REVISION)
+    ledger.revoke(revoked.id, "not needed", who="ana")
+
+    config = yaml.safe_load(te_debug_yaml(ledger))
+    section = config["fp8ops_bf16_overrides"]
+    assert section["enabled"] is True
+    assert section["transformer_engine"] == {"DisableQuantizationLayer": {"enabled": True}}
+    pattern = re.compile(section["layers"]["layer_name_regex_pattern"])
+    every_name = [row.fqn for row in admitted[2].rows]
+    assert [n for n in every_name if pattern.search(n)] == [FC1, QKV]
+    # Anchored and escaped: no longer, shorter or dot-wildcard look-alikes.
+    for near in (FC1 + "0", "x" + FC1, FC1.replace(".", "_"), "model." + FC1):
+        assert not pattern.search(near)
+
+    inferred = yaml.safe_load(te_debug_yaml(ledger, naming="inferred"))
+    pattern = re.compile(inferred["fp8ops_bf16_overrides"]["layers"]["layer_name_regex_pattern"])
+    assert pattern.search("model.decoder.layers.1.mlp.linear_fc1")  # layer_number is 1-based
+    assert pattern.search("model.decoder.layers.2.self_attention.linear_qkv")
+    assert not pattern.search(FC1) and not pattern.search("model." + FC1)
+
+
+def test_te_layer_names():
+    assert te_layer_name(FC1) == FC1
+    assert te_layer_name("decoder.layers.11.mlp.linear_fc2", "inferred") == (
+        "model.decoder.layers.12.mlp.linear_fc2"
+    )
+    assert te_layer_name("output_layer", "inferred") == "model.output_layer"
+    assert layer_regex(["b.c", "a.b", "a.b"]) == r"^(?:a\.b|b\.c)$"

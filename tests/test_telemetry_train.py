@@ -19,11 +19,12 @@ import torch
 if importlib.util.find_spec("megatron") is None:
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
 
-from fp8ops.alerts import read_alerts, read_proposals
+from fp8ops.alerts import read_alerts
 from fp8ops.checkpoint import read_meta
 from fp8ops.checkpoint.state import fp8_digest
 from fp8ops.files import read_jsonl
 from fp8ops.manifest import derive, load_manifest, write_manifest
+from fp8ops.overrides import Ledger
 from fp8ops.telemetry import TelemetryError, open_run
 from fp8ops.telemetry.catalogue import MODULE_METRIC_NAMES
 from fp8ops.train import run_training
@@ -155,8 +156,14 @@ def test_a_saturating_weight_draws_degrade_and_a_proposal(manifest, tmp_path):
     assert (degrade[0].module, degrade[0].metric) == (TARGET, "weight.saturation")
     assert degrade[0].value > 1e-3
     assert not [a for a in degrade if a.module.startswith("decoder.layers.0.")]  # upstream: calm
-    proposals = [p.module for p in read_proposals(run)]
-    assert proposals[0] == TARGET and len(proposals) == len(set(proposals))
+    # Degrade proposed the module in the run's override ledger, with what triggered it.
+    proposed = list(Ledger(run).overrides().values())
+    assert [o.module for o in proposed][0] == TARGET
+    assert len({o.module for o in proposed}) == len(proposed)  # one open proposal per module
+    first = proposed[0]
+    assert (first.status, first.who, first.step) == ("proposed", "fp8ops-alerts", degrade[0].step)
+    trigger = next(t for t in first.triggers if t.metric == "weight.saturation")
+    assert trigger.value == degrade[0].value and trigger.threshold == degrade[0].threshold
     saturation = open_run(run).module_history(TARGET)["weight.saturation"]
     assert saturation.iloc[-1] > 1e-3 and saturation.iloc[0] < 1e-3
 

@@ -2,38 +2,20 @@
 
 Reading order: ``rules`` (:class:`AlertEngine`, fed one telemetry row per step by the trainer,
 and the rules table), ``records`` (:class:`Alert`, :class:`Proposal` and their JSON), ``files``
-(``alerts.jsonl`` and ``proposals.jsonl`` in a run directory). Thresholds come from the
-manifest's ``alerts`` section (``fp8ops.manifest.schema.Alerts``).
+(``alerts.jsonl`` in a run directory). Thresholds come from the manifest's ``alerts`` section
+(``fp8ops.manifest.schema.Alerts``).
 
 Levels: *observe* is logged; *degrade* also proposes running the module in BF16 (a
-:class:`Proposal`, appended to ``proposals.jsonl`` for review); *stop* makes the trainer save
-its weights and exit non-zero with the alert's message.
+:class:`Proposal`, which the trainer writes to the run's override ledger, ``overrides.jsonl``,
+for review); *stop* makes the trainer save a checkpoint and exit non-zero with the alert's
+message.
 """
 
-from fp8ops.alerts.files import (
-    ALERTS,
-    PROPOSALS,
-    read_alerts,
-    read_proposals,
-    read_run_alerts,
-    write_alerts,
-    write_proposals,
-)
+from fp8ops.alerts.files import ALERTS, read_alerts, read_run_alerts, write_alerts
 from fp8ops.alerts.records import LEVELS, Alert, Level, Proposal, select_alerts
 from fp8ops.alerts.rules import AlertEngine
 
 __all__ = [
-    "ALERTS",
-    "LEVELS",
-    "PROPOSALS",
-    "Alert",
-    "AlertEngine",
-    "Level",
-    "Proposal",
-    "read_alerts",
-    "read_proposals",
-    "read_run_alerts",
-    "select_alerts",
-    "write_alerts",
-    "write_proposals",
-]
+    "ALERTS", "LEVELS", "Alert", "AlertEngine", "Level", "Proposal", "read_alerts",
+    "read_run_alerts", "select_alerts", "write_alerts",
+]  # fmt: skip

@@ -1,4 +1,5 @@
-"""``alerts.jsonl`` and ``proposals.jsonl``: a run's alerts and override proposals, appended.
+"""``alerts.jsonl``: a run's alerts, appended. (Override proposals go to the ledger,
+``overrides.jsonl``: :mod:`fp8ops.overrides`.)
 
 One JSON object per line, never rewritten: a crash loses at most the line being written, and the
 readers skip such a torn last line (``fp8ops.files.read_jsonl``).
@@ -11,12 +12,11 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from fp8ops.alerts.records import Alert, Proposal
+from fp8ops.alerts.records import Alert
 from fp8ops.errors import Fp8opsError
 from fp8ops.files import read_jsonl
 
 ALERTS = "alerts.jsonl"
-PROPOSALS = "proposals.jsonl"
 T = TypeVar("T")
 
 
@@ -40,15 +40,6 @@ def read_run_alerts(run_dir: str | Path) -> list[Alert]:
     if not any((run_dir / name).exists() for name in (ALERTS, "status.json", "manifest.yaml")):
         raise Fp8opsError(f"{run_dir}: not an fp8ops run directory (no status.json, no {ALERTS})")
     return read_alerts(run_dir)
-
-
-def write_proposals(run_dir: str | Path, proposals: Iterable[Proposal | Mapping[str, Any]]) -> None:
-    """Append override proposals."""
-    _append(Path(run_dir) / PROPOSALS, proposals)
-
-
-def read_proposals(run_dir: str | Path) -> list[Proposal]:
-    return _parse(Path(run_dir) / PROPOSALS, Proposal.from_json)
 
 
 def _append(path: Path, records: Iterable[Any]) -> None:

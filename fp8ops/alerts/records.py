@@ -1,6 +1,6 @@
 """What the alert rules produce: an :class:`Alert` per condition, a :class:`Proposal` per module.
 
-Both are frozen and turn into JSON lines (``alerts.jsonl``, ``proposals.jsonl``). JSON has no NaN
+Both are frozen and turn into JSON (``alerts.jsonl``; proposals enter the override ledger). JSON has no NaN
 or infinity, and a non-finite value is exactly what a Stop alert reports, so those are written as
 the strings ``"nan"``, ``"inf"`` and ``"-inf"`` and read back as floats.
 """
@@ -79,8 +79,8 @@ class Proposal:
 
     Written when a Degrade alert fires for an FP8 module (or a Stop alert of a threshold rule,
     which passes Degrade on its way up); ``reason`` is the alert's sentence and ``metrics`` the
-    values the module's alerts of that step reported, by metric name. A later issue reviews
-    proposals into a ledger; until then they are an append-only file.
+    values the module's alerts of that step reported, by metric name. The trainer writes it to
+    the run's override ledger (``fp8ops.overrides.Ledger.propose``), where it is reviewed.
     """
 
     step: int

@@ -241,6 +241,9 @@ class Trainer:
             self.run = RunDir.reopen(run_dir, manifest, resume.new_revisions)
         try:
             if ranks.is_main:
+                from fp8ops.overrides import Ledger
+
+                self.ledger = Ledger(self.run.path)
                 write_layers_json(
                     self.run.path, self.admission, self.recipe,
                     tensor_parallel=manifest.topology.tensor_parallel,
@@ -435,7 +438,7 @@ class Trainer:
     def _raise_alerts(self, step: int, alerts: list) -> None:
         """Gather every rank's alerts to rank 0 (only when some rank has any), record them and
         their proposals, and stop all ranks together on a Stop alert."""
-        from fp8ops.alerts import write_alerts, write_proposals
+        from fp8ops.alerts import Alert, write_alerts
 
         flag = torch.tensor(float(len(alerts) > 0))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -446,9 +449,14 @@ class Trainer:
         everyone = [dict(a, rank=rank) for rank, found in enumerate(gathered) for a in found]
         if self.ranks.is_main:
             write_alerts(self.run.path, everyone)
-            proposals = self.alert_engine.proposals(everyone)
-            if proposals:
-                write_proposals(self.run.path, proposals)
+            # Degrade proposes a BF16 override into the ledger, where an operator reviews it.
+            for proposal in self.alert_engine.proposals(everyone):
+                triggers = [
+                    Alert.from_json(a) for a in everyone
+                    if a.get("module") == proposal.module and a["step"] == proposal.step
+                    and a.get("metric") is not None
+                ]  # fmt: skip
+                self.ledger.propose(proposal.module, proposal.reason, triggers, proposal.step)
         stops = [a for a in everyone if a["level"] == "stop"]
         if stops:
             raise StopRun(stops[0]["message"], stops)

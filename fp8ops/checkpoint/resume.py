@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fp8ops.checkpoint.directory import CheckpointDir
-from fp8ops.checkpoint.drift import Change, Drift, environment_drift, manifest_drift, refuse
+from fp8ops.checkpoint.drift import (
+    Drift,
+    DriftRefused,
+    environment_drift,
+    manifest_drift,
+    refuse,
+)
 from fp8ops.checkpoint.meta import CheckpointMeta, read_meta
 from fp8ops.errors import ManifestError
 from fp8ops.manifest import derive, load_manifest, manifest_hash
@@ -77,9 +83,8 @@ def plan_resume(
     drift = Drift(manifest_drift(saved, requested))
     drift.changes += environment_drift(meta.environment, environment or environment_fingerprint())
     fp8_read, fp8_problem = _fp8_mapping(meta, requested)
-    if fp8_problem:  # not acceptable: there is no state to resume with
-        raise refuse(Drift([Change("fp8 state", "layout", meta.fp8.layout, fp8_problem)]),
-                     str(directory), "")  # fmt: skip
+    if fp8_problem:  # no --accept-drift helps: there is no state to resume these ranks with
+        raise DriftRefused(f"refusing to resume from {directory}: {fp8_problem}")
     if drift and accept_drift is None:
         raise refuse(drift, str(directory), _hint(run_dir, manifest_path))
 

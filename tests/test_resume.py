@@ -1,0 +1,335 @@
+"""Checkpoints and the locked resume, end to end on the small model.
+
+* equivalence: 2N steps straight equal N steps, a stop, a resume and N more, bit for bit
+  (losses, gradient norms, every module's FP8 state, optimizer state, telemetry rows), at TP=1
+  and at TP=2 over gloo;
+* topology change: a TP=2 checkpoint resumes at TP=1 and the reverse, the FP8 state mapped; with
+  ``reduce_amax: false`` ranks hold different states, and that mapping is refused;
+* drift: a changed manifest is refused before any model is built (exit 4) unless accepted,
+  which records a revision naming the checkpoint's manifest as parent;
+* overrides: an approved ledger override becomes a manifest revision on resume; the module runs
+  in the base dtype with its FP8 state frozen, and a revoke lifts it at the next resume;
+* a load that silently resets FP8 state is caught by the digest check.
+"""
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+if importlib.util.find_spec("megatron") is None:
+    pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
+
+from fp8ops.checkpoint import CheckpointDir, CheckpointError, DriftRefused, plan_resume, read_meta
+from fp8ops.checkpoint import state as checkpoint_state
+from fp8ops.checkpoint.directory import checkpoint_name
+from fp8ops.files import read_jsonl
+from fp8ops.manifest import derive, load_manifest, manifest_hash, write_manifest
+from fp8ops.overrides import Ledger
+from fp8ops.telemetry import open_run
+from fp8ops.train import resume_training, run_training
+from fp8ops.train.run_dir import read_metrics, read_status
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
+]
+
+MANIFESTS = Path(__file__).resolve().parents[1] / "manifests"
+SMALL_MODEL = {
+    "model.num_layers": 2, "model.hidden_size": 64, "model.ffn_hidden_size": 256,
+    "model.num_attention_heads": 4, "model.seq_length": 64,
+}  # fmt: skip
+SCHEDULE = {
+    "schedule.warmup_steps": 1, "schedule.micro_batch_size": 4, "schedule.global_batch_size": 8,
+    "schedule.log_interval": 1, "schedule.eval_iters": 2,
+}  # fmt: skip
+N = 4  # steps before the interruption, and after it
+FC2 = "decoder.layers.1.mlp.linear_fc2"
+
+
+def _write(path: Path, parent_file: Path, changes: dict) -> Path:
+    return write_manifest(derive(load_manifest(parent_file), changes, "test: small"), path)
+
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory) -> Path:
+    """A fine-tuning manifest of 2N steps, evaluating and checkpointing every N, whose base is
+    the small model pre-trained for a few steps."""
+    tmp = tmp_path_factory.mktemp("resume")
+    base = _write(
+        tmp / "base.yaml", MANIFESTS / "tiny-gpt-cpu-base.yaml",
+        {**SMALL_MODEL, **SCHEDULE, "schedule.train_steps": 2, "schedule.eval_interval": 2},
+    )  # fmt: skip
+    run_training(base, tmp / "base", progress=False)
+    return _write(
+        tmp / "finetune.yaml", MANIFESTS / "tiny-gpt-cpu.yaml",
+        {
+            **SMALL_MODEL, **SCHEDULE, "model.init_checkpoint": str(tmp / "base" / "final"),
+            "data.num_examples": 400, "schedule.train_steps": 2 * N,
+            "schedule.eval_interval": N, "schedule.checkpoint_interval": N,
+            "optimizer.lr": 2e-3, "telemetry.every_steps": 1, "telemetry.error_sample_every": 2,
+        },
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def straight(manifest, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("straight") / "run"
+    run_training(manifest, run, progress=False)
+    return run
+
+
+def _final(run: Path):
+    return read_meta(run / "checkpoints" / checkpoint_name(2 * N))
+
+
+def _tensor_files(run: Path, step: int) -> dict:
+    """sha256 of the checkpoint's tensor files (the DCP index embeds a random id)."""
+    files = read_meta(run / "checkpoints" / checkpoint_name(step)).files
+    return {name: f["sha256"] for name, f in files.items() if name.endswith(".distcp")}
+
+
+def _telemetry(run: Path, rank: int = 0) -> dict[str, np.ndarray]:
+    store = open_run(run)
+    return {m: store.module_history(m, rank=rank).to_numpy() for m in store.modules}
+
+
+def assert_same_training(a: Path, b: Path) -> None:
+    ma, mb = read_metrics(a), read_metrics(b)
+    assert [m["step"] for m in ma] == [m["step"] for m in mb] == list(range(1, 2 * N + 1))
+    for key in ("loss", "grad_norm", "lr", "skipped"):
+        assert [m[key] for m in ma] == [m[key] for m in mb], key
+    assert _final(a).fp8.digests == _final(b).fp8.digests  # every module's scales + histories
+    assert _final(a).weights_fingerprint == _final(b).weights_fingerprint
+    assert _tensor_files(a, 2 * N) == _tensor_files(b, 2 * N)  # optimizer state included
+    ta, tb = _telemetry(a), _telemetry(b)
+    for module in ta:
+        assert np.array_equal(ta[module], tb[module], equal_nan=True), module
+
+
+# -- equivalence ------------------------------------------------------------------------------
+
+
+def test_stop_and_resume_equals_the_straight_run_bit_for_bit(manifest, straight, tmp_path, cli):
+    run = tmp_path / "run"
+    paused = run_training(manifest, run, progress=False, stop_at=N)
+    assert paused.paused and paused.steps == N
+    assert read_status(run)["state"] == "paused"
+    assert CheckpointDir(run).latest().name == checkpoint_name(N)
+
+    result = cli("resume", run, "--no-progress")
+    assert result.code == 0, result.err
+    assert f"resumed from {checkpoint_name(N)} (step {N})" in result.out
+    assert f"trained steps {N + 1}-{2 * N}" in result.out
+    assert read_status(run)["state"] == "completed"
+    assert_same_training(straight, run)
+    resumed = [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "resumed"]
+    assert [(e["step"], e["drift"], e["fp8_state"]) for e in resumed] == [(N, [], "own")]
+
+
+def test_a_completed_run_has_nothing_to_resume(straight, cli):
+    result = cli("resume", straight, "--no-progress")
+    assert result.code == 0 and "nothing to train" in result.err
+
+
+def _torchrun(*args: object) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "fp8ops", *map(str, args), "--no-progress"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+
+
+def _ok(done: subprocess.CompletedProcess) -> None:
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def tp2_straight(manifest, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("tp2") / "run"
+    _ok(_torchrun("train", manifest, "--run-dir", run, "--set", "topology.tensor_parallel=2"))
+    return run
+
+
+@pytest.mark.slow
+def test_tp2_stop_and_resume_equals_the_straight_tp2_run(manifest, tp2_straight, tmp_path):
+    run = tmp_path / "run"
+    _ok(_torchrun("train", manifest, "--run-dir", run, "--set", "topology.tensor_parallel=2",
+                  "--stop-at", N))  # fmt: skip
+    _ok(_torchrun("resume", run))
+    assert_same_training(tp2_straight, run)
+    assert _telemetry(run, rank=1).keys() == _telemetry(tp2_straight, rank=1).keys()
+    for module, rows in _telemetry(run, rank=1).items():
+        assert np.array_equal(rows, _telemetry(tp2_straight, rank=1)[module], equal_nan=True)
+
+
+# -- topology change ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_tp2_checkpoint_resumes_at_tp1_and_tp1_at_tp2(manifest, straight, tp2_straight, tmp_path,
+                                                      cli):  # fmt: skip
+    # TP=2 -> TP=1: from the TP=2 run's step-N checkpoint, in a copy of its directory.
+    down = tmp_path / "down"
+    shutil.copytree(tp2_straight, down)
+    refused = cli("resume", down, "--checkpoint", N, "--set", "topology.tensor_parallel=1")
+    assert refused.code == DriftRefused.exit_code
+    assert "topology.tensor_parallel: 2 -> 1" in refused.err
+    result = cli("resume", down, "--checkpoint", N, "--set", "topology.tensor_parallel=1",
+                 "--accept-drift", "one rank left", "--no-progress")  # fmt: skip
+    assert result.code == 0, result.err
+    event = [e for e in read_jsonl(down / "events.jsonl") if e["event"] == "resumed"][-1]
+    # The saved state was one shared group (amaxes reduced over TP): every rank reads it, and
+    # the load verified each module's restored state against its saved digest.
+    assert event["fp8_state"] == "group0" and event["accepted"] == "one rank left"
+    revision = load_manifest(down / "manifest.yaml")
+    assert revision.topology.tensor_parallel == 1
+    assert revision.revision.parent == read_meta(down / "checkpoints" / checkpoint_name(N)).manifest
+    assert "one rank left" in revision.revision.reason
+    # Same data, same weights, another summation layout: close, not bit-identical.
+    after = {m["step"]: m["loss"] for m in read_metrics(down)}
+    tp2 = {m["step"]: m["loss"] for m in read_metrics(tp2_straight)}
+    assert after[N + 1] == pytest.approx(tp2[N + 1], rel=2e-2)
+
+    # TP=1 -> TP=2: the one-rank run's step-N checkpoint continued by two ranks.
+    up = tmp_path / "up"
+    shutil.copytree(straight, up)
+    _ok(_torchrun("resume", up, "--checkpoint", N, "--set", "topology.tensor_parallel=2",
+                  "--accept-drift", "a second rank"))  # fmt: skip
+    assert read_meta(up / "checkpoints" / checkpoint_name(2 * N)).topology.tensor_parallel == 2
+    # Rank 1 joined the telemetry store at step N+1: nothing before, rows after.
+    joined = open_run(up).module_history(FC2, rank=1)
+    assert joined.loc[: N].isna().all().all() and joined.loc[N + 1 :].notna().any().all()
+
+
+@pytest.mark.slow
+def test_per_rank_fp8_state_refuses_a_topology_change(manifest, tmp_path, cli):
+    run = tmp_path / "run"
+    _ok(_torchrun("train", manifest, "--run-dir", run, "--set", "topology.tensor_parallel=2",
+                  "--set", "precision.reduce_amax=false", "--stop-at", N))  # fmt: skip
+    meta = read_meta(run / "checkpoints" / checkpoint_name(N))
+    assert (meta.fp8.layout, meta.fp8.groups) == ("per_rank", 2)
+    result = cli("resume", run, "--set", "topology.tensor_parallel=1", "--accept-drift", "try")
+    assert result.code == DriftRefused.exit_code
+    assert "2 different FP8 states" in result.err and "not defined" in result.err
+    assert "tensor_parallel 2" in result.err  # says where it would be defined
+    _ok(_torchrun("resume", run))  # the saved topology: each rank takes its own state
+
+
+# -- drift -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def paused(manifest, tmp_path) -> Path:
+    run = tmp_path / "paused"
+    run_training(manifest, run, progress=False, stop_at=N)
+    return run
+
+
+def test_a_changed_manifest_is_refused_then_accepted_as_a_revision(manifest, paused, tmp_path,
+                                                                   cli):  # fmt: skip
+    edited = write_manifest(
+        derive(load_manifest(manifest), {"optimizer.lr": 1e-3}, "edited"), tmp_path / "e.yaml"
+    )
+    events_before = (paused / "events.jsonl").read_text()
+    refused = cli("train", edited, "--resume", "--run-dir", paused, "--no-progress")
+    assert refused.code == DriftRefused.exit_code == 4
+    assert "manifest    optimizer.lr: 0.002 -> 0.001" in refused.err
+    assert "--accept-drift" in refused.err
+    assert (paused / "events.jsonl").read_text() == events_before  # refused before building
+
+    reason = "lower lr after the spike"
+    done = cli("train", edited, "--resume", "--run-dir", paused, "--accept-drift", reason,
+               "--no-progress")  # fmt: skip
+    assert done.code == 0, done.err
+    locked = load_manifest(paused / "manifest.yaml")
+    saved = read_meta(paused / "checkpoints" / checkpoint_name(N)).manifest
+    assert locked.optimizer.lr == 1e-3 and locked.revision.parent == saved
+    assert reason in locked.revision.reason and "optimizer.lr" in locked.revision.reason
+    assert (paused / "manifests" / f"{manifest_hash(locked)}.yaml").exists()
+    # Later checkpoints carry the whole chain.
+    assert _final(paused).revisions[-2:] == [saved, manifest_hash(locked)]
+
+
+def test_set_on_resume_needs_a_reason(paused, cli):
+    result = cli("resume", paused, "--set", "optimizer.lr=0.001")
+    assert result.code == 4 and "optimizer.lr: 0.002 -> 0.001" in result.err
+
+
+def test_train_resume_without_a_checkpoint_starts_the_run(manifest, tmp_path, cli):
+    result = cli("train", manifest, "--resume", "--run-dir", tmp_path / "new", "--stop-at", 1,
+                 "--no-progress")  # fmt: skip
+    assert result.code == 0, result.err
+    assert read_status(tmp_path / "new")["state"] == "paused"
+
+
+def test_a_paused_run_directory_points_at_resume(manifest, paused, cli):
+    result = cli("train", manifest, "--run-dir", paused, "--no-progress")
+    assert result.code == 2 and f"fp8ops resume {paused}" in result.err
+
+
+# -- overrides applied on resume ------------------------------------------------------------------
+
+
+def test_an_approved_override_is_applied_on_resume_and_a_revoke_lifts_it(paused, cli, tmp_path):
+    ledger = Ledger(paused)
+    staged = ledger.stage(FC2, "saturates after the lr spike", who="alice")
+    ledger.approve(staged.id, who="bob")
+    frozen = read_meta(paused / "checkpoints" / checkpoint_name(N)).fp8.digests[FC2]
+
+    result = cli("resume", paused, "--no-progress")
+    assert result.code == 0, result.err
+    assert f"fallback: {FC2} -> bf16 (saturates after the lr spike)" in result.out
+    assert "tokens/s (median of 20 steps)" in result.out
+    locked = load_manifest(paused / "manifest.yaml")
+    (override,) = locked.precision.overrides
+    assert (override.module, override.approval) == (FC2, ledger.get(staged.id).approval)
+    assert "resume applies approved overrides" in locked.revision.reason
+    layers = {r["fqn"]: r for r in json.loads((paused / "layers.json").read_text())["rows"]}
+    assert (layers[FC2]["precision"], layers[FC2]["reason"]["code"]) == ("bf16", "override")
+    # BF16 from step N+1: its FP8 state stayed exactly as the checkpoint left it.
+    assert _final(paused).fp8.digests[FC2] == frozen
+    assert open_run(paused).module_history(FC2, "fp8_gemms").loc[N + 1 :].eq(0).all().all()
+    fallbacks = json.loads((paused / "fallbacks.json").read_text())
+    assert fallbacks[FC2]["from_step"] == N + 1
+    assert fallbacks[FC2]["revision"] == manifest_hash(locked)
+    applied = ledger.get(staged.id)
+    assert (applied.status, applied.applied_step) == ("applied", N + 1)
+    assert applied.applied_revision == manifest_hash(locked)
+
+    # Revoked: the next resume (here from the final checkpoint, with more steps) lifts it.
+    ledger.revoke(staged.id, "fixed upstream", who="carol")
+    longer = cli("resume", paused, "--set", f"schedule.train_steps={2 * N + 2}",
+                 "--accept-drift", "two more steps", "--no-progress")  # fmt: skip
+    assert longer.code == 0, longer.err
+    assert f"lifted: {FC2} -> fp8" in longer.out
+    assert load_manifest(paused / "manifest.yaml").precision.overrides == ()
+    assert json.loads((paused / "fallbacks.json").read_text()) == {}
+
+
+# -- what the load verifies ----------------------------------------------------------------------
+
+
+def test_a_load_that_resets_fp8_state_is_refused(paused, monkeypatch):
+    """TE's failure mode: state keys that don't match are skipped and the module keeps its fresh
+    state (scale 1, empty histories). Simulated by a restore that puts nothing back."""
+    monkeypatch.setattr(checkpoint_state, "restore_fp8", lambda modules, loaded: None)
+    with pytest.raises(CheckpointError, match="FP8 state after loading .* reset"):
+        resume_training(paused, progress=False)
+    assert read_status(paused)["state"] == "failed"
+
+
+def test_plan_refuses_environment_drift_before_building_anything(paused):
+    from fp8ops.train.environment import environment_fingerprint
+
+    other = {**environment_fingerprint(), "torch": "9.9.9"}
+    with pytest.raises(DriftRefused, match="environment torch: '.*' -> '9.9.9'"):
+        plan_resume(paused, environment=other)
+    plan = plan_resume(paused, environment=other, accept_drift="new torch, same numerics")
+    assert plan.new_revisions == [] and plan.accepted_reason == "new torch, same numerics"

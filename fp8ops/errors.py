@@ -1,7 +1,9 @@
 """One exception hierarchy for everything a user can get wrong.
 
 Every message says *where*: the file, the field path, the value and what is allowed.
-The CLI turns these into a one-line (or few-line) message and exit code 2, never a traceback.
+The CLI turns these into a one-line (or few-line) message and the error's ``exit_code``, never a
+traceback: 2 for what a user got wrong; subclasses elsewhere use 0 (nothing to do), 3 (a Stop
+alert), 4 (a resume refused for drift) and 143 (SIGTERM).
 """
 
 

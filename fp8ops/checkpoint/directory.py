@@ -65,7 +65,9 @@ class CheckpointDir:
         """Every complete checkpoint directory, oldest first (partial saves are not listed)."""
         if not self.path.is_dir():
             return []
-        found = [p for p in self.path.iterdir() if p.is_dir() and checkpoint_step(p.name) is not None]
+        found = [
+            p for p in self.path.iterdir() if p.is_dir() and checkpoint_step(p.name) is not None
+        ]
         return sorted(found, key=lambda p: checkpoint_step(p.name))
 
     def latest(self) -> Path | None:

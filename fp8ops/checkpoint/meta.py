@@ -83,7 +83,9 @@ def read_meta(directory: Path) -> CheckpointMeta:
     try:
         return CheckpointMeta.model_validate(json.loads(text))
     except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc}); the checkpoint is damaged") from None
+        raise CheckpointError(
+            f"{path}: not valid JSON ({exc}); the checkpoint is damaged"
+        ) from None
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "top level"

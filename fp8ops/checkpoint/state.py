@@ -129,7 +129,9 @@ def optimizer_steps(optimizer) -> int:
     """How many steps the optimizer has taken (AdamW's per-parameter count; all agree)."""
     if not isinstance(optimizer.inner, torch.optim.AdamW):
         return 0
-    counts = {int(optimizer.inner.state[m].get("step", torch.tensor(0.0))) for m in optimizer.main_params}
+    counts = {
+        int(optimizer.inner.state[m].get("step", torch.tensor(0.0))) for m in optimizer.main_params
+    }
     if len(counts) != 1:
         raise RuntimeError(f"optimizer parameters disagree on their step count: {sorted(counts)}")
     return counts.pop()

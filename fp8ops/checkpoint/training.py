@@ -94,17 +94,24 @@ def save_checkpoint(
             admission=admission,
             weights_fingerprint=fingerprint,
             fp8=Fp8StateRecord(
-                layout=parts.layout.name, groups=parts.layout.groups, history_len=history,
-                modules=list(parts.fp8_modules), digests=digests,
-            ),  # fmt: skip
+                layout=parts.layout.name,
+                groups=parts.layout.groups,
+                history_len=history,
+                modules=list(parts.fp8_modules),
+                digests=digests,
+            ),
             sampler=sampler,
             optimizer_steps=state.optimizer_steps(parts.optimizer),
-            optimizer_main=any(m is not p for m, p in zip(
-                parts.optimizer.main_params, parts.optimizer.model_params, strict=True)),
+            optimizer_main=any(
+                m is not p
+                for m, p in zip(
+                    parts.optimizer.main_params, parts.optimizer.model_params, strict=True
+                )
+            ),
             telemetry_committed=telemetry_committed,
             per_rank_state=True,
             files=file_digests(partial),
-        )  # fmt: skip
+        )
         write_meta(partial, meta)
         path = store.publish(partial, step, keep)
     dist.barrier()
@@ -207,5 +214,3 @@ def _quiet_dcp():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         yield
-
-

@@ -6,6 +6,7 @@ checkpoint a run starts from and the weights it ends with), ``run_dir`` (what a 
 ``environment`` (versions recorded with a run).
 """
 
-from fp8ops.train.trainer import TrainResult, resume_training, run_training
+from fp8ops.train.launch import resume_training, run_training
+from fp8ops.train.trainer import TrainResult
 
 __all__ = ["TrainResult", "resume_training", "run_training"]

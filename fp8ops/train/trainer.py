@@ -1,11 +1,11 @@
-"""``fp8ops train``: fine-tune (or pre-train) the manifest's Megatron GPT, FP8 where admitted.
+"""The training loop: :class:`Trainer` builds a run's parts in ``__init__`` (in the order they
+depend on each other) and ``train`` is the loop, in execution order. The command around it
+(load the manifest, check, start ranks, resume or start) is ``launch.py``.
 
-Reading order: :func:`run_training` is the whole command (load, check, start ranks, train,
-shut down); :class:`Trainer` builds the parts in ``__init__`` and ``train`` is the loop, in
-execution order. Delayed scaling as Megatron uses it: one FP8 scope per micro-batch forward (input
-and gradient histories advance per micro-batch), the weight cast once per optimizer step
-(``mark_first_microbatch``: weight histories advance per step), amaxes reduced over the manifest's
-amax reduction group.
+Delayed scaling as Megatron uses it: one FP8 scope per micro-batch forward (input and gradient
+histories advance per micro-batch), the weight cast once per optimizer step
+(``mark_first_microbatch``: weight histories advance per step), amaxes reduced over the
+manifest's amax reduction group.
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ import itertools
 import json
 import math
 import resource
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,43 +26,18 @@ import torch
 import torch.distributed as dist
 
 from fp8ops.errors import Fp8opsError, ManifestError
-from fp8ops.manifest import derive, load_manifest, manifest_hash
+from fp8ops.manifest import manifest_hash
 from fp8ops.manifest.schema import Manifest
 from fp8ops.telemetry.catalogue import STEP_METRIC_NAMES
 from fp8ops.train import weights
-from fp8ops.train.distributed import Ranks, init_distributed, shutdown_distributed
+from fp8ops.train.distributed import Ranks
 from fp8ops.train.environment import environment_fingerprint
 from fp8ops.train.optimizer import MainParamsOptimizer, learning_rate
-from fp8ops.train.run_dir import RunAlreadyComplete, RunDir
-
-
-class Terminated(Fp8opsError):
-    """SIGTERM (a scheduler's kill, torchrun tearing down a failed job): the run records what
-    it has, telemetry included, marks itself failed and exits 143 (128 + SIGTERM)."""
-
-    exit_code = 143
-
-
-@contextlib.contextmanager
-def _sigterm_raises():
-    """Turn SIGTERM into :class:`Terminated` in the main thread, so the failure path runs
-    (Python's default action would end the process without flushing anything)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def terminate(signum, frame):
-        raise Terminated("received SIGTERM; the run stopped where it was (see status.json)")
-
-    previous = signal.signal(signal.SIGTERM, terminate)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+from fp8ops.train.run_dir import RunDir
 
 
 class StopRun(Fp8opsError):
-    """A Stop alert: the run saved its weights and telemetry and ended (exit code 3)."""
+    """A Stop alert: the run saved a checkpoint and its telemetry and ended (exit code 3)."""
 
     exit_code = 3
 
@@ -86,87 +59,6 @@ class TrainResult:
     first_step: int = 1  # of this segment
     paused: bool = False  # --stop-at: checkpointed and left to resume
     resume_summary: list[str] | None = None
-
-
-def run_training(
-    manifest_path: Path,
-    run_dir: Path,
-    *,
-    assignments: dict | None = None,
-    progress: bool = True,
-    resume: bool = False,
-    accept_drift: str | None = None,
-    stop_at: int | None = None,
-) -> TrainResult:
-    """Everything ``fp8ops train`` does. ``assignments`` (``--set``) derive a new revision of
-    the manifest first; the run is locked to that revision. ``resume``: continue ``run_dir``
-    from its latest checkpoint if it has one (locked: see :mod:`fp8ops.checkpoint.resume`),
-    start it otherwise. ``stop_at``: checkpoint after that step and stop (resumable)."""
-    from fp8ops.checkpoint import CheckpointDir, plan_resume
-
-    if resume and CheckpointDir(run_dir).complete():
-        plan = plan_resume(
-            Path(run_dir), manifest_path=Path(manifest_path), assignments=assignments,
-            accept_drift=accept_drift,
-        )  # fmt: skip
-        return _resume(plan, str(manifest_path), progress, stop_at)
-    manifest, lineage = _locked_manifest(Path(manifest_path), assignments or {})
-    source = str(manifest_path)
-    with _sigterm_raises():
-        return _run(manifest, lineage, source, Path(run_dir), progress, stop_at=stop_at)
-
-
-def resume_training(
-    run_dir: Path,
-    *,
-    checkpoint: str | None = None,
-    assignments: dict | None = None,
-    accept_drift: str | None = None,
-    progress: bool = True,
-    stop_at: int | None = None,
-) -> TrainResult:
-    """Everything ``fp8ops resume`` does: continue ``run_dir`` from a checkpoint under the
-    checkpoint's manifest, plus approved overrides, plus accepted drift."""
-    from fp8ops.checkpoint import plan_resume
-
-    plan = plan_resume(
-        Path(run_dir), checkpoint=checkpoint, assignments=assignments, accept_drift=accept_drift
-    )
-    return _resume(plan, str(plan.checkpoint / "manifest.yaml"), progress, stop_at)
-
-
-def _resume(plan, source: str, progress: bool, stop_at: int | None) -> TrainResult:
-    if plan.step >= plan.manifest.schedule.train_steps:
-        raise RunAlreadyComplete(
-            f"{plan.checkpoint} is at step {plan.step} of {plan.manifest.schedule.train_steps}: "
-            "nothing to train. To train longer, raise schedule.train_steps "
-            '(--set schedule.train_steps=N --accept-drift "why")'
-        )
-    with _sigterm_raises():
-        return _run(plan.manifest, None, source, plan.run_dir, progress, plan=plan, stop_at=stop_at)
-
-
-def _run(manifest, lineage, source: str, run_dir: Path, progress: bool, *, plan=None,
-         stop_at: int | None = None) -> TrainResult:  # fmt: skip
-    if plan is None:
-        RunDir.check_free(run_dir, manifest)
-    _check_inputs(manifest, source, resuming=plan is not None)
-    ranks = init_distributed(manifest.topology, source=source)
-    try:
-        if plan is None:
-            RunDir.check_free(run_dir, manifest)  # again, now that every rank is up
-        dist.barrier()  # nobody checks after rank 0 has started writing
-        try:
-            trainer = Trainer(
-                manifest, lineage, Path(run_dir), ranks, progress=progress, resume=plan
-            )
-        except ManifestError as exc:
-            if str(exc).startswith(source):
-                raise
-            raise type(exc)(f"{source}: {exc}") from None  # name the file, as load errors do
-        return trainer.train(stop_at=stop_at)
-    finally:
-        shutdown_distributed()
 
 
 class Trainer:
@@ -833,33 +725,6 @@ class Trainer:
 
         with bar:
             yield advance
-
-
-def _locked_manifest(path: Path, assignments: dict) -> tuple[Manifest, list[Manifest]]:
-    """The manifest the run is locked to, and its lineage (root first)."""
-    manifest = load_manifest(path)
-    if not assignments:
-        return manifest, [manifest]
-    reason = "fp8ops train --set " + " ".join(f"{k}={v}" for k, v in assignments.items())
-    child = derive(manifest, assignments, reason, source=f"{path} with --set")
-    return child, [manifest, child]
-
-
-def _check_inputs(manifest: Manifest, source: str, *, resuming: bool = False) -> None:
-    """What can be checked before any process group or model exists."""
-    if manifest.tokenizer.kind != "byte":
-        raise ManifestError(
-            f"{source}: tokenizer.kind {manifest.tokenizer.kind!r} is not supported yet; use 'byte'"
-        )
-    if manifest.topology.pipeline_parallel != 1:
-        raise ManifestError(
-            f"{source}: topology.pipeline_parallel is {manifest.topology.pipeline_parallel}, but "
-            "fp8ops trains without pipeline parallelism so far; set it to 1"
-        )
-    if manifest.model.init_checkpoint is not None and not resuming:
-        weights.read_weights_meta(
-            Path(manifest.model.init_checkpoint), field=f"{source}: model.init_checkpoint"
-        )
 
 
 def _peak_memory_mib() -> float:

@@ -333,3 +333,44 @@ def test_plan_refuses_environment_drift_before_building_anything(paused):
         plan_resume(paused, environment=other)
     plan = plan_resume(paused, environment=other, accept_drift="new torch, same numerics")
     assert plan.new_revisions == [] and plan.accepted_reason == "new torch, same numerics"
+
+
+# -- stop requests -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sigusr1_to_one_rank_stops_both_at_one_step_and_resume_finishes(manifest, tmp_path):
+    """The signal reaches rank 1 only; the ranks agree on the stop step (an all-reduce of their
+    flags), checkpoint it together and exit with 75; the resume then completes the run."""
+    import os
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "fp8ops", "train", str(manifest), "--run-dir", str(run), "--no-progress",
+         "--set", "topology.tensor_parallel=2", "--set", "schedule.train_steps=40",
+         "--set", "schedule.checkpoint_interval=100"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (
+        (run / "metrics.jsonl").exists() and len(read_jsonl(run / "metrics.jsonl")) >= 2
+    ):
+        time.sleep(0.2)
+    workers = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True)
+    pids = sorted(int(p) for p in workers.stdout.split())
+    assert len(pids) == 2, workers
+    rank1 = next(p for p in pids if "RANK=1\0" in Path(f"/proc/{p}/environ").read_text())
+    os.kill(rank1, signal.SIGUSR1)
+    out, _ = process.communicate(timeout=120)
+    assert process.returncode != 0, out[-2000:]  # torchrun reports the workers' exit 75
+    assert "exit 75" in out
+    status = read_status(run)
+    assert (status["state"], status["reason"]) == ("interrupted", "another rank was asked to stop")
+    step = status["step"]
+    assert 2 <= step < 40 and read_meta(run / "checkpoints" / status["checkpoint"]).step == step
+    _ok(_torchrun("resume", run))
+    assert read_status(run)["state"] == "completed"
+    assert [m["step"] for m in read_metrics(run)] == list(range(1, 41))

@@ -203,10 +203,11 @@ def test_sigkill_leaves_the_store_readable_up_to_its_last_commit(manifest, tmp_p
     assert store.module_history(TARGET)["input.scale"].notna().all()
 
 
-def test_sigterm_flushes_telemetry_and_marks_the_run_failed(manifest, tmp_path):
+def _start_long_run(manifest, tmp_path, steps_logged: int):
+    """A 200-step run in a subprocess, returned once it has logged ``steps_logged`` steps."""
     manifest_file = write_manifest(
-        # Blocks of 64 steps: whatever reaches the store before step 64 got there by the flush
-        # on the failure path, not by a block filling up.
+        # Blocks of 64 steps: whatever reaches the store before step 64 got there by a flush
+        # on the stop or failure path, not by a block filling up.
         derive(
             manifest,
             {"schedule.train_steps": 200, "telemetry.flush_steps": 64},
@@ -224,18 +225,40 @@ def test_sigterm_flushes_telemetry_and_marks_the_run_failed(manifest, tmp_path):
     while time.monotonic() < deadline:
         time.sleep(0.3)
         metrics = run / "metrics.jsonl"
-        if metrics.exists() and len(read_jsonl(metrics)) >= 9:  # past two 4-step blocks
+        if metrics.exists() and len(read_jsonl(metrics)) >= steps_logged:
             break
+    return process, run
+
+
+def test_sigterm_checkpoints_at_the_step_boundary_and_asks_for_a_requeue(manifest, tmp_path):
+    process, run = _start_long_run(manifest, tmp_path, 9)  # past two 4-step blocks
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 75, err[-2000:]  # "requeue me", not a failure
+    assert "SIGTERM" in err and "requeue" in err
+    status = json.loads((run / "status.json").read_text())
+    assert (status["state"], status["reason"]) == ("interrupted", "SIGTERM")
+    step = status["step"]
+    meta = read_meta(run / "checkpoints" / status["checkpoint"])
+    assert (meta.step, meta.reason) == (step, "requested: SIGTERM")
+    # The step that was running finished; every logged step is in the store, committed.
+    assert len(read_jsonl(run / "metrics.jsonl")) == step < 64
+    assert open_run(run).committed_steps[0] == meta.telemetry_committed == step
+
+
+def test_a_second_sigterm_does_not_wait_and_marks_the_run_failed(manifest, tmp_path):
+    process, run = _start_long_run(manifest, tmp_path, 9)
+    process.send_signal(signal.SIGTERM)
+    time.sleep(0.3)  # two at once would merge into one pending signal
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=60)
     assert process.returncode == 143, err[-2000:]
-    assert "SIGTERM" in err
     status = json.loads((run / "status.json").read_text())
     assert status["state"] == "failed" and "Terminated" in status["error"]
     logged = len(read_jsonl(run / "metrics.jsonl"))
     committed = open_run(run).committed_steps[0]
-    # Every step that reached the store is committed (the signal may land between a step's
-    # metrics line and its telemetry row).
+    # Flushed on the failure path (the signal may land between a step's metrics line and its
+    # telemetry row).
     assert logged < 64 and committed in (logged, logged - 1) and committed >= 8
 
 

@@ -7,45 +7,18 @@ Reading order: :func:`run_training` (a new run, or ``--resume``), :func:`resume_
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import threading
 from pathlib import Path
 
 import torch.distributed as dist
 
-from fp8ops.errors import Fp8opsError, ManifestError
+from fp8ops.errors import ManifestError
 from fp8ops.manifest import derive, load_manifest
 from fp8ops.manifest.schema import Manifest
 from fp8ops.train import weights
 from fp8ops.train.distributed import init_distributed, shutdown_distributed
 from fp8ops.train.run_dir import RunAlreadyComplete, RunDir
+from fp8ops.train.signals import Interrupted, stop_on_signals
 from fp8ops.train.trainer import Trainer, TrainResult
-
-
-class Terminated(Fp8opsError):
-    """SIGTERM (a scheduler's kill, torchrun tearing down a failed job): the run records what
-    it has, telemetry included, marks itself failed and exits 143 (128 + SIGTERM)."""
-
-    exit_code = 143
-
-
-@contextlib.contextmanager
-def _sigterm_raises():
-    """Turn SIGTERM into :class:`Terminated` in the main thread, so the failure path runs
-    (Python's default action would end the process without flushing anything)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def terminate(signum, frame):
-        raise Terminated("received SIGTERM; the run stopped where it was (see status.json)")
-
-    previous = signal.signal(signal.SIGTERM, terminate)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def run_training(
@@ -72,8 +45,7 @@ def run_training(
         return _resume(plan, str(manifest_path), progress, stop_at)
     manifest, lineage = _locked_manifest(Path(manifest_path), assignments or {})
     source = str(manifest_path)
-    with _sigterm_raises():
-        return _run(manifest, lineage, source, Path(run_dir), progress, stop_at=stop_at)
+    return _run(manifest, lineage, source, Path(run_dir), progress, stop_at=stop_at)
 
 
 def resume_training(
@@ -102,8 +74,7 @@ def _resume(plan, source: str, progress: bool, stop_at: int | None) -> TrainResu
             "nothing to train. To train longer, raise schedule.train_steps "
             '(--set schedule.train_steps=N --accept-drift "why")'
         )
-    with _sigterm_raises():
-        return _run(plan.manifest, None, source, plan.run_dir, progress, plan=plan, stop_at=stop_at)
+    return _run(plan.manifest, None, source, plan.run_dir, progress, plan=plan, stop_at=stop_at)
 
 
 def _run(manifest, lineage, source: str, run_dir: Path, progress: bool, *, plan=None,
@@ -111,22 +82,31 @@ def _run(manifest, lineage, source: str, run_dir: Path, progress: bool, *, plan=
     if plan is None:
         RunDir.check_free(run_dir, manifest)
     _check_inputs(manifest, source, resuming=plan is not None)
-    ranks = init_distributed(manifest.topology, source=source)
-    try:
-        if plan is None:
-            RunDir.check_free(run_dir, manifest)  # again, now that every rank is up
-        dist.barrier()  # nobody checks after rank 0 has started writing
+    with stop_on_signals() as stop_request:
+        ranks = init_distributed(manifest.topology, source=source)
         try:
-            trainer = Trainer(
-                manifest, lineage, Path(run_dir), ranks, progress=progress, resume=plan
-            )
-        except ManifestError as exc:
-            if str(exc).startswith(source):
-                raise
-            raise type(exc)(f"{source}: {exc}") from None  # name the file, as load errors do
-        return trainer.train(stop_at=stop_at)
-    finally:
-        shutdown_distributed()
+            if plan is None:
+                RunDir.check_free(run_dir, manifest)  # again, now that every rank is up
+            dist.barrier()  # nobody checks after rank 0 has started writing
+            try:
+                trainer = Trainer(
+                    manifest, lineage, Path(run_dir), ranks, progress=progress, resume=plan,
+                    stop_request=stop_request,
+                )  # fmt: skip
+            except ManifestError as exc:
+                if str(exc).startswith(source):
+                    raise
+                raise type(exc)(f"{source}: {exc}") from None  # name the file, as load errors do
+            result = trainer.train(stop_at=stop_at)
+        finally:
+            shutdown_distributed()
+    if result.interrupted_by is not None:
+        raise Interrupted(
+            f"stopped at step {result.steps} ({result.interrupted_by}) after a checkpoint; "
+            f"exit {Interrupted.exit_code} asks the scheduler to requeue the job, which resumes "
+            f"with `fp8ops resume {result.run_dir}` (or train --resume)"
+        )
+    return result
 
 
 def _locked_manifest(path: Path, assignments: dict) -> tuple[Manifest, list[Manifest]]:

@@ -6,7 +6,7 @@
       manifest.yaml        the manifest the run is locked to (the derived revision under --set)
       manifests/           every revision in its lineage, content-addressed (<sha256>.yaml)
       run.json             fingerprints: manifest, environment, topology, data, tokenizer, model
-      status.json          running | paused | completed | failed | stopped, and the step (every log_interval)
+      status.json          running | paused | interrupted | completed | failed | stopped, and the step (every log_interval)
       run.lock             created exclusively when the run claims the directory
       layers.json          per-layer admission (fp8ops.admission)
       metrics.jsonl        one line per optimizer step
@@ -85,7 +85,9 @@ class RunDir:
                 "--run-dir (fp8ops never writes over existing files)"
             )
         resumable = (path / "checkpoints" / "latest").exists()
-        if resumable and status.get("state") in ("paused", "failed", "stopped", "running"):
+        if resumable and status.get("state") in (
+            "paused", "interrupted", "failed", "stopped", "running"
+        ):
             raise Fp8opsError(
                 f"--run-dir {str(path)!r} holds a {status.get('state')} run with checkpoints; "
                 f"continue it with `fp8ops resume {path}` (or `fp8ops train MANIFEST --resume "

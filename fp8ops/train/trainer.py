@@ -34,6 +34,7 @@ from fp8ops.train.distributed import Ranks
 from fp8ops.train.environment import environment_fingerprint
 from fp8ops.train.optimizer import MainParamsOptimizer, learning_rate
 from fp8ops.train.run_dir import RunDir
+from fp8ops.train.signals import REQUEST_FILE
 
 
 class StopRun(Fp8opsError):
@@ -57,7 +58,8 @@ class TrainResult:
     last_eval_loss: float | None
     seconds: float
     first_step: int = 1  # of this segment
-    paused: bool = False  # --stop-at: checkpointed and left to resume
+    paused: bool = False  # --stop-at or a stop request: checkpointed and left to resume
+    interrupted_by: str | None = None  # the stop request (signal, request file) that ended it
     resume_summary: list[str] | None = None
 
 
@@ -66,10 +68,11 @@ class Trainer:
 
     def __init__(
         self, manifest: Manifest, lineage: list[Manifest] | None, run_dir: Path, ranks: Ranks,
-        *, progress: bool = True, resume=None,
+        *, progress: bool = True, resume=None, stop_request=None,
     ):  # fmt: skip
         """``lineage``: the manifest's revisions, root first, for a new run; ``resume``: a
-        :class:`~fp8ops.checkpoint.ResumePlan` to continue a run from instead."""
+        :class:`~fp8ops.checkpoint.ResumePlan` to continue a run from instead; ``stop_request``:
+        a :class:`~fp8ops.train.signals.StopRequest` polled at every step boundary."""
         # Imported here: Megatron takes seconds to import, and `fp8ops --help` should not.
         from fp8ops.admission import apply_admission, decide_admission, write_layers_json
         from fp8ops.alerts import AlertEngine
@@ -81,6 +84,7 @@ class Trainer:
         from fp8ops.telemetry.collector import TelemetryCollector
 
         self.manifest, self.ranks, self.resume = manifest, ranks, resume
+        self.stop_request = stop_request
         self.start_step = resume.step if resume is not None else 0
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
@@ -170,11 +174,14 @@ class Trainer:
                     if finished % schedule.eval_interval == 0 or finished == schedule.train_steps:
                         last_eval = self.evaluate(finished)
                         self.check_fp8_agreement(finished)
-                    if finished == stop_at and finished < schedule.train_steps:
-                        return self._pause(finished, losses, last_eval, started)
-                    if finished % schedule.checkpoint_interval == 0 and (
-                        finished < schedule.train_steps
-                    ):
+                    if finished == schedule.train_steps:
+                        break
+                    if finished == stop_at:
+                        return self._pause(finished, losses, last_eval, started, "stop-at")
+                    if self.stop_request is not None and self.stop_request.agreed(self.run.path):
+                        return self._pause(finished, losses, last_eval, started,
+                                           self.stop_request.reason)  # fmt: skip
+                    if finished % schedule.checkpoint_interval == 0:
                         self.save_checkpoint(finished, "periodic")
             if self.telemetry is not None:  # the last steps reach the disk before "completed"
                 self.telemetry.close()
@@ -199,18 +206,24 @@ class Trainer:
             first_step=self.start_step + 1, resume_summary=self._resume_summary(),
         )  # fmt: skip
 
-    def _pause(self, step: int, losses: list[float], last_eval, started: float) -> TrainResult:
-        """``--stop-at``: a checkpoint, the run marked paused, ready for ``fp8ops resume``."""
-        path = self.save_checkpoint(step, "stop-at")
+    def _pause(self, step: int, losses: list[float], last_eval, started: float,
+               why: str) -> TrainResult:  # fmt: skip
+        """Stop at a step boundary with a checkpoint, ready for ``fp8ops resume``: ``--stop-at``
+        (status paused) or a stop request (status interrupted: requeue)."""
+        requested = why != "stop-at"
+        path = self.save_checkpoint(step, f"requested: {why}" if requested else why)
         if self.telemetry is not None:
             self.telemetry.close()
         if self.ranks.is_main:
-            self.run.set_status("paused", step=step, checkpoint=path.name)
-            self.run.event("paused", step=step, checkpoint=path.name)
+            state = "interrupted" if requested else "paused"
+            self.run.set_status(state, step=step, checkpoint=path.name, reason=why)
+            self.run.event(state, step=step, checkpoint=path.name, reason=why)
+            (self.run.path / REQUEST_FILE).unlink(missing_ok=True)  # answered
         seconds = time.perf_counter() - started
         return TrainResult(
             self.run.path, step, losses[0], losses[-1], last_eval, seconds,
             first_step=self.start_step + 1, paused=True, resume_summary=self._resume_summary(),
+            interrupted_by=why if requested else None,
         )  # fmt: skip
 
     def train_step(self, step: int) -> dict:

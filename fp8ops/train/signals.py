@@ -1,0 +1,92 @@
+"""How a training process is asked to stop: signals and a request file, turned into one agreed
+stop step.
+
+A scheduler warns before it ends a job (SLURM: ``--signal=USR1@N`` before the time limit,
+SIGTERM on preemption). Stopping mid-step loses the step; stopping on one rank but not the
+others hangs the rest in a collective. So a request only sets a flag, and at every step
+boundary the ranks all-reduce their flags (:meth:`StopRequest.agreed`): if any rank was asked,
+all of them checkpoint that step and exit with :data:`REQUEUE_EXIT` ("requeue me"), distinct
+from failure.
+
+Three ways to ask: SIGUSR1 or SIGTERM to the training processes, or a file
+``RUN_DIR/stop.request`` (what a batch script's signal trap writes: launchers such as torchrun
+do not forward SIGUSR1 to their workers). A second SIGTERM does not wait for the step boundary:
+it raises :class:`Terminated`, the failure path (exit 143).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fp8ops.errors import Fp8opsError
+
+REQUEST_FILE = "stop.request"
+REQUEUE_EXIT = 75  # EX_TEMPFAIL: the job should run again and resume
+
+
+class Terminated(Fp8opsError):
+    """A second SIGTERM (or one outside the training loop): the run records what it has,
+    telemetry included, marks itself failed and exits 143 (128 + SIGTERM)."""
+
+    exit_code = 143
+
+
+class Interrupted(Fp8opsError):
+    """The run stopped on request at a step boundary, after a checkpoint (exit 75: requeue)."""
+
+    exit_code = REQUEUE_EXIT
+
+
+class StopRequest:
+    """The flag the signal handlers set and the training loop polls."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self.terms = 0
+
+    def ask(self, reason: str) -> None:
+        self.reason = self.reason or reason
+
+    def agreed(self, run_dir: Path, group=None) -> bool:
+        """Whether any rank was asked to stop (collective: every rank calls it each step)."""
+        if self.reason is None and (Path(run_dir) / REQUEST_FILE).exists():
+            self.ask(f"{REQUEST_FILE} in the run directory")
+        flag = torch.tensor(float(self.reason is not None))
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if flag.item() and self.reason is None:
+            self.reason = "another rank was asked to stop"
+        return bool(flag.item())
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """Yield a :class:`StopRequest` set by SIGUSR1 and the first SIGTERM (main thread only;
+    elsewhere the request is never set by a signal)."""
+    request = StopRequest()
+    if threading.current_thread() is not threading.main_thread():
+        yield request
+        return
+
+    def usr1(signum, frame):
+        request.ask("SIGUSR1")
+
+    def term(signum, frame):
+        request.terms += 1
+        if request.terms > 1:
+            raise Terminated("received SIGTERM twice; the run stopped where it was")
+        request.ask("SIGTERM")
+
+    previous = {signal.SIGUSR1: signal.signal(signal.SIGUSR1, usr1),
+                signal.SIGTERM: signal.signal(signal.SIGTERM, term)}  # fmt: skip
+    try:
+        yield request
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)

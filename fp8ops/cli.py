@@ -471,7 +471,9 @@ def checkpoints_list(
     grid = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
     columns = ["", "checkpoint", "step", "reason", "saved", "manifest", "TP x DP", "MiB"]
     for name in columns + (["files"] if verify else []):
-        grid.add_column(name, justify="right" if name in ("step", "MiB") else "left")
+        # Folded, not cropped: a damaged checkpoint's row names the file to look at.
+        grid.add_column(name, justify="right" if name in ("step", "MiB") else "left",
+                        overflow="fold")  # fmt: skip
     for path in found:
         try:
             meta = read_meta(path)

@@ -374,3 +374,33 @@ def test_sigusr1_to_one_rank_stops_both_at_one_step_and_resume_finishes(manifest
     _ok(_torchrun("resume", run))
     assert read_status(run)["state"] == "completed"
     assert [m["step"] for m in read_metrics(run)] == list(range(1, 41))
+
+
+# -- what a crash can leave behind ----------------------------------------------------------------
+
+
+def test_train_resume_sets_aside_an_attempt_that_never_checkpointed(manifest, paused, cli):
+    """A job killed before its first checkpoint, then requeued: nothing to resume, so the same
+    command starts over, keeping the old attempt's records."""
+    shutil.rmtree(paused / "checkpoints")  # as if killed before the first save
+    status = json.loads((paused / "status.json").read_text())
+    (paused / "status.json").write_text(json.dumps({**status, "state": "running"}))
+    result = cli("train", manifest, "--resume", "--run-dir", paused, "--stop-at", 1,
+                 "--no-progress")  # fmt: skip
+    assert result.code == 0, result.err
+    assert "moved to" in result.err and "starts over" in result.err
+    assert (paused / "attempts" / "1" / "metrics.jsonl").exists()
+    assert [m["step"] for m in read_metrics(paused)] == [1]
+    assert read_status(paused)["state"] == "paused"
+
+
+def test_a_missing_latest_pointer_falls_back_to_the_newest_complete_checkpoint(paused, cli):
+    (paused / "checkpoints" / "latest").unlink()  # killed between the rename and the pointer
+    leftovers = [paused / "checkpoints" / ".step_00000009.partial",
+                 paused / "checkpoints" / ".step_00000001.deleting"]  # fmt: skip
+    for leftover in leftovers:
+        leftover.mkdir()
+    result = cli("resume", paused, "--stop-at", N + 1, "--no-progress")
+    assert result.code == 0, result.err
+    assert f"resumed from {checkpoint_name(N)}" in result.out
+    assert not any(leftover.exists() for leftover in leftovers)  # cleared by the next save

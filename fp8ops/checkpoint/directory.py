@@ -23,6 +23,8 @@ allow-list of torch's metadata classes before torch reads it; ``common.pt`` is l
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import hashlib
 import io
 import os
@@ -30,8 +32,6 @@ import pickle
 import re
 import shutil
 from pathlib import Path
-
-import torch
 
 from fp8ops.errors import Fp8opsError
 from fp8ops.files import atomic_write_text
@@ -71,10 +71,15 @@ class CheckpointDir:
         return sorted(found, key=lambda p: checkpoint_step(p.name))
 
     def latest(self) -> Path | None:
-        """The checkpoint ``latest`` names, or None when the run has none yet."""
+        """The checkpoint ``latest`` names, or None when the run has none yet.
+
+        Without the pointer, the newest complete checkpoint: a save killed between its rename
+        and the pointer's update left a whole checkpoint that nothing points to yet.
+        """
         pointer = self.path / LATEST
         if not pointer.is_file():
-            return None
+            complete = self.complete()
+            return complete[-1] if complete else None
         name = pointer.read_text().strip()
         if checkpoint_step(name) is None or not (self.path / name).is_dir():
             raise CheckpointError(
@@ -101,9 +106,19 @@ class CheckpointDir:
         return path
 
     def begin(self, step: int) -> Path:
-        """A fresh, empty ``.partial`` directory for the save of ``step`` (rank 0 only)."""
+        """A fresh, empty ``.partial`` directory for the save of ``step`` (rank 0 only).
+
+        Leftovers of saves and deletions that a crash cut short (hidden ``.partial`` and
+        ``.deleting`` directories, the pointer's temporary files) are removed first: one
+        process trains a run at a time (``run.lock``), so none of them is in use.
+        """
+        if self.path.is_dir():
+            for leftover in self.path.glob(".*"):
+                if leftover.is_dir():
+                    shutil.rmtree(leftover, ignore_errors=True)
+                else:
+                    leftover.unlink(missing_ok=True)
         partial = self.path / f".{checkpoint_name(step)}.partial"
-        shutil.rmtree(partial, ignore_errors=True)  # a save cut short earlier: never a checkpoint
         partial.mkdir(parents=True)
         return partial
 
@@ -183,6 +198,8 @@ def verify_files(directory: Path, expected: dict[str, dict[str, int | str]]) -> 
         )
     for file in directory.rglob(".metadata"):
         check_dcp_metadata(file)
+    import torch  # here: listing and planning read no tensors
+
     for file in directory.rglob("common.pt"):
         try:
             torch.load(file, map_location="cpu", weights_only=True)
@@ -204,8 +221,9 @@ def _advice(directory: Path) -> str:
     return f"the checkpoint {directory.name} is damaged and the run has no earlier one"
 
 
-# torch's distributed-checkpoint index: dataclasses and enums of these modules, torch dtypes,
-# torch.Size, and torch's layout lookup. Anything else in the pickle is refused unread.
+# torch's distributed-checkpoint index: the dataclasses and enums these modules define (not
+# whatever they import: pathlib.Path, torch.Tensor, writers), torch dtypes, torch.Size, and
+# torch's layout lookup. Anything else in the pickle is refused unread.
 _DCP_MODULES = {
     "torch.distributed.checkpoint.metadata",
     "torch.distributed.checkpoint.planner",
@@ -215,15 +233,21 @@ _DCP_MODULES = {
 
 class _DcpMetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        found = super().find_class(module, name) if module in _DCP_MODULES | {"torch"} else None
-        allowed = (
-            (module in _DCP_MODULES and isinstance(found, type))
-            or (module == "torch" and (name == "Size" or isinstance(found, torch.dtype)))
-            or (module, name) == ("torch.serialization", "_get_layout")
+        import torch
+
+        if module in _DCP_MODULES:
+            found = super().find_class(module, name)
+            plain = dataclasses.is_dataclass(found) or (
+                isinstance(found, type) and issubclass(found, enum.Enum)
+            )
+            if isinstance(found, type) and found.__module__ == module and plain:
+                return found
+        torch_type = module == "torch" and (
+            name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
         )
-        if not allowed:
-            raise pickle.UnpicklingError(f"{module}.{name} is not checkpoint metadata")
-        return found if found is not None else super().find_class(module, name)
+        if torch_type or (module, name) == ("torch.serialization", "_get_layout"):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not checkpoint metadata")
 
 
 def check_dcp_metadata(path: Path) -> None:

@@ -34,7 +34,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 if TYPE_CHECKING:
-    from fp8ops.precision.scaling import AmaxAlgo
+    from fp8ops.amax_algo import AmaxAlgo
 
 SCHEMA_VERSION = 1
 
@@ -368,9 +368,9 @@ class PrecisionPolicy(_Section):
 
 
 def _parse_amax_algo(name: str) -> AmaxAlgo:
-    # Imported here, not at the top: the precision package imports torch (about 2 s), and the
-    # manifest must stay importable cheaply (console, tooling). One parser, one truth.
-    from fp8ops.precision.scaling import parse_amax_algo
+    # One parser, one truth: fp8ops.amax_algo, shared with fp8ops.precision (which imports
+    # torch, as loading a manifest must not).
+    from fp8ops.amax_algo import parse_amax_algo
 
     return parse_amax_algo(name)
 

@@ -8,28 +8,23 @@ tampering shows), ``te_debug`` (the overrides as a Transformer Engine debug-API 
 Nothing here imports torch or Megatron.
 """
 
-from fp8ops.overrides.ledger import (
-    ALERT_ENGINE,
-    LEDGER,
-    Ledger,
-    LedgerError,
-    Override,
-    OverrideError,
-    Status,
-    Trigger,
-    default_user,
-)
-from fp8ops.overrides.te_debug import te_debug_yaml
+import importlib
 
+# Loaded on first use (PEP 562): `fp8ops.overrides.cli` is imported by every `fp8ops` command to
+# register its sub-commands, and the ledger's own imports (alerts, layers.json) cost a third of
+# a second that commands such as a drifted resume's refusal should not pay.
+_WHERE = {
+    "ALERT_ENGINE": "ledger", "LEDGER": "ledger", "Ledger": "ledger", "LedgerError": "ledger",
+    "Override": "ledger", "OverrideError": "ledger", "Status": "ledger", "Trigger": "ledger",
+    "default_user": "ledger", "te_debug_yaml": "te_debug",
+}  # fmt: skip
 __all__ = [
-    "ALERT_ENGINE",
-    "LEDGER",
-    "Ledger",
-    "LedgerError",
-    "Override",
-    "OverrideError",
-    "Status",
-    "Trigger",
-    "default_user",
-    "te_debug_yaml",
-]
+    "ALERT_ENGINE", "LEDGER", "Ledger", "LedgerError", "Override", "OverrideError", "Status",
+    "Trigger", "default_user", "te_debug_yaml",
+]  # fmt: skip
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich import box
@@ -17,8 +17,9 @@ from rich.console import Console
 from rich.table import Table
 
 from fp8ops.files import atomic_write_text
-from fp8ops.overrides.ledger import Ledger, Override
-from fp8ops.overrides.te_debug import NAMINGS, te_debug_yaml
+
+if TYPE_CHECKING:
+    from fp8ops.overrides.ledger import Override
 
 overrides_app = typer.Typer(
     help="Switch single layers from FP8 to BF16 through the run's reviewed ledger "
@@ -43,6 +44,14 @@ def _console() -> Console:
     return Console(highlight=False, markup=False, width=None if sys.stdout.isatty() else 160)
 
 
+def _ledger(run_dir: Path):
+    # Imported when a command runs: the ledger reads alerts and layers.json, whose modules
+    # take a third of a second to import, and every `fp8ops` command would pay for it.
+    from fp8ops.overrides.ledger import Ledger
+
+    return Ledger(run_dir)
+
+
 def _line(verb: str, o: Override) -> str:
     return f"{verb} {o.id[:12]}: {o.module} ({o.status})"
 
@@ -57,7 +66,7 @@ def stage(
     user: User = None,
 ) -> None:
     """Ask for MODULE... to run in BF16 from the next resume; another operator approves."""
-    for o in Ledger(run_dir).stage_many(modules, reason, who=user):
+    for o in _ledger(run_dir).stage_many(modules, reason, who=user):
         print(_line("staged", o))
         print(f"  approve: fp8ops overrides approve {run_dir} {o.id[:12]}")
 
@@ -70,19 +79,19 @@ def approve(
     note: Annotated[str | None, typer.Option(help="A note kept with the approval.")] = None,
 ) -> None:
     """Approve an override: the next resume runs its module in BF16."""
-    print(_line("approved", Ledger(run_dir).approve(override, who=user, note=note)))
+    print(_line("approved", _ledger(run_dir).approve(override, who=user, note=note)))
 
 
 @overrides_app.command()
 def reject(run_dir: RunDir, override: OverrideId, reason: Reason, user: User = None) -> None:
     """Reject a proposed or staged override (final)."""
-    print(_line("rejected", Ledger(run_dir).reject(override, reason, who=user)))
+    print(_line("rejected", _ledger(run_dir).reject(override, reason, who=user)))
 
 
 @overrides_app.command()
 def revoke(run_dir: RunDir, override: OverrideId, reason: Reason, user: User = None) -> None:
     """Withdraw an override; an applied one is lifted (back to FP8) at the next resume."""
-    o = Ledger(run_dir).revoke(override, reason, who=user)
+    o = _ledger(run_dir).revoke(override, reason, who=user)
     print(_line("revoked", o))
     if o.to_lift:
         print(f"  {o.module} runs in BF16 until the next resume, then in FP8 again")
@@ -97,7 +106,7 @@ def list_(
     ] = False,
 ) -> None:
     """List the overrides that are open or still to be lifted (--all: every one)."""
-    ledger = Ledger(run_dir)
+    ledger = _ledger(run_dir)
     overrides = [o for o in ledger.overrides().values() if all_ or o.is_open or o.to_lift]
     if as_json:
         for o in overrides:
@@ -122,7 +131,7 @@ def list_(
 @overrides_app.command()
 def verify(run_dir: RunDir) -> None:
     """Check the ledger's hash chain and records; exit 2 naming the first bad line."""
-    ledger = Ledger(run_dir)
+    ledger = _ledger(run_dir)
     if not ledger.path.exists():
         print(f"{ledger.path}: no ledger yet (nothing was proposed or staged)")
         return
@@ -147,9 +156,9 @@ def export_te(
     ] = "fqn",
 ) -> None:
     """TE debug-API YAML: FP8 off in the layers of the applied and approved overrides."""
-    if names not in NAMINGS:
-        raise typer.BadParameter(f"{names!r}: choose {' or '.join(NAMINGS)}", param_hint="--names")
-    text = te_debug_yaml(Ledger(run_dir), naming=names)  # type: ignore[arg-type]
+    from fp8ops.overrides.te_debug import te_debug_yaml
+
+    text = te_debug_yaml(_ledger(run_dir), naming=names)  # type: ignore[arg-type]
     if output is None:
         sys.stdout.write(text)
     else:

@@ -22,10 +22,10 @@ so a TE run given the same callable produces the same scales.
 from __future__ import annotations
 
 import math
-import re
-from dataclasses import dataclass
 
 import torch
+
+from fp8ops.amax_algo import AmaxAlgo, parse_amax_algo
 
 FLT_MAX = torch.finfo(torch.float32).max
 
@@ -35,65 +35,24 @@ BWD_GRAD_OUTPUT, BWD_GRAD_INPUT = 0, 1
 
 
 # --------------------------------------------------------------------------------------
-# Amax compute algorithms
+# Window statistics (TE's callable path)
 # --------------------------------------------------------------------------------------
 
-_ALLOWED_ALGOS = "'max', 'most_recent', 'quantile:Q' (0 < Q <= 1) or 'trimmed_max:K' (K >= 1)"
 
+def window_amax(algo: AmaxAlgo, amax_history: torch.Tensor) -> torch.Tensor:
+    """The statistic of a callable-path algorithm over the full ``[L, n]`` history.
 
-@dataclass(frozen=True)
-class AmaxAlgo:
-    """A parsed ``amax_compute_algo``.
-
-    ``kind`` is "max" or "most_recent" (TE's fused kernel) or "quantile" / "trimmed_max"
-    (window statistics on TE's callable path).
+    NaN entries count as 0, as the fused kernel's ``fmaxf`` reduction (seeded with 0)
+    ignores them.
     """
-
-    name: str
-    kind: str
-    q: float | None = None
-    k: int | None = None
-
-    @property
-    def fused(self) -> bool:
-        """True when TE would run this algorithm in its fused kernel."""
-        return self.kind in ("max", "most_recent")
-
-    def window_amax(self, amax_history: torch.Tensor) -> torch.Tensor:
-        """The statistic of a callable-path algorithm over the full ``[L, n]`` history.
-
-        NaN entries count as 0, as the fused kernel's ``fmaxf`` reduction (seeded with 0)
-        ignores them.
-        """
-        history = torch.nan_to_num(amax_history, nan=0.0, posinf=math.inf, neginf=0.0)
-        if self.kind == "quantile":
-            return torch.quantile(history, self.q, dim=0, interpolation="higher")
-        if self.kind == "trimmed_max":
-            # The (k+1)-th largest value: drop the k largest outliers of the window.
-            k = min(self.k, history.shape[0] - 1)
-            return history.topk(k + 1, dim=0).values[k]
-        raise ValueError(f"{self.name!r} is a fused algorithm, not a window statistic")
-
-
-def parse_amax_algo(name: str) -> AmaxAlgo:
-    """Parse an ``amax_compute_algo`` name, raising ``ValueError`` naming what is allowed."""
-    if not isinstance(name, str):
-        raise ValueError(f"must be a string: {_ALLOWED_ALGOS}")
-    if name in ("max", "most_recent"):
-        return AmaxAlgo(name=name, kind=name)
-    quantile = re.fullmatch(r"quantile:([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)", name)
-    if quantile:
-        q = float(quantile.group(1))
-        if not 0.0 < q <= 1.0:
-            raise ValueError(f"quantile must be in (0, 1], got {q}")
-        return AmaxAlgo(name=name, kind="quantile", q=q)
-    trimmed = re.fullmatch(r"trimmed_max:([0-9]+)", name)
-    if trimmed:
-        k = int(trimmed.group(1))
-        if k < 1:
-            raise ValueError(f"trimmed_max needs K >= 1, got {k}")
-        return AmaxAlgo(name=name, kind="trimmed_max", k=k)
-    raise ValueError(f"unknown amax_compute_algo {name!r}; allowed: {_ALLOWED_ALGOS}")
+    history = torch.nan_to_num(amax_history, nan=0.0, posinf=math.inf, neginf=0.0)
+    if algo.kind == "quantile":
+        return torch.quantile(history, algo.q, dim=0, interpolation="higher")
+    if algo.kind == "trimmed_max":
+        # The (k+1)-th largest value: drop the k largest outliers of the window.
+        k = min(algo.k, history.shape[0] - 1)
+        return history.topk(k + 1, dim=0).values[k]
+    raise ValueError(f"{algo.name!r} is a fused algorithm, not a window statistic")
 
 
 # --------------------------------------------------------------------------------------
@@ -186,13 +145,13 @@ def _callable_path_update(amax_history, scale, amax, fp8_max, margin, algo):
     """TE's unfused path (``_amax_and_scale_update``) with a window-statistic callable."""
     history = amax_history.clone()
     history[0] = amax
-    window_amax = algo.window_amax(history)
+    window = window_amax(algo, history)
     # Always rolls, even for a zero amax: old values age out (unlike the fused kernel).
     new_history = torch.roll(history, -1, dims=0)
     new_history[0] = 0.0
     # TE's _default_sf_compute, same expression and order, so same roundings.
-    sf = (fp8_max / window_amax) / (2.0**margin)
-    sf = torch.where(window_amax > 0.0, sf, scale)
-    sf = torch.where(torch.isfinite(window_amax), sf, scale)
+    sf = (fp8_max / window) / (2.0**margin)
+    sf = torch.where(window > 0.0, sf, scale)
+    sf = torch.where(torch.isfinite(window), sf, scale)
     sf = torch.where(torch.isinf(sf), torch.full_like(sf, FLT_MAX), sf)
     return new_history, sf.to(torch.float32)

@@ -17,7 +17,7 @@ import torch
 
 from fp8ops.precision.formats import Fp8Format
 from fp8ops.precision.recipe import DelayedScalingRecipe
-from fp8ops.precision.scaling import AmaxAlgo
+from fp8ops.precision.scaling import AmaxAlgo, window_amax
 
 
 def load_te_recipe_module() -> ModuleType | None:
@@ -59,7 +59,7 @@ class WindowStatistic:
         self.algo = algo
 
     def __call__(self, amax_history: torch.Tensor) -> torch.Tensor:
-        return self.algo.window_amax(amax_history)
+        return window_amax(self.algo, amax_history)
 
     def __repr__(self) -> str:  # TE keys its global buffers on the recipe's repr
         return f"WindowStatistic({self.algo.name})"

@@ -7,6 +7,5 @@ checkpoint a run starts from and the weights it ends with), ``run_dir`` (what a 
 """
 
 from fp8ops.train.launch import resume_training, run_training
-from fp8ops.train.trainer import TrainResult
 
-__all__ = ["TrainResult", "resume_training", "run_training"]
+__all__ = ["resume_training", "run_training"]

@@ -9,18 +9,26 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 import sys
+from pathlib import Path
 
-import torch
+NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")
 
 
 def environment_fingerprint() -> dict[str, str | None]:
     """Versions of Python, torch, megatron-core, Transformer Engine and the CUDA stack; ``None``
-    for what is absent. Plain strings, so it compares and serialises as JSON."""
-    cuda = torch.cuda.is_available()
+    for what is absent. Plain strings, so it compares and serialises as JSON.
+
+    Versions come from the installed distributions, and torch is only imported where an NVIDIA
+    driver is present (to ask for the CUDA stack): a resume refused for drift answers before
+    torch's second of import time.
+    """
+    cuda = NVIDIA_DRIVER.exists() and _torch_cuda()
+    if cuda:
+        import torch
     return {
         "python": platform.python_version(),
         "platform": f"{sys.platform}-{platform.machine()}",
-        "torch": torch.__version__,
+        "torch": _version("torch"),
         "megatron_core": _version("megatron-core"),
         "transformer_engine": _version("transformer-engine"),
         "cuda": torch.version.cuda if cuda else None,
@@ -28,6 +36,12 @@ def environment_fingerprint() -> dict[str, str | None]:
         "gpu": torch.cuda.get_device_name(0) if cuda else None,
         "driver": _nvidia_driver() if cuda else None,
     }
+
+
+def _torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _version(distribution: str) -> str | None:
@@ -39,7 +53,7 @@ def _version(distribution: str) -> str | None:
 
 def _nvidia_driver() -> str | None:
     try:
-        with open("/proc/driver/nvidia/version") as f:
+        with open(NVIDIA_DRIVER) as f:
             return f.readline().strip()
     except OSError:
         return None

@@ -7,18 +7,20 @@ Reading order: :func:`run_training` (a new run, or ``--resume``), :func:`resume_
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from fp8ops.errors import ManifestError
 from fp8ops.manifest import derive, load_manifest
 from fp8ops.manifest.schema import Manifest
-from fp8ops.train import weights
-from fp8ops.train.distributed import init_distributed, shutdown_distributed
 from fp8ops.train.run_dir import RunAlreadyComplete, RunDir
-from fp8ops.train.signals import Interrupted, stop_on_signals
-from fp8ops.train.trainer import Trainer, TrainResult
+
+# torch, Megatron and the trainer are imported inside _run: a resume that is refused for drift
+# (fp8ops.checkpoint.plan_resume, from one JSON file) answers in well under two seconds, before
+# any of them loads.
+if TYPE_CHECKING:
+    from fp8ops.train.trainer import TrainResult
 
 
 def run_training(
@@ -45,7 +47,8 @@ def run_training(
         return _resume(plan, str(manifest_path), progress, stop_at)
     manifest, lineage = _locked_manifest(Path(manifest_path), assignments or {})
     source = str(manifest_path)
-    return _run(manifest, lineage, source, Path(run_dir), progress, stop_at=stop_at)
+    return _run(manifest, lineage, source, Path(run_dir), progress, stop_at=stop_at,
+                start_over=resume)  # fmt: skip
 
 
 def resume_training(
@@ -78,13 +81,28 @@ def _resume(plan, source: str, progress: bool, stop_at: int | None) -> TrainResu
 
 
 def _run(manifest, lineage, source: str, run_dir: Path, progress: bool, *, plan=None,
-         stop_at: int | None = None) -> TrainResult:  # fmt: skip
-    if plan is None:
+         stop_at: int | None = None, start_over: bool = False) -> TrainResult:  # fmt: skip
+    """Start the ranks and train: a new run (``plan`` None) or a resume. ``start_over``
+    (``train --resume`` without a checkpoint): an unfinished attempt of the same manifest is
+    set aside first instead of refusing the directory."""
+    import torch.distributed as dist
+
+    from fp8ops.train.distributed import init_distributed, shutdown_distributed
+    from fp8ops.train.signals import Interrupted, stop_on_signals
+    from fp8ops.train.trainer import Trainer
+
+    if plan is None and not start_over:
         RunDir.check_free(run_dir, manifest)
     _check_inputs(manifest, source, resuming=plan is not None)
     with stop_on_signals() as stop_request:
         ranks = init_distributed(manifest.topology, source=source)
         try:
+            if start_over and ranks.is_main:
+                moved = RunDir.set_aside_unfinished(run_dir, manifest)
+                if moved is not None:
+                    print(f"{run_dir}: no checkpoint to resume from; the unfinished attempt "
+                          f"there was moved to {moved} and the run starts over", file=sys.stderr)
+            dist.barrier()
             if plan is None:
                 RunDir.check_free(run_dir, manifest)  # again, now that every rank is up
             dist.barrier()  # nobody checks after rank 0 has started writing
@@ -97,7 +115,10 @@ def _run(manifest, lineage, source: str, run_dir: Path, progress: bool, *, plan=
                 if str(exc).startswith(source):
                     raise
                 raise type(exc)(f"{source}: {exc}") from None  # name the file, as load errors do
-            result = trainer.train(stop_at=stop_at)
+            try:
+                result = trainer.train(stop_at=stop_at)
+            finally:
+                trainer.run.release()
         finally:
             shutdown_distributed()
     if result.interrupted_by is not None:
@@ -131,6 +152,8 @@ def _check_inputs(manifest: Manifest, source: str, *, resuming: bool = False) ->
             "fp8ops trains without pipeline parallelism so far; set it to 1"
         )
     if manifest.model.init_checkpoint is not None and not resuming:
+        from fp8ops.train import weights
+
         weights.read_weights_meta(
             Path(manifest.model.init_checkpoint), field=f"{source}: model.init_checkpoint"
         )

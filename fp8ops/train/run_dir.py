@@ -16,6 +16,8 @@
       checkpoints/         training checkpoints and the `latest` pointer (fp8ops.checkpoint)
       overrides.jsonl      the per-layer override ledger (fp8ops.overrides)
       fallbacks.json       modules running BF16 by approved override: since when, which revision
+      attempts/N/          an attempt that ended before its first checkpoint, set aside by a
+                           `train --resume` that started the run over
 
 A resume continues in the same directory: ``manifest.yaml`` becomes the resumed revision, the
 logs go on (a step logged again after a resume from an earlier checkpoint supersedes the
@@ -42,6 +44,7 @@ from fp8ops.manifest.schema import Manifest
 
 MANIFEST = "manifest.yaml"
 STATUS = "status.json"
+ATTEMPTS = "attempts"  # unfinished attempts without a checkpoint, set aside by train --resume
 
 
 class RunAlreadyComplete(Fp8opsError):
@@ -70,7 +73,7 @@ class RunDir:
             return
         if not path.is_dir():
             raise Fp8opsError(f"--run-dir {str(path)!r} is a file, not a directory")
-        if not any(path.iterdir()):
+        if not any(p.name != ATTEMPTS for p in path.iterdir()):
             return
         status = read_status(path)
         digest = manifest_hash(manifest)
@@ -104,6 +107,35 @@ class RunDir:
             f"--run-dir {str(path)!r} already holds a {status.get('state')} run of manifest "
             f"{str(status.get('manifest'))[:12]}; {advice}"
         )
+
+    @classmethod
+    def set_aside_unfinished(cls, path: Path, manifest: Manifest) -> Path | None:
+        """``train --resume`` with nothing to resume from: an unfinished attempt of this same
+        manifest (killed or failed before its first checkpoint) is moved into
+        ``RUN_DIR/attempts/N/``, kept for its logs, so the run can start over. Returns where it
+        went; anything else is left for :meth:`check_free` to judge (rank 0 only)."""
+        path = Path(path)
+        status = read_status(path) if path.is_dir() else None
+        if (
+            status is None
+            or status.get("state") == "completed"
+            or status.get("manifest") != manifest_hash(manifest)
+            or (path / "checkpoints" / "latest").exists()
+        ):
+            return None
+        holder = cls(path)
+        holder._hold()  # refuses while a live process trains it
+        try:
+            attempts = path / ATTEMPTS
+            earlier = len(list(attempts.iterdir())) if attempts.exists() else 0
+            target = attempts / str(earlier + 1)
+            target.mkdir(parents=True)
+            for entry in path.iterdir():
+                if entry.name != ATTEMPTS:
+                    os.replace(entry, target / entry.name)
+        finally:
+            holder.release()
+        return target
 
     @classmethod
     def claim(cls, path: Path, manifest: Manifest, lineage: list[Manifest]) -> RunDir:
@@ -144,6 +176,13 @@ class RunDir:
             atomic_write_text(run.path / MANIFEST, to_yaml(manifest))
         run.set_status("running", manifest=manifest_hash(manifest))
         return run
+
+    def release(self) -> None:
+        """Let go of ``run.lock`` (the run ended; safe to call twice, or without a lock)."""
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            lock.close()  # closing the descriptor drops the flock
+            self._lock = None
 
     def _hold(self) -> None:
         """Hold an exclusive lock on ``run.lock`` while this process trains the run (the OS

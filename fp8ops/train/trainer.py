@@ -152,6 +152,7 @@ class Trainer:
             self.telemetry = self._open_telemetry()
         except BaseException as exc:
             self._mark_failed(exc)
+            self.run.release()
             raise
 
     # -- the loop ------------------------------------------------------------------------------

@@ -1,0 +1,84 @@
+"""Shared by the checkpoint tests: the small model's runs, and surgery on a saved checkpoint.
+
+The model and schedule are tests/test_train.py's (2 layers, hidden 64: a step takes about a
+tenth of a second on a CPU); the fine-tuning manifest checkpoints at every step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from fp8ops.checkpoint.directory import META_FILE
+from fp8ops.manifest import derive, load_manifest, write_manifest
+
+MANIFESTS = Path(__file__).resolve().parents[1] / "manifests"
+SMALL_MODEL = {
+    "model.num_layers": 2, "model.hidden_size": 64, "model.ffn_hidden_size": 256,
+    "model.num_attention_heads": 4, "model.seq_length": 64,
+}  # fmt: skip
+SCHEDULE = {
+    "schedule.warmup_steps": 1, "schedule.micro_batch_size": 4, "schedule.global_batch_size": 8,
+    "schedule.log_interval": 1, "schedule.eval_iters": 4,
+}  # fmt: skip
+
+
+def write_derived(tmp: Path, name: str, parent_file: Path, changes: dict) -> Path:
+    """``parent_file`` with ``changes``, as a new revision in ``tmp/NAME.yaml``."""
+    manifest = derive(load_manifest(parent_file), changes, "test: small and short")
+    return write_manifest(manifest, tmp / f"{name}.yaml")
+
+
+def train_small_base(tmp: Path) -> Path:
+    """The small model pre-trained for 4 steps in bf16; returns its run directory (the weights
+    are in ``final/``)."""
+    from fp8ops.train import run_training
+
+    manifest = write_derived(
+        tmp, "base", MANIFESTS / "tiny-gpt-cpu-base.yaml",
+        {**SMALL_MODEL, **SCHEDULE, "schedule.train_steps": 4, "schedule.eval_interval": 4},
+    )  # fmt: skip
+    run_training(manifest, tmp / "base-run", progress=False)
+    return tmp / "base-run"
+
+
+def write_small_finetune(tmp: Path, base: Path, changes: dict | None = None) -> Path:
+    """The CPU default's FP8 fine-tuning on the small model from ``base``, checkpointing at every
+    step and keeping two, with ``changes`` on top."""
+    return write_derived(
+        tmp, "finetune", MANIFESTS / "tiny-gpt-cpu.yaml",
+        {
+            **SMALL_MODEL, **SCHEDULE,
+            "model.init_checkpoint": str(base / "final"),
+            "data.num_examples": 800,
+            "optimizer.lr": 2e-3,
+            "schedule.checkpoint_interval": 1,
+            "schedule.keep_checkpoints": 2,
+            **(changes or {}),
+        },
+    )  # fmt: skip
+
+
+# -- surgery on a checkpoint ------------------------------------------------------------------
+
+
+def edit_meta(checkpoint: Path, edit: Callable[[dict], None]) -> None:
+    """Rewrite ``fp8ops_checkpoint.json`` with ``edit`` applied to its JSON (the file is not in
+    its own hash list, so nothing else notices)."""
+    path = checkpoint / META_FILE
+    meta = json.loads(path.read_text())
+    edit(meta)
+    path.write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def rehash(checkpoint: Path, name: str) -> None:
+    """Record ``name``'s current size and sha256 in the checkpoint's hash list, as if it had
+    been saved that way: only checks beyond the hashes can then catch a change to it."""
+    data = (checkpoint / name).read_bytes()
+
+    def update(meta: dict) -> None:
+        meta["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    edit_meta(checkpoint, update)

@@ -1,0 +1,475 @@
+"""Checkpoints under real faults, no mocks: ``kill -9`` in the middle of saves, damaged files
+(truncated, changed bytes, missing, extra), a damaged ``fp8ops_checkpoint.json``, a
+``.metadata`` pickle that would run code, ``latest`` naming a checkpoint that is gone, and drift
+(manifest, environment) refused before any model is built.
+
+Each fault is made on disk as a crash, a bad disk or a person would make it, and met through the
+command line (``fp8ops resume``, ``fp8ops train --resume``, ``fp8ops checkpoints list``). The
+model is tests/test_train.py's small one (tests/checkpoint_support.py); its fine-tuning
+checkpoints after every step and keeps two, so a run spends about half its time saving.
+"""
+
+import gc
+import importlib.util
+import json
+import os
+import pickle
+import pickletools
+import re
+import select
+import shlex
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+if importlib.util.find_spec("megatron") is None:
+    pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
+
+from checkpoint_support import edit_meta, rehash, train_small_base, write_small_finetune
+
+from fp8ops.checkpoint import CheckpointDir, read_meta
+from fp8ops.checkpoint.directory import META_FILE, checkpoint_name, checkpoint_step, verify_files
+from fp8ops.files import read_jsonl
+from fp8ops.manifest import derive, load_manifest, write_manifest
+from fp8ops.train import run_training
+from fp8ops.train.run_dir import read_metrics
+from fp8ops.train.weights import META_FILE as WEIGHTS_META
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
+]
+
+WORKER = Path(__file__).parent / "workers" / "checkpoint_saver.py"
+STEPS = 14
+# The damaged-checkpoint tests start from a run paused here: checkpoints step 1 and step 2.
+PAUSED_AT = 2
+LATEST, PREVIOUS = checkpoint_name(PAUSED_AT), checkpoint_name(PAUSED_AT - 1)
+
+
+@pytest.fixture(scope="module")
+def saver():
+    """The fork server that runs the killed ``fp8ops`` processes. First in the kill test's
+    arguments, so its imports overlap the base run's training."""
+    server = Saver()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("manifests")
+    base = train_small_base(tmp)
+    # One evaluation, at the end: a kill lands in a step or a save, not in an evaluation.
+    return write_small_finetune(
+        tmp, base, {"schedule.train_steps": STEPS, "schedule.eval_interval": 1000}
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(manifest, tmp_path_factory) -> Path:
+    """The same run, never interrupted."""
+    run = tmp_path_factory.mktemp("reference") / "run"
+    run_training(manifest, run, progress=False)
+    return run
+
+
+@pytest.fixture(scope="module")
+def paused(manifest, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("paused") / "run"
+    run_training(manifest, run, progress=False, stop_at=PAUSED_AT)
+    assert [p.name for p in CheckpointDir(run).complete()] == [PREVIOUS, LATEST]
+    return run
+
+
+@pytest.fixture
+def run(paused, tmp_path) -> Path:
+    """A copy of the paused run to damage."""
+    return Path(shutil.copytree(paused, tmp_path / "run"))
+
+
+# -- kill -9 during saves --------------------------------------------------------------------
+
+# Where each kill lands: (steps past the checkpoint the process resumes from, what it waits for,
+# then seconds more). "logged": the step's metrics line, written just before its save; "saved":
+# the step's checkpoint renamed into place (`latest` not yet moved, or the oldest being deleted).
+# Measured here in a forked process: a save's first 10 ms flush telemetry and make the .partial,
+# the next ~110 ms write and hash the shards and fsync, then the rename, `latest` and the
+# deletion take 1-2 ms; the next step's line comes ~60 ms later. A process's first save takes
+# ~1.7 s more: Megatron's writer starts a multiprocessing manager (a new interpreter).
+KILLS = [
+    (2, "logged", 0.0),  # the save's start: telemetry flushed, .partial made
+    (1, "logged", 0.3),  # the first save of a process: the writer's manager starting
+    (2, "logged", 0.04),  # shards being written into the .partial
+    (3, "logged", 0.09),  # hashing, fsync
+    (2, "saved", 0.0),  # just renamed: `latest` being replaced, the oldest being deleted
+    (1, "logged", 0.125),  # about the end of a save, or just after
+]
+
+
+def test_kill_9_during_saves_leaves_a_whole_latest_and_the_resumed_run_is_bit_identical(
+    saver, manifest, reference, tmp_path, cli
+):
+    """kill, resume, kill, resume... with the same command each time (a requeued batch job's),
+    then a last resume that runs to the end."""
+    run = tmp_path / "run"
+    command = ["train", manifest, "--resume", "--run-dir", run, "--no-progress"]
+    store = CheckpointDir(run)
+    resumed_from, after_kills = [], []
+    for number, (ahead, trigger, delay) in enumerate(KILLS):
+        start = _latest_step(run)  # 0: no checkpoint yet, the command starts the run
+        target = start + ahead
+        logged = len(_logged(run))
+        # A checkpoint of this step left by an earlier process does not count as saved.
+        stale = _inode(store.path / checkpoint_name(target))
+        log = tmp_path / f"segment{number}.log"
+        pid = saver.start(log, *command)
+        _wait_until(pid, log, run, trigger, target, logged=logged, stale=stale)
+        time.sleep(delay)
+        assert saver.kill(pid) == -signal.SIGKILL, log.read_text()[-3000:]
+
+        # It trained on from where `latest` said (after a fresh start: from step 1).
+        assert _logged(run)[logged]["step"] == start + 1
+        if start:
+            resumed_from.append(start)
+        _assert_every_checkpoint_whole(run, cli)
+        hidden = sorted(p.name for p in store.path.iterdir() if p.name.startswith("."))
+        newest = store.complete()[-1].name
+        after_kills.append((f"step {target} {trigger} +{delay:.3f} s", store.latest().name,
+                            newest, hidden))  # fmt: skip
+
+    print("\nkilled at: latest, newest complete, hidden leftovers")
+    for when, latest, newest, hidden in after_kills:
+        print(f"  {when:<26} {latest}, {newest}, {hidden or '-'}")
+    # At least one kill really cut a save short (each aims at one; a save takes 0.1 s or more).
+    assert any(name.endswith(".partial") for *_, hidden in after_kills for name in hidden)
+
+    last = _latest_step(run)
+    pid = saver.start(tmp_path / "last.log", *command)
+    assert saver.wait(pid, timeout=300) == 0, (tmp_path / "last.log").read_text()[-3000:]
+    resumed_from.append(last)
+    print("after the last resume:", [p.name for p in store.path.iterdir()])
+
+    assert json.loads((run / "status.json").read_text())["state"] == "completed"
+    events = read_jsonl(run / "events.jsonl")
+    assert [e["step"] for e in events if e["event"] == "resumed"] == resumed_from
+    # Every step logged, including steps a killed process logged and a resume then trained
+    # again, has the uninterrupted run's loss and gradient norm, bit for bit.
+    expected = {m["step"]: (m["loss"], m["grad_norm"]) for m in read_metrics(reference)}
+    lines = read_jsonl(run / "metrics.jsonl")
+    assert [(m["loss"], m["grad_norm"]) for m in lines] == [expected[m["step"]] for m in lines]
+    assert [m["step"] for m in read_metrics(run)] == list(range(1, STEPS + 1))
+    final = json.loads((run / "final" / WEIGHTS_META).read_text())["fingerprint"]
+    assert final == json.loads((reference / "final" / WEIGHTS_META).read_text())["fingerprint"]
+
+
+def _latest_step(run: Path) -> int:
+    latest = CheckpointDir(run).latest()
+    return 0 if latest is None else checkpoint_step(latest.name)
+
+
+def _logged(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    return read_jsonl(path) if path.exists() else []
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except FileNotFoundError:
+        return None
+
+
+def _wait_until(pid: int, log: Path, run: Path, trigger: str, step: int, *, logged: int,
+                stale: int | None) -> None:  # fmt: skip
+    """Poll every millisecond, while the process ``pid`` runs (up to 120 s), until it has
+    logged ``step`` (a metrics line after the first ``logged``) or saved it (a checkpoint
+    directory other than ``stale``)."""
+    checkpoint = run / "checkpoints" / checkpoint_name(step)
+    deadline = time.monotonic() + 120
+    while not (
+        any(record["step"] == step for record in _logged(run)[logged:])
+        if trigger == "logged"
+        else _inode(checkpoint) not in (None, stale)
+    ):
+        if not _running(pid):
+            pytest.fail(f"the training process ended before step {step} was {trigger}:\n"
+                        f"{log.read_text()[-3000:]}")  # fmt: skip
+        if time.monotonic() > deadline:
+            pytest.fail(f"step {step} not {trigger} within 120 s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.001)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is still running (the fork server, not this process, reaps it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # the state, after "pid (name)"
+
+
+def _assert_every_checkpoint_whole(run: Path, cli) -> None:
+    store = CheckpointDir(run)
+    latest = store.latest()
+    assert latest is not None and latest in store.complete()
+    for checkpoint in store.complete():  # hidden .partial and .deleting are not among them
+        verify_files(checkpoint, read_meta(checkpoint).files)
+    listed = cli("checkpoints", "list", run, "--verify")
+    assert listed.code == 0, listed.err
+    rows = [line.split() for line in listed.out.splitlines() if "step_" in line]
+    assert [row[1] for row in rows if row[0] == "*"] == [latest.name]
+    assert [row[-1] for row in rows] == ["ok"] * len(store.complete())
+
+
+class Saver:
+    """tests/workers/checkpoint_saver.py: ``fp8ops`` commands in child processes to kill."""
+
+    def __init__(self):
+        self.server = subprocess.Popen(
+            [sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        self.children: set[int] = set()
+
+    def start(self, log: Path, *args) -> int:
+        """Start ``fp8ops ARGS`` (output to ``log``); the child's pid is its process group."""
+        # The first answer waits for the server's imports.
+        pid = int(self._ask(shlex.join(["start", str(log), *map(str, args)]), 120).split()[1])
+        self.children.add(pid)
+        return pid
+
+    def kill(self, pid: int) -> int:
+        """SIGKILL the child and every process it started; its exit code."""
+        os.killpg(pid, signal.SIGKILL)
+        return self.wait(pid, timeout=30)
+
+    def wait(self, pid: int, timeout: float) -> int:
+        code = int(self._ask(f"wait {pid}", timeout).split()[1])
+        self.children.discard(pid)
+        return code
+
+    def close(self) -> None:
+        for pid in self.children:  # left running by a failed test
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.server.stdin.close()
+        try:
+            self.server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.server.kill()
+
+    def _ask(self, line: str, timeout: float) -> str:
+        self.server.stdin.write(line + "\n")
+        self.server.stdin.flush()
+        ready, _, _ = select.select([self.server.stdout], [], [], timeout)
+        answer = self.server.stdout.readline().strip() if ready else ""
+        if not answer.startswith(("pid ", "exit ")):
+            pytest.fail(f"the fork server answered {answer!r} to {line!r} (within {timeout} s)")
+        return answer
+
+
+# -- damaged files in the latest checkpoint -------------------------------------------------
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip_bytes(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 16] = bytes(b ^ 0xFF for b in data[middle : middle + 16])
+    path.write_bytes(bytes(data))  # same size: only the hash can tell
+
+
+@pytest.mark.parametrize(
+    ("pattern", "damage", "problem"),
+    [
+        ("*.distcp", _truncate, r"\d+ bytes, but it was saved with \d+ \(truncated or replaced\)"),
+        ("*.distcp", _flip_bytes, r"its content changed since it was saved \(sha256 mismatch\)"),
+        ("common.pt", Path.unlink, "missing"),
+        ("stray.bin", lambda path: path.write_text("left by hand\n"),
+         "not part of the checkpoint as saved"),
+    ],
+    ids=["truncated", "changed-bytes", "missing", "extra"],
+)  # fmt: skip
+def test_a_damaged_file_is_named_with_the_previous_checkpoint_to_resume_from(
+    run, reference, cli, pattern, damage, problem
+):
+    latest = run / "checkpoints" / LATEST
+    file = next(iter(sorted(latest.glob(pattern))), latest / pattern)
+    damage(file)
+
+    refused = cli("resume", run, "--no-progress")
+    assert refused.code == 2
+    assert re.search(f"{re.escape(str(file))}: {problem}", refused.err), refused.err
+    assert f"The previous one is {PREVIOUS}: resume from it with --checkpoint {PREVIOUS}" in (
+        refused.err
+    )
+    listed = cli("checkpoints", "list", run, "--verify")
+    assert re.search(rf"^\*\s+{LATEST}\s.*DAMAGED", listed.out, re.MULTILINE), listed.out
+
+    # The refused resume's Trainer still holds run.lock (RunDir keeps it open until the process
+    # ends), reachable only through reference cycles from the exception pytest kept: collect it,
+    # as the end of a real `fp8ops resume` process would.
+    gc.collect()
+    resumed = cli("resume", run, "--checkpoint", PREVIOUS, "--stop-at", PAUSED_AT, "--no-progress")
+    assert resumed.code == 0, resumed.err
+    verify_files(latest, read_meta(latest).files)  # saved again, whole
+    assert read_metrics(run)[-1]["loss"] == read_metrics(reference)[PAUSED_AT - 1]["loss"]
+
+
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [
+        (lambda path: path.write_text(path.read_text()[:200]), "not valid JSON"),
+        (lambda path: edit_meta(path.parent, lambda meta: meta.pop("sampler")),
+         "sampler: Field required"),
+    ],
+    ids=["not-json", "missing-field"],
+)  # fmt: skip
+def test_a_damaged_checkpoint_record_is_named(run, cli, damage, problem):
+    record = run / "checkpoints" / LATEST / META_FILE
+    damage(record)
+    refused = cli("resume", run, "--no-progress")
+    assert refused.code == 2
+    assert f"{record}: {problem}" in refused.err
+    listed = cli("checkpoints", "list", run)
+    assert re.search(rf"^\s+{LATEST}\s+damaged:", listed.out, re.MULTILINE), listed.out
+
+
+# -- a .metadata pickle that would run code -------------------------------------------------
+
+MARKER = "fp8ops test: the pickled payload ran"
+
+
+class _Payload:
+    """Unpickled, calls ``print(MARKER)``: a harmless stand-in for ``os.system``."""
+
+    def __reduce__(self):
+        return print, (MARKER,)
+
+
+def test_a_metadata_pickle_that_would_run_code_is_refused_unread(run, cli, capsys):
+    latest = run / "checkpoints" / LATEST
+    index = latest / ".metadata"
+    # The real index with a call in front whose result is thrown away (POP): torch would load
+    # this file as the same checkpoint index, and run the call on the way.
+    real = index.read_bytes()
+    # Protocol 3: GLOBAL "builtins print", no frames; optimize() drops its memo entries, which
+    # would shift the indices the real pickle's own memo lookups use.
+    call = pickletools.optimize(pickle.dumps(_Payload(), protocol=3))
+    assert real[:1] == pickle.PROTO and call.endswith(pickle.STOP)
+    payload = real[:2] + call[2:-1] + pickle.POP + real[2:]
+    assert type(pickle.loads(payload)) is type(pickle.loads(real))
+    assert MARKER in capsys.readouterr().out  # the payload is live
+    index.write_bytes(payload)
+    rehash(latest, ".metadata")  # the hashes agree: only the allow-list stands in the way
+
+    refused = cli("resume", run, "--no-progress")
+    assert refused.code == 2
+    assert f"{index}: not a plain torch checkpoint index" in refused.err
+    assert "builtins.print is not checkpoint metadata" in refused.err
+    listed = cli("checkpoints", "list", run, "--verify")
+    assert re.search(rf"^\*\s+{LATEST}\s.*DAMAGED", listed.out, re.MULTILINE), listed.out
+    assert MARKER not in refused.out + refused.err + listed.out + listed.err
+
+
+def test_a_metadata_pickle_naming_a_class_a_metadata_module_only_imports_is_refused(run, cli):
+    latest = run / "checkpoints" / LATEST
+    index = latest / ".metadata"
+    # pathlib.Path("/tmp"), named through torch.distributed.checkpoint.filesystem, which imports
+    # it: a class, found in an allowed module, and no checkpoint metadata.
+    path = b"/tmp"
+    index.write_bytes(
+        pickle.PROTO + b"\x03" + pickle.GLOBAL + b"torch.distributed.checkpoint.filesystem\nPath\n"
+        + pickle.BINUNICODE + struct.pack("<I", len(path)) + path + pickle.TUPLE1 + pickle.REDUCE
+        + pickle.STOP
+    )  # fmt: skip
+    rehash(latest, ".metadata")
+    listed = cli("checkpoints", "list", run, "--verify")
+    assert re.search(rf"^\*\s+{LATEST}\s.*DAMAGED", listed.out, re.MULTILINE), listed.out
+    refused = cli("resume", run, "--no-progress")
+    assert refused.code == 2
+    assert "torch.distributed.checkpoint.filesystem.Path is not checkpoint metadata" in refused.err
+
+
+# -- latest naming a checkpoint that is gone ----------------------------------------------------
+
+
+def test_latest_naming_a_checkpoint_that_is_gone_says_so(run, manifest, cli):
+    shutil.rmtree(run / "checkpoints" / LATEST)
+    for command in (["resume", run], ["train", manifest, "--resume", "--run-dir", run]):
+        refused = cli(*command, "--no-progress")
+        assert refused.code == 2
+        assert f"names {LATEST!r}, which is not a checkpoint here" in refused.err
+        assert "--checkpoint NAME" in refused.err
+
+
+# -- drift: refused from the JSON, before any model ---------------------------------------------
+
+
+def test_manifest_drift_is_refused_before_any_model_is_built(run, manifest, tmp_path):
+    edited = write_manifest(
+        derive(load_manifest(manifest), {"optimizer.lr": 1e-3}, "test: another learning rate"),
+        tmp_path / "edited.yaml",
+    )
+    before = _files(run)
+    started = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "fp8ops", "train", str(edited), "--resume",
+         "--run-dir", str(run), "--no-progress"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    seconds = time.perf_counter() - started
+    print(f"refused in {seconds:.2f} s (with -X importtime)")
+    assert done.returncode == 4, done.stderr[-3000:]
+    assert "manifest    optimizer.lr: 0.002 -> 0.001" in done.stderr
+    assert "--accept-drift" in done.stderr
+    imported = [line for line in done.stderr.splitlines() if line.startswith("import time:")]
+    assert imported and not [line for line in imported if "megatron" in line]  # no model
+    assert _files(run) == before  # no event, no status change, nothing written
+
+
+def test_environment_drift_is_refused_and_recorded_when_accepted(run, cli):
+    latest = run / "checkpoints" / LATEST
+    edit_meta(latest, lambda meta: meta["environment"].update(torch="2.0.0+elsewhere"))
+    before = _files(run)
+    refused = cli("resume", run, "--no-progress")
+    assert refused.code == 4
+    assert f"environment torch: '2.0.0+elsewhere' -> {torch.__version__!r}" in refused.err
+    assert _files(run) == before
+
+    reason = "test: the same numerics on this torch"
+    accepted = cli("resume", run, "--accept-drift", reason, "--stop-at", PAUSED_AT + 1,
+                   "--no-progress")  # fmt: skip
+    assert accepted.code == 0, accepted.err
+    assert f"accepted drift: environment torch ({reason})" in accepted.out
+    resumed = [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "resumed"]
+    assert len(resumed) == 1
+    assert resumed[0]["drift"] == [
+        {"what": "environment", "path": "torch", "old": "2.0.0+elsewhere", "new": torch.__version__}
+    ]
+    assert resumed[0]["accepted"] == reason
+    assert resumed[0]["new_revisions"] == []  # the manifest did not change
+    saved = read_meta(run / "checkpoints" / checkpoint_name(PAUSED_AT + 1))
+    assert saved.environment["torch"] == torch.__version__
+
+
+def _files(run: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``run`` with its size and modification time."""
+    return {
+        str(path.relative_to(run)): (path.stat().st_size, path.stat().st_mtime_ns)
+        for path in run.rglob("*")
+        if path.is_file()
+    }

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fp8ops.errors import Fp8opsError, RevisionError
+from fp8ops.launch.cli import launch_app
 from fp8ops.manifest import (
     ManifestStore,
     derive,
@@ -41,6 +42,7 @@ manifest_app = typer.Typer(
 )
 app.add_typer(manifest_app, name="manifest")
 app.add_typer(overrides_app, name="overrides")
+app.add_typer(launch_app, name="launch")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -454,7 +456,8 @@ def checkpoints_list(
         bool, typer.Option(help="Also re-hash every file of every checkpoint.")
     ] = False,
 ) -> None:
-    """List RUN_DIR's checkpoints: step, why it was saved, manifest, topology, size."""
+    """List RUN_DIR's checkpoints: step, why it was saved, manifest, topology, size (exit 1
+    when one is damaged)."""
     from rich import box
 
     from fp8ops.checkpoint import CheckpointDir, CheckpointError, read_meta
@@ -468,6 +471,7 @@ def checkpoints_list(
         latest = store.latest()
     except CheckpointError:
         latest = None
+    damaged = False
     grid = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
     columns = ["", "checkpoint", "step", "reason", "saved", "manifest", "TP x DP", "MiB"]
     for name in columns + (["files"] if verify else []):
@@ -479,6 +483,7 @@ def checkpoints_list(
             meta = read_meta(path)
         except CheckpointError as exc:
             grid.add_row("", path.name, "", f"damaged: {exc}", "", "", "", "")
+            damaged = True
             continue
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
         topo = meta.topology
@@ -493,10 +498,13 @@ def checkpoints_list(
                 row.append("ok")
             except CheckpointError as exc:
                 row.append(f"DAMAGED: {exc}")
+                damaged = True
         grid.add_row(*row)
     out = _console()
     out.print(grid)
     out.print("* = latest (what `fp8ops resume` continues from)")
+    if damaged:
+        raise typer.Exit(1)  # scripts can gate on a damaged checkpoint
 
 
 # Further command groups (console, dualtrack, ...) go here, each a thin function over its

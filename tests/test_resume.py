@@ -320,9 +320,11 @@ def test_a_load_that_resets_fp8_state_is_refused(paused, monkeypatch):
     """TE's failure mode: state keys that don't match are skipped and the module keeps its fresh
     state (scale 1, empty histories). Simulated by a restore that puts nothing back."""
     monkeypatch.setattr(checkpoint_state, "restore_fp8", lambda modules, loaded: None)
+    before = {f.name: f.read_bytes() for f in paused.iterdir() if f.is_file()}
     with pytest.raises(CheckpointError, match="FP8 state after loading .* reset"):
         resume_training(paused, progress=False)
-    assert read_status(paused)["state"] == "failed"
+    # Refused before anything was written: the run is still paused, ready for a good resume.
+    assert {f.name: f.read_bytes() for f in paused.iterdir() if f.is_file()} == before
 
 
 def test_plan_refuses_environment_drift_before_building_anything(paused):
@@ -404,3 +406,54 @@ def test_a_missing_latest_pointer_falls_back_to_the_newest_complete_checkpoint(p
     assert result.code == 0, result.err
     assert f"resumed from {checkpoint_name(N)}" in result.out
     assert not any(leftover.exists() for leftover in leftovers)  # cleared by the next save
+
+
+def test_overrides_survive_requeues_and_a_resume_from_before_they_were_applied(manifest, paused,
+                                                                              cli):  # fmt: skip
+    ledger = Ledger(paused)
+    staged = ledger.stage(FC2, "saturates", who="alice")
+    ledger.approve(staged.id, who="bob")
+    assert cli("resume", paused, "--stop-at", N + 1, "--no-progress").code == 0
+    applied_records = [r for r in ledger.records() if r["kind"] == "applied"]
+    assert len(applied_records) == 1
+
+    # Back to the checkpoint from before the override: applied again from there, without a
+    # second "applied" record; the later checkpoint is set aside and `latest` moves back first.
+    back = cli("resume", paused, "--checkpoint", N, "--stop-at", N + 1, "--no-progress")
+    assert back.code == 0, back.err
+    assert [o.module for o in load_manifest(paused / "manifest.yaml").precision.overrides] == [FC2]
+    assert [r for r in ledger.records() if r["kind"] == "applied"] == applied_records
+    assert (paused / "checkpoints" / "superseded" / checkpoint_name(N + 1)).is_dir()
+    event = [e for e in read_jsonl(paused / "events.jsonl") if e["event"] == "resumed"][-1]
+    assert event["overrides_applied"] == [FC2] and event["superseded"] == [checkpoint_name(N + 1)]
+
+    # A requeue runs the manifest file, which lists no overrides: not drift, and they stay.
+    requeued = cli("train", manifest, "--resume", "--run-dir", paused, "--stop-at", N + 2,
+                   "--no-progress")  # fmt: skip
+    assert requeued.code == 0, requeued.err
+    assert [o.module for o in load_manifest(paused / "manifest.yaml").precision.overrides] == [FC2]
+    assert CheckpointDir(paused).latest().name == checkpoint_name(N + 2)
+
+
+def test_changes_a_checkpoint_cannot_be_loaded_into_are_refused_even_when_accepted(paused, cli):
+    for change, why in (("model.hidden_size=128", "shapes"), ("seeds.data=7", "data order"),
+                        ("precision.enabled=false", None)):  # fmt: skip
+        result = cli("resume", paused, "--set", change, "--accept-drift", "try", "--stop-at",
+                     N + 1, "--no-progress")  # fmt: skip
+        if why is None:  # FP8 off is loadable: the saved FP8 state is just not used
+            assert result.code == 0, result.err
+            continue
+        assert result.code == 4 and why in result.err, result.err
+
+
+def test_other_alert_thresholds_resume_with_fresh_windows(paused, cli):
+    result = cli("resume", paused, "--set", "alerts.window_steps=7", "--accept-drift",
+                 "wider windows", "--stop-at", N + 1, "--no-progress")  # fmt: skip
+    assert result.code == 0, result.err
+
+
+def test_stop_at_outside_the_remaining_steps_is_refused_up_front(paused, cli):
+    for step in (N, 2 * N):
+        result = cli("resume", paused, "--stop-at", step, "--no-progress")
+        assert result.code == 2 and "--stop-at" in result.err
+    assert read_status(paused)["state"] == "paused"

@@ -9,6 +9,7 @@
         .metadata, *.distcp, common.pt, metadata.json   (dist_checkpointing's files)
       step_00000200/
       latest                    the name of the newest complete checkpoint, replaced atomically
+      superseded/               checkpoints after the one a resume went back to (kept, unused)
       .step_00000300.partial/   a save in progress (or cut short): never read
 
 A save writes into the hidden ``.partial`` directory, renames it into place when complete, and
@@ -38,6 +39,7 @@ from fp8ops.files import atomic_write_text
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
+SUPERSEDED = "superseded"  # checkpoints after the one a resume went back to
 META_FILE = "fp8ops_checkpoint.json"
 _NAME = re.compile(r"step_(\d{8})")
 
@@ -130,14 +132,36 @@ class CheckpointDir:
                 _fsync_path(file)
         _fsync_path(partial)
         final = self.path / checkpoint_name(step)
-        if final.exists():  # a rerun of the same step (after a resume from an earlier one)
-            _remove(final)
+        replaced = None
+        if final.exists():  # the same step saved again (a resume at or before it, then a stop)
+            replaced = final.with_name(f".{final.name}.replaced")
+            os.replace(final, replaced)  # renamed, not yet deleted: `latest` may still name it
         os.replace(partial, final)
         _fsync_path(self.path)
         atomic_write_text(self.path / LATEST, final.name + "\n")
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
         for old in self.complete()[:-keep]:
             _remove(old)
         return final
+
+    def rewind(self, checkpoint: Path) -> list[Path]:
+        """A resume from ``checkpoint`` when later ones exist: those move to ``superseded/``
+        (kept, never loaded or pruned) and ``latest`` names ``checkpoint``, so a requeue before
+        the next save continues this run, not the abandoned one (rank 0 only)."""
+        later = [p for p in self.complete() if checkpoint_step(p.name) > checkpoint_step(
+            checkpoint.name)]  # fmt: skip
+        if not later and (self.path / LATEST).is_file() and self.latest() == checkpoint:
+            return []
+        atomic_write_text(self.path / LATEST, checkpoint.name + "\n")  # first: never a gap
+        moved = []
+        for path in later:
+            target = self.path / SUPERSEDED / path.name
+            shutil.rmtree(target, ignore_errors=True)
+            target.parent.mkdir(exist_ok=True)
+            os.replace(path, target)
+            moved.append(target)
+        return moved
 
 
 def _remove(path: Path) -> None:
@@ -190,7 +214,12 @@ def verify_files(directory: Path, expected: dict[str, dict[str, int | str]]) -> 
                 f"{file}: its content changed since it was saved (sha256 mismatch); "
                 f"{_advice(directory)}"
             )
-    extra = sorted(set(file_digests(directory)) - set(expected))
+    present = {
+        f.relative_to(directory).as_posix()
+        for f in directory.rglob("*")
+        if f.is_file() and f.name != META_FILE
+    }
+    extra = sorted(present - set(expected))
     if extra:
         raise CheckpointError(
             f"{directory / extra[0]}: not part of the checkpoint as saved; remove it or "

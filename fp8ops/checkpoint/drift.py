@@ -1,9 +1,11 @@
 """Drift: how what a resume would run differs from what the checkpoint was made under.
 
-Three things are compared before any model is built: the manifest (field by field, its
-revision bookkeeping aside), the environment fingerprint (Python, torch, megatron-core, TE,
-CUDA, GPU) and the topology. Any difference refuses the resume (exit code 4) unless the
-operator accepts it with a reason, which is then recorded as a new manifest revision.
+Compared before any model is built: the manifest (field by field, its revision bookkeeping
+aside; the topology is part of it) and the environment fingerprint (Python, torch,
+megatron-core, TE, CUDA, GPU). After the model is built the trainer adds one more: the
+admission table, should the rules have changed under an unchanged manifest. Any difference
+refuses the resume (exit code 4) unless the operator accepts it with a reason; a manifest change
+is then recorded as a new revision, and the whole drift in the ``resumed`` event.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ class DriftRefused(Fp8opsError):
 
 @dataclass(frozen=True)
 class Change:
-    what: str  # "manifest" | "environment" | "topology" | "admission"
+    what: str  # "manifest" | "environment" | "admission"
     path: str
     old: object
     new: object

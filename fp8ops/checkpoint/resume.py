@@ -49,6 +49,7 @@ class ResumePlan:
     applied_overrides: list = field(default_factory=list)  # ledger Overrides applied now
     lifted_overrides: list = field(default_factory=list)  # ledger Overrides revoked after use
     fp8_read: str = "own"  # "own": each state group reads its slice; "group0": all read slice 0
+    accept_drift: str | None = None  # the operator's reason, for drift found after the plan
 
     @property
     def step(self) -> int:
@@ -76,15 +77,18 @@ def plan_resume(
             f"{directory / 'manifest.yaml'}: hashes to {manifest_hash(saved)[:12]} but the "
             f"checkpoint was saved under {meta.manifest[:12]}; the checkpoint is damaged"
         )
-    requested = load_manifest(manifest_path) if manifest_path is not None else saved
+    requested = saved
+    if manifest_path is not None:
+        requested = _with_ledger_overrides(load_manifest(manifest_path), saved)
     if assignments:
         requested = derive(requested, assignments, "--set", source="--set")
 
     drift = Drift(manifest_drift(saved, requested))
     drift.changes += environment_drift(meta.environment, environment or environment_fingerprint())
     fp8_read, fp8_problem = _fp8_mapping(meta, requested)
-    if fp8_problem:  # no --accept-drift helps: there is no state to resume these ranks with
-        raise DriftRefused(f"refusing to resume from {directory}: {fp8_problem}")
+    problem = fp8_problem or _unloadable(drift)
+    if problem:  # no --accept-drift helps: the checkpoint cannot be loaded into that run
+        raise DriftRefused(f"refusing to resume from {directory}: {problem}")
     if drift and accept_drift is None:
         raise refuse(drift, str(directory), _hint(run_dir, manifest_path))
 
@@ -97,10 +101,60 @@ def plan_resume(
             new.append(manifest)
     plan = ResumePlan(
         run_dir, directory, meta, saved, manifest, new, drift, accept_drift if drift else None,
-        fp8_read=fp8_read,
+        fp8_read=fp8_read, accept_drift=accept_drift,
     )  # fmt: skip
     _apply_ledger(plan)
     return plan
+
+
+# Changes a checkpoint cannot be loaded into, accepted or not: other tensor shapes, another data
+# order, FP8 state that was never saved.
+_ARCHITECTURE = "model."
+_NOT_ARCHITECTURE = ("model.init_checkpoint", "model.fingerprint")
+_UNLOADABLE = {  # path prefix -> what changing it would do
+    "seeds.data": "the data order mid-run (the sampler's position means nothing in another "
+    "order)",
+    "data.": "the training set mid-run (the sampler's position means nothing in another set)",
+    "tokenizer.": "what the token ids the model learned mean",
+    "precision.enabled": "FP8 on or off: a checkpoint of a BF16 run holds no FP8 state to "
+    "resume with",
+}
+
+
+def _unloadable(drift: Drift) -> str | None:
+    for change in drift.changes:
+        if change.what != "manifest":
+            continue
+        path = change.path
+        if path == "precision.enabled" and change.new is False:
+            continue  # FP8 off: the saved FP8 state is simply not used
+        if path.startswith(_ARCHITECTURE) and not path.startswith(_NOT_ARCHITECTURE):
+            return (
+                f"{path} changed ({change.old!r} -> {change.new!r}): the checkpoint's weights "
+                "and optimizer state have this model's shapes; start a new run from its weights "
+                "instead (model.init_checkpoint)"
+            )
+        for prefix, what in _UNLOADABLE.items():
+            if path.startswith(prefix):
+                return (
+                    f"{path} changed ({change.old!r} -> {change.new!r}): it would change {what}; "
+                    "start a new run instead"
+                )
+    return None
+
+
+def _with_ledger_overrides(requested: Manifest, saved: Manifest) -> Manifest:
+    """``requested`` with the overrides the checkpoint's run applied from its ledger.
+
+    A manifest file (``train MANIFEST --resume``, every SLURM requeue) never lists them: a resume
+    wrote them into the run's own revision, reviewed in the ledger, so they are not drift.
+    """
+    ledger_backed = [o for o in saved.precision.overrides if o.approval is not None]
+    own = [o for o in requested.precision.overrides if o.approval is None]
+    if not ledger_backed or requested.precision.overrides == tuple(ledger_backed + own):
+        return requested
+    merged = [o.model_dump(mode="json") for o in ledger_backed + own]
+    return derive(requested, {"precision.overrides": merged}, "overrides from the run's ledger")
 
 
 def _rebase(saved: Manifest, requested: Manifest, reason: str) -> Manifest:
@@ -154,31 +208,41 @@ def _fp8_mapping(meta: CheckpointMeta, requested: Manifest) -> tuple[str, str | 
 
 
 def _apply_ledger(plan: ResumePlan) -> None:
-    """Approved overrides on (and revoked applied ones off) as one more revision."""
-    from fp8ops.overrides import Ledger
+    """Make the manifest's ledger-backed overrides what the ledger says now: approved and
+    applied ones on, revoked ones off, as one more revision (none if they already agree).
+
+    Compared with the checkpoint's manifest, not with the ledger's own "applied" records: a
+    resume from an older checkpoint (or a crash before the first checkpoint after a resume)
+    must apply them again.
+    """
+    from fp8ops.overrides import Ledger, LedgerError
 
     ledger = Ledger(plan.run_dir)
     if not ledger.path.exists():
         return
-    pending = ledger.pending_for_resume()
-    if not pending:
-        return
-    current = {o.module: o for o in plan.manifest.precision.overrides}
-    applied, lifted = [], []
-    for override in pending:
-        if override.status == "approved":
-            current[override.module] = override.as_manifest_override()
-            applied.append(override)
-        elif override.module in current:  # revoked after it was applied: back to FP8
-            del current[override.module]
-            lifted.append(override)
+    overrides = ledger.overrides()
+    approvals = {o.approval: o for o in overrides.values() if o.approval is not None}
+    in_force = {o.module: o for o in plan.manifest.precision.overrides if o.approval is not None}
+    for override in in_force.values():
+        if override.approval not in approvals:
+            raise LedgerError(
+                f"{ledger.path}: the checkpoint's manifest runs {override.module} in BF16 under "
+                f"approval {override.approval[:12]}, which the ledger no longer holds: its last "
+                "records were removed. Restore the file from a backup before resuming."
+            )
+    wanted = {o.module: o for o in overrides.values() if o.status in ("approved", "applied")}
+    applied = [o for module, o in wanted.items() if module not in in_force]
+    lifted = [approvals[o.approval] for module, o in in_force.items() if module not in wanted]
     if not applied and not lifted:
         return
-    overrides = [o.model_dump(mode="json") for o in current.values()]
+    keep = [o for o in plan.manifest.precision.overrides if o.module not in
+            {lift.module for lift in lifted}]  # fmt: skip
+    overrides_now = [o.model_dump(mode="json") for o in keep]
+    overrides_now += [o.as_manifest_override().model_dump(mode="json") for o in applied]
     words = [f"{o.module} to bf16 ({o.id[:12]})" for o in applied]
     words += [f"{o.module} back to fp8 ({o.id[:12]} revoked)" for o in lifted]
     child = derive(
-        plan.manifest, {"precision.overrides": overrides},
+        plan.manifest, {"precision.overrides": overrides_now},
         "resume applies approved overrides: " + "; ".join(words),
         source="the overrides ledger",
     )  # fmt: skip

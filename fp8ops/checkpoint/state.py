@@ -61,7 +61,7 @@ def fp8_digest(module) -> str:
     digest = hashlib.sha256()
     for key, tensor in sorted(module.fp8_meta.state_dict().items()):
         digest.update(f"{key}|{tuple(tensor.shape)}|".encode())
-        digest.update(tensor.contiguous().numpy().tobytes())
+        digest.update(tensor.detach().contiguous().cpu().numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -104,7 +104,10 @@ def _sharded_param(weights: dict, param: torch.Tensor):
     for name, sharded in weights.items():
         if sharded.data is not None and sharded.data.data_ptr() == param.data_ptr():
             return name, sharded
-    raise KeyError("a trained parameter has no entry in the model's sharded state dict")
+    raise KeyError(
+        f"a trained parameter of shape {tuple(param.shape)} has no entry in the model's sharded "
+        "state dict, so its optimizer state has no checkpoint key"
+    )
 
 
 def moment_kinds(optimizer) -> tuple[str, ...]:

@@ -64,7 +64,7 @@ def save_checkpoint(
     started = time.perf_counter()
     store = CheckpointDir(run_dir)
     main = parts.ranks.is_main
-    partial = store.begin(step) if main else None
+    partial = _on_rank0(main, lambda: store.begin(step))
     weights = state.weights_state(parts.model)
     sharded = {
         **weights,
@@ -74,15 +74,14 @@ def save_checkpoint(
     }
     digests = state.group_digests(parts.fp8_modules, parts.layout)
     fingerprint = weights_fingerprint(parts.model, parts.tp_group)
-    partial = _from_rank0(partial)
+    optimizer_steps = state.optimizer_steps(parts.optimizer)
     with _quiet_dcp():
         dist_checkpointing.save(sharded, str(partial))
     dist.barrier()
-    path = store.path / partial.name
-    if main:
+
+    def publish() -> Path:
         write_manifest(manifest, partial / "manifest.yaml")
-        history = next(iter(parts.fp8_modules.values())).fp8_meta.forward.amax_history.shape[0] if (
-            parts.fp8_modules) else 0  # fmt: skip
+        optimizer = parts.optimizer
         meta = CheckpointMeta(
             step=step,
             saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -96,34 +95,38 @@ def save_checkpoint(
             fp8=Fp8StateRecord(
                 layout=parts.layout.name,
                 groups=parts.layout.groups,
-                history_len=history,
+                history_len=_history_len(parts.fp8_modules),
                 modules=list(parts.fp8_modules),
                 digests=digests,
             ),
             sampler=sampler,
-            optimizer_steps=state.optimizer_steps(parts.optimizer),
+            optimizer_steps=optimizer_steps,
             optimizer_main=any(
-                m is not p
-                for m, p in zip(
-                    parts.optimizer.main_params, parts.optimizer.model_params, strict=True
-                )
+                m is not p for m, p in zip(optimizer.main_params, optimizer.model_params)
             ),
             telemetry_committed=telemetry_committed,
             per_rank_state=True,
             files=file_digests(partial),
         )
         write_meta(partial, meta)
-        path = store.publish(partial, step, keep)
-    dist.barrier()
+        return store.publish(partial, step, keep)
+
+    path = _on_rank0(main, publish)
     return path, time.perf_counter() - started
 
 
+def _history_len(modules: dict) -> int:
+    return next(iter(modules.values())).fp8_meta.forward.amax_history.shape[0] if modules else 0
+
+
 def load_checkpoint(parts: TrainingParts, directory: Path, meta: CheckpointMeta, *,
-                    fp8_read: str) -> float:  # fmt: skip
+                    fp8_read: str, alert_windows: bool = True) -> float:  # fmt: skip
     """Load ``directory`` into ``parts`` and verify what was restored; returns seconds taken.
 
     ``fp8_read`` is ``resume.plan_resume``'s mapping: "own" (each state group reads its own
     slice) or "group0" (a topology change over identical groups: every rank reads slice 0).
+    Per-rank state (RNG, alert windows) is restored at the same world size only, and the alert
+    windows only when ``alert_windows`` (the alert configuration is unchanged).
     """
     from megatron.core import dist_checkpointing
 
@@ -143,8 +146,9 @@ def load_checkpoint(parts: TrainingParts, directory: Path, meta: CheckpointMeta,
         read_group = 0
     sharded = {**weights, **optimizer, **fp8}
     same_world = meta.topology.world_size == parts.ranks.world_size
+    alerts = parts.alert_engine if alert_windows else None
     if same_world:
-        sharded.update(state.per_rank_state(parts.alert_engine, parts.ranks))
+        sharded.update(state.per_rank_state(alerts, parts.ranks))
     with _quiet_dcp():
         loaded = dist_checkpointing.load(sharded, str(directory))
     model_keys = {k: loaded[k] for k in weights}
@@ -159,15 +163,21 @@ def load_checkpoint(parts: TrainingParts, directory: Path, meta: CheckpointMeta,
     state.set_optimizer_steps(parts.optimizer, meta.optimizer_steps)
     state.restore_fp8(parts.fp8_modules, loaded)
     if same_world:
-        state.restore_per_rank(loaded, parts.alert_engine)
+        state.restore_per_rank(loaded, alerts)
 
-    found = weights_fingerprint(parts.model, parts.tp_group)
+    found = weights_fingerprint(parts.model, parts.tp_group)  # the same on every rank
     if found != meta.weights_fingerprint:
         raise CheckpointError(
             f"{directory}: the restored weights hash to {found[:12]}, but they were saved as "
             f"{meta.weights_fingerprint[:12]}; refusing to train on them"
         )
-    verify_fp8(parts.fp8_modules, meta, read_group, directory)
+    # Per-rank FP8 state may fail on some ranks only; all of them must stop together.
+    try:
+        verify_fp8(parts.fp8_modules, meta, read_group, directory)
+        problem = None
+    except CheckpointError as exc:
+        problem = str(exc)
+    _raise_if_any(problem)
     return time.perf_counter() - started
 
 
@@ -191,15 +201,33 @@ def verify_fp8(modules: dict, meta: CheckpointMeta, group: int, directory: Path)
 
 def _agree_files_verified(directory: Path, meta: CheckpointMeta, is_main: bool) -> None:
     """Rank 0 checks the files; every rank raises the same error if they are bad."""
-    error = None
+    _on_rank0(is_main, lambda: verify_files(directory, meta.files))
+
+
+def _on_rank0(is_main: bool, work):
+    """Run ``work`` on rank 0 and hand its result to every rank; if it fails, every rank
+    raises (the others would otherwise wait for rank 0 in the next collective forever)."""
+    result, problem = None, None
     if is_main:
         try:
-            verify_files(directory, meta.files)
-        except CheckpointError as exc:
-            error = str(exc)
-    error = _from_rank0(error)
-    if error is not None:
-        raise CheckpointError(error)
+            result = work()
+        except Exception as exc:  # noqa: BLE001 - reported on every rank, re-raised on rank 0
+            problem, failure = f"{exc}", exc
+    result, problem = _from_rank0((result, problem))
+    if problem is not None:
+        if is_main:
+            raise failure
+        raise CheckpointError(f"rank 0 failed: {problem}")
+    return result
+
+
+def _raise_if_any(problem: str | None) -> None:
+    """Every rank learns every rank's problem; all raise the first one."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problem)
+    first = next((p for p in everyone if p is not None), None)
+    if first is not None:
+        raise CheckpointError(first)
 
 
 def _from_rank0(value):

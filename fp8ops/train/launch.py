@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fp8ops.errors import ManifestError
+from fp8ops.errors import Fp8opsError, ManifestError
 from fp8ops.manifest import derive, load_manifest
 from fp8ops.manifest.schema import Manifest
 from fp8ops.train.run_dir import RunAlreadyComplete, RunDir
@@ -91,6 +91,13 @@ def _run(manifest, lineage, source: str, run_dir: Path, progress: bool, *, plan=
     from fp8ops.train.signals import Interrupted, stop_on_signals
     from fp8ops.train.trainer import Trainer
 
+    start = plan.step if plan is not None else 0
+    if stop_at is not None and not start < stop_at < manifest.schedule.train_steps:
+        raise Fp8opsError(
+            f"--stop-at {stop_at}: the run is at step {start} of {manifest.schedule.train_steps}; "
+            f"give a step after {start} and before {manifest.schedule.train_steps} (the last "
+            "step is always checkpointed)"
+        )
     if plan is None and not start_over:
         RunDir.check_free(run_dir, manifest)
     _check_inputs(manifest, source, resuming=plan is not None)

@@ -127,8 +127,8 @@ class RunDir:
         holder._hold()  # refuses while a live process trains it
         try:
             attempts = path / ATTEMPTS
-            earlier = len(list(attempts.iterdir())) if attempts.exists() else 0
-            target = attempts / str(earlier + 1)
+            numbers = [int(a.name) for a in attempts.glob("*") if a.name.isdigit()]
+            target = attempts / str(max(numbers, default=0) + 1)
             target.mkdir(parents=True)
             for entry in path.iterdir():
                 if entry.name != ATTEMPTS:

@@ -127,6 +127,7 @@ class Trainer:
         )  # fmt: skip
         if resume is not None:
             self._check_admission(resume)
+            self._load_checkpoint(resume)  # loaded and verified before anything is written
 
         dist.barrier()  # every rank has passed every check
         if not ranks.is_main:
@@ -148,7 +149,9 @@ class Trainer:
             if resume is None:
                 self._record_run_info(self.amax_group)
             else:
-                self._restore(resume)
+                self._record_resume(resume)
+            if ranks.is_main:
+                self._write_fallbacks()
             self.telemetry = self._open_telemetry()
         except BaseException as exc:
             self._mark_failed(exc)
@@ -362,7 +365,11 @@ class Trainer:
                     if a.get("module") == proposal.module and a["step"] == proposal.step
                     and a.get("metric") is not None
                 ]  # fmt: skip
-                self.ledger.propose(proposal.module, proposal.reason, triggers, proposal.step)
+                try:
+                    self.ledger.propose(proposal.module, proposal.reason, triggers, proposal.step)
+                except Fp8opsError as exc:  # an operator's damaged ledger must not end training
+                    self.run.event("proposal_not_recorded", module=proposal.module,
+                                   step=proposal.step, error=str(exc))  # fmt: skip
         stops = [a for a in everyone if a["level"] == "stop"]
         if stops:
             raise StopRun(stops[0]["message"], stops)
@@ -452,42 +459,63 @@ class Trainer:
             tp_group=self.tp_group,
         )  # fmt: skip
 
-    def _restore(self, plan) -> None:
+    def _load_checkpoint(self, plan) -> None:
         """Load the plan's checkpoint into the model, optimizer, FP8 state, data position and
-        alert windows, verified; record the resume and any overrides it applies."""
+        alert windows, and verify it (collective). Nothing on disk changes here."""
         from fp8ops.checkpoint.training import load_checkpoint
 
-        seconds = load_checkpoint(self._parts(), plan.checkpoint, plan.meta, fp8_read=plan.fp8_read)
+        self._load_seconds = load_checkpoint(
+            self._parts(), plan.checkpoint, plan.meta, fp8_read=plan.fp8_read,
+            # Windows of another shape (another alert configuration) start empty instead.
+            alert_windows=plan.saved_manifest.alerts == self.manifest.alerts,
+        )  # fmt: skip
         self.sampler.load_state_dict(plan.meta.sampler)
         self.collector.seed_previous_scales()  # the next row's scale_change continues
+
+    def _record_resume(self, plan) -> None:
+        """After the load: the ledger's applied records, ``latest`` moved back if the resume
+        left later checkpoints behind, and the ``resumed`` event (rank 0)."""
+        from fp8ops.checkpoint import CheckpointDir
+        from fp8ops.train.signals import REQUEST_FILE
+
         if not self.ranks.is_main:
             return
         digest = manifest_hash(self.manifest)
-        applied = [o.id for o in plan.applied_overrides + plan.lifted_overrides]
-        if applied:
-            from fp8ops.overrides import Ledger
-
-            Ledger(self.run.path).record_applied(applied, step=plan.step + 1, revision=digest)
-        self._write_fallbacks(plan)
+        # Only first applications and first lifts are new to the ledger; re-applying after a
+        # resume from an older checkpoint is in the event below.
+        news = [o.id for o in plan.applied_overrides if o.status == "approved"]
+        news += [o.id for o in plan.lifted_overrides if o.to_lift]
+        if news:
+            self.ledger.record_applied(news, step=plan.step + 1, revision=digest)
+        superseded = CheckpointDir(self.run.path).rewind(plan.checkpoint)
+        (self.run.path / REQUEST_FILE).unlink(missing_ok=True)  # a request the last run missed
         self.run.event(
             "resumed", step=plan.step, checkpoint=plan.checkpoint.name, manifest=digest,
             new_revisions=[manifest_hash(m) for m in plan.new_revisions],
             drift=plan.drift.to_json(), accepted=plan.accepted_reason,
             overrides_applied=[o.module for o in plan.applied_overrides],
             overrides_lifted=[o.module for o in plan.lifted_overrides],
+            superseded=[p.name for p in superseded],
             fp8_state=plan.fp8_read, environment=environment_fingerprint(),
-            command=sys.argv, load_seconds=round(seconds, 3),
+            command=sys.argv, load_seconds=round(self._load_seconds, 3),
         )  # fmt: skip
 
-    def _write_fallbacks(self, plan) -> None:
-        """``fallbacks.json``: module -> dtype, reason, step it took effect, revision."""
+    def _write_fallbacks(self) -> None:
+        """``fallbacks.json``: module -> dtype, reason, the step it took effect, revision. An
+        entry keeps its first step across resumes; a lifted one is gone."""
         path = self.run.path / "fallbacks.json"
+        if not self.manifest.precision.overrides and not path.exists():
+            return
         before = json.loads(path.read_text()) if path.exists() else {}
         table = {}
         for override in self.manifest.precision.overrides:
-            table[override.module] = before.get(override.module) or {
+            earlier = before.get(override.module)
+            if earlier is not None and earlier.get("approval") == override.approval:
+                table[override.module] = earlier
+                continue
+            table[override.module] = {
                 "dtype": override.dtype, "reason": override.reason,
-                "approval": override.approval, "from_step": plan.step + 1,
+                "approval": override.approval, "from_step": self.start_step + 1,
                 "revision": manifest_hash(self.manifest),
             }  # fmt: skip
         self.run.write_json("fallbacks.json", table)
@@ -497,11 +525,14 @@ class Trainer:
         from fp8ops.checkpoint.drift import Change, Drift, refuse
 
         found = self._admission_hash()
-        if found == plan.meta.admission or plan.new_revisions or plan.accepted_reason:
+        if found == plan.meta.admission or plan.new_revisions:
             return
-        drift = Drift([Change("admission", "layers.json table", plan.meta.admission, found)])
-        raise refuse(
-            drift, str(plan.checkpoint),
+        change = Change("admission", "layers.json table", plan.meta.admission, found)
+        if plan.accept_drift is not None:
+            plan.drift.changes.append(change)  # recorded in the resumed event
+            plan.accepted_reason = plan.accept_drift
+            return
+        raise refuse(Drift([change]), str(plan.checkpoint),
             "The manifest is unchanged, so the admission rules themselves changed (another "
             "fp8ops version?); compare with `fp8ops inspect RUN_DIR --layers`, then accept the "
             'change with --accept-drift "reason"',
@@ -515,10 +546,10 @@ class Trainer:
         return table_hash(self.admission.rows, RecipeRecord.from_recipe(self.recipe))
 
     def _revision_hashes(self) -> list[str]:
-        from fp8ops.manifest import ManifestStore
-
         """The manifest's revision chain, root first, as far as the run knows it (a manifest
         file that is itself a revision names a parent the run may not hold)."""
+        from fp8ops.manifest import ManifestStore
+
         if not self.ranks.is_main:
             return []
         store = ManifestStore(self.run.path / "manifests")

@@ -1,0 +1,54 @@
+"""The override ledger as the console shows it: one row per FP8-capable module.
+
+A module's row joins its ``layers.json`` decision (FP8, or the base dtype and why) with its
+newest override in ``overrides.jsonl`` (``fp8ops.overrides.Ledger``): open (proposed, staged,
+approved, applied) or, when none is open, the last decided one. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from fp8ops.admission import read_layers_json
+from fp8ops.overrides import Ledger, Override
+
+
+@dataclass(frozen=True)
+class ModuleState:
+    module: str
+    precision: str  # from layers.json: fp8, or the base dtype
+    why: str  # layers.json's reason code (admitted, override, excluded, ...)
+    override: Override | None  # its open override, else its newest one
+
+    @property
+    def ledger_status(self) -> str:
+        if self.override is None:
+            return ""
+        o = self.override
+        return "applied, revoked: lifted at the next resume" if o.to_lift else o.status
+
+
+def module_states(run_dir: Path) -> list[ModuleState]:
+    """Every module that can run FP8 (admitted, or held in the base dtype by an override), in
+    layers.json order."""
+    overrides = Ledger(run_dir).overrides()
+    newest: dict[str, Override] = {}
+    for o in overrides.values():  # in ledger order: later ones replace earlier ones ...
+        if o.is_open or not (o.module in newest and newest[o.module].is_open):
+            newest[o.module] = o  # ... unless the earlier one is still open
+    rows = []
+    for row in read_layers_json(run_dir).rows:
+        if row.fp8 or row.reason.code == "override" or row.fqn in newest:
+            rows.append(ModuleState(row.fqn, row.precision, row.reason.code, newest.get(row.fqn)))
+    return rows
+
+
+def fp8_modules(run_dir: Path) -> list[str]:
+    """Modules an operator may stage: those running FP8 now (layers.json)."""
+    return [row.fqn for row in read_layers_json(run_dir).rows if row.fp8]
+
+
+def open_overrides(run_dir: Path) -> list[Override]:
+    """Overrides an operator can still act on: open ones (approve/reject/revoke)."""
+    return [o for o in Ledger(run_dir).overrides().values() if o.is_open]

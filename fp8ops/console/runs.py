@@ -1,0 +1,116 @@
+"""Which runs a runs directory holds, and what the console's header says about one.
+
+Everything here reads small JSON/YAML files (status.json, manifest.yaml, alerts.jsonl,
+layers.json, overrides.jsonl) and the telemetry marker: no torch, milliseconds per run. A file a
+run has not written yet (a run still starting, a run with FP8 off and so no store) leaves its
+field empty instead of failing the console.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fp8ops.alerts import LEVELS, Alert, read_alerts
+from fp8ops.errors import Fp8opsError
+from fp8ops.manifest import Manifest, load_manifest, manifest_hash
+from fp8ops.telemetry import TelemetryRun, open_run
+from fp8ops.telemetry.store import STORE_NAME
+
+# A directory is a run directory when it holds one of these (the trainer writes them first).
+RUN_MARKERS = ("status.json", "manifest.yaml", STORE_NAME)
+
+
+def is_run_dir(path: Path) -> bool:
+    return path.is_dir() and any((path / name).exists() for name in RUN_MARKERS)
+
+
+def find_runs(runs_dir: str | Path) -> list[Path]:
+    """The run directories in ``runs_dir`` (or ``runs_dir`` itself if it is one), the most
+    recently updated first."""
+    root = Path(runs_dir).expanduser().resolve()
+    if not root.is_dir():
+        raise Fp8opsError(f"{root}: no such runs directory")
+    if is_run_dir(root):
+        return [root]
+    runs = [p for p in root.iterdir() if is_run_dir(p)]
+    return sorted(runs, key=_updated, reverse=True)
+
+
+def _updated(run_dir: Path) -> float:
+    stamps = [(run_dir / name).stat().st_mtime for name in RUN_MARKERS if (run_dir / name).exists()]
+    return max(stamps, default=0.0)
+
+
+def read_status(run_dir: Path) -> dict:
+    """status.json (state, step, updated), or {} while the run has none. (The trainer's own
+    reader lives in fp8ops.train, whose import brings torch.)"""
+    try:
+        return json.loads((run_dir / "status.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        return {"state": f"unreadable status.json ({exc})"}
+
+
+def open_telemetry(run_dir: Path) -> TelemetryRun | None:
+    """The run's telemetry, or None when it has no store (FP8 off, not started yet)."""
+    if not (run_dir / STORE_NAME).exists():
+        return None
+    return open_run(run_dir)
+
+
+@dataclass
+class RunHeader:
+    """What the console's header shows about a run."""
+
+    run_dir: Path
+    name: str
+    manifest_hash: str | None = None
+    revision: int | None = None
+    revision_reason: str | None = None
+    recipe: str = ""
+    topology: str = ""
+    state: str = "unknown"
+    status_step: int | None = None
+    updated: str | None = None
+    last_step: int | None = None  # last committed telemetry step (rank 0)
+    ranks: int = 0
+    alerts: dict[str, int] = field(default_factory=dict)  # level -> count
+    problems: list[str] = field(default_factory=list)  # files that could not be read
+
+
+def read_header(run_dir: Path, telemetry: TelemetryRun | None, alerts: list[Alert] | None = None,
+                manifest: Manifest | None = None) -> RunHeader:  # fmt: skip
+    header = RunHeader(run_dir, run_dir.name)
+    status = read_status(run_dir)
+    header.state = status.get("state", "not started")
+    header.status_step, header.updated = status.get("step"), status.get("updated")
+    try:
+        manifest = manifest or load_manifest(run_dir / "manifest.yaml")
+    except Fp8opsError as exc:
+        header.problems.append(str(exc))
+    if manifest is not None:
+        p, t = manifest.precision, manifest.topology
+        header.name = manifest.name
+        header.manifest_hash = manifest_hash(manifest)
+        header.revision, header.revision_reason = manifest.revision.number, manifest.revision.reason
+        header.recipe = (
+            f"{p.fp8_format}, amax_history_len {p.amax_history_len}, {p.amax_compute_algo}, "
+            f"margin {p.margin}, reduce_amax {p.reduce_amax}"
+            if p.enabled else f"FP8 off ({p.base_dtype})"
+        )  # fmt: skip
+        header.topology = (
+            f"TP {t.tensor_parallel} x PP {t.pipeline_parallel} x DP {t.data_parallel} "
+            f"(world {t.world_size}, amax reduction {t.amax_reduction})"
+        )
+    if telemetry is not None:
+        header.last_step, header.ranks = telemetry.last_step(0), len(telemetry.ranks)
+    try:
+        alerts = read_alerts(run_dir) if alerts is None else alerts
+    except Fp8opsError as exc:
+        header.problems.append(str(exc))
+        alerts = []
+    header.alerts = {level: sum(a.level == level for a in alerts) for level in LEVELS}
+    return header

@@ -47,10 +47,13 @@ app.add_typer(launch_app, name="launch")
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``fp8ops`` script and ``python -m fp8ops``."""
+    rank = int(os.environ.get("RANK", "0"))
     try:
         app(args=argv, prog_name="fp8ops")
     except Fp8opsError as exc:
-        print(exc, file=sys.stderr)
+        # Errors every rank raises alike (drift, a stop request, a Stop alert) are said once.
+        if rank == 0 or not getattr(exc, "collective", False):
+            print(exc if rank == 0 else f"[rank {rank}] {exc}", file=sys.stderr)
         raise SystemExit(exc.exit_code) from None
 
 
@@ -505,6 +508,96 @@ def checkpoints_list(
     out.print("* = latest (what `fp8ops resume` continues from)")
     if damaged:
         raise typer.Exit(1)  # scripts can gate on a damaged checkpoint
+
+
+# --------------------------------------------------------------------------------------
+# fp8ops console, fp8ops whatif (fp8ops.console; docs/console.md)
+# --------------------------------------------------------------------------------------
+
+
+@app.command("console")
+def console_(
+    runs_dir: Annotated[
+        Path, typer.Argument(help="A directory of runs, or one run directory.")
+    ] = Path("runs"),
+    user: Annotated[
+        str | None,
+        typer.Option(
+            help="Who acts in the ledger (default: $FP8OPS_USER, else the login name).",
+            show_default=False,
+        ),
+    ] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default: a free one).")] = None,
+) -> None:
+    """Serve the ops console (Voila, 127.0.0.1 only) and print its URL; Ctrl-C stops it."""
+    from fp8ops.console.server import serve  # no ipywidgets, plotly or torch in this process
+
+    serve(runs_dir, user, port, echo=lambda line: print(line, flush=True))
+
+
+@app.command("whatif")
+def whatif_(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory.", show_default=False)],
+    history_len: Annotated[
+        int | None, typer.Option(min=1, help="amax_history_len to try (default: the run's).")
+    ] = None,
+    algo: Annotated[
+        str | None,
+        typer.Option(
+            help="amax_compute_algo to try: max, most_recent, quantile:Q, trimmed_max:K "
+            "(default: the run's)."
+        ),
+    ] = None,
+    margin: Annotated[int | None, typer.Option(min=0, help="margin (default: the run's).")] = None,
+    module: Annotated[
+        str | None, typer.Option(help="Only modules matching this glob.", show_default=False)
+    ] = None,
+    slot: Annotated[
+        list[str] | None,
+        typer.Option(help="input, weight or grad_output (repeatable; default: all three)."),
+    ] = None,
+    steps: Annotated[
+        int, typer.Option(min=0, help="Replay the last N committed steps (0: all of them).")
+    ] = 10_000,
+    top: Annotated[int, typer.Option(min=1, help="How many rows to print.")] = 20,
+    rank: Annotated[int, typer.Option(min=0, help="Whose telemetry.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Every row as JSON.")] = False,
+) -> None:
+    """Replay recorded amaxes through TE's delayed-scaling update under another window: the
+    steps that would have overflowed and the headroom left, against the run's own settings."""
+    import json
+
+    from rich import box
+
+    from fp8ops.console.whatif import SLOTS, report
+
+    result = report(run_dir, history_len=history_len, algo=algo, margin=margin, module=module,
+                    slots=slot or SLOTS, steps=steps, rank=rank)  # fmt: skip
+    if as_json:
+        print(json.dumps(result.to_json(), indent=1))
+        return
+    out = _console()
+    if not out.is_terminal:
+        out.width = 200
+    out.print(f"{run_dir}: steps {result.first_step}-{result.last_step}, rank {rank}; run's "
+              f"window: {result.own}; what-if: {result.other}")  # fmt: skip
+    grid = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for name in ("module", "slot", "overflow steps: run", "what-if", "median headroom bits: run",
+                 "what-if", "p10: run", "what-if", "first what-if overflows"):  # fmt: skip
+        grid.add_column(name, overflow="fold", justify="left" if name == "module" else "right")
+    for r in result.rows[:top]:
+        grid.add_row(
+            r.module, r.slot, str(r.run.overflow_steps), str(r.what_if.overflow_steps),
+            f"{r.run.headroom_median:.2f}", f"{r.what_if.headroom_median:.2f}",
+            f"{r.run.headroom_p10:.2f}", f"{r.what_if.headroom_p10:.2f}",
+            ", ".join(map(str, r.what_if.first_overflows)),
+        )  # fmt: skip
+    out.print(grid)
+    run_total = sum(r.run.overflow_steps for r in result.rows)
+    what_if_total = sum(r.what_if.overflow_steps for r in result.rows)
+    out.print(f"{len(result.rows)} module slots; overflowing steps in all: run {run_total}, "
+              f"what-if {what_if_total} (headroom: log2(fp8_max / (amax x scale)) per step; "
+              "docs/console.md says what the replay approximates)")  # fmt: skip
 
 
 # Further command groups (console, dualtrack, ...) go here, each a thin function over its

@@ -21,6 +21,7 @@ class DriftRefused(Fp8opsError):
     """A resume whose manifest, environment or topology differs from its checkpoint's."""
 
     exit_code = 4
+    collective = True  # every rank raises it; rank 0 says so
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,13 @@ def slurm(
         requeue=chain == 1 if requeue is None else requeue, container_image=container_image,
         container_mounts=container_mounts, sbatch_args=tuple(sbatch_arg or ()),
     )  # fmt: skip
+    if job.tensor_parallel > job.procs_per_node:
+        # Megatron runs it, but slowly: a tensor-parallel group wider than a node.
+        print(
+            f"warning: topology.tensor_parallel {job.tensor_parallel} spans more than one node "
+            f"({job.procs_per_node} ranks each): every layer's collectives cross the network",
+            file=sys.stderr,
+        )
     if dry_run:
         sys.stdout.write(render(job))
         return

@@ -49,6 +49,8 @@ class SlurmJob:
     nodes: int
     procs_per_node: int
     """Ranks per node: one per GPU (or, with ``gpus=False``, CPU processes)."""
+    tensor_parallel: int
+    """The manifest's; wider than a node, every layer's collectives cross the network."""
     time: str
     """SLURM's time limit, as given (e.g. ``04:00:00``, ``2-00:00:00``, ``30`` minutes)."""
     signal_seconds: int = 300
@@ -116,13 +118,6 @@ def plan_job(
     world = nodes * gpus_per_node
     if world != topology.world_size:
         raise LaunchError(_world_mismatch(manifest_path, topology, nodes, gpus_per_node))
-    if topology.tensor_parallel > gpus_per_node:
-        # Megatron would run it, but every layer's collectives would cross the network.
-        print(
-            f"warning: topology.tensor_parallel {topology.tensor_parallel} spans more than one "
-            f"node ({gpus_per_node} GPUs each): tensor-parallel traffic crosses the network",
-            file=sys.stderr,
-        )
     limit = parse_time_limit(time)
     if limit is not None and signal_seconds >= limit:
         raise LaunchError(
@@ -138,7 +133,8 @@ def plan_job(
     run_dir = (workdir / (run_dir or Path("runs") / manifest.name)).resolve()
     return SlurmJob(
         manifest=manifest_path, manifest_sha256=manifest_hash(manifest), name=manifest.name,
-        run_dir=run_dir, nodes=nodes, procs_per_node=gpus_per_node, time=time,
+        run_dir=run_dir, nodes=nodes, procs_per_node=gpus_per_node,
+        tensor_parallel=topology.tensor_parallel, time=time,
         signal_seconds=signal_seconds, gpus=gpus, launcher=launcher, partition=partition,
         account=account, requeue=requeue, container_image=container_image,
         container_mounts=container_mounts, workdir=workdir,
@@ -194,12 +190,13 @@ def parse_time_limit(text: str) -> int | None:
 
 def render(job: SlurmJob) -> str:
     """The batch script for ``job``: its directives and inputs, then launchers/train.sbatch."""
-    ranks_per_task = job.procs_per_node if job.launcher == "torchrun" else 1
+    # On CPUs a torchrun agent needs a CPU for each of its ranks; with srun each task is a rank.
+    cpus_per_task = job.procs_per_node if job.launcher == "torchrun" else 1
     directives = [
         f"--job-name={job.name}",
         f"--nodes={job.nodes}",
         f"--ntasks-per-node={1 if job.launcher == 'torchrun' else job.procs_per_node}",
-        f"--gpus-per-node={job.procs_per_node}" if job.gpus else f"--cpus-per-task={ranks_per_task}",
+        f"--gpus-per-node={job.procs_per_node}" if job.gpus else f"--cpus-per-task={cpus_per_task}",
         f"--time={job.time}",
         *([f"--partition={job.partition}"] if job.partition else []),
         *([f"--account={job.account}"] if job.account else []),

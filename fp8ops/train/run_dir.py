@@ -51,6 +51,7 @@ class RunAlreadyComplete(Fp8opsError):
     """The run directory already holds a completed run of this very manifest."""
 
     exit_code = 0
+    collective = True  # every rank raises it; rank 0 says so
 
 
 class RunDir:
@@ -73,7 +74,7 @@ class RunDir:
             return
         if not path.is_dir():
             raise Fp8opsError(f"--run-dir {str(path)!r} is a file, not a directory")
-        if not any(p.name != ATTEMPTS for p in path.iterdir()):
+        if not any(p.name not in (ATTEMPTS, "stop.request") for p in path.iterdir()):
             return
         status = read_status(path)
         digest = manifest_hash(manifest)

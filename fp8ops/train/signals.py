@@ -10,8 +10,9 @@ from failure.
 
 Three ways to ask: SIGUSR1 or SIGTERM to the training processes, or a file
 ``RUN_DIR/stop.request`` (what a batch script's signal trap writes: launchers such as torchrun
-do not forward SIGUSR1 to their workers). A second SIGTERM does not wait for the step boundary:
-it raises :class:`Terminated`, the failure path (exit 143).
+do not forward SIGUSR1 to their workers). More SIGTERMs change nothing: under SLURM every process
+of a step gets one and torchrun forwards its own, so a worker often receives two for one
+preemption. A run that must end at once is interrupted (SIGINT: the failure path) or killed.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -30,17 +32,11 @@ REQUEST_FILE = "stop.request"
 REQUEUE_EXIT = 75  # EX_TEMPFAIL: the job should run again and resume
 
 
-class Terminated(Fp8opsError):
-    """A second SIGTERM (or one outside the training loop): the run records what it has,
-    telemetry included, marks itself failed and exits 143 (128 + SIGTERM)."""
-
-    exit_code = 143
-
-
 class Interrupted(Fp8opsError):
     """The run stopped on request at a step boundary, after a checkpoint (exit 75: requeue)."""
 
     exit_code = REQUEUE_EXIT
+    collective = True  # every rank raises it; rank 0 says so
 
 
 class StopRequest:
@@ -48,7 +44,13 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.reason: str | None = None
-        self.terms = 0
+        self.since = time.time()  # a request file older than this process was for another
+
+    def stale_file(self, run_dir: Path) -> bool:
+        """Whether ``RUN_DIR/stop.request`` predates this process (left by a run that ended
+        before it saw it): a resume removes such a file rather than stop after one step."""
+        request = Path(run_dir) / REQUEST_FILE
+        return request.exists() and request.stat().st_mtime < self.since
 
     def ask(self, reason: str) -> None:
         self.reason = self.reason or reason
@@ -67,24 +69,18 @@ class StopRequest:
 
 @contextlib.contextmanager
 def stop_on_signals():
-    """Yield a :class:`StopRequest` set by SIGUSR1 and the first SIGTERM (main thread only;
-    elsewhere the request is never set by a signal)."""
+    """Yield a :class:`StopRequest` set by SIGUSR1 and SIGTERM (main thread only; elsewhere the
+    request is never set by a signal)."""
     request = StopRequest()
     if threading.current_thread() is not threading.main_thread():
         yield request
         return
 
-    def usr1(signum, frame):
-        request.ask("SIGUSR1")
+    def ask(signum, frame):
+        request.ask(signal.Signals(signum).name)
 
-    def term(signum, frame):
-        request.terms += 1
-        if request.terms > 1:
-            raise Terminated("received SIGTERM twice; the run stopped where it was")
-        request.ask("SIGTERM")
-
-    previous = {signal.SIGUSR1: signal.signal(signal.SIGUSR1, usr1),
-                signal.SIGTERM: signal.signal(signal.SIGTERM, term)}  # fmt: skip
+    previous = {signal.SIGUSR1: signal.signal(signal.SIGUSR1, ask),
+                signal.SIGTERM: signal.signal(signal.SIGTERM, ask)}  # fmt: skip
     try:
         yield request
     finally:

@@ -41,6 +41,7 @@ class StopRun(Fp8opsError):
     """A Stop alert: the run saved a checkpoint and its telemetry and ended (exit code 3)."""
 
     exit_code = 3
+    collective = True  # every rank raises it; rank 0 says so
 
     def __init__(self, message: str, alerts: list[dict]):
         super().__init__(f"stopped by an alert: {message}")
@@ -488,7 +489,8 @@ class Trainer:
         if news:
             self.ledger.record_applied(news, step=plan.step + 1, revision=digest)
         superseded = CheckpointDir(self.run.path).rewind(plan.checkpoint)
-        (self.run.path / REQUEST_FILE).unlink(missing_ok=True)  # a request the last run missed
+        if self.stop_request is not None and self.stop_request.stale_file(self.run.path):
+            (self.run.path / REQUEST_FILE).unlink()  # a request the last attempt never saw
         self.run.event(
             "resumed", step=plan.step, checkpoint=plan.checkpoint.name, manifest=digest,
             new_revisions=[manifest_hash(m) for m in plan.new_revisions],

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Submit a chain of N training jobs: each starts when the one before it has ended, in whatever
+# state (--dependency=afterany), and resumes the run from its latest checkpoint. For clusters
+# where a job may not requeue itself, or to cap how many time slots a run may use.
+#
+#   FP8OPS_MANIFEST=manifests/x.yaml FP8OPS_RUN_DIR=runs/x \
+#     launchers/chain.sh 4 --nodes=2 --gpus-per-node=8 --time=04:00:00 launchers/train.sbatch
+#   fp8ops launch slurm manifests/x.yaml --chain 4 --nodes 2 --gpus-per-node 8 --time 04:00:00
+#
+# The links do not requeue themselves (FP8OPS_REQUEUE=0 unless set): a link asked to stop
+# checkpoints and ends, and the next one resumes. A link that finds the run complete does
+# nothing. Everything after N goes to sbatch (the batch script last). Prints the job ids.
+set -euo pipefail
+
+N=${1:?usage: chain.sh N [sbatch options...] SCRIPT}
+shift
+[[ "$N" =~ ^[1-9][0-9]*$ ]] || { echo "chain.sh: N must be a positive number, not '$N'" >&2; exit 2; }
+[ $# -ge 1 ] || { echo "chain.sh: give the batch script (e.g. launchers/train.sbatch)" >&2; exit 2; }
+
+export FP8OPS_REQUEUE=${FP8OPS_REQUEUE:-0}   # sbatch passes the environment on to the jobs
+previous=""
+for _ in $(seq "$N"); do
+  id=$(sbatch --parsable ${previous:+--dependency=afterany:$previous} "$@")
+  id=${id%%;*}   # "ID;CLUSTER" on federated clusters
+  echo "$id"
+  previous=$id
+done

@@ -1,0 +1,333 @@
+"""The SLURM launcher: rendering (no cluster needed), and jobs on a real one-node SLURM.
+
+The cluster tests need the local SLURM of ``ci/slurm_start.sh`` (``bash ci/test.sh`` starts it
+when it can: root and apt); without one they skip. They use the CPU default's manifest with the
+small model of test_resume.py, at TP=2 over gloo (two ranks per job), 60 steps:
+
+* SIGUSR1 to the batch script (``scancel --batch --signal=USR1``): the run checkpoints at a step
+  boundary, the job requeues itself (``SLURM_RESTART_COUNT=1``), resumes and completes, with the
+  losses, weights and FP8 state of an uninterrupted job, bit for bit. Both jobs are submitted by
+  ``fp8ops launch slurm``; the uninterrupted one as a chain of two, whose second job finds the run
+  complete and does nothing;
+* preemption (a job in the ``urgent`` partition: SLURM sends SIGTERM to the ranks): the run
+  checkpoints, the job requeues itself explicitly, and the manifest edited meanwhile makes the
+  rerun refuse to resume: the job ends FAILED, exit 4, with the diff in its log. This one runs the
+  ``srun`` launcher (one task per rank), the first the default, torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fp8ops.launch import LaunchError, parse_time_limit
+from fp8ops.launch.slurm import BATCH_SCRIPT
+from fp8ops.manifest import derive, load_manifest, write_manifest
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
+]
+
+ROOT = Path(__file__).resolve().parents[1]
+MANIFESTS = ROOT / "manifests"
+LAUNCHERS = ROOT / "launchers"
+
+
+def _write(path: Path, parent: Path, changes: dict) -> Path:
+    return write_manifest(derive(load_manifest(parent), changes, "test: slurm"), path)
+
+
+# -- rendering: fp8ops launch slurm --dry-run -------------------------------------------------------
+
+
+@pytest.fixture
+def eight_rank_manifest(tmp_path) -> Path:
+    """The CPU default at TP=2 x DP=4: eight ranks, e.g. 2 nodes x 4 GPUs."""
+    return _write(
+        tmp_path / "eight.yaml", MANIFESTS / "tiny-gpt-cpu.yaml",
+        {"topology.tensor_parallel": 2, "topology.data_parallel": 4,
+         "schedule.micro_batch_size": 2},
+    )  # fmt: skip
+
+
+def _directives(script: str) -> list[str]:
+    return [
+        line.removeprefix("#SBATCH ") for line in script.splitlines() if line.startswith("#SBATCH")
+    ]
+
+
+def test_dry_run_renders_the_directives_and_inputs_from_the_manifest(eight_rank_manifest, cli,
+                                                                      tmp_path):  # fmt: skip
+    result = cli("launch", "slurm", eight_rank_manifest, "--nodes", 2, "--gpus-per-node", 4,
+                 "--time", "04:00:00", "--partition", "gpu", "--account", "proj",
+                 "--signal-seconds", 600, "--run-dir", tmp_path / "run",
+                 "--sbatch-arg=--qos=high", "--dry-run")  # fmt: skip
+    assert result.code == 0, result.err
+    script = result.out
+    assert _directives(script) == [
+        "--job-name=tiny-gpt-cpu", "--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=4",
+        "--time=04:00:00", "--partition=gpu", "--account=proj", "--requeue",
+        "--signal=B:USR1@600", "--open-mode=append",
+        f"--output={tmp_path / 'run'}.slurm-%j.out", f"--chdir={Path.cwd()}", "--qos=high",
+    ]  # fmt: skip
+    assert f"export FP8OPS_MANIFEST={eight_rank_manifest}\n" in script
+    assert f"export FP8OPS_RUN_DIR={tmp_path / 'run'}\n" in script
+    assert "export FP8OPS_PROCS_PER_NODE=4\n" in script
+    assert "export FP8OPS_LAUNCHER=torchrun\n" in script
+    assert "export FP8OPS_REQUEUE=1\n" in script
+    # Below the inputs: launchers/train.sbatch, unchanged but for its default directives.
+    body = "".join(
+        line
+        for line in BATCH_SCRIPT.read_text().splitlines(True)[1:]
+        if not line.startswith("#SBATCH")
+    )
+    assert script.endswith(body)
+    assert subprocess.run(["bash", "-n"], input=script, text=True, check=False).returncode == 0
+
+
+def test_dry_run_for_the_srun_launcher_on_cpus(eight_rank_manifest, cli):
+    result = cli("launch", "slurm", eight_rank_manifest, "--nodes", 2, "--time", "30",
+                 "--launcher", "srun", "--cpu", "--chain", 3, "--dry-run")  # fmt: skip
+    assert result.code == 0, result.err
+    directives = _directives(result.out)
+    # 8 ranks over 2 nodes: 4 tasks per node, one CPU each; no GPUs requested
+    assert "--ntasks-per-node=4" in directives and "--cpus-per-task=1" in directives
+    assert not any(d.startswith("--gpus") for d in directives)
+    assert "export FP8OPS_REQUEUE=0\n" in result.out  # a chain's jobs hand over instead
+
+
+def test_a_world_size_that_differs_from_the_topology_is_refused(eight_rank_manifest, cli):
+    result = cli("launch", "slurm", eight_rank_manifest, "--nodes", 1, "--gpus-per-node", 4,
+                 "--time", "1:00:00", "--dry-run")  # fmt: skip
+    assert result.code == LaunchError.exit_code == 2
+    assert "topology asks for 8 rank(s)" in result.err and "starts 4" in result.err
+    assert "--set topology.data_parallel=2" in result.err  # how to make one that fits
+
+
+def test_a_tensor_parallel_group_wider_than_a_node_is_warned_about(eight_rank_manifest, cli):
+    result = cli("launch", "slurm", eight_rank_manifest, "--nodes", 8, "--gpus-per-node", 1,
+                 "--time", "1:00:00", "--dry-run")  # fmt: skip
+    assert result.code == 0, result.err
+    assert "warning: topology.tensor_parallel 2 spans more than one node" in result.err
+
+
+def test_a_signal_that_would_come_before_the_job_starts_is_refused(eight_rank_manifest, cli):
+    result = cli("launch", "slurm", eight_rank_manifest, "--nodes", 2, "--time", "5", "--dry-run")
+    assert result.code == 2 and "--signal-seconds 300 is not shorter than --time 5" in result.err
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("30", 1800), ("30:15", 1815), ("04:00:00", 14400), ("2-00", 172800), ("1-02:03", 93780),
+     ("1-00:00:05", 86405), ("UNLIMITED", None)],
+)  # fmt: skip
+def test_slurm_time_limits(text, seconds):
+    assert parse_time_limit(text) == seconds
+
+
+def test_a_malformed_time_limit_is_refused():
+    with pytest.raises(LaunchError, match="not a SLURM time limit"):
+        parse_time_limit("4h")
+
+
+@pytest.mark.parametrize("script", ["train.sbatch", "chain.sh"])
+def test_the_launchers_are_valid_bash(script):
+    done = subprocess.run(
+        ["bash", "-n", str(LAUNCHERS / script)], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+
+
+# -- a real SLURM -------------------------------------------------------------------------------------
+
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+            "BOOT_FAIL", "DEADLINE"}  # fmt: skip
+JOB_TIMEOUT = 240  # seconds; a job here takes about a minute
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Skip unless a SLURM controller answers and is ci/slurm_start.sh's local one (test jobs
+    on a real cluster would not see this machine's files; FP8OPS_SLURM_TESTS=1 insists)."""
+    if shutil.which("sbatch") is None:
+        pytest.skip("no SLURM here (sbatch not on PATH); as root: bash ci/slurm_start.sh")
+    ping = subprocess.run(
+        ["scontrol", "ping"], capture_output=True, text=True, timeout=30, check=False
+    )
+    if "UP" not in ping.stdout:
+        said = (ping.stdout.strip() or ping.stderr.strip() or "nothing").splitlines()[0]
+        pytest.skip(f"the SLURM controller does not answer ({said}); as root: ci/slurm_start.sh")
+    config = subprocess.run(
+        ["scontrol", "show", "config"], capture_output=True, text=True, check=True
+    )
+    name = re.search(r"^ClusterName\s*=\s*(\S+)", config.stdout, re.MULTILINE)
+    if (name and name.group(1)) != "localci" and os.environ.get("FP8OPS_SLURM_TESTS") != "1":
+        pytest.skip(f"SLURM cluster {name and name.group(1)!r} is not ci/slurm_start.sh's local "
+                    "one; FP8OPS_SLURM_TESTS=1 submits the test jobs to it anyway")  # fmt: skip
+    submitted: list[str] = []
+    yield submitted
+    if submitted:  # whatever a failed test left behind
+        subprocess.run(["scancel", *submitted], capture_output=True, check=False)
+
+
+@pytest.fixture(scope="module")
+def finetune(cluster, tmp_path_factory) -> Path:
+    """The CPU default with test_resume.py's small model at TP=2, 60 steps, logging each step and
+    checkpointing only when asked to stop and at the end; its base pre-trained for 2 steps."""
+    from fp8ops.train import run_training
+
+    tmp = tmp_path_factory.mktemp("slurm")
+    small = {
+        "model.num_layers": 2, "model.hidden_size": 64, "model.ffn_hidden_size": 256,
+        "model.num_attention_heads": 4, "model.seq_length": 64, "schedule.warmup_steps": 1,
+        "schedule.micro_batch_size": 4, "schedule.global_batch_size": 8,
+        "schedule.log_interval": 1, "schedule.eval_iters": 2,
+    }  # fmt: skip
+    base = _write(tmp / "base.yaml", MANIFESTS / "tiny-gpt-cpu-base.yaml",
+                  {**small, "schedule.train_steps": 2, "schedule.eval_interval": 2})  # fmt: skip
+    run_training(base, tmp / "base", progress=False)
+    return _write(
+        tmp / "finetune.yaml", MANIFESTS / "tiny-gpt-cpu.yaml",
+        {**small, "model.init_checkpoint": str(tmp / "base" / "final"), "data.num_examples": 400,
+         "topology.tensor_parallel": 2, "schedule.train_steps": 60, "schedule.eval_interval": 30,
+         "schedule.checkpoint_interval": 100},
+    )  # fmt: skip
+
+
+def _launch(cluster: list[str], manifest: Path, run_dir: Path, *args: object) -> list[str]:
+    """``fp8ops launch slurm`` as a user runs it; the job ids it prints."""
+    done = subprocess.run(
+        [sys.executable, "-m", "fp8ops", "launch", "slurm", str(manifest), "--cpu", "--time", "10",
+         "--run-dir", str(run_dir), *map(str, args)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    ids = done.stdout.split()
+    assert ids and all(i.isdigit() for i in ids), done.stdout
+    cluster.extend(ids)
+    return ids
+
+
+def _job(job_id: str) -> dict[str, str]:
+    shown = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True,
+                           text=True, check=True)  # fmt: skip
+    return dict(re.findall(r"(\w+)=(\S*)", shown.stdout))
+
+
+def _log(run_dir: Path, job_id: str) -> str:
+    path = Path(f"{run_dir}.slurm-{job_id}.out")
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _wait_for_end(job_id: str, run_dir: Path) -> dict[str, str]:
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while time.monotonic() < deadline:
+        job = _job(job_id)
+        if job["JobState"] in TERMINAL:
+            return job
+        time.sleep(0.5)
+    pytest.fail(f"job {job_id} still {job['JobState']} after {JOB_TIMEOUT} s; its log ends:\n"
+                + _log(run_dir, job_id)[-3000:])  # fmt: skip
+
+
+def _wait_for_steps(run_dir: Path, steps: int, job_id: str) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        if _job(job_id)["JobState"] in TERMINAL:
+            break
+        time.sleep(0.2)
+    pytest.fail(f"{run_dir} did not log {steps} steps; job {job_id}'s log ends:\n"
+                + _log(run_dir, job_id)[-3000:])  # fmt: skip
+
+
+@pytest.mark.slow
+def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_result(cluster, finetune,
+                                                                           tmp_path):  # fmt: skip
+    from fp8ops.checkpoint import CheckpointDir, read_meta
+    from fp8ops.files import read_jsonl
+    from fp8ops.train.run_dir import read_metrics, read_status
+
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    chain = _launch(cluster, finetune, straight, "--chain", 2)
+    (job,) = _launch(cluster, finetune, stopped)
+    _wait_for_steps(stopped, 3, job)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)
+
+    ended = _wait_for_end(job, stopped)
+    log = _log(stopped, job)
+    assert (ended["JobState"], ended["Restarts"], ended["ExitCode"]) == ("COMPLETED", "1", "0:0"), (
+        log
+    )
+    assert "SIGUSR1: asked the run to checkpoint" in log and f"requeued job {job}" in log
+    assert "SLURM_RESTART_COUNT=1" in log
+    interrupted = [e for e in read_jsonl(stopped / "events.jsonl") if e["event"] == "interrupted"]
+    assert len(interrupted) == 1, log
+    step = interrupted[0]["step"]
+    assert 3 <= step < 60
+    assert read_meta(stopped / "checkpoints" / interrupted[0]["checkpoint"]).reason.startswith(
+        "requested: "
+    )
+    resumed = [e for e in read_jsonl(stopped / "events.jsonl") if e["event"] == "resumed"]
+    assert [(e["step"], e["drift"]) for e in resumed] == [(step, [])]
+    assert read_status(stopped)["state"] == "completed"
+
+    for job_id in chain:
+        ended = _wait_for_end(job_id, straight)
+        assert (ended["JobState"], ended["Restarts"]) == ("COMPLETED", "0"), _log(straight, job_id)
+    assert "run complete" in _log(straight, chain[0])
+    assert "nothing to" in _log(straight, chain[1])  # the chain's second job: already complete
+
+    a, b = read_metrics(straight), read_metrics(stopped)
+    assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, 61))
+    for key in ("loss", "grad_norm"):
+        assert [m[key] for m in a] == [m[key] for m in b], key
+    final_a, final_b = (read_meta(CheckpointDir(r).latest()) for r in (straight, stopped))
+    assert final_a.step == final_b.step == 60
+    assert final_a.fp8.digests == final_b.fp8.digests  # every module's scales and histories
+    assert final_a.weights_fingerprint == final_b.weights_fingerprint
+
+
+@pytest.mark.slow
+def test_preemption_requeues_and_a_manifest_edited_meanwhile_fails_the_job(cluster, finetune,
+                                                                           tmp_path):  # fmt: skip
+    from fp8ops.train.run_dir import read_status
+
+    manifest = shutil.copy(finetune, tmp_path / "finetune.yaml")
+    run = tmp_path / "run"
+    (job,) = _launch(cluster, manifest, run, "--launcher", "srun")
+    _wait_for_steps(run, 3, job)
+    # Edited while the job runs: the next attempt reads the file again.
+    _write(tmp_path / "edited.yaml", manifest, {"optimizer.lr": 1e-3}).replace(manifest)
+    # A job that needs every CPU of the node, in the partition that may preempt: SLURM sends
+    # SIGTERM to our ranks, which checkpoint; the batch script then requeues the job itself.
+    cpus = subprocess.run(
+        ["sinfo", "-h", "-N", "-o", "%c"], capture_output=True, text=True, check=True
+    )
+    urgent = subprocess.run(
+        ["sbatch", "--parsable", "--partition=urgent", f"--cpus-per-task={cpus.stdout.split()[0]}",
+         f"--output={tmp_path / 'urgent.out'}", "--wrap", "sleep 1"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    cluster.append(urgent)
+
+    ended = _wait_for_end(job, run)
+    log = _log(run, job)
+    assert (ended["JobState"], ended["Restarts"], ended["ExitCode"]) == ("FAILED", "1", "4:0"), log
+    status = read_status(run)  # the refused attempt left the run as the preemption did
+    assert (status["state"], status["reason"]) == ("interrupted", "SIGTERM")
+    assert f"checkpoint {status['checkpoint']} at step {status['step']} (SIGTERM)" in log
+    assert f"requeued job {job}" in log and "SLURM_RESTART_COUNT=1" in log
+    assert "refusing to resume" in log
+    assert re.search(r"manifest +optimizer\.lr: 0\.0005 -> 0\.001", log), log[-3000:]
+    assert "training failed (exit 4)" in log

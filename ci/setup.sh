@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up a fresh machine for fp8ops on the CPU: a .venv with a CPU build of torch, fp8ops
-# (editable) with its test extras, and Transformer Engine's pure-Python recipe module.
+# (editable) with its test, megatron and console extras, Transformer Engine's pure-Python recipe
+# module, and (as root, with apt) Debian's Chromium for the console's browser test.
 # Idempotent: re-running only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,10 +18,25 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2> >(grep -v
 if [ -n "$TORCH_SPEC" ] && ! .venv/bin/python -c "import torch" 2>/dev/null; then
     pip install "$TORCH_SPEC"
 fi
-pip install -e '.[test,megatron]'
+pip install -e '.[test,megatron,console]'
 # Only TE's recipe module is usable without a GPU build; --no-deps keeps the 276 MB CUDA
 # core library out (docs/precision.md).
 .venv/bin/python -c "import importlib.util as u; exit(u.find_spec('transformer_engine') is None)" \
     || pip install --no-deps transformer-engine==2.20.2
+
+# The console's browser test (tests/test_console_browser.py) drives Debian's Chromium through
+# Playwright's Python package, pointed at /usr/bin/chromium: `playwright install` (a browser
+# download) is never run. Without root or apt the test skips and says why; a failed install
+# only warns, for the same reason.
+if ! command -v chromium >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        export DEBIAN_FRONTEND=noninteractive
+        { apt-get install -y -qq chromium >/dev/null 2>&1 \
+            || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }; } \
+            || echo "ci/setup.sh: could not install chromium; the console's browser test will skip" >&2
+    else
+        echo "ci/setup.sh: no chromium and no root apt-get; the console's browser test will skip" >&2
+    fi
+fi
 
 .venv/bin/python -c "import fp8ops, torch; print(f'fp8ops {fp8ops.__version__} with torch {torch.__version__}')"

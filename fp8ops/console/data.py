@@ -6,11 +6,11 @@ saturation or error; the smallest scale), never an average that would hide a spi
 
 * a heatmap of the last N steps reads that window (``metric_window``: chunks of 256 steps x 64
   modules) and pools it into at most ``MAX_COLUMNS`` bins;
-* the whole run would read every chunk of the store: 2-4 s at 100k steps x 256 modules on this
-  machine (``ci/bench_console.py``), too slow to wait for on a click. :class:`Overview` pools
-  each complete 256-step block once, in a background thread, keeps the blocks in memory (4 bytes
-  per module and block: 100 KB per metric at 100k steps x 256 modules) and afterwards reads
-  only blocks committed since;
+* the whole run reads every chunk of the store: 2 s at 100k steps x 256 modules on this
+  machine, up to 4 s when it is busy (``ci/bench_console.py``), too slow to wait for on a click.
+  :class:`Overview` pools each complete 256-step block once, in a background thread, keeps the
+  blocks in memory (4 bytes per module and block: 400 KB per metric at 100k steps x 256
+  modules) and afterwards reads only blocks committed since;
 * a module's history (``module_history``, one chunk per 2048 steps) is pooled into at most
   ``MAX_POINTS`` points per line.
 
@@ -21,6 +21,7 @@ measure them) are pooled with NaN-ignoring reductions; a bin with no measurement
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,18 +36,19 @@ BLOCK = FLUSH_EVERY  # the overview's unit: one row of module_metrics chunks (25
 READ_SLAB = 25_600  # steps read at once while pooling the whole run: 26 MB per metric
 
 
-def lower_is_worse(metric: str) -> bool:
-    """Metrics whose smallest value in a bin is the one to show: a scale that dropped (its
-    amax grew), a module that left FP8."""
-    return metric.endswith(".scale") or metric == "fp8_enabled"
+def worst_end(metric: str) -> str:
+    """Which end of a bin is the worst for a metric: "min" for a scale (it dropped because its
+    amax grew) and for fp8_enabled (the module left FP8), "max" for everything else."""
+    return "min" if metric.endswith(".scale") or metric == "fp8_enabled" else "max"
 
 
-def pool(values: np.ndarray, bin_steps: int, metric: str) -> np.ndarray:
+def pool(values: np.ndarray, bin_steps: int, keep: str = "max") -> np.ndarray:
     """Pool rows (steps) of ``values`` in groups of ``bin_steps``, the last group possibly
-    shorter, keeping each group's worst value per column; NaN is ignored (all-NaN stays NaN)."""
+    shorter, keeping each group's "max" or "min" per column; NaN is ignored (a group of NaN
+    stays NaN)."""
     if bin_steps <= 1 or len(values) == 0:
         return values
-    reduce = np.fmin if lower_is_worse(metric) else np.fmax  # fmin/fmax skip NaN
+    reduce = np.fmin if keep == "min" else np.fmax  # fmin/fmax skip NaN
     return reduce.reduceat(values, np.arange(0, len(values), bin_steps), axis=0)
 
 
@@ -71,6 +73,17 @@ class Heatmap:
     def empty(self) -> bool:
         return self.z.size == 0
 
+    def worst(self, count: int) -> list[tuple[str, float]]:
+        """The ``count`` modules with the worst value anywhere in the map, worst first (modules
+        that measured nothing left out)."""
+        lowest = worst_end(self.metric) == "min"
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows
+            per_module = np.nanmin(self.z, axis=1) if lowest else np.nanmax(self.z, axis=1)
+        order = [i for i in np.argsort(per_module if lowest else -per_module, kind="stable")
+                 if np.isfinite(per_module[i])]  # fmt: skip
+        return [(self.modules[i], float(per_module[i])) for i in order[:count]]
+
 
 def _heatmap(metric, modules, steps: np.ndarray, pooled: np.ndarray, bin_steps: int,
              last_step: int) -> Heatmap:  # fmt: skip
@@ -88,7 +101,7 @@ def window_heatmap(run: TelemetryRun, metric: str, start: int, stop: int, rank: 
     frame = run.metric_window(metric, start, stop, rank=rank)
     steps = frame.index.to_numpy()
     size = bin_size(len(steps))
-    pooled = pool(frame.to_numpy(), size, metric)
+    pooled = pool(frame.to_numpy(), size, worst_end(metric))
     last = int(steps[-1]) if len(steps) else start
     return _heatmap(metric, run.modules, steps[::size], pooled, size, last)
 
@@ -134,7 +147,7 @@ class Overview:
                 frame = self.run.metric_window(
                     self.metric, first + row, first + row + rows, rank=self.rank
                 )
-                new.append(pool(frame.to_numpy(), BLOCK, self.metric))
+                new.append(pool(frame.to_numpy(), BLOCK, worst_end(self.metric)))
             self._blocks = np.concatenate(new)
 
     def heatmap(self) -> Heatmap:
@@ -146,14 +159,14 @@ class Overview:
         done = min(len(blocks) * BLOCK, committed // BLOCK * BLOCK)
         blocks = blocks[: done // BLOCK]
         per_column = bin_size(len(blocks) + 1)  # blocks per column, the tail counting as one
-        pooled = pool(blocks, per_column, self.metric)
+        pooled = pool(blocks, per_column, worst_end(self.metric))
         starts = first + np.arange(0, done, per_column * BLOCK)
         if done < committed:  # the partial block at the end, read now
             tail = run.metric_window(self.metric, first + done, first + committed, rank=self.rank)
-            pooled = np.concatenate([pooled, pool(tail.to_numpy(), len(tail), self.metric)])
-            starts = np.append(starts, first + done)
-        return _heatmap(self.metric, run.modules, starts, pooled, per_column * BLOCK,
-                        first + committed - 1)  # fmt: skip
+            last = pool(tail.to_numpy(), len(tail), worst_end(self.metric))
+            pooled, starts = np.concatenate([pooled, last]), np.append(starts, first + done)
+        bin_steps = min(per_column * BLOCK, committed)
+        return _heatmap(self.metric, run.modules, starts, pooled, bin_steps, first + committed - 1)
 
 
 # --------------------------------------------------------------------------------------
@@ -182,7 +195,7 @@ def series(frame: pd.DataFrame, metric: str, points: int = MAX_POINTS) -> Series
     column = column[column.notna()]
     steps, values = column.index.to_numpy(), column.to_numpy(np.float32)
     size = bin_size(len(steps), points)
-    return Series(steps[::size], pool(values, size, metric), size)
+    return Series(steps[::size], pool(values, size, worst_end(metric)), size)
 
 
 def module_history(run: TelemetryRun, module: str, slot: str, rank: int = 0,

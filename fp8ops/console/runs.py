@@ -9,6 +9,7 @@ field empty instead of failing the console.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,9 @@ from fp8ops.telemetry.store import STORE_NAME
 
 # A directory is a run directory when it holds one of these (the trainer writes them first).
 RUN_MARKERS = ("status.json", "manifest.yaml", STORE_NAME)
+# status.json is rewritten every log_interval steps while a run trains; a "running" status
+# older than this is probably a trainer that died without a word (kill -9, a lost node).
+QUIET_S = 600
 
 
 def is_run_dir(path: Path) -> bool:
@@ -87,6 +91,10 @@ def read_header(run_dir: Path, telemetry: TelemetryRun | None, alerts: list[Aler
     status = read_status(run_dir)
     header.state = status.get("state", "not started")
     header.status_step, header.updated = status.get("step"), status.get("updated")
+    if header.state == "running":
+        quiet = time.time() - (run_dir / "status.json").stat().st_mtime
+        if quiet > QUIET_S:  # a killed trainer cannot say it stopped: say how long it has not
+            header.state = f"running? (no word for {quiet / 60:.0f} min: is it still alive?)"
     try:
         manifest = manifest or load_manifest(run_dir / "manifest.yaml")
     except Fp8opsError as exc:

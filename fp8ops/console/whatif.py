@@ -274,3 +274,82 @@ def fidelity(w: SlotWhatIf) -> float:
     recorded, replayed = w.recorded_scale, w.run.scale[:, 0]
     known = np.isfinite(recorded)
     return float((recorded[known] == replayed[known]).mean()) if known.any() else float("nan")
+
+
+# --------------------------------------------------------------------------------------
+# The whole run: `fp8ops whatif RUN_DIR`
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReportRow:
+    module: str
+    slot: str
+    run: Summary  # the run's own window, replayed
+    what_if: Summary
+    fidelity: float  # share of steps where the replayed own window gives the recorded scale
+
+    def to_json(self) -> dict:
+        return {"module": self.module, "slot": self.slot, "run": vars(self.run),
+                "what_if": vars(self.what_if), "fidelity": self.fidelity}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Report:
+    run_dir: str
+    own: Window
+    other: Window
+    first_step: int
+    last_step: int
+    rows: list[ReportRow]
+
+    def to_json(self) -> dict:
+        return {"run_dir": self.run_dir, "own": vars(self.own), "what_if": vars(self.other),
+                "steps": [self.first_step, self.last_step],
+                "rows": [r.to_json() for r in self.rows]}  # fmt: skip
+
+
+def report(
+    run_dir,
+    *,
+    history_len: int | None = None,
+    algo: str | None = None,
+    margin: int | None = None,
+    module: str | None = None,
+    slots: Sequence[str] = SLOTS,
+    steps: int = 10_000,
+    rank: int = 0,
+) -> Report:
+    """Replay the last ``steps`` committed steps (0: all) of every module matching ``module``
+    under the run's own window and under one with the given fields changed; the rows sorted
+    worst first (most overflowing steps under the what-if, then the least headroom)."""
+    from pathlib import Path
+
+    from fp8ops.manifest import load_manifest
+    from fp8ops.telemetry import open_run
+
+    run_dir = Path(run_dir)
+    precision = load_manifest(run_dir / "manifest.yaml").precision
+    if not precision.enabled:
+        raise Fp8opsError(f"{run_dir}: FP8 is off in this run; there are no scales to replay")
+    telemetry = open_run(run_dir)
+    own = run_window(telemetry, precision)
+    other = Window(
+        own.history_len if history_len is None else history_len,
+        own.algo if algo is None else algo,
+        own.margin if margin is None else margin,
+    )
+    last = telemetry.last_step(rank)
+    if last is None:
+        raise Fp8opsError(f"{run_dir}: no committed telemetry steps yet on rank {rank}")
+    start = max(telemetry.first_step, last - steps + 1) if steps else telemetry.first_step
+    replays = replay_slots(telemetry, select_modules(telemetry, module), check_slots(slots), own,
+                           other, precision.fp8_format, start=start, rank=rank)  # fmt: skip
+    rows = [ReportRow(w.module, w.slot, Summary.of(w.run), Summary.of(w.what_if), fidelity(w))
+            for w in replays]  # fmt: skip
+    rows.sort(key=lambda r: (-r.what_if.overflow_steps, _or_inf(r.what_if.headroom_p10)))
+    return Report(str(run_dir), own, other, start, last, rows)
+
+
+def _or_inf(x: float) -> float:
+    return x if np.isfinite(x) else float("inf")

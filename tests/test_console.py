@@ -1,0 +1,487 @@
+"""The ops console without a browser: the app object on a real run, the data behind its views,
+the window what-if, the commands, the notebook under nbclient, and a live run followed.
+
+The run is the small model's: a base pre-trained for 2 steps, then 12 FP8 fine-tuning steps with
+telemetry every step and a checkpoint every 4 (as in test_resume.py). Tests that write to the
+ledger work on a copy of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+if importlib.util.find_spec("megatron") is None:
+    pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
+for _package in ("ipywidgets", "plotly"):
+    if importlib.util.find_spec(_package) is None:
+        pytest.skip(f"needs the console extra: pip install -e '.[console]' ({_package})",
+                    allow_module_level=True)  # fmt: skip
+
+from fp8ops.console import ConsoleApp
+from fp8ops.console.data import Overview, pool, window_heatmap
+from fp8ops.console.notebook import notebook
+from fp8ops.console.whatif import Window, fidelity, replay, replay_slots, run_window
+from fp8ops.files import read_jsonl
+from fp8ops.manifest import derive, load_manifest, manifest_hash, write_manifest
+from fp8ops.telemetry import MODULE_METRIC_NAMES, STEP_METRIC_NAMES, TelemetryWriter, open_run
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
+]
+
+ROOT = Path(__file__).resolve().parents[1]
+MANIFESTS = ROOT / "manifests"
+STEPS = 12
+SMALL_MODEL = {
+    "model.num_layers": 2, "model.hidden_size": 64, "model.ffn_hidden_size": 256,
+    "model.num_attention_heads": 4, "model.seq_length": 64,
+}  # fmt: skip
+SCHEDULE = {
+    "schedule.warmup_steps": 1, "schedule.micro_batch_size": 4, "schedule.global_batch_size": 8,
+    "schedule.log_interval": 1, "schedule.eval_iters": 2,
+}  # fmt: skip
+
+
+def make_trained_run(tmp: Path) -> tuple[Path, Path]:
+    """A fine-tuning manifest and its finished run in ``tmp/runs/finetune`` (the base in
+    ``tmp/base``): what the console is shown in these tests."""
+    from fp8ops.train import run_training
+
+    def write(path: Path, parent: Path, changes: dict) -> Path:
+        return write_manifest(derive(load_manifest(parent), changes, "test: small"), path)
+
+    base = write(tmp / "base.yaml", MANIFESTS / "tiny-gpt-cpu-base.yaml",
+                 {**SMALL_MODEL, **SCHEDULE, "schedule.train_steps": 2,
+                  "schedule.eval_interval": 2})  # fmt: skip
+    run_training(base, tmp / "base", progress=False)
+    finetune = write(tmp / "finetune.yaml", MANIFESTS / "tiny-gpt-cpu.yaml", {
+        **SMALL_MODEL, **SCHEDULE, "model.init_checkpoint": str(tmp / "base" / "final"),
+        "data.num_examples": 400, "schedule.train_steps": STEPS, "schedule.eval_interval": 100,
+        "schedule.checkpoint_interval": 4, "optimizer.lr": 2e-3, "telemetry.every_steps": 1,
+        "telemetry.error_sample_every": 2,
+    })  # fmt: skip
+    run = tmp / "runs" / "finetune"
+    run_training(finetune, run, progress=False)
+    return finetune, run
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, Path]:
+    return make_trained_run(tmp_path_factory.mktemp("console"))
+
+
+@pytest.fixture
+def run_copy(trained, tmp_path) -> Path:
+    """A copy of the trained run to write to (ledger actions), alone in its runs directory."""
+    copy = tmp_path / "runs" / "finetune"
+    shutil.copytree(trained[1], copy)
+    return copy
+
+
+def console(run_dir: Path, user: str = "ana") -> ConsoleApp:
+    app = ConsoleApp(run_dir.parent, user=user, follow=False)
+    assert app.run is not None and app.run.run_dir == run_dir, app.message.value
+    return app
+
+
+def ledger_lines(run_dir: Path) -> list[dict]:
+    return list(read_jsonl(run_dir / "overrides.jsonl"))
+
+
+# -- views ----------------------------------------------------------------------------------------
+
+
+def test_the_header_names_manifest_recipe_state_step_and_alerts(trained):
+    _, run = trained
+    app = console(run)
+    header = app.header.value
+    assert manifest_hash(load_manifest(run / "manifest.yaml"))[:12] in header
+    assert "completed" in header and "amax_history_len 16" in header and "TP 1 x PP 1" in header
+    assert f"<span class='fp8ops-last-step'>{STEPS}</span>" in header
+    alerts = list(read_jsonl(run / "alerts.jsonl"))
+    assert f"{sum(a['level'] == 'observe' for a in alerts)} observe" in header
+    assert app.message.value == ""
+
+
+def test_the_heatmap_holds_the_metric_for_every_module_and_step(trained):
+    _, run = trained
+    app = console(run)
+    store = open_run(run)
+    trace = app.heatmap_fig.data[0]
+    assert list(trace.y) == list(store.modules) and list(trace.x) == list(range(1, STEPS + 1))
+    expected = store.metric_window("input.amax").to_numpy().T
+    np.testing.assert_array_equal(np.asarray(trace.customdata, np.float32), expected)
+    np.testing.assert_allclose(np.asarray(trace.z, np.float64), np.log10(expected), rtol=1e-6)
+
+    app.log_scale.value = False
+    app.metric.value = "weight.saturation"
+    np.testing.assert_array_equal(
+        np.asarray(app.heatmap_fig.data[0].z, np.float32),
+        store.metric_window("weight.saturation").to_numpy().T,
+    )
+    app.window.value = 0  # whole run: pooled per 256-step block; 12 steps are one partial block
+    z = np.asarray(app.heatmap_fig.data[0].z, np.float32)
+    assert z.shape == (len(store.modules), 1)
+    np.testing.assert_array_equal(z[:, 0], store.metric_window("weight.saturation").max().values)
+
+
+def test_choosing_a_module_changes_the_figure_data(trained):
+    _, run = trained
+    app = console(run)
+    store = open_run(run)
+    first, other = store.modules[0], store.modules[-1]
+    assert app.module.value == first
+    before = np.asarray(app.detail_fig.data[0].y)
+
+    app.module.value = other
+    amax = app.detail_fig.data[0]
+    assert app.detail_fig.layout.title.text.startswith(f"{other} · input")
+    assert not np.array_equal(before, np.asarray(amax.y))
+    np.testing.assert_array_equal(
+        np.asarray(amax.y, np.float32), store.module_history(other, "input.amax").to_numpy()[:, 0]
+    )
+    app.slot.value = "weight"
+    assert app.detail_fig.data[0].name == "weight amax"
+    np.testing.assert_array_equal(
+        np.asarray(app.detail_fig.data[2].y, np.float32),
+        store.module_history(other, "weight.scale").to_numpy()[:, 0],
+    )
+    error = app.detail_fig.data[6]  # sampled every 2nd step: the unmeasured steps are left out
+    assert list(error.x) == list(range(2, STEPS + 1, 2))
+
+
+def test_an_alert_row_leads_to_its_module(trained):
+    _, run = trained
+    app = console(run)
+    alerts = list(read_jsonl(run / "alerts.jsonl"))
+    assert alerts, "the small run raises a few observe alerts"
+    assert len(app.alerts_list.options) == len(alerts)
+    label, index = app.alerts_list.options[-1]  # the oldest, listed last
+    app.alerts_list.value = index
+    assert app.module.value == alerts[0]["module"] and alerts[0]["module"] in label
+    app.alert_level.value = "stop"
+    assert app.alerts_list.options == ()
+
+
+# -- overrides --------------------------------------------------------------------------------
+
+
+def test_staging_writes_a_ledger_record_with_its_triggers(run_copy):
+    app = console(run_copy)
+    alert = next(iter(read_jsonl(run_copy / "alerts.jsonl")))
+    app.module.value = alert["module"]  # selects it for staging too
+    assert app.stage_modules.value == (alert["module"],)
+    app.stage_button.click()
+    assert "refused" in app.message.value and "reason" in app.message.value  # reason required
+    assert not (run_copy / "overrides.jsonl").exists() or not ledger_lines(run_copy)
+
+    app.stage_reason.value = "input saturation since step 4"
+    app.user.value = " "
+    app.stage_button.click()
+    assert "enter the operator" in app.message.value
+    assert app.stage_reason.value  # kept, to try again
+    app.user.value = "ana"
+    app.stage_button.click()
+    (record,) = ledger_lines(run_copy)
+    assert (record["kind"], record["module"], record["who"]) == ("staged", alert["module"], "ana")
+    assert record["reason"] == "input saturation since step 4"
+    assert [t["metric"] for t in record["triggers"]] == [alert["metric"]]  # from alerts.jsonl
+    assert "staged" in app.message.value and record["hash"][:12] in app.message.value
+    assert app.override_pick.value == record["hash"]
+    assert "staged" in app.ledger_table.value
+    assert "no new revision" in app.resume_preview.value  # staged is not approved yet
+
+
+def test_approval_by_the_same_operator_is_refused_and_another_one_approves(run_copy):
+    app = console(run_copy, user="ana")
+    module = app.module.value
+    app.stage_reason.value = "grad spikes"
+    app.stage_button.click()
+    app.approve_button.click()  # still ana
+    assert "refused" in app.message.value and "cannot approve it too" in app.message.value
+    assert len(ledger_lines(run_copy)) == 1
+
+    app.user.value = "ben"
+    app.approve_button.click()
+    staged, approved = ledger_lines(run_copy)
+    assert (approved["kind"], approved["who"], approved["override"]) == (
+        "approved",
+        "ben",
+        staged["hash"],
+    )
+    preview = app.resume_preview.value
+    assert "new revision 2" in preview and "precision.overrides" in preview
+    assert f"applies {staged['hash'][:12]}: {module} -&gt; bf16" in preview
+    assert "approved" in app.ledger_table.value
+
+
+def test_self_approval_when_the_manifest_allows_it(run_copy):
+    solo = derive(load_manifest(run_copy / "manifest.yaml"), {"review.allow_self_approval": True},
+                  "one-person team")  # fmt: skip
+    (run_copy / "manifest.yaml").unlink()  # (write_manifest never overwrites)
+    write_manifest(solo, run_copy / "manifest.yaml")
+    app = console(run_copy, user="ana")
+    app.stage_reason.value = "trying"
+    app.stage_button.click()
+    app.approve_button.click()
+    assert [r["who"] for r in ledger_lines(run_copy)] == ["ana", "ana"]
+
+
+def test_reject_and_revoke_need_a_reason(run_copy):
+    app = console(run_copy)
+    app.stage_reason.value = "first try"
+    app.stage_button.click()
+    app.reject_button.click()
+    assert "refused" in app.message.value and len(ledger_lines(run_copy)) == 1
+    app.decision_reason.value = "not worth it"
+    app.reject_button.click()
+    assert ledger_lines(run_copy)[-1]["kind"] == "rejected"
+    assert app.override_pick.options == ()  # nothing open any more
+
+    app.stage_reason.value = "second try"
+    app.stage_button.click()
+    app.user.value = "ben"
+    app.approve_button.click()
+    app.decision_reason.value = "the saturation went away"
+    app.revoke_button.click()
+    assert [r["kind"] for r in ledger_lines(run_copy)] == [
+        "staged", "rejected", "staged", "approved", "revoked"]  # fmt: skip
+    assert "no new revision" in app.resume_preview.value
+
+
+def test_the_resume_preview_shows_a_refusal_as_text(run_copy):
+    shutil.rmtree(run_copy / "checkpoints")
+    app = console(run_copy)
+    assert "no resume possible now" in app.resume_preview.value
+    assert "no checkpoint" in app.resume_preview.value
+    assert app.message.value == ""
+
+
+# -- data behind the views ----------------------------------------------------------------------
+
+
+def test_pool_keeps_the_worst_of_each_bin():
+    values = np.array([[1, 5], [3, np.nan], [2, np.nan], [np.nan, np.nan], [0, 1]], np.float32)
+    np.testing.assert_array_equal(pool(values, 2, "max"), [[3, 5], [2, np.nan], [0, 1]])
+    np.testing.assert_array_equal(pool(values, 2, "min"), [[1, 5], [2, np.nan], [0, 1]])
+
+
+MODULES = 4  # of the synthetic stores
+
+
+def _synthetic_store(path: Path, steps: int) -> TelemetryWriter:
+    writer = TelemetryWriter(path, rank=0, modules=[f"m{i}" for i in range(MODULES)])
+    return _append(writer, 0, steps)
+
+
+def _append(writer: TelemetryWriter, first: int, steps: int) -> TelemetryWriter:
+    rng = np.random.default_rng(first)
+    for step in range(first + 1, first + steps + 1):
+        row = rng.random((MODULES, len(MODULE_METRIC_NAMES)), dtype=np.float32)
+        writer.append(step, row, np.zeros(len(STEP_METRIC_NAMES), np.float32))
+    writer.flush()
+    return writer
+
+
+def test_the_whole_run_overview_equals_pooling_everything_and_grows(tmp_path):
+    writer = _synthetic_store(tmp_path / "telemetry.zarr", 700)
+    store = open_run(tmp_path)
+    overview = Overview(store, "input.scale")  # a scale: the smallest of each bin is kept
+    overview.update()
+    assert overview.pooled_steps == 512  # two complete blocks; the rest is read each time
+    hm = overview.heatmap()
+    everything = store.metric_window("input.scale").to_numpy()
+    np.testing.assert_array_equal(hm.z, pool(everything, 256, "min").T)
+    assert list(hm.starts) == [1, 257, 513] and hm.ends[-1] == 700
+
+    _append(writer, 700, 400)  # 1100 steps now: two more complete blocks
+    writer.close()
+    store.refresh()
+    overview.update()
+    assert overview.pooled_steps == 1024
+    everything = store.metric_window("input.scale").to_numpy()
+    np.testing.assert_array_equal(overview.heatmap().z, pool(everything, 256, "min").T)
+    window = window_heatmap(store, "input.scale", 101, 1101)  # 1000 steps: one column each
+    np.testing.assert_array_equal(window.z, everything[100:].T)
+
+
+def test_a_bare_store_shows_what_is_missing(tmp_path):
+    _synthetic_store(tmp_path / "run" / "telemetry.zarr", 300).close()
+    app = ConsoleApp(tmp_path / "run", follow=False)
+    assert "manifest.yaml" in app.header.value  # named as the problem
+    assert "layers.json" in app.ledger_table.value
+    assert np.asarray(app.heatmap_fig.data[0].z).shape == (MODULES, 300)
+
+
+def test_the_picker_switches_between_runs(run_copy):
+    bare = run_copy.parent / "bare"
+    _synthetic_store(bare / "telemetry.zarr", 300).close()
+    app = ConsoleApp(run_copy.parent, follow=False)
+    assert sorted(label for label, _ in app.picker.options) == ["bare", "finetune"]
+    app.select_run(run_copy)
+    assert "tiny-gpt-cpu" in app.header.value and len(app.module.options) == 8
+    app.picker.value = str(bare)  # as the operator does
+    assert app.run.run_dir == bare and app.module.options == ("m0", "m1", "m2", "m3")
+    assert np.asarray(app.heatmap_fig.data[0].z).shape == (MODULES, 300)
+    assert "manifest.yaml" in app.header.value
+
+
+# -- the window what-if --------------------------------------------------------------------------
+
+
+def test_replay_feeds_the_te_update_and_counts_overflows():
+    amax = np.array([1, 2, 4, 1, 1, 1], np.float32)
+    r = replay(amax, Window(2, "max", 0), 448.0, steps=range(1, 7))
+    # The window holds this step's amax and the previous one; the scale is 448 / its max, and
+    # a step casts with the scale of the update before it (the first with 1).
+    np.testing.assert_array_equal(r.scale[:, 0], [448, 224, 112, 112, 448, 448])
+    np.testing.assert_array_equal(r.scale_used[:, 0], [1, 448, 224, 112, 112, 448])
+    assert list(r.steps[r.overflow[:, 0]]) == [2, 3]  # 2 x 448 and 4 x 224 > 448
+    np.testing.assert_allclose(r.headroom_bits[:, 0], [np.log2(448), -1, -1, 2, 2, 0])
+    # Starting later with a warm-up as long as the window gives the same steps.
+    late = replay(amax[2:], Window(2, "max", 0), 448.0, steps=range(3, 7), warmup=2)
+    np.testing.assert_array_equal(late.scale, r.scale[4:])
+
+
+def test_the_replay_reproduces_the_recorded_weight_scales(trained):
+    _, run = trained
+    store = open_run(run)
+    precision = load_manifest(run / "manifest.yaml").precision
+    own = run_window(store, precision)
+    results = replay_slots(store, list(store.modules), ["weight"], own, Window(4, "max", 0),
+                           precision.fp8_format)  # fmt: skip
+    assert [fidelity(w) for w in results] == [1.0] * len(store.modules)
+    later = replay_slots(store, list(store.modules), ["weight"], own, own, precision.fp8_format,
+                         start=9)  # fmt: skip
+    assert list(later[0].steps) == [9, 10, 11, 12] and fidelity(later[0]) == 1.0
+
+
+def test_the_app_replays_the_module_on_screen(trained):
+    _, run = trained
+    app = console(run)
+    app.slot.value = "weight"
+    app.whatif_len.value, app.whatif_algo.value = 1, "most_recent"
+    app.whatif_button.click()
+    assert "steps that overflowed" in app.whatif_summary.value, app.message.value
+    assert "history 1, most_recent, margin 0" in app.whatif_summary.value
+    amax = app.whatif_fig.data[0]
+    np.testing.assert_array_equal(
+        np.asarray(amax.y, np.float32),
+        open_run(run).module_history(app.module.value, "weight.amax").to_numpy()[:, 0],
+    )
+
+
+def test_fp8ops_whatif(trained, cli):
+    _, run = trained
+    result = cli("whatif", run, "--history-len", 64, "--algo", "max", "--top", 3)
+    assert result.code == 0, result.err
+    assert "what-if: history 64, max, margin 0" in result.out
+    assert "run's window: history 16, max, margin 0" in result.out
+    data = json.loads(cli("whatif", run, "--slot", "weight", "--json").out)
+    assert len(data["rows"]) == 8 and {r["fidelity"] for r in data["rows"]} == {1.0}
+    bad = cli("whatif", run, "--algo", "largest")
+    assert bad.code == 2 and "unknown amax_compute_algo 'largest'" in bad.err
+
+
+# -- commands and the notebook ----------------------------------------------------------------
+
+
+def test_fp8ops_console_imports_neither_torch_nor_widgets(tmp_path):
+    probe = (
+        "import sys\nfrom fp8ops.cli import main\n"
+        "try:\n    main(['console', sys.argv[1]])\nexcept SystemExit as e:\n    code = e.code\n"
+        "heavy = [m for m in ('torch', 'megatron', 'ipywidgets', 'plotly') if m in sys.modules]\n"
+        "print(code, heavy)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "nowhere")],
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert done.stdout.strip() == "2 []", done.stdout + done.stderr
+    assert "no such runs directory" in done.stderr
+
+
+def test_the_notebook_is_the_package_s_and_executes_under_nbclient(trained, monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    path = ROOT / "notebooks" / "console.ipynb"
+    on_disk = nbformat.read(path, as_version=4)
+    assert on_disk.cells[0].source == notebook().cells[0].source
+    assert len(on_disk.cells) == 1  # thin: the app lives in fp8ops.console
+
+    _, run = trained
+    monkeypatch.setenv("FP8OPS_CONSOLE_RUNS", str(run.parent))
+    monkeypatch.setenv("FP8OPS_USER", "nbclient")
+    on_disk.cells.append(nbformat.v4.new_code_cell(
+        "print(app.run.run_dir.name, app.user.value, app._follower is not None, "
+        "repr(app.message.value))"))  # fmt: skip
+    nbclient.NotebookClient(
+        on_disk,
+        timeout=180,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(ROOT / "notebooks")}},
+    ).execute()
+    views = [o for o in on_disk.cells[0].outputs
+             if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]  # fmt: skip
+    assert views, on_disk.cells[0].outputs
+    # In a kernel the app follows the run on the kernel's event loop.
+    assert on_disk.cells[1].outputs[0]["text"].strip() == "finetune nbclient True ''"
+
+
+# -- live -------------------------------------------------------------------------------------------
+
+
+def test_the_console_follows_a_training_run_without_blocking_the_event_loop(trained, tmp_path):
+    """A run trains in another process while the app polls it from an event loop, as in a
+    kernel: the committed steps are followed to the end, and a ticker on the same loop is never
+    held up for long."""
+    manifest, _ = trained
+    run = tmp_path / "live"
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "fp8ops", "train", str(manifest), "--run-dir", str(run),
+         "--set", "schedule.train_steps=24", "--set", "telemetry.flush_steps=4",
+         "--set", "schedule.checkpoint_interval=100", "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+    async def follow() -> tuple[list[int | None], float, ConsoleApp]:
+        deadline = time.monotonic() + 240
+        while not (run / "status.json").exists():  # the app needs a run directory to show
+            assert trainer.poll() is None, trainer.stdout.read()
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        app = ConsoleApp(run, user="ana", follow_every_s=0.2)
+        seen, gaps, last_tick = [], [0.0], time.monotonic()
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            now = time.monotonic()
+            gaps.append(now - last_tick - 0.05)
+            last_tick = now
+            step = app.run.header.last_step if app.run else None
+            if not seen or seen[-1] != step:
+                seen.append(step)
+            if trainer.poll() is not None and step == 24 and "completed" in app.header.value:
+                break
+        app.close()
+        return seen, max(gaps), app
+
+    try:
+        seen, worst_gap, app = asyncio.run(follow())
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        output = trainer.communicate()[0]
+    assert trainer.returncode == 0, output[-3000:]
+    assert seen[-1] == 24 and "completed" in app.header.value
+    assert len([s for s in seen if s]) >= 3, seen  # followed while it trained, block by block
+    assert np.asarray(app.heatmap_fig.data[0].z).shape[1] == 24
+    assert worst_gap < 1.0, f"the event loop was held up for {worst_gap:.2f} s"

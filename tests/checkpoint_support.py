@@ -1,7 +1,7 @@
 """Shared by the checkpoint tests: the small model's runs, and surgery on a saved checkpoint.
 
-The model and schedule are tests/test_train.py's (2 layers, hidden 64: a step takes about a
-tenth of a second on a CPU); the fine-tuning manifest checkpoints at every step.
+The model and schedule are tests/small_model.py's; the fine-tuning manifest checkpoints at every
+step.
 """
 
 from __future__ import annotations
@@ -11,24 +11,15 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from fp8ops.checkpoint.directory import META_FILE
-from fp8ops.manifest import derive, load_manifest, write_manifest
+import small_model
+from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL
 
-MANIFESTS = Path(__file__).resolve().parents[1] / "manifests"
-SMALL_MODEL = {
-    "model.num_layers": 2, "model.hidden_size": 64, "model.ffn_hidden_size": 256,
-    "model.num_attention_heads": 4, "model.seq_length": 64,
-}  # fmt: skip
-SCHEDULE = {
-    "schedule.warmup_steps": 1, "schedule.micro_batch_size": 4, "schedule.global_batch_size": 8,
-    "schedule.log_interval": 1, "schedule.eval_iters": 4,
-}  # fmt: skip
+from fp8ops.checkpoint.directory import META_FILE
 
 
 def write_derived(tmp: Path, name: str, parent_file: Path, changes: dict) -> Path:
     """``parent_file`` with ``changes``, as a new revision in ``tmp/NAME.yaml``."""
-    manifest = derive(load_manifest(parent_file), changes, "test: small and short")
-    return write_manifest(manifest, tmp / f"{name}.yaml")
+    return small_model.write_derived(tmp / f"{name}.yaml", parent_file, changes)
 
 
 def train_small_base(tmp: Path) -> Path:

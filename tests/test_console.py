@@ -27,6 +27,8 @@ for _package in ("ipywidgets", "plotly"):
         pytest.skip(f"needs the console extra: pip install -e '.[console]' ({_package})",
                     allow_module_level=True)  # fmt: skip
 
+from small_model import SCHEDULE, SMALL_MODEL
+
 from fp8ops.console import ConsoleApp
 from fp8ops.console.data import Overview, pool, window_heatmap
 from fp8ops.console.notebook import notebook
@@ -43,14 +45,7 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[1]
 MANIFESTS = ROOT / "manifests"
 STEPS = 12
-SMALL_MODEL = {
-    "model.num_layers": 2, "model.hidden_size": 64, "model.ffn_hidden_size": 256,
-    "model.num_attention_heads": 4, "model.seq_length": 64,
-}  # fmt: skip
-SCHEDULE = {
-    "schedule.warmup_steps": 1, "schedule.micro_batch_size": 4, "schedule.global_batch_size": 8,
-    "schedule.log_interval": 1, "schedule.eval_iters": 2,
-}  # fmt: skip
+SCHEDULE = {**SCHEDULE, "schedule.eval_iters": 2}
 
 
 def make_trained_run(tmp: Path) -> tuple[Path, Path]:

@@ -25,6 +25,8 @@ import pytest
 if importlib.util.find_spec("megatron") is None:
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
 
+from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
+
 from fp8ops.checkpoint import CheckpointDir, CheckpointError, DriftRefused, plan_resume, read_meta
 from fp8ops.checkpoint import state as checkpoint_state
 from fp8ops.checkpoint.directory import checkpoint_name
@@ -40,21 +42,9 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
 ]
 
-MANIFESTS = Path(__file__).resolve().parents[1] / "manifests"
-SMALL_MODEL = {
-    "model.num_layers": 2, "model.hidden_size": 64, "model.ffn_hidden_size": 256,
-    "model.num_attention_heads": 4, "model.seq_length": 64,
-}  # fmt: skip
-SCHEDULE = {
-    "schedule.warmup_steps": 1, "schedule.micro_batch_size": 4, "schedule.global_batch_size": 8,
-    "schedule.log_interval": 1, "schedule.eval_iters": 2,
-}  # fmt: skip
+SCHEDULE = {**SCHEDULE, "schedule.eval_iters": 2}
 N = 4  # steps before the interruption, and after it
 FC2 = "decoder.layers.1.mlp.linear_fc2"
-
-
-def _write(path: Path, parent_file: Path, changes: dict) -> Path:
-    return write_manifest(derive(load_manifest(parent_file), changes, "test: small"), path)
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +52,12 @@ def manifest(tmp_path_factory) -> Path:
     """A fine-tuning manifest of 2N steps, evaluating and checkpointing every N, whose base is
     the small model pre-trained for a few steps."""
     tmp = tmp_path_factory.mktemp("resume")
-    base = _write(
+    base = write_derived(
         tmp / "base.yaml", MANIFESTS / "tiny-gpt-cpu-base.yaml",
         {**SMALL_MODEL, **SCHEDULE, "schedule.train_steps": 2, "schedule.eval_interval": 2},
     )  # fmt: skip
     run_training(base, tmp / "base", progress=False)
-    return _write(
+    return write_derived(
         tmp / "finetune.yaml", MANIFESTS / "tiny-gpt-cpu.yaml",
         {
             **SMALL_MODEL, **SCHEDULE, "model.init_checkpoint": str(tmp / "base" / "final"),
@@ -361,7 +351,9 @@ def test_sigusr1_to_one_rank_stops_both_at_one_step_and_resume_finishes(manifest
         (run / "metrics.jsonl").exists() and len(read_jsonl(run / "metrics.jsonl")) >= 2
     ):
         time.sleep(0.2)
-    workers = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True)
+    workers = subprocess.run(
+        ["pgrep", "-P", str(process.pid)], capture_output=True, text=True, check=False
+    )
     pids = sorted(int(p) for p in workers.stdout.split())
     assert len(pids) == 2, workers
     rank1 = next(p for p in pids if "RANK=1\0" in Path(f"/proc/{p}/environ").read_text())

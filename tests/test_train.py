@@ -19,9 +19,11 @@ import torch
 if importlib.util.find_spec("megatron") is None:
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
 
+from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
+
 from fp8ops.errors import Fp8opsError
 from fp8ops.files import read_jsonl
-from fp8ops.manifest import derive, load_manifest, manifest_hash, write_manifest
+from fp8ops.manifest import derive, load_manifest, manifest_hash
 from fp8ops.train import run_training
 from fp8ops.train.distributed import init_distributed, shutdown_distributed
 from fp8ops.train.run_dir import RunDir
@@ -33,21 +35,12 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
 ]
 
-MANIFESTS = Path(__file__).resolve().parents[1] / "manifests"
-SMALL_MODEL = {
-    "model.num_layers": 2, "model.hidden_size": 64, "model.ffn_hidden_size": 256,
-    "model.num_attention_heads": 4, "model.seq_length": 64,
-}  # fmt: skip
-SCHEDULE = {
-    "schedule.warmup_steps": 1, "schedule.micro_batch_size": 4, "schedule.global_batch_size": 8,
-    "schedule.log_interval": 1, "schedule.eval_iters": 4,
-}  # fmt: skip
+
 FINETUNE_STEPS = 12
 
 
 def _write(tmp: Path, name: str, parent_file: Path, changes: dict) -> Path:
-    manifest = derive(load_manifest(parent_file), changes, "test: small and short")
-    return write_manifest(manifest, tmp / f"{name}.yaml")
+    return write_derived(tmp / f"{name}.yaml", parent_file, changes)
 
 
 @pytest.fixture(scope="module")

@@ -445,7 +445,7 @@ def test_which_alerts_propose():
     assert [p.module for p in eng.proposals([stop])] == [MODULES[FC1_1]]
     # Gathered JSON records (with the trainer's rank) work as well.
     record = dict(stop.to_json(), module=MODULES[FC1_0], rank=1)
-    assert [p.module for p in eng.proposals_from([record])] == [MODULES[FC1_0]]
+    assert [p.module for p in eng.proposals([record])] == [MODULES[FC1_0]]
     assert set(eng.open_proposals) == {MODULES[FC1_0], MODULES[FC1_1]}
 
 

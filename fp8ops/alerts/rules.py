@@ -321,7 +321,6 @@ class AlertEngine:
         self._proposals.update(new)
         return list(new.values())
 
-    proposals_from = proposals
 
     @property
     def open_proposals(self) -> dict[str, Proposal]:

@@ -594,10 +594,12 @@ class Trainer:
         """
         if self.scope is None or not self.recipe.reduce_amax:
             return None
+        from fp8ops.checkpoint.state import fp8_digest
+
+        # The checkpoint's per-module digests, combined: one definition of "the same state".
         digest = hashlib.sha256()
-        for state in self._fp8_state().values():
-            for key in sorted(state):
-                digest.update(state[key].numpy().tobytes())
+        for module in self.collector.modules.values():
+            digest.update(fp8_digest(module).encode())
         mine = torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8)
         ranks = dist.get_world_size(self.amax_group)
         everyone = [torch.empty_like(mine) for _ in range(ranks)]
@@ -701,8 +703,11 @@ class Trainer:
         self.run.event("run_started", manifest=manifest_hash(manifest))
 
     def _save_final(self, last_loss: float) -> None:
-        self.save_checkpoint(self.manifest.schedule.train_steps, "final")
-        fingerprint = weights.weights_fingerprint(self.model, self.tp_group)
+        from fp8ops.checkpoint import read_meta
+
+        checkpoint = self.save_checkpoint(self.manifest.schedule.train_steps, "final")
+        # The same weights: the checkpoint already gathered and hashed them.
+        fingerprint = read_meta(checkpoint).weights_fingerprint
         meta = {
             "architecture": weights.architecture(self.manifest.model),
             "fingerprint": fingerprint,

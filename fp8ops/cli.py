@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from fp8ops.compare.cli import compare_command
 from fp8ops.errors import Fp8opsError, RevisionError
 from fp8ops.launch.cli import launch_app
 from fp8ops.manifest import (
@@ -30,6 +31,7 @@ from fp8ops.manifest import (
 from fp8ops.manifest.messages import yaml_value
 from fp8ops.manifest.summary import summary_rows
 from fp8ops.overrides.cli import overrides_app
+from fp8ops.preflight.cli import preflight_command
 
 app = typer.Typer(
     name="fp8ops",
@@ -43,6 +45,8 @@ manifest_app = typer.Typer(
 app.add_typer(manifest_app, name="manifest")
 app.add_typer(overrides_app, name="overrides")
 app.add_typer(launch_app, name="launch")
+app.command("compare")(compare_command)
+app.command("preflight")(preflight_command)
 
 
 def main(argv: list[str] | None = None) -> None:

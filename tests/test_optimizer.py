@@ -50,9 +50,14 @@ def test_updates_below_bf16_resolution_accumulate_in_float32_main_weights():
                        "optimizer.weight_decay": 0.0, "optimizer.clip_grad": None}).optimizer  # fmt: skip
     layer = _bf16_layer()
     optimizer = MainParamsOptimizer(layer, cfg, tp_group=None, dp_group=None)
+    update_norms = []
     for _ in range(10):
         layer.weight.grad = torch.full_like(layer.weight, -1.0)
         optimizer.step(lr=1e-3)
+        update_norms.append(optimizer.last_update_norm)
+    # The update norm is what reached the bf16 weights: one bf16 ulp (2**-7) per element, once,
+    # when the float32 sum crossed half an ulp; every other step rounded away.
+    assert sorted(update_norms) == [0.0] * 9 + [2**-7 * 8]
     assert optimizer.main_params[0].dtype == torch.float32
     assert optimizer.main_params[0][0, 0].item() == pytest.approx(1.01, abs=1e-6)
     assert layer.weight[0, 0].item() == 1.0078125  # bf16 rounding of 1.01
@@ -74,9 +79,12 @@ def test_clipping_uses_the_global_norm_and_skips_non_finite_steps():
     assert (norm, skipped) == (4.0, False)
     # Clipped to norm 1: each element moved by 0.5 / 4 (within torch's 1e-6 epsilon).
     assert optimizer.main_params[0][0, 0].item() == pytest.approx(1 - 0.125, rel=1e-5)
+    # 64 elements each moved by 0.125 (exact in bf16): the update's norm is 0.125 * 8.
+    assert optimizer.last_update_norm == pytest.approx(1.0, rel=1e-5)
     before = optimizer.main_params[0].clone()
     layer.weight.grad = torch.full_like(layer.weight, math.inf)
     norm, skipped = optimizer.step(lr=1.0)
     assert skipped and not math.isfinite(norm)
     assert torch.equal(optimizer.main_params[0], before)  # weights untouched
+    assert optimizer.last_update_norm == 0.0
     assert layer.weight.grad is None

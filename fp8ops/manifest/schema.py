@@ -881,12 +881,71 @@ class Gates(_Section):
     )
     allow_nonfinite: bool = Field(False, description="Pass a run that ever produced NaN/Inf.")
     allow_skipped_steps: bool = Field(False, description="Pass a run that skipped optimizer steps.")
+    min_bucket_items: int = Field(
+        20,
+        ge=1,
+        description=(
+            "Buckets with fewer held-out items than this are reported but not gated: one item "
+            "more or less right would swing their accuracy by more than the gap allows."
+        ),
+    )
     require_resume_continuity: bool = Field(
         True,
         description=(
-            "Require a resumed run to continue the uninterrupted run's trajectory within tolerance."
+            "Require a resumed run to continue its trajectory: the FP8 state and weights were "
+            "verified at load, the steps are contiguous, and the loss does not jump."
         ),
     )
+    resume_loss_jump: float = Field(
+        0.1,
+        ge=0,
+        description=(
+            "Largest allowed rise of the mean training loss over the 10 steps after a resume "
+            "against the 10 steps before it."
+        ),
+    )
+
+
+class Capability(_Section):
+    """Generation-based evaluation: greedy answers to held-out task items, exact match per bucket.
+
+    Only for SFT data (examples with answers); text data has nothing to check and skips it.
+    """
+
+    enabled: bool = Field(True, description="Evaluate generation on held-out items.")
+    items: int | None = Field(
+        240,
+        ge=1,
+        description=(
+            "Held-out items generated each time: the first N of the evaluation split, always "
+            "the same ones; null takes all of them."
+        ),
+    )
+    interval: int | None = Field(
+        None,
+        ge=1,
+        description="Steps between capability evaluations; null: once, after the last step.",
+    )
+    max_new_tokens: int = Field(
+        16, ge=1, description="Generation stops at an end-of-document token or after this many."
+    )
+
+
+class DualTrack(_Section):
+    """Which modules the third track (FP8 with fallbacks) keeps in the base dtype."""
+
+    fallback_first_last: bool = Field(
+        True,
+        description=(
+            "The FP8 modules of the first and last transformer layers, the ones published FP8 "
+            "recipes most often keep in BF16."
+        ),
+    )
+    fallback_alerted: bool = Field(
+        True,
+        description="Modules the FP8 candidate track raised Degrade or Stop alerts for.",
+    )
+    fallback_modules: Globs = Field((), description="More modules, as globs on module names.")
 
 
 class Telemetry(_Section):
@@ -972,6 +1031,12 @@ class Manifest(_Section):
     topology: Topology = Field(default_factory=Topology, description="Parallel layout.")
     alerts: Alerts = Field(default_factory=Alerts, description="Alert thresholds.")
     gates: Gates = Field(default_factory=Gates, description="Dual-track acceptance gates.")
+    capability: Capability = Field(
+        default_factory=Capability, description="Generation-based evaluation of the task."
+    )
+    dualtrack: DualTrack = Field(
+        default_factory=DualTrack, description="The third track's BF16 modules."
+    )
     telemetry: Telemetry = Field(default_factory=Telemetry, description="Telemetry cadence.")
     review: Review = Field(default_factory=Review, description="Override review rules.")
 

@@ -45,6 +45,8 @@ class MainParamsOptimizer:
     batch (Megatron's per-token loss), so the sum is the global batch's gradient.
     It returns the global gradient norm before clipping, and whether the step was skipped
     because that norm is not finite (the weights are then left untouched).
+    ``last_update_norm`` is then the global norm of what the step changed in the model's
+    weights, in their own dtype: an update that rounds away in bf16 does not count.
     """
 
     def __init__(self, model: nn.Module, optimizer_cfg, *, tp_group, dp_group):
@@ -76,6 +78,7 @@ class MainParamsOptimizer:
         self._is_shard = [
             bool(getattr(p, "tensor_model_parallel", False)) for p in self.model_params
         ]
+        self.last_update_norm = 0.0
 
     def zero_grad(self) -> None:
         for p in self.model_params:
@@ -96,11 +99,22 @@ class MainParamsOptimizer:
                 main.grad = grad
             for group in self.inner.param_groups:
                 group["lr"] = lr
+            # Float32 parameters are stepped in place: keep their old values to measure the step.
+            before = [p.detach().clone() if m is p else None
+                      for p, m in zip(self.model_params, self.main_params)]  # fmt: skip
             self.inner.step()
+            changes = []
             with torch.no_grad():
-                for param, main in zip(self.model_params, self.main_params):
-                    if main is not param:
-                        param.copy_(main)  # rounds to the base dtype
+                for param, main, old in zip(self.model_params, self.main_params, before):
+                    if main is param:
+                        changes.append(param - old)
+                        continue
+                    new = main.to(param.dtype)  # rounds to the base dtype
+                    changes.append(new.float() - param.float())
+                    param.copy_(new)
+            self.last_update_norm = self._global_norm(changes)
+        else:
+            self.last_update_norm = 0.0
         for main in self.main_params:
             main.grad = None
         self.zero_grad()

@@ -260,6 +260,7 @@ class Trainer:
             "step": step + 1,
             "loss": step_loss.item(),
             "grad_norm": grad_norm if math.isfinite(grad_norm) else None,  # JSON has no NaN
+            "update_norm": self.optimizer.last_update_norm,
             "lr": lr,
             "skipped": skipped,
             "tokens": int(tokens.item()),

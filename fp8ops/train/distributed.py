@@ -8,6 +8,8 @@ so the rest of fp8ops sees the same groups in both cases.
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import socket
 from dataclasses import dataclass
@@ -50,14 +52,10 @@ def init_distributed(topology, *, source: str) -> Ranks:
             f"with `torchrun --nproc-per-node {topology.world_size}` or change the topology, "
             f"e.g. --set topology.tensor_parallel={world_size}"
         )
+    global _owner
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if "RANK" in os.environ:
-            dist.init_process_group(backend)  # env:// from torchrun
-        else:
-            dist.init_process_group(
-                backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-            )
+        _start_process_group()
+        _owner = "run"
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=topology.tensor_parallel,
         pipeline_model_parallel_size=topology.pipeline_parallel,
@@ -74,10 +72,47 @@ def shutdown_distributed() -> None:
     """Undo :func:`init_distributed` (safe to call when nothing was started)."""
     from fp8ops.megatron.compat import parallel_state
 
+    global _owner
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
+    if dist.is_initialized() and _owner == "run":
         dist.destroy_process_group()
+        _owner = None
+
+
+@contextlib.contextmanager
+def shared_process_group():
+    """One process group for several runs in a row (``fp8ops dualtrack``'s tracks): under
+    torchrun, a gloo group cannot rendezvous a second time in the same processes (the store
+    still holds the first group's addresses), so the runs share this one instead of each
+    starting and ending their own."""
+    global _owner
+    if dist.is_initialized():
+        yield
+        return
+    _start_process_group()
+    _owner = "shared"
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        _owner = None
+
+
+# Who started the process group: "run" (init_distributed, which ends it with its run),
+# "shared" (shared_process_group, which outlives the runs inside it) or None.
+_owner: str | None = None
+
+
+def _start_process_group() -> None:
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)  # env:// from torchrun
+    else:
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        )
 
 
 def _free_port() -> int:

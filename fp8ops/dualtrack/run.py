@@ -1,0 +1,201 @@
+"""``fp8ops dualtrack MANIFEST``: train the three tracks one after another, then compare them.
+
+::
+
+    DIR/                        (default runs/NAME-dualtrack)
+      dualtrack.json            the source manifest's hash, the tracks, their status and time
+      tracks/source.yaml        the manifest given (the derived revision under --set)
+      tracks/bf16.yaml          tracks/fp8.yaml    tracks/fp8-fallback.yaml (once decided)
+      bf16/  fp8/  fp8-fallback/   ordinary run directories (fp8ops inspect, console, resume)
+      compare/                  fp8ops compare's report.html, verdict.json and png/
+
+Every track runs as ``fp8ops train TRACK.yaml --resume`` would: a finished track is left as it
+is, an interrupted one continues from its checkpoint, so the command itself is resumable (and
+requeueable: a stop request ends it with exit 75 after the current track checkpoints). A
+candidate stopped by a Stop alert is not retried; the comparison fails it.
+
+Under torchrun every rank runs this function: they train each track together, and each writes
+the same track manifests (``write_manifest`` leaves an identical file alone); rank 0 writes the
+rest.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from fp8ops.dualtrack.tracks import (
+    CANDIDATE,
+    CONTROL,
+    FALLBACK,
+    Track,
+    control_manifest,
+    fallback_manifest,
+    fallback_modules,
+)
+from fp8ops.errors import Fp8opsError
+from fp8ops.files import atomic_write_text
+from fp8ops.manifest import derive, load_manifest, manifest_hash, write_manifest
+from fp8ops.manifest.schema import Manifest
+
+PLAN = "dualtrack.json"
+
+
+@dataclass(frozen=True)
+class TrackOutcome:
+    """How a track stands after this invocation."""
+
+    track: Track
+    status: str  # completed | stopped | skipped
+    seconds: float  # spent training it in this invocation
+    note: str = ""
+
+
+def run_dualtrack(
+    manifest_path: Path,
+    out_dir: Path,
+    *,
+    assignments: dict | None = None,
+    progress: bool = True,
+) -> list[TrackOutcome]:
+    """Train the control, the candidate and the candidate with fallbacks into ``out_dir``."""
+    import torch.distributed as dist
+
+    from fp8ops.train.distributed import shared_process_group
+
+    source = _source_manifest(Path(manifest_path), assignments or {})
+    out_dir = Path(out_dir)
+    with shared_process_group():
+        plan = _open_plan(out_dir, source)  # every rank checks before rank 0 writes
+        dist.barrier()
+        tracks_dir = out_dir / "tracks"
+        if _is_main():
+            tracks_dir.mkdir(parents=True, exist_ok=True)
+            _save_plan(out_dir, plan)
+            write_manifest(source, tracks_dir / "source.yaml")
+        dist.barrier()
+        control = Track(CONTROL, "control", tracks_dir / "bf16.yaml", out_dir / CONTROL)
+        candidate = Track(CANDIDATE, "candidate", tracks_dir / "fp8.yaml", out_dir / CANDIDATE)
+        write_manifest(control_manifest(source), control.manifest_file)
+        write_manifest(source, candidate.manifest_file)
+        outcomes = [_train(control, progress, plan), _train(candidate, progress, plan)]
+        outcomes.append(_train_fallback(source, out_dir, candidate, progress, plan))
+    return outcomes
+
+
+def _train_fallback(source: Manifest, out_dir: Path, candidate: Track, progress: bool,
+                    plan: dict) -> TrackOutcome:  # fmt: skip
+    """The third track: its modules chosen from the candidate's run, once."""
+    file = out_dir / "tracks" / f"{FALLBACK}.yaml"
+    if file.exists():  # decided by an earlier invocation: keep it, the run resumes under it
+        inherited = {o.module for o in source.precision.overrides}
+        modules = {
+            o.module: o.reason for o in load_manifest(file).precision.overrides
+            if o.module not in inherited
+        }  # fmt: skip
+    else:
+        modules = fallback_modules(source, candidate.run_dir)
+        if modules:
+            write_manifest(fallback_manifest(source, modules), file)
+    track = Track(FALLBACK, "candidate", file, out_dir / FALLBACK, modules)
+    if not modules:
+        note = "no high-risk modules (see the manifest's dualtrack section): same as fp8"
+        _record(plan, out_dir, track, "skipped", 0.0, note)
+        return TrackOutcome(track, "skipped", 0.0, note)
+    return _train(track, progress, plan)
+
+
+def _train(track: Track, progress: bool, plan: dict) -> TrackOutcome:
+    """Train one track to its end (or find it there)."""
+    from fp8ops.train import run_training
+    from fp8ops.train.run_dir import RunAlreadyComplete, read_status
+    from fp8ops.train.trainer import StopRun
+
+    root = track.manifest_file.parent.parent
+    status = read_status(track.run_dir).get("state") if track.run_dir.exists() else None
+    if status == "stopped":  # a Stop alert would stop it again at the same step
+        _record(plan, root, track, "stopped", 0.0)
+        return TrackOutcome(track, "stopped", 0.0, "stopped by an alert (earlier)")
+    if _is_main():
+        print(f"dual-track: training {track.label} in {track.run_dir}", flush=True)
+    started = time.perf_counter()
+    try:
+        run_training(track.manifest_file, track.run_dir, progress=progress, resume=True)
+        state = "completed"
+    except RunAlreadyComplete:
+        state = "completed"
+    except StopRun as stop:
+        state = "stopped"
+        if _is_main():
+            print(f"dual-track: {track.label} {stop}", flush=True)
+    seconds = time.perf_counter() - started
+    _record(plan, root, track, state, seconds)
+    return TrackOutcome(track, state, seconds)
+
+
+def _source_manifest(path: Path, assignments: dict) -> Manifest:
+    manifest = load_manifest(path)
+    if not assignments:
+        return manifest
+    reason = "fp8ops dualtrack --set " + " ".join(f"{k}={v}" for k, v in assignments.items())
+    return derive(manifest, assignments, reason, source=f"{path} with --set")
+
+
+def _open_plan(out_dir: Path, source: Manifest) -> dict:
+    """dualtrack.json as an earlier invocation left it (then for the same manifest), or a new
+    plan for a new or empty directory. Reads only."""
+    import json
+
+    path = out_dir / PLAN
+    digest = manifest_hash(source)
+    if path.exists():
+        try:
+            plan = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise Fp8opsError(f"{path}: unreadable ({exc}); move the directory aside") from None
+        if plan.get("manifest") != digest:
+            raise Fp8opsError(
+                f"{out_dir} holds the dual-track evaluation of manifest "
+                f"{str(plan.get('manifest'))[:12]}, not of this one ({digest[:12]}); give "
+                "another --out, or resume that evaluation with its own manifest "
+                f"({out_dir / 'tracks' / 'source.yaml'})"
+            )
+        return plan
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise Fp8opsError(
+            f"{out_dir} exists and is not a dual-track directory (no {PLAN}); give another --out"
+        )
+    return {"manifest": digest, "name": source.name, "tracks": []}
+
+
+def _record(plan: dict, root: Path, track: Track, status: str, seconds: float,
+            note: str = "") -> None:  # fmt: skip
+    """Update the track's entry in dualtrack.json; time adds up across invocations."""
+    entries = {entry["label"]: entry for entry in plan["tracks"]}
+    earlier = entries.get(track.label, {})
+    entry = track.record(root) | {
+        "manifest": manifest_hash(load_manifest(track.manifest_file))
+        if track.manifest_file.exists() else None,
+        "status": status,
+        "seconds": round(earlier.get("seconds", 0.0) + seconds, 3),
+    }  # fmt: skip
+    if note:
+        entry["note"] = note
+    entries[track.label] = entry
+    plan["tracks"] = [
+        entries[label] for label in (CONTROL, CANDIDATE, FALLBACK) if label in entries
+    ]
+    if _is_main():
+        _save_plan(root, plan)
+
+
+def _save_plan(out_dir: Path, plan: dict) -> None:
+    import json
+
+    atomic_write_text(out_dir / PLAN, json.dumps(plan, indent=2) + "\n")
+
+
+def _is_main() -> bool:
+    return os.environ.get("RANK", "0") == "0"

@@ -1,0 +1,112 @@
+"""The three tracks of a dual-track evaluation, as manifests derived from one source manifest.
+
+::
+
+    bf16          the control: precision.enabled false, every module in the base dtype
+    fp8           the candidate: the source manifest as it is
+    fp8-fallback  the candidate with its high-risk modules in the base dtype (precision.overrides)
+
+Only precision differs between them, so they read the same data in the same order, see the same
+tokens at every step and evaluate at the same steps. The third track's modules are chosen from
+the candidate's own run (its layers.json and alerts.jsonl) after the candidate has trained, by
+the manifest's ``dualtrack`` section; its manifest is then written once and never rewritten, so
+a later invocation resumes the same run.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fp8ops.errors import ManifestError
+from fp8ops.manifest import derive
+from fp8ops.manifest.schema import Manifest
+
+CONTROL, CANDIDATE, FALLBACK = "bf16", "fp8", "fp8-fallback"
+LABELS = (CONTROL, CANDIDATE, FALLBACK)
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Track:
+    """One track: its label, role, locked manifest file and run directory."""
+
+    label: str
+    role: str  # "control" or "candidate"
+    manifest_file: Path
+    run_dir: Path
+    fallback_modules: dict[str, str] = field(default_factory=dict)  # module -> why
+
+    def record(self, root: Path) -> dict:
+        """This track's entry in dualtrack.json (paths relative to the dual-track directory)."""
+        entry = {
+            "label": self.label,
+            "role": self.role,
+            "run_dir": str(self.run_dir.relative_to(root)),
+            "manifest_file": str(self.manifest_file.relative_to(root)),
+        }
+        if self.label == FALLBACK:
+            entry["fallback_modules"] = self.fallback_modules
+        return entry
+
+
+def control_manifest(source: Manifest) -> Manifest:
+    """The BF16 control: the source with FP8 switched off (the recipe stays recorded)."""
+    if not source.precision.enabled:
+        raise ManifestError(
+            "precision.enabled: the manifest already trains without FP8, so it has no FP8 "
+            "candidate to compare; give the FP8 manifest to fp8ops dualtrack"
+        )
+    return derive(source, {"precision.enabled": False}, "dual-track: BF16 control")
+
+
+def fallback_modules(source: Manifest, candidate_run: Path) -> dict[str, str]:
+    """The candidate's high-risk modules, each with why, from its layers.json and alerts.
+
+    Modules already in the base dtype in the candidate (excluded, overridden, too small) are not
+    listed: only modules that ran FP8 can fall back.
+    """
+    from fp8ops.admission import read_layers_json
+    from fp8ops.alerts.files import read_alerts
+
+    rule = source.dualtrack
+    fp8 = [row.fqn for row in read_layers_json(candidate_run).rows if row.fp8]
+    chosen: dict[str, str] = {}
+    if rule.fallback_first_last:
+        layers = source.model.num_layers
+        for name in fp8:
+            match = _LAYER.match(name)
+            if match and int(match.group(1)) == 0:
+                chosen.setdefault(name, "dual-track: first transformer layer")
+            elif match and int(match.group(1)) == layers - 1:
+                chosen.setdefault(name, "dual-track: last transformer layer")
+    if rule.fallback_alerted:
+        for alert in read_alerts(candidate_run):
+            if alert.level in ("degrade", "stop") and alert.module in fp8:
+                chosen.setdefault(
+                    alert.module,
+                    f"dual-track: {alert.level} alert {alert.rule} at step {alert.step} in the "
+                    "FP8 candidate",
+                )
+    for glob in rule.fallback_modules:
+        matched = fnmatch.filter(fp8, glob)
+        if not matched:
+            raise ManifestError(
+                f"dualtrack.fallback_modules: {glob!r} matches none of the candidate's "
+                f"{len(fp8)} FP8 modules (see {candidate_run / 'layers.json'}); fix the glob"
+            )
+        for name in matched:
+            chosen.setdefault(name, f"dual-track: dualtrack.fallback_modules {glob!r}")
+    return dict(sorted(chosen.items(), key=lambda item: fp8.index(item[0])))
+
+
+def fallback_manifest(source: Manifest, modules: dict[str, str]) -> Manifest:
+    """The candidate with ``modules`` in the base dtype, as hand-written overrides (reviewed
+    with the manifest, so ``approval`` is null)."""
+    overrides = [o.model_dump(mode="json") for o in source.precision.overrides]
+    overrides += [{"module": m, "reason": why, "approval": None} for m, why in modules.items()]
+    reason = f"dual-track: FP8 with {len(modules)} high-risk modules in the base dtype"
+    return derive(source, {"precision.overrides": overrides}, reason)

@@ -1,0 +1,180 @@
+"""``fp8ops dualtrack``: three tracks from one manifest on the same data and tokens, resumable,
+the third track's modules chosen from the candidate's run; and ``fp8ops compare`` on them:
+a clean FP8 candidate passes the gates, a damaged one fails naming the cause."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
+
+from fp8ops.alerts import Alert, write_alerts
+from fp8ops.dualtrack.tracks import fallback_modules
+from fp8ops.errors import ManifestError
+from fp8ops.manifest import diff_manifests, load_manifest, manifest_hash
+from fp8ops.train.run_dir import read_metrics, read_status
+from fp8ops.train.signals import REQUEUE_EXIT
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
+]
+
+LAYERS = 3  # first and last fall back; the middle one stays FP8 in every FP8 track
+SHORT = {
+    **SMALL_MODEL, **SCHEDULE, "model.num_layers": LAYERS, "model.init_checkpoint": None,
+    "data.num_examples": 400, "schedule.train_steps": 12, "schedule.eval_interval": 6,
+    "schedule.checkpoint_interval": 6, "capability.items": 16, "capability.max_new_tokens": 6,
+}  # fmt: skip
+TRACKS = ("bf16", "fp8", "fp8-fallback")
+
+
+@pytest.fixture(scope="module")
+def short_manifest(tmp_path_factory) -> Path:
+    return write_derived(
+        tmp_path_factory.mktemp("dualtrack") / "short.yaml", MANIFESTS / "tiny-gpt-cpu.yaml", SHORT
+    )
+
+
+@pytest.fixture(scope="module")
+def short_dualtrack(short_manifest, tmp_path_factory) -> Path:
+    """A dual-track evaluation preempted (SIGUSR1, as SLURM signals before a time limit) while
+    training the candidate, which checkpoints and exits 75; then run again to the end."""
+    out = tmp_path_factory.mktemp("short") / "dt"
+    command = [sys.executable, "-m", "fp8ops", "dualtrack", str(short_manifest), "--out",
+               str(out), "--no-compare", "--no-progress"]  # fmt: skip
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not (out / "fp8" / "metrics.jsonl").exists() and first.poll() is None:
+        assert time.monotonic() < deadline, "the candidate track never started"
+        time.sleep(0.02)
+    first.send_signal(signal.SIGUSR1)
+    output, _ = first.communicate(timeout=120)
+    assert first.returncode == REQUEUE_EXIT, output
+    assert read_status(out / "fp8")["state"] == "interrupted"
+    assert not (out / "fp8-fallback").exists()
+    second = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert second.returncode == 0, second.stdout + second.stderr
+    return out
+
+
+def test_tracks_differ_only_in_precision(short_manifest, short_dualtrack):
+    source = load_manifest(short_manifest)
+    plan = json.loads((short_dualtrack / "dualtrack.json").read_text())
+    assert [t["label"] for t in plan["tracks"]] == list(TRACKS)
+    assert [t["status"] for t in plan["tracks"]] == ["completed"] * 3
+    for track in plan["tracks"]:
+        locked = load_manifest(short_dualtrack / track["run_dir"] / "manifest.yaml")
+        assert track["manifest"] == manifest_hash(
+            load_manifest(short_dualtrack / track["manifest_file"])
+        )
+        changed = {c.path.split(".")[0] for c in diff_manifests(source, locked)}
+        assert changed <= {"precision", "revision"}, (track["label"], changed)
+    control = load_manifest(short_dualtrack / "bf16" / "manifest.yaml")
+    assert not control.precision.enabled
+    layers = json.loads((short_dualtrack / "bf16" / "layers.json").read_text())
+    assert not [row["fqn"] for row in layers["rows"] if row["precision"] == "fp8"]
+
+
+def test_tracks_see_the_same_data_and_tokens(short_dualtrack):
+    runs = [short_dualtrack / label for label in TRACKS]
+    data = {json.loads((run / "run.json").read_text())["data"]["fingerprint"] for run in runs}
+    assert len(data) == 1
+    tokens = [[(m["step"], m["tokens"], m["loss_tokens"]) for m in read_metrics(run)]
+              for run in runs]  # fmt: skip
+    assert tokens[0] == tokens[1] == tokens[2]
+    assert [t[0] for t in tokens[0]] == list(range(1, SHORT["schedule.train_steps"] + 1))
+    evaluated = [[e["step"] for e in map(json.loads, (run / "eval.jsonl").read_text().splitlines())]
+                 for run in runs]  # fmt: skip
+    assert evaluated[0] == evaluated[1] == evaluated[2] == [6, 12]
+    # FP8 changes the numbers: the tracks are really different runs.
+    losses = [read_metrics(run)[-1]["loss"] for run in runs]
+    assert losses[0] != losses[1]
+
+
+def test_the_interrupted_candidate_resumed_from_its_checkpoint(short_dualtrack):
+    events = [json.loads(line) for line in (short_dualtrack / "fp8" / "events.jsonl").open()]
+    resumed = [e for e in events if e["event"] == "resumed"]
+    assert len(resumed) == 1 and 1 <= resumed[0]["step"] < SHORT["schedule.train_steps"]
+    assert read_status(short_dualtrack / "fp8")["state"] == "completed"
+
+
+def test_the_fallback_track_keeps_the_first_and_last_layers_in_bf16(short_dualtrack):
+    plan = json.loads((short_dualtrack / "dualtrack.json").read_text())
+    modules = plan["tracks"][2]["fallback_modules"]
+    layers = {name.split(".")[2] for name in modules}
+    assert layers == {"0", str(LAYERS - 1)} and len(modules) == 8
+    rows = json.loads((short_dualtrack / "fp8-fallback" / "layers.json").read_text())["rows"]
+    precision = {row["fqn"]: (row["precision"], row["reason"]["code"]) for row in rows}
+    for name in modules:
+        assert precision[name] == ("bf16", "override")
+    middle = [n for n in precision if n.startswith("decoder.layers.1.") and ".linear_" in n]
+    assert len(middle) == 4 and all(precision[n][0] == "fp8" for n in middle)
+
+
+def test_running_it_again_changes_nothing(cli, short_manifest, short_dualtrack):
+    before = {label: (short_dualtrack / label / "metrics.jsonl").read_bytes() for label in TRACKS}
+    result = cli("dualtrack", short_manifest, "--out", short_dualtrack, "--no-compare",
+                 "--no-progress")  # fmt: skip
+    assert result.code == 0, result.err
+    for label in TRACKS:
+        assert (short_dualtrack / label / "metrics.jsonl").read_bytes() == before[label]
+
+
+def test_another_manifest_is_refused_for_an_existing_dual_track_dir(
+    cli, short_manifest, short_dualtrack, tmp_path
+):
+    other = write_derived(tmp_path / "other.yaml", short_manifest, {"optimizer.lr": 1e-3})
+    result = cli("dualtrack", other, "--out", short_dualtrack, "--no-progress")
+    assert result.code == 2
+    assert "holds the dual-track evaluation of manifest" in result.err
+    assert str(short_dualtrack / "tracks" / "source.yaml") in result.err
+    plain = tmp_path / "not-dualtrack"
+    plain.mkdir()
+    (plain / "notes.txt").write_text("mine\n")
+    result = cli("dualtrack", short_manifest, "--out", plain, "--no-progress")
+    assert result.code == 2 and "not a dual-track directory" in result.err
+    assert (plain / "notes.txt").read_text() == "mine\n"
+
+
+def test_a_bf16_manifest_has_no_candidate(cli, short_manifest, tmp_path):
+    bf16 = write_derived(tmp_path / "bf16.yaml", short_manifest, {"precision.enabled": False})
+    result = cli("dualtrack", bf16, "--out", tmp_path / "dt", "--no-progress")
+    assert result.code == 2
+    assert "precision.enabled" in result.err and "no FP8 candidate" in result.err
+
+
+def test_fallback_modules_come_from_alerts_and_globs(short_manifest, short_dualtrack, tmp_path):
+    candidate = tmp_path / "fp8"
+    shutil.copytree(short_dualtrack / "fp8", candidate)
+    fc1 = "decoder.layers.1.mlp.linear_fc1"
+    write_alerts(candidate, [
+        Alert(4, "degrade", "saturation", fc1, "input.saturation", 0.2, 0.01, "saturated"),
+        Alert(5, "observe", "scale_change", "decoder.layers.1.mlp.linear_fc2", "scale_change",
+              9.0, 4.0, "moved"),
+    ])  # fmt: skip
+    source = load_manifest(short_manifest)
+    only_alerts = _rule(source, fallback_first_last=False)
+    assert fallback_modules(only_alerts, candidate) == {
+        fc1: "dual-track: degrade alert saturation at step 4 in the FP8 candidate"
+    }
+    by_glob = _rule(only_alerts, fallback_alerted=False, fallback_modules=("*.1.self_attention.*",))
+    assert sorted(fallback_modules(by_glob, candidate)) == [
+        "decoder.layers.1.self_attention.linear_proj", "decoder.layers.1.self_attention.linear_qkv"
+    ]  # fmt: skip
+    typo = _rule(by_glob, fallback_modules=("*.linear_fc3",))
+    with pytest.raises(ManifestError, match=r"dualtrack.fallback_modules: '\*.linear_fc3'"):
+        fallback_modules(typo, candidate)
+
+
+def _rule(manifest, **fields):
+    """``manifest`` with its dualtrack section changed (a test's shortcut; not a revision)."""
+    return manifest.model_copy(update={"dualtrack": manifest.dualtrack.model_copy(update=fields)})

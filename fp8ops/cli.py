@@ -276,6 +276,51 @@ def resume(
     _report_training(result)
 
 
+@app.command()
+def dualtrack(
+    file: ManifestFile,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="The dual-track directory (default: runs/NAME-dualtrack).", show_default=False
+        ),
+    ] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="PATH=VALUE: evaluate a derived revision of MANIFEST."),
+    ] = None,
+    compare: Annotated[
+        bool, typer.Option(help="Compare the tracks at the end (fp8ops compare OUT).")
+    ] = True,
+    png: Annotated[bool, typer.Option(help="Export the main plots as PNG too.")] = True,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar or log lines.")] = True,
+) -> None:
+    """Train MANIFEST three ways on the same data and tokens (a BF16 control, the FP8
+    candidate, FP8 with high-risk modules in BF16), then compare them against the manifest's
+    gates: exit 0 when every candidate passes, 1 when one fails.
+
+    Resumable: run it again to continue an interrupted evaluation. For more than one rank,
+    start it with `torchrun --nproc-per-node N -m fp8ops dualtrack ...`.
+    """
+    from fp8ops.dualtrack.run import run_dualtrack
+
+    out = out or Path("runs") / f"{load_manifest(file).name}-dualtrack"
+    outcomes = run_dualtrack(
+        file, out, assignments=parse_assignments(set_ or []), progress=progress
+    )
+    if os.environ.get("RANK", "0") != "0":
+        return
+    console = _console()
+    for outcome in outcomes:
+        note = f" ({outcome.note})" if outcome.note else ""
+        console.print(f"{outcome.track.label}: {outcome.status} in {outcome.seconds:.0f} s "
+                      f"-> {outcome.track.run_dir}{note}")  # fmt: skip
+    if compare:
+        compare_command([out], out=None, png=png)
+    else:
+        console.print(f"compare them with: fp8ops compare {out}")
+
+
 def _report_training(result) -> None:
     if os.environ.get("RANK", "0") != "0":
         return
@@ -283,6 +328,8 @@ def _report_training(result) -> None:
     for line in result.resume_summary or []:
         out.print(line)
     eval_text = "" if result.last_eval_loss is None else f", eval loss {result.last_eval_loss:.4f}"
+    if result.capability_accuracy is not None:
+        eval_text += f", capability accuracy {result.capability_accuracy:.1%}"
     out.print(
         f"trained steps {result.first_step}-{result.steps} in {result.seconds:.0f} s: loss "
         f"{result.first_loss:.4f} -> {result.last_loss:.4f}{eval_text}"
@@ -290,9 +337,10 @@ def _report_training(result) -> None:
     if result.paused:
         out.print(f"paused at step {result.steps}; continue with: fp8ops resume {result.run_dir}")
         return
+    answers = "" if result.capability_accuracy is None else ", capability.jsonl + capability/"
     out.print(
-        f"results in {result.run_dir}/: metrics.jsonl (per step), eval.jsonl, events.jsonl, "
-        "layers.json, run.json, manifest.yaml, checkpoints/, final/ (weights)"
+        f"results in {result.run_dir}/: metrics.jsonl (per step), eval.jsonl{answers}, "
+        "events.jsonl, layers.json, run.json, manifest.yaml, checkpoints/, final/ (weights)"
     )
     out.print(f"per-layer precision: fp8ops inspect {result.run_dir} --layers")
 

@@ -1,8 +1,84 @@
-"""``fp8ops compare RUN...`` (placeholder: being written)."""
+"""``fp8ops compare RUN...``: the gates table, the causes, and where the report is.
+
+Exit codes: 0 every candidate passes, 1 some candidate fails (CI can gate on it), 2 bad input
+(or a PNG export that failed after the verdict and report were written).
+Plotly, pandas and zarr are imported only when the command runs, so ``fp8ops --help`` stays fast.
+"""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+from typing import Annotated
 
-def compare_command() -> None:
-    """Compare runs against gates (being written)."""
-    raise NotImplementedError
+import typer
+
+
+def compare_command(
+    runs: Annotated[
+        list[Path],
+        typer.Argument(
+            help="Run directories (the reference first, then candidates), or one dual-track "
+            "directory (with dualtrack.json).",
+            show_default=False,
+        ),
+    ],
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Where verdict.json, report.html and png/ go (default: DUALTRACK_DIR/compare, "
+            "or compare/ beside the reference run).",
+            show_default=False,
+        ),
+    ] = None,
+    png: Annotated[
+        bool, typer.Option("--png/--no-png", help="Also export the main plots as PNGs (kaleido).")
+    ] = True,
+) -> None:
+    """Judge FP8 candidates against a reference run with the release gates of each candidate's
+    manifest; write verdict.json and report.html. Exit 0: all pass, 1: some fail, 2: bad input."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    from fp8ops.compare.report import format_value
+    from fp8ops.compare.verdict import compare
+    from fp8ops.errors import Fp8opsError
+
+    result = compare(runs, out, png=png)
+    verdict = result.verdict
+    # Module names are not markup; a cause stays on one line (soft_wrap), for grep and CI logs.
+    console = Console(
+        highlight=False, markup=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160
+    )
+
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for name in ("candidate", "gate", "value", "threshold", "result"):
+        table.add_column(name, overflow="fold")
+    for candidate in verdict.candidates:
+        for gate in candidate.gates:
+            table.add_row(
+                candidate.label, gate.name, format_value(gate.value),
+                format_value(gate.threshold), "pass" if gate.passed else "FAIL",
+            )  # fmt: skip
+    reference = verdict.reference
+    console.print(f"reference: {reference['label']} ({reference['run_dir']})")
+    console.print(table)
+    for candidate in verdict.candidates:
+        if candidate.passed:
+            console.print(f"{candidate.label}: pass")
+        else:
+            console.print(f"{candidate.label}: FAIL: {candidate.cause}")
+    failed = sum(not c.passed for c in verdict.candidates)
+    console.print(
+        f"verdict: {verdict.verdict.upper()} ({failed} of {len(verdict.candidates)} "
+        "candidates failed)"
+    )
+    console.print(f"verdict.json: {result.verdict_path}")
+    console.print(f"report.html:  {result.report_path}")
+    if result.pngs:
+        console.print(f"png:          {', '.join(str(p) for p in result.pngs)}")
+    if result.png_error:
+        raise Fp8opsError(result.png_error)
+    if verdict.verdict != "pass":
+        raise typer.Exit(1)

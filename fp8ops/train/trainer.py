@@ -62,6 +62,7 @@ class TrainResult:
     paused: bool = False  # --stop-at or a stop request: checkpointed and left to resume
     interrupted_by: str | None = None  # the stop request (signal, request file) that ended it
     resume_summary: list[str] | None = None
+    capability_accuracy: float | None = None  # the segment's last capability evaluation
 
 
 class Trainer:
@@ -79,6 +80,7 @@ class Trainer:
         from fp8ops.alerts import AlertEngine
         from fp8ops.checkpoint.state import Fp8Layout
         from fp8ops.data import TrainSampler, build_data
+        from fp8ops.evaluate.capability import capability_examples
         from fp8ops.megatron import amax_reduction_group, build_gpt, fp8_modules
         from fp8ops.megatron.compat import parallel_state
         from fp8ops.precision import DelayedScalingRecipe, Fp8Scope
@@ -94,6 +96,8 @@ class Trainer:
         # Everything that can refuse the manifest runs before the run directory is claimed,
         # so a refused run leaves nothing behind.
         self.data = build_data(manifest)
+        self.capability_examples = capability_examples(self.data, manifest.capability)
+        self.capability_accuracy: float | None = None
         schedule = manifest.schedule
         self.sampler = TrainSampler(
             self.data.train, seed=manifest.seeds.data,
@@ -179,6 +183,8 @@ class Trainer:
                     if finished % schedule.eval_interval == 0 or finished == schedule.train_steps:
                         last_eval = self.evaluate(finished)
                         self.check_fp8_agreement(finished)
+                    if self._capability_due(finished):
+                        self.evaluate_capability(finished)
                     if finished == schedule.train_steps:
                         break
                     if finished == stop_at:
@@ -209,6 +215,7 @@ class Trainer:
         return TrainResult(
             self.run.path, schedule.train_steps, losses[0], losses[-1], last_eval, seconds,
             first_step=self.start_step + 1, resume_summary=self._resume_summary(),
+            capability_accuracy=self.capability_accuracy,
         )  # fmt: skip
 
     def _pause(self, step: int, losses: list[float], last_eval, started: float,
@@ -228,7 +235,7 @@ class Trainer:
         return TrainResult(
             self.run.path, step, losses[0], losses[-1], last_eval, seconds,
             first_step=self.start_step + 1, paused=True, resume_summary=self._resume_summary(),
-            interrupted_by=why if requested else None,
+            interrupted_by=why if requested else None, capability_accuracy=self.capability_accuracy,
         )  # fmt: skip
 
     def train_step(self, step: int) -> dict:
@@ -270,29 +277,15 @@ class Trainer:
             "peak_memory_mib": _peak_memory_mib(),
         }
 
-    @torch.no_grad()
     def evaluate(self, step: int) -> float | None:
-        """Mean loss over the held-out set, overall and per bucket; FP8 state left as it was.
-        None when there is no held-out set (``data.eval_fraction: 0``).
-
-        The eval forward runs in FP8 with the training scales, but its amaxes are discarded: TE
-        would fold them into the next training update, so evaluating more or less often would
-        change the training run. Telemetry is paused, so the evaluation's GEMMs and casts do not
-        show up in the next step's row.
-        """
+        """Mean loss over the held-out set, overall and per bucket; FP8 state left as it was
+        (:meth:`_held_out`). None when there is no held-out set (``data.eval_fraction: 0``)."""
         if len(self.data.eval) == 0:
             return None
-        saved = self._fp8_state()
-        with self.collector.paused():
-            loss = self._evaluate(step)
-        self._restore_fp8_state(saved)
-        return loss
+        with self._held_out():
+            return self._evaluate(step)
 
     def _evaluate(self, step: int) -> float:
-        from fp8ops.megatron import mark_first_microbatch
-
-        self.model.eval()
-        mark_first_microbatch(self.model)  # cast the current weights once, reuse them after
         totals: dict[str, list[float]] = {}
         loss_sum, token_sum = 0.0, 0.0
         schedule = self.manifest.schedule
@@ -310,7 +303,6 @@ class Trainer:
                     entry = totals.setdefault(f"{name}={value}", [0.0, 0.0])
                     entry[0] += seq_loss.item()
                     entry[1] += seq_tokens.item()
-        self.model.train()
         loss = loss_sum / max(token_sum, 1.0)
         record = {
             "step": step,
@@ -322,6 +314,52 @@ class Trainer:
             self.run.append("eval.jsonl", record)
             self.run.event("evaluated", step=step, loss=loss)
         return loss
+
+    def _capability_due(self, step: int) -> bool:
+        interval = self.manifest.capability.interval
+        at_interval = interval is not None and step % interval == 0
+        return bool(self.capability_examples) and (
+            at_interval or step == self.manifest.schedule.train_steps
+        )
+
+    def evaluate_capability(self, step: int) -> float:
+        """Greedy answers to the held-out items, exact match overall and per bucket
+        (``fp8ops.evaluate``); rank 0 writes ``capability.jsonl`` and the step's predictions.
+        Every rank runs it (collective at TP>1), held out of training as :meth:`evaluate` is."""
+        from fp8ops.evaluate.capability import evaluate_capability
+        from fp8ops.evaluate.records import score, write_capability
+
+        started = time.perf_counter()
+        with self._held_out():
+            predictions = evaluate_capability(
+                self.model, self.capability_examples, self.manifest, fp8=self._fp8
+            )
+        seconds = time.perf_counter() - started
+        self.capability_accuracy = score(predictions)["accuracy"]
+        if self.ranks.is_main:
+            write_capability(self.run.path, step, predictions, seconds)
+            self.run.event("capability_evaluated", step=step,
+                           accuracy=self.capability_accuracy, seconds=round(seconds, 3))  # fmt: skip
+        return self.capability_accuracy
+
+    @contextlib.contextmanager
+    def _held_out(self):
+        """Run evaluation forwards without changing the training run.
+
+        They run in FP8 with the training scales, but their amaxes are discarded: TE would fold
+        them into the next training update, so evaluating more or less often would change the
+        training run. Telemetry is paused, so the evaluation's GEMMs and casts do not show up in
+        the next step's row.
+        """
+        from fp8ops.megatron import mark_first_microbatch
+
+        saved = self._fp8_state()
+        with torch.no_grad(), self.collector.paused():
+            self.model.eval()
+            mark_first_microbatch(self.model)  # cast the current weights once, reuse them after
+            yield
+            self.model.train()
+        self._restore_fp8_state(saved)
 
     def observe(self, record: dict) -> None:
         """After :meth:`train_step`: hand the step's telemetry row to the store and the alert rules.

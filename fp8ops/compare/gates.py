@@ -1,0 +1,462 @@
+"""The release gates: one candidate against the reference, with the thresholds of the
+candidate's own locked manifest (``gates``: :class:`fp8ops.manifest.schema.Gates`).
+
+Every gate is reported, passing or not, with its value and threshold; a gate that does not
+apply (a run never resumed, capability not evaluated) passes with a detail saying why it was
+not gated. In order:
+
+``reference``           the reference itself completed and stayed finite
+``completed``           the candidate reached its train_steps with status completed
+``loss_gap``            held-out loss, candidate minus reference, at the last evaluation both
+                        made at equal training tokens
+``bucket_accuracy_gap`` capability accuracy, reference minus candidate, in every bucket with
+                        enough items and overall, at the last capability step both reached
+``finite``              no NaN/Inf loss, gradient norm, cast (telemetry) or nonfinite alert
+``skipped_steps``       no optimizer step skipped
+``resume_continuity``   a resumed run continued where it left off
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from fp8ops.alerts import Alert
+from fp8ops.compare.runs import RunRecords, finite
+from fp8ops.manifest import Gates
+
+RESUME_WINDOW = 10  # steps averaged on each side of a resume (gates.resume_loss_jump's window)
+
+
+@dataclass(frozen=True)
+class GateResult:
+    name: str
+    passed: bool
+    value: float | int | None
+    threshold: float | int | bool | None
+    detail: str  # one sentence; a failing gate's detail is its part of the cause
+
+
+@dataclass
+class CandidateVerdict:
+    label: str
+    run_dir: str
+    manifest: str  # sha256 of the locked manifest
+    fp8_modules: int  # modules admitted to FP8 (layers.json)
+    gates: list[GateResult]
+    evaluations: list[dict[str, Any]]  # the loss gap at every matched evaluation
+    capability: dict[str, Any] | None  # per-bucket comparison at the matched capability step
+    worst_bucket: dict[str, Any] | None
+    worst_layer: dict[str, Any] | None
+    fallback_modules: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return all(gate.passed for gate in self.gates)
+
+    @property
+    def cause(self) -> str | None:
+        """The failing gates in one line, and the layer most likely to blame."""
+        if self.passed:
+            return None
+        parts = [gate.detail for gate in self.gates if not gate.passed]
+        if self.worst_layer is not None:
+            parts.append(describe_layer(self.worst_layer))
+        return "; ".join(parts)
+
+
+def judge(reference: RunRecords, candidate: RunRecords) -> CandidateVerdict:
+    """Every gate for ``candidate``; thresholds from its manifest."""
+    gates = candidate.manifest.gates
+    evaluations = matched_evaluations(reference, candidate)
+    bucket_gate, capability, worst_bucket = _buckets(reference, candidate, gates)
+    return CandidateVerdict(
+        label=candidate.label,
+        run_dir=str(candidate.path),
+        manifest=candidate.manifest_sha256,
+        fp8_modules=len(candidate.layers.table.fp8_fqns),
+        gates=[
+            _reference_gate(reference),
+            _completed_gate(candidate),
+            _loss_gate(reference, evaluations, gates),
+            bucket_gate,
+            _finite_gate(candidate, gates),
+            _skipped_gate(candidate, gates),
+            _resume_gate(candidate, gates),
+        ],
+        evaluations=evaluations,
+        capability=capability,
+        worst_bucket=worst_bucket,
+        worst_layer=worst_layer(candidate),
+        fallback_modules=dict(candidate.track.fallback_modules),
+    )
+
+
+def reference_problems(reference: RunRecords) -> list[str]:
+    """Why the reference cannot anchor a verdict (empty: it is clean)."""
+    problems = [_completion_problem(reference)]
+    steps, detail = _nonfinite(reference)
+    if steps:
+        problems.append(detail)
+    return [p for p in problems if p]
+
+
+# --------------------------------------------------------------------------------------
+# The gates
+# --------------------------------------------------------------------------------------
+
+
+def _reference_gate(reference: RunRecords) -> GateResult:
+    problems = reference_problems(reference)
+    if problems:
+        detail = f"reference {reference.label} is not clean: {'; '.join(problems)}"
+    else:
+        detail = f"reference {reference.label} completed with finite losses"
+    return GateResult("reference", not problems, None, None, detail)
+
+
+def _completed_gate(run: RunRecords) -> GateResult:
+    problem = _completion_problem(run)
+    steps = run.manifest.schedule.train_steps
+    detail = problem or f"completed {steps} steps"
+    return GateResult("completed", problem is None, run.last_step, steps, detail)
+
+
+def _completion_problem(run: RunRecords) -> str | None:
+    steps, status = run.manifest.schedule.train_steps, run.status
+    where = f"{run.label} status {run.state} at step {status.get('step')} of {steps}"
+    if run.state == "stopped":
+        alert = status.get("alert") or {}
+        return f"{where}: {alert.get('message') or 'stopped by an alert'}"
+    if run.state == "failed":
+        return f"{where}: {status.get('error') or 'failed (see its events.jsonl)'}"
+    if run.state != "completed":
+        return f"{where} (resume it to the end, then compare)"
+    if run.last_step < steps:
+        return f"{run.label} status completed, but metrics.jsonl ends at step {run.last_step}"
+    return None
+
+
+def matched_evaluations(reference: RunRecords, candidate: RunRecords) -> list[dict[str, Any]]:
+    """Held-out losses at every step both runs evaluated after equal training tokens."""
+    ours = {record["step"]: record for record in reference.evals}
+    matched = []
+    for record in candidate.evals:
+        step = record["step"]
+        tokens = candidate.tokens_through.get(step)
+        if step not in ours or tokens is None or tokens != reference.tokens_through.get(step):
+            continue
+        ref_loss, cand_loss = ours[step]["loss"], record["loss"]
+        gap = cand_loss - ref_loss if finite(ref_loss) and finite(cand_loss) else math.nan
+        matched.append({
+            "step": step, "tokens": tokens, "reference": ref_loss, "candidate": cand_loss,
+            "gap": gap,
+        })  # fmt: skip
+    return matched
+
+
+def _loss_gate(
+    reference: RunRecords, evaluations: list[dict[str, Any]], gates: Gates
+) -> GateResult:
+    if not evaluations:
+        return GateResult(
+            "loss_gap", False, None, gates.loss_gap,
+            f"no held-out evaluation at a step both runs reached with equal tokens "
+            f"(reference evaluated at steps {_steps(r['step'] for r in reference.evals)})",
+        )  # fmt: skip
+    last = evaluations[-1]
+    gap = last["gap"]
+    passed = finite(gap) and gap <= gates.loss_gap
+    where = f"at step {last['step']} (tokens {last['tokens']})"
+    if not finite(gap):
+        detail = f"loss gap not finite {where} (candidate {last['candidate']})"
+    else:
+        detail = f"loss gap {gap:.3g} {'<=' if passed else '>'} {gates.loss_gap:g} {where}"
+    return GateResult("loss_gap", passed, gap, gates.loss_gap, detail)
+
+
+def _buckets(
+    reference: RunRecords, candidate: RunRecords, gates: Gates
+) -> tuple[GateResult, dict[str, Any] | None, dict[str, Any] | None]:
+    """The bucket gate, the comparison behind it, and the worst gated bucket."""
+    gap, name = gates.bucket_accuracy_gap, "bucket_accuracy_gap"
+    expected = candidate.manifest.capability.enabled and (
+        candidate.info.get("data", {}).get("objective") == "sft"
+    )
+    missing = [run for run in (reference, candidate) if not run.capability]
+    if missing and not expected:
+        why = (
+            "capability.enabled is false" if not candidate.manifest.capability.enabled
+            else "the data has no answers to check (not SFT)"
+        )  # fmt: skip
+        return GateResult(name, True, None, gap, f"not gated: {why}"), None, None
+    if missing:
+        run = missing[0]
+        return GateResult(
+            name, False, None, gap,
+            f"no capability records in {run.label} ({run.path}/capability.jsonl), though "
+            "capability.enabled is true",
+        ), None, None  # fmt: skip
+    step = _matched_capability_step(reference, candidate)
+    if step is None:
+        return GateResult(
+            name, False, None, gap,
+            "no capability evaluation at a step both runs reached with equal tokens",
+        ), None, None  # fmt: skip
+
+    comparison = compare_capability(reference, candidate, step, gates)
+    rows = [comparison["overall"], *comparison["buckets"]]
+    gated = [row for row in rows if row["gated"]]
+    failing = [row for row in gated if not (finite(row["drop"]) and row["drop"] <= gap)]
+    buckets = [row for row in comparison["buckets"] if row["gated"]]
+    worst = max(buckets, key=_drop_order) if buckets else None
+    value = max(gated, key=_drop_order)["drop"]
+    where = f"at step {step}"
+    if failing:
+        first = max(failing, key=_drop_order)
+        more = f"; {len(failing) - 1} more over the gap" if len(failing) > 1 else ""
+        detail = f"accuracy drop {_describe_bucket(first)} > {gap:g} {where}{more}"
+    else:
+        top = max(gated, key=_drop_order)
+        small = len(comparison["buckets"]) - len(buckets)
+        note = f"; {small} buckets under {gates.min_bucket_items} items not gated" if small else ""
+        detail = (
+            f"largest accuracy drop {top['drop']:.3g} <= {gap:g} ({top['bucket']}) {where}{note}"
+        )
+    return GateResult(name, not failing, value, gap, detail), comparison, worst
+
+
+def _matched_capability_step(reference: RunRecords, candidate: RunRecords) -> int | None:
+    ours = {record["step"] for record in reference.capability}
+    steps = [
+        r["step"]
+        for r in candidate.capability
+        if r["step"] in ours
+        and candidate.tokens_through.get(r["step"]) is not None
+        and candidate.tokens_through.get(r["step"]) == reference.tokens_through.get(r["step"])
+    ]
+    return max(steps, default=None)
+
+
+def compare_capability(
+    reference: RunRecords, candidate: RunRecords, step: int, gates: Gates
+) -> dict[str, Any]:
+    """Accuracy per bucket and overall at ``step``, with paired counts from the per-item files:
+    ``lost`` items right in the reference and wrong in the candidate, ``gained`` the reverse."""
+    ref = next(r for r in reference.capability if r["step"] == step)
+    cand = next(r for r in candidate.capability if r["step"] == step)
+    lost, gained = _paired_counts(reference.predictions[step], candidate.predictions[step])
+
+    def row(bucket: str, r: dict[str, Any], c: dict[str, Any], gated: bool) -> dict[str, Any]:
+        ref_acc, cand_acc = r.get("accuracy"), c.get("accuracy")
+        drop = ref_acc - cand_acc if finite(ref_acc) and finite(cand_acc) else math.nan
+        return {
+            "bucket": bucket, "items": min(r.get("items", 0), c.get("items", 0)),
+            "reference_accuracy": ref_acc, "candidate_accuracy": cand_acc, "drop": drop,
+            "gated": gated, "lost": lost.get(bucket, 0), "gained": gained.get(bucket, 0),
+        }  # fmt: skip
+
+    buckets = []
+    for bucket in sorted(set(ref["buckets"]) | set(cand["buckets"])):
+        r, c = ref["buckets"].get(bucket, {}), cand["buckets"].get(bucket, {})
+        items = min(r.get("items", 0), c.get("items", 0))
+        buckets.append(row(bucket, r, c, items >= gates.min_bucket_items))
+    return {
+        "step": step,
+        "tokens": candidate.tokens_through.get(step),
+        "overall": row("overall", ref, cand, True),
+        "buckets": buckets,
+    }
+
+
+def _paired_counts(
+    reference: list[dict[str, Any]], candidate: list[dict[str, Any]]
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Per bucket (and ``overall``): items only the reference got right, and only the candidate."""
+    theirs = {_item_key(item): item for item in candidate}
+    lost: dict[str, int] = {}
+    gained: dict[str, int] = {}
+    for item in reference:
+        other = theirs.get(_item_key(item))
+        if other is None or bool(item.get("correct")) == bool(other.get("correct")):
+            continue
+        tally = lost if item.get("correct") else gained
+        for bucket in ("overall", *_item_buckets(item)):
+            tally[bucket] = tally.get(bucket, 0) + 1
+    return lost, gained
+
+
+def _item_key(item: dict[str, Any]) -> Any:
+    return item.get("key", item.get("index"))
+
+
+def _item_buckets(item: dict[str, Any]) -> list[str]:
+    buckets = item.get("buckets") or {}
+    if isinstance(buckets, dict):  # {"task": "add"}: named as capability.jsonl names them
+        return [f"{name}={value}" for name, value in buckets.items()]
+    return [str(bucket) for bucket in buckets]
+
+
+def _drop_order(row: dict[str, Any]) -> float:
+    return row["drop"] if finite(row["drop"]) else math.inf  # unknown counts as worst
+
+
+def _describe_bucket(row: dict[str, Any]) -> str:
+    return (
+        f"{row['drop']:.3g} in {row['bucket']} ({row['reference_accuracy']:.3f} -> "
+        f"{row['candidate_accuracy']:.3f}; {row['lost']} right only in the reference, "
+        f"{row['gained']} only in the candidate, of {row['items']})"
+    )
+
+
+def _finite_gate(run: RunRecords, gates: Gates) -> GateResult:
+    steps, detail = _nonfinite(run)
+    allowed = gates.allow_nonfinite
+    if steps and allowed:
+        detail += " (allowed by gates.allow_nonfinite)"
+    return GateResult(
+        "finite", not steps or allowed, len(steps), allowed, detail or "no NaN or Inf seen"
+    )
+
+
+def _nonfinite(run: RunRecords) -> tuple[list[int], str]:
+    """The steps where something was NaN or infinite, and a sentence saying where."""
+    in_metrics = [
+        m["step"]
+        for m in run.metrics
+        if not finite(m.get("loss")) or ("grad_norm" in m and not finite(m["grad_norm"]))
+    ]
+    telemetry = run.telemetry
+    in_casts = list(telemetry.nonfinite_steps) if telemetry else []
+    alerts = [a for a in run.alerts if a.rule == "nonfinite"]
+    steps = sorted(set(in_metrics) | set(in_casts) | {a.step for a in alerts})
+    if not steps:
+        return [], ""
+    parts = []
+    if in_metrics:
+        parts.append(f"loss or grad_norm at {_steps(in_metrics)}")
+    if in_casts:
+        worst = max(telemetry.layers, key=lambda layer: layer.nonfinite)
+        parts.append(
+            f"{telemetry.nonfinite} NaN/Inf cast elements at {_steps(in_casts)} (most in "
+            f"{worst.module})"
+        )
+    if alerts:
+        parts.append(f"{len(alerts)} nonfinite alerts (first: {alerts[0].message})")
+    return steps, f"{run.label} non-finite: {'; '.join(parts)}"
+
+
+def _skipped_gate(run: RunRecords, gates: Gates) -> GateResult:
+    skipped = [m["step"] for m in run.metrics if m.get("skipped")]
+    allowed = gates.allow_skipped_steps
+    if not skipped:
+        detail = "no optimizer step skipped"
+    else:
+        detail = f"{len(skipped)} optimizer steps skipped ({_steps(skipped)})"
+        if allowed:
+            detail += " (allowed by gates.allow_skipped_steps)"
+    return GateResult("skipped_steps", not skipped or allowed, len(skipped), allowed, detail)
+
+
+def _resume_gate(run: RunRecords, gates: Gates) -> GateResult:
+    name, limit = "resume_continuity", gates.resume_loss_jump
+    if not gates.require_resume_continuity:
+        return GateResult(name, True, None, limit, "not gated: require_resume_continuity is false")
+    resume_steps = sorted({r.step for r in run.resumes} | set(run.restarts))
+    if not resume_steps:
+        return GateResult(name, True, None, limit, "not resumed")
+
+    problems = []
+    logged = {m["step"] for m in run.metrics}
+    gaps = sorted(set(range(1, run.last_step + 1)) - logged)
+    if gaps:
+        problems.append(f"metrics.jsonl lacks {_steps(gaps)}")
+    recorded = {r.step: r for r in run.resumes}
+    for step in run.restarts:
+        if step not in recorded:
+            problems.append(f"training continued after step {step} with no resumed event")
+    for resume in run.resumes:
+        if not resume.checkpoint:
+            problems.append(f"the resumed event at step {resume.step} names no checkpoint")
+
+    losses = {m["step"]: m.get("loss") for m in run.metrics}
+    jumps = {}
+    for step in resume_steps:
+        before = [losses.get(s) for s in range(step - RESUME_WINDOW + 1, step + 1)]
+        after = [losses.get(s) for s in range(step + 1, step + RESUME_WINDOW + 1)]
+        before, after = [x for x in before if finite(x)], [x for x in after if finite(x)]
+        if before and after:
+            jumps[step] = sum(after) / len(after) - sum(before) / len(before)
+    worst_step = max(jumps, key=jumps.get, default=None)
+    value = jumps.get(worst_step)
+    if value is not None and value > limit:
+        checkpoint = recorded[worst_step].checkpoint if worst_step in recorded else None
+        problems.append(
+            f"mean loss rose {value:.3g} > {limit:g} over the {RESUME_WINDOW} steps after the "
+            f"resume at step {worst_step}" + (f" ({checkpoint})" if checkpoint else "")
+        )
+    if problems:
+        return GateResult(name, False, value, limit, f"resume: {'; '.join(problems)}")
+    change = f"; largest loss change {value:.3g} <= {limit:g}" if value is not None else ""
+    return GateResult(
+        name, True, value, limit, f"resumed at {_steps(resume_steps)}, steps contiguous{change}"
+    )
+
+
+# --------------------------------------------------------------------------------------
+# The layer to look at first
+# --------------------------------------------------------------------------------------
+
+
+def worst_layer(run: RunRecords) -> dict[str, Any] | None:
+    """The FP8 module with the largest mean sampled GEMM error over the last quarter of the
+    run (``fp8ops.compare.layers``), its saturation and underflow there, and its alerts."""
+    if run.telemetry is None:
+        return None
+    sampled = [layer for layer in run.telemetry.layers if layer.fp8 and layer.fp8_error is not None]
+    if not sampled:
+        return None
+    worst = max(sampled, key=lambda layer: layer.fp8_error)
+    return {
+        "module": worst.module,
+        "fp8_error": worst.fp8_error,
+        "fp8_error_max": worst.fp8_error_max,
+        "error_samples": worst.error_samples,
+        "error_steps": list(run.telemetry.error_window),
+        "steps": list(run.telemetry.window),
+        "saturation": dict(worst.saturation),
+        "underflow": dict(worst.underflow),
+        "alerts": [alert_json(a) for a in run.alerts if a.module == worst.module],
+    }
+
+
+def alert_json(alert: Alert) -> dict[str, Any]:
+    return {"step": alert.step, "level": alert.level, "rule": alert.rule, "metric": alert.metric,
+            "value": alert.value, "message": alert.message}  # fmt: skip
+
+
+def describe_layer(layer: dict[str, Any]) -> str:
+    """``worst layer M: fp8 error 0.21, weight underflow 0.63`` (the largest saturation and
+    underflow slots, when not zero, and how many alerts the module raised)."""
+    parts = [f"fp8 error {layer['fp8_error']:.2g}"]
+    for kind in ("underflow", "saturation"):
+        known = {slot: v for slot, v in layer[kind].items() if v}
+        if known:
+            slot = max(known, key=known.get)
+            parts.append(f"{slot} {kind} {known[slot]:.2g}")
+    if layer["alerts"]:
+        levels = sorted({a["level"] for a in layer["alerts"]})
+        parts.append(f"{len(layer['alerts'])} alerts ({', '.join(levels)})")
+    return f"worst layer {layer['module']}: {', '.join(parts)}"
+
+
+def _steps(steps) -> str:
+    """``step 7``, ``steps 7, 9, 12``, ``steps 7, 9, 12, ... (40 in all)``."""
+    steps = sorted(steps)
+    if not steps:
+        return "no steps"
+    if len(steps) == 1:
+        return f"step {steps[0]}"
+    shown = ", ".join(str(s) for s in steps[:3])
+    return f"steps {shown}" + (f", ... ({len(steps)} in all)" if len(steps) > 3 else "")

@@ -1,0 +1,142 @@
+"""``compare``: load the runs, judge every candidate against the reference, write
+``OUT/verdict.json`` and ``OUT/report.html`` (and ``OUT/png/``).
+
+::
+
+    result = compare([Path("runs/bf16"), Path("runs/fp8")])      # or [Path("runs/dual")]
+    result.verdict.verdict                                       # "pass" | "fail"
+
+``fp8ops compare`` prints the result; ``fp8ops dualtrack`` calls this after its three tracks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from fp8ops.compare.gates import CandidateVerdict, judge, reference_problems
+from fp8ops.compare.runs import (
+    RunRecords,
+    check_comparable,
+    default_out,
+    load_run,
+    resolve_tracks,
+)
+from fp8ops.errors import Fp8opsError
+from fp8ops.files import atomic_write_text
+
+VERDICT = "verdict.json"
+REPORT = "report.html"
+PNG_DIR = "png"
+
+
+@dataclass
+class Verdict:
+    reference: dict[str, Any]  # label, run_dir, manifest, fp8_modules, status, step, clean,
+    # problems
+    candidates: list[CandidateVerdict]
+    created: str
+
+    @property
+    def verdict(self) -> str:
+        return "pass" if all(c.passed for c in self.candidates) else "fail"
+
+    def to_json(self) -> dict[str, Any]:
+        """verdict.json's content (non-finite numbers as "nan"/"inf": JSON has none)."""
+        candidates = []
+        for c in self.candidates:
+            candidates.append({
+                "label": c.label, "run_dir": c.run_dir, "manifest": c.manifest,
+                "fp8_modules": c.fp8_modules, "verdict": "pass" if c.passed else "fail", "cause": c.cause,
+                "gates": [asdict(gate) for gate in c.gates],
+                "worst_bucket": c.worst_bucket, "worst_layer": c.worst_layer,
+                "evaluations": c.evaluations, "capability": c.capability,
+                "fallback_modules": c.fallback_modules,
+            })  # fmt: skip
+        document = {
+            "verdict": self.verdict,
+            "reference": self.reference,
+            "candidates": candidates,
+            "created": self.created,
+        }
+        return _json_safe(document)
+
+
+@dataclass
+class Comparison:
+    """What :func:`compare` produced, and where."""
+
+    verdict: Verdict
+    out: Path
+    verdict_path: Path
+    report_path: Path
+    pngs: list[Path] = field(default_factory=list)
+    png_error: str | None = None  # PNG export failed; the JSON and HTML are written
+
+
+def compare(inputs: list[Path], out: Path | None = None, *, png: bool = True) -> Comparison:
+    """Judge the runs in ``inputs`` (run directories, the reference first, or one dual-track
+    directory) and write the verdict and the report into ``out``.
+
+    Bad input raises :class:`Fp8opsError` before anything is written. A PNG export that fails
+    (no kaleido, no browser) leaves verdict.json and report.html written and is reported in
+    :attr:`Comparison.png_error`, for the caller to decide.
+    """
+    try:
+        from fp8ops.compare.report import build_figures, export_pngs, write_report
+    except ImportError as exc:  # plotly comes with the console extra
+        raise Fp8opsError(
+            f"fp8ops compare draws its report with plotly, which cannot be imported ({exc}); "
+            "install it with: pip install 'fp8ops[console]'"
+        ) from None
+
+    tracks, dualtrack = resolve_tracks(inputs)
+    runs = [load_run(track) for track in tracks]
+    reference, candidates = runs[0], runs[1:]
+    check_comparable(reference, candidates)
+    verdict = Verdict(
+        reference=_reference_json(reference),
+        candidates=[judge(reference, candidate) for candidate in candidates],
+        created=datetime.now().astimezone().isoformat(timespec="seconds"),
+    )
+
+    out = Path(out) if out is not None else default_out(tracks, dualtrack)
+    result = Comparison(verdict, out, out / VERDICT, out / REPORT)
+    text = json.dumps(verdict.to_json(), indent=2, allow_nan=False) + "\n"
+    atomic_write_text(result.verdict_path, text)
+    figures = build_figures(runs)
+    write_report(result.report_path, runs, verdict, figures)
+    if png:
+        try:
+            result.pngs = export_pngs(figures, out / PNG_DIR)
+        except Fp8opsError as exc:
+            result.png_error = str(exc)
+    return result
+
+
+def _reference_json(run: RunRecords) -> dict[str, Any]:
+    problems = reference_problems(run)
+    return {
+        "label": run.label,
+        "run_dir": str(run.path),
+        "manifest": run.manifest_sha256,
+        "fp8_modules": len(run.layers.table.fp8_fqns),
+        "status": run.state,
+        "step": run.last_step,
+        "clean": not problems,
+        "problems": problems,
+    }
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {key: _json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(item) for item in value]
+    return value

@@ -1,0 +1,125 @@
+"""Capability evaluation: greedy answers to held-out task items, scored by exact match.
+
+The loss on held-out answers says how likely the model finds them; this says whether it
+*produces* them. For the first ``capability.items`` examples of the eval split (always the same
+ones, in order), the model continues the prompt greedily and ``fp8ops.data.tasks.check`` compares
+the continuation with the answer. ``records.py`` writes and reads what comes out.
+
+Decoding, ``micro_batch_size`` prompts at a time::
+
+    rows right-padded to the longest live row  ->  model(tokens)  ->  logits [b, s, padded vocab]
+    each row's logits at its own last real token, real vocabulary only  ->  argmax  ->  append
+
+Causal attention: the padding after a row's last real token cannot affect that position. A row
+stops at end-of-document, after ``max_new_tokens``, or when it fills the model's positions; it
+then leaves the batch, and the forward covers only the positions the live rows need. No KV cache:
+every step recomputes the prefix, which on these short prompts is cheap and leaves nothing to get
+out of step.
+
+The caller decides the precision and the bookkeeping around it (``Trainer.evaluate_capability``:
+FP8 with the training scales, FP8 state restored afterwards, telemetry paused). At TP>1 every
+rank runs this together: the logits are gathered across the TP group, so every rank picks the
+same tokens and stops rows at the same steps, and their collectives stay in step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from fp8ops.data.batches import TokenizedData
+from fp8ops.data.tasks import Example, check
+from fp8ops.data.tokenizer import EOD, PAD, tokenizer_for
+
+
+def capability_examples(data: TokenizedData, config) -> list[Example]:
+    """The examples a capability evaluation generates for (``config``: the manifest's
+    ``capability`` section): the first ``items`` of the eval split; none when it is off, for text
+    data (nothing to check) or without an eval split."""
+    if not config.enabled or data.objective != "sft":
+        return []
+    return list(data.eval.examples[: config.items])  # items None: all of them
+
+
+@torch.no_grad()
+def evaluate_capability(
+    model, examples: Sequence[Example], manifest, *, fp8: Callable = contextlib.nullcontext
+) -> list[dict[str, Any]]:
+    """One prediction record per example, in order (the per-item lines of ``records.py``).
+
+    ``examples`` are the eval split's first rows (:func:`capability_examples`), so an example's
+    position is its row. ``fp8()`` opens the precision context each forward runs in."""
+    tokenizer = tokenizer_for(manifest.tokenizer)
+    batch_size = manifest.schedule.micro_batch_size
+    # A model may have more ids than the tokenizer (byte tokens need vocab_size >= 256, not
+    # == 256); ids the tokenizer cannot decode are not answers.
+    vocab_size = min(manifest.model.vocab_size, tokenizer.vocab_size)
+    predictions = []
+    for start in range(0, len(examples), batch_size):
+        batch = examples[start : start + batch_size]
+        continuations = generate(
+            model, [tokenizer.encode(example.prompt) for example in batch],
+            max_new_tokens=manifest.capability.max_new_tokens,
+            seq_length=manifest.model.seq_length, vocab_size=vocab_size, fp8=fp8,
+        )  # fmt: skip
+        for row, (example, ids) in enumerate(zip(batch, continuations, strict=True), start):
+            generated = tokenizer.decode(ids)
+            predictions.append({
+                "index": row, "key": example.key, "prompt": example.prompt,
+                "answer": example.answer, "generated": generated,
+                "correct": check(example, generated), "buckets": example.buckets,
+            })  # fmt: skip
+    return predictions
+
+
+@torch.no_grad()
+def generate(
+    model, prompts: Sequence[list[int]], *, max_new_tokens: int, seq_length: int, vocab_size: int,
+    fp8: Callable = contextlib.nullcontext,
+) -> list[list[int]]:  # fmt: skip
+    """Greedy continuations of ``prompts`` (token ids), generated as one batch.
+
+    A continuation ends with the end-of-document id when the model produced one; otherwise it
+    stopped after ``max_new_tokens``, or when prompt and continuation hold ``seq_length + 1``
+    tokens (a training window: the model has no position to read the next one from). Ids are
+    below ``vocab_size``: the embedding's padding rows are never chosen.
+    """
+    for prompt in prompts:
+        if not 1 <= len(prompt) <= seq_length:
+            raise ValueError(f"a prompt must have 1 to {seq_length} tokens, not {len(prompt)}")
+    rows = [list(prompt) for prompt in prompts]
+    continuations: list[list[int]] = [[] for _ in prompts]
+    live = list(range(len(prompts)))
+    while live:
+        for i, token in zip(live, next_tokens(model, [rows[i] for i in live], vocab_size, fp8)):
+            rows[i].append(token)
+            continuations[i].append(token)
+        live = [
+            i for i in live
+            if continuations[i][-1] != EOD
+            and len(continuations[i]) < max_new_tokens
+            and len(rows[i]) <= seq_length
+        ]  # fmt: skip
+    return continuations
+
+
+def next_tokens(
+    model, rows: Sequence[list[int]], vocab_size: int, fp8: Callable = contextlib.nullcontext
+) -> list[int]:
+    """The greedy next token of each row: one forward over the rows right-padded to the longest."""
+    device = next(model.parameters()).device
+    lengths = torch.tensor([len(row) for row in rows], device=device)
+    b, s = len(rows), int(lengths.max())
+    tokens = torch.full((b, s), PAD, dtype=torch.int64, device=device)
+    for i, row in enumerate(rows):
+        tokens[i, : len(row)] = torch.tensor(row)
+    positions = torch.arange(s, device=device).expand(b, s)
+    with fp8():
+        # labels=None: Megatron returns the logits, [b, s, padded vocab / TP] unless gathered;
+        # gathered, every TP rank holds the whole vocabulary and picks the same tokens.
+        logits = model(tokens, positions, None, runtime_gather_output=True)
+    last = logits[torch.arange(b, device=device), lengths - 1, :vocab_size]  # [b, real vocab]
+    return last.argmax(dim=-1).tolist()

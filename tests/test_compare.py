@@ -1,0 +1,686 @@
+"""``fp8ops compare`` (``fp8ops.compare``): every gate passing and failing with its cause, the
+worst bucket and layer, bad and non-comparable inputs, the dual-track form, verdict.json,
+report.html and a real PNG export.
+
+The run directories are synthetic: the files the trainer writes (metrics, eval, events,
+status, run.json, layers.json), capability files through ``fp8ops.evaluate.records`` and
+telemetry through the real ``TelemetryWriter``, so a test states exactly what a run did. The
+end-to-end comparison of three real training tracks lives with ``fp8ops dualtrack``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fp8ops.admission import AdmissionRow, LayersDocument, RecipeRecord, table_hash
+from fp8ops.alerts import Alert, write_alerts
+from fp8ops.compare.gates import judge
+from fp8ops.compare.runs import check_comparable, load_run, resolve_tracks
+from fp8ops.compare.verdict import compare
+from fp8ops.evaluate.records import write_capability
+from fp8ops.manifest import derive, load_manifest, manifest_hash, write_manifest
+from fp8ops.telemetry import MODULE_METRIC_NAMES, STEP_METRIC_NAMES, TelemetryWriter
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE_MANIFEST = ROOT / "manifests" / "tiny-gpt-cpu.yaml"
+STEPS, EVAL_EVERY, CAPABILITY_EVERY, TOKENS = 40, 10, 20, 512
+MODULES = [
+    f"decoder.layers.{layer}.{name}"
+    for layer in (0, 1)
+    for name in ("self_attention.linear_qkv", "self_attention.linear_proj",
+                 "mlp.linear_fc1", "mlp.linear_fc2")
+]  # fmt: skip
+WORST = "decoder.layers.1.mlp.linear_fc2"
+EARLY_WORST = "decoder.layers.0.self_attention.linear_qkv"  # bad early, fine in the last quarter
+COLUMN = {name: i for i, name in enumerate(MODULE_METRIC_NAMES)}
+ITEMS = 66  # task=add/reverse/sort: 22 each (gated); format=odd: 6 (under min_bucket_items)
+GATE_NAMES = ["reference", "completed", "loss_gap", "bucket_accuracy_gap", "finite",
+              "skipped_steps", "resume_continuity"]  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------
+# Synthetic run directories
+# --------------------------------------------------------------------------------------
+
+_manifests: dict[tuple, object] = {}
+
+
+def run_manifest(fp8: bool, changes: dict):
+    """The tiny CPU manifest at this test's schedule (derived once per distinct change set)."""
+    key = (fp8, tuple(sorted(changes.items())))
+    if key not in _manifests:
+        all_changes = {
+            "schedule.train_steps": STEPS, "schedule.eval_interval": EVAL_EVERY,
+            "precision.enabled": fp8, "capability.interval": CAPABILITY_EVERY, **changes,
+        }  # fmt: skip
+        _manifests[key] = derive(load_manifest(BASE_MANIFEST), all_changes, "test: compare")
+    return _manifests[key]
+
+
+def item_buckets(index: int) -> dict[str, str]:
+    return {
+        "task": ("add", "reverse", "sort")[index % 3],
+        "format": "odd" if index < 6 else "plain",
+    }
+
+
+def make_run(
+    path: Path,
+    *,
+    fp8: bool = True,
+    changes: dict | None = None,
+    eval_shift: float = 0.0,
+    state: str = "completed",
+    last_step: int = STEPS,
+    edits: dict[int, dict] | None = None,
+    wrong: set[int] = frozenset({9}),
+    capability: bool = True,
+    telemetry: bool | None = None,
+    nan_at: int | None = None,
+    kept_bf16: tuple[str, ...] = (),
+    resume_at: int | None = None,
+    resume_event: bool = True,
+    loss_jump: float = 0.0,
+    alerts: list[Alert] | None = None,
+    fingerprint: str = "c8" * 32,
+    data_seed: int = 1234,
+) -> Path:
+    """A run directory as the trainer leaves it (``state`` at ``last_step``)."""
+    path.mkdir(parents=True)
+    manifest = run_manifest(fp8, changes or {})
+    digest = manifest_hash(manifest)
+    write_manifest(manifest, path / "manifest.yaml")
+    write_json(path / "run.json", {
+        "manifest": digest, "seeds": {"data": data_seed, "model": 1234},
+        "data": {"fingerprint": fingerprint, "kind": "tasks", "objective": "sft"},
+        "topology": {"world_size": 1},
+    })  # fmt: skip
+    status = {"state": state, "step": last_step, "manifest": digest, "updated": "now"}
+    if state == "stopped":
+        status["alert"] = {"message": f"step {last_step}: {WORST} weight.saturation 0.02 > 0.01"}
+    if state == "failed":
+        status["error"] = "RuntimeError: CUDA error: an illegal memory access"
+    write_json(path / "status.json", status)
+
+    metrics = []
+    for step in range(1, last_step + 1):
+        loss = 3.0 - 0.02 * step + (loss_jump if resume_at and step > resume_at else 0.0)
+        metrics.append({
+            "step": step, "loss": loss, "grad_norm": 1.0 + 0.01 * step,
+            "update_norm": 0.01 + 0.0001 * step, "lr": 1e-4, "skipped": False, "tokens": TOKENS,
+            "loss_tokens": 50, "seconds": 0.05, "tokens_per_s": 10240.0 + step,
+            "peak_memory_mib": 400.0 + (50 if fp8 else 0),
+            **(edits or {}).get(step, {}),
+        })  # fmt: skip
+    write_jsonl(path / "metrics.jsonl", metrics)
+    evals = [
+        {"step": s, "loss": 2.9 - 0.02 * s + eval_shift, "tokens": 76, "buckets": {}}
+        for s in range(EVAL_EVERY, last_step + 1, EVAL_EVERY)
+    ]
+    write_jsonl(path / "eval.jsonl", evals)
+
+    events = [{"event": "run_started"}, {"event": "train_started", "from_step": 0}]
+    if resume_at:
+        events.append({"event": "paused", "step": resume_at, "checkpoint": ckpt(resume_at)})
+        if resume_event:
+            events.append({"event": "resumed", "step": resume_at, "checkpoint": ckpt(resume_at)})
+        events.append({"event": "train_started", "from_step": resume_at})
+    if state == "completed":
+        events.append({"event": "train_completed"})
+    write_jsonl(path / "events.jsonl", events)
+    write_layers(path, digest, fp8, kept_bf16)
+
+    if capability:
+        for step in range(CAPABILITY_EVERY, last_step + 1, CAPABILITY_EVERY):
+            predictions = [
+                {"index": i, "key": f"item-{i}", "prompt": f"q{i}", "answer": "a",
+                 "generated": "b" if i in wrong else "a", "correct": i not in wrong,
+                 "buckets": item_buckets(i)}
+                for i in range(ITEMS)
+            ]  # fmt: skip
+            write_capability(path, step, predictions, seconds=1.0)
+    if telemetry if telemetry is not None else fp8:
+        write_telemetry(path, last_step, kept_bf16, nan_at, digest)
+    if alerts:
+        write_alerts(path, alerts)
+    return path
+
+
+def ckpt(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def write_json(path: Path, document: dict) -> None:
+    path.write_text(json.dumps(document, indent=2))
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def write_layers(path: Path, digest: str, fp8: bool, kept_bf16: tuple[str, ...]) -> None:
+    rows = []
+    for fqn in MODULES:
+        on = fp8 and fqn not in kept_bf16
+        rows.append(AdmissionRow.model_validate({
+            "fqn": fqn, "kind": fqn.rsplit("_", 1)[-1], "parallel": "column",
+            "global_shape": {"in": 64, "out": 64}, "rank_shape": {"in": 64, "out": 64},
+            "params_dtype": "bf16", "precision": "fp8" if on else "bf16",
+            "formats": {"forward": "E4M3", "backward": "E5M2"} if on else None,
+            "reason": {"code": "fp8" if on else "fp8_disabled", "text": "test"},
+        }))  # fmt: skip
+    recipe = RecipeRecord(fp8_format="hybrid", amax_history_len=16, amax_compute_algo="max",
+                          margin=0, reduce_amax=True)  # fmt: skip
+    document = LayersDocument(
+        schema_version=1, manifest_hash=digest, tensor_parallel=1,
+        table_hash=table_hash(tuple(rows), recipe), recipe=recipe, rows=tuple(rows),
+    )  # fmt: skip
+    (path / "layers.json").write_text(document.model_dump_json(by_alias=True, indent=2))
+
+
+def write_telemetry(path, last_step, kept_bf16, nan_at, digest) -> None:
+    """Errors sampled every 5 steps: WORST is worst over the last quarter (0.3), EARLY_WORST
+    only before it (0.5); a BF16-kept module reports a large "error" it never ran with."""
+    with TelemetryWriter(path / "telemetry.zarr", rank=0, modules=MODULES, flush_every=8,
+                         steps_per_shard=16, attrs={"manifest": digest}) as writer:  # fmt: skip
+        for step in range(1, last_step + 1):
+            row = np.full((len(MODULES), len(MODULE_METRIC_NAMES)), np.nan, np.float32)
+            for m, module in enumerate(MODULES):
+                on = module not in kept_bf16
+                row[m, COLUMN["fp8_enabled"]] = float(on)
+                for slot in ("input", "weight", "grad_output"):
+                    row[m, COLUMN[f"{slot}.saturation"]] = 0.001 if on else np.nan
+                    row[m, COLUMN[f"{slot}.underflow"]] = 0.01 if on else np.nan
+                    row[m, COLUMN[f"{slot}.nan"]] = row[m, COLUMN[f"{slot}.inf"]] = 0
+                if step % 5 == 0:
+                    error = 0.02 + 0.01 * m
+                    if module == WORST and step > 30:
+                        error = 0.3
+                    if module == EARLY_WORST and step <= 20:
+                        error = 0.5
+                    row[m, COLUMN["fp8_rel_error"]] = error if on else 0.9
+            row[MODULES.index(WORST), COLUMN["weight.underflow"]] = 0.63
+            if step == nan_at:
+                row[MODULES.index(WORST), COLUMN["grad_output.nan"]] = 12
+            writer.append(step, row, np.zeros(len(STEP_METRIC_NAMES), np.float32))
+
+
+def underflow_alert(step: int = 35) -> Alert:
+    return Alert(step, "degrade", "underflow", WORST, "weight.underflow", 0.63, 0.05,
+                 f"{WORST} weight.underflow 0.63 above degrade 0.05")  # fmt: skip
+
+
+def pair(tmp_path: Path, **candidate) -> tuple[Path, Path]:
+    """A BF16 reference and an FP8 candidate that passes unless ``candidate`` says otherwise."""
+    reference = make_run(tmp_path / "bf16", fp8=False)
+    return reference, make_run(tmp_path / "fp8", **candidate)
+
+
+def verdict_of(reference: Path, candidate: Path):
+    """The candidate's verdict without writing a report (the gates alone)."""
+    tracks, _ = resolve_tracks([reference, candidate])
+    ref, cand = (load_run(track) for track in tracks)
+    check_comparable(ref, [cand])
+    return judge(ref, cand)
+
+
+def gate(verdict, name: str):
+    return next(g for g in verdict.gates if g.name == name)
+
+
+# --------------------------------------------------------------------------------------
+# Passing, the command, verdict.json and the report
+# --------------------------------------------------------------------------------------
+
+
+def test_matching_runs_pass_every_gate_through_the_command(tmp_path, cli):
+    reference, candidate = pair(tmp_path, alerts=[underflow_alert()])
+    result = cli("compare", reference, candidate, "--no-png")
+    assert result.code == 0, result.out + result.err
+    assert "verdict: PASS (0 of 1 candidates failed)" in result.out
+    assert all(name in result.out for name in GATE_NAMES)
+    out = tmp_path / "compare"  # beside the reference run
+    assert f"verdict.json: {out / 'verdict.json'}" in result.out
+
+    document = json.loads((out / "verdict.json").read_text())
+    assert set(document) == {"verdict", "reference", "candidates", "created"}
+    assert document["verdict"] == "pass"
+    assert document["reference"] == {
+        "label": "bf16", "run_dir": str(reference), "status": "completed", "step": STEPS,
+        "clean": True, "problems": [], "manifest": manifest_hash(run_manifest(False, {})),
+        "fp8_modules": 0,
+    }  # fmt: skip
+    [entry] = document["candidates"]
+    assert {"label", "run_dir", "manifest", "verdict", "cause", "gates", "worst_bucket",
+            "worst_layer"} <= set(entry)  # fmt: skip
+    assert entry["label"] == "fp8" and entry["verdict"] == "pass" and entry["cause"] is None
+    assert entry["fp8_modules"] == len(MODULES)
+    assert [g["name"] for g in entry["gates"]] == GATE_NAMES
+    for g in entry["gates"]:
+        assert set(g) == {"name", "passed", "value", "threshold", "detail"} and g["passed"]
+    loss = entry["gates"][2]
+    assert loss["value"] == pytest.approx(0.0) and loss["threshold"] == 0.01
+    assert loss["detail"] == f"loss gap 0 <= 0.01 at step {STEPS} (tokens {STEPS * TOKENS})"
+    assert [e["step"] for e in entry["evaluations"]] == [10, 20, 30, 40]
+    assert entry["evaluations"][0]["tokens"] == 10 * TOKENS
+    assert entry["capability"]["step"] == 40
+    assert entry["worst_layer"]["module"] == WORST
+    assert entry["worst_layer"]["alerts"][0]["rule"] == "underflow"
+
+    page = (out / "report.html").read_text()
+    for section in ("verdict", "loss", "norms", "throughput", "buckets", "layers", "resumes"):
+        assert f'<section id="{section}">' in page
+    assert page.count("plotly.js v") == 1  # the library inline once: opens offline
+    assert "no run was resumed" in page and "Capability accuracy per bucket at step 40" in page
+    assert not (out / "png").exists()
+
+
+def test_verdict_json_is_strict_json_even_with_nan_losses(tmp_path):
+    reference, candidate = pair(tmp_path, edits={40: {"loss": math.nan}})
+    evals = [json.loads(line) for line in (candidate / "eval.jsonl").read_text().splitlines()]
+    evals[-1]["loss"] = math.nan  # json writes NaN, as the trainer's log would
+    write_jsonl(candidate / "eval.jsonl", evals)
+    result = compare([reference, candidate], tmp_path / "out", png=False)
+    text = result.verdict_path.read_text()
+    document = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in verdict.json"))
+    entry = document["candidates"][0]
+    assert entry["evaluations"][-1]["gap"] == "nan"
+    assert "loss gap not finite at step 40" in entry["cause"]
+    assert "non-finite: loss or grad_norm at step 40" in entry["cause"]
+
+
+# --------------------------------------------------------------------------------------
+# Each gate failing, with its cause
+# --------------------------------------------------------------------------------------
+
+
+def test_loss_gap_fails_with_cause_and_worst_layer(tmp_path, cli):
+    reference, candidate = pair(tmp_path, eval_shift=0.034, alerts=[underflow_alert()])
+    result = cli("compare", reference, candidate, "--no-png", "--out", tmp_path / "out")
+    assert result.code == 1, result.out + result.err
+    cause = (
+        f"loss gap 0.034 > 0.01 at step 40 (tokens {40 * TOKENS}); worst layer {WORST}: "
+        "fp8 error 0.3, weight underflow 0.63, input saturation 0.001, 1 alerts (degrade)"
+    )
+    assert f"fp8: FAIL: {cause}" in result.out
+    entry = json.loads((tmp_path / "out" / "verdict.json").read_text())["candidates"][0]
+    assert entry["cause"] == cause
+    assert [round(e["gap"], 6) for e in entry["evaluations"]] == [0.034] * 4
+
+
+def test_bucket_gap_fails_naming_the_worst_bucket_with_paired_counts(tmp_path):
+    # The reference misses item 9 (task=add); the candidate gets it and misses 3 others.
+    reference, candidate = pair(tmp_path, wrong={0, 3, 6, 10})
+    verdict = verdict_of(reference, candidate)
+    bucket = gate(verdict, "bucket_accuracy_gap")
+    assert not bucket.passed and bucket.threshold == 0.02
+    worst = verdict.worst_bucket
+    assert worst["bucket"] == "task=add" and worst["items"] == 22 and worst["gated"]
+    assert (worst["lost"], worst["gained"]) == (3, 1)  # 0, 3, 6 lost; 9 gained
+    assert worst["drop"] == pytest.approx(2 / 22)
+    assert bucket.value == pytest.approx(2 / 22)
+    assert bucket.detail == (
+        "accuracy drop 0.0909 in task=add (0.955 -> 0.864; 3 right only in the reference, "
+        "1 only in the candidate, of 22) > 0.02 at step 40; 2 more over the gap"
+    )
+    overall = verdict.capability["overall"]
+    assert (overall["lost"], overall["gained"], overall["items"]) == (4, 1, ITEMS)
+    assert verdict.cause.startswith("accuracy drop 0.0909 in task=add")
+
+
+def test_small_buckets_are_reported_but_not_gated(tmp_path):
+    # Item 0 is the only format=odd item the candidate misses: a 1/6 drop, under 20 items.
+    reference, candidate = pair(tmp_path, wrong={0}, changes={"gates.bucket_accuracy_gap": 0.05})
+    verdict = verdict_of(reference, candidate)
+    bucket = gate(verdict, "bucket_accuracy_gap")
+    assert bucket.passed, bucket.detail
+    assert "1 buckets under 20 items not gated" in bucket.detail
+    odd = next(b for b in verdict.capability["buckets"] if b["bucket"] == "format=odd")
+    assert not odd["gated"] and odd["drop"] == pytest.approx(1 / 6) and odd["lost"] == 1
+    assert verdict.worst_bucket["bucket"] == "task=add"  # the largest *gated* drop
+
+
+def test_missing_capability_fails_only_when_capability_is_enabled(tmp_path):
+    reference = make_run(tmp_path / "bf16", fp8=False, capability=False)
+    enabled = make_run(tmp_path / "fp8", capability=False)
+    bucket = gate(verdict_of(reference, enabled), "bucket_accuracy_gap")
+    assert not bucket.passed
+    assert bucket.detail == (
+        f"no capability records in bf16 ({reference}/capability.jsonl), though "
+        "capability.enabled is true"
+    )
+    disabled = make_run(tmp_path / "off", capability=False, changes={"capability.enabled": False})
+    verdict = verdict_of(reference, disabled)
+    bucket = gate(verdict, "bucket_accuracy_gap")
+    assert bucket.passed and bucket.detail == "not gated: capability.enabled is false"
+    assert verdict.passed and verdict.worst_bucket is None
+
+
+def test_nonfinite_metrics_fail_unless_allowed(tmp_path):
+    reference, candidate = pair(tmp_path, edits={17: {"grad_norm": None}})
+    finite = gate(verdict_of(reference, candidate), "finite")
+    assert not finite.passed and finite.value == 1 and finite.threshold is False
+    assert finite.detail == "fp8 non-finite: loss or grad_norm at step 17"
+    allowed = make_run(tmp_path / "allowed", edits={17: {"grad_norm": None}},
+                       changes={"gates.allow_nonfinite": True})  # fmt: skip
+    finite = gate(verdict_of(reference, allowed), "finite")
+    assert finite.passed and "(allowed by gates.allow_nonfinite)" in finite.detail
+
+
+def test_nonfinite_casts_in_telemetry_and_alerts_fail(tmp_path):
+    alert = Alert(33, "stop", "nonfinite", WORST, "grad_output.nan", 12.0, None, "NaN in casts")
+    reference, candidate = pair(tmp_path, nan_at=33, alerts=[alert])
+    finite = gate(verdict_of(reference, candidate), "finite")
+    assert not finite.passed and finite.value == 1
+    assert finite.detail == (
+        f"fp8 non-finite: 12 NaN/Inf cast elements at step 33 (most in {WORST}); "
+        "1 nonfinite alerts (first: NaN in casts)"
+    )
+
+
+def test_skipped_steps_fail_unless_allowed(tmp_path):
+    reference, candidate = pair(tmp_path, edits={5: {"skipped": True}, 6: {"skipped": True}})
+    skipped = gate(verdict_of(reference, candidate), "skipped_steps")
+    assert not skipped.passed and skipped.value == 2
+    assert skipped.detail == "2 optimizer steps skipped (steps 5, 6)"
+    allowed = make_run(tmp_path / "allowed", edits={5: {"skipped": True}},
+                       changes={"gates.allow_skipped_steps": True})  # fmt: skip
+    assert gate(verdict_of(reference, allowed), "skipped_steps").passed
+
+
+def test_a_stopped_candidate_fails_naming_its_status_and_alert(tmp_path):
+    reference, candidate = pair(tmp_path, state="stopped", last_step=25)
+    verdict = verdict_of(reference, candidate)
+    completed = gate(verdict, "completed")
+    assert not completed.passed and (completed.value, completed.threshold) == (25, STEPS)
+    assert completed.detail == (
+        f"fp8 status stopped at step 25 of {STEPS}: step 25: {WORST} weight.saturation 0.02 > 0.01"
+    )
+    # Its losses are still compared where both evaluated (step 20 of the reference's 40).
+    assert gate(verdict, "loss_gap").detail.endswith(f"at step 20 (tokens {20 * TOKENS})")
+    assert "at step 20;" in gate(verdict, "bucket_accuracy_gap").detail
+
+
+def test_a_paused_candidate_fails_as_unfinished(tmp_path):
+    reference, candidate = pair(tmp_path, state="paused", last_step=30)
+    completed = gate(verdict_of(reference, candidate), "completed")
+    assert completed.detail == (
+        f"fp8 status paused at step 30 of {STEPS} (resume it to the end, then compare)"
+    )
+
+
+def test_resume_continuity(tmp_path):
+    reference = make_run(tmp_path / "bf16", fp8=False)
+    smooth = gate(verdict_of(reference, make_run(tmp_path / "a", resume_at=20)),
+                  "resume_continuity")  # fmt: skip
+    assert smooth.passed and smooth.value == pytest.approx(-0.2)  # the loss keeps falling
+    assert smooth.detail == "resumed at step 20, steps contiguous; largest loss change -0.2 <= 0.1"
+
+    jump = gate(verdict_of(reference, make_run(tmp_path / "b", resume_at=20, loss_jump=0.5)),
+                "resume_continuity")  # fmt: skip
+    assert not jump.passed and jump.value == pytest.approx(0.3) and jump.threshold == 0.1
+    assert jump.detail == (
+        "resume: mean loss rose 0.3 > 0.1 over the 10 steps after the resume at step 20 "
+        "(step_00000020)"
+    )
+
+    unrecorded = make_run(tmp_path / "c", resume_at=20, resume_event=False)
+    detail = gate(verdict_of(reference, unrecorded), "resume_continuity").detail
+    assert detail == "resume: training continued after step 20 with no resumed event"
+
+    holes = make_run(tmp_path / "d", resume_at=20)
+    lines = (holes / "metrics.jsonl").read_text().splitlines()
+    (holes / "metrics.jsonl").write_text("\n".join(lines[:20] + lines[23:]) + "\n")
+    detail = gate(verdict_of(reference, holes), "resume_continuity").detail
+    assert detail == "resume: metrics.jsonl lacks steps 21, 22, 23"
+
+    off = make_run(tmp_path / "e", resume_at=20, loss_jump=0.5,
+                   changes={"gates.require_resume_continuity": False})  # fmt: skip
+    assert gate(verdict_of(reference, off), "resume_continuity").passed
+
+
+def test_a_broken_reference_fails_every_candidate(tmp_path, cli):
+    reference = make_run(tmp_path / "bf16", fp8=False, state="failed", last_step=30,
+                         edits={12: {"loss": math.inf}})  # fmt: skip
+    a, b = make_run(tmp_path / "a"), make_run(tmp_path / "b")
+    result = cli("compare", reference, a, b, "--no-png")
+    assert result.code == 1, result.out + result.err
+    problem = (
+        f"reference bf16 is not clean: bf16 status failed at step 30 of {STEPS}: RuntimeError: "
+        "CUDA error: an illegal memory access; bf16 non-finite: loss or grad_norm at step 12"
+    )
+    assert f"a: FAIL: {problem}" in result.out and f"b: FAIL: {problem}" in result.out
+    document = json.loads((tmp_path / "compare" / "verdict.json").read_text())
+    assert document["reference"]["clean"] is False and len(document["reference"]["problems"]) == 2
+
+
+# --------------------------------------------------------------------------------------
+# The worst layer
+# --------------------------------------------------------------------------------------
+
+
+def test_worst_layer_is_the_fp8_module_worst_over_the_last_quarter(tmp_path):
+    # EARLY_WORST has the largest error of the run, but before the last quarter (steps 31-40);
+    # a module kept in BF16 reports the largest number of all but never ran FP8.
+    kept = ("decoder.layers.0.mlp.linear_fc1",)
+    reference, candidate = pair(tmp_path, kept_bf16=kept, alerts=[underflow_alert()])
+    layer = verdict_of(reference, candidate).worst_layer
+    assert layer["module"] == WORST
+    assert layer["fp8_error"] == pytest.approx(0.3) and layer["error_samples"] == 2
+    assert layer["steps"] == [31, 40] and layer["error_steps"] == [31, 40]
+    assert layer["underflow"] == {"input": pytest.approx(0.01), "weight": pytest.approx(0.63),
+                                  "grad_output": pytest.approx(0.01)}  # fmt: skip
+    assert layer["saturation"]["input"] == pytest.approx(0.001)
+    assert [a["step"] for a in layer["alerts"]] == [35]
+
+
+def test_no_worst_layer_without_fp8_telemetry(tmp_path):
+    reference, candidate = pair(tmp_path, telemetry=False)
+    assert verdict_of(reference, candidate).worst_layer is None
+
+
+# --------------------------------------------------------------------------------------
+# Bad and non-comparable input: exit 2, with the path and what to do
+# --------------------------------------------------------------------------------------
+
+
+def damage_metrics(run: Path) -> None:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    lines[4] = lines[4][:30]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def drop_field(run: Path, name: str, field: str) -> None:
+    records = [json.loads(line) for line in (run / name).read_text().splitlines()]
+    records[2].pop(field)
+    write_jsonl(run / name, records)
+
+
+def tamper_predictions(run: Path) -> None:
+    file = run / "capability" / "step_00000040.jsonl"
+    file.write_text(file.read_text().replace('"correct": false', '"correct": true'))
+
+
+BAD_INPUTS = {
+    "missing": (lambda fp8: shutil.rmtree(fp8), "{fp8}: no such directory; give run directories"),
+    "not a run": (lambda fp8: [p.unlink() for p in fp8.glob("*.json*") if p.is_file()],
+                  "{fp8}: not an fp8ops run directory (no status.json)"),
+    "damaged metrics": (damage_metrics,
+                        "{fp8}/metrics.jsonl:5: not valid JSON; the file is damaged"),
+    "metrics field": (lambda fp8: drop_field(fp8, "metrics.jsonl", "tokens"),
+                      "{fp8}/metrics.jsonl: record 3: no 'tokens' field; the file is damaged"),
+    "damaged run.json": (lambda fp8: (fp8 / "run.json").write_text("{"),
+                         "{fp8}/run.json: cannot be read"),
+    "no layers.json": (lambda fp8: (fp8 / "layers.json").unlink(),
+                       "{fp8}/layers.json: no such file"),
+    "damaged manifest": (lambda fp8: (fp8 / "manifest.yaml").write_text("name: [\n"),
+                         "{fp8}/manifest.yaml"),
+    "no evaluation": (lambda fp8: (fp8 / "eval.jsonl").unlink(),
+                      "{fp8}/eval.jsonl: no evaluation recorded (status completed at step 40); "
+                      + "compare judges held-out loss, so train with data.eval_fraction > 0"),
+    "tampered predictions": (tamper_predictions,
+                             "{fp8}/capability/step_00000040.jsonl: sha256"),
+    "damaged telemetry": (lambda fp8: (fp8 / "telemetry.zarr" / "zarr.json").write_text("{"),
+                          "{fp8}/telemetry.zarr/zarr.json cannot be read"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_refused_naming_the_file(tmp_path, cli, case):
+    reference, candidate = pair(tmp_path)
+    damage, message = BAD_INPUTS[case]
+    damage(candidate)
+    result = cli("compare", reference, candidate, "--no-png")
+    assert result.code == 2, result.out + result.err
+    assert message.format(fp8=candidate) in result.err
+    assert not (tmp_path / "compare").exists()  # nothing written for bad input
+
+
+def test_one_run_or_a_mixed_input_is_refused(tmp_path, cli):
+    reference = make_run(tmp_path / "bf16", fp8=False)
+    result = cli("compare", reference, "--no-png")
+    assert result.code == 2 and "compare needs a reference and at least one candidate" in result.err
+    dual = tmp_path / "dual"
+    dual.mkdir()
+    (dual / "dualtrack.json").write_text("{}")
+    result = cli("compare", reference, dual)
+    assert result.code == 2 and "is a dual-track directory (dualtrack.json); give it alone" in (
+        result.err
+    )
+
+
+NOT_COMPARABLE = {
+    "data": ({"fingerprint": "ab" * 32},
+             "run.json data.fingerprint is abababababab..., the reference {ref} has c8c8c8c8c8c8..."),
+    "seed": ({"data_seed": 7}, "run.json seeds.data is 7, the reference {ref} has 1234"),
+    "batch": ({"changes": {"schedule.global_batch_size": 32}},
+              "manifest.yaml schedule.global_batch_size is 32, the reference {ref} has 16"),
+    "tokens": ({"edits": {7: {"tokens": 1024}}},
+               "metrics.jsonl step 7 has tokens 1024, the reference {ref} has 512"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(NOT_COMPARABLE))
+def test_runs_that_saw_other_data_are_not_compared(tmp_path, cli, case):
+    kwargs, message = NOT_COMPARABLE[case]
+    reference, candidate = pair(tmp_path, **kwargs)
+    result = cli("compare", reference, candidate, "--no-png")
+    assert result.code == 2, result.out + result.err
+    assert f"{candidate}: {message.format(ref=reference)}" in result.err
+
+
+# --------------------------------------------------------------------------------------
+# The dual-track directory
+# --------------------------------------------------------------------------------------
+
+
+def test_a_dualtrack_directory_compares_its_tracks(tmp_path, cli):
+    dual = tmp_path / "dual"
+    make_run(dual / "bf16", fp8=False)
+    make_run(dual / "fp8", eval_shift=0.05)
+    fallback = {WORST: "high underflow in the candidate track"}
+    make_run(dual / "fp8-fallback", kept_bf16=(WORST,))
+    write_json(dual / "dualtrack.json", {"manifest": "ab" * 32, "tracks": [
+        {"label": "fp8", "run_dir": "fp8", "role": "candidate"},
+        {"label": "bf16", "run_dir": "bf16", "role": "control"},
+        {"label": "fp8-fallback", "run_dir": "fp8-fallback", "role": "candidate",
+         "fallback_modules": fallback},
+    ]})  # fmt: skip
+    result = cli("compare", dual, "--no-png")
+    assert result.code == 1, result.out + result.err
+    assert "reference: bf16" in result.out
+    assert "fp8: FAIL: loss gap 0.05 > 0.01" in result.out and "fp8-fallback: pass" in result.out
+    document = json.loads((dual / "compare" / "verdict.json").read_text())
+    fp8, kept = document["candidates"]
+    assert (fp8["label"], kept["label"]) == ("fp8", "fp8-fallback")
+    assert kept["run_dir"] == str(dual / "fp8-fallback") and kept["fallback_modules"] == fallback
+    assert (fp8["fp8_modules"], kept["fp8_modules"]) == (len(MODULES), len(MODULES) - 1)
+    assert kept["worst_layer"]["module"] != WORST  # BF16 there: not an FP8 module
+    assert "kept in BF16: " + WORST in (dual / "compare" / "report.html").read_text()
+
+
+def test_a_skipped_dualtrack_track_is_left_out(tmp_path):
+    dual = tmp_path / "dual"
+    make_run(dual / "bf16", fp8=False)
+    make_run(dual / "fp8")
+    write_json(dual / "dualtrack.json", {"tracks": [
+        {"label": "bf16", "run_dir": "bf16", "role": "control", "status": "completed"},
+        {"label": "fp8", "run_dir": "fp8", "role": "candidate", "status": "completed"},
+        {"label": "fp8-fallback", "run_dir": "fp8-fallback", "role": "candidate",
+         "status": "skipped", "note": "no high-risk modules"},
+    ]})  # fmt: skip
+    tracks, found = resolve_tracks([dual])
+    assert found == dual and [t.label for t in tracks] == ["bf16", "fp8"]
+
+
+def test_a_damaged_dualtrack_file_is_refused(tmp_path, cli):
+    dual = tmp_path / "dual"
+    make_run(dual / "bf16", fp8=False)
+    write_json(dual / "dualtrack.json", {"tracks": [
+        {"label": "bf16", "run_dir": "bf16", "role": "control"},
+        {"label": "fp8", "run_dir": "fp8", "role": "candidate"},
+    ]})  # fmt: skip
+    result = cli("compare", dual)
+    assert result.code == 2
+    assert f"{dual / 'dualtrack.json'}: tracks[1].run_dir: {dual / 'fp8'} does not exist" in (
+        result.err
+    )
+
+
+# --------------------------------------------------------------------------------------
+# PNG export
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not Path("/usr/bin/chromium").exists(), reason="needs /usr/bin/chromium")
+def test_png_export_writes_the_main_plots(tmp_path, cli):
+    reference, candidate = pair(tmp_path, resume_at=20)
+    result = cli("compare", reference, candidate, "--out", tmp_path / "out")
+    assert result.code == 0, result.out + result.err
+    for name in ("loss", "buckets", "layers"):
+        png = tmp_path / "out" / "png" / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+        assert str(png) in result.out
+
+
+def test_without_a_browser_png_export_fails_but_keeps_the_report(tmp_path, cli, monkeypatch):
+    monkeypatch.setenv("BROWSER_PATH", str(tmp_path / "no-chromium"))
+    reference, candidate = pair(tmp_path)
+    result = cli("compare", reference, candidate, "--out", tmp_path / "out")
+    assert result.code == 2
+    assert "PNG export failed (RuntimeError: Kaleido requires Google Chrome" in result.err
+    assert "report.html and verdict.json are written. Pass --no-png to skip PNGs" in result.err
+    assert "verdict: PASS" in result.out  # the verdict was still printed
+    assert (tmp_path / "out" / "report.html").exists()
+    assert json.loads((tmp_path / "out" / "verdict.json").read_text())["verdict"] == "pass"
+
+
+def test_without_kaleido_png_export_says_so(tmp_path, cli, monkeypatch):
+    monkeypatch.setitem(sys.modules, "kaleido", None)  # importlib finds no kaleido
+    reference, candidate = pair(tmp_path)
+    result = cli("compare", reference, candidate, "--out", tmp_path / "out")
+    assert result.code == 2 and "PNG export needs kaleido" in result.err
+    assert "Pass --no-png" in result.err and (tmp_path / "out" / "report.html").exists()
+
+
+def test_compare_runs_without_torch_and_help_without_plotly(tmp_path):
+    reference, candidate = pair(tmp_path)
+    compare_only = (
+        "import sys; from pathlib import Path; from fp8ops.compare.verdict import compare\n"
+        f"compare([Path({str(reference)!r}), Path({str(candidate)!r})], png=False)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'megatron', 'transformer_engine')))"
+    )
+    help_only = "import sys, fp8ops.cli; print(sorted({'plotly', 'kaleido'} & set(sys.modules)))"
+    for code in (compare_only, help_only):
+        found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               check=True).stdout.strip()  # fmt: skip
+        assert found == "[]"

@@ -318,7 +318,10 @@ def test_loss_gap_fails_with_cause_and_worst_layer(tmp_path, cli):
 
 def test_bucket_gap_fails_naming_the_worst_bucket_with_paired_counts(tmp_path):
     # The reference misses item 9 (task=add); the candidate gets it and misses 3 others.
-    reference, candidate = pair(tmp_path, wrong={0, 3, 6, 10})
+    # The drop alone decides here (bucket_significance null); the next test asks for evidence.
+    reference, candidate = pair(
+        tmp_path, wrong={0, 3, 6, 10}, changes={"gates.bucket_significance": None}
+    )
     verdict = verdict_of(reference, candidate)
     bucket = gate(verdict, "bucket_accuracy_gap")
     assert not bucket.passed and bucket.threshold == 0.02
@@ -329,11 +332,26 @@ def test_bucket_gap_fails_naming_the_worst_bucket_with_paired_counts(tmp_path):
     assert bucket.value == pytest.approx(2 / 22)
     assert bucket.detail == (
         "accuracy drop 0.0909 in task=add (0.955 -> 0.864; 3 right only in the reference, "
-        "1 only in the candidate, of 22) > 0.02 at step 40; 2 more over the gap"
+        "1 only in the candidate, of 22; sign test p 0.31) > 0.02 at step 40; 2 more over the gap"
     )
     overall = verdict.capability["overall"]
     assert (overall["lost"], overall["gained"], overall["items"]) == (4, 1, ITEMS)
     assert verdict.cause.startswith("accuracy drop 0.0909 in task=add")
+
+
+def test_a_drop_the_paired_items_explain_as_noise_passes_and_a_real_one_fails(tmp_path):
+    # 3 items lost against 1 gained: as likely as not from coin flips (p 0.31 >= 0.05).
+    reference, candidate = pair(tmp_path / "noise", wrong={0, 3, 6, 10})
+    noise = gate(verdict_of(reference, candidate), "bucket_accuracy_gap")
+    assert noise.passed and noise.value == pytest.approx(2 / 22)
+    assert "> 0.02 but not significant (p >= 0.05)" in noise.detail
+    # 21 add items lost, 1 gained (item 9, which the reference misses): p = 23 / 2**22.
+    adds = {i for i in range(0, ITEMS, 3) if i != 9}
+    reference, candidate = pair(tmp_path / "real", wrong=adds)
+    verdict = verdict_of(reference, candidate)
+    real = gate(verdict, "bucket_accuracy_gap")
+    assert not real.passed and "task=add" in real.detail and "sign test p 5.5e-06" in real.detail
+    assert verdict.worst_bucket["p_value"] == pytest.approx(23 / 2**22)
 
 
 def test_small_buckets_are_reported_but_not_gated(tmp_path):

@@ -178,3 +178,98 @@ def test_fallback_modules_come_from_alerts_and_globs(short_manifest, short_dualt
 def _rule(manifest, **fields):
     """``manifest`` with its dualtrack section changed (a test's shortcut; not a revision)."""
     return manifest.model_copy(update={"dualtrack": manifest.dualtrack.model_copy(update=fields)})
+
+
+# -- the release gate on real tracks ------------------------------------------------------------
+
+GATE = {
+    **SHORT, "data.num_examples": 800, "schedule.train_steps": 30, "schedule.eval_interval": 10,
+    "schedule.checkpoint_interval": 30, "schedule.eval_iters": 8, "optimizer.lr": 2e-3,
+    "capability.items": 40, "telemetry.every_steps": 5, "telemetry.error_sample_every": 5,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gate_dualtrack(tmp_path_factory) -> tuple[Path, int, str]:
+    """The three tracks of a 30-step fine-tune, compared at the end (with PNGs)."""
+    from fp8ops.cli import main
+
+    tmp = tmp_path_factory.mktemp("gate")
+    manifest = write_derived(tmp / "gate.yaml", MANIFESTS / "tiny-gpt-cpu.yaml", GATE)
+    with pytest.raises(SystemExit) as done:
+        main(["dualtrack", str(manifest), "--out", str(tmp / "dt"), "--no-progress"])
+    return tmp / "dt", done.value.code or 0, str(manifest)
+
+
+def test_a_clean_fp8_candidate_passes_the_gate(gate_dualtrack):
+    out, code, _ = gate_dualtrack
+    verdict = json.loads((out / "compare" / "verdict.json").read_text())
+    assert code == 0 and verdict["verdict"] == "pass", verdict
+    assert [c["label"] for c in verdict["candidates"]] == ["fp8", "fp8-fallback"]
+    for candidate in verdict["candidates"]:
+        gates = {g["name"]: g for g in candidate["gates"]}
+        assert abs(gates["loss_gap"]["value"]) <= 0.01
+        assert gates["loss_gap"]["threshold"] == 0.01
+        assert max(candidate["worst_layer"]["underflow"].values()) < 0.05
+        # Capability ran in every track, on the same 40 items.
+        assert candidate["capability"]["overall"]["items"] == 40
+    report = (out / "compare" / "report.html").read_text()
+    assert '<section id="loss">' in report and "plotly-graph-div" in report
+    assert sorted(p.suffix for p in (out / "compare" / "png").iterdir()) == [".png"] * 3
+
+
+def test_a_damaged_fp8_candidate_fails_the_gate_naming_the_cause(cli, gate_dualtrack, tmp_path):
+    """A margin of 16 binades leaves E4M3 two or three subnormal steps: most values of every
+    FP8 tensor underflow and the held-out loss rises. With the FP8-error Stop rule off, the run
+    completes and only the gate stands between it and a release."""
+    out, _, manifest = gate_dualtrack
+    damaged = write_derived(tmp_path / "damaged.yaml", Path(manifest),
+                            {"precision.margin": 16, "alerts.fp8_rel_error.stop": None})  # fmt: skip
+    trained = cli("train", damaged, "--run-dir", tmp_path / "damaged", "--no-progress")
+    assert trained.code == 0, trained.err
+    result = cli("compare", out / "bf16", tmp_path / "damaged", "--out", tmp_path / "cmp",
+                 "--no-png")  # fmt: skip
+    assert result.code == 1, result.out + result.err
+    (candidate,) = json.loads((tmp_path / "cmp" / "verdict.json").read_text())["candidates"]
+    gates = {g["name"]: g for g in candidate["gates"]}
+    assert not gates["loss_gap"]["passed"] and gates["loss_gap"]["value"] > 0.01
+    assert candidate["cause"].startswith("loss gap ")
+    worst = candidate["worst_layer"]
+    assert worst["module"].startswith("decoder.layers.") and worst["module"] in candidate["cause"]
+    # The named cause: a third of a tensor or more flushed to zero (a clean run flushes < 1%).
+    assert max(worst["underflow"].values()) > 0.3
+    assert f"FAIL: {candidate['cause']}" in result.out
+
+
+def test_a_candidate_stopped_by_an_alert_fails_the_gate(cli, gate_dualtrack, tmp_path):
+    """The same damage with the default alerts: the FP8-error Stop rule halts the run, and
+    the gate fails it for not completing, naming the alert and its module."""
+    out, _, manifest = gate_dualtrack
+    damaged = write_derived(tmp_path / "damaged.yaml", Path(manifest), {"precision.margin": 16})
+    trained = cli("train", damaged, "--run-dir", tmp_path / "damaged", "--no-progress")
+    assert trained.code == 3 and "stopped by an alert" in trained.err
+    result = cli("compare", out / "bf16", tmp_path / "damaged", "--out", tmp_path / "cmp",
+                 "--no-png")  # fmt: skip
+    assert result.code == 1, result.out + result.err
+    (candidate,) = json.loads((tmp_path / "cmp" / "verdict.json").read_text())["candidates"]
+    gates = {g["name"]: g for g in candidate["gates"]}
+    assert not gates["completed"]["passed"]
+    alerts = map(json.loads, (tmp_path / "damaged" / "alerts.jsonl").read_text().splitlines())
+    stop = next(a for a in alerts if a["level"] == "stop")
+    assert "stopped" in candidate["cause"] and stop["module"] in candidate["cause"]
+
+
+def test_dualtrack_at_tensor_parallel_2(short_manifest, tmp_path):
+    """Under torchrun the three tracks share one process group; they still see the same tokens."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+               "fp8ops", "dualtrack", str(short_manifest), "--out", str(tmp_path / "dt"),
+               "--set", "topology.tensor_parallel=2", "--set", "schedule.train_steps=4",
+               "--no-png", "--no-progress"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    plan = json.loads((tmp_path / "dt" / "dualtrack.json").read_text())
+    assert [t["status"] for t in plan["tracks"]] == ["completed"] * 3
+    tokens = [[m["tokens"] for m in read_metrics(tmp_path / "dt" / t)] for t in TRACKS]
+    assert tokens[0] == tokens[1] == tokens[2] and len(tokens[0]) == 4
+    verdict = json.loads((tmp_path / "dt" / "compare" / "verdict.json").read_text())
+    assert verdict["verdict"] == "pass"

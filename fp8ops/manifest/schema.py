@@ -297,6 +297,18 @@ class PrecisionPolicy(_Section):
             "tensor shares one scale."
         ),
     )
+    backend: Literal["emulated", "scaled_mm", "te"] = Field(
+        "emulated",
+        description=(
+            "The GEMM that multiplies the FP8 casts; the casts, amax histories and scale updates "
+            "are the same for 'emulated' and 'scaled_mm'. 'emulated': the FP8 values multiplied "
+            "in float32 (any device; a CPU rehearsal). 'scaled_mm': torch._scaled_mm, FP8 tensor "
+            "cores on GPUs of compute capability 8.9+ (H100/H200, Blackwell) and oneDNN on CPUs; "
+            "every FP8 module's per-rank K and N must be multiples of 16. 'te': Megatron's "
+            "Transformer Engine layer spec under TE's own fp8_autocast (GPU with Transformer "
+            "Engine only; refused elsewhere)."
+        ),
+    )
     include_modules: Globs = Field(
         ("*.linear_qkv", "*.linear_proj", "*.linear_fc1", "*.linear_fc2"),
         description=(
@@ -881,6 +893,14 @@ class Gates(_Section):
     )
     allow_nonfinite: bool = Field(False, description="Pass a run that ever produced NaN/Inf.")
     allow_skipped_steps: bool = Field(False, description="Pass a run that skipped optimizer steps.")
+    bucket_significance: Annotated[float, Field(gt=0, lt=1)] | None = Field(
+        0.05,
+        description=(
+            "A bucket's accuracy drop beyond bucket_accuracy_gap fails the gate only if it is "
+            "also unlikely to be noise: the exact one-sided sign test (McNemar's) on the items "
+            "the two runs answered differently gives p below this. null: the drop alone decides."
+        ),
+    )
     min_bucket_items: int = Field(
         20,
         ge=1,

@@ -5,6 +5,13 @@ from __future__ import annotations
 from fp8ops.manifest.canonical import manifest_hash
 from fp8ops.manifest.schema import Manifest
 
+# What each precision.backend runs, in the words of the summary.
+_BACKENDS = {
+    "emulated": "emulated (FP8 values multiplied in float32; any device)",
+    "scaled_mm": "scaled_mm (torch._scaled_mm: FP8 tensor cores on sm_89+ GPUs, oneDNN on CPUs)",
+    "te": "te (Transformer Engine's layer spec and fp8_autocast; GPU with TE only)",
+}
+
 
 def summary_rows(m: Manifest) -> list[tuple[str, str]]:
     """``(label, text)`` rows: identity first, then the precision policy, model and layout."""
@@ -35,19 +42,24 @@ def summary_rows(m: Manifest) -> list[tuple[str, str]]:
             if p.enabled
             else f"FP8 off: everything in {p.base_dtype} (a control or base run)",
         ),
+        ("FP8 GEMM", _BACKENDS[p.backend] if p.enabled else "none (FP8 off)"),
         ("amax reduction", reduction),
         ("FP8 modules", ", ".join(p.include_modules)),
         ("excluded", ", ".join(p.exclude_modules) or "none"),
         ("small GEMMs", small_rule),
         (
             "model",
-            f"{model.arch}: {model.num_layers} layers, hidden {model.hidden_size}, "
-            f"ffn {model.ffn_hidden_size}, {model.num_attention_heads} heads, "
-            f"seq {model.seq_length}",
+            (
+                f"{model.arch}: {model.num_layers} layers, hidden {model.hidden_size}, "
+                f"ffn {model.ffn_hidden_size}, {model.num_attention_heads} heads, "
+                f"seq {model.seq_length}"
+            ),
         ),
         (
             "topology",
-            f"TP {topo.tensor_parallel} x PP {topo.pipeline_parallel} x DP {topo.data_parallel} "
-            f"= {topo.world_size} ranks",
+            (
+                f"TP {topo.tensor_parallel} x PP {topo.pipeline_parallel} "
+                f"x DP {topo.data_parallel} = {topo.world_size} ranks"
+            ),
         ),
     ]

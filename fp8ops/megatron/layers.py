@@ -21,12 +21,17 @@ such a layer in the base dtype. It keeps its FP8 state, frozen (it records no am
 updates leave it alone), so every module has the same state layout whether it runs FP8 or not, and
 a BF16 override can later be lifted without a gap in the checkpoint.
 
-How the recipe reaches a layer: a ``recipe`` constructor argument, which ``ModuleSpec.params``
-carries (``spec.py``). The recipe fixes the shape of the module's state (history length) and its
-formats, so the state exists from construction, as in fp8ops' ``Fp8Linear`` and TE's modules, and
-checkpoint state can load before the first forward. The alternative, TransformerConfig's own
-``fp8*`` fields, would switch Megatron onto its Transformer Engine code paths
-(``fp8_utils.get_fp8_context`` needs TE). The scope must run the same recipe; a mismatch raises.
+How the recipe and the GEMM reach a layer: ``recipe`` and ``gemm`` constructor arguments, which
+``ModuleSpec.params`` carries (``spec.py``); ``gemm`` is the emulated FP8 GEMM by default, or
+``torch._scaled_mm``'s (``precision.backend``). The recipe fixes the shape of the module's state
+(history length) and its formats, so the state exists from construction, as in fp8ops'
+``Fp8Linear`` and TE's modules, and checkpoint state can load before the first forward. The
+alternative, TransformerConfig's own ``fp8*`` fields, would switch Megatron onto its Transformer
+Engine code paths (``fp8_utils.get_fp8_context`` needs TE). The scope must run the same recipe; a
+mismatch raises.
+
+The FP8 state is float32 and lives where the weights live: moving the model (``model.to("cuda")``)
+moves it too, and casting the model to another dtype leaves it float32 (``_apply``).
 
 Micro-batches (TE's convention, which Megatron's TE modules follow): ``is_first_microbatch`` is
 None by default, and the weight is cast on every call. Set it to True on the first micro-batch of
@@ -38,6 +43,8 @@ amax history rolls once per optimizer step. Megatron's ``set_is_first_microbatch
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -60,7 +67,9 @@ from fp8ops.precision import (
     active_scope,
     fp8_linear,
 )
-from fp8ops.telemetry.probe import Probe
+
+if TYPE_CHECKING:  # the telemetry package imports its store (zarr, pandas): not needed to run
+    from fp8ops.telemetry.probe import Probe
 
 
 class _Fp8LocalGemm:
@@ -96,6 +105,22 @@ class _Fp8LocalGemm:
         self.probe: Probe | None = None  # telemetry attaches one (fp8ops.telemetry.probe)
         self._weight_fp8: QuantizedTensor | None = None
         self._weight_fp8_version = -1  # the weight's version counter when it was cast
+
+    def _apply(self, fn, recurse=True):
+        # What model.to(...), .cuda() and .cpu() go through: the FP8 state follows the weights
+        # to their device, as a buffer would, so casts, the amax all-reduce (NCCL takes device
+        # tensors only) and the updates stay on the GPU without a host sync per cast. Only the
+        # device: model.to(torch.bfloat16) must not round the float32 scales and histories.
+        super()._apply(fn, recurse)
+        meta = getattr(self, "fp8_meta", None)  # absent while Megatron's __init__ runs
+        if meta is not None:
+            device = self.weight.device
+            for state in (meta.forward, meta.backward):
+                state.amax_history = state.amax_history.to(device)
+                state.scale = state.scale.to(device)
+            if self._weight_fp8 is not None and self._weight_fp8.data.device != device:
+                self._weight_fp8 = None  # recast on the new device at the next first micro-batch
+        return self
 
     def _refuse(self, unsupported: dict[str, bool]) -> None:
         # Fail when the model is built, not at the first step.

@@ -7,12 +7,16 @@ themselves)::
     tp = manifest.topology.tensor_parallel            # the world size is TP x PP x DP
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     recipe = DelayedScalingRecipe.from_precision(manifest.precision)
-    model = build_gpt(manifest, recipe)
+    model = build_gpt(manifest, recipe)               # device="cuda" on a GPU
     scope = Fp8Scope(recipe, group=amax_reduction_group(manifest.topology))
     with scope():
         per_token_loss = model(tokens, position_ids, attention_mask=None, labels=labels)
 
 ``parallel_state`` is ``fp8ops.megatron.compat.parallel_state`` (Megatron's).
+
+``precision.backend`` picks what runs the FP8 GEMMs: fp8ops' own layers with the emulated GEMM or
+with ``torch._scaled_mm`` (one spec, another ``gemm`` argument), or Megatron's Transformer Engine
+spec (``te_backend.py``), which refuses where TE cannot run.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from fp8ops.errors import Fp8opsError, ManifestError
 from fp8ops.megatron import compat
 from fp8ops.megatron.compat import (
     GPTModel,
@@ -32,24 +37,43 @@ from fp8ops.megatron.compat import (
 )
 from fp8ops.megatron.cpu_shims import apply_cpu_shims
 from fp8ops.megatron.spec import get_gpt_layer_fp8_emulated_spec
-from fp8ops.precision import DelayedScalingRecipe
+from fp8ops.precision import DelayedScalingRecipe, EmulatedGemm, ScaledMmGemm
+from fp8ops.precision.scaled_mm import ALIGNMENT, scaled_mm_unsupported
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# precision.backend -> the GEMM of fp8ops' FP8 layers ("te" builds Transformer Engine's instead).
+GEMMS = {"emulated": EmulatedGemm, "scaled_mm": ScaledMmGemm}
 
 
-def build_gpt(manifest, recipe: DelayedScalingRecipe | None) -> GPTModel:
+def build_gpt(
+    manifest, recipe: DelayedScalingRecipe | None, *, device: torch.device | str | None = None
+) -> GPTModel:
     """The manifest's GPT on this rank, its four projections per layer in FP8 under ``recipe``.
 
     ``recipe=None`` builds the same model from Megatron's plain local spec: the high-precision
     reference. Both draw their initial weights from ``seeds.model`` in the same order, so they
     start identical. Megatron's parallel state must be initialised (module docstring). On a
-    machine without CUDA this applies the CPU shims (``cpu_shims.py``) first. The model is on the
-    CPU in ``precision.base_dtype``. All four projections of every layer are built FP8-capable;
-    which of them run FP8 is per-layer admission's decision (``fp8ops.admission``).
+    machine without CUDA this applies the CPU shims (``cpu_shims.py``) first. The model is in
+    ``precision.base_dtype`` on ``device`` (default: the CPU), its FP8 state with it. All four
+    projections of every layer are built FP8-capable; which of them run FP8 is per-layer
+    admission's decision (``fp8ops.admission``).
+
+    ``precision.backend`` chooses the GEMM those projections run (``GEMMS``); ``te`` builds
+    Megatron's Transformer Engine spec instead (:func:`~fp8ops.megatron.te_backend.build_gpt_te`),
+    which refuses on a machine without a GPU and TE. With ``scaled_mm``, an FP8 module whose
+    per-rank GEMM is not a multiple of 16 wide is refused here, by name (:func:`_check_aligned`).
     """
+    backend = manifest.precision.backend
+    if recipe is not None and backend == "te":
+        from fp8ops.megatron.te_backend import build_gpt_te
+
+        return build_gpt_te(manifest)
     apply_cpu_shims()
     model_cfg, topology = manifest.model, manifest.topology
     _check_parallel_state(topology)
+    device = torch.device("cpu" if device is None else device)
+    if recipe is not None and backend == "scaled_mm":
+        _check_scaled_mm_runs(device)
 
     # Seeds Megatron's RNG tracker as Megatron-LM's initialisation does; the weights below are
     # drawn from torch's default generator (use_cpu_initialization).
@@ -59,7 +83,9 @@ def build_gpt(manifest, recipe: DelayedScalingRecipe | None) -> GPTModel:
     if recipe is None:
         layer_spec = get_gpt_layer_local_spec(normalization=model_cfg.normalization)
     else:
-        layer_spec = get_gpt_layer_fp8_emulated_spec(recipe, normalization=model_cfg.normalization)
+        layer_spec = get_gpt_layer_fp8_emulated_spec(
+            recipe, gemm=GEMMS[backend](), normalization=model_cfg.normalization
+        )
     model = GPTModel(
         config=transformer_config(manifest),
         transformer_layer_spec=layer_spec,
@@ -69,8 +95,51 @@ def build_gpt(manifest, recipe: DelayedScalingRecipe | None) -> GPTModel:
     )
     # The local spec's torch norms are created in float32 whatever params_dtype says; casting
     # the whole model is what Megatron's Float16Module does to the module it wraps (the wrapper
-    # itself would prefix every name with "module.").
-    return model.to(DTYPES[manifest.precision.base_dtype])
+    # itself would prefix every name with "module."). The FP8 state follows the device only.
+    model = model.to(device=device, dtype=DTYPES[manifest.precision.base_dtype])
+    if recipe is not None and backend == "scaled_mm":
+        _check_aligned(model, manifest)
+    return model
+
+
+def _check_scaled_mm_runs(device: torch.device) -> None:
+    reason = scaled_mm_unsupported(device)
+    if reason is not None:
+        raise Fp8opsError(
+            f"precision.backend 'scaled_mm' cannot run here: {reason}; use precision.backend "
+            "'emulated' (the same FP8 casts and scaling, multiplied in float32)"
+        )
+
+
+def _check_aligned(model: GPTModel, manifest) -> None:
+    """Refuse FP8 modules whose per-rank GEMM ``torch._scaled_mm`` would have to pad.
+
+    ``_scaled_mm`` takes K and N in multiples of 16. The GEMM pads what is not (exactly: with
+    zeros), which is right for the token dimension, set by the batch; but a *module* that is
+    not aligned would have its FP8 weight copied into a padded buffer on every GEMM, for a GEMM
+    too narrow or oddly shaped to gain from FP8. So such modules are named here, when the model
+    is built, with the two ways out. Only the modules admission runs in FP8 count: an excluded
+    one never reaches the GEMM.
+    """
+    from fp8ops.admission import decide_admission  # pydantic: only for this backend's check
+
+    table = decide_admission(
+        model, manifest.precision, tensor_parallel=manifest.topology.tensor_parallel
+    )
+    unaligned = [
+        f"{row.fqn} (K x N = {row.rank_shape} per rank)"
+        for row in table.rows
+        if row.fp8 and (row.rank_shape.k % ALIGNMENT or row.rank_shape.n % ALIGNMENT)
+    ]
+    if unaligned:
+        more = f"; and {len(unaligned) - 4} more" if unaligned[4:] else ""
+        raise ManifestError(
+            f"precision.backend 'scaled_mm': torch._scaled_mm needs the GEMM dimensions K and N "
+            f"of every FP8 module to be multiples of {ALIGNMENT}, and {len(unaligned)} are not: "
+            f"{'; '.join(unaligned[:4])}{more}. Padding them would copy each FP8 weight on "
+            f"every GEMM; keep them in {manifest.precision.base_dtype} "
+            "(precision.exclude_modules), or use precision.backend 'emulated'"
+        )
 
 
 def transformer_config(manifest) -> TransformerConfig:
@@ -140,8 +209,8 @@ def _check_parallel_state(topology) -> None:
     wanted = (topology.tensor_parallel, topology.pipeline_parallel, topology.data_parallel)
     if layout != wanted:
         raise ValueError(
-            "topology (tensor_parallel, pipeline_parallel, data_parallel) = {}, but Megatron's "
-            "parallel state was initialised with TP, PP, DP = {}".format(wanted, layout)
+            f"topology (tensor_parallel, pipeline_parallel, data_parallel) = {wanted}, but "
+            f"Megatron's parallel state was initialised with TP, PP, DP = {layout}"
         )
     if topology.pipeline_parallel != 1:
         raise NotImplementedError("pipeline parallelism is not supported yet (PP must be 1)")

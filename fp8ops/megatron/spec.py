@@ -5,6 +5,11 @@ module (norms, core attention; the embedding and the LM head are built by ``GPTM
 layer spec). The module names are those of Megatron's Transformer Engine spec,
 ``decoder.layers.{i}.self_attention.linear_qkv`` and so on, so manifests' module globs, telemetry
 and checkpoints name the same modules on the CPU emulation and on a TE run.
+
+The GEMM those projections run is a constructor argument the spec carries (``gemm``): the emulated
+FP8 GEMM, or ``torch._scaled_mm`` (``fp8ops.precision.ScaledMmGemm``) for FP8 tensor cores. The
+casts and the delayed-scaling state are the same either way; ``build_gpt`` picks the GEMM from
+``precision.backend``.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ def get_gpt_layer_fp8_emulated_spec(
 ) -> ModuleSpec:
     """Megatron's local GPT layer spec with the four projections in FP8 under ``recipe``.
 
-    ``gemm`` defaults to the emulated FP8 GEMM (any device).
+    ``gemm`` defaults to the emulated FP8 GEMM (any device); ``ScaledMmGemm()`` runs them on
+    ``torch._scaled_mm``. (The name predates the native GEMM: the layers are fp8ops' own either
+    way, as opposed to Transformer Engine's.)
     """
     return with_fp8_projections(get_gpt_layer_local_spec(normalization=normalization), recipe, gemm)
 

@@ -1,9 +1,11 @@
-"""FP8 formats, the saturating cast, delayed scaling (TE-exact), quantize, FP8 linear, scope."""
+"""FP8 formats, the saturating cast, delayed scaling (TE-exact), quantize, FP8 linear with its
+GEMM backends (emulated, ``torch._scaled_mm``), scope."""
 
 from fp8ops.precision.formats import E4M3, E5M2, Fp8Dtype, Fp8Format, saturating_cast
 from fp8ops.precision.linear import EmulatedGemm, Fp8Gemm, Fp8Linear, fp8_linear
 from fp8ops.precision.quantize import CastStats, QuantizedTensor, amax_of, quantize
 from fp8ops.precision.recipe import DelayedScalingRecipe
+from fp8ops.precision.scaled_mm import ScaledMmGemm, scaled_mm_unsupported
 from fp8ops.precision.scaling import AmaxAlgo, parse_amax_algo, update_delayed_scaling
 from fp8ops.precision.scope import Fp8Scope, active_scope
 from fp8ops.precision.state import Fp8Meta, ScalingState
@@ -22,6 +24,7 @@ __all__ = [
     "Fp8Meta",
     "Fp8Scope",
     "QuantizedTensor",
+    "ScaledMmGemm",
     "ScalingState",
     "active_scope",
     "amax_of",
@@ -29,5 +32,6 @@ __all__ = [
     "parse_amax_algo",
     "quantize",
     "saturating_cast",
+    "scaled_mm_unsupported",
     "update_delayed_scaling",
 ]

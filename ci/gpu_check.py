@@ -1,0 +1,600 @@
+"""The GPU check: the native FP8 GEMM, the delayed-scaling update and FP8 throughput on one GPU.
+
+    bash ci/gpu_check.sh [--wheels DIR] [--out FILE]      # a GPU machine (docs/gpu.md), < 8 min
+    bash ci/gpu_check.sh --smoke                         # any machine: tiny shapes, seconds
+
+One process, one device (``cuda:0``, or the CPU with ``--smoke`` where there is no GPU). Progress
+lines while it runs, then one table, last, and the same rows as JSON (``--out``):
+
+(a) gemm: ``torch._scaled_mm`` (``fp8ops.precision.ScaledMmGemm``) against the emulated GEMM on
+    the same FP8 operands, at the forward, dgrad and wgrad shapes of an 8B layer: their relative
+    difference, and each one's error against the float64 product of the same FP8 values.
+(b) scaling: fp8ops' delayed-scaling update run on the device, bit for bit against the same
+    update on the CPU and against the independent oracle (``tests/te_reference.py``), with zero,
+    NaN, infinite and denormal amaxes; the saturating FP8 cast and the amax likewise.
+(c) throughput: a stack of Megatron GPT layers at 8B shapes (hidden 4096, FFN 14336, 32 heads in
+    8 query groups, sequence 4096, micro-batch 1, bf16), forward and backward, in BF16 and in
+    FP8 through ``torch._scaled_mm``, each with and without fp8ops telemetry: tokens/s, step
+    time, peak memory. Goals: FP8 >= 1.3x the BF16 tokens/s; telemetry <= 1% of the step time.
+
+What (c) runs, precisely: fp8ops' FP8 layer spec (``get_gpt_layer_fp8_emulated_spec`` with
+``ScaledMmGemm``) in a Megatron ``TransformerBlock`` built from ``transformer_config`` (the
+trainer's), its core attention swapped (by ModuleSpec) for torch's fused
+``scaled_dot_product_attention``, as TE's fused attention would be in production (``--attention
+local`` keeps Megatron's unfused one, whose [s, s] scores at sequence 4096 would weigh as much as
+the GEMMs FP8 speeds up). No rotary embedding, embedding or LM head: the layers only. BF16 is the
+same stack outside the FP8 scope (the layers then *are* Megatron's). One micro-batch per step, so
+each step casts every weight once, as training does. Telemetry is fp8ops' collector at the 8B
+manifest's cadence (cast statistics every step, the FP8-vs-bf16 error every 50), read after each
+backward as the trainer does; 50 timed steps include exactly one error sample.
+
+Exit status: 1 when a correctness check of (a) or (b) fails, 2 on a usage error, else 0. The
+goals of (c) are measured and reported (PASS/FAIL), not enforced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import math
+import platform
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # fp8ops without installing it; the oracle
+
+from fp8ops.precision import (
+    E4M3,
+    E5M2,
+    DelayedScalingRecipe,
+    EmulatedGemm,
+    Fp8Scope,
+    ScaledMmGemm,
+    scaled_mm_unsupported,
+    update_delayed_scaling,
+)
+from fp8ops.precision.formats import saturating_cast
+from fp8ops.precision.quantize import amax_of, cast
+
+SPEEDUP_GOAL = 1.3  # FP8 tokens/s over BF16 tokens/s
+TELEMETRY_GOAL = 0.01  # telemetry's share of the step time
+# Normwise |native - emulated| / |emulated| that (a) accepts. bf16: both round float32 results
+# that differ only by summation order, so an element differs by one bf16 ulp (2**-8) at most and
+# only where the two straddle a rounding boundary. float32: Hopper's FP8 tensor cores keep fewer
+# bits than float32 in their accumulator (about 14, DeepSeek-V3 section 3.3.2) and cuBLASLt
+# without fast accumulation promotes partial sums to float32 at intervals; 2**-14 allows that.
+GEMM_BOUND = {torch.bfloat16: 2.0**-8, torch.float32: 2.0**-14}
+
+# (c) at full size and in --smoke: the 8B layer (Llama-3-8B's widths), or a toy one.
+FULL = {"hidden": 4096, "ffn": 14336, "heads": 32, "groups": 8, "seq": 4096, "layers": 4}
+SMOKE = {"hidden": 64, "ffn": 224, "heads": 4, "groups": 2, "seq": 64, "layers": 2}
+
+
+@dataclass
+class Row:
+    """One line of the table (and of the JSON)."""
+
+    part: str  # "gemm", "scaling", "throughput", "goal"
+    check: str
+    result: str
+    bound: str = ""
+    ok: bool | None = None  # None: informative, or skipped
+    values: dict | None = None  # the numbers behind ``result``, for the JSON
+
+    @property
+    def status(self) -> str:
+        return {True: "PASS", False: "FAIL", None: "info"}[self.ok]
+
+
+# -- (a) the native GEMM against the emulation ---------------------------------------------------
+
+
+def gemm_cases(smoke: bool) -> list[tuple]:
+    """(name, M, K, N, format a, format b, out dtype, bias?, fast accumulation?)."""
+    if smoke:
+        t, h, qkv, ffn = 128, 64, 128, 224
+    else:  # one 8B layer at sequence 4096: tokens, hidden, QKV outputs, FFN (per gate)
+        t, h, qkv, ffn = 4096, 4096, 6144, 14336
+    bf16, fp32 = torch.bfloat16, torch.float32
+    return [
+        ("fprop qkv  x @ W^T", t, h, qkv, E4M3, E4M3, bf16, False, False),
+        ("fprop qkv + bias (epilogue)", t, h, qkv, E4M3, E4M3, bf16, True, False),
+        ("fprop qkv, float32 out", t, h, qkv, E4M3, E4M3, fp32, False, False),
+        ("fprop fc1", t, h, 2 * ffn, E4M3, E4M3, bf16, False, False),
+        ("dgrad fc2  g @ W (E5M2 x E4M3)", t, h, ffn, E5M2, E4M3, bf16, False, False),
+        ("wgrad fc1  g^T @ x (E5M2 x E4M3)", 2 * ffn, t, h, E5M2, E4M3, bf16, False, False),
+        ("wgrad, tokens not /16 (padded K)", h, t - 8, h, E5M2, E4M3, bf16, False, False),
+        ("fprop qkv, fast accumulation", t, h, qkv, E4M3, E4M3, bf16, False, True),
+    ]
+
+
+def quantized(shape, fp8, magnitude, seed, device):
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    x = (torch.randn(*shape, generator=generator) * magnitude).to(device)
+    return cast(x, torch.tensor(fp8.max, device=device) / amax_of(x), fp8)
+
+
+def relative(x: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((x.double() - reference.double()).norm() / reference.double().norm()).item()
+
+
+def check_gemms(device: torch.device, smoke: bool) -> list[Row]:
+    reason = scaled_mm_unsupported(device)
+    if reason is not None:
+        return [Row("gemm", "torch._scaled_mm", f"skipped: {reason}")]
+    rows = []
+    for name, m, k, n, fmt_a, fmt_b, out_dtype, with_bias, fast in gemm_cases(smoke):
+        a = quantized((m, k), fmt_a, 3.0 if fmt_a is E4M3 else 1e-3, seed=1, device=device)
+        b = quantized((n, k), fmt_b, 0.02, seed=2, device=device)
+        bias = (torch.randn(n, device=device) * 0.1).to(out_dtype) if with_bias else None
+        native = ScaledMmGemm(use_fast_accum=fast)(a, b, out_dtype, bias)
+        emulated = EmulatedGemm()(a, b, out_dtype, bias)
+        scale = a.scale_inv.double() * b.scale_inv.double()
+        exact = (a.data.double() @ b.data.double().t()) * scale  # the FP8 values' product
+        if bias is not None:
+            exact = exact + bias.double()
+        values = {
+            "shape": [m, k, n], "formats": [fmt_a.name, fmt_b.name], "out": str(out_dtype),
+            "native_vs_emulated": relative(native, emulated),
+            "native_vs_exact": relative(native, exact),
+            "emulated_vs_exact": relative(emulated, exact),
+        }  # fmt: skip
+        bound = GEMM_BOUND[out_dtype]
+        rows.append(Row(
+            "gemm", f"{name} [{m}x{k}x{n}]",
+            f"diff {values['native_vs_emulated']:.2e} (vs exact: native "
+            f"{values['native_vs_exact']:.2e}, emulated {values['emulated_vs_exact']:.2e})",
+            f"diff <= {bound:.1e}" if not fast else "(TE's fprop setting; informative)",
+            None if fast else values["native_vs_emulated"] <= bound, values,
+        ))  # fmt: skip
+        del a, b, native, emulated, exact
+    return rows
+
+
+# -- (b) the delayed-scaling update and the cast, device against CPU ------------------------------
+
+FLT_MAX = float(np.finfo(np.float32).max)
+# Amaxes the kernel treats specially: zero (no roll), NaN (ignored by the window max), +inf (scale
+# kept), denormals (the quotient overflows to inf, clamped to FLT_MAX), the formats' maxima.
+SPECIAL_AMAX = [0.0, math.nan, math.inf, 1.4e-45, 1e-40, 1.1754944e-38, 1e-30, 2.5e-3, 1.0, 3.5,
+                448.0, 57344.0, 3.0e38, FLT_MAX]  # fmt: skip
+
+
+def bits_equal(x: np.ndarray, y: np.ndarray) -> bool:
+    """Same float32 bits everywhere (a NaN only needs to be a NaN on both sides)."""
+    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+    return bool(((x.view(np.int32) == y.view(np.int32)) | (np.isnan(x) & np.isnan(y))).all())
+
+
+def random_amaxes(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Per slot: a special value (40%) or a log-uniform one over many decades."""
+    special = rng.choice(np.array(SPECIAL_AMAX, dtype=np.float32), size=n)
+    ordinary = np.exp(rng.uniform(np.log(1e-8), np.log(1e6), size=n)).astype(np.float32)
+    return np.where(rng.random(n) < 0.4, special, ordinary).astype(np.float32)
+
+
+SLOTS, UPDATES = 16, 6
+FUSED = ("max", "most_recent")  # TE's fused kernel; the others take TE's callable path
+
+
+def scaling_cases():
+    """(history length, margin, fp8 max, algorithm): every combination the update branches on."""
+    for case in itertools.product((1, 4, 16), (0, 1), (448.0, 57344.0),
+                                  (*FUSED, "quantile:0.9", "trimmed_max:1")):  # fmt: skip
+        if not (case[3] == "trimmed_max:1" and case[0] == 1):  # trimmed_max:K needs K < L
+            yield case
+
+
+def run_updates(device, history_len, margin, fp8_max, algo, rng) -> list[tuple[bool, bool]]:
+    """UPDATES updates from one random start, on the CPU, on ``device`` and (fused algorithms)
+    in the oracle, each carrying its own state on; per update: (device = CPU, device = oracle)."""
+    from te_reference import reference_update  # tests/: shares no code with fp8ops
+
+    history = np.zeros((history_len, SLOTS), np.float32)
+    past = random_amaxes(rng, (history_len - 1) * SLOTS).reshape(history_len - 1, SLOTS)
+    history[1:] = np.where(rng.random(past.shape) < 0.5, past, 0.0)
+    scale = np.where(rng.random(SLOTS) < 0.2, FLT_MAX, 1.0).astype(np.float32)
+    states = {"cpu": (history, scale), "device": (history, scale), "oracle": (history, scale)}
+    outcomes = []
+    for _ in range(UPDATES):
+        local = random_amaxes(rng, SLOTS)  # this rank's row 0
+        # The all-reduced amax: usually this rank's, sometimes 0 (the kernel then falls back on
+        # row 0), sometimes larger (another rank saw more; 4 x FLT_MAX is inf, also a case).
+        reduced = np.where(rng.random(SLOTS) < 0.2, 0.0, local).astype(np.float32)
+        with np.errstate(over="ignore"):
+            reduced = np.where(rng.random(SLOTS) < 0.2, reduced * 4, reduced).astype(np.float32)
+        results = {}
+        for which, (h, s) in states.items():
+            h = h.copy()
+            h[0] = local
+            if which == "oracle":
+                if algo in FUSED:
+                    results[which] = reference_update(h, s, reduced, fp8_max, margin, algo)
+                continue
+            target = device if which == "device" else torch.device("cpu")
+            new = update_delayed_scaling(
+                torch.from_numpy(h).to(target), torch.from_numpy(s).to(target),
+                torch.from_numpy(reduced).to(target), fp8_max=fp8_max, margin=margin, algo=algo,
+            )  # fmt: skip
+            results[which] = tuple(t.cpu().numpy() for t in new)
+        same = {
+            which: all(map(bits_equal, results[which], results["device"]))
+            for which in results
+        }  # fmt: skip
+        outcomes.append((same["cpu"], same.get("oracle", True)))
+        states.update(results)
+    return outcomes
+
+
+def check_scaling(device: torch.device) -> list[Row]:
+    rng = np.random.default_rng(0)
+    tally = {"fused": [], "oracle": [], "window": []}
+    mismatches = []
+    for case in scaling_cases():
+        for update, (same_cpu, same_oracle) in enumerate(run_updates(device, *case, rng)):
+            kind = "fused" if case[3] in FUSED else "window"
+            tally[kind].append(same_cpu)
+            if kind == "fused":
+                tally["oracle"].append(same_oracle)
+            if not (same_cpu and same_oracle):
+                mismatches.append(f"L={case[0]} margin={case[1]} max={case[2]:g} {case[3]} "
+                                  f"update {update}")  # fmt: skip
+    checks = (("fused", "update max/most_recent: device = CPU, bit for bit"),
+              ("oracle", "update max/most_recent: device = oracle (te_reference)"),
+              ("window", "update quantile/trimmed_max: device = CPU"))  # fmt: skip
+    rows = [
+        Row("scaling", name, f"{sum(tally[key])}/{len(tally[key])} updates", "all",
+            all(tally[key]), {"mismatches": mismatches[:20]} if mismatches else None)
+        for key, name in checks
+    ]  # fmt: skip
+    return rows + check_cast(device)
+
+
+def check_cast(device: torch.device) -> list[Row]:
+    """The saturating cast and the amax: the other half of the shared core."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1 << 16, generator=generator) * torch.exp2(
+        torch.randint(-30, 30, (1 << 16,), generator=generator).float()
+    )
+    x[:8] = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 448.0, 57344.0, 1e-45])
+    rows = []
+    for fmt in (E4M3, E5M2):
+        equal = []
+        for scale in (1.0, fmt.max / 1e3, 2.0**-10, 3.0e5):
+            s = torch.tensor(scale)
+            here = saturating_cast(x, s, fmt).view(torch.uint8)
+            there = saturating_cast(x.to(device), s.to(device), fmt).view(torch.uint8).cpu()
+            equal.append(torch.equal(here, there))
+        rows.append(Row("scaling", f"saturating cast {fmt.name.upper()}: device = CPU",
+                        f"{sum(equal)}/{len(equal)} scales", "all", all(equal)))  # fmt: skip
+    amax_same = bits_equal(amax_of(x).numpy(), amax_of(x.to(device)).cpu().numpy())
+    rows.append(Row("scaling", "amax (NaN ignored, inf kept): device = CPU",
+                    "equal" if amax_same else "differs", "equal", amax_same))  # fmt: skip
+    return rows
+
+
+# -- (c) throughput of a layer stack ---------------------------------------------------------------
+
+
+class SdpaAttention(torch.nn.Module):
+    """Megatron's core-attention slot filled by torch's fused ``scaled_dot_product_attention``
+    (flash attention on a GPU), causal. Takes Megatron's ``[s, b, heads, d]`` query and
+    ``[s, b, groups, d]`` key and value, returns ``[s, b, heads * d]``."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, **_unused):
+        super().__init__()
+        self.repeats = config.num_attention_heads // config.num_query_groups
+        self.softmax_scale = config.softmax_scale  # None: 1/sqrt(d), Megatron's default too
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):  # fmt: skip
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        if self.repeats > 1:  # grouped-query attention: each K/V head serves `repeats` heads
+            k = k.repeat_interleave(self.repeats, dim=1)
+            v = v.repeat_interleave(self.repeats, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        s, b = out.shape[2], out.shape[0]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def build_stack(shape: dict, recipe, gemm, device, attention: str):
+    """The FP8-capable layer stack on ``device``, weights drawn as ``build_gpt`` draws them."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    from fp8ops.megatron.compat import tensor_parallel
+    from fp8ops.megatron.model import transformer_config
+    from fp8ops.megatron.spec import get_gpt_layer_fp8_emulated_spec
+
+    manifest = SimpleNamespace(  # what transformer_config reads of a manifest
+        model=SimpleNamespace(
+            num_layers=shape["layers"], hidden_size=shape["hidden"],
+            ffn_hidden_size=shape["ffn"], num_attention_heads=shape["heads"],
+            num_query_groups=shape["groups"], normalization="RMSNorm", activation="swiglu",
+        ),
+        topology=SimpleNamespace(tensor_parallel=1),
+        precision=SimpleNamespace(base_dtype="bf16"),
+    )  # fmt: skip
+    torch.manual_seed(1234)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    spec = get_gpt_layer_fp8_emulated_spec(recipe, gemm=gemm, normalization="RMSNorm")
+    if attention == "sdpa":
+        attn = spec.submodules.self_attention
+        attn = replace(attn, submodules=replace(attn.submodules, core_attention=SdpaAttention))
+        spec = replace(spec, submodules=replace(spec.submodules, self_attention=attn))
+    block = TransformerBlock(config=transformer_config(manifest), spec=spec)
+    return block.to(device=device, dtype=torch.bfloat16)
+
+
+def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
+    try:
+        from fp8ops.megatron import apply_cpu_shims, fp8_modules, mark_first_microbatch
+        from fp8ops.megatron.compat import parallel_state
+    except Exception as exc:  # noqa: BLE001 - any import failure means: no Megatron here
+        return [Row("throughput", "layer stack", f"skipped: megatron-core not importable: {exc}")]
+    try:
+        from fp8ops.telemetry.collector import TelemetryCollector
+    except Exception as exc:  # noqa: BLE001 - zarr, pandas or xarray missing
+        TelemetryCollector, telemetry_missing = None, f"{type(exc).__name__}: {exc}"
+
+    import torch.distributed as dist
+
+    apply_cpu_shims()  # a no-op with CUDA
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+        )  # fmt: skip
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    native = scaled_mm_unsupported(device) is None
+    recipe = DelayedScalingRecipe(amax_history_len=16)  # the 8B manifest's recipe
+    gemm = ScaledMmGemm() if native else EmulatedGemm()
+    print(f"  building {shape['layers']} layers (hidden {shape['hidden']}, FFN {shape['ffn']}) "
+          f"with the {'scaled_mm' if native else 'emulated'} FP8 GEMM ...", flush=True)  # fmt: skip
+    block = build_stack(shape, recipe, gemm, device, args.attention)
+    scope = Fp8Scope(recipe)
+    collector = None
+    if TelemetryCollector is not None:
+        cadence = SimpleNamespace(every_steps=args.telemetry_every,
+                                  error_sample_every=args.error_sample_every)  # fmt: skip
+        collector = TelemetryCollector(fp8_modules(block), cadence)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(shape["seq"], 1, shape["hidden"], generator=generator)  # [s, b, h]
+    x = x.to(device=device, dtype=torch.bfloat16).requires_grad_()
+    grad = torch.randn(x.shape, generator=generator).to(device=device, dtype=torch.bfloat16)
+
+    def step(number: int, fp8: bool, telemetry: bool) -> None:
+        mark_first_microbatch(block)  # one micro-batch a step: every weight cast once
+        if telemetry:
+            collector.begin_step(number)
+        with scope() if fp8 else contextlib.nullcontext():
+            out = block(x, attention_mask=None)
+        out.backward(grad)
+        if telemetry:
+            collector.end_step()  # after the backward, before gradients go: as the trainer
+        for p in block.parameters():
+            p.grad = None
+        x.grad = None
+
+    measured: dict[tuple[bool, bool], dict] = {}
+    rows = []
+    for fp8 in (False, True):
+        for telemetry in (False, True):
+            label = f"{'FP8 ' + ('scaled_mm' if native else 'emulated') if fp8 else 'BF16'}" + (
+                " + telemetry" if telemetry else ""
+            )
+            if telemetry and collector is None:
+                rows.append(Row("throughput", label, f"skipped: telemetry: {telemetry_missing}"))
+                continue
+            if time.perf_counter() - started > args.time_limit:
+                rows.append(
+                    Row("throughput", label, f"skipped: past --time-limit {args.time_limit}s")
+                )
+                continue
+            if collector is not None:
+                collector.set_active(telemetry)
+            try:
+                result = timed(lambda n, f=fp8, t=telemetry: step(n, f, t), args, device, shape)
+            except Exception as exc:  # noqa: BLE001 - report it and go on with the others
+                traceback.print_exc()
+                error = f"error: {type(exc).__name__}: {exc}"[:200]
+                if telemetry and "numpy" in str(exc):
+                    error += " (the collector reads FP8 state with .numpy(): see docs/gpu.md)"
+                rows.append(Row("throughput", label, error))
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
+            measured[(fp8, telemetry)] = result
+            print(f"  {label}: {result['tokens_per_s']:,.0f} tokens/s", flush=True)
+            rows.append(Row(
+                "throughput", label,
+                f"{result['tokens_per_s']:,.0f} tokens/s, {result['step_ms']:.1f} ms/step, "
+                f"peak {result['peak_mib']:,.0f} MiB", values=result,
+            ))  # fmt: skip
+    if collector is not None:
+        collector.set_active(False)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return rows + goals(measured, judged=native and not args.smoke)
+
+
+def timed(step, args, device, shape) -> dict:
+    cuda = device.type == "cuda"
+    for number in range(1, args.warmup + 1):
+        step(number)
+    if cuda:
+        torch.cuda.synchronize()  # nothing of the warm-up runs into the timed steps
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for number in range(args.warmup + 1, args.warmup + args.steps + 1):
+        step(number)
+    if cuda:
+        torch.cuda.synchronize()  # the steps have run, not just been queued
+    seconds = (time.perf_counter() - start) / args.steps
+    if cuda:
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    else:  # the process's peak resident set (not resettable): informative only
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"step_ms": seconds * 1e3, "tokens_per_s": shape["seq"] / seconds, "peak_mib": peak}
+
+
+def goals(measured: dict, judged: bool) -> list[Row]:
+    """The two goals, PASS/FAIL where ``judged`` (full shapes, FP8 on tensor cores)."""
+    rows = []
+    bf16, fp8 = measured.get((False, False)), measured.get((True, False))
+    if bf16 and fp8:
+        speedup = fp8["tokens_per_s"] / bf16["tokens_per_s"]
+        rows.append(Row("goal", "FP8 tokens/s over BF16", f"{speedup:.2f}x",
+                        f">= {SPEEDUP_GOAL}x", speedup >= SPEEDUP_GOAL if judged else None,
+                        {"speedup": speedup}))  # fmt: skip
+    for fp8_on, name in ((False, "BF16"), (True, "FP8")):
+        off, on = measured.get((fp8_on, False)), measured.get((fp8_on, True))
+        if off and on:
+            overhead = on["step_ms"] / off["step_ms"] - 1
+            ok = overhead <= TELEMETRY_GOAL if judged else None
+            rows.append(Row("goal", f"telemetry share of the {name} step", f"{overhead:+.1%}",
+                            f"<= {TELEMETRY_GOAL:.0%}", ok, {"overhead": overhead}))  # fmt: skip
+    return rows
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# -- the report ------------------------------------------------------------------------------------
+
+
+def environment(device: torch.device) -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "device": str(device)}  # fmt: skip
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        info["cuda"] = torch.version.cuda
+    else:
+        info["cpu"] = platform.processor() or platform.machine()
+    try:
+        from fp8ops.megatron.compat import MEGATRON_CORE_VERSION
+
+        info["megatron_core"] = MEGATRON_CORE_VERSION
+    except Exception as exc:  # noqa: BLE001
+        info["megatron_core"] = f"not importable ({type(exc).__name__}: {exc})"[:200]
+    return info
+
+
+def print_table(rows: list[Row]) -> None:
+    headers = ("part", "check", "result", "bound / goal", "status")
+    cells = [(r.part, r.check, r.result, r.bound, r.status) for r in rows]
+    widths = [min(max(len(str(c[i])) for c in [headers, *cells]), 90) for i in range(5)]
+    line = "  ".join("-" * w for w in widths)
+    print(line)
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
+    print(line)
+    for cell in cells:
+        print("  ".join(str(c)[:w].ljust(w) for c, w in zip(cell, widths, strict=True)))
+    print(line)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny shapes, a few steps: checks the script, measures nothing",
+    )
+    parser.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="JSON report")
+    parser.add_argument("--layers", type=int, help="layers in (c) (4; 2 with --smoke)")
+    parser.add_argument("--seq", type=int, help="sequence length in (c) (4096; 64 with --smoke)")
+    parser.add_argument("--steps", type=int, help="timed steps per configuration (50; 3)")
+    parser.add_argument("--warmup", type=int, help="untimed steps before them (5; 1)")
+    parser.add_argument("--attention", choices=("sdpa", "local"), default="sdpa")
+    parser.add_argument(
+        "--telemetry-every",
+        type=int,
+        default=1,
+        help="telemetry.every_steps (the 8B manifest's: 1)",
+    )
+    parser.add_argument(
+        "--error-sample-every",
+        type=int,
+        default=50,
+        help="telemetry.error_sample_every (the 8B manifest's: 50)",
+    )
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=420.0,
+        help="seconds after which remaining throughput runs are skipped",
+    )
+    parser.add_argument("--skip", choices=("gemm", "scaling", "throughput"), action="append",
+                        default=[], help="leave a part out (repeatable)")  # fmt: skip
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() and not args.smoke:
+        print("gpu_check: no CUDA device here; --smoke runs the check's code on the CPU",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        # The emulation's float32 matmul must be float32, not TF32, to be the reference.
+        torch.backends.cuda.matmul.allow_tf32 = False
+    shape = dict(SMOKE if args.smoke else FULL)
+    shape.update({k: v for k, v in (("layers", args.layers), ("seq", args.seq)) if v})
+    args.steps = args.steps or (3 if args.smoke else 50)
+    args.warmup = args.warmup or (1 if args.smoke else 5)
+
+    started = time.perf_counter()
+    info = environment(device)
+    print("gpu_check: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
+    rows: list[Row] = []
+    parts = (("gemm", lambda: check_gemms(device, args.smoke)),
+             ("scaling", lambda: check_scaling(device)),
+             ("throughput", lambda: check_throughput(device, args, shape, started)))  # fmt: skip
+    for part, run in parts:
+        if part in args.skip:
+            continue
+        print(f"({part}) ...", flush=True)
+        part_started = time.perf_counter()
+        try:
+            rows += run()
+        except Exception as exc:  # noqa: BLE001 - one broken part must not hide the others
+            traceback.print_exc()
+            rows.append(Row(part, "(the whole part)", f"error: {type(exc).__name__}: {exc}"[:300],
+                            ok=False if part != "throughput" else None))  # fmt: skip
+        print(f"({part}) {time.perf_counter() - part_started:.1f} s", flush=True)
+
+    correct = all(r.ok is not False for r in rows if r.part in ("gemm", "scaling"))
+    report = {
+        "environment": info, "smoke": args.smoke, "shape": shape,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "skip")},
+        "seconds": time.perf_counter() - started, "correct": correct,
+        "rows": [asdict(r) | {"status": r.status} for r in rows],
+    }  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print()
+    if args.smoke:
+        print("SMOKE RUN: tiny shapes; the throughput numbers and goals mean nothing here.")
+    print(f"gpu_check: {report['seconds']:.0f} s, report in {args.out}")
+    print_table(rows)
+    return 0 if correct else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -344,7 +344,12 @@ def test_a_drop_the_paired_items_explain_as_noise_passes_and_a_real_one_fails(tm
     reference, candidate = pair(tmp_path / "noise", wrong={0, 3, 6, 10})
     noise = gate(verdict_of(reference, candidate), "bucket_accuracy_gap")
     assert noise.passed and noise.value == pytest.approx(2 / 22)
-    assert "> 0.02 but not significant (p >= 0.05)" in noise.detail
+    assert "> 0.02 but not significant (p >= 0.05 / 5 gated)" in noise.detail
+    # 7 lost, 1 gained: p = 9 / 256 = 0.035, significant alone but not among 5 rows tested
+    # at once (Bonferroni: 0.05 / 5 = 0.01).
+    reference, candidate = pair(tmp_path / "family", wrong={0, 3, 6, 12, 15, 18, 21})
+    family = gate(verdict_of(reference, candidate), "bucket_accuracy_gap")
+    assert family.passed and "sign test p 0.035" in family.detail
     # 21 add items lost, 1 gained (item 9, which the reference misses): p = 23 / 2**22.
     adds = {i for i in range(0, ITEMS, 3) if i != 9}
     reference, candidate = pair(tmp_path / "real", wrong=adds)

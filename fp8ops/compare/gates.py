@@ -12,7 +12,7 @@ not gated. In order:
 ``bucket_accuracy_gap`` capability accuracy, reference minus candidate, in every bucket with
                         enough items and overall, at the last capability step both reached;
                         a drop over the gap fails when the paired sign test says it is not
-                        noise (``bucket_significance``)
+                        noise (``bucket_significance``, divided among the gated buckets)
 ``finite``              no NaN/Inf loss, gradient norm, cast (telemetry) or nonfinite alert
 ``skipped_steps``       no optimizer step skipped
 ``resume_continuity``   a resumed run continued where it left off
@@ -210,7 +210,10 @@ def _buckets(
     comparison = compare_capability(reference, candidate, step, gates)
     rows = [comparison["overall"], *comparison["buckets"]]
     gated = [row for row in rows if row["gated"]]
-    failing = [row for row in gated if _fails(row, gap, gates.bucket_significance)]
+    # Many buckets are tested at once: Bonferroni keeps the chance that a clean candidate fails
+    # any of them by noise under bucket_significance.
+    alpha = None if gates.bucket_significance is None else gates.bucket_significance / len(gated)
+    failing = [row for row in gated if _fails(row, gap, alpha)]
     buckets = [row for row in comparison["buckets"] if row["gated"]]
     worst = max(buckets, key=_drop_order) if buckets else None
     value = max(gated, key=_drop_order)["drop"]
@@ -228,7 +231,7 @@ def _buckets(
         else:  # over the gap, but the disagreeing items could be coin flips
             detail = (
                 f"largest accuracy drop {_describe_bucket(top)} > {gap:g} but not significant "
-                f"(p >= {gates.bucket_significance:g})"
+                f"(p >= {gates.bucket_significance:g} / {len(gated)} gated)"
             )
         detail += f" {where}{note}"
     return GateResult(name, not failing, value, gap, detail), comparison, worst

@@ -1,0 +1,85 @@
+"""What preflight checks: a manifest file about to be launched, or a run directory.
+
+For a run directory the manifest is the run's locked ``manifest.yaml``, and the file the run was
+started from is looked up in ``run.json``'s command line (``fp8ops train FILE ...``), since the
+version-control and gates items are about that file, not about the canonical copy fp8ops wrote.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fp8ops.errors import Fp8opsError
+from fp8ops.manifest import load_manifest
+from fp8ops.manifest.schema import Manifest
+
+# Options of `fp8ops train` that take a value: the manifest is the argument that is none of them.
+_VALUED_OPTIONS = {"--run-dir", "--set", "--accept-drift", "--stop-at"}
+
+
+@dataclass(frozen=True)
+class Target:
+    path: Path  # as given on the command line
+    manifest: Manifest  # the file's, or the run's locked manifest.yaml
+    manifest_file: Path | None  # the manifest file (for a run: the one it started from, if found)
+    run_dir: Path | None = None  # None: a manifest file
+    run_info: dict[str, Any] | None = None  # run.json
+    source_problem: str | None = None  # why a run's manifest file was not found
+
+    @property
+    def is_run(self) -> bool:
+        return self.run_dir is not None
+
+
+def resolve_target(path: Path) -> Target:
+    """The target ``path`` names; :class:`Fp8opsError` (exit 2) for anything else."""
+    path = Path(path)
+    if not path.exists():
+        raise Fp8opsError(
+            f"preflight: {path}: no such file or directory; give a manifest file "
+            "(e.g. manifests/tiny-gpt-cpu.yaml) or a run directory (e.g. runs/tiny-gpt-cpu)"
+        )
+    if path.is_file():
+        return Target(path, load_manifest(path), path)  # an invalid manifest: its own message
+    info_file = path / "run.json"
+    if not info_file.is_file() or not (path / "manifest.yaml").is_file():
+        missing = "run.json" if not info_file.is_file() else "manifest.yaml"
+        raise Fp8opsError(
+            f"preflight: {path} is a directory but not an fp8ops run (no {missing}); give a run "
+            "directory that `fp8ops train` has started (it writes run.json when training "
+            "starts), or a manifest file"
+        )
+    try:
+        info = json.loads(info_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise Fp8opsError(f"preflight: {info_file}: cannot read it ({exc})") from None
+    source, problem = _source_file(info)
+    return Target(path, load_manifest(path / "manifest.yaml"), source, path, info, problem)
+
+
+def _source_file(info: dict[str, Any]) -> tuple[Path | None, str | None]:
+    """The manifest file in run.json's command line, or why there is none to be found."""
+    command = info.get("command") or []
+    shown = " ".join(map(str, command)) or "(none)"
+    if "train" not in command:
+        return None, (
+            f"run.json's command ({shown}) is not an `fp8ops train` command line, so the "
+            "manifest file the run started from cannot be found"
+        )
+    args = iter(command[command.index("train") + 1 :])
+    for arg in args:
+        if arg in _VALUED_OPTIONS:
+            next(args, None)
+        elif not arg.startswith("-"):
+            file = Path(arg)
+            if file.is_file():
+                return file, None
+            return None, (
+                f"the run was started from {arg} (run.json's command: {shown}), which is not "
+                f"there relative to {Path.cwd()}; run preflight from the directory the run was "
+                "started in"
+            )
+    return None, f"run.json's command ({shown}) names no manifest file"

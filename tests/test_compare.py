@@ -59,7 +59,8 @@ def run_manifest(fp8: bool, changes: dict):
     if key not in _manifests:
         all_changes = {
             "schedule.train_steps": STEPS, "schedule.eval_interval": EVAL_EVERY,
-            "precision.enabled": fp8, "capability.interval": CAPABILITY_EVERY, **changes,
+            "precision.enabled": fp8, "capability.interval": CAPABILITY_EVERY,
+            "gates.loss_gap": 0.01, **changes,
         }  # fmt: skip
         _manifests[key] = derive(load_manifest(BASE_MANIFEST), all_changes, "test: compare")
     return _manifests[key]

@@ -165,7 +165,7 @@ def test_hash_ignores_number_spelling():
         ("precision.include_modules", ["*.linear_qkv"]),
         ("precision.exclude_modules", ["*.layers.0.*"]),
         ("model.num_layers", 6),
-        ("optimizer.lr", 2e-3),
+        ("optimizer.lr", 3e-3),
         ("schedule.train_steps", 41),
         ("seeds.data", 1),
         ("topology.amax_reduction", "tp_cp"),

@@ -52,14 +52,14 @@ MALFORMED = [
         MINIMAL + "precision: {margn: 1}\n",
         [
             "precision.margn: unknown key (did you mean margin?); "
-            "allowed here: amax_compute_algo, amax_history_len, base_dtype,",
+            "allowed here: amax_compute_algo, amax_history_len, backend, base_dtype,",
             "[line 15]",
         ],
     ),
     (
         "unknown-section",
         MINIMAL + "optimiser: {lr: 1}\n",
-        ["optimiser: unknown key (did you mean optimizer?); allowed here: alerts, data,"],
+        ["optimiser: unknown key (did you mean optimizer?); allowed here: alerts, capability, data,"],
     ),
     (
         "missing-section",

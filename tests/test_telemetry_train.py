@@ -129,7 +129,10 @@ def test_a_saturating_weight_draws_degrade_and_a_proposal(manifest, tmp_path):
     # Stop off for saturation and FP8 error: the weight below saturates far past their stop
     # levels (and its clipped output errs accordingly); this test is about the level below.
     no_stop = derive(
-        manifest, {"alerts.saturation.stop": None, "alerts.fp8_rel_error.stop": None},
+        manifest,
+        # No capability evaluation either: its forwards would run the growing hook below.
+        {"alerts.saturation.stop": None, "alerts.fp8_rel_error.stop": None,
+         "capability.enabled": False},
         "saturation never stops",
     )  # fmt: skip
     trainer = _trainer(no_stop, tmp_path / "run", steps=8)

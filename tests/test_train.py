@@ -165,7 +165,7 @@ def test_rerunning_a_completed_run_is_a_no_op(fp8_run, finetune_manifest, cli):
 
 
 def test_a_run_directory_holding_another_run_is_refused(fp8_run, finetune_manifest, cli):
-    result = cli("train", finetune_manifest, "--run-dir", fp8_run, "--set", "optimizer.lr=1e-4")
+    result = cli("train", finetune_manifest, "--run-dir", fp8_run, "--set", "optimizer.lr=3e-3")
     assert result.code == 2
     assert "already holds a completed run" in result.err
 

@@ -9,7 +9,6 @@ so the rest of fp8ops sees the same groups in both cases.
 from __future__ import annotations
 
 import contextlib
-
 import os
 import socket
 from dataclasses import dataclass

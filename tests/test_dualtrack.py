@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
 
+from fp8ops.admission import AdmissionRow, RecipeRecord, table_hash
 from fp8ops.alerts import Alert, write_alerts
 from fp8ops.dualtrack.tracks import fallback_modules
 from fp8ops.errors import ManifestError
@@ -150,6 +151,26 @@ def test_a_bf16_manifest_has_no_candidate(cli, short_manifest, tmp_path):
     result = cli("dualtrack", bf16, "--out", tmp_path / "dt", "--no-progress")
     assert result.code == 2
     assert "precision.enabled" in result.err and "no FP8 candidate" in result.err
+    assert not (tmp_path / "dt").exists()  # refused before anything was written
+
+
+def test_a_world_of_the_wrong_size_is_refused_before_anything_is_written(
+    cli, short_manifest, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    result = cli("dualtrack", short_manifest, "--out", tmp_path / "dt", "--no-progress")
+    assert result.code == 2 and "this job has 2 process(es) but topology asks for 1" in result.err
+    assert not (tmp_path / "dt").exists()
+
+
+def test_a_fallback_glob_typo_is_refused_before_the_candidate_trains(cli, short_manifest, tmp_path):
+    typo = write_derived(tmp_path / "typo.yaml", short_manifest,
+                         {"dualtrack.fallback_modules": ["*.linear_fc3"]})  # fmt: skip
+    result = cli("dualtrack", typo, "--out", tmp_path / "dt", "--no-progress")
+    assert result.code == 2
+    assert "dualtrack.fallback_modules: '*.linear_fc3' matches none of the model's" in result.err
+    assert (tmp_path / "dt" / "bf16" / "layers.json").exists()
+    assert not (tmp_path / "dt" / "fp8").exists()
 
 
 def test_fallback_modules_come_from_alerts_and_globs(short_manifest, short_dualtrack, tmp_path):
@@ -170,6 +191,16 @@ def test_fallback_modules_come_from_alerts_and_globs(short_manifest, short_dualt
     assert sorted(fallback_modules(by_glob, candidate)) == [
         "decoder.layers.1.self_attention.linear_proj", "decoder.layers.1.self_attention.linear_qkv"
     ]  # fmt: skip
+    # A module an approved override moved to BF16 during the candidate's run (its layers.json
+    # is the latest resume's) still ran FP8 before that: it is still chosen.
+    layers = json.loads((candidate / "layers.json").read_text())
+    row = next(r for r in layers["rows"] if r["fqn"] == fc1)
+    row.update(precision="bf16", formats=None,
+               reason={"code": "override", "text": "approved override (ledger)"})  # fmt: skip
+    rows = tuple(AdmissionRow.model_validate(r) for r in layers["rows"])
+    layers["table_hash"] = table_hash(rows, RecipeRecord.model_validate(layers["recipe"]))
+    (candidate / "layers.json").write_text(json.dumps(layers))
+    assert list(fallback_modules(only_alerts, candidate)) == [fc1]
     typo = _rule(by_glob, fallback_modules=("*.linear_fc3",))
     with pytest.raises(ManifestError, match=r"dualtrack.fallback_modules: '\*.linear_fc3'"):
         fallback_modules(typo, candidate)

@@ -75,7 +75,10 @@ def plan_resume(
     if manifest_hash(saved) != meta.manifest:
         raise ManifestError(
             f"{directory / 'manifest.yaml'}: hashes to {manifest_hash(saved)[:12]} but the "
-            f"checkpoint was saved under {meta.manifest[:12]}; the checkpoint is damaged"
+            f"checkpoint was saved under {meta.manifest[:12]}. Either the file was changed (the "
+            "checkpoint is damaged), or the checkpoint was written by another fp8ops whose "
+            "manifest schema had other fields (the hash covers every field, defaults included): "
+            "resume it with the fp8ops that wrote it"
         )
     requested = saved
     if manifest_path is not None:

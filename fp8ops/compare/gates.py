@@ -352,10 +352,13 @@ def _finite_gate(run: RunRecords, gates: Gates) -> GateResult:
 
 def _nonfinite(run: RunRecords) -> tuple[list[int], str]:
     """The steps where something was NaN or infinite, and a sentence saying where."""
+    # A skipped step is skipped because its gradient norm was not finite: that is the
+    # skipped_steps gate's to judge (gates.allow_skipped_steps), not this one's.
     in_metrics = [
         m["step"]
         for m in run.metrics
-        if not finite(m.get("loss")) or ("grad_norm" in m and not finite(m["grad_norm"]))
+        if not finite(m.get("loss"))
+        or ("grad_norm" in m and not m.get("skipped") and not finite(m["grad_norm"]))
     ]
     telemetry = run.telemetry
     in_casts = list(telemetry.nonfinite_steps) if telemetry else []

@@ -127,6 +127,14 @@ def _dualtrack_tracks(directory: Path) -> list[Track]:
     tracks = document.get("tracks")
     if not isinstance(tracks, list) or not tracks:
         raise Fp8opsError(f"{file}: no 'tracks' list; the file is damaged (rerun fp8ops dualtrack)")
+    from fp8ops.dualtrack.tracks import LABELS
+
+    listed = {entry.get("label") for entry in tracks if isinstance(entry, dict)}
+    if missing := [label for label in LABELS if label not in listed]:
+        raise Fp8opsError(
+            f"{file}: the {', '.join(missing)} track has not started; the evaluation is "
+            f"unfinished (run fp8ops dualtrack again to finish it)"
+        )
     found = []
     for i, entry in enumerate(tracks):
         where = f"{file}: tracks[{i}]"
@@ -134,6 +142,11 @@ def _dualtrack_tracks(directory: Path) -> list[Track]:
             raise Fp8opsError(f"{where} needs label, run_dir and role; the file is damaged")
         if entry.get("status") == "skipped":  # a fallback track with nothing to fall back
             continue
+        if entry.get("status") in ("running", "interrupted"):
+            raise Fp8opsError(
+                f"{where}: the {entry['label']} track is {entry['status']}; the evaluation is "
+                "unfinished (run fp8ops dualtrack again to finish it)"
+            )
         if entry["role"] not in ("control", "candidate"):
             raise Fp8opsError(
                 f"{where}.role is {entry['role']!r}; expected 'control' or 'candidate'"

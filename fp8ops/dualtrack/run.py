@@ -31,11 +31,12 @@ from fp8ops.dualtrack.tracks import (
     CONTROL,
     FALLBACK,
     Track,
+    check_fallback_globs,
     control_manifest,
     fallback_manifest,
     fallback_modules,
 )
-from fp8ops.errors import Fp8opsError
+from fp8ops.errors import Fp8opsError, ManifestError
 from fp8ops.files import atomic_write_text
 from fp8ops.manifest import derive, load_manifest, manifest_hash, write_manifest
 from fp8ops.manifest.schema import Manifest
@@ -48,7 +49,7 @@ class TrackOutcome:
     """How a track stands after this invocation."""
 
     track: Track
-    status: str  # completed | stopped | skipped
+    status: str  # completed | stopped | interrupted | skipped
     seconds: float  # spent training it in this invocation
     note: str = ""
 
@@ -67,6 +68,10 @@ def run_dualtrack(
 
     source = _source_manifest(Path(manifest_path), assignments or {})
     out_dir = Path(out_dir)
+    # What can refuse the manifest runs before anything is written, so a refused manifest does
+    # not claim the directory for itself.
+    control_source = control_manifest(source)
+    _check_world_size(source, manifest_path)
     with shared_process_group():
         plan = _open_plan(out_dir, source)  # every rank checks before rank 0 writes
         dist.barrier()
@@ -78,9 +83,12 @@ def run_dualtrack(
         dist.barrier()
         control = Track(CONTROL, "control", tracks_dir / "bf16.yaml", out_dir / CONTROL)
         candidate = Track(CANDIDATE, "candidate", tracks_dir / "fp8.yaml", out_dir / CANDIDATE)
-        write_manifest(control_manifest(source), control.manifest_file)
+        write_manifest(control_source, control.manifest_file)
         write_manifest(source, candidate.manifest_file)
-        outcomes = [_train(control, progress, plan), _train(candidate, progress, plan)]
+        outcomes = [_train(control, out_dir, progress, plan)]
+        # A typo in dualtrack.fallback_modules is found now, not after the candidate trained.
+        check_fallback_globs(source, control.run_dir)
+        outcomes.append(_train(candidate, out_dir, progress, plan))
         outcomes.append(_train_fallback(source, out_dir, candidate, progress, plan))
     return outcomes
 
@@ -104,23 +112,24 @@ def _train_fallback(source: Manifest, out_dir: Path, candidate: Track, progress:
         note = "no high-risk modules (see the manifest's dualtrack section): same as fp8"
         _record(plan, out_dir, track, "skipped", 0.0, note)
         return TrackOutcome(track, "skipped", 0.0, note)
-    return _train(track, progress, plan)
+    return _train(track, out_dir, progress, plan)
 
 
-def _train(track: Track, progress: bool, plan: dict) -> TrackOutcome:
-    """Train one track to its end (or find it there)."""
+def _train(track: Track, out_dir: Path, progress: bool, plan: dict) -> TrackOutcome:
+    """Train one track to its end (or find it there). dualtrack.json says "running" while it
+    trains and keeps the time of an attempt that is interrupted."""
     from fp8ops.train import run_training
     from fp8ops.train.run_dir import RunAlreadyComplete, read_status
     from fp8ops.train.trainer import StopRun
 
-    root = track.manifest_file.parent.parent
-    status = read_status(track.run_dir).get("state") if track.run_dir.exists() else None
+    status = (read_status(track.run_dir) or {}).get("state") if track.run_dir.exists() else None
     if status == "stopped":  # a Stop alert would stop it again at the same step
-        _record(plan, root, track, "stopped", 0.0)
+        _record(plan, out_dir, track, "stopped", 0.0)
         return TrackOutcome(track, "stopped", 0.0, "stopped by an alert (earlier)")
     if _is_main():
         print(f"dual-track: training {track.label} in {track.run_dir}", flush=True)
-    started = time.perf_counter()
+    _record(plan, out_dir, track, "running", 0.0)
+    started, state = time.perf_counter(), "interrupted"  # unless training returns or stops
     try:
         run_training(track.manifest_file, track.run_dir, progress=progress, resume=True)
         state = "completed"
@@ -130,9 +139,20 @@ def _train(track: Track, progress: bool, plan: dict) -> TrackOutcome:
         state = "stopped"
         if _is_main():
             print(f"dual-track: {track.label} {stop}", flush=True)
-    seconds = time.perf_counter() - started
-    _record(plan, root, track, state, seconds)
+    finally:
+        seconds = time.perf_counter() - started
+        _record(plan, out_dir, track, state, seconds)
     return TrackOutcome(track, state, seconds)
+
+
+def _check_world_size(source: Manifest, path: Path) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != source.topology.world_size:
+        raise ManifestError(
+            f"{path}: this job has {world} process(es) but topology asks for "
+            f"{source.topology.world_size}; start fp8ops dualtrack with `torchrun "
+            f"--nproc-per-node {source.topology.world_size}` or change the topology with --set"
+        )
 
 
 def _source_manifest(path: Path, assignments: dict) -> Manifest:
@@ -172,7 +192,8 @@ def _open_plan(out_dir: Path, source: Manifest) -> dict:
 
 def _record(plan: dict, root: Path, track: Track, status: str, seconds: float,
             note: str = "") -> None:  # fmt: skip
-    """Update the track's entry in dualtrack.json; time adds up across invocations."""
+    """Update the track's entry in dualtrack.json (status: running, completed, stopped,
+    interrupted or skipped); time adds up across invocations."""
     entries = {entry["label"]: entry for entry in plan["tracks"]}
     earlier = entries.get(track.label, {})
     entry = track.record(root) | {

@@ -73,7 +73,13 @@ def fallback_modules(source: Manifest, candidate_run: Path) -> dict[str, str]:
     from fp8ops.alerts.files import read_alerts
 
     rule = source.dualtrack
-    fp8 = [row.fqn for row in read_layers_json(candidate_run).rows if row.fp8]
+    # The candidate's layers.json is the latest resume's: a module an approved override moved to
+    # BF16 during the run ran FP8 before that, and is exactly one to keep in BF16 here.
+    inherited = {o.module for o in source.precision.overrides}
+    fp8 = [
+        row.fqn for row in read_layers_json(candidate_run).rows
+        if row.fp8 or (row.reason.code == "override" and row.fqn not in inherited)
+    ]  # fmt: skip
     chosen: dict[str, str] = {}
     if rule.fallback_first_last:
         layers = source.model.num_layers
@@ -101,6 +107,20 @@ def fallback_modules(source: Manifest, candidate_run: Path) -> dict[str, str]:
         for name in matched:
             chosen.setdefault(name, f"dual-track: dualtrack.fallback_modules {glob!r}")
     return dict(sorted(chosen.items(), key=lambda item: fp8.index(item[0])))
+
+
+def check_fallback_globs(source: Manifest, control_run: Path) -> None:
+    """Refuse a ``dualtrack.fallback_modules`` glob that names no module of the model (the
+    control's layers.json lists them all), before the candidate trains."""
+    from fp8ops.admission import read_layers_json
+
+    names = [row.fqn for row in read_layers_json(control_run).rows]
+    for glob in source.dualtrack.fallback_modules:
+        if not fnmatch.filter(names, glob):
+            raise ManifestError(
+                f"dualtrack.fallback_modules: {glob!r} matches none of the model's {len(names)} "
+                f"modules (see {control_run / 'layers.json'}); fix the glob"
+            )
 
 
 def fallback_manifest(source: Manifest, modules: dict[str, str]) -> Manifest:

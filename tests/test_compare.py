@@ -93,6 +93,7 @@ def make_run(
     alerts: list[Alert] | None = None,
     fingerprint: str = "c8" * 32,
     data_seed: int = 1234,
+    initial_weights: str = "1e" * 32,
 ) -> Path:
     """A run directory as the trainer leaves it (``state`` at ``last_step``)."""
     path.mkdir(parents=True)
@@ -102,6 +103,7 @@ def make_run(
     write_json(path / "run.json", {
         "manifest": digest, "seeds": {"data": data_seed, "model": 1234},
         "data": {"fingerprint": fingerprint, "kind": "tasks", "objective": "sft"},
+        "model": {"initial_weights_fingerprint": initial_weights},
         "topology": {"world_size": 1},
     })  # fmt: skip
     status = {"state": state, "step": last_step, "manifest": digest, "updated": "now"}
@@ -248,7 +250,7 @@ def test_matching_runs_pass_every_gate_through_the_command(tmp_path, cli):
     assert result.code == 0, result.out + result.err
     assert "verdict: PASS (0 of 1 candidates failed)" in result.out
     assert all(name in result.out for name in GATE_NAMES)
-    out = tmp_path / "compare"  # beside the reference run
+    out = tmp_path / "compare-bf16-vs-fp8"  # beside the reference run, named for the runs
     assert f"verdict.json: {out / 'verdict.json'}" in result.out
 
     document = json.loads((out / "verdict.json").read_text())
@@ -345,9 +347,9 @@ def test_a_drop_the_paired_items_explain_as_noise_passes_and_a_real_one_fails(tm
     reference, candidate = pair(tmp_path / "noise", wrong={0, 3, 6, 10})
     noise = gate(verdict_of(reference, candidate), "bucket_accuracy_gap")
     assert noise.passed and noise.value == pytest.approx(2 / 22)
-    assert "> 0.02 but not significant (p >= 0.05 / 5 gated)" in noise.detail
-    # 7 lost, 1 gained: p = 9 / 256 = 0.035, significant alone but not among 5 rows tested
-    # at once (Bonferroni: 0.05 / 5 = 0.01).
+    assert "> 0.02 but not significant (Holm over 5 gated rows at 0.05)" in noise.detail
+    # 7 lost, 1 gained: p = 9 / 256 = 0.035, significant alone but not as the smallest of 5
+    # p-values tested at once (Holm: 0.05 / 5 = 0.01 first).
     reference, candidate = pair(tmp_path / "family", wrong={0, 3, 6, 12, 15, 18, 21})
     family = gate(verdict_of(reference, candidate), "bucket_accuracy_gap")
     assert family.passed and "sign test p 0.035" in family.detail
@@ -486,7 +488,7 @@ def test_a_broken_reference_fails_every_candidate(tmp_path, cli):
         "CUDA error: an illegal memory access; bf16 non-finite: loss or grad_norm at step 12"
     )
     assert f"a: FAIL: {problem}" in result.out and f"b: FAIL: {problem}" in result.out
-    document = json.loads((tmp_path / "compare" / "verdict.json").read_text())
+    document = json.loads((tmp_path / "compare-bf16-vs-a-b" / "verdict.json").read_text())
     assert document["reference"]["clean"] is False and len(document["reference"]["problems"]) == 2
 
 
@@ -593,6 +595,9 @@ NOT_COMPARABLE = {
               "manifest.yaml schedule.global_batch_size is 32, the reference {ref} has 16"),
     "tokens": ({"edits": {7: {"tokens": 1024}}},
                "metrics.jsonl step 7 has tokens 1024, the reference {ref} has 512"),
+    "weights": ({"initial_weights": "0f" * 32},
+                ("run.json model.initial_weights_fingerprint is 0f0f0f0f0f0f..., the "
+                 "reference {ref} started from 1e1e1e1e1e1e...")),
 }  # fmt: skip
 
 

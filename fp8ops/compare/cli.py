@@ -27,7 +27,7 @@ def compare_command(
         Path | None,
         typer.Option(
             help="Where verdict.json, report.html and png/ go (default: DUALTRACK_DIR/compare, "
-            "or compare/ beside the reference run).",
+            "or compare-REF-vs-CANDIDATES/ beside the reference run).",
             show_default=False,
         ),
     ] = None,

@@ -12,7 +12,7 @@ not gated. In order:
 ``bucket_accuracy_gap`` capability accuracy, reference minus candidate, in every bucket with
                         enough items and overall, at the last capability step both reached;
                         a drop over the gap fails when the paired sign test says it is not
-                        noise (``bucket_significance``, divided among the gated buckets)
+                        noise (``bucket_significance``, Holm over the gated rows)
 ``finite``              no NaN/Inf loss, gradient norm, cast (telemetry) or nonfinite alert
 ``skipped_steps``       no optimizer step skipped
 ``resume_continuity``   a resumed run continued where it left off
@@ -210,10 +210,7 @@ def _buckets(
     comparison = compare_capability(reference, candidate, step, gates)
     rows = [comparison["overall"], *comparison["buckets"]]
     gated = [row for row in rows if row["gated"]]
-    # Many buckets are tested at once: Bonferroni keeps the chance that a clean candidate fails
-    # any of them by noise under bucket_significance.
-    alpha = None if gates.bucket_significance is None else gates.bucket_significance / len(gated)
-    failing = [row for row in gated if _fails(row, gap, alpha)]
+    failing = _failing_rows(gated, gap, gates.bucket_significance)
     buckets = [row for row in comparison["buckets"] if row["gated"]]
     worst = max(buckets, key=_drop_order) if buckets else None
     value = max(gated, key=_drop_order)["drop"]
@@ -231,19 +228,32 @@ def _buckets(
         else:  # over the gap, but the disagreeing items could be coin flips
             detail = (
                 f"largest accuracy drop {_describe_bucket(top)} > {gap:g} but not significant "
-                f"(p >= {gates.bucket_significance:g} / {len(gated)} gated)"
+                f"(Holm over {len(gated)} gated rows at {gates.bucket_significance:g})"
             )
         detail += f" {where}{note}"
     return GateResult(name, not failing, value, gap, detail), comparison, worst
 
 
-def _fails(row: dict[str, Any], gap: float, significance: float | None) -> bool:
-    """A drop over the gap fails unless the paired items say it may well be noise."""
-    if not finite(row["drop"]):
-        return True  # unknown counts as failing
-    if row["drop"] <= gap:
-        return False
-    return significance is None or row["p_value"] < significance
+def _failing_rows(
+    rows: list[dict[str, Any]], gap: float, significance: float | None
+) -> list[dict[str, Any]]:
+    """The gated rows whose drop is over the gap and is not noise.
+
+    Every row is a test on the same items at once, so their p-values go through Holm's step-down
+    procedure: the chance that a clean candidate fails any row by noise stays under
+    ``significance`` (as with Bonferroni, but a second and third real regression need less
+    evidence than the first). An unknown drop always fails.
+    """
+    failing = [row for row in rows if not finite(row["drop"])]
+    known = [row for row in rows if finite(row["drop"])]
+    if significance is None:
+        return failing + [row for row in known if row["drop"] > gap]
+    for i, row in enumerate(sorted(known, key=lambda r: r["p_value"])):
+        if row["p_value"] >= significance / (len(rows) - i):
+            break  # this and every larger p-value: not significant
+        if row["drop"] > gap:
+            failing.append(row)
+    return failing
 
 
 def sign_test_p(lost: int, gained: int) -> float:

@@ -173,7 +173,9 @@ def default_out(tracks: list[Track], dualtrack: Path | None) -> Path:
     """Where the report goes without --out: beside the runs it compares."""
     if dualtrack is not None:
         return dualtrack / "compare"
-    return tracks[0].path.parent / "compare"
+    # Named for the runs, so comparing the reference with another candidate keeps this one.
+    names = "-".join(track.path.name for track in tracks[1:])
+    return tracks[0].path.parent / f"compare-{tracks[0].path.name}-vs-{names}"
 
 
 # --------------------------------------------------------------------------------------
@@ -333,6 +335,16 @@ def check_comparable(reference: RunRecords, candidates: list[RunRecords]) -> Non
                     "same data, data seed and batch (train them from one manifest, e.g. with "
                     "fp8ops dualtrack)"
                 )
+        # Both start from the same weights (the base checkpoint, or one seed: the FP8 and BF16
+        # builds draw them alike). Older runs did not record it; then it is not checked.
+        ours = _dig(run.info, "model", "initial_weights_fingerprint")
+        theirs = _dig(reference.info, "model", "initial_weights_fingerprint")
+        if ours is not None and theirs is not None and ours != theirs:
+            raise Fp8opsError(
+                f"{run.path}: run.json model.initial_weights_fingerprint is {_short(ours)}, the "
+                f"reference {reference.path} started from {_short(theirs)}; runs are comparable "
+                "only from the same initial weights (the same model.init_checkpoint and seeds)"
+            )
         ref_tokens = {m["step"]: m["tokens"] for m in reference.metrics}
         for record in run.metrics:
             theirs = ref_tokens.get(record["step"])

@@ -110,6 +110,8 @@ def compare(inputs: list[Path], out: Path | None = None, *, png: bool = True) ->
     atomic_write_text(result.verdict_path, text)
     figures = build_figures(runs)
     write_report(result.report_path, runs, verdict, figures)
+    for stale in (out / PNG_DIR).glob("*.png"):  # an earlier comparison's plots
+        stale.unlink()
     if png:
         try:
             result.pngs = export_pngs(figures, out / PNG_DIR)

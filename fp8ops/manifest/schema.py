@@ -898,9 +898,9 @@ class Gates(_Section):
         description=(
             "A bucket's accuracy drop beyond bucket_accuracy_gap fails the gate only if it is "
             "also unlikely to be noise: the exact one-sided sign test (McNemar's) on the items "
-            "the two runs answered differently gives p below this, divided by the number of "
-            "gated buckets (Bonferroni: all of them are tested at once). null: the drop alone "
-            "decides."
+            "the two runs answered differently is significant at this level, with Holm's "
+            "correction over the gated buckets (all of them are tested at once). null: the drop "
+            "alone decides."
         ),
     )
     min_bucket_items: int = Field(

@@ -51,3 +51,10 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
             if number < len(lines) - 1:  # only the final, unterminated line may be torn
                 raise Fp8opsError(f"{path}:{number}: not valid JSON; the file is damaged") from None
     return records
+
+
+def latest_per_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per ``step``, in step order: a step logged again after a resume from an
+    earlier checkpoint keeps its latest line."""
+    by_step = {record["step"]: record for record in records}
+    return [by_step[step] for step in sorted(by_step)]

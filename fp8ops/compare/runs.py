@@ -21,7 +21,7 @@ from fp8ops.admission import LayersDocument, read_layers_json
 from fp8ops.alerts import Alert, read_alerts
 from fp8ops.compare.layers import TelemetrySummary, summarise_telemetry
 from fp8ops.errors import Fp8opsError
-from fp8ops.files import read_jsonl
+from fp8ops.files import latest_per_step, read_jsonl
 from fp8ops.manifest import Manifest, load_manifest, manifest_hash
 from fp8ops.train.run_dir import MANIFEST, read_status
 
@@ -266,17 +266,17 @@ def _read_log(file: Path) -> list[dict[str, Any]]:
 
 def _read_steps(file: Path, required: tuple[str, ...]) -> list[dict[str, Any]]:
     """One record per step in step order; a step logged again after a resume from an earlier
-    checkpoint keeps its latest line (as ``fp8ops.train.run_dir.read_metrics`` does)."""
-    by_step: dict[int, dict[str, Any]] = {}
-    for number, record in enumerate(_read_log(file), 1):
+    checkpoint keeps its latest line (``fp8ops.files.latest_per_step``), each checked for the
+    fields compare reads."""
+    records = _read_log(file)
+    for number, record in enumerate(records, 1):
         missing = [key for key in ("step", *required) if key not in record]
         if missing or not isinstance(record["step"], int):
             what = f"no {missing[0]!r} field" if missing else "'step' is not an integer"
             raise Fp8opsError(
                 f"{file}: record {number}: {what}; the file is damaged or not fp8ops' own"
             )
-        by_step[record["step"]] = record
-    return [by_step[step] for step in sorted(by_step)]
+    return latest_per_step(records)
 
 
 def _cumulative_tokens(path: Path, metrics: list[dict[str, Any]]) -> dict[int, int]:

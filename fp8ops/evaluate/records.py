@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8ops.errors import Fp8opsError
-from fp8ops.files import atomic_write_text, read_jsonl
+from fp8ops.files import atomic_write_text, latest_per_step, read_jsonl
 
 LOG = "capability.jsonl"
 PREDICTIONS_DIR = "capability"
@@ -83,10 +83,7 @@ def read_capability(run_dir: Path) -> list[dict[str, Any]]:
     """The run's capability records in step order, the latest line winning for a step that was
     evaluated again after a resume from an earlier checkpoint; [] when there are none."""
     path = Path(run_dir) / LOG
-    if not path.exists():
-        return []
-    by_step = {record["step"]: record for record in read_jsonl(path)}
-    return [by_step[step] for step in sorted(by_step)]
+    return latest_per_step(read_jsonl(path)) if path.exists() else []
 
 
 def read_predictions(run_dir: Path, record: dict[str, Any]) -> list[dict[str, Any]]:

@@ -221,13 +221,10 @@ class RunDir:
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The run's per-step records in step order, the latest line winning for a step that was
     logged again after a resume from an earlier checkpoint."""
-    from fp8ops.files import read_jsonl
+    from fp8ops.files import latest_per_step, read_jsonl
 
     file = Path(path) / "metrics.jsonl"
-    if not file.exists():
-        return []
-    by_step = {record["step"]: record for record in read_jsonl(file)}
-    return [by_step[step] for step in sorted(by_step)]
+    return latest_per_step(read_jsonl(file)) if file.exists() else []
 
 
 def read_status(path: Path) -> dict[str, Any] | None:

@@ -171,7 +171,9 @@ def fp8_state_all_groups(modules: dict[str, nn.Module], groups: int, rank: int) 
     for name, module in modules.items():
         for tensor_name, tensor in module.fp8_meta.state_dict().items():
             key = f"fp8.{name}.{tensor_name}"
-            whole = torch.empty((groups, *tensor.shape), dtype=tensor.dtype)
+            # On the module's device, as its own-group target would be (dist_checkpointing
+            # loads into the tensors it is given).
+            whole = torch.empty((groups, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
             state[key] = ShardedTensor.from_rank_offsets(key, whole, replica_id=rank)
     return state
 
@@ -186,7 +188,9 @@ def restore_fp8(modules: dict[str, nn.Module], loaded: dict) -> None:
 
 
 def per_rank_state(alert_engine, ranks) -> dict:
-    """This rank's RNG and alert windows, as row ``rank`` of ``[world, ...]`` tensors."""
+    """This rank's RNG and alert windows, as row ``rank`` of ``[world, ...]`` tensors (host
+    tensors on any device: torch's CPU generator, numpy windows). Nothing in training draws from
+    the CUDA generator (no dropout; weights are initialised on the CPU), so it is not saved."""
     from megatron.core.dist_checkpointing import ShardedTensor
 
     tensors = {"rng.torch": torch.get_rng_state()}
@@ -203,12 +207,13 @@ def per_rank_state(alert_engine, ranks) -> dict:
 
 
 def restore_per_rank(loaded: dict, alert_engine) -> None:
-    torch.set_rng_state(loaded["rank.rng.torch"].reshape(-1))
+    # Loaded into the host tensors per_rank_state gave; .cpu() is free there.
+    torch.set_rng_state(loaded["rank.rng.torch"].cpu().reshape(-1))
     if alert_engine is not None:
         # Reshaped to the engine's own shapes: a 0-d value comes back with the rank axis.
         shapes = {k: v.shape for k, v in alert_engine.state_dict().items()}
         alert_engine.load_state_dict({
-            k: loaded[f"rank.alerts.{k}"].numpy().reshape(shape) if np.prod(shape) else
+            k: loaded[f"rank.alerts.{k}"].cpu().numpy().reshape(shape) if np.prod(shape) else
             np.empty(shape)
             for k, shape in shapes.items()
         })  # fmt: skip

@@ -40,6 +40,17 @@ class MicroBatch:
     position_ids: torch.Tensor  # [b, s] int64, 0..s-1 in every row
     indices: torch.Tensor  # [b] int64, which sequences of their split (for the record)
 
+    def to(self, device: torch.device | str) -> MicroBatch:
+        """The batch with what the model reads (tokens, labels, loss mask, positions) on
+        ``device``; ``indices`` stay on the host (they index host-side records). On the device
+        the batch is already on, this is the batch itself."""
+        device = torch.device(device)
+        moved = (self.tokens, self.labels, self.loss_mask, self.position_ids)
+        if all(t.device == device for t in moved):
+            return self
+        tokens, labels, loss_mask, position_ids = (t.to(device) for t in moved)
+        return MicroBatch(tokens, labels, loss_mask, position_ids, self.indices)
+
 
 @dataclass(frozen=True)
 class Sequences:

@@ -112,10 +112,12 @@ def next_tokens(
     """The greedy next token of each row: one forward over the rows right-padded to the longest."""
     device = next(model.parameters()).device
     lengths = torch.tensor([len(row) for row in rows], device=device)
-    b, s = len(rows), int(lengths.max())
-    tokens = torch.full((b, s), PAD, dtype=torch.int64, device=device)
+    b, s = len(rows), max(len(row) for row in rows)
+    # Filled on the host and moved once (no copy on the CPU), not one transfer per row.
+    tokens = torch.full((b, s), PAD, dtype=torch.int64)
     for i, row in enumerate(rows):
         tokens[i, : len(row)] = torch.tensor(row)
+    tokens = tokens.to(device)
     positions = torch.arange(s, device=device).expand(b, s)
     with fp8():
         # labels=None: Megatron returns the logits, [b, s, padded vocab / TP] unless gathered;

@@ -18,6 +18,7 @@ import contextlib
 import math
 
 import numpy as np
+import torch
 
 from fp8ops.precision.scaling import BWD_GRAD_OUTPUT, FWD_INPUT, FWD_WEIGHT
 from fp8ops.telemetry.catalogue import COLUMN, MODULE_METRIC_NAMES
@@ -62,10 +63,10 @@ class TelemetryCollector:
     def seed_previous_scales(self) -> None:
         """After a checkpoint is loaded: the scales it restored are the "previous" ones, so the
         first resumed row reports the same scale change an uninterrupted run would."""
-        for name, module in self.modules.items():
+        states = self._host_states()
+        for name in self.modules:
             self._previous_scale[name] = {
-                slot: float(module.fp8_meta.direction(forward).scale[index])
-                for slot, forward, index in _SLOTS
+                slot: float(states[name][forward][1][index]) for slot, forward, index in _SLOTS
             }
 
     def begin_step(self, step: int) -> None:
@@ -83,9 +84,10 @@ class TelemetryCollector:
         row = np.full((len(self.names), len(MODULE_METRIC_NAMES)), np.nan, dtype=np.float32)
         if not self.active:
             return row
+        states = self._host_states()
         for i, (name, module) in enumerate(self.modules.items()):
             record = module.probe.take()
-            values = self._state_metrics(name, module)
+            values = self._state_metrics(name, states[name])
             values.update(self._cast_metrics(record))
             values.update(self._module_metrics(module, record))
             for metric, value in values.items():
@@ -94,16 +96,38 @@ class TelemetryCollector:
 
     # -- the three kinds of metrics --------------------------------------------------------
 
-    def _state_metrics(self, name: str, module) -> dict[str, float]:
-        """From the delayed-scaling state: what the scales are and what they are based on."""
+    def _host_states(self) -> dict[str, dict[bool, tuple[torch.Tensor, torch.Tensor]]]:
+        """Every module's (amax history, scale) per direction (forward True), in host memory.
+
+        On the CPU these are the state's own tensors (read only, no copy). On a GPU they come
+        over in one copy for all modules: a transfer per tensor is a host sync each, four per
+        module and step.
+        """
+        directions = [
+            module.fp8_meta.direction(forward)
+            for module in self.modules.values()
+            for forward in (True, False)
+        ]
+        tensors = [t for state in directions for t in (state.amax_history, state.scale)]
+        if any(t.device.type != "cpu" for t in tensors):
+            tensors = _host_copies(tensors)
+        host = iter(tensors)
+        return {
+            name: {forward: (next(host), next(host)) for forward in (True, False)}
+            for name in self.modules
+        }
+
+    def _state_metrics(self, name: str, states: dict) -> dict[str, float]:
+        """From the delayed-scaling state (host copies: :meth:`_host_states`): what the scales
+        are and what they are based on."""
         # numpy on the small CPU state: this runs every step for every module, and a torch
         # call per value (quantile, item) would cost more than the whole rest of the row.
         values = {}
         previous = self._previous_scale.setdefault(name, {})
         for slot, forward, index in _SLOTS:
-            state = module.fp8_meta.direction(forward)
-            history = state.amax_history[1:, index].numpy()  # row 0 is the accumulator
-            scale = float(state.scale[index])
+            amax_history, scale_tensor = states[forward]
+            history = amax_history[1:, index].numpy()  # row 0 is the accumulator
+            scale = float(scale_tensor[index])
             values[f"{slot}.amax"] = history[-1]
             values[f"{slot}.scale"] = scale
             values[f"{slot}.scale_inv"] = 1.0 / scale
@@ -147,6 +171,13 @@ class TelemetryCollector:
             grad = module.weight.grad
             values["grad_norm"] = grad.float().norm().item() if grad is not None else math.nan
         return values
+
+
+def _host_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Float32 host copies of ``tensors`` (one device, any shapes) in one transfer."""
+    flat = torch.cat([t.reshape(-1).float() for t in tensors]).cpu()
+    pieces = flat.split([t.numel() for t in tensors])
+    return [piece.view(t.shape) for piece, t in zip(pieces, tensors, strict=True)]
 
 
 def _quantile(ordered: np.ndarray, q: float) -> float:

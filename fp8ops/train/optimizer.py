@@ -144,14 +144,18 @@ class MainParamsOptimizer:
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
         # [shards' sum of squares, replicas' sum of squares]: shards sum over the TP group,
-        # replicas are the same on every TP rank and count once.
-        shards = torch.zeros((), dtype=torch.float64)
-        replicas = torch.zeros((), dtype=torch.float64)
+        # replicas are the same on every TP rank and count once. Accumulated where the
+        # gradients are, then brought to the host (one sync, free on the CPU), so the TP sum is
+        # a CPU scalar and goes over gloo like fp8ops' other small collectives.
+        device = grads[0].device if grads else torch.device("cpu")
+        shards = torch.zeros((), dtype=torch.float64, device=device)
+        replicas = torch.zeros((), dtype=torch.float64, device=device)
         for grad, is_shard in zip(grads, self._is_shard):
             if is_shard:
                 shards += grad.double().pow(2).sum()
             else:
                 replicas += grad.double().pow(2).sum()
+        shards, replicas = shards.cpu(), replicas.cpu()
         if dist.get_world_size(self.tp_group) > 1:
             dist.all_reduce(shards, group=self.tp_group)
         return math.sqrt((shards + replicas).item())

@@ -87,6 +87,7 @@ class Trainer:
         from fp8ops.telemetry.collector import TelemetryCollector
 
         self.manifest, self.ranks, self.resume = manifest, ranks, resume
+        self.device = ranks.device  # the model, its FP8 state and each micro-batch live there
         self.stop_request = stop_request
         self.start_step = resume.step if resume is not None else 0
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -108,7 +109,9 @@ class Trainer:
 
         precision = manifest.precision
         self.recipe = DelayedScalingRecipe.from_precision(precision)
-        self.model = build_gpt(manifest, self.recipe if precision.enabled else None)
+        self.model = build_gpt(
+            manifest, self.recipe if precision.enabled else None, device=self.device
+        )
         self.model_dtype = next(self.model.parameters()).dtype
         self.base = self._load_base() if resume is None else None  # resume: weights come later
         self.admission = decide_admission(
@@ -245,13 +248,17 @@ class Trainer:
         lr = learning_rate(step, self.manifest.optimizer, self.manifest.schedule)
         # The loss is a mean over every loss-bearing token of the global batch, so micro-batches
         # and data-parallel ranks with more answer tokens weigh more (as one big batch would).
+        # Counted on the host batches: a CPU float64 scalar, which divides a loss on any device.
         loss_tokens = self._dp_sum(sum(mb.loss_mask.sum() for mb in micro_batches))
         from fp8ops.megatron import mark_first_microbatch
 
         mark_first_microbatch(self.model)
         self.collector.begin_step(step + 1)
-        step_loss = torch.zeros((), dtype=torch.float64)
+        # Accumulated where the losses are (no host sync per micro-batch); summed over DP on the
+        # host by _dp_sum.
+        step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for mb in micro_batches:
+            mb = mb.to(self.device)
             with self._fp8():
                 per_token = self.model(mb.tokens, mb.position_ids, None, labels=mb.labels)
             loss = (per_token.float() * mb.loss_mask).sum() / loss_tokens
@@ -291,10 +298,12 @@ class Trainer:
         schedule = self.manifest.schedule
         batches = self.data.eval_batches(schedule.micro_batch_size)
         for mb in itertools.islice(batches, schedule.eval_iters):  # None: all of them
+            mb = mb.to(self.device)
             with self._fp8():
                 per_token = self.model(mb.tokens, mb.position_ids, None, labels=mb.labels)
-            per_sequence = (per_token.float() * mb.loss_mask).sum(dim=1)
-            tokens = mb.loss_mask.sum(dim=1)
+            # On the host once, not one device sync per sequence below (free on the CPU).
+            per_sequence = (per_token.float() * mb.loss_mask).sum(dim=1).cpu()
+            tokens = mb.loss_mask.sum(dim=1).cpu()
             loss_sum += per_sequence.sum().item()
             token_sum += tokens.sum().item()
             for index, seq_loss, seq_tokens in zip(mb.indices.tolist(), per_sequence, tokens):
@@ -677,7 +686,9 @@ class Trainer:
             module.fp8_meta.load_state_dict(saved[name])
 
     def _dp_sum(self, value) -> torch.Tensor:
-        value = torch.as_tensor(value, dtype=torch.float64).clone()
+        # A CPU float64 scalar from any device: the sum goes over gloo, as every small control
+        # collective does (distributed.py), and .item() on it costs no device sync.
+        value = torch.as_tensor(value, dtype=torch.float64, device="cpu").clone()
         if dist.get_world_size(self.dp_group) > 1:
             dist.all_reduce(value, group=self.dp_group)
         return value

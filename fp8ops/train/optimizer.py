@@ -14,6 +14,7 @@ TP=1 and TP=2 clip identically.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -78,7 +79,7 @@ class MainParamsOptimizer:
         self._is_shard = [
             bool(getattr(p, "tensor_model_parallel", False)) for p in self.model_params
         ]
-        self.last_update_norm = 0.0
+        self.last_update_norm: float | None = None
 
     def zero_grad(self) -> None:
         for p in self.model_params:
@@ -99,26 +100,30 @@ class MainParamsOptimizer:
                 main.grad = grad
             for group in self.inner.param_groups:
                 group["lr"] = lr
-            # Float32 parameters are stepped in place: keep their old values to measure the step.
+            # Float32 parameters are stepped in place: keep their old values to measure the step
+            # (a float32 base dtype only; bf16/fp16 models compare against their own weights).
             before = [p.detach().clone() if m is p else None
                       for p, m in zip(self.model_params, self.main_params)]  # fmt: skip
             self.inner.step()
-            changes = []
-            with torch.no_grad():
-                for param, main, old in zip(self.model_params, self.main_params, before):
-                    if main is param:
-                        changes.append(param - old)
-                        continue
-                    new = main.to(param.dtype)  # rounds to the base dtype
-                    changes.append(new.float() - param.float())
-                    param.copy_(new)
-            self.last_update_norm = self._global_norm(changes)
+            self.last_update_norm = self._global_norm(self._copy_back(before))
         else:
-            self.last_update_norm = 0.0
+            self.last_update_norm = None  # nothing changed: no update, rather than a zero one
         for main in self.main_params:
             main.grad = None
         self.zero_grad()
         return norm, skipped
+
+    def _copy_back(self, before: list[torch.Tensor | None]):
+        """Round the stepped main weights into the model, yielding each parameter's change as it
+        goes: the update's norm then holds one change at a time, not a copy of the model."""
+        with torch.no_grad():
+            for param, main, old in zip(self.model_params, self.main_params, before):
+                if main is param:
+                    yield param - old
+                    continue
+                new = main.to(param.dtype)  # rounds to the base dtype
+                yield new.float() - param.float()
+                param.copy_(new)
 
     def state_dict(self) -> dict:
         return {
@@ -142,19 +147,20 @@ class MainParamsOptimizer:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    def _global_norm(self, grads: list[torch.Tensor]) -> float:
+    def _global_norm(self, tensors: Iterable[torch.Tensor]) -> float:
         # [shards' sum of squares, replicas' sum of squares]: shards sum over the TP group,
         # replicas are the same on every TP rank and count once. Accumulated where the
         # gradients are, then brought to the host (one sync, free on the CPU), so the TP sum is
         # a CPU scalar and goes over gloo like fp8ops' other small collectives.
-        device = grads[0].device if grads else torch.device("cpu")
+        # ``tensors`` may be a generator (``_copy_back``): zipped first, it runs to its end.
+        device = self.model_params[0].device if self.model_params else torch.device("cpu")
         shards = torch.zeros((), dtype=torch.float64, device=device)
         replicas = torch.zeros((), dtype=torch.float64, device=device)
-        for grad, is_shard in zip(grads, self._is_shard):
+        for tensor, is_shard in zip(tensors, self._is_shard):
             if is_shard:
-                shards += grad.double().pow(2).sum()
+                shards += tensor.double().pow(2).sum()
             else:
-                replicas += grad.double().pow(2).sum()
+                replicas += tensor.double().pow(2).sum()
         shards, replicas = shards.cpu(), replicas.cpu()
         if dist.get_world_size(self.tp_group) > 1:
             dist.all_reduce(shards, group=self.tp_group)

@@ -331,18 +331,29 @@ class Trainer:
             at_interval or step == self.manifest.schedule.train_steps
         )
 
-    def evaluate_capability(self, step: int) -> float:
+    def evaluate_capability(self, step: int) -> float | None:
         """Greedy answers to the held-out items, exact match overall and per bucket
         (``fp8ops.evaluate``); rank 0 writes ``capability.jsonl`` and the step's predictions.
-        Every rank runs it (collective at TP>1), held out of training as :meth:`evaluate` is."""
+        Every rank runs it (collective at TP>1), held out of training as :meth:`evaluate` is.
+
+        A failing evaluation is recorded (event ``capability_failed``) and training goes on:
+        hours of training are worth more than one measurement, and ``fp8ops compare`` fails a
+        run whose capability records are missing.
+        """
         from fp8ops.evaluate.capability import evaluate_capability
         from fp8ops.evaluate.records import score, write_capability
 
         started = time.perf_counter()
-        with self._held_out():
-            predictions = evaluate_capability(
-                self.model, self.capability_examples, self.manifest, fp8=self._fp8
-            )
+        try:
+            with self._held_out():
+                predictions = evaluate_capability(
+                    self.model, self.capability_examples, self.manifest, fp8=self._fp8
+                )
+        except Exception as exc:  # noqa: BLE001 - any failure of the measurement, not of training
+            if self.ranks.is_main:
+                print(f"capability evaluation at step {step} failed: {exc}", file=sys.stderr)
+                self.run.event("capability_failed", step=step, error=f"{type(exc).__name__}: {exc}")
+            return None
         seconds = time.perf_counter() - started
         self.capability_accuracy = score(predictions)["accuracy"]
         if self.ranks.is_main:
@@ -363,12 +374,14 @@ class Trainer:
         from fp8ops.megatron import mark_first_microbatch
 
         saved = self._fp8_state()
-        with torch.no_grad(), self.collector.paused():
-            self.model.eval()
-            mark_first_microbatch(self.model)  # cast the current weights once, reuse them after
-            yield
+        try:
+            with torch.no_grad(), self.collector.paused():
+                self.model.eval()
+                mark_first_microbatch(self.model)  # cast the current weights once, reuse them
+                yield
+        finally:  # also when the evaluation fails: training must go on unchanged
             self.model.train()
-        self._restore_fp8_state(saved)
+            self._restore_fp8_state(saved)
 
     def observe(self, record: dict) -> None:
         """After :meth:`train_step`: hand the step's telemetry row to the store and the alert rules.

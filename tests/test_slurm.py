@@ -329,5 +329,5 @@ def test_preemption_requeues_and_a_manifest_edited_meanwhile_fails_the_job(clust
     assert f"checkpoint {status['checkpoint']} at step {status['step']} (SIGTERM)" in log
     assert f"requeued job {job}" in log and "SLURM_RESTART_COUNT=1" in log
     assert "refusing to resume" in log
-    assert re.search(r"manifest +optimizer\.lr: 0\.0005 -> 0\.001", log), log[-3000:]
+    assert re.search(r"manifest +optimizer\.lr: 0\.002 -> 0\.001", log), log[-3000:]
     assert "training failed (exit 4)" in log

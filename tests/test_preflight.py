@@ -304,3 +304,19 @@ def test_bad_input_exits_2_naming_the_path_and_what_to_do(cli, pinned, repo, tmp
     occupied = cli("preflight", file, "--work-dir", busy, *RECORD_ITEMS_ONLY)
     assert occupied.code == 2 and f"--work-dir {busy}: not an empty directory" in occupied.err
     assert not results.exists()  # no results for input that was never checked
+
+
+def test_a_dual_track_run_names_the_manifest_it_started_from(tmp_path, monkeypatch):
+    """A track of `fp8ops dualtrack` records that command line; its manifest file is found as
+    a train run's is (the bf16 track's chain then starts at a revision of that file)."""
+    from fp8ops.preflight.target import resolve_target
+
+    monkeypatch.chdir(tmp_path)
+    manifest = shutil.copy(MANIFESTS / "tiny-gpt-cpu.yaml", tmp_path / "ft.yaml")
+    track = tmp_path / "dt" / "bf16"
+    track.mkdir(parents=True)
+    shutil.copy(manifest, track / "manifest.yaml")
+    command = ["fp8ops", "dualtrack", "--set", "schedule.train_steps=4", "ft.yaml", "--out", "dt"]
+    (track / "run.json").write_text(json.dumps({"command": command}))
+    target = resolve_target(track)
+    assert target.manifest_file == Path("ft.yaml") and target.source_problem is None

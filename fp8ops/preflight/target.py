@@ -17,7 +17,10 @@ from fp8ops.manifest import load_manifest
 from fp8ops.manifest.schema import Manifest
 
 # Options of `fp8ops train` that take a value: the manifest is the argument that is none of them.
-_VALUED_OPTIONS = {"--run-dir", "--set", "--accept-drift", "--stop-at"}
+# The options of `fp8ops train` and `fp8ops dualtrack` that take a value (the manifest file is
+# the one positional argument of either).
+_VALUED_OPTIONS = {"--run-dir", "--set", "--accept-drift", "--stop-at", "--out"}
+_STARTERS = ("train", "dualtrack")
 
 
 @dataclass(frozen=True)
@@ -64,12 +67,13 @@ def _source_file(info: dict[str, Any]) -> tuple[Path | None, str | None]:
     """The manifest file in run.json's command line, or why there is none to be found."""
     command = info.get("command") or []
     shown = " ".join(map(str, command)) or "(none)"
-    if "train" not in command:
+    starter = next((word for word in _STARTERS if word in command), None)
+    if starter is None:
         return None, (
-            f"run.json's command ({shown}) is not an `fp8ops train` command line, so the "
-            "manifest file the run started from cannot be found"
+            f"run.json's command ({shown}) is not an `fp8ops train` or `fp8ops dualtrack` "
+            "command line, so the manifest file the run started from cannot be found"
         )
-    args = iter(command[command.index("train") + 1 :])
+    args = iter(command[command.index(starter) + 1 :])
     for arg in args:
         if arg in _VALUED_OPTIONS:
             next(args, None)

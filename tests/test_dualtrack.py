@@ -130,6 +130,20 @@ def test_running_it_again_changes_nothing(cli, short_manifest, short_dualtrack):
         assert (short_dualtrack / label / "metrics.jsonl").read_bytes() == before[label]
 
 
+def test_a_stop_request_between_tracks_ends_the_command_with_exit_75(
+    cli, short_manifest, short_dualtrack
+):
+    (short_dualtrack / "stop.request").write_text("test\n")
+    result = cli("dualtrack", short_manifest, "--out", short_dualtrack, "--no-compare",
+                 "--no-progress")  # fmt: skip
+    assert result.code == REQUEUE_EXIT
+    assert "stopped between two tracks (stop.request in the run directory)" in result.err
+    assert not (short_dualtrack / "stop.request").exists()  # answered
+    again = cli("dualtrack", short_manifest, "--out", short_dualtrack, "--no-compare",
+                "--no-progress")  # fmt: skip
+    assert again.code == 0, again.err
+
+
 def test_another_manifest_is_refused_for_an_existing_dual_track_dir(
     cli, short_manifest, short_dualtrack, tmp_path
 ):

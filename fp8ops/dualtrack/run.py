@@ -65,6 +65,7 @@ def run_dualtrack(
     import torch.distributed as dist
 
     from fp8ops.train.distributed import shared_process_group
+    from fp8ops.train.signals import stop_on_signals
 
     source = _source_manifest(Path(manifest_path), assignments or {})
     out_dir = Path(out_dir)
@@ -72,7 +73,9 @@ def run_dualtrack(
     # not claim the directory for itself.
     control_source = control_manifest(source)
     _check_world_size(source, manifest_path)
-    with shared_process_group():
+    # Each track's training answers SIGUSR1/SIGTERM itself (checkpoint, exit 75); this catches
+    # one that arrives between two tracks.
+    with stop_on_signals() as between, shared_process_group():
         plan = _open_plan(out_dir, source)  # every rank checks before rank 0 writes
         dist.barrier()
         tracks_dir = out_dir / "tracks"
@@ -86,11 +89,27 @@ def run_dualtrack(
         write_manifest(control_source, control.manifest_file)
         write_manifest(source, candidate.manifest_file)
         outcomes = [_train(control, out_dir, progress, plan)]
+        _stop_if_asked(between, out_dir)
         # A typo in dualtrack.fallback_modules is found now, not after the candidate trained.
         check_fallback_globs(source, control.run_dir)
         outcomes.append(_train(candidate, out_dir, progress, plan))
+        _stop_if_asked(between, out_dir)
         outcomes.append(_train_fallback(source, out_dir, candidate, progress, plan))
     return outcomes
+
+
+def _stop_if_asked(request, out_dir: Path) -> None:
+    """Between two tracks: a signal, or ``DIR/stop.request``, ends the command with exit 75
+    (collective: every rank agrees); the next invocation goes on with the next track."""
+    from fp8ops.train.signals import REQUEST_FILE, Interrupted
+
+    if request.agreed(out_dir):
+        if _is_main():
+            (out_dir / REQUEST_FILE).unlink(missing_ok=True)  # answered
+        raise Interrupted(
+            f"stopped between two tracks ({request.reason}); run fp8ops dualtrack again to "
+            "go on with the next track"
+        )
 
 
 def _train_fallback(source: Manifest, out_dir: Path, candidate: Track, progress: bool,

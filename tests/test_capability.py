@@ -74,7 +74,8 @@ def manifest(tmp_path_factory) -> Path:
         tmp_path_factory.mktemp("capability") / "finetune.yaml", MANIFESTS / "tiny-gpt-cpu.yaml",
         {
             **SMALL_MODEL, **SCHEDULE, "schedule.eval_iters": 2, "model.init_checkpoint": None,
-            "data.num_examples": 400, "optimizer.lr": 1e-4, "optimizer.min_lr": 1e-5, "schedule.train_steps": 2 * N,
+            "data.num_examples": 400, "optimizer.lr": 1e-4, "optimizer.min_lr": 1e-5,
+            "schedule.train_steps": 2 * N,
             "schedule.eval_interval": N, "schedule.checkpoint_interval": N,
             "telemetry.every_steps": 1, "telemetry.error_sample_every": 2,
             "capability.interval": N, "capability.items": ITEMS,

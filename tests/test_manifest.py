@@ -327,6 +327,25 @@ def test_derive_links_to_its_parent(tiny):
         ({"precision.margin": 0}, "r", "nothing to derive"),
         ({"precision.margin": 1}, "  ", "revision.reason: a derived revision needs a non-empty"),
         ({}, "r", "no changes given"),
+        # The sections the dual-track evaluation reads.
+        ({"capability.items": 0}, "r", "capability.items: must be >= 1 (got 0)"),
+        ({"capability.interval": 0}, "r", "capability.interval: must be >= 1 (got 0)"),
+        (
+            {"gates.bucket_significance": 1.5},
+            "r",
+            "gates.bucket_significance: must be < 1 (got 1.5)",
+        ),
+        ({"gates.resume_loss_jump": -1}, "r", "gates.resume_loss_jump: must be >= 0 (got -1)"),
+        (
+            {"dualtrack.fallback_modules": [""]},
+            "r",
+            "dualtrack.fallback_modules[0]: must be a non-empty module glob",
+        ),
+        (
+            {"precision.backend": "cuda"},
+            "r",
+            "precision.backend: must be 'emulated', 'scaled_mm' or 'te' (got 'cuda')",
+        ),
     ],
 )
 def test_derive_rejects(tiny, changes, reason, message):

@@ -20,12 +20,12 @@ from typing import Any, Literal
 from fp8ops.admission import LayersDocument, read_layers_json
 from fp8ops.alerts import Alert, read_alerts
 from fp8ops.compare.layers import TelemetrySummary, summarise_telemetry
+from fp8ops.dualtrack.tracks import LABELS, PLAN
 from fp8ops.errors import Fp8opsError
 from fp8ops.files import latest_per_step, read_jsonl
 from fp8ops.manifest import Manifest, load_manifest, manifest_hash
 from fp8ops.train.run_dir import MANIFEST, read_status
 
-DUALTRACK = "dualtrack.json"
 USAGE = "give run directories (the reference first, then candidates) or one dual-track directory"
 
 Role = Literal["reference", "candidate"]
@@ -99,11 +99,11 @@ def resolve_tracks(paths: list[Path]) -> tuple[list[Track], Path | None]:
             raise Fp8opsError(f"{path}: no such directory; {USAGE}")
         if not path.is_dir():
             raise Fp8opsError(f"{path}: not a directory; {USAGE}")
-    dual = [p for p in paths if (p / DUALTRACK).is_file()]
+    dual = [p for p in paths if (p / PLAN).is_file()]
     if dual:
         if len(paths) > 1:
             raise Fp8opsError(
-                f"{dual[0]} is a dual-track directory ({DUALTRACK}); give it alone, or give "
+                f"{dual[0]} is a dual-track directory ({PLAN}); give it alone, or give "
                 "run directories only"
             )
         return _dualtrack_tracks(dual[0]), dual[0]
@@ -122,13 +122,11 @@ def resolve_tracks(paths: list[Path]) -> tuple[list[Track], Path | None]:
 
 def _dualtrack_tracks(directory: Path) -> list[Track]:
     """The tracks ``dualtrack.json`` lists: the one ``control`` track is the reference."""
-    file = directory / DUALTRACK
+    file = directory / PLAN
     document = _read_json(file)
     tracks = document.get("tracks")
     if not isinstance(tracks, list) or not tracks:
         raise Fp8opsError(f"{file}: no 'tracks' list; the file is damaged (rerun fp8ops dualtrack)")
-    from fp8ops.dualtrack.tracks import LABELS
-
     listed = {entry.get("label") for entry in tracks if isinstance(entry, dict)}
     if missing := [label for label in LABELS if label not in listed]:
         raise Fp8opsError(

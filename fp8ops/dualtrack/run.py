@@ -30,6 +30,7 @@ from fp8ops.dualtrack.tracks import (
     CANDIDATE,
     CONTROL,
     FALLBACK,
+    PLAN,
     Track,
     check_fallback_globs,
     control_manifest,
@@ -40,8 +41,6 @@ from fp8ops.errors import Fp8opsError, ManifestError
 from fp8ops.files import atomic_write_text
 from fp8ops.manifest import derive, load_manifest, manifest_hash, write_manifest
 from fp8ops.manifest.schema import Manifest
-
-PLAN = "dualtrack.json"
 
 
 @dataclass(frozen=True)

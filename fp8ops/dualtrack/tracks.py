@@ -26,6 +26,7 @@ from fp8ops.manifest.schema import Manifest
 
 CONTROL, CANDIDATE, FALLBACK = "bf16", "fp8", "fp8-fallback"
 LABELS = (CONTROL, CANDIDATE, FALLBACK)
+PLAN = "dualtrack.json"  # in the dual-track directory: the tracks, their status and time
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 

@@ -64,8 +64,9 @@ from fp8ops.precision import (
     scaled_mm_unsupported,
     update_delayed_scaling,
 )
+from fp8ops.precision.compiled import same_bits, set_compiled_casts
 from fp8ops.precision.formats import saturating_cast
-from fp8ops.precision.quantize import amax_of, cast
+from fp8ops.precision.quantize import amax_of, cast, cast_and_amax, quantize
 
 SPEEDUP_GOAL = 1.3  # FP8 tokens/s over BF16 tokens/s
 TELEMETRY_GOAL = 0.01  # telemetry's share of the step time
@@ -159,7 +160,56 @@ def check_gemms(device: torch.device, smoke: bool) -> list[Row]:
             None if fast else values["native_vs_emulated"] <= bound, values,
         ))  # fmt: skip
         del a, b, native, emulated, exact
+    return rows + gemm_speeds(device, smoke)
+
+
+def gemm_speeds(device: torch.device, smoke: bool) -> list[Row]:
+    """TFLOP/s of the FP8 GEMM (with and without fast accumulation) and of BF16 ``torch.mm``
+    at the four GEMM shapes of an 8B layer's MLP and QKV: the ceiling of what (c) can gain."""
+    t, h, qkv, ffn = (128, 64, 128, 224) if smoke else (4096, 4096, 6144, 14336)
+    cases = (("fprop qkv", t, h, qkv, E4M3), ("fprop fc1", t, h, 2 * ffn, E4M3),
+             ("dgrad fc2", t, h, ffn, E5M2), ("wgrad fc1", 2 * ffn, t, h, E5M2))  # fmt: skip
+    plain, fast = ScaledMmGemm(), ScaledMmGemm(use_fast_accum=True)
+    rows = []
+    for name, m, k, n, fmt_a in cases:
+        a = quantized((m, k), fmt_a, 1.0, seed=3, device=device)
+        b = quantized((n, k), E4M3, 0.02, seed=4, device=device)
+        a16, b16 = a.dequantize(torch.bfloat16), b.dequantize(torch.bfloat16)
+        flops = 2.0 * m * k * n
+        runs = {
+            "fp8": lambda a=a, b=b: plain(a, b, torch.bfloat16),
+            "fp8_fast_accum": lambda a=a, b=b: fast(a, b, torch.bfloat16),
+            "bf16": lambda a=a16, b=b16: a @ b.t(),
+        }
+        speeds = {name: tflops(run, flops, device) for name, run in runs.items()}
+        rows.append(Row(
+            "gemm", f"speed {name} [{m}x{k}x{n}]",
+            f"FP8 {speeds['fp8']:.0f}, fast accum {speeds['fp8_fast_accum']:.0f}, BF16 "
+            f"{speeds['bf16']:.0f} TFLOP/s ({speeds['fp8'] / speeds['bf16']:.2f}x)",
+            values={"shape": [m, k, n], "tflops": speeds},
+        ))  # fmt: skip
+        del a, b, a16, b16, runs
     return rows
+
+
+def tflops(run, flops: float, device: torch.device) -> float:
+    return flops / seconds_per_call(run, device) / 1e12
+
+
+def seconds_per_call(run, device: torch.device, repeats: int = 20) -> float:
+    for _ in range(3):
+        run()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        run()
+    synchronize(device)
+    return (time.perf_counter() - start) / repeats
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # -- (b) the delayed-scaling update and the cast, device against CPU ------------------------------
@@ -281,6 +331,46 @@ def check_cast(device: torch.device) -> list[Row]:
     amax_same = bits_equal(amax_of(x).numpy(), amax_of(x.to(device)).cpu().numpy())
     rows.append(Row("scaling", "amax (NaN ignored, inf kept): device = CPU",
                     "equal" if amax_same else "differs", "equal", amax_same))  # fmt: skip
+    return rows + check_compiled_casts(x, device)
+
+
+def check_compiled_casts(x: torch.Tensor, device: torch.device) -> list[Row]:
+    """The casts the FP8 linear runs, compiled on ``device`` (fp8ops/precision/compiled.py),
+    against the eager casts on the CPU: FP8 bytes, amax and statistics (a NaN's FP8 byte only
+    needs to be a NaN). Compiled everywhere here, so ``--smoke`` runs this code on a CPU too."""
+    quantize_module = sys.modules["fp8ops.precision.quantize"]
+    old = set_compiled_casts("all")
+    rows = []
+    try:
+        for fmt in (E4M3, E5M2):
+            equal, statuses = [], set()
+            for dtype in (torch.bfloat16, torch.float32):
+                source = x.to(dtype)
+                for scale in (1.0, fmt.max / 1e3, 2.0**-10, 3.0e5):
+                    s = torch.tensor(scale)
+                    q, amax = cast_and_amax(source.to(device), s.to(device), fmt)
+                    q_stats, stats = quantize(source.to(device), s.to(device), fmt)
+                    set_compiled_casts("off")
+                    want, want_stats = quantize(source, s, fmt)
+                    set_compiled_casts("all")
+                    equal.append(
+                        same_bits(q.data.cpu(), want.data) and same_bits(q_stats.data.cpu(), want.data)
+                        and same_bits(amax.cpu(), want_stats.amax)
+                        and stats.as_dict() == want_stats.as_dict()
+                    )  # fmt: skip
+                for cast_fn in (quantize_module._CAST_AND_AMAX, quantize_module._CAST_WITH_STATS):
+                    key = (str(source.to(device).device), str(dtype).removeprefix("torch."),
+                           str(fmt.torch_dtype).removeprefix("torch."))  # fmt: skip
+                    statuses.add(cast_fn.status.get(key, "not called"))
+            compiled = statuses == {"compiled"}
+            rows.append(Row(
+                "scaling", f"compiled cast, amax, statistics {fmt.name.upper()} = CPU eager",
+                f"{sum(equal)}/{len(equal)} equal; "
+                + ("compiled" if compiled else "eager: " + "; ".join(sorted(statuses))),
+                "all", all(equal), {"statuses": sorted(statuses)},
+            ))  # fmt: skip
+    finally:
+        set_compiled_casts(old)
     return rows
 
 
@@ -386,41 +476,44 @@ def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
             p.grad = None
         x.grad = None
 
-    measured: dict[tuple[bool, bool], dict] = {}
-    rows = []
-    for fp8 in (False, True):
-        for telemetry in (False, True):
-            label = f"{'FP8 ' + ('scaled_mm' if native else 'emulated') if fp8 else 'BF16'}" + (
-                " + telemetry" if telemetry else ""
-            )
-            if telemetry and collector is None:
-                rows.append(Row("throughput", label, f"skipped: telemetry: {telemetry_missing}"))
-                continue
-            if time.perf_counter() - started > args.time_limit:
-                rows.append(
-                    Row("throughput", label, f"skipped: past --time-limit {args.time_limit}s")
-                )
-                continue
-            if collector is not None:
-                collector.set_active(telemetry)
-            try:
-                result = timed(lambda n, f=fp8, t=telemetry: step(n, f, t), args, device, shape)
-            except Exception as exc:  # noqa: BLE001 - report it and go on with the others
-                traceback.print_exc()
-                error = f"error: {type(exc).__name__}: {exc}"[:200]
-                if telemetry and "numpy" in str(exc):
-                    error += " (the collector reads FP8 state with .numpy(): see docs/gpu.md)"
-                rows.append(Row("throughput", label, error))
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                continue
-            measured[(fp8, telemetry)] = result
-            print(f"  {label}: {result['tokens_per_s']:,.0f} tokens/s", flush=True)
-            rows.append(Row(
-                "throughput", label,
-                f"{result['tokens_per_s']:,.0f} tokens/s, {result['step_ms']:.1f} ms/step, "
-                f"peak {result['peak_mib']:,.0f} MiB", values=result,
-            ))  # fmt: skip
+    fp8_name = "FP8 " + ("scaled_mm" if native else "emulated")
+    compiled = "all" if args.smoke else "auto"  # --smoke compiles on the CPU too
+    configurations = (  # (key, label, FP8?, compiled casts mode, telemetry?)
+        ("bf16", "BF16", False, compiled, False),
+        ("bf16+telemetry", "BF16 + telemetry", False, compiled, True),
+        ("fp8-eager-casts", f"{fp8_name}, eager casts", True, "off", False),
+        ("fp8", f"{fp8_name} (compiled casts)", True, compiled, False),
+        ("fp8+telemetry", f"{fp8_name} (compiled casts) + telemetry", True, compiled, True),
+    )
+    measured: dict[str, dict] = {}
+    rows = cast_speeds(device, shape, compiled)
+    for key, label, fp8, casts, telemetry in configurations:
+        if telemetry and collector is None:
+            rows.append(Row("throughput", label, f"skipped: telemetry: {telemetry_missing}"))
+            continue
+        if time.perf_counter() - started > args.time_limit:
+            rows.append(Row("throughput", label, f"skipped: past --time-limit {args.time_limit}s"))
+            continue
+        if collector is not None:
+            collector.set_active(telemetry)
+        old_casts = set_compiled_casts(casts)
+        try:
+            result = timed(lambda n, f=fp8, t=telemetry: step(n, f, t), args, device, shape)
+        except Exception as exc:  # noqa: BLE001 - report it and go on with the others
+            traceback.print_exc()
+            rows.append(Row("throughput", label, f"error: {type(exc).__name__}: {exc}"[:200]))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
+        finally:
+            set_compiled_casts(old_casts)
+        measured[key] = result
+        print(f"  {label}: {result['tokens_per_s']:,.0f} tokens/s", flush=True)
+        rows.append(Row(
+            "throughput", label,
+            f"{result['tokens_per_s']:,.0f} tokens/s, {result['step_ms']:.1f} ms/step, "
+            f"peak {result['peak_mib']:,.0f} MiB", values=result,
+        ))  # fmt: skip
     if collector is not None:
         collector.set_active(False)
     parallel_state.destroy_model_parallel()
@@ -453,19 +546,44 @@ def timed(step, args, device, shape) -> dict:
 def goals(measured: dict, judged: bool) -> list[Row]:
     """The two goals, PASS/FAIL where ``judged`` (full shapes, FP8 on tensor cores)."""
     rows = []
-    bf16, fp8 = measured.get((False, False)), measured.get((True, False))
-    if bf16 and fp8:
-        speedup = fp8["tokens_per_s"] / bf16["tokens_per_s"]
-        rows.append(Row("goal", "FP8 tokens/s over BF16", f"{speedup:.2f}x",
-                        f">= {SPEEDUP_GOAL}x", speedup >= SPEEDUP_GOAL if judged else None,
-                        {"speedup": speedup}))  # fmt: skip
-    for fp8_on, name in ((False, "BF16"), (True, "FP8")):
-        off, on = measured.get((fp8_on, False)), measured.get((fp8_on, True))
+    bf16 = measured.get("bf16")
+    for key, name, goal in (("fp8", "FP8 tokens/s over BF16", True),
+                            ("fp8-eager-casts", "FP8 with eager casts over BF16", False)):  # fmt: skip
+        if bf16 and key in measured:
+            speedup = measured[key]["tokens_per_s"] / bf16["tokens_per_s"]
+            rows.append(Row("goal", name, f"{speedup:.2f}x", f">= {SPEEDUP_GOAL}x" if goal else "",
+                            speedup >= SPEEDUP_GOAL if judged and goal else None,
+                            {"speedup": speedup}))  # fmt: skip
+    for key, name in (("bf16", "BF16"), ("fp8", "FP8")):
+        off, on = measured.get(key), measured.get(f"{key}+telemetry")
         if off and on:
             overhead = on["step_ms"] / off["step_ms"] - 1
             ok = overhead <= TELEMETRY_GOAL if judged else None
             rows.append(Row("goal", f"telemetry share of the {name} step", f"{overhead:+.1%}",
                             f"<= {TELEMETRY_GOAL:.0%}", ok, {"overhead": overhead}))  # fmt: skip
+    return rows
+
+
+def cast_speeds(device: torch.device, shape: dict, compiled: str) -> list[Row]:
+    """One cast of an fc2 input ([seq, ffn] bf16) to E4M3 with its amax: eager against compiled,
+    in milliseconds and in bytes moved per element of the input (2 read + 1 written at best)."""
+    x = torch.randn(shape["seq"], shape["ffn"], device=device, dtype=torch.bfloat16)
+    scale = torch.tensor(1.0, device=device)
+    rows, seconds = [], {}
+    for mode in ("off", compiled):
+        old = set_compiled_casts(mode)
+        try:
+            seconds[mode] = seconds_per_call(lambda: cast_and_amax(x, scale, E4M3), device)
+        finally:
+            set_compiled_casts(old)
+    bandwidth = 4.3e12 if device.type == "cuda" else None  # H200 copy rate (KINDS.md), bytes/s
+    for mode, label in (("off", "eager"), (compiled, "compiled")):
+        ms = seconds[mode] * 1e3
+        moved = ""
+        if bandwidth:
+            moved = f", ~{seconds[mode] * bandwidth / x.numel():.0f} B/element at 4.3 TB/s"
+        rows.append(Row("throughput", f"cast [{shape['seq']}x{shape['ffn']}] bf16 -> E4M3 + amax, "
+                        f"{label}", f"{ms:.3f} ms{moved}", values={"ms": ms}))  # fmt: skip
     return rows
 
 

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from fp8ops.precision.quantize import QuantizedTensor, amax_of, cast, quantize
+from fp8ops.precision.quantize import QuantizedTensor, cast_and_amax, quantize
 from fp8ops.precision.recipe import DelayedScalingRecipe
 from fp8ops.precision.scaling import BWD_GRAD_OUTPUT, FWD_INPUT, FWD_WEIGHT
 from fp8ops.precision.scope import Fp8Scope, active_scope
@@ -70,7 +70,7 @@ def cast_and_record(
     """
     scale = state.scale[slot]
     if track is None:
-        quantized, amax = cast(x, scale, state.fp8), amax_of(x)
+        quantized, amax = cast_and_amax(x, scale, state.fp8)
     else:
         quantized, stats = quantize(x, scale, state.fp8)
         amax, track[role] = stats.amax, stats

@@ -1,4 +1,7 @@
-"""Quantize a tensor with a given scale, and count what the cast did to it."""
+"""Quantize a tensor with a given scale, and count what the cast did to it.
+
+On GPUs the two casts the FP8 linear runs are compiled into fused kernels (``compiled.py``).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fp8ops.precision.compiled import CompiledCast
 from fp8ops.precision.formats import Fp8Dtype, saturating_cast
 
 
@@ -61,31 +65,78 @@ def cast(x: torch.Tensor, scale: torch.Tensor, fp8: Fp8Dtype) -> QuantizedTensor
     )
 
 
+# The two casts the FP8 linear runs, each one function of tensors that runs eager or compiled
+# into fused kernels (compiled.py: on GPUs, checked bit for bit against these same functions).
+# They take a 2-D view and reduce each row, and the caller reduces the rows: a row reduction
+# compiles to one kernel with a block per row that also writes the FP8 bytes, where a reduction
+# of the whole tensor to one value would be split for the size first compiled, not the size
+# run. A max and an integer sum come out the same in any order, so this changes no bit.
+
+
+def _cast_and_amax(x, scale, fp8_max: float, dtype: torch.dtype):
+    flat = x.float()
+    data = (flat * scale).clamp(-fp8_max, fp8_max).to(dtype)  # = saturating_cast
+    row_amax = flat.abs().nan_to_num(nan=0.0, posinf=math.inf).amax(dim=1)  # = amax_of
+    return data, row_amax
+
+
+def _cast_with_stats(x, scale, fp8_max: float, dtype: torch.dtype):
+    flat = x.float()
+    scaled = flat * scale
+    data = scaled.clamp(-fp8_max, fp8_max).to(dtype)  # = saturating_cast
+    is_nan = torch.isnan(flat)
+    # FP8 zero is +0 or -0: every bit but the sign is clear. NaN casts to NaN, never to zero.
+    zero = (data.view(torch.uint8) & 0x7F) == 0
+    return (
+        data,
+        flat.abs().masked_fill(is_nan, 0.0).amax(dim=1),
+        (scaled.abs() > fp8_max).sum(dim=1),  # saturated, inf included
+        ((flat != 0) & zero).sum(dim=1),  # underflow
+        is_nan.sum(dim=1),
+        torch.isinf(flat).sum(dim=1),
+    )
+
+
+_CAST_AND_AMAX = CompiledCast(_cast_and_amax)
+_CAST_WITH_STATS = CompiledCast(_cast_with_stats)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().reshape(-1, x.shape[-1]) if x.dim() >= 2 else x.detach().reshape(1, -1)
+
+
+def cast_and_amax(
+    x: torch.Tensor, scale: torch.Tensor, fp8: Fp8Dtype
+) -> tuple[QuantizedTensor, torch.Tensor]:
+    """:func:`cast` and :func:`amax_of` in one go: all that delayed scaling needs of a cast."""
+    if x.numel() == 0:
+        return cast(x, scale, fp8), amax_of(x)
+    scale = scale.detach().float().reshape(())
+    data, row_amax = _CAST_AND_AMAX(_rows(x), scale, fp8.max, fp8.torch_dtype)
+    quantized = QuantizedTensor(
+        data=data.reshape(x.shape), scale_inv=torch.reciprocal(scale), fp8=fp8
+    )
+    return quantized, row_amax.amax()
+
+
 def quantize(
     x: torch.Tensor, scale: torch.Tensor, fp8: Fp8Dtype
 ) -> tuple[QuantizedTensor, CastStats]:
     """Cast ``x`` to FP8 with ``scale`` (saturating, RNE), returning the data and statistics.
 
-    The statistics cost extra passes over ``x``; delayed scaling itself needs only the amax
-    (:func:`amax_of`), which is what the FP8 linear computes on ordinary steps.
+    The statistics cost more than the cast; delayed scaling itself needs only the amax
+    (:func:`cast_and_amax`), which is what the FP8 linear computes on ordinary steps.
     """
-    # One scaled copy serves the cast and the counts: a telemetry step casts every FP8 tensor
-    # this way, so each pass over the data shows in the step time.
-    flat = x.detach().float()
     scale = scale.detach().float().reshape(())
-    scaled = flat * scale
-    data = scaled.clamp(-fp8.max, fp8.max).to(fp8.torch_dtype)  # = saturating_cast
-    is_nan = torch.isnan(flat)
-    magnitude = flat.abs()
-    # FP8 zero is +0 or -0: every bit but the sign is clear. NaN casts to NaN, never to zero.
-    zero = (data.view(torch.uint8) & 0x7F) == 0
+    if x.numel() == 0:
+        data = saturating_cast(x.detach(), scale, fp8)
+        zero = torch.zeros((), dtype=torch.int64, device=x.device)
+        amax, saturated, underflow, nan, inf = torch.zeros(()), zero, zero, zero, zero
+    else:
+        data, *per_row = _CAST_WITH_STATS(_rows(x), scale, fp8.max, fp8.torch_dtype)
+        data = data.reshape(x.shape)
+        amax, saturated, underflow, nan, inf = (per_row[0].amax(), *(c.sum() for c in per_row[1:]))
     stats = CastStats(
-        amax=magnitude.masked_fill(is_nan, 0.0).amax() if flat.numel() else torch.zeros(()),
-        saturated=(scaled.abs() > fp8.max).sum(),
-        underflow=((flat != 0) & zero).sum(),
-        nan=is_nan.sum(),
-        inf=torch.isinf(flat).sum(),
-        numel=flat.numel(),
+        amax=amax, saturated=saturated, underflow=underflow, nan=nan, inf=inf, numel=x.numel()
     )
-    quantized = QuantizedTensor(data=data, scale_inv=torch.reciprocal(scale), fp8=fp8)
-    return quantized, stats
+    return QuantizedTensor(data=data, scale_inv=torch.reciprocal(scale), fp8=fp8), stats

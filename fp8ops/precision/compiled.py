@@ -1,0 +1,145 @@
+"""The FP8 casts as compiled kernels on GPUs, checked bit for bit against the eager code.
+
+Eager, one cast and its amax are about eight kernels, each a full pass over the tensor in
+float32: some 50 bytes moved per element, which on a GPU costs more than the FP8 GEMM saves.
+``torch.compile`` (Inductor, which writes Triton kernels on a GPU) fuses the same function into
+one or two passes that read the input and write the FP8 bytes, as Transformer Engine's fused
+cast-and-amax kernels do.
+
+The compiled function is the eager one, not a rewrite (``quantize.py`` defines each once), and
+that it computes the same bits is checked, not assumed: the first call for a (device, input
+dtype, FP8 format) compares compiled against eager on a probe tensor (every bfloat16 bit
+pattern, or random float32 bit patterns, plus zeros, infinities, NaN, denormals and the
+formats' maxima) at several scales, byte for byte for the FP8 data and bit for bit for the
+other outputs (NaN only needs to be NaN on both sides). A mismatch, or a compiler that fails,
+leaves that key on the eager code with a warning saying why: slower, never different.
+
+Where it applies, ``FP8OPS_COMPILED_CASTS`` (read at import; :func:`set_compiled_casts` changes
+it): ``auto`` (the default) compiles for CUDA tensors only, ``all`` for every device (the CPU
+tests use it, so the compiled path is exercised where CI runs), ``off`` never.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+
+import torch
+
+ENV = "FP8OPS_COMPILED_CASTS"
+MODES = {"auto": frozenset({"cuda"}), "all": None, "off": frozenset()}  # None: every device
+
+_mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
+if _mode not in MODES:
+    warnings.warn(f"{ENV}={_mode!r} is not one of {sorted(MODES)}; using 'auto'", stacklevel=1)
+    _mode = "auto"
+
+
+def set_compiled_casts(mode: str) -> str:
+    """Switch where casts are compiled (``auto``, ``all``, ``off``); returns the old mode."""
+    global _mode
+    if mode not in MODES:
+        raise ValueError(f"compiled casts mode {mode!r}: use one of {sorted(MODES)}")
+    old, _mode = _mode, mode
+    return old
+
+
+def _applies(device: torch.device) -> bool:
+    devices = MODES[_mode]
+    return devices is None or device.type in devices
+
+
+class CompiledCast:
+    """``fn(x, scale, fp8_max, fp8_dtype) -> tuple of tensors``, compiled where it applies.
+
+    ``status`` maps each (device, input dtype, FP8 dtype) seen to ``"compiled"`` or the reason
+    it runs eager; the GPU check reports it.
+    """
+
+    def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]]):
+        self.fn = fn
+        self.status: dict[tuple[str, str, str], str] = {}
+        self._compiled: Callable | None = None
+
+    def __call__(self, x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: torch.dtype):
+        if x.numel() == 0 or not _applies(x.device):
+            return self.fn(x, scale, fp8_max, dtype)
+        key = (
+            str(x.device),
+            str(x.dtype).removeprefix("torch."),
+            str(dtype).removeprefix("torch."),
+        )
+        if key not in self.status:
+            self.status[key] = self._verify(x.device, x.dtype, fp8_max, dtype)
+            if self.status[key] != "compiled":
+                warnings.warn(
+                    f"fp8ops: the compiled FP8 cast ({self.fn.__name__}) is not used for "
+                    f"{key}: {self.status[key]}; casts there run eager (slower, same bits)",
+                    stacklevel=3,
+                )
+        if self.status[key] != "compiled":
+            return self.fn(x, scale, fp8_max, dtype)
+        with torch.no_grad():  # one graph whatever the caller's grad mode; inputs are detached
+            return self._compiled(x, scale, fp8_max, dtype)
+
+    def _verify(self, device, x_dtype, fp8_max, dtype) -> str:
+        if self._compiled is None:
+            # dynamic=True: one kernel per dtype pair serves every tensor size (each linear's
+            # weight, activations, gradients) instead of one compilation per shape.
+            self._compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
+        probe = probe_tensor(x_dtype, device)
+        try:
+            for scale in _probe_scales(fp8_max):
+                scale = torch.tensor(scale, dtype=torch.float32, device=device)
+                with torch.no_grad():
+                    got = self._compiled(probe, scale, fp8_max, dtype)
+                want = self.fn(probe, scale, fp8_max, dtype)
+                for index, (g, w) in enumerate(zip(got, want, strict=True)):
+                    if not same_bits(g, w):
+                        return (
+                            f"output {index} differs from the eager cast at scale "
+                            f"{scale.item():g} (compiler bug or changed rounding)"
+                        )
+        except Exception as exc:  # noqa: BLE001 - any compiler failure means: stay eager
+            return f"compilation failed: {type(exc).__name__}: {exc}"[:300]
+        return "compiled"
+
+
+def _probe_scales(fp8_max: float) -> tuple[float, ...]:
+    # 1 and powers of two are exact; fp8_max / 1e3 and 0.7 are not, so every product rounds;
+    # 3e5 overflows most of the probe (saturation); 2**-20 underflows most of it.
+    return (1.0, 0.7, fp8_max / 1e3, 2.0**-20, 3.0e5)
+
+
+def probe_tensor(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every bfloat16/float16 bit pattern, or 2**16 random float32 ones, plus special values,
+    as rows of 256 (the casts take 2-D tensors)."""
+    specials = torch.tensor(
+        [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 448.0, -448.0, 57344.0, 464.0,
+         61440.0, 1e-45, -1e-40, 2.0**-9, 2.0**-16, 2.0**-17, 1.5 * 2.0**-17, 3.0e38]
+    )  # fmt: skip
+    if dtype in (torch.bfloat16, torch.float16):
+        patterns = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    else:
+        generator = torch.Generator().manual_seed(0)
+        bits = torch.randint(-(2**31), 2**31 - 1, (2**16,), generator=generator, dtype=torch.int64)
+        patterns = bits.to(torch.int32).view(torch.float32).to(dtype)
+    padding = torch.zeros(256 - specials.numel())
+    return torch.cat([patterns, specials.to(dtype), padding.to(dtype)]).reshape(-1, 256).to(device)
+
+
+def same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Equal shape, dtype and bytes, where a NaN needs only be a NaN on both sides."""
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    if x.dtype.is_floating_point:
+        both_nan = torch.isnan(x.float()) & torch.isnan(y.float())
+        x, y = _bytes(x), _bytes(y)
+        return bool(((x == y) | both_nan).all())
+    return torch.equal(x, y)
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    views = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return x.contiguous().view(views[x.element_size()])

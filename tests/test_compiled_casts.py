@@ -1,0 +1,192 @@
+"""The compiled FP8 casts (fp8ops/precision/compiled.py), exercised on the CPU.
+
+On a GPU they compile to Triton kernels; here ``FP8OPS_COMPILED_CASTS=all`` compiles them with
+Inductor's C++ backend, which runs the same verification and dispatch code. Each test compares
+against the eager functions, so a compiled cast that rounds, saturates or counts differently
+fails here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fp8ops.precision import E4M3, E5M2, DelayedScalingRecipe, Fp8Linear, Fp8Scope
+from fp8ops.precision import compiled as compiled_module
+from fp8ops.precision.compiled import CompiledCast, probe_tensor, same_bits, set_compiled_casts
+from fp8ops.precision.quantize import amax_of, cast, cast_and_amax, quantize
+
+# The package exports the function quantize under the module's name, hence import_module.
+quantize_module = importlib.import_module("fp8ops.precision.quantize")
+
+
+@pytest.fixture
+def compile_everywhere():
+    old = set_compiled_casts("all")
+    yield
+    set_compiled_casts(old)
+
+
+def sample(dtype: torch.dtype) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(257, 33, generator=generator) * torch.exp2(
+        torch.randint(-24, 24, (257, 33), generator=generator).float()
+    )
+    x[0, :6] = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-42])
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=lambda f: f.name)
+def test_the_compiled_cast_and_amax_equal_the_eager_ones(compile_everywhere, dtype, fp8):
+    x = sample(dtype)
+    for scale in (1.0, 0.37, 2.0**-12, 1e4):
+        scale = torch.tensor(scale)
+        quantized, amax = cast_and_amax(x, scale, fp8)
+        eager = cast(x, scale, fp8)
+        assert same_bits(quantized.data, eager.data)  # a NaN's FP8 byte may differ
+        assert torch.equal(quantized.scale_inv, eager.scale_inv)
+        assert same_bits(amax, amax_of(x))
+    key = ("cpu", str(dtype).removeprefix("torch."), str(fp8.torch_dtype).removeprefix("torch."))
+    assert quantize_module._CAST_AND_AMAX.status[key] == "compiled"
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=lambda f: f.name)
+def test_the_compiled_statistics_equal_the_eager_ones(compile_everywhere, fp8):
+    x = sample(torch.bfloat16)
+    scale = torch.tensor(fp8.max / 3.0)  # saturates the large entries, underflows the tiny ones
+    compiled_q, compiled_stats = quantize(x, scale, fp8)
+    set_compiled_casts("off")
+    eager_q, eager_stats = quantize(x, scale, fp8)
+    assert same_bits(compiled_q.data, eager_q.data)
+    assert compiled_stats.as_dict() == eager_stats.as_dict()
+    counts = eager_stats.as_dict()
+    assert counts["saturated"] > 0 and counts["underflow"] > 0  # the case tests something
+    assert counts["nan"] == 1 and counts["inf"] == 2
+
+
+def test_a_compiled_cast_that_differs_is_not_used(compile_everywhere):
+    def off_by_one_when_compiled(x, scale, fp8_max, dtype):
+        data = (x.float() * scale).clamp(-fp8_max, fp8_max)
+        if torch.compiler.is_compiling():  # what a miscompilation would look like
+            data = data * 2
+        return (data.to(dtype),)
+
+    cast_fn = CompiledCast(off_by_one_when_compiled)
+    x, scale = sample(torch.float32), torch.tensor(1.0)
+    with pytest.warns(UserWarning, match="differs from the eager cast"):
+        (data,) = cast_fn(x, scale, E4M3.max, E4M3.torch_dtype)
+    (eager,) = off_by_one_when_compiled(x, scale, E4M3.max, E4M3.torch_dtype)
+    assert same_bits(data, eager)
+    assert "output 0 differs" in cast_fn.status[("cpu", "float32", "float8_e4m3fn")]
+
+
+def test_a_cast_that_does_not_compile_runs_eager(compile_everywhere):
+    def with_a_graph_break(x, scale, fp8_max, dtype):
+        torch._dynamo.graph_break()  # fullgraph=True refuses it
+        return ((x.float() * scale).clamp(-fp8_max, fp8_max).to(dtype),)
+
+    cast_fn = CompiledCast(with_a_graph_break)
+    x = sample(torch.float32)
+    with pytest.warns(UserWarning, match="compilation failed"):
+        (data,) = cast_fn(x, torch.tensor(2.0), E5M2.max, E5M2.torch_dtype)
+    assert same_bits(data, cast(x, torch.tensor(2.0), E5M2).data)
+    assert cast_fn.status[("cpu", "float32", "float8_e5m2")].startswith("compilation failed")
+
+
+def test_on_the_cpu_auto_and_off_never_compile():
+    calls = []
+
+    def counted(x, scale, fp8_max, dtype):
+        calls.append(torch.compiler.is_compiling())
+        return ((x.float() * scale).to(dtype),)
+
+    cast_fn = CompiledCast(counted)
+    for mode in ("auto", "off"):
+        old = set_compiled_casts(mode)
+        try:
+            cast_fn(sample(torch.float32), torch.tensor(1.0), E4M3.max, E4M3.torch_dtype)
+        finally:
+            set_compiled_casts(old)
+    assert calls == [False, False] and cast_fn.status == {}
+
+
+def test_an_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="use one of"):
+        set_compiled_casts("sometimes")
+    env = dict(os.environ, FP8OPS_COMPILED_CASTS="sometimes")
+    result = subprocess.run(
+        [sys.executable, "-W", "error", "-c", "import fp8ops.precision.compiled"],
+        env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert result.returncode != 0 and "FP8OPS_COMPILED_CASTS='sometimes'" in result.stderr
+
+
+def test_the_probe_covers_every_bfloat16_value_and_the_special_ones():
+    probe = probe_tensor(torch.bfloat16, torch.device("cpu"))
+    patterns = probe.view(torch.int16).unique()
+    assert patterns.numel() == 2**16  # the specials are bfloat16 values too
+    assert torch.isnan(probe).any() and torch.isinf(probe).any() and (probe == 0).any()
+    floats = probe_tensor(torch.float32, torch.device("cpu"))
+    assert floats.numel() > 2**16 and torch.isnan(floats).any()
+
+
+def test_same_bits_tells_nan_apart_from_numbers_and_signed_zeros():
+    assert same_bits(torch.tensor([float("nan"), 1.0]), torch.tensor([float("nan"), 1.0]))
+    assert not same_bits(torch.tensor([0.0]), torch.tensor([-0.0]))
+    assert not same_bits(torch.tensor([float("nan")]), torch.tensor([0.0]))
+    assert not same_bits(torch.tensor([1.0]), torch.tensor([1.0], dtype=torch.float64))
+
+
+def test_an_fp8_linear_trains_bit_identically_with_compiled_casts():
+    def run(mode: str):
+        old = set_compiled_casts(mode)
+        try:
+            torch.manual_seed(0)
+            recipe = DelayedScalingRecipe(amax_history_len=4)
+            layer = Fp8Linear(48, 32, recipe, dtype=torch.bfloat16)
+            scope = Fp8Scope(recipe)
+            outputs = []
+            for step in range(3):
+                layer.track_stats = step == 1  # one telemetry step: the statistics cast too
+                x = torch.randn(20, 48, dtype=torch.bfloat16, requires_grad=True)
+                with scope():
+                    y = layer(x)
+                y.float().square().sum().backward()
+                stats = {k: v.as_dict() for k, v in (layer.last_cast_stats or {}).items()}
+                outputs.append((y.detach(), x.grad, layer.weight.grad.clone(), stats))
+                layer.weight.grad = None
+            return outputs, layer.fp8_meta.state_dict()
+        finally:
+            set_compiled_casts(old)
+
+    (compiled_out, compiled_state), (eager_out, eager_state) = run("all"), run("off")
+    for got, want in zip(compiled_out, eager_out, strict=True):
+        for g, w in zip(got[:3], want[:3], strict=True):
+            assert same_bits(g, w)
+        assert got[3] == want[3]
+    assert compiled_out[1][3]  # the telemetry step produced statistics
+    for key in eager_state:
+        assert same_bits(compiled_state[key], eager_state[key]), key
+    assert compiled_module.MODES["all"] is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_casts_compile_by_default_and_equal_the_cpus():
+    old = set_compiled_casts("auto")
+    try:
+        x, scale = sample(torch.bfloat16), torch.tensor(0.37)
+        for fp8 in (E4M3, E5M2):
+            quantized, amax = cast_and_amax(x.cuda(), scale.cuda(), fp8)
+            assert same_bits(quantized.data.cpu(), cast(x, scale, fp8).data)
+            assert same_bits(amax.cpu(), amax_of(x))
+            key = (str(x.cuda().device), "bfloat16", str(fp8.torch_dtype).removeprefix("torch."))
+            assert quantize_module._CAST_AND_AMAX.status[key] == "compiled"
+    finally:
+        set_compiled_casts(old)

@@ -18,8 +18,13 @@ import pytest
 import torch
 
 from fp8ops.precision import E4M3, E5M2, DelayedScalingRecipe, Fp8Linear, Fp8Scope
-from fp8ops.precision import compiled as compiled_module
-from fp8ops.precision.compiled import CompiledCast, probe_tensor, same_bits, set_compiled_casts
+from fp8ops.precision.compiled import (
+    Compiled,
+    cast_probes,
+    probe_tensor,
+    same_bits,
+    set_compiled_casts,
+)
 from fp8ops.precision.quantize import amax_of, cast, cast_and_amax, quantize
 
 # The package exports the function quantize under the module's name, hence import_module.
@@ -78,9 +83,9 @@ def test_a_compiled_cast_that_differs_is_not_used(compile_everywhere):
             data = data * 2
         return (data.to(dtype),)
 
-    cast_fn = CompiledCast(off_by_one_when_compiled)
+    cast_fn = Compiled(off_by_one_when_compiled, probes=cast_probes)
     x, scale = sample(torch.float32), torch.tensor(1.0)
-    with pytest.warns(UserWarning, match="differs from the eager cast"):
+    with pytest.warns(UserWarning, match="differs from the eager result"):
         (data,) = cast_fn(x, scale, E4M3.max, E4M3.torch_dtype)
     (eager,) = off_by_one_when_compiled(x, scale, E4M3.max, E4M3.torch_dtype)
     assert same_bits(data, eager)
@@ -92,7 +97,7 @@ def test_a_cast_that_does_not_compile_runs_eager(compile_everywhere):
         torch._dynamo.graph_break()  # fullgraph=True refuses it
         return ((x.float() * scale).clamp(-fp8_max, fp8_max).to(dtype),)
 
-    cast_fn = CompiledCast(with_a_graph_break)
+    cast_fn = Compiled(with_a_graph_break)
     x = sample(torch.float32)
     with pytest.warns(UserWarning, match="compilation failed"):
         (data,) = cast_fn(x, torch.tensor(2.0), E5M2.max, E5M2.torch_dtype)
@@ -107,7 +112,7 @@ def test_on_the_cpu_auto_and_off_never_compile():
         calls.append(torch.compiler.is_compiling())
         return ((x.float() * scale).to(dtype),)
 
-    cast_fn = CompiledCast(counted)
+    cast_fn = Compiled(counted)
     for mode in ("auto", "off"):
         old = set_compiled_casts(mode)
         try:
@@ -174,7 +179,10 @@ def test_an_fp8_linear_trains_bit_identically_with_compiled_casts():
     assert compiled_out[1][3]  # the telemetry step produced statistics
     for key in eager_state:
         assert same_bits(compiled_state[key], eager_state[key]), key
-    assert compiled_module.MODES["all"] is None
+    # The backward's transposed FP8 copies were compiled too (on their bytes).
+    linear_module = importlib.import_module("fp8ops.precision.linear")
+    for fp8 in ("float8_e4m3fn", "float8_e5m2"):  # weight and input; gradient
+        assert linear_module._TRANSPOSE.status[("cpu", fp8)] == "compiled"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

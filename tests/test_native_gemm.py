@@ -314,10 +314,13 @@ def test_training_with_scaled_mm_tracks_the_emulated_run(backend_runs):
     native, emulated = losses(backend_runs["scaled_mm"]), losses(backend_runs["emulated"])
     assert len(native) == len(emulated) == 4
     assert all(math.isfinite(loss) for loss in native)
-    # Observed: equal at step 1, then 3e-4 apart at most (losses near 5.4): the backends differ
-    # by one bf16 rounding here and there, which the next steps carry on. FP8 against bf16 is
-    # allowed 2e-3 (test_megatron_layers.py).
-    assert max(abs(a - b) for a, b in zip(native, emulated, strict=True)) < 1e-3
+    # Observed on the CPU: equal at step 1, then 3e-4 apart at most (losses near 5.4): the
+    # backends differ by one bf16 rounding here and there, which the next steps carry on. On an
+    # H200, 1.01e-3: its FP8 tensor cores keep fewer accumulator bits than float32 (ci/gpu_check
+    # measured 1.3e-4 normwise on a float32-output GEMM). FP8 against bf16 is allowed 2e-3
+    # (test_megatron_layers.py), which bounds both.
+    bound = 2e-3 if torch.cuda.is_available() else 1e-3
+    assert max(abs(a - b) for a, b in zip(native, emulated, strict=True)) < bound
 
 
 @needs_megatron

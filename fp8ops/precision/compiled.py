@@ -14,6 +14,10 @@ formats' maxima) at several scales, byte for byte for the FP8 data and bit for b
 other outputs (NaN only needs to be NaN on both sides). A mismatch, or a compiler that fails,
 leaves that key on the eager code with a warning saying why: slower, never different.
 
+The backward's transposed FP8 copies go the same way (``linear.py``): eager, a transpose of
+one-byte elements reads with a stride and runs far below the memory's speed; compiled, it is a
+tiled copy. It is verified on its first call's own input (a transpose has no rounding).
+
 Where it applies, ``FP8OPS_COMPILED_CASTS`` (read at import; :func:`set_compiled_casts` changes
 it): ``auto`` (the default) compiles for CUDA tensors only, ``all`` for every device (the CPU
 tests use it, so the compiled path is exercised where CI runs), ``off`` never.
@@ -50,60 +54,76 @@ def _applies(device: torch.device) -> bool:
     return devices is None or device.type in devices
 
 
-class CompiledCast:
-    """``fn(x, scale, fp8_max, fp8_dtype) -> tuple of tensors``, compiled where it applies.
+class Compiled:
+    """``fn(x, *args) -> tuple of tensors``, compiled where it applies, eager elsewhere.
 
-    ``status`` maps each (device, input dtype, FP8 dtype) seen to ``"compiled"`` or the reason
-    it runs eager; the GPU check reports it.
+    Each (device, dtype of ``x``, other non-tensor arguments) is verified once, at its first
+    call: ``probes(x, *args)`` gives the argument tuples to run both ways (by default the call's
+    own). ``status`` maps each key to ``"compiled"`` or the reason it runs eager; the GPU check
+    reports it.
     """
 
-    def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]]):
+    def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], probes: Callable | None = None):
         self.fn = fn
-        self.status: dict[tuple[str, str, str], str] = {}
+        self.probes = probes or (lambda *args: [args])
+        self.status: dict[tuple[str, ...], str] = {}
         self._compiled: Callable | None = None
 
-    def __call__(self, x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: torch.dtype):
+    def __call__(self, x: torch.Tensor, *args):
         if x.numel() == 0 or not _applies(x.device):
-            return self.fn(x, scale, fp8_max, dtype)
-        key = (
-            str(x.device),
-            str(x.dtype).removeprefix("torch."),
-            str(dtype).removeprefix("torch."),
+            return self.fn(x, *args)
+        key = (str(x.device), _name(x.dtype)) + tuple(
+            _name(a) for a in args if isinstance(a, torch.dtype)
         )
         if key not in self.status:
-            self.status[key] = self._verify(x.device, x.dtype, fp8_max, dtype)
+            self.status[key] = self._verify(x, *args)
             if self.status[key] != "compiled":
                 warnings.warn(
-                    f"fp8ops: the compiled FP8 cast ({self.fn.__name__}) is not used for "
-                    f"{key}: {self.status[key]}; casts there run eager (slower, same bits)",
+                    f"fp8ops: the compiled {self.fn.__name__} is not used for {key}: "
+                    f"{self.status[key]}; it runs eager there (slower, same bits)",
                     stacklevel=3,
                 )
         if self.status[key] != "compiled":
-            return self.fn(x, scale, fp8_max, dtype)
+            return self.fn(x, *args)
         with torch.no_grad():  # one graph whatever the caller's grad mode; inputs are detached
-            return self._compiled(x, scale, fp8_max, dtype)
+            return self._compiled(x, *args)
 
-    def _verify(self, device, x_dtype, fp8_max, dtype) -> str:
+    def _verify(self, x: torch.Tensor, *args) -> str:
         if self._compiled is None:
-            # dynamic=True: one kernel per dtype pair serves every tensor size (each linear's
+            # dynamic=True: one kernel per dtype serves every tensor size (each linear's
             # weight, activations, gradients) instead of one compilation per shape.
             self._compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
-        probe = probe_tensor(x_dtype, device)
         try:
-            for scale in _probe_scales(fp8_max):
-                scale = torch.tensor(scale, dtype=torch.float32, device=device)
+            for probe in self.probes(x, *args):
                 with torch.no_grad():
-                    got = self._compiled(probe, scale, fp8_max, dtype)
-                want = self.fn(probe, scale, fp8_max, dtype)
+                    got = self._compiled(*probe)
+                want = self.fn(*probe)
                 for index, (g, w) in enumerate(zip(got, want, strict=True)):
                     if not same_bits(g, w):
+                        scalars = [
+                            f"{a.item():g}" for a in probe[1:2] if isinstance(a, torch.Tensor)
+                        ]
+                        at = f" at scale {scalars[0]}" if scalars else ""
                         return (
-                            f"output {index} differs from the eager cast at scale "
-                            f"{scale.item():g} (compiler bug or changed rounding)"
+                            f"output {index} differs from the eager result{at} (compiler bug "
+                            "or changed rounding)"
                         )
         except Exception as exc:  # noqa: BLE001 - any compiler failure means: stay eager
             return f"compilation failed: {type(exc).__name__}: {exc}"[:300]
         return "compiled"
+
+
+def cast_probes(x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: torch.dtype):
+    """For a cast ``fn(x, scale, fp8_max, fp8_dtype)``: the probe tensor at several scales."""
+    probe = probe_tensor(x.dtype, x.device)
+    return [
+        (probe, torch.tensor(s, dtype=torch.float32, device=x.device), fp8_max, dtype)
+        for s in _probe_scales(fp8_max)
+    ]
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _probe_scales(fp8_max: float) -> tuple[float, ...]:

@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from fp8ops.precision.compiled import Compiled
 from fp8ops.precision.quantize import QuantizedTensor, cast_and_amax, quantize
 from fp8ops.precision.recipe import DelayedScalingRecipe
 from fp8ops.precision.scaling import BWD_GRAD_OUTPUT, FWD_INPUT, FWD_WEIGHT
@@ -56,8 +57,18 @@ class EmulatedGemm:
         return accumulator.to(out_dtype)
 
 
+def _transposed_bytes(data: torch.Tensor) -> tuple[torch.Tensor]:
+    # On the bytes: compiled code and every device handle uint8 (compiled.py compiles this).
+    return (data.view(torch.uint8).t().contiguous(),)
+
+
+_TRANSPOSE = Compiled(_transposed_bytes)
+
+
 def _transpose(q: QuantizedTensor) -> QuantizedTensor:
-    return QuantizedTensor(data=q.data.t().contiguous(), scale_inv=q.scale_inv, fp8=q.fp8)
+    """The row-major FP8 copy of ``q.data.T`` that ``_scaled_mm``'s layout rules ask for."""
+    (data,) = _TRANSPOSE(q.data)
+    return QuantizedTensor(data=data.view(q.data.dtype), scale_inv=q.scale_inv, fp8=q.fp8)
 
 
 def cast_and_record(

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fp8ops.precision.compiled import CompiledCast
+from fp8ops.precision.compiled import Compiled, cast_probes
 from fp8ops.precision.formats import Fp8Dtype, saturating_cast
 
 
@@ -97,8 +97,8 @@ def _cast_with_stats(x, scale, fp8_max: float, dtype: torch.dtype):
     )
 
 
-_CAST_AND_AMAX = CompiledCast(_cast_and_amax)
-_CAST_WITH_STATS = CompiledCast(_cast_with_stats)
+_CAST_AND_AMAX = Compiled(_cast_and_amax, probes=cast_probes)
+_CAST_WITH_STATS = Compiled(_cast_with_stats, probes=cast_probes)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

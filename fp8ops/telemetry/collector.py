@@ -10,6 +10,9 @@ Cadence (``telemetry`` section of the manifest): the scaling state is read every
 there anyway); full cast statistics and norms every ``every_steps`` steps, because they cost
 extra passes over every cast tensor; the FP8-vs-reference error every ``error_sample_every``
 steps, because it costs one more GEMM per module. Unmeasured values are NaN.
+
+On a GPU a row costs one device-to-host transfer: the FP8 state of every module and every
+measured value (still tensors on the device until then) travel together.
 """
 
 from __future__ import annotations
@@ -85,11 +88,17 @@ class TelemetryCollector:
         if not self.active:
             return row
         states = self._host_states()
+        records = [module.probe.take() for module in self.modules.values()]
+        measured = _to_host(
+            [
+                self._measured(module, record)
+                for module, record in zip(self.modules.values(), records)
+            ]
+        )
         for i, (name, module) in enumerate(self.modules.items()):
-            record = module.probe.take()
             values = self._state_metrics(name, states[name])
-            values.update(self._cast_metrics(record))
-            values.update(self._module_metrics(module, record))
+            values.update(self._counts(module, records[i]))
+            values.update(measured[i])
             for metric, value in values.items():
                 row[i, COLUMN[metric]] = value
         return row
@@ -143,34 +152,48 @@ class TelemetryCollector:
         return values
 
     @staticmethod
-    def _cast_metrics(record: Probe) -> dict[str, float]:
-        """From this step's casts: saturation, underflow, NaN and Inf over all micro-batches."""
-        values = {}
+    def _measured(module, record: Probe) -> dict[str, torch.Tensor | float]:
+        """What this step measured, as 0-dim tensors where the device computed it: saturation,
+        underflow, NaN and Inf over all micro-batches' casts, and the norms."""
+        values: dict[str, torch.Tensor | float] = {}
         for slot, _, _ in _SLOTS:
             stats = [log[slot] for log in record.cast_logs if slot in log]
             if not stats:
                 continue
             numel = sum(s.numel for s in stats)
-            values[f"{slot}.saturation"] = sum(int(s.saturated) for s in stats) / numel
-            values[f"{slot}.underflow"] = sum(int(s.underflow) for s in stats) / numel
-            values[f"{slot}.nan"] = sum(int(s.nan) for s in stats)
-            values[f"{slot}.inf"] = sum(int(s.inf) for s in stats)
+            for name in ("saturated", "underflow", "nan", "inf"):
+                total = torch.stack([getattr(s, name) for s in stats]).sum()
+                metric = {"saturated": "saturation"}.get(name, name)
+                # Fractions as Python computes int / int: in float64, then into the float32 row.
+                ratio = name in ("saturated", "underflow")
+                values[f"{slot}.{metric}"] = total.double() / numel if ratio else total
+        values["input_norm"] = record.input_norm
+        values["fp8_rel_error"] = record.rel_error
+        if record.measure:
+            values["weight_norm"] = module.weight.detach().float().norm()
+            grad = module.weight.grad
+            values["grad_norm"] = grad.float().norm() if grad is not None else math.nan
         return values
 
     @staticmethod
-    def _module_metrics(module, record: Probe) -> dict[str, float]:
-        values = {
+    def _counts(module, record: Probe) -> dict[str, float]:
+        return {
             "fp8_gemms": record.fp8_gemms,
             "fallback_gemms": record.fallback_gemms,
             "fp8_enabled": float(module.fp8_enabled),
-            "input_norm": record.input_norm,
-            "fp8_rel_error": record.rel_error,
         }
-        if record.measure:
-            values["weight_norm"] = module.weight.detach().float().norm().item()
-            grad = module.weight.grad
-            values["grad_norm"] = grad.float().norm().item() if grad is not None else math.nan
-        return values
+
+
+def _to_host(rows: list[dict[str, torch.Tensor | float]]) -> list[dict[str, float]]:
+    """The same dicts with every tensor replaced by its value, all fetched in one transfer
+    (float64 holds float32 norms and int64 counts below 2**53 exactly)."""
+    tensors = [v for values in rows for v in values.values() if isinstance(v, torch.Tensor)]
+    if tensors:
+        host = iter(torch.stack([t.reshape(()).double() for t in tensors]).cpu().tolist())
+    return [
+        {k: next(host) if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+        for values in rows
+    ]
 
 
 def _host_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

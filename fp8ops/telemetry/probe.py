@@ -5,6 +5,9 @@ collector reads and resets it once per step (``take``). On steps that measure, t
 with full statistics (``track``: the forward casts fill it at once, the backward cast of the
 gradient fills it later, during backward) and the probe keeps every micro-batch's; on other
 steps the probe only counts GEMMs, which costs nothing measurable.
+
+Measurements stay tensors on the layer's device: a ``.item()`` here would stop the host until
+the GPU caught up, once per module and step. The collector brings them over in one transfer.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ class Probe:
     fp8_gemms: int = 0
     fallback_gemms: int = 0
     cast_logs: list[dict] = field(default_factory=list)  # role -> CastStats, per micro-batch
-    input_norm: float = float("nan")
-    rel_error: float = float("nan")
+    input_norm: torch.Tensor | float = float("nan")  # a 0-dim tensor once measured
+    rel_error: torch.Tensor | float = float("nan")
 
     def track(self) -> dict | None:
         """The dict to pass to ``fp8_linear`` as ``track`` (None when not measuring)."""
@@ -40,18 +43,18 @@ class Probe:
         error against the same GEMM in the input's dtype."""
         self.fp8_gemms += _gemms(x, weight)
         if self.measure:
-            self.input_norm = x.detach().float().norm().item()
+            self.input_norm = x.detach().float().norm()
         if self.sample_error:
             with torch.no_grad():
                 reference = F.linear(x.detach(), weight.detach(), bias)
                 difference = (out.detach().float() - reference.float()).norm()
-                self.rel_error = (difference / reference.float().norm()).item()
+                self.rel_error = difference / reference.float().norm()
 
     def fallback_call(self, x: torch.Tensor, weight) -> None:
         """After a forward in the base dtype (the module is held out of FP8, or no scope)."""
         self.fallback_gemms += _gemms(x, weight)
         if self.measure:
-            self.input_norm = x.detach().float().norm().item()
+            self.input_norm = x.detach().float().norm()
 
     def take(self) -> Probe:
         """This step's record; the probe starts the next step empty (same cadence flags)."""

@@ -130,3 +130,64 @@ def test_saturation_is_measured_when_the_scale_is_stale(setup):
     assert value(row, collector, fc2, "weight.saturation") > 0.01
     other = "decoder.layers.1.self_attention.linear_proj"
     assert value(row, collector, other, "weight.saturation") == 0
+
+
+def scalar_state_metrics(history: np.ndarray, scale: float, previous: float | None) -> dict:
+    """One module slot's state metrics, value by value: what the collector computes for all
+    modules at once. ``history`` is the float32 window without row 0."""
+    values = {"amax": history[-1], "scale": scale, "scale_inv": 1.0 / scale,
+              "window_max": history.max()}  # fmt: skip
+    seen = np.sort(history[history > 0])
+    for q, name in ((0.5, "window_p50"), (0.9, "window_p90")):
+        if seen.size:
+            position = q * (seen.size - 1)
+            low = int(position)
+            high = min(low + 1, seen.size - 1)
+            # float32 scalars and a Python float: float32 arithmetic (NEP 50)
+            values[name] = seen[low] + (seen[high] - seen[low]) * (position - low)
+    if previous is not None:
+        values["scale_change"] = max(scale / previous, previous / scale)
+    return values
+
+
+def test_the_state_metrics_of_all_modules_equal_those_computed_one_by_one():
+    from types import SimpleNamespace
+
+    from fp8ops.precision import Fp8Meta
+    from fp8ops.telemetry.collector import _SLOTS
+
+    recipe = DelayedScalingRecipe(amax_history_len=8)
+    rng = np.random.default_rng(5)
+    metas = [Fp8Meta.fresh(recipe) for _ in range(6)]
+    modules = {f"m{i}": SimpleNamespace(fp8_meta=m, fp8_enabled=True, probe=None)
+               for i, m in enumerate(metas)}  # fmt: skip
+    collector = TelemetryCollector(modules, SimpleNamespace(every_steps=1, error_sample_every=1))
+    previous = None
+    for _ in range(3):
+        for meta in metas:
+            for state in (meta.forward, meta.backward):
+                h = rng.lognormal(0, 3, state.amax_history.shape).astype(np.float32)
+                special = rng.choice([0.0, np.nan, np.inf, 1e-42], size=h.shape)
+                h = np.where(rng.random(h.shape) < 0.3, special, h).astype(np.float32)
+                h[1:, 0] = 0.0 if rng.random() < 0.3 else h[1:, 0]  # a slot that never ran
+                state.amax_history.copy_(torch.from_numpy(h))
+                state.scale.copy_(torch.from_numpy(rng.lognormal(0, 4, state.scale.shape)))
+        row = collector.end_step()
+        current = {}
+        for i, meta in enumerate(metas):
+            for slot, forward, index in _SLOTS:
+                state = meta.direction(forward)
+                scale = float(state.scale[index])
+                current[(i, slot)] = scale
+                want = scalar_state_metrics(
+                    state.amax_history[1:, index].numpy(), scale,
+                    None if previous is None else previous[(i, slot)],
+                )  # fmt: skip
+                for metric in ("amax", "scale", "scale_inv", "window_max", "window_p50",
+                               "window_p90", "scale_change"):  # fmt: skip
+                    got = row[i, COLUMN[f"{slot}.{metric}"]]
+                    expected = np.float32(want.get(metric, np.nan))
+                    assert got.tobytes() == expected.tobytes() or (
+                        np.isnan(got) and np.isnan(expected)
+                    ), (i, slot, metric, got, expected)
+        previous = current

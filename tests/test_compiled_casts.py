@@ -59,7 +59,29 @@ def test_the_compiled_cast_and_amax_equal_the_eager_ones(compile_everywhere, dty
         assert torch.equal(quantized.scale_inv, eager.scale_inv)
         assert same_bits(amax, amax_of(x))
     key = ("cpu", str(dtype).removeprefix("torch."), str(fp8.torch_dtype).removeprefix("torch."))
+    assert quantize_module._CAST_AND_AMAX.status[(*key, "False")] == "compiled"
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=lambda f: f.name)
+def test_a_cast_with_its_transposed_copy_equals_the_eager_one(compile_everywhere, fp8):
+    x, scale = sample(torch.bfloat16), torch.tensor(0.37)
+    quantized, amax = cast_and_amax(x, scale, fp8, transposed=True)
+    _, stats_quantized = None, quantize(x, scale, fp8, transposed=True)[0]
+    eager = cast(x, scale, fp8).data
+    for q in (quantized, stats_quantized):
+        assert same_bits(q.data, eager) and same_bits(q.data_t, eager.t().contiguous())
+        assert q.data_t.is_contiguous() and same_bits(q.transposed().data, q.data_t)
+    assert same_bits(amax, amax_of(x))
+    key = ("cpu", "bfloat16", str(fp8.torch_dtype).removeprefix("torch."), "True")
     assert quantize_module._CAST_AND_AMAX.status[key] == "compiled"
+    assert quantize_module._CAST_WITH_STATS.status[key] == "compiled"
+
+
+def test_the_transposed_copy_of_a_3d_tensor_is_that_of_its_rows(compile_everywhere):
+    x = sample(torch.float32)[:256].reshape(16, 16, 33)  # [s, b, h]
+    quantized, _ = cast_and_amax(x, torch.tensor(1.0), E4M3, transposed=True)
+    assert quantized.data.shape == x.shape
+    assert same_bits(quantized.data_t, quantized.data.reshape(256, 33).t().contiguous())
 
 
 @pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=lambda f: f.name)
@@ -179,10 +201,10 @@ def test_an_fp8_linear_trains_bit_identically_with_compiled_casts():
     assert compiled_out[1][3]  # the telemetry step produced statistics
     for key in eager_state:
         assert same_bits(compiled_state[key], eager_state[key]), key
-    # The backward's transposed FP8 copies were compiled too (on their bytes).
-    linear_module = importlib.import_module("fp8ops.precision.linear")
-    for fp8 in ("float8_e4m3fn", "float8_e5m2"):  # weight and input; gradient
-        assert linear_module._TRANSPOSE.status[("cpu", fp8)] == "compiled"
+    # The backward's transposed FP8 copies came from compiled casts: weight and input (E4M3),
+    # gradient (E5M2).
+    for fp8 in ("float8_e4m3fn", "float8_e5m2"):
+        assert quantize_module._CAST_AND_AMAX.status[("cpu", "bfloat16", fp8, "True")] == "compiled"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -195,6 +217,6 @@ def test_on_a_gpu_the_casts_compile_by_default_and_equal_the_cpus():
             assert same_bits(quantized.data.cpu(), cast(x, scale, fp8).data)
             assert same_bits(amax.cpu(), amax_of(x))
             key = (str(x.cuda().device), "bfloat16", str(fp8.torch_dtype).removeprefix("torch."))
-            assert quantize_module._CAST_AND_AMAX.status[key] == "compiled"
+            assert quantize_module._CAST_AND_AMAX.status[(*key, "False")] == "compiled"
     finally:
         set_compiled_casts(old)

@@ -14,9 +14,9 @@ formats' maxima) at several scales, byte for byte for the FP8 data and bit for b
 other outputs (NaN only needs to be NaN on both sides). A mismatch, or a compiler that fails,
 leaves that key on the eager code with a warning saying why: slower, never different.
 
-The backward's transposed FP8 copies go the same way (``linear.py``): eager, a transpose of
-one-byte elements reads with a stride and runs far below the memory's speed; compiled, it is a
-tiled copy. It is verified on its first call's own input (a transpose has no rounding).
+The casts also write the transposed FP8 copies the backward GEMMs need (``transposed``), as
+TE's cast-transpose kernels do: eager, a transpose of one-byte elements reads with a stride and
+runs far below the memory's speed; compiled, it comes with the cast.
 
 Where it applies, ``FP8OPS_COMPILED_CASTS`` (read at import; :func:`set_compiled_casts` changes
 it): ``auto`` (the default) compiles for CUDA tensors only, ``all`` for every device (the CPU
@@ -73,7 +73,7 @@ class Compiled:
         if x.numel() == 0 or not _applies(x.device):
             return self.fn(x, *args)
         key = (str(x.device), _name(x.dtype)) + tuple(
-            _name(a) for a in args if isinstance(a, torch.dtype)
+            _name(a) if isinstance(a, torch.dtype) else f"{a}" for a in args if _is_flag(a)
         )
         if key not in self.status:
             self.status[key] = self._verify(x, *args)
@@ -113,13 +113,19 @@ class Compiled:
         return "compiled"
 
 
-def cast_probes(x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: torch.dtype):
-    """For a cast ``fn(x, scale, fp8_max, fp8_dtype)``: the probe tensor at several scales."""
+def cast_probes(x: torch.Tensor, scale: torch.Tensor, fp8_max: float, *flags):
+    """For a cast ``fn(x, scale, fp8_max, fp8_dtype, ...)``: the probe tensor at several scales."""
     probe = probe_tensor(x.dtype, x.device)
     return [
-        (probe, torch.tensor(s, dtype=torch.float32, device=x.device), fp8_max, dtype)
+        (probe, torch.tensor(s, dtype=torch.float32, device=x.device), fp8_max, *flags)
         for s in _probe_scales(fp8_max)
     ]
+
+
+def _is_flag(arg) -> bool:
+    # What a compiled graph is specialised on, so what a verification holds for: dtypes and
+    # booleans. Tensors and the float fp8_max follow from the dtypes.
+    return isinstance(arg, (torch.dtype, bool))
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -23,7 +23,6 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from fp8ops.precision.compiled import Compiled
 from fp8ops.precision.quantize import QuantizedTensor, cast_and_amax, quantize
 from fp8ops.precision.recipe import DelayedScalingRecipe
 from fp8ops.precision.scaling import BWD_GRAD_OUTPUT, FWD_INPUT, FWD_WEIGHT
@@ -57,33 +56,26 @@ class EmulatedGemm:
         return accumulator.to(out_dtype)
 
 
-def _transposed_bytes(data: torch.Tensor) -> tuple[torch.Tensor]:
-    # On the bytes: compiled code and every device handle uint8 (compiled.py compiles this).
-    return (data.view(torch.uint8).t().contiguous(),)
-
-
-_TRANSPOSE = Compiled(_transposed_bytes)
-
-
-def _transpose(q: QuantizedTensor) -> QuantizedTensor:
-    """The row-major FP8 copy of ``q.data.T`` that ``_scaled_mm``'s layout rules ask for."""
-    (data,) = _TRANSPOSE(q.data)
-    return QuantizedTensor(data=data.view(q.data.dtype), scale_inv=q.scale_inv, fp8=q.fp8)
-
-
 def cast_and_record(
-    x: torch.Tensor, state: ScalingState, slot: int, track: dict | None, role: str
+    x: torch.Tensor,
+    state: ScalingState,
+    slot: int,
+    track: dict | None,
+    role: str,
+    *,
+    transposed: bool = False,
 ) -> QuantizedTensor:
     """Cast ``x`` with the slot's current scale and fold its amax into row 0.
 
     With ``track`` (a dict) the full cast statistics are stored under ``role`` for telemetry;
-    without it only the amax pass runs, which is all delayed scaling needs.
+    without it only the amax pass runs, which is all delayed scaling needs. ``transposed``: the
+    cast also makes the transposed copy a backward GEMM will take (``QuantizedTensor.data_t``).
     """
     scale = state.scale[slot]
     if track is None:
-        quantized, amax = cast_and_amax(x, scale, state.fp8)
+        quantized, amax = cast_and_amax(x, scale, state.fp8, transposed=transposed)
     else:
-        quantized, stats = quantize(x, scale, state.fp8)
+        quantized, stats = quantize(x, scale, state.fp8, transposed=transposed)
         amax, track[role] = stats.amax, stats
     state.record_amax(slot, amax)
     return quantized
@@ -97,35 +89,43 @@ class Fp8LinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, qw_data, qw_scale_inv, meta, gemm, update_scope, track):
-        qw = QuantizedTensor(qw_data, qw_scale_inv, meta.forward.fp8)
+    def forward(ctx, x, weight, bias, qw, meta, gemm, update_scope, track, dgrad, wgrad):
+        """``qw``: the FP8 weight; ``dgrad``/``wgrad``: whether the backward will compute the
+        input's / the weight's gradient, which take the weight / the input transposed."""
         x2d = x.reshape(-1, weight.shape[1])  # [tokens, in]
-        qx = cast_and_record(x2d, meta.forward, FWD_INPUT, track, "input")
+        qx = cast_and_record(x2d, meta.forward, FWD_INPUT, track, "input", transposed=wgrad)
         out = gemm(qx, qw, out_dtype=x.dtype, bias=bias)  # [tokens, out]
 
-        # FP8 operands are what backward needs, as in TE: a quarter of the float32 memory.
-        ctx.save_for_backward(qx.data, qx.scale_inv, qw_data, qw_scale_inv)
+        # FP8 operands, in the layouts backward multiplies them in, are all it keeps, as in
+        # TE: a quarter of the float32 memory. Both transposed copies come from the casts.
+        ctx.save_for_backward(
+            qx.transposed().data if wgrad else None, qx.scale_inv,
+            qw.transposed().data if dgrad else None, qw.scale_inv,
+        )  # fmt: skip
         ctx.meta, ctx.gemm, ctx.track, ctx.update_scope = meta, gemm, track, update_scope
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
-        ctx.has_bias = bias is not None
+        ctx.out_features, ctx.has_bias = weight.shape[0], bias is not None
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
-        qx_data, qx_scale_inv, qw_data, qw_scale_inv = ctx.saved_tensors
+        qx_t_data, qx_scale_inv, qw_t_data, qw_scale_inv = ctx.saved_tensors
         fwd = ctx.meta.forward.fp8
-        qx = QuantizedTensor(qx_data, qx_scale_inv, fwd)
-        qw = QuantizedTensor(qw_data, qw_scale_inv, fwd)
+        qx_t = QuantizedTensor(qx_t_data, qx_scale_inv, fwd)  # [in, tokens]
+        qw_t = QuantizedTensor(qw_t_data, qw_scale_inv, fwd)  # [in, out]
 
-        grad2d = grad_out.reshape(-1, qw_data.shape[0])  # [tokens, out]
-        qg = cast_and_record(grad2d, ctx.meta.backward, BWD_GRAD_OUTPUT, ctx.track, "grad_output")
+        grad2d = grad_out.reshape(-1, ctx.out_features)  # [tokens, out]
         needs_input, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        qg = cast_and_record(
+            grad2d, ctx.meta.backward, BWD_GRAD_OUTPUT, ctx.track, "grad_output",
+            transposed=needs_weight,
+        )  # fmt: skip
         grad_input = grad_weight = grad_bias = None
         if needs_input:
-            grad_input = ctx.gemm(qg, _transpose(qw), out_dtype=ctx.x_dtype)  # [tokens, in]
+            grad_input = ctx.gemm(qg, qw_t, out_dtype=ctx.x_dtype)  # [tokens, in]
             grad_input = grad_input.reshape(ctx.x_shape)
         if needs_weight:
-            grad_weight = ctx.gemm(_transpose(qg), _transpose(qx), out_dtype=ctx.w_dtype)
+            grad_weight = ctx.gemm(qg.transposed(), qx_t, out_dtype=ctx.w_dtype)  # [out, in]
         if needs_bias and ctx.has_bias:
             grad_bias = grad2d.sum(dim=0)
 
@@ -133,7 +133,7 @@ class Fp8LinearFunction(torch.autograd.Function):
             # This module ran first in the scope, so its backward runs last: every grad
             # amax of this backward pass has been recorded by now.
             ctx.update_scope.reduce_and_update(forward=False)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 def fp8_linear(
@@ -156,24 +156,29 @@ def fp8_linear(
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {weight.shape[1]}")
     scope.register(meta)
-    if cached_weight is None:
-        cached_weight = cast_and_record(weight, meta.forward, FWD_WEIGHT, track, "weight")
     # Only a call that will run a backward may own the backward update (TE does the same):
     # otherwise a frozen or no-grad first module would leave gradients never rescaled.
     builds_graph = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias)
     )
+    dgrad = builds_graph and x.requires_grad
+    wgrad = builds_graph and weight.requires_grad
+    if cached_weight is None:
+        cached_weight = cast_and_record(
+            weight, meta.forward, FWD_WEIGHT, track, "weight", transposed=dgrad
+        )
     update_scope = scope if builds_graph and scope.claim_backward_update() else None
     out = Fp8LinearFunction.apply(
         x,
         weight,
         bias,
-        cached_weight.data,
-        cached_weight.scale_inv,
+        cached_weight,
         meta,
         gemm,
         update_scope,
         track,
+        dgrad,
+        wgrad,
     )
     return out, cached_weight
 

@@ -44,6 +44,17 @@ class QuantizedTensor:
     data: torch.Tensor  # torch.float8_e4m3fn / float8_e5m2
     scale_inv: torch.Tensor  # 0-dim float32, correctly rounded 1/scale (TE: __frcp_rn)
     fp8: Fp8Dtype
+    # The row-major copy of data.T that a GEMM taking this operand transposed needs (TE's
+    # "columnwise" data; of the [rows, last dim] view when data has more than 2 dimensions);
+    # made by the same cast when asked for (``transposed=True``).
+    data_t: torch.Tensor | None = None
+
+    def transposed(self) -> QuantizedTensor:
+        """``data.T`` as a row-major FP8 tensor, the cast's copy when it made one."""
+        data_t = self.data_t if self.data_t is not None else self.data.t().contiguous()
+        return QuantizedTensor(
+            data=data_t, scale_inv=self.scale_inv, fp8=self.fp8, data_t=self.data
+        )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.data.float() * self.scale_inv).to(dtype)
@@ -70,24 +81,29 @@ def cast(x: torch.Tensor, scale: torch.Tensor, fp8: Fp8Dtype) -> QuantizedTensor
 # They take a 2-D view and reduce each row, and the caller reduces the rows: a row reduction
 # compiles to one kernel with a block per row that also writes the FP8 bytes, where a reduction
 # of the whole tensor to one value would be split for the size first compiled, not the size
-# run. A max and an integer sum come out the same in any order, so this changes no bit.
+# run. A max and an integer sum come out the same in any order, so this changes no bit. With
+# ``transposed`` they also return the transposed FP8 copy a backward GEMM needs, from the same
+# call: one call fewer, which matters because a GPU step of FP8 layers is bound by the host's
+# time per call, not by the GPU (docs/gpu.md).
 
 
-def _cast_and_amax(x, scale, fp8_max: float, dtype: torch.dtype):
+def _cast_and_amax(x, scale, fp8_max: float, dtype: torch.dtype, transposed: bool):
     flat = x.float()
     data = (flat * scale).clamp(-fp8_max, fp8_max).to(dtype)  # = saturating_cast
     row_amax = flat.abs().nan_to_num(nan=0.0, posinf=math.inf).amax(dim=1)  # = amax_of
+    if transposed:
+        return data, row_amax, data.t().contiguous()
     return data, row_amax
 
 
-def _cast_with_stats(x, scale, fp8_max: float, dtype: torch.dtype):
+def _cast_with_stats(x, scale, fp8_max: float, dtype: torch.dtype, transposed: bool):
     flat = x.float()
     scaled = flat * scale
     data = scaled.clamp(-fp8_max, fp8_max).to(dtype)  # = saturating_cast
     is_nan = torch.isnan(flat)
     # FP8 zero is +0 or -0: every bit but the sign is clear. NaN casts to NaN, never to zero.
     zero = (data.view(torch.uint8) & 0x7F) == 0
-    return (
+    outputs = (
         data,
         flat.abs().masked_fill(is_nan, 0.0).amax(dim=1),
         (scaled.abs() > fp8_max).sum(dim=1),  # saturated, inf included
@@ -95,6 +111,7 @@ def _cast_with_stats(x, scale, fp8_max: float, dtype: torch.dtype):
         is_nan.sum(dim=1),
         torch.isinf(flat).sum(dim=1),
     )
+    return (*outputs, data.t().contiguous()) if transposed else outputs
 
 
 _CAST_AND_AMAX = Compiled(_cast_and_amax, probes=cast_probes)
@@ -105,22 +122,28 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.detach().reshape(-1, x.shape[-1]) if x.dim() >= 2 else x.detach().reshape(1, -1)
 
 
+def _quantized(x, data, data_t, scale, fp8, transposed) -> QuantizedTensor:
+    if transposed and data_t is None:  # x is empty
+        data_t = _rows(data).t().contiguous()
+    data = data.reshape(x.shape)
+    return QuantizedTensor(data=data, scale_inv=torch.reciprocal(scale), fp8=fp8, data_t=data_t)
+
+
 def cast_and_amax(
-    x: torch.Tensor, scale: torch.Tensor, fp8: Fp8Dtype
+    x: torch.Tensor, scale: torch.Tensor, fp8: Fp8Dtype, *, transposed: bool = False
 ) -> tuple[QuantizedTensor, torch.Tensor]:
-    """:func:`cast` and :func:`amax_of` in one go: all that delayed scaling needs of a cast."""
-    if x.numel() == 0:
-        return cast(x, scale, fp8), amax_of(x)
+    """:func:`cast` and :func:`amax_of` in one go: all that delayed scaling needs of a cast.
+    ``transposed`` (2-D ``x``): also the transposed FP8 copy (``QuantizedTensor.data_t``)."""
     scale = scale.detach().float().reshape(())
-    data, row_amax = _CAST_AND_AMAX(_rows(x), scale, fp8.max, fp8.torch_dtype)
-    quantized = QuantizedTensor(
-        data=data.reshape(x.shape), scale_inv=torch.reciprocal(scale), fp8=fp8
-    )
+    if x.numel() == 0:
+        return _quantized(x, cast(x, scale, fp8).data, None, scale, fp8, transposed), amax_of(x)
+    data, row_amax, *data_t = _CAST_AND_AMAX(_rows(x), scale, fp8.max, fp8.torch_dtype, transposed)
+    quantized = _quantized(x, data, data_t[0] if transposed else None, scale, fp8, transposed)
     return quantized, row_amax.amax()
 
 
 def quantize(
-    x: torch.Tensor, scale: torch.Tensor, fp8: Fp8Dtype
+    x: torch.Tensor, scale: torch.Tensor, fp8: Fp8Dtype, *, transposed: bool = False
 ) -> tuple[QuantizedTensor, CastStats]:
     """Cast ``x`` to FP8 with ``scale`` (saturating, RNE), returning the data and statistics.
 
@@ -129,14 +152,14 @@ def quantize(
     """
     scale = scale.detach().float().reshape(())
     if x.numel() == 0:
-        data = saturating_cast(x.detach(), scale, fp8)
+        data, data_t = saturating_cast(x.detach(), scale, fp8), None
         zero = torch.zeros((), dtype=torch.int64, device=x.device)
         amax, saturated, underflow, nan, inf = torch.zeros(()), zero, zero, zero, zero
     else:
-        data, *per_row = _CAST_WITH_STATS(_rows(x), scale, fp8.max, fp8.torch_dtype)
-        data = data.reshape(x.shape)
+        data, *per_row = _CAST_WITH_STATS(_rows(x), scale, fp8.max, fp8.torch_dtype, transposed)
+        data_t = per_row.pop() if transposed else None
         amax, saturated, underflow, nan, inf = (per_row[0].amax(), *(c.sum() for c in per_row[1:]))
     stats = CastStats(
         amax=amax, saturated=saturated, underflow=underflow, nan=nan, inf=inf, numel=x.numel()
     )
-    return QuantizedTensor(data=data, scale_inv=torch.reciprocal(scale), fp8=fp8), stats
+    return _quantized(x, data, data_t, scale, fp8, transposed), stats

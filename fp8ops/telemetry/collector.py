@@ -40,7 +40,8 @@ class TelemetryCollector:
         self.modules = modules
         self.names = list(modules)
         self.cfg = telemetry_cfg
-        self._previous_scale: dict[str, dict[str, float]] = {}
+        # [modules, slots] scales of the last row (NaN before the first): for scale_change.
+        self._previous_scale = np.full((len(self.names), len(_SLOTS)), np.nan)
         self.active = False
         self.set_active(True)
 
@@ -66,11 +67,9 @@ class TelemetryCollector:
     def seed_previous_scales(self) -> None:
         """After a checkpoint is loaded: the scales it restored are the "previous" ones, so the
         first resumed row reports the same scale change an uninterrupted run would."""
-        states = self._host_states()
-        for name in self.modules:
-            self._previous_scale[name] = {
-                slot: float(states[name][forward][1][index]) for slot, forward, index in _SLOTS
-            }
+        if self.names:
+            _, scale = self._slot_arrays(self._host_states())
+            self._previous_scale = scale.astype(np.float64)
 
     def begin_step(self, step: int) -> None:
         """Set this step's cadence on every probe (``step`` counts from 1)."""
@@ -95,11 +94,10 @@ class TelemetryCollector:
                 for module, record in zip(self.modules.values(), records)
             ]
         )
-        for i, (name, module) in enumerate(self.modules.items()):
-            values = self._state_metrics(name, states[name])
-            values.update(self._counts(module, records[i]))
-            values.update(measured[i])
-            for metric, value in values.items():
+        for metric, values in self._state_metrics(states).items():
+            row[:, COLUMN[metric]] = values
+        for i, module in enumerate(self.modules.values()):
+            for metric, value in (self._counts(module, records[i]) | measured[i]).items():
                 row[i, COLUMN[metric]] = value
         return row
 
@@ -126,30 +124,52 @@ class TelemetryCollector:
             for name in self.modules
         }
 
-    def _state_metrics(self, name: str, states: dict) -> dict[str, float]:
-        """From the delayed-scaling state (host copies: :meth:`_host_states`): what the scales
-        are and what they are based on."""
-        # numpy on the small CPU state: this runs every step for every module, and a torch
-        # call per value (quantile, item) would cost more than the whole rest of the row.
-        values = {}
-        previous = self._previous_scale.setdefault(name, {})
-        for slot, forward, index in _SLOTS:
-            amax_history, scale_tensor = states[forward]
-            history = amax_history[1:, index].numpy()  # row 0 is the accumulator
-            scale = float(scale_tensor[index])
-            values[f"{slot}.amax"] = history[-1]
-            values[f"{slot}.scale"] = scale
-            values[f"{slot}.scale_inv"] = 1.0 / scale
-            values[f"{slot}.window_max"] = history.max()
-            seen = np.sort(history[history > 0])
-            if seen.size:
-                values[f"{slot}.window_p50"] = _quantile(seen, 0.5)
-                values[f"{slot}.window_p90"] = _quantile(seen, 0.9)
-            if slot in previous:
-                ratio = scale / previous[slot]
-                values[f"{slot}.scale_change"] = max(ratio, 1.0 / ratio)
-            previous[slot] = scale
-        return values
+    def _slot_arrays(self, states: dict) -> tuple[np.ndarray, np.ndarray]:
+        """``[modules, slots, L-1]`` float32 amax histories without the accumulator row 0, and
+        ``[modules, slots]`` float32 scales, slots in ``_SLOTS`` order."""
+        history = np.stack([
+            [states[name][forward][0][1:, index].numpy() for _, forward, index in _SLOTS]
+            for name in self.names
+        ])  # fmt: skip
+        scale = np.array(
+            [
+                [states[name][forward][1][index] for _, forward, index in _SLOTS]
+                for name in self.names
+            ],
+            dtype=np.float32,
+        )
+        return history, scale
+
+    def _state_metrics(self, states: dict) -> dict[str, np.ndarray]:
+        """From the delayed-scaling state (host copies: :meth:`_host_states`), every module at
+        once: what the scales are and what they are based on. ``[modules]`` per metric."""
+        # Vectorised over modules and slots: this runs every step, and a numpy call per module
+        # and slot cost more than a percent of a GPU step, which the host has to launch.
+        if not self.names:  # a model without FP8-capable modules
+            return {}
+        history, scale = self._slot_arrays(states)
+        seen = history > 0  # NaN and zero are no observation
+        count = seen.sum(axis=-1)
+        # Positive values first, ascending; the +inf filler sorts after them (and equals a +inf
+        # amax, which is fine: only the first `count` places are read).
+        ordered = np.sort(np.where(seen, history, np.inf), axis=-1)
+        scale64 = scale.astype(np.float64)
+        ratio = scale64 / self._previous_scale
+        self._previous_scale = scale64
+        columns = {
+            "amax": history[..., -1],
+            "scale": scale,
+            "scale_inv": 1.0 / scale64,
+            "window_max": history.max(axis=-1),
+            "window_p50": _quantile(ordered, count, 0.5),
+            "window_p90": _quantile(ordered, count, 0.9),
+            "scale_change": np.maximum(ratio, 1.0 / ratio),
+        }
+        return {
+            f"{slot}.{metric}": values[:, k]
+            for metric, values in columns.items()
+            for k, (slot, _, _) in enumerate(_SLOTS)
+        }
 
     @staticmethod
     def _measured(module, record: Probe) -> dict[str, torch.Tensor | float]:
@@ -203,10 +223,14 @@ def _host_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [piece.view(t.shape) for piece, t in zip(pieces, tensors, strict=True)]
 
 
-def _quantile(ordered: np.ndarray, q: float) -> float:
-    """numpy's default (linear) quantile of sorted values; ``np.quantile`` costs ~30 us a call
-    in argument handling, more than the whole row of a small module."""
-    position = q * (ordered.size - 1)
-    low = int(position)
-    high = min(low + 1, ordered.size - 1)
-    return float(ordered[low] + (ordered[high] - ordered[low]) * (position - low))
+def _quantile(ordered: np.ndarray, count: np.ndarray, q: float) -> np.ndarray:
+    """numpy's default (linear) quantile of the first ``count`` values of each sorted row, NaN
+    where ``count`` is 0; float32 arithmetic throughout, as on one row of float32 values."""
+    position = q * np.maximum(count - 1, 0)
+    low = position.astype(np.int64)
+    high = np.minimum(low + 1, np.maximum(count - 1, 0))
+    below = np.take_along_axis(ordered, low[..., None], axis=-1)[..., 0]
+    above = np.take_along_axis(ordered, high[..., None], axis=-1)[..., 0]
+    with np.errstate(invalid="ignore"):  # inf - inf where the window holds an infinite amax
+        value = below + (above - below) * (position - low).astype(np.float32)
+    return np.where(count > 0, value, np.float32(np.nan))

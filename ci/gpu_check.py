@@ -364,7 +364,7 @@ def check_compiled_casts(x: torch.Tensor, device: torch.device) -> list[Row]:
                     )  # fmt: skip
                 for cast_fn in (quantize_module._CAST_AND_AMAX, quantize_module._CAST_WITH_STATS):
                     key = (str(source.to(device).device), str(dtype).removeprefix("torch."),
-                           str(fmt.torch_dtype).removeprefix("torch."))  # fmt: skip
+                           str(fmt.torch_dtype).removeprefix("torch."), "False")  # fmt: skip
                     statuses.add(cast_fn.status.get(key, "not called"))
             compiled = statuses == {"compiled"}
             rows.append(Row(

@@ -220,3 +220,16 @@ def test_on_a_gpu_the_casts_compile_by_default_and_equal_the_cpus():
             assert quantize_module._CAST_AND_AMAX.status[(*key, "False")] == "compiled"
     finally:
         set_compiled_casts(old)
+
+
+def test_more_variants_than_dynamos_default_limit_all_compile(compile_everywhere):
+    """Input dtype x FP8 format x transposed copy: 12 specialisations of one function, past
+    Dynamo's default recompile limit of 8."""
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for fp8 in (E4M3, E5M2):
+            for transposed in (False, True):
+                x = sample(torch.float32).clamp(-6e4, 6e4).to(dtype)
+                cast_and_amax(x, torch.tensor(0.5), fp8, transposed=transposed)
+                key = ("cpu", str(dtype).removeprefix("torch."),
+                       str(fp8.torch_dtype).removeprefix("torch."), str(transposed))  # fmt: skip
+                assert quantize_module._CAST_AND_AMAX.status[key] == "compiled", key

@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 
 ENV = "FP8OPS_COMPILED_CASTS"
+RECOMPILE_LIMIT = 64  # specialisations of one compiled function, each verified (Compiled)
 MODES = {"auto": frozenset({"cuda"}), "all": None, "off": frozenset()}  # None: every device
 
 _mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
@@ -85,8 +86,13 @@ class Compiled:
                 )
         if self.status[key] != "compiled":
             return self.fn(x, *args)
-        with torch.no_grad():  # one graph whatever the caller's grad mode; inputs are detached
-            return self._compiled(x, *args)
+        try:
+            with torch.no_grad():  # one graph whatever the caller's grad mode; inputs detached
+                return self._compiled(x, *args)
+        except Exception as exc:  # noqa: BLE001 - e.g. a recompilation past Dynamo's limit
+            self.status[key] = f"failed after verification: {type(exc).__name__}: {exc}"[:300]
+            warnings.warn(f"fp8ops: {self.status[key]}; {key} runs eager from now", stacklevel=3)
+            return self.fn(x, *args)
 
     def _verify(self, x: torch.Tensor, *args) -> str:
         if self._compiled is None:
@@ -95,7 +101,9 @@ class Compiled:
             self._compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
         try:
             for probe in self.probes(x, *args):
-                with torch.no_grad():
+                # Each key is one more specialisation of the same function (input dtype, FP8
+                # format, flags): more than Dynamo's default of 8, which would refuse the ninth.
+                with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                     got = self._compiled(*probe)
                 want = self.fn(*probe)
                 for index, (g, w) in enumerate(zip(got, want, strict=True)):

@@ -49,6 +49,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from fp8ops.checkpoint.te_extra_state import read_extra_state, recipe_differences
+from fp8ops.errors import Fp8opsError
 from fp8ops.megatron.compat import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -174,12 +176,25 @@ class _Fp8LocalGemm:
 
     # The FP8 state in checkpoints, under TE's _extra_state names (tensors only). Megatron's
     # load pre-hook passes None for checkpoints without it: the state is then left as it is.
+    # A TE module's payload (a model trained with TE's layer spec) loads too, read without
+    # running its pickle (fp8ops.checkpoint.te_extra_state), if its recipe is this module's.
     def get_extra_state(self) -> dict[str, torch.Tensor]:
         return self.fp8_meta.state_dict()
 
-    def set_extra_state(self, state: dict[str, torch.Tensor] | None) -> None:
-        if state is not None:
-            self.fp8_meta.load_state_dict(state)
+    def set_extra_state(self, state: dict[str, torch.Tensor] | torch.Tensor | None) -> None:
+        if state is None:
+            return
+        where = f"{type(self).__name__}._extra_state"
+        loaded = read_extra_state(state, where=where)
+        if loaded is None:  # TE's empty payload: that module had no FP8 state
+            return
+        differences = recipe_differences(loaded.recipe, self.fp8_meta.recipe)
+        if differences:
+            raise Fp8opsError(
+                f"{where}: the TE state was made under another recipe ({'; '.join(differences)}); "
+                "build this model from a manifest with that recipe to load it"
+            )
+        self.fp8_meta.load_state_dict(loaded.tensors)
 
 
 class Fp8ColumnParallelLinear(_Fp8LocalGemm, ColumnParallelLinear):

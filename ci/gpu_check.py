@@ -373,9 +373,41 @@ def check_compiled_casts(x: torch.Tensor, device: torch.device) -> list[Row]:
                 + ("compiled" if compiled else "eager: " + "; ".join(sorted(statuses))),
                 "all", all(equal), {"statuses": sorted(statuses)},
             ))  # fmt: skip
+        rows.append(check_cast_and_record(x, device))
     finally:
         set_compiled_casts(old)
     return rows
+
+
+def check_cast_and_record(x: torch.Tensor, device: torch.device) -> Row:
+    """The ordinary step's cast (``linear.cast_and_record``: cast, transposed copy, amax folded
+    into the history, scale_inv) compiled on ``device`` against eager on the CPU."""
+    from fp8ops.precision.linear import cast_and_record
+    from fp8ops.precision.state import ScalingState
+
+    linear_module = sys.modules["fp8ops.precision.linear"]
+    source = x[: 256 * 256].reshape(256, 256).to(torch.bfloat16)
+    equal = []
+    for fmt, slot in ((E4M3, 0), (E4M3, 1), (E5M2, 0)):
+        states = {}
+        for where, mode in ((device, "all"), (torch.device("cpu"), "off")):
+            state = ScalingState.fresh(4, 3, fmt)
+            state.amax_history[0] = torch.tensor([2.0, 0.0, float("nan")])
+            state.scale[:] = torch.tensor([fmt.max / 1e3, 0.7, 3e5])
+            state.amax_history, state.scale = state.amax_history.to(where), state.scale.to(where)
+            set_compiled_casts(mode)
+            q = cast_and_record(source.to(where), state, slot, None, "input", transposed=True)
+            states[where.type] = [
+                t.cpu() for t in (q.data, q.data_t, q.scale_inv, state.amax_history)
+            ]
+        set_compiled_casts("all")
+        here, there = states[device.type], states["cpu"]
+        equal.append(all(same_bits(a, b) for a, b in zip(here, there, strict=True)))
+    statuses = sorted({v for k, v in linear_module._CAST_AND_RECORD.status.items()
+                       if k[0] == str(source.to(device).device)})  # fmt: skip
+    return Row("scaling", "compiled cast+record (the ordinary step) = CPU eager",
+               f"{sum(equal)}/{len(equal)} equal; " + ", ".join(statuses),
+               "all", all(equal) and statuses == ["compiled"], {"statuses": statuses})  # fmt: skip
 
 
 # -- (c) throughput of a layer stack ---------------------------------------------------------------

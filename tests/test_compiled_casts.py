@@ -29,6 +29,7 @@ from fp8ops.precision.quantize import amax_of, cast, cast_and_amax, quantize
 
 # The package exports the function quantize under the module's name, hence import_module.
 quantize_module = importlib.import_module("fp8ops.precision.quantize")
+linear_module = importlib.import_module("fp8ops.precision.linear")
 
 
 @pytest.fixture
@@ -201,10 +202,11 @@ def test_an_fp8_linear_trains_bit_identically_with_compiled_casts():
     assert compiled_out[1][3]  # the telemetry step produced statistics
     for key in eager_state:
         assert same_bits(compiled_state[key], eager_state[key]), key
-    # The backward's transposed FP8 copies came from compiled casts: weight and input (E4M3),
-    # gradient (E5M2).
-    for fp8 in ("float8_e4m3fn", "float8_e5m2"):
-        assert quantize_module._CAST_AND_AMAX.status[("cpu", "bfloat16", fp8, "True")] == "compiled"
+    # Every cast of the ordinary steps, with the transposed copies the backward takes, ran
+    # compiled: input (slot 0) and weight (slot 1) in E4M3, the gradient (slot 0) in E5M2.
+    statuses = linear_module._CAST_AND_RECORD.status
+    for slot, fp8 in (("0", "float8_e4m3fn"), ("1", "float8_e4m3fn"), ("0", "float8_e5m2")):
+        assert statuses[("cpu", "bfloat16", slot, fp8, "True")] == "compiled", (slot, fp8)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -233,3 +235,18 @@ def test_more_variants_than_dynamos_default_limit_all_compile(compile_everywhere
                 key = ("cpu", str(dtype).removeprefix("torch."),
                        str(fp8.torch_dtype).removeprefix("torch."), str(transposed))  # fmt: skip
                 assert quantize_module._CAST_AND_AMAX.status[key] == "compiled", key
+
+
+def test_a_compiled_function_that_writes_its_input_differently_is_not_used(compile_everywhere):
+    def record(x, history, scale, fp8_max, dtype):
+        amax = x.float().abs().amax()
+        if torch.compiler.is_compiling():
+            amax = amax * 2  # the output is right, the write into the history is not
+        history[0] = torch.fmax(history[0], amax)
+        return ((x.float() * scale).clamp(-fp8_max, fp8_max).to(dtype),)
+
+    record_fn = Compiled(record)
+    x, history = sample(torch.float32).nan_to_num(0.0, 1.0, -1.0), torch.zeros(4)
+    with pytest.warns(UserWarning, match="an input it writes differs"):
+        record_fn(x, history, torch.tensor(1.0), E4M3.max, E4M3.torch_dtype)
+    assert history[0] == x.abs().amax()  # the eager write, once

@@ -101,20 +101,23 @@ class Compiled:
             self._compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
         try:
             for probe in self.probes(x, *args):
+                # Each run gets its own copies: the function may write into its inputs (the
+                # amax history), and those writes are compared too.
+                mine, theirs = _copies(probe), _copies(probe)
                 # Each key is one more specialisation of the same function (input dtype, FP8
                 # format, flags): more than Dynamo's default of 8, which would refuse the ninth.
                 with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                    got = self._compiled(*probe)
-                want = self.fn(*probe)
-                for index, (g, w) in enumerate(zip(got, want, strict=True)):
+                    got = self._compiled(*mine)
+                want = self.fn(*theirs)
+                pairs = list(zip(got, want, strict=True)) + [
+                    (a, b) for a, b in zip(mine, theirs, strict=True) if isinstance(a, torch.Tensor)
+                ]
+                for index, (g, w) in enumerate(pairs):
                     if not same_bits(g, w):
-                        scalars = [
-                            f"{a.item():g}" for a in probe[1:2] if isinstance(a, torch.Tensor)
-                        ]
-                        at = f" at scale {scalars[0]}" if scalars else ""
+                        what = f"output {index}" if index < len(got) else "an input it writes"
                         return (
-                            f"output {index} differs from the eager result{at} (compiler bug "
-                            "or changed rounding)"
+                            f"{what} differs from the eager result (compiler bug or changed "
+                            "rounding)"
                         )
         except Exception as exc:  # noqa: BLE001 - any compiler failure means: stay eager
             return f"compilation failed: {type(exc).__name__}: {exc}"[:300]
@@ -131,9 +134,13 @@ def cast_probes(x: torch.Tensor, scale: torch.Tensor, fp8_max: float, *flags):
 
 
 def _is_flag(arg) -> bool:
-    # What a compiled graph is specialised on, so what a verification holds for: dtypes and
-    # booleans. Tensors and the float fp8_max follow from the dtypes.
-    return isinstance(arg, (torch.dtype, bool))
+    # What a compiled graph is specialised on, so what a verification holds for: dtypes,
+    # booleans and integers (a slot index). Tensors and the float fp8_max follow from them.
+    return isinstance(arg, (torch.dtype, bool, int))
+
+
+def _copies(args: tuple) -> tuple:
+    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -23,7 +23,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from fp8ops.precision.quantize import QuantizedTensor, cast_and_amax, quantize
+from fp8ops.precision.compiled import Compiled, cast_probes
+from fp8ops.precision.quantize import QuantizedTensor, _cast_and_amax, cast_and_amax, quantize
 from fp8ops.precision.recipe import DelayedScalingRecipe
 from fp8ops.precision.scaling import BWD_GRAD_OUTPUT, FWD_INPUT, FWD_WEIGHT
 from fp8ops.precision.scope import Fp8Scope, active_scope
@@ -56,6 +57,36 @@ class EmulatedGemm:
         return accumulator.to(out_dtype)
 
 
+def _cast_and_record(x, history, scales, slot: int, fp8_max: float, dtype, transposed: bool):
+    """The ordinary step's cast as one function of tensors, compiled on GPUs (``compiled.py``):
+    the cast, its amax folded into ``history[0, slot]`` (in place, as TE's atomicMaxFloat),
+    and ``scale_inv``. One compiled call instead of a dozen small eager ones: a GPU step of
+    FP8 layers is bound by the host's time per call (docs/gpu.md)."""
+    scale = scales[slot]
+    data, row_amax, *data_t = _cast_and_amax(x, scale, fp8_max, dtype, transposed)
+    history[0, slot] = torch.fmax(history[0, slot], row_amax.amax())  # = ScalingState.record_amax
+    return (data, torch.reciprocal(scale), *data_t)
+
+
+def _record_probes(x, history, scales, slot, fp8_max, dtype, transposed):
+    """:func:`~fp8ops.precision.compiled.cast_probes`, with a history holding zeros, NaN and
+    values on both sides of the probe's amax, so the fold into row 0 is checked too."""
+    rows = []
+    for probe, scale, *_ in cast_probes(x, scales[slot], fp8_max, dtype, transposed):
+        probe_scales = scales.detach().clone()
+        probe_scales[slot] = scale
+        probe_history = (
+            torch.tensor([0.0, float("nan"), 1e-30, 5.0, 3e38])[torch.arange(history.numel()) % 5]
+            .reshape(history.shape)
+            .to(history)
+        )
+        rows.append((probe, probe_history, probe_scales, slot, fp8_max, dtype, transposed))
+    return rows
+
+
+_CAST_AND_RECORD = Compiled(_cast_and_record, probes=_record_probes)
+
+
 def cast_and_record(
     x: torch.Tensor,
     state: ScalingState,
@@ -65,14 +96,20 @@ def cast_and_record(
     *,
     transposed: bool = False,
 ) -> QuantizedTensor:
-    """Cast ``x`` with the slot's current scale and fold its amax into row 0.
+    """Cast ``x`` (2-D) with the slot's current scale and fold its amax into row 0.
 
     With ``track`` (a dict) the full cast statistics are stored under ``role`` for telemetry;
     without it only the amax pass runs, which is all delayed scaling needs. ``transposed``: the
     cast also makes the transposed copy a backward GEMM will take (``QuantizedTensor.data_t``).
     """
+    if track is None and x.numel():
+        fp8 = state.fp8
+        data, scale_inv, *data_t = _CAST_AND_RECORD(
+            x.detach(), state.amax_history, state.scale, slot, fp8.max, fp8.torch_dtype, transposed
+        )
+        return QuantizedTensor(data, scale_inv, fp8, data_t[0] if transposed else None)
     scale = state.scale[slot]
-    if track is None:
+    if track is None:  # an empty tensor
         quantized, amax = cast_and_amax(x, scale, state.fp8, transposed=transposed)
     else:
         quantized, stats = quantize(x, scale, state.fp8, transposed=transposed)

@@ -11,7 +11,7 @@ backends changes only the multiply.
 ``_scaled_mm``'s rules (CUDA's, the strictest), and how :class:`ScaledMmGemm` meets them:
 
 * **Layout.** The first operand row-major, the second column-major. The protocol's ``b`` is
-  ``[N, K]`` row-major (a weight, or the transposed copy the linear's backward makes, as TE keeps
+  ``[N, K]`` row-major (a weight, or the transposed copy the casts make, as TE keeps
   a transposed FP8 copy), so ``b.t()`` is column-major as it is: no copy.
 * **Formats.** E4M3 x E4M3, E5M2 x E4M3 and E4M3 x E5M2; cuBLASLt has no E5M2 x E5M2 kernel.
   Under HYBRID the E5M2 tensor is the gradient, which is the first operand of dgrad

@@ -89,3 +89,97 @@ def test_te_model_trains_under_delayed_scaling(manifest):  # pragma: no cover - 
     assert torch.isfinite(scale).all() and not torch.equal(scale, torch.ones_like(scale))
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+# -- per-module BF16 under the delayed-scaling autocast -------------------------------------
+
+
+def test_the_four_projections_are_swapped_by_spec_and_nothing_else():
+    from fp8ops.megatron.compat import ModuleSpec, get_gpt_layer_local_spec
+    from fp8ops.megatron.spec import get_gpt_layer_fp8_emulated_spec
+    from fp8ops.megatron.te_backend import PROJECTIONS, with_bf16_capable_projections
+    from fp8ops.precision import DelayedScalingRecipe
+
+    def wrap(cls):
+        return type(f"{cls.__name__}Wrapped", (cls,), {})
+
+    def projection(spec, path):
+        block, slot = path.split(".")
+        value = getattr(getattr(spec.submodules, block).submodules, slot)
+        return value.module if isinstance(value, ModuleSpec) else value
+
+    for base in (  # projections as classes (local spec) and as ModuleSpecs (fp8ops' spec)
+        get_gpt_layer_local_spec(normalization="RMSNorm"),
+        get_gpt_layer_fp8_emulated_spec(DelayedScalingRecipe(amax_history_len=4)),
+    ):
+        swapped = with_bf16_capable_projections(base, wrap=wrap)
+        for path in PROJECTIONS:
+            original, now = projection(base, path), projection(swapped, path)
+            assert now.__name__ == f"{original.__name__}Wrapped" and issubclass(now, original)
+        attention = swapped.submodules.self_attention.submodules
+        assert attention.core_attention is base.submodules.self_attention.submodules.core_attention
+        assert swapped.submodules.input_layernorm is base.submodules.input_layernorm
+
+
+def test_a_bf16_capable_class_keeps_its_forward_while_fp8_is_enabled():
+    import torch
+
+    from fp8ops.megatron.te_backend import bf16_capable
+
+    capable = bf16_capable(torch.nn.Linear)
+    assert capable is bf16_capable(torch.nn.Linear)  # one subclass per class
+    layer = capable(4, 3)
+    assert layer.fp8_enabled is True and type(layer).__name__ == "LinearBf16Capable"
+    x = torch.randn(2, 4)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_bf16_modules_come_from_the_overrides_and_must_be_projections(manifest):
+    from fp8ops.megatron.te_backend import bf16_module_names
+
+    overridden = derive(
+        manifest,
+        {"precision.overrides": [{"module": "decoder.layers.1.mlp.linear_fc2", "reason": "r"}]},
+        "a fallback",
+    )
+    assert bf16_module_names(overridden, ["decoder.layers.0.self_attention.linear_qkv"]) == {
+        "decoder.layers.1.mlp.linear_fc2", "decoder.layers.0.self_attention.linear_qkv",
+    }  # fmt: skip
+    layers = manifest.model.num_layers
+    with pytest.raises(
+        Fp8opsError, match=rf"decoder.layers.{layers}.mlp.linear_fc1, which are not"
+    ):
+        bf16_module_names(manifest, [f"decoder.layers.{layers}.mlp.linear_fc1"])
+    with pytest.raises(Fp8opsError, match="decoder.output_layer"):
+        bf16_module_names(manifest, ["decoder.output_layer"])
+
+
+@needs_te
+def test_a_te_module_in_bf16_keeps_its_state_while_the_others_train(manifest):  # pragma: no cover
+    import torch
+    import torch.distributed as dist
+
+    from fp8ops.megatron.compat import parallel_state
+    from fp8ops.train.distributed import _free_port
+
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    held = "decoder.layers.0.mlp.linear_fc1"
+    model = build_gpt_te(manifest, bf16_modules=[held])
+    modules = dict(model.named_modules())
+    s = manifest.model.seq_length
+    tokens = torch.randint(0, 256, (2, s), device="cuda")
+    positions = torch.arange(s, device="cuda").expand(2, s)
+    for _ in range(3):
+        model(tokens, positions, None, labels=tokens).float().mean().backward()
+    frozen = modules[held].fp8_meta.get("scaling_fwd")
+    if frozen is not None:  # TE may not even build the state of a module never run in FP8
+        assert torch.equal(frozen.scale, torch.ones_like(frozen.scale))
+        assert not frozen.amax_history.any()
+    trained = modules["decoder.layers.0.mlp.linear_fc2"].fp8_meta["scaling_fwd"]
+    assert not torch.equal(trained.scale, torch.ones_like(trained.scale))
+    assert torch.isfinite(trained.scale).all()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()

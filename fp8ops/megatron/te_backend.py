@@ -9,14 +9,26 @@ takes Megatron's amax reduction group; the autocast's exit then reduces and upda
 micro-batch forward, the cadence fp8ops' own scope follows. Module names match the emulated spec
 (``spec.py``), so telemetry and manifests' globs name the same modules on both.
 
+Per-module BF16 under delayed scaling, which Megatron refuses (its per-layer contexts would
+reduce amaxes once per layer, reference §7): every projection is built, by ModuleSpec, as a
+subclass of its TE class (:func:`bf16_capable`) that carries fp8ops' ``fp8_enabled`` flag, as
+fp8ops' own FP8 layers do. With the flag False its forward runs inside a *nested, disabled* TE
+autocast: TE then neither casts its GEMMs nor registers its ``fp8_meta`` in that step's amax
+buffer, so its state stays frozen, and the nested exit does not reduce (only the outermost,
+enabled exit does, ``FP8GlobalStateManager.autocast_exit``). Every other module's amaxes are
+reduced and updated once per step as before. :func:`build_gpt_te` sets the flag for the modules
+named in ``precision.overrides`` (approved fallbacks) and in ``bf16_modules``.
+
 Everywhere else :func:`te_available` is False and :func:`build_gpt_te` refuses with the fallback
-to use, so callers and tests skip cleanly. Per-module BF16 overrides inside the TE autocast and
-telemetry from TE's buffers are the GPU issue's work; admission's decisions apply to the emulated
-backend only for now.
+to use, so callers and tests skip cleanly. Not yet wired: the trainer's admission table, telemetry
+and checkpoints read fp8ops' ``Fp8Meta``, not TE's ``fp8_meta`` dict; TE's checkpoint payload is
+read and written by ``fp8ops.checkpoint.te_extra_state``.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Collection, Iterable
 from dataclasses import replace
 
 import torch
@@ -64,10 +76,85 @@ def te_transformer_config(manifest):
     )
 
 
-def build_gpt_te(manifest):
+PROJECTIONS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+               "mlp.linear_fc2")  # fmt: skip
+
+
+@functools.cache
+def bf16_capable(te_class: type) -> type:
+    """``te_class`` (a Megatron TE linear) with fp8ops' ``fp8_enabled`` flag: while it is False,
+    the module runs in its parameters' dtype inside the outer delayed-scaling autocast (module
+    docstring). One subclass per TE class, named after it."""
+
+    def __init__(self, *args, **kwargs):
+        te_class.__init__(self, *args, **kwargs)
+        self.fp8_enabled = True
+
+    def forward(self, *args, **kwargs):
+        if self.fp8_enabled:
+            return te_class.forward(self, *args, **kwargs)
+        with _te_autocast_disabled():
+            return te_class.forward(self, *args, **kwargs)
+
+    return type(
+        f"{te_class.__name__}Bf16Capable",
+        (te_class,),
+        {"__init__": __init__, "forward": forward, "__doc__": bf16_capable.__doc__},
+    )
+
+
+def _te_autocast_disabled():
+    te = compat.transformer_engine_pytorch()
+    # TE 2.8 renamed fp8_autocast to autocast; both take enabled= and restore the outer state.
+    autocast = getattr(te, "autocast", None) or te.fp8_autocast
+    return autocast(enabled=False)
+
+
+def with_bf16_capable_projections(layer_spec, wrap=bf16_capable):
+    """A copy of a GPT layer spec whose four projections are built as ``wrap(their class)``
+    (a class or a ModuleSpec's module); the layer spec itself is not modified."""
+    layer = layer_spec.submodules
+    blocks = {"self_attention": layer.self_attention, "mlp": layer.mlp}
+    for path in PROJECTIONS:
+        block_name, slot = path.split(".")
+        block = blocks[block_name]
+        current = getattr(block.submodules, slot)
+        if isinstance(current, compat.ModuleSpec):
+            swapped = replace(current, module=wrap(current.module))
+        else:
+            swapped = wrap(current)
+        blocks[block_name] = replace(block, submodules=replace(block.submodules, **{slot: swapped}))
+    return replace(layer_spec, submodules=replace(layer, **blocks))
+
+
+def bf16_module_names(manifest, extra: Iterable[str] = ()) -> set[str]:
+    """The projections to run in BF16: approved fallbacks (``precision.overrides``) and
+    ``extra``, each checked to be one of the model's projections."""
+    names = {o.module for o in manifest.precision.overrides} | set(extra)
+    known = {
+        f"decoder.layers.{i}.{p}" for i in range(manifest.model.num_layers) for p in PROJECTIONS
+    }
+    unknown = sorted(names - known)
+    if unknown:
+        raise Fp8opsError(
+            f"BF16 overrides name {', '.join(unknown)}, which are not projections of this "
+            f"{manifest.model.num_layers}-layer model (decoder.layers.<i>.<{'|'.join(PROJECTIONS)}>)"
+        )
+    return names
+
+
+def set_bf16_modules(model, names: Collection[str]) -> None:
+    """Run the named projections in BF16 from the next forward (the others in FP8)."""
+    for name, module in model.named_modules():
+        if hasattr(module, "fp8_enabled") and name.split(".", 1)[0] == "decoder":
+            module.fp8_enabled = name not in names
+
+
+def build_gpt_te(manifest, bf16_modules: Iterable[str] = ()):
     """The manifest's GPT from Megatron's TE spec, on the GPU; weights drawn from
     ``seeds.model`` as :func:`~fp8ops.megatron.build_gpt` draws them. Megatron's parallel state
-    must be initialised."""
+    must be initialised. The projections in ``precision.overrides`` and ``bf16_modules`` run in
+    BF16 inside the delayed-scaling autocast (module docstring)."""
     if not te_available():
         raise Fp8opsError(
             "the Transformer Engine backend needs a CUDA GPU and transformer_engine.pytorch; "
@@ -75,14 +162,16 @@ def build_gpt_te(manifest):
         )
     from fp8ops.megatron.model import DTYPES, padded_vocab_size
 
+    names = bf16_module_names(manifest, bf16_modules)
     model_cfg, topology = manifest.model, manifest.topology
     torch.manual_seed(manifest.seeds.model)
     compat.tensor_parallel.model_parallel_cuda_manual_seed(manifest.seeds.model)
     model = compat.GPTModel(
         config=te_transformer_config(manifest),
-        transformer_layer_spec=compat.te_gpt_layer_spec(),
+        transformer_layer_spec=with_bf16_capable_projections(compat.te_gpt_layer_spec()),
         vocab_size=padded_vocab_size(model_cfg.vocab_size, topology.tensor_parallel),
         max_sequence_length=model_cfg.seq_length,
         position_embedding_type=model_cfg.position_embedding,
     )
+    set_bf16_modules(model, names)
     return model.to(device="cuda", dtype=DTYPES[manifest.precision.base_dtype])

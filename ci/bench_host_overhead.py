@@ -9,6 +9,8 @@ tensors, where the arithmetic costs next to nothing: a chain of N linears, forwa
 timed per linear. Rows:
 
 * BF16: ``torch.nn.functional.linear``, what Megatron's BF16 layers run;
+* the FP8 rows multiply with ``torch._scaled_mm`` (oneDNN on a CPU; the emulation where this torch
+  has none), as the GPU runs did;
 * FP8, eager casts: ``fp8_linear`` with the casts as eager torch operations;
 * FP8, compiled casts: the same with the casts compiled (``FP8OPS_COMPILED_CASTS=all``), as
   on a GPU. On a CPU the compiled kernels are C++, not Triton, but the per-call cost of the
@@ -24,7 +26,15 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from fp8ops.precision import DelayedScalingRecipe, EmulatedGemm, Fp8Meta, Fp8Scope, fp8_linear
+from fp8ops.precision import (
+    DelayedScalingRecipe,
+    EmulatedGemm,
+    Fp8Meta,
+    Fp8Scope,
+    ScaledMmGemm,
+    fp8_linear,
+    scaled_mm_unsupported,
+)
 from fp8ops.precision.compiled import set_compiled_casts
 
 WIDTH, TOKENS = 64, 32  # tiny: the arithmetic is negligible next to the host's work
@@ -38,7 +48,9 @@ def chain(kind: str, linears: int):
         torch.randn(WIDTH, WIDTH, dtype=torch.bfloat16, requires_grad=True) for _ in range(linears)
     ]
     metas = [Fp8Meta.fresh(recipe) for _ in range(linears)]
-    scope, gemm = Fp8Scope(recipe), EmulatedGemm()
+    # The GPU's GEMM where torch runs it here (oneDNN on a CPU): the same calls a GPU step makes.
+    gemm = ScaledMmGemm() if scaled_mm_unsupported("cpu") is None else EmulatedGemm()
+    scope = Fp8Scope(recipe)
 
     def step() -> None:
         h = torch.randn(TOKENS, WIDTH, dtype=torch.bfloat16, requires_grad=True)

@@ -775,6 +775,7 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = args.steps or (3 if args.smoke else 50)
     args.warmup = args.warmup or (1 if args.smoke else 5)
 
+    args.out.parent.mkdir(parents=True, exist_ok=True)  # --profile writes beside it early
     started = time.perf_counter()
     info = environment(device)
     print("gpu_check: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
@@ -802,7 +803,6 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": time.perf_counter() - started, "correct": correct,
         "rows": [asdict(r) | {"status": r.status} for r in rows],
     }  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
     print()
     if args.smoke:

@@ -1,0 +1,40 @@
+"""ci/gpu_check.py --smoke: the GPU check's code, run on the CPU at toy sizes (its numbers mean
+nothing there), so the script a GPU session depends on cannot rot unnoticed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None, reason="needs the megatron extra"
+)
+
+
+def test_the_smoke_run_passes_every_check_and_prints_the_table_last(tmp_path):
+    out = tmp_path / "report" / "gpu_check.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "ci" / "gpu_check.py"), "--smoke", "--profile",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["smoke"] and report["correct"]
+    parts = {row["part"] for row in report["rows"]}
+    assert parts == {"gemm", "scaling", "throughput", "goal"}
+    checks = [row for row in report["rows"] if row["part"] in ("gemm", "scaling")]
+    assert all(row["status"] in ("PASS", "info") for row in checks)
+    assert any("compiled cast+record" in row["check"] and row["status"] == "PASS" for row in checks)
+    throughput = {row["check"]: row for row in report["rows"] if row["part"] == "throughput"}
+    assert "tokens/s" in throughput["FP8 scaled_mm (compiled casts) + telemetry"]["result"]
+    for kind in ("bf16", "fp8"):
+        assert (out.parent / f"gpu_check.profile-{kind}.txt").read_text().strip()
+    assert result.stdout.rstrip().splitlines()[-1].startswith("-")  # the table closes the output

@@ -332,6 +332,12 @@ def check_cast(device: torch.device) -> list[Row]:
             equal.append(torch.equal(here, there))
         rows.append(Row("scaling", f"saturating cast {fmt.name.upper()}: device = CPU",
                         f"{sum(equal)}/{len(equal)} scales", "all", all(equal)))  # fmt: skip
+    # scale_inv: TE's __frcp_rn is the correctly rounded reciprocal; so is torch's on the CPU.
+    scales = torch.exp2(torch.rand(1 << 20, generator=generator) * 260 - 130)  # 2^-130..2^130
+    inverse = torch.reciprocal(scales.to(device)).cpu()
+    same_inverse = bits_equal(inverse.numpy(), torch.reciprocal(scales).numpy())
+    rows.append(Row("scaling", "scale_inv = 1/scale: device = CPU (2^20 scales)",
+                    "equal" if same_inverse else "differs", "equal", same_inverse))  # fmt: skip
     amax_same = bits_equal(amax_of(x).numpy(), amax_of(x.to(device)).cpu().numpy())
     rows.append(Row("scaling", "amax (NaN ignored, inf kept): device = CPU",
                     "equal" if amax_same else "differs", "equal", amax_same))  # fmt: skip
@@ -365,7 +371,7 @@ def check_compiled_casts(x: torch.Tensor, device: torch.device) -> list[Row]:
                 for cast_fn in (quantize_module._CAST_AND_AMAX, quantize_module._CAST_WITH_STATS):
                     key = (str(source.to(device).device), str(dtype).removeprefix("torch."),
                            str(fmt.torch_dtype).removeprefix("torch."), "False")  # fmt: skip
-                    statuses.add(cast_fn.status.get(key, "not called"))
+                    statuses |= cast_fn.statuses(*key) or {"not called"}
             compiled = statuses == {"compiled"}
             rows.append(Row(
                 "scaling", f"compiled cast, amax, statistics {fmt.name.upper()} = CPU eager",
@@ -389,7 +395,7 @@ def check_cast_and_record(x: torch.Tensor, device: torch.device) -> Row:
     source = x[: 256 * 256].reshape(256, 256).to(torch.bfloat16)
     equal = []
     for fmt, slot in ((E4M3, 0), (E4M3, 1), (E5M2, 0)):
-        states = {}
+        results = {}
         for where, mode in ((device, "all"), (torch.device("cpu"), "off")):
             state = ScalingState.fresh(4, 3, fmt)
             state.amax_history[0] = torch.tensor([2.0, 0.0, float("nan")])
@@ -397,14 +403,11 @@ def check_cast_and_record(x: torch.Tensor, device: torch.device) -> Row:
             state.amax_history, state.scale = state.amax_history.to(where), state.scale.to(where)
             set_compiled_casts(mode)
             q = cast_and_record(source.to(where), state, slot, None, "input", transposed=True)
-            states[where.type] = [
-                t.cpu() for t in (q.data, q.data_t, q.scale_inv, state.amax_history)
-            ]
+            results[mode] = [t.cpu() for t in (q.data, q.data_t, q.scale_inv, state.amax_history)]
         set_compiled_casts("all")
-        here, there = states[device.type], states["cpu"]
-        equal.append(all(same_bits(a, b) for a, b in zip(here, there, strict=True)))
-    statuses = sorted({v for k, v in linear_module._CAST_AND_RECORD.status.items()
-                       if k[0] == str(source.to(device).device)})  # fmt: skip
+        pairs = zip(results["all"], results["off"], strict=True)
+        equal.append(all(same_bits(a, b) for a, b in pairs))
+    statuses = sorted(linear_module._CAST_AND_RECORD.statuses(str(source.to(device).device)))
     return Row("scaling", "compiled cast+record (the ordinary step) = CPU eager",
                f"{sum(equal)}/{len(equal)} equal; " + ", ".join(statuses),
                "all", all(equal) and statuses == ["compiled"], {"statuses": statuses})  # fmt: skip

@@ -132,21 +132,26 @@ def test_saturation_is_measured_when_the_scale_is_stale(setup):
     assert value(row, collector, other, "weight.saturation") == 0
 
 
+def previous_quantile(ordered: np.ndarray, q: float) -> float:
+    """The collector's scalar quantile before it was vectorised, verbatim."""
+    position = q * (ordered.size - 1)
+    low = int(position)
+    high = min(low + 1, ordered.size - 1)
+    return float(ordered[low] + (ordered[high] - ordered[low]) * (position - low))
+
+
 def scalar_state_metrics(history: np.ndarray, scale: float, previous: float | None) -> dict:
-    """One module slot's state metrics, value by value: what the collector computes for all
-    modules at once. ``history`` is the float32 window without row 0."""
+    """One module slot's state metrics as the collector computed them before it was vectorised
+    (its loop body, verbatim but for the names). ``history``: the float32 window, no row 0."""
     values = {"amax": history[-1], "scale": scale, "scale_inv": 1.0 / scale,
               "window_max": history.max()}  # fmt: skip
     seen = np.sort(history[history > 0])
-    for q, name in ((0.5, "window_p50"), (0.9, "window_p90")):
-        if seen.size:
-            position = q * (seen.size - 1)
-            low = int(position)
-            high = min(low + 1, seen.size - 1)
-            # float32 scalars and a Python float: float32 arithmetic (NEP 50)
-            values[name] = seen[low] + (seen[high] - seen[low]) * (position - low)
+    if seen.size:
+        values["window_p50"] = previous_quantile(seen, 0.5)
+        values["window_p90"] = previous_quantile(seen, 0.9)
     if previous is not None:
-        values["scale_change"] = max(scale / previous, previous / scale)
+        ratio = scale / previous
+        values["scale_change"] = max(ratio, 1.0 / ratio)
     return values
 
 

@@ -108,7 +108,7 @@ def test_empty_truncated_and_malformed_payloads():
     assert read_extra_state(torch.empty(0, dtype=torch.uint8)) is None  # no FP8 state
     with pytest.raises(Fp8opsError, match="not a readable TE extra-state payload"):
         read_extra_state(pickle.dumps({"scale_fwd": torch.ones(3)})[:-9])
-    with pytest.raises(Fp8opsError, match="lacks amax_history_fwd, scale_bwd, amax_history_bwd"):
+    with pytest.raises(Fp8opsError, match="without TE's DelayedScaling recipe"):
         read_extra_state(pickle.dumps({"scale_fwd": torch.ones(3)}))
     with pytest.raises(Fp8opsError, match="neither fp8ops' FP8 state"):
         read_extra_state(torch.ones(3))
@@ -120,7 +120,7 @@ def test_fp8ops_state_reads_as_itself():
     state = trained_meta().state_dict()
     loaded = read_extra_state(state)
     assert loaded.source == "fp8ops" and loaded.recipe is None
-    assert all(loaded.tensors[k] is state[k] for k in FP8_KEYS)
+    assert all(torch.equal(loaded.tensors[k], state[k]) for k in FP8_KEYS)
 
 
 @needs_te_recipe
@@ -159,3 +159,48 @@ def test_a_megatron_fp8_layer_loads_a_te_payload_and_refuses_another_recipe(mega
     other = DelayedScalingRecipe(amax_history_len=16, amax_compute_algo=parse_amax_algo("max"))
     with pytest.raises(Fp8opsError, match=r"another recipe \(margin: 1 != 0\)"):
         layer(other).set_extra_state(te_extra_state(meta.state_dict(), RECIPE))
+
+
+def payload_of(state: dict) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
+
+
+@needs_te_recipe
+def test_a_payload_cannot_dodge_the_recipe_check():
+    from collections import OrderedDict
+
+    from fp8ops.precision.te_recipe import to_te_recipe
+
+    tensors = trained_meta().state_dict()
+    other = DelayedScalingRecipe(amax_history_len=16, amax_compute_algo=parse_amax_algo("max"))
+    recipe = to_te_recipe(RECIPE)
+    recipe.__dict__["fields"] = OrderedDict()  # a name a record method could have had
+    loaded = read_extra_state(payload_of({"recipe": recipe, **tensors}))
+    assert recipe_differences(loaded.recipe, other) == ["margin: 1 != 0"]
+    with pytest.raises(Fp8opsError, match="without TE's DelayedScaling recipe"):
+        read_extra_state(payload_of(tensors))  # no recipe (TE 1.x, or made up)
+    with pytest.raises(Fp8opsError, match="without TE's DelayedScaling recipe"):
+        read_extra_state(payload_of({"recipe": {"margin": 0}, **tensors}))
+    del recipe.__dict__["margin"]
+    with pytest.raises(Fp8opsError, match="recipe in the payload lacks margin"):
+        read_extra_state(payload_of({"recipe": recipe, **tensors}))
+
+
+@needs_te_recipe
+def test_loaded_tensors_are_float32_detached_and_on_the_host():
+    tensors = {k: v.clone().requires_grad_() for k, v in trained_meta().state_dict().items()}
+    loaded = read_extra_state(payload_of({"recipe": load_te_recipe_module().DelayedScaling(
+        margin=1, amax_history_len=16), **tensors}))  # fmt: skip
+    assert all(not t.requires_grad and t.device.type == "cpu" for t in loaded.tensors.values())
+    meta = Fp8Meta.fresh(RECIPE)
+    meta.load_state_dict(tensors)  # a state that requires grad must not pass it on
+    assert not meta.forward.scale.requires_grad and meta.forward.scale.grad_fn is None
+    doubles = {k: v.double() for k, v in trained_meta().state_dict().items()}
+    with pytest.raises(Fp8opsError, match=r"must be float32: scale_fwd \(torch.float64\)"):
+        read_extra_state(doubles)
+
+
+def test_an_old_torch_is_refused_before_anything_is_unpickled(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.5.1+cu124")
+    with pytest.raises(Fp8opsError, match="needs torch >= 2.6"):
+        read_extra_state(pickle.dumps({"scale_fwd": torch.ones(3)}))

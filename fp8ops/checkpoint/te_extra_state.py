@@ -13,9 +13,11 @@ as a plain dict (``Fp8Meta.state_dict``), so one reader serves both:
   which become plain records; any other global is refused by name before anything runs. TE 2.18
   and later refuse to load these payloads at all unless ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``
   (its own classifier cannot tell a state from an exploit); this reader needs no such switch.
-* :func:`te_extra_state` writes TE's payload from fp8ops' state and recipe, byte-compatible
-  with what ``get_extra_state`` of a TE module returns, for a TE model to load (which, on TE 2.18
-  and later, takes that environment switch: the payload is a pickle because TE's format is).
+* :func:`te_extra_state` writes TE's payload from fp8ops' state and recipe: the keys TE's
+  ``get_extra_state`` writes for a single-GEMM module (``extra_fp8_variables`` holding the
+  entries ``set_extra_state`` needs, not every entry of a live module's ``fp8_meta``), for a TE
+  model to load (which, on TE 2.18 and later, takes that environment switch: the payload is a
+  pickle because TE's format is).
 """
 
 from __future__ import annotations
@@ -50,19 +52,19 @@ def read_extra_state(value, *, where: str = "_extra_state") -> Fp8ExtraState | N
     as bytes). None when it holds none (an empty TE payload). ``where`` names the checkpoint
     entry in errors."""
     if isinstance(value, dict):
-        _check_keys(value, where)
-        return Fp8ExtraState({k: value[k] for k in FP8_KEYS}, "fp8ops")
+        return Fp8ExtraState(_tensors(value, where), "fp8ops")
     if isinstance(value, torch.Tensor):
         if value.dtype != torch.uint8 or value.dim() != 1:
             raise Fp8opsError(
                 f"{where}: a {value.dtype} tensor of shape {tuple(value.shape)} is neither "
                 "fp8ops' FP8 state (a dict of tensors) nor TE's (a 1-D uint8 pickle payload)"
             )
-        value = value.numpy().tobytes()
+        value = value.detach().cpu().numpy().tobytes()
     if not isinstance(value, bytes | bytearray):
         raise Fp8opsError(f"{where}: cannot read FP8 state from a {type(value).__name__}")
     if not value:
         return None
+    _check_torch_loader(where)
     try:
         state = _AllowListUnpickler(io.BytesIO(value)).load()
     except _Refused as refused:
@@ -79,10 +81,15 @@ def read_extra_state(value, *, where: str = "_extra_state") -> Fp8ExtraState | N
         raise Fp8opsError(f"{where}: TE extra state holds a {type(state).__name__}, not a dict")
     if not any(k in state for k in FP8_KEYS):
         return None  # a stateless recipe's payload
-    _check_keys(state, where)
     recipe = state.get("recipe")
-    fields = recipe.fields() if isinstance(recipe, _TeRecipe) else None
-    return Fp8ExtraState({k: state[k] for k in FP8_KEYS}, "transformer_engine", fields)
+    if not isinstance(recipe, _TeRecipe):
+        raise Fp8opsError(
+            f"{where}: TE extra state without TE's DelayedScaling recipe (a TE 1.x payload, or a "
+            "made-up one): its scales cannot be checked against a recipe, so it is not loaded"
+        )
+    return Fp8ExtraState(
+        _tensors(state, where), "transformer_engine", _recipe_fields(recipe, where)
+    )
 
 
 def te_extra_state(tensors: dict[str, torch.Tensor], recipe: DelayedScalingRecipe) -> torch.Tensor:
@@ -117,6 +124,40 @@ def _check_keys(state: dict, where: str) -> None:
         raise Fp8opsError(f"{where}: FP8 state lacks {', '.join(missing)} (tensors)")
 
 
+def _tensors(state: dict, where: str) -> dict[str, torch.Tensor]:
+    """The four state tensors: float32, on the host, detached (a pickled tensor can carry
+    requires_grad, which copy_ would pass on to the module's state)."""
+    _check_keys(state, where)
+    wrong = [f"{k} ({state[k].dtype})" for k in FP8_KEYS if state[k].dtype != torch.float32]
+    if wrong:
+        raise Fp8opsError(f"{where}: FP8 state tensors must be float32: {', '.join(wrong)}")
+    return {k: state[k].detach().cpu() for k in FP8_KEYS}
+
+
+_RECIPE_FIELDS = ("margin", "fp8_format", "amax_history_len", "amax_compute_algo", "reduce_amax")
+
+
+def _recipe_fields(recipe: _TeRecipe, where: str) -> dict:
+    # vars(), not a method of the record: the payload sets the record's __dict__, and a method
+    # name in it would shadow the method.
+    fields = vars(recipe)
+    missing = [name for name in _RECIPE_FIELDS if name not in fields]
+    if missing:
+        raise Fp8opsError(f"{where}: TE's recipe in the payload lacks {', '.join(missing)}")
+    return {name: fields[name] for name in _RECIPE_FIELDS}
+
+
+def _check_torch_loader(where: str) -> None:
+    # The tensors' storage inside a payload is read by torch.load(weights_only=True), whose
+    # restrictions could be bypassed before torch 2.6 (CVE-2025-32434).
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    if (major, minor) < (2, 6):
+        raise Fp8opsError(
+            f"{where}: reading TE's pickled extra state safely needs torch >= 2.6 "
+            f"(this is {torch.__version__}, whose weights_only loader can be bypassed)"
+        )
+
+
 # -- the allow-list unpickler ------------------------------------------------------------------
 
 
@@ -125,19 +166,16 @@ class _Refused(Exception):
 
 
 class _TeRecipe:
-    """TE's ``DelayedScaling`` as a record: pickle restores its ``__dict__`` here instead."""
+    """TE's ``DelayedScaling`` as a record: pickle restores its ``__dict__`` here instead. (A
+    recipe with a callable ``amax_compute_algo`` names that callable's global, which the
+    allow-list refuses: TE's Megatron path runs only the two named algorithms.)"""
 
     def __setstate__(self, state) -> None:
         if isinstance(state, tuple):  # (dict, slots) from dataclasses with __slots__
             state = {**(state[0] or {}), **(state[1] or {})}
+        if not isinstance(state, dict):
+            raise _Refused(f"a recipe state of type {type(state).__name__}")
         self.__dict__.update(state)
-
-    def fields(self) -> dict:
-        values = dict(self.__dict__)
-        algo = values.get("amax_compute_algo")
-        if not isinstance(algo, str):
-            values["amax_compute_algo"] = repr(algo)  # a callable TE was given
-        return values
 
 
 class _TeFormatHelper(tuple):
@@ -155,8 +193,9 @@ def _te_format(helper) -> str:
 
 
 def _storage_from_bytes(data: bytes):
-    # torch.storage._load_from_bytes would torch.load with weights_only=False.
-    return torch.load(io.BytesIO(data), weights_only=True)
+    # torch.storage._load_from_bytes would torch.load with weights_only=False; on the host, so
+    # a payload cannot place its storage on a device of its choosing.
+    return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
 
 
 _ALLOWED = {

@@ -58,10 +58,10 @@ def _applies(device: torch.device) -> bool:
 class Compiled:
     """``fn(x, *args) -> tuple of tensors``, compiled where it applies, eager elsewhere.
 
-    Each (device, dtype of ``x``, other non-tensor arguments) is verified once, at its first
-    call: ``probes(x, *args)`` gives the argument tuples to run both ways (by default the call's
-    own). ``status`` maps each key to ``"compiled"`` or the reason it runs eager; the GPU check
-    reports it.
+    Each specialisation (:func:`_key`: devices, dtypes, flags, size-1 dimensions) is verified
+    once, at its first call: ``probes(x, *args)`` gives the argument tuples to run both ways (by
+    default the call's own). ``status`` maps each key to ``"compiled"`` or the reason it runs
+    eager; the GPU check reports it.
     """
 
     def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], probes: Callable | None = None):
@@ -73,9 +73,8 @@ class Compiled:
     def __call__(self, x: torch.Tensor, *args):
         if x.numel() == 0 or not _applies(x.device):
             return self.fn(x, *args)
-        key = (str(x.device), _name(x.dtype)) + tuple(
-            _name(a) if isinstance(a, torch.dtype) else f"{a}" for a in args if _is_flag(a)
-        )
+        x = x.contiguous()  # strides are one thing fewer that could tell two graphs apart
+        key = _key(x, args)
         if key not in self.status:
             self.status[key] = self._verify(x, *args)
             if self.status[key] != "compiled":
@@ -89,10 +88,18 @@ class Compiled:
         try:
             with torch.no_grad():  # one graph whatever the caller's grad mode; inputs detached
                 return self._compiled(x, *args)
-        except Exception as exc:  # noqa: BLE001 - e.g. a recompilation past Dynamo's limit
+        except Exception as exc:
+            if not _from_the_compiler(exc):
+                raise  # out of memory, a CUDA error: not the compiled code's fault
+            # Dynamo compiling a graph the key did not foresee (past the recompile limit,
+            # which only verification raises): never run an unverified graph, stay eager.
             self.status[key] = f"failed after verification: {type(exc).__name__}: {exc}"[:300]
             warnings.warn(f"fp8ops: {self.status[key]}; {key} runs eager from now", stacklevel=3)
             return self.fn(x, *args)
+
+    def statuses(self, *parts: str) -> set[str]:
+        """The statuses of the specialisations whose key holds every one of ``parts``."""
+        return {status for key, status in self.status.items() if all(p in key for p in parts)}
 
     def _verify(self, x: torch.Tensor, *args) -> str:
         if self._compiled is None:
@@ -105,8 +112,10 @@ class Compiled:
                 # amax history), and those writes are compared too.
                 mine, theirs = _copies(probe), _copies(probe)
                 # Each key is one more specialisation of the same function (input dtype, FP8
-                # format, flags): more than Dynamo's default of 8, which would refuse the ninth.
-                with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                # format, flags, size-1 dimensions): more than Dynamo's default of 8, which would
+                # refuse the ninth. Outside verification the default stands, so a graph no key
+                # foresaw fails (and that key runs eager) instead of running unverified.
+                with torch.no_grad(), _recompile_limit(RECOMPILE_LIMIT):
                     got = self._compiled(*mine)
                 want = self.fn(*theirs)
                 pairs = list(zip(got, want, strict=True)) + [
@@ -125,18 +134,56 @@ class Compiled:
 
 
 def cast_probes(x: torch.Tensor, scale: torch.Tensor, fp8_max: float, *flags):
-    """For a cast ``fn(x, scale, fp8_max, fp8_dtype, ...)``: the probe tensor at several scales."""
-    probe = probe_tensor(x.dtype, x.device)
+    """For a cast ``fn(x, scale, fp8_max, fp8_dtype, ...)``: the probe tensor, shaped like
+    ``x`` where it matters (size-1 dimensions), at several scales on ``scale``'s device."""
+    probe = shaped_like(probe_tensor(x.dtype, x.device), x)
     return [
-        (probe, torch.tensor(s, dtype=torch.float32, device=x.device), fp8_max, *flags)
+        (probe, torch.tensor(s, dtype=torch.float32, device=scale.device), fp8_max, *flags)
         for s in _probe_scales(fp8_max)
     ]
 
 
-def _is_flag(arg) -> bool:
-    # What a compiled graph is specialised on, so what a verification holds for: dtypes,
-    # booleans and integers (a slot index). Tensors and the float fp8_max follow from them.
-    return isinstance(arg, (torch.dtype, bool, int))
+def shaped_like(probe: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``probe`` (2-D) reshaped so that the dimensions of size 1 in ``x`` (2-D) are size 1 in it
+    too: Dynamo compiles those as constants, a graph of their own."""
+    rows, cols = (dim == 1 for dim in x.shape)
+    if rows and cols:
+        return probe.reshape(-1)[:1].reshape(1, 1)
+    if rows or cols:
+        return probe.reshape((1, -1) if rows else (-1, 1))
+    return probe
+
+
+def _key(x: torch.Tensor, args: tuple) -> tuple[str, ...]:
+    """What a compiled graph is specialised on, so what one verification holds for: ``x``'s
+    device, dtype and size-1 dimensions, the other tensors' devices, and the dtypes, booleans
+    and integers (a slot index) among the arguments. Sizes are symbolic (``dynamic=True``);
+    the float fp8_max follows from the FP8 dtype."""
+    key = [
+        str(x.device),
+        _name(x.dtype),
+        "size1:" + "".join("1" if d == 1 else "n" for d in x.shape),
+    ]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append(str(a.device))
+        elif isinstance(a, torch.dtype):
+            key.append(_name(a))
+        elif isinstance(a, (bool, int)):
+            key.append(f"{a}")
+    return tuple(key)
+
+
+def _recompile_limit(limit: int):
+    config = torch._dynamo.config
+    # Named cache_size_limit before torch 2.7.
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    return config.patch(**{name: limit})
+
+
+def _from_the_compiler(exc: Exception) -> bool:
+    module = type(exc).__module__ or ""
+    return module.startswith(("torch._dynamo", "torch._inductor", "triton"))
 
 
 def _copies(args: tuple) -> tuple:

@@ -59,13 +59,13 @@ class EmulatedGemm:
 
 def _cast_and_record(x, history, scales, slot: int, fp8_max: float, dtype, transposed: bool):
     """The ordinary step's cast as one function of tensors, compiled on GPUs (``compiled.py``):
-    the cast, its amax folded into ``history[0, slot]`` (in place, as TE's atomicMaxFloat),
-    and ``scale_inv``. One compiled call instead of a dozen small eager ones: a GPU step of
-    FP8 layers is bound by the host's time per call (docs/gpu.md)."""
-    scale = scales[slot]
-    data, row_amax, *data_t = _cast_and_amax(x, scale, fp8_max, dtype, transposed)
+    the cast and its amax folded into ``history[0, slot]`` (in place, as TE's atomicMaxFloat).
+    One compiled call instead of a dozen small eager ones: a GPU step of FP8 layers is bound by
+    the host's time per call (docs/gpu.md). ``scale_inv`` is the caller's: Triton's ``1 / x``
+    is not the correctly rounded reciprocal TE computes (``__frcp_rn``), torch's eager one is."""
+    data, row_amax, *data_t = _cast_and_amax(x, scales[slot], fp8_max, dtype, transposed)
     history[0, slot] = torch.fmax(history[0, slot], row_amax.amax())  # = ScalingState.record_amax
-    return (data, torch.reciprocal(scale), *data_t)
+    return (data, *data_t)
 
 
 def _record_probes(x, history, scales, slot, fp8_max, dtype, transposed):
@@ -104,7 +104,9 @@ def cast_and_record(
     """
     if track is None and x.numel():
         fp8 = state.fp8
-        data, scale_inv, *data_t = _CAST_AND_RECORD(
+        # The scale this cast uses, before anything could change it.
+        scale_inv = torch.reciprocal(state.scale[slot])
+        data, *data_t = _CAST_AND_RECORD(
             x.detach(), state.amax_history, state.scale, slot, fp8.max, fp8.torch_dtype, transposed
         )
         return QuantizedTensor(data, scale_inv, fp8, data_t[0] if transposed else None)

@@ -66,6 +66,7 @@ class Fp8Meta:
             "amax_history_bwd": self.backward.amax_history.clone(),
         }
 
+    @torch.no_grad()  # a loaded tensor that requires grad must not make the state require it
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for key, target in (
             ("scale_fwd", self.forward.scale),

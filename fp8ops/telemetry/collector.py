@@ -11,14 +11,15 @@ there anyway); full cast statistics and norms every ``every_steps`` steps, becau
 extra passes over every cast tensor; the FP8-vs-reference error every ``error_sample_every``
 steps, because it costs one more GEMM per module. Unmeasured values are NaN.
 
-On a GPU a row costs one device-to-host transfer: the FP8 state of every module and every
-measured value (still tensors on the device until then) travel together.
+On a GPU a row costs one device-to-host transfer for the FP8 state of every module, and on
+measuring steps one more for every measured value (tensors on the device until then).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -172,7 +173,7 @@ class TelemetryCollector:
         }
 
     @staticmethod
-    def _measured(module, record: Probe) -> dict[str, torch.Tensor | float]:
+    def _measured(module, record: Probe) -> dict:
         """What this step measured, as 0-dim tensors where the device computed it: saturation,
         underflow, NaN and Inf over all micro-batches' casts, and the norms."""
         values: dict[str, torch.Tensor | float] = {}
@@ -184,9 +185,8 @@ class TelemetryCollector:
             for name in ("saturated", "underflow", "nan", "inf"):
                 total = torch.stack([getattr(s, name) for s in stats]).sum()
                 metric = {"saturated": "saturation"}.get(name, name)
-                # Fractions as Python computes int / int: in float64, then into the float32 row.
                 ratio = name in ("saturated", "underflow")
-                values[f"{slot}.{metric}"] = total.double() / numel if ratio else total
+                values[f"{slot}.{metric}"] = _Fraction(total, numel) if ratio else total
         values["input_norm"] = record.input_norm
         values["fp8_rel_error"] = record.rel_error
         if record.measure:
@@ -204,16 +204,33 @@ class TelemetryCollector:
         }
 
 
-def _to_host(rows: list[dict[str, torch.Tensor | float]]) -> list[dict[str, float]]:
-    """The same dicts with every tensor replaced by its value, all fetched in one transfer
-    (float64 holds float32 norms and int64 counts below 2**53 exactly)."""
-    tensors = [v for values in rows for v in values.values() if isinstance(v, torch.Tensor)]
+@dataclass(frozen=True)
+class _Fraction:
+    """A count on the device over a number of elements: divided on the host, as Python divides
+    int by int (a CUDA tensor divided by a number is multiplied by its reciprocal instead)."""
+
+    count: torch.Tensor
+    total: int
+
+
+def _to_host(rows: list[dict]) -> list[dict[str, float]]:
+    """The same dicts with every tensor (and :class:`_Fraction`) replaced by its value, all
+    fetched in one transfer (float64 holds float32 norms and int64 counts below 2**53)."""
+
+    def tensor_of(value):
+        return value.count if isinstance(value, _Fraction) else value
+
+    tensors = [tensor_of(v) for values in rows for v in values.values()]
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
     if tensors:
         host = iter(torch.stack([t.reshape(()).double() for t in tensors]).cpu().tolist())
-    return [
-        {k: next(host) if isinstance(v, torch.Tensor) else v for k, v in values.items()}
-        for values in rows
-    ]
+
+    def value_of(value):
+        if isinstance(value, _Fraction):
+            return int(next(host)) / value.total
+        return next(host) if isinstance(value, torch.Tensor) else value
+
+    return [{k: value_of(v) for k, v in values.items()} for values in rows]
 
 
 def _host_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -266,3 +266,25 @@ def test_a_call_with_a_dimension_of_size_one_is_verified_on_its_own(compile_ever
     compiled = quantize_module._CAST_AND_AMAX
     for pattern in ("size1:nn", "size1:1n", "size1:n1"):
         assert compiled.statuses("cpu", "bfloat16", pattern, "float8_e4m3fn") == {"compiled"}
+
+
+def test_an_error_that_is_not_the_compilers_is_raised_and_keeps_the_compiled_kernel(
+    compile_everywhere,
+):
+    """Running out of memory in a verified kernel is the caller's problem, not a reason to run
+    eager for the rest of the job. (The failure is injected where the compiled kernel runs.)"""
+
+    def scaled(x, scale, fp8_max, dtype):
+        return ((x.float() * scale).clamp(-fp8_max, fp8_max).to(dtype),)
+
+    cast_fn = Compiled(scaled, probes=cast_probes)
+    x = sample(torch.float32).nan_to_num(0.0, 1.0, -1.0)
+    cast_fn(x, torch.tensor(1.0), E4M3.max, E4M3.torch_dtype)  # verified, compiled
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    cast_fn._compiled = out_of_memory
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        cast_fn(x, torch.tensor(1.0), E4M3.max, E4M3.torch_dtype)
+    assert cast_fn.statuses("cpu", "float32") == {"compiled"}

@@ -13,7 +13,7 @@ lines while it runs, then one table, last, and the same rows as JSON (``--out``)
     update on the CPU and against the independent oracle (``tests/te_reference.py``), with zero,
     NaN, infinite and denormal amaxes; the saturating FP8 cast and the amax likewise.
 (c) throughput: a stack of Megatron GPT layers at 8B shapes (hidden 4096, FFN 14336, 32 heads in
-    8 query groups, sequence 4096, micro-batch 1, bf16), forward and backward, in BF16 and in
+    8 query groups, sequence 4096, micro-batch 1 or --micro-batch N, bf16), forward and backward, in BF16 and in
     FP8 through ``torch._scaled_mm``, each with and without fp8ops telemetry: tokens/s, step
     time, peak memory. Goals: FP8 >= 1.3x the BF16 tokens/s; telemetry <= 1% of the step time.
 
@@ -82,8 +82,16 @@ TELEMETRY_GOAL = 0.01  # telemetry's share of the step time
 GEMM_BOUND = {torch.bfloat16: 2.0**-8, torch.float32: 2.0**-12}
 
 # (c) at full size and in --smoke: the 8B layer (Llama-3-8B's widths), or a toy one.
-FULL = {"hidden": 4096, "ffn": 14336, "heads": 32, "groups": 8, "seq": 4096, "layers": 4}
-SMOKE = {"hidden": 64, "ffn": 224, "heads": 4, "groups": 2, "seq": 64, "layers": 2}
+FULL = {
+    "hidden": 4096,
+    "ffn": 14336,
+    "heads": 32,
+    "groups": 8,
+    "seq": 4096,
+    "layers": 4,
+    "batch": 1,
+}
+SMOKE = {"hidden": 64, "ffn": 224, "heads": 4, "groups": 2, "seq": 64, "layers": 2, "batch": 1}
 
 
 @dataclass
@@ -498,7 +506,7 @@ def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
                                   error_sample_every=args.error_sample_every)  # fmt: skip
         collector = TelemetryCollector(fp8_modules(block), cadence)
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(shape["seq"], 1, shape["hidden"], generator=generator)  # [s, b, h]
+    x = torch.randn(shape["seq"], shape["batch"], shape["hidden"], generator=generator)  # [s, b, h]
     x = x.to(device=device, dtype=torch.bfloat16).requires_grad_()
     grad = torch.randn(x.shape, generator=generator).to(device=device, dtype=torch.bfloat16)
 
@@ -624,7 +632,8 @@ def timed(step, args, device, shape) -> dict:
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"step_ms": seconds * 1e3, "tokens_per_s": shape["seq"] / seconds, "peak_mib": peak}
+    tokens = shape["seq"] * shape["batch"]
+    return {"step_ms": seconds * 1e3, "tokens_per_s": tokens / seconds, "peak_mib": peak}
 
 
 def goals(measured: dict, judged: bool) -> list[Row]:
@@ -738,6 +747,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="JSON report")
     parser.add_argument("--layers", type=int, help="layers in (c) (4; 2 with --smoke)")
     parser.add_argument("--seq", type=int, help="sequence length in (c) (4096; 64 with --smoke)")
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        help="sequences per step in (c) (1): more tokens for the same host work per step",
+    )
     parser.add_argument("--steps", type=int, help="timed steps per configuration (50; 3)")
     parser.add_argument("--warmup", type=int, help="untimed steps before them (5; 1)")
     parser.add_argument("--attention", choices=("sdpa", "local"), default="sdpa")
@@ -774,7 +788,8 @@ def main(argv: list[str] | None = None) -> int:
         # The emulation's float32 matmul must be float32, not TF32, to be the reference.
         torch.backends.cuda.matmul.allow_tf32 = False
     shape = dict(SMOKE if args.smoke else FULL)
-    shape.update({k: v for k, v in (("layers", args.layers), ("seq", args.seq)) if v})
+    overrides = (("layers", args.layers), ("seq", args.seq), ("batch", args.micro_batch))
+    shape.update({k: v for k, v in overrides if v})
     args.steps = args.steps or (3 if args.smoke else 50)
     args.warmup = args.warmup or (1 if args.smoke else 5)
 

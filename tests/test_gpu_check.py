@@ -22,12 +22,12 @@ def test_the_smoke_run_passes_every_check_and_prints_the_table_last(tmp_path):
     out = tmp_path / "report" / "gpu_check.json"
     result = subprocess.run(
         [sys.executable, str(ROOT / "ci" / "gpu_check.py"), "--smoke", "--profile",
-         "--out", str(out)],
+         "--micro-batch", "2", "--out", str(out)],
         capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["smoke"] and report["correct"]
+    assert report["smoke"] and report["correct"] and report["shape"]["batch"] == 2
     parts = {row["part"] for row in report["rows"]}
     assert parts == {"gemm", "scaling", "throughput", "goal"}
     checks = [row for row in report["rows"] if row["part"] in ("gemm", "scaling")]

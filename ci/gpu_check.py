@@ -13,9 +13,10 @@ lines while it runs, then one table, last, and the same rows as JSON (``--out``)
     update on the CPU and against the independent oracle (``tests/te_reference.py``), with zero,
     NaN, infinite and denormal amaxes; the saturating FP8 cast and the amax likewise.
 (c) throughput: a stack of Megatron GPT layers at 8B shapes (hidden 4096, FFN 14336, 32 heads in
-    8 query groups, sequence 4096, micro-batch 1 or --micro-batch N, bf16), forward and backward, in BF16 and in
-    FP8 through ``torch._scaled_mm``, each with and without fp8ops telemetry: tokens/s, step
-    time, peak memory. Goals: FP8 >= 1.3x the BF16 tokens/s; telemetry <= 1% of the step time.
+    8 query groups, sequence 4096, micro-batch 1 or ``--micro-batch N``, bf16), forward and
+    backward, in BF16 and in FP8 through ``torch._scaled_mm``, each with and without fp8ops
+    telemetry: tokens/s, step time, peak memory. Goals: FP8 >= 1.3x the BF16 tokens/s;
+    telemetry <= 1% of the step time.
 
 What (c) runs, precisely: fp8ops' FP8 layer spec (``get_gpt_layer_fp8_emulated_spec`` with
 ``ScaledMmGemm``) in a Megatron ``TransformerBlock`` built from ``transformer_config`` (the

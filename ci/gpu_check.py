@@ -738,6 +738,17 @@ def print_table(rows: list[Row]) -> None:
     print(line)
 
 
+def positive(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (0 would silently mean the default)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -746,25 +757,27 @@ def main(argv: list[str] | None = None) -> int:
         help="tiny shapes, a few steps: checks the script, measures nothing",
     )
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="JSON report")
-    parser.add_argument("--layers", type=int, help="layers in (c) (4; 2 with --smoke)")
-    parser.add_argument("--seq", type=int, help="sequence length in (c) (4096; 64 with --smoke)")
+    parser.add_argument("--layers", type=positive, help="layers in (c) (4; 2 with --smoke)")
+    parser.add_argument(
+        "--seq", type=positive, help="sequence length in (c) (4096; 64 with --smoke)"
+    )
     parser.add_argument(
         "--micro-batch",
-        type=int,
+        type=positive,
         help="sequences per step in (c) (1): more tokens for the same host work per step",
     )
-    parser.add_argument("--steps", type=int, help="timed steps per configuration (50; 3)")
-    parser.add_argument("--warmup", type=int, help="untimed steps before them (5; 1)")
+    parser.add_argument("--steps", type=positive, help="timed steps per configuration (50; 3)")
+    parser.add_argument("--warmup", type=positive, help="untimed steps before them (5; 1)")
     parser.add_argument("--attention", choices=("sdpa", "local"), default="sdpa")
     parser.add_argument(
         "--telemetry-every",
-        type=int,
+        type=positive,
         default=10,
         help="telemetry.every_steps: cast statistics and norms (the 8B manifest's: 10)",
     )
     parser.add_argument(
         "--error-sample-every",
-        type=int,
+        type=positive,
         default=50,
         help="telemetry.error_sample_every (the 8B manifest's: 50)",
     )

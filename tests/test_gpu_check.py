@@ -38,3 +38,18 @@ def test_the_smoke_run_passes_every_check_and_prints_the_table_last(tmp_path):
     for kind in ("bf16", "fp8"):
         assert (out.parent / f"gpu_check.profile-{kind}.txt").read_text().strip()
     assert result.stdout.rstrip().splitlines()[-1].startswith("-")  # the table closes the output
+
+
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("--micro-batch", "0", "0 is not at least 1"),
+    ("--steps", "-3", "-3 is not at least 1"),
+    ("--telemetry-every", "ten", "'ten' is not a whole number"),
+])  # fmt: skip
+def test_a_count_that_is_not_a_positive_number_is_refused(tmp_path, option, value, message):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "ci" / "gpu_check.py"), "--smoke", option, value,
+         "--out", str(tmp_path / "r.json")],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2 and option in result.stderr and message in result.stderr
+    assert not (tmp_path / "r.json").exists()

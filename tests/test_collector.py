@@ -31,6 +31,10 @@ def _megatron_tp1(megatron_tp1):
 
 @pytest.fixture
 def setup():
+    return make_setup()
+
+
+def make_setup():
     manifest = derive(
         load_manifest(TINY),
         {"model.num_layers": 2, "model.hidden_size": 64, "model.ffn_hidden_size": 256,
@@ -47,6 +51,14 @@ def setup():
 
 
 def run_step(model, scope, collector, step, seed):
+    """One step of two micro-batches; its telemetry row, finished at once."""
+    row = start_step(model, scope, collector, step, seed).result()
+    model.zero_grad()
+    return row
+
+
+def start_step(model, scope, collector, step, seed):
+    """One step of two micro-batches; its telemetry row still pending (gradients kept)."""
     mark_first_microbatch(model)
     collector.begin_step(step)
     generator = torch.Generator().manual_seed(seed)
@@ -56,9 +68,7 @@ def run_step(model, scope, collector, step, seed):
         with scope():
             loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).mean()
         loss.backward()
-    row = collector.end_step()
-    model.zero_grad()
-    return row
+    return collector.end_step()
 
 
 def value(row, collector, module, metric):
@@ -66,7 +76,7 @@ def value(row, collector, module, metric):
 
 
 def test_a_measured_step_reports_state_casts_norms_and_error(setup):
-    manifest, model, scope, collector = setup
+    _, model, scope, collector = setup
     run_step(model, scope, collector, 1, seed=0)  # step 1: state only (every_steps 2)
     row = run_step(model, scope, collector, 2, seed=1)
     assert row.shape == (len(collector.names), len(MODULE_METRIC_NAMES))
@@ -96,7 +106,7 @@ def test_a_measured_step_reports_state_casts_norms_and_error(setup):
 
 
 def test_an_unmeasured_step_reports_only_the_state(setup):
-    manifest, model, scope, collector = setup
+    _, model, scope, collector = setup
     row = run_step(model, scope, collector, 1, seed=0)
     qkv = "decoder.layers.1.self_attention.linear_qkv"
     assert math.isfinite(value(row, collector, qkv, "input.scale"))
@@ -107,7 +117,7 @@ def test_an_unmeasured_step_reports_only_the_state(setup):
 
 
 def test_a_bf16_module_appears_with_its_frozen_state_marked(setup):
-    manifest, model, scope, collector = setup
+    _, model, scope, collector = setup
     fc1 = "decoder.layers.0.mlp.linear_fc1"
     fresh_scale = collector.modules[fc1].fp8_meta.forward.scale.clone()
     run_step(model, scope, collector, 1, seed=0)
@@ -121,7 +131,7 @@ def test_a_bf16_module_appears_with_its_frozen_state_marked(setup):
 
 
 def test_saturation_is_measured_when_the_scale_is_stale(setup):
-    manifest, model, scope, collector = setup
+    _, model, scope, collector = setup
     run_step(model, scope, collector, 2, seed=0)
     fc2 = "decoder.layers.1.mlp.linear_fc2"
     with torch.no_grad():
@@ -177,7 +187,7 @@ def test_the_state_metrics_of_all_modules_equal_those_computed_one_by_one():
                 h[1:, 0] = 0.0 if rng.random() < 0.3 else h[1:, 0]  # a slot that never ran
                 state.amax_history.copy_(torch.from_numpy(h))
                 state.scale.copy_(torch.from_numpy(rng.lognormal(0, 4, state.scale.shape)))
-        row = collector.end_step()
+        row = collector.end_step().result()
         current = {}
         for i, meta in enumerate(metas):
             for slot, forward, index in _SLOTS:
@@ -196,3 +206,81 @@ def test_the_state_metrics_of_all_modules_equal_those_computed_one_by_one():
                         np.isnan(got) and np.isnan(expected)
                     ), (i, slot, metric, got, expected)
         previous = current
+
+
+def same_row(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.tobytes() == b.tobytes()  # NaN where nothing was measured: the same bits
+
+
+def test_a_row_finished_later_is_its_own_steps_row():
+    """The row is copied at end_step: finishing it after later steps (which roll every history,
+    change every scale and replace the gradients), and in another order, changes nothing."""
+    finished_at_once, finished_later = [], []
+    for late in (False, True):
+        torch.manual_seed(0)
+        _, model, scope, collector = make_setup()
+        pending = []
+        for step in range(1, 6):
+            row = start_step(model, scope, collector, step, seed=step)
+            with torch.no_grad():  # the optimizer's part: the weights move between steps
+                for parameter in model.parameters():
+                    parameter.add_(parameter.grad.sign(), alpha=1e-3)
+            model.zero_grad()
+            if late:
+                pending.append(row)
+            else:
+                finished_at_once.append(row.result())
+        finished_later = [row.result() for row in reversed(pending)][::-1]
+    assert len(finished_later) == len(finished_at_once) == 5
+    for step, (a, b) in enumerate(zip(finished_at_once, finished_later), start=1):
+        assert same_row(a, b), f"step {step}"
+    # The test compares something: the state moved from step to step and steps 2 and 4
+    # measured (every_steps 2) what steps 1, 3 and 5 did not.
+    assert not same_row(finished_at_once[0], finished_at_once[2])
+    saturation = COLUMN["input.saturation"]
+    assert np.isfinite(finished_at_once[1][:, saturation]).any()
+    assert np.isnan(finished_at_once[2][:, saturation]).all()
+
+
+def test_modules_of_different_history_lengths_are_refused():
+    from types import SimpleNamespace
+
+    from fp8ops.precision import Fp8Meta
+
+    modules = {
+        name: SimpleNamespace(fp8_meta=Fp8Meta.fresh(DelayedScalingRecipe(amax_history_len=n)))
+        for name, n in (("a", 8), ("b", 16))
+    }
+    with pytest.raises(ValueError, match=r"amax histories of \[8, 16\] entries"):
+        TelemetryCollector(modules, SimpleNamespace(every_steps=1, error_sample_every=1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_end_step_does_not_stop_the_host():
+    """torch's sync debug mode raises at any operation that waits for the GPU."""
+    from types import SimpleNamespace
+
+    from fp8ops.precision import Fp8Meta
+
+    recipe = DelayedScalingRecipe(amax_history_len=8)
+    modules = {f"m{i}": SimpleNamespace(fp8_meta=Fp8Meta.fresh(recipe), fp8_enabled=True,
+                                        weight=torch.ones(4, 4, device="cuda"))
+               for i in range(4)}  # fmt: skip
+    for module in modules.values():
+        for state in (module.fp8_meta.forward, module.fp8_meta.backward):
+            state.amax_history = state.amax_history.cuda().uniform_()
+            state.scale = state.scale.cuda() * 2
+    collector = TelemetryCollector(modules, SimpleNamespace(every_steps=1, error_sample_every=1))
+    collector.begin_step(1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pending = collector.end_step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    row = pending.result()
+    assert row[0, COLUMN["input.scale"]] == 2.0
+    assert (
+        row[3, COLUMN["grad_output.window_max"]]
+        == modules["m3"].fp8_meta.backward.amax_history[1:, 0].max().item()
+    )

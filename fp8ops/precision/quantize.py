@@ -13,17 +13,35 @@ import torch
 from fp8ops.precision.compiled import Compiled, cast_probes
 from fp8ops.precision.formats import Fp8Dtype, saturating_cast
 
+COUNTS = ("saturated", "underflow", "nan", "inf")  # CastStats.counts, in this order
+
 
 @dataclass(frozen=True)
 class CastStats:
-    """What one cast did. Counts are 0-dim int64 tensors so no host sync is forced."""
+    """What one cast did. Tensors on the cast's device, so no host sync is forced; the counts
+    are one tensor, so telemetry brings a cast's four over as one."""
 
     amax: torch.Tensor  # float32 max |x|, NaN ignored (TE's fmaxf), +inf kept
-    saturated: torch.Tensor  # |x * scale| > fp8 max (clipped to +-max), inf included
-    underflow: torch.Tensor  # non-zero inputs whose FP8 value is zero
-    nan: torch.Tensor
-    inf: torch.Tensor
+    # [4] int64, COUNTS: |x * scale| > fp8 max (clipped to +-max, inf included); non-zero
+    # inputs whose FP8 value is zero; NaN inputs; infinite inputs.
+    counts: torch.Tensor
     numel: int
+
+    @property
+    def saturated(self) -> torch.Tensor:
+        return self.counts[0]
+
+    @property
+    def underflow(self) -> torch.Tensor:
+        return self.counts[1]
+
+    @property
+    def nan(self) -> torch.Tensor:
+        return self.counts[2]
+
+    @property
+    def inf(self) -> torch.Tensor:
+        return self.counts[3]
 
     def as_dict(self) -> dict[str, float]:
         """Plain numbers, for logs and tests (forces a host sync)."""
@@ -153,13 +171,10 @@ def quantize(
     scale = scale.detach().float().reshape(())
     if x.numel() == 0:
         data, data_t = saturating_cast(x.detach(), scale, fp8), None
-        zero = torch.zeros((), dtype=torch.int64, device=x.device)
-        amax, saturated, underflow, nan, inf = torch.zeros(()), zero, zero, zero, zero
+        amax, counts = torch.zeros(()), torch.zeros(len(COUNTS), dtype=torch.int64, device=x.device)
     else:
         data, *per_row = _CAST_WITH_STATS(_rows(x), scale, fp8.max, fp8.torch_dtype, transposed)
         data_t = per_row.pop() if transposed else None
-        amax, saturated, underflow, nan, inf = (per_row[0].amax(), *(c.sum() for c in per_row[1:]))
-    stats = CastStats(
-        amax=amax, saturated=saturated, underflow=underflow, nan=nan, inf=inf, numel=x.numel()
-    )
+        amax, counts = per_row[0].amax(), torch.stack(per_row[1:]).sum(dim=1)
+    stats = CastStats(amax=amax, counts=counts, numel=x.numel())
     return _quantized(x, data, data_t, scale, fp8, transposed), stats

@@ -3,16 +3,18 @@
 Reading order: :class:`TelemetryCollector` attaches a :class:`~fp8ops.telemetry.probe.Probe` to
 every FP8-capable module; the trainer calls :meth:`begin_step` before the step's first
 micro-batch and :meth:`end_step` after its last backward, before the optimizer zeroes the
-gradients. The FP8 state has then been updated for this step, so the row holds the scales the
-next step will use.
+gradients, and takes the row from the :class:`PendingRow` it returns. The FP8 state has then
+been updated for this step, so the row holds the scales the next step will use.
 
 Cadence (``telemetry`` section of the manifest): the scaling state is read every step (it is
 there anyway); full cast statistics and norms every ``every_steps`` steps, because they cost
 extra passes over every cast tensor; the FP8-vs-reference error every ``error_sample_every``
 steps, because it costs one more GEMM per module. Unmeasured values are NaN.
 
-On a GPU a row costs one device-to-host transfer for the FP8 state of every module, and on
-measuring steps one more for every measured value (tensors on the device until then).
+On a GPU a row costs one device-to-host copy for the FP8 state of every module, and on
+measuring steps one more for every measured value (tensors on the device until then). Neither
+stops the host: ``end_step`` starts them and returns a :class:`PendingRow`, whose ``result()``
+waits for them (the trainer asks after its own per-step sync for the loss, so it never waits).
 """
 
 from __future__ import annotations
@@ -41,8 +43,10 @@ class TelemetryCollector:
         self.modules = modules
         self.names = list(modules)
         self.cfg = telemetry_cfg
-        # [modules, slots] scales of the last row (NaN before the first): for scale_change.
-        self._previous_scale = np.full((len(self.names), len(_SLOTS)), np.nan)
+        self._history_len = _history_len(modules)
+        self._columns = self._state_columns()
+        # The state copy of the last observed row (None before the first): for scale_change.
+        self._previous: _HostCopy | None = None
         self.active = False
         self.set_active(True)
 
@@ -69,8 +73,7 @@ class TelemetryCollector:
         """After a checkpoint is loaded: the scales it restored are the "previous" ones, so the
         first resumed row reports the same scale change an uninterrupted run would."""
         if self.names:
-            _, scale = self._slot_arrays(self._host_states())
-            self._previous_scale = scale.astype(np.float64)
+            self._previous = _HostCopy(self._state_tensor())
 
     def begin_step(self, step: int) -> None:
         """Set this step's cadence on every probe (``step`` counts from 1)."""
@@ -82,81 +85,107 @@ class TelemetryCollector:
             module.probe.measure = measure
             module.probe.sample_error = sample and module.fp8_enabled
 
-    def end_step(self) -> np.ndarray:
-        """This step's ``[modules, metrics]`` float32 row (NaN where nothing was measured)."""
-        row = np.full((len(self.names), len(MODULE_METRIC_NAMES)), np.nan, dtype=np.float32)
+    def end_step(self) -> PendingRow:
+        """This step's row, on its way: every device value it needs is copied to the host
+        without waiting for the GPU (:class:`_HostCopy`); :meth:`PendingRow.result` finishes it.
+
+        Call it after the last backward, before the optimizer zeroes the gradients: what the
+        row reports is read (on the device) here, and only the copy completes later.
+        """
         if not self.active:
-            return row
-        states = self._host_states()
+            return PendingRow(self, None, None, [], {}, [])
+        state = _HostCopy(self._state_tensor())
         records = [module.probe.take() for module in self.modules.values()]
-        measured = _to_host(
-            [
-                self._measured(module, record)
-                for module, record in zip(self.modules.values(), records)
-            ]
+        norms = self._norms(records)
+        measured = [
+            self._measured(record, norms.get(name, {}))
+            for name, record in zip(self.names, records, strict=True)
+        ]
+        counts = [
+            self._counts(module, record) for module, record in zip(self.modules.values(), records)
+        ]
+        pending = PendingRow(
+            self, state, self._previous, measured, _measured_copy(measured), counts
         )
-        for metric, values in self._state_metrics(states).items():
+        self._previous = state
+        return pending
+
+    def _finish(self, pending: PendingRow) -> np.ndarray:
+        """The ``[modules, metrics]`` float32 row of ``pending`` (NaN where nothing was measured)."""
+        row = np.full((len(self.names), len(MODULE_METRIC_NAMES)), np.nan, dtype=np.float32)
+        if pending.state is None:  # an unobserved step
+            return row
+        previous = None if pending.previous is None else self._slot_arrays(pending.previous)[1]
+        metrics = self._state_metrics(self._slot_arrays(pending.state), previous)
+        for metric, values in metrics.items():
             row[:, COLUMN[metric]] = values
-        for i, module in enumerate(self.modules.values()):
-            for metric, value in (self._counts(module, records[i]) | measured[i]).items():
+        measured = _values(pending.measured, pending.measured_copy)
+        for i, (counts, values) in enumerate(zip(pending.counts, measured, strict=True)):
+            for metric, value in (counts | values).items():
                 row[i, COLUMN[metric]] = value
         return row
 
     # -- the three kinds of metrics --------------------------------------------------------
 
-    def _host_states(self) -> dict[str, dict[bool, tuple[torch.Tensor, torch.Tensor]]]:
-        """Every module's (amax history, scale) per direction (forward True), in host memory.
-
-        On the CPU these are the state's own tensors (read only, no copy). On a GPU they come
-        over in one copy for all modules: a transfer per tensor is a host sync each, four per
-        module and step.
-        """
-        directions = [
+    def _state_tensor(self) -> torch.Tensor:
+        """Every module's FP8 state in one new ``[L + 1, 5 * modules]`` float32 tensor on its
+        device (three kernels, however many modules): the amax histories as columns, forward
+        slots of every module then backward slots, and their scales as the last row. A new
+        tensor, so the next step's updates, made in place, do not reach it."""
+        states = [
             module.fp8_meta.direction(forward)
-            for module in self.modules.values()
             for forward in (True, False)
+            for module in self.modules.values()
         ]
-        tensors = [t for state in directions for t in (state.amax_history, state.scale)]
-        if any(t.device.type != "cpu" for t in tensors):
-            tensors = _host_copies(tensors)
-        host = iter(tensors)
-        return {
-            name: {forward: (next(host), next(host)) for forward in (True, False)}
-            for name in self.modules
-        }
+        if not states:
+            return torch.zeros(self._history_len + 1, 0)
+        histories = torch.cat([state.amax_history for state in states], dim=1)
+        scales = torch.cat([state.scale for state in states])
+        return torch.cat([histories, scales.unsqueeze(0)])
 
-    def _slot_arrays(self, states: dict) -> tuple[np.ndarray, np.ndarray]:
-        """``[modules, slots, L-1]`` float32 amax histories without the accumulator row 0, and
-        ``[modules, slots]`` float32 scales, slots in ``_SLOTS`` order."""
-        history = np.stack([
-            [states[name][forward][0][1:, index].numpy() for _, forward, index in _SLOTS]
-            for name in self.names
-        ])  # fmt: skip
-        scale = np.array(
+    def _slot_arrays(self, copy: _HostCopy) -> tuple[np.ndarray, np.ndarray]:
+        """From a :meth:`_state_tensor` copy: ``[modules, slots, L-1]`` float32 amax histories
+        without the accumulator row 0, and ``[modules, slots]`` float32 scales, slots in
+        ``_SLOTS`` order."""
+        table = copy.get().numpy()
+        return table[1:-1, self._columns].transpose(1, 2, 0), table[-1, self._columns]
+
+    def _state_columns(self) -> np.ndarray:
+        """``[modules, slots]``: the column of each module's slot in :meth:`_state_tensor`."""
+        forward_width, backward_width = 3, 2  # slots per direction (state.py)
+        modules = np.arange(len(self.names))[:, None]
+        backward_start = forward_width * len(self.names)
+        return np.concatenate(
             [
-                [states[name][forward][1][index] for _, forward, index in _SLOTS]
-                for name in self.names
+                forward_width * modules + index
+                if forward
+                else backward_start + backward_width * modules + index
+                for _, forward, index in _SLOTS
             ],
-            dtype=np.float32,
+            axis=1,
         )
-        return history, scale
 
-    def _state_metrics(self, states: dict) -> dict[str, np.ndarray]:
-        """From the delayed-scaling state (host copies: :meth:`_host_states`), every module at
-        once: what the scales are and what they are based on. ``[modules]`` per metric."""
+    @staticmethod
+    def _state_metrics(
+        arrays: tuple[np.ndarray, np.ndarray], previous_scale: np.ndarray | None
+    ) -> dict[str, np.ndarray]:
+        """From the delayed-scaling state (:meth:`_slot_arrays`), every module at once: what the
+        scales are and what they are based on, ``[modules]`` per metric. ``previous_scale``: the
+        last row's scales, for scale_change (None: NaN)."""
         # Vectorised over modules and slots: this runs every step, and a numpy call per module
         # and slot cost more than a percent of a GPU step, which the host has to launch.
-        if not self.names:  # a model without FP8-capable modules
+        history, scale = arrays
+        if not history.shape[0]:  # a model without FP8-capable modules
             return {}
-        history, scale = self._slot_arrays(states)
         seen = history > 0  # NaN and zero are no observation
         count = seen.sum(axis=-1)
         # Positive values first, ascending; the +inf filler sorts after them (and equals a +inf
         # amax, which is fine: only the first `count` places are read).
         ordered = np.sort(np.where(seen, history, np.inf), axis=-1)
         scale64 = scale.astype(np.float64)
-        ratio = scale64 / self._previous_scale
-        self._previous_scale = scale64
+        if previous_scale is None:
+            previous_scale = np.full_like(scale64, np.nan)
+        ratio = scale64 / previous_scale.astype(np.float64)
         columns = {
             "amax": history[..., -1],
             "scale": scale,
@@ -172,27 +201,40 @@ class TelemetryCollector:
             for k, (slot, _, _) in enumerate(_SLOTS)
         }
 
+    def _norms(self, records: list[Probe]) -> dict[str, dict[str, torch.Tensor | float]]:
+        """The weight and gradient norms of the modules that measured this step, as float32
+        0-dim tensors: one multi-tensor kernel for all weights and one for all gradients."""
+        measuring = [
+            (name, module)
+            for (name, module), record in zip(self.modules.items(), records, strict=True)
+            if record.measure
+        ]
+        weights = [module.weight.detach() for _, module in measuring]
+        grads = [module.weight.grad for _, module in measuring if module.weight.grad is not None]
+        weight_norms = iter(torch._foreach_norm(weights, 2, dtype=torch.float32) if weights else [])
+        grad_norms = iter(torch._foreach_norm(grads, 2, dtype=torch.float32) if grads else [])
+        return {
+            name: {
+                "weight_norm": next(weight_norms),
+                "grad_norm": next(grad_norms) if module.weight.grad is not None else math.nan,
+            }
+            for name, module in measuring
+        }
+
     @staticmethod
-    def _measured(module, record: Probe) -> dict:
-        """What this step measured, as 0-dim tensors where the device computed it: saturation,
-        underflow, NaN and Inf over all micro-batches' casts, and the norms."""
-        values: dict[str, torch.Tensor | float] = {}
+    def _measured(record: Probe, norms: dict[str, torch.Tensor | float]) -> dict:
+        """What this step measured, still on the device (:class:`_Counts`, :class:`_Norm`):
+        saturation, underflow, NaN and Inf over all micro-batches' casts, and the norms."""
+        values: dict[str, _Counts | _Norm | float] = {}
         for slot, _, _ in _SLOTS:
             stats = [log[slot] for log in record.cast_logs if slot in log]
-            if not stats:
-                continue
-            numel = sum(s.numel for s in stats)
-            for name in ("saturated", "underflow", "nan", "inf"):
-                total = torch.stack([getattr(s, name) for s in stats]).sum()
-                metric = {"saturated": "saturation"}.get(name, name)
-                ratio = name in ("saturated", "underflow")
-                values[f"{slot}.{metric}"] = _Fraction(total, numel) if ratio else total
-        values["input_norm"] = record.input_norm
-        values["fp8_rel_error"] = record.rel_error
-        if record.measure:
-            values["weight_norm"] = module.weight.detach().float().norm()
-            grad = module.weight.grad
-            values["grad_norm"] = grad.float().norm() if grad is not None else math.nan
+            if stats:
+                values[slot] = _Counts(
+                    slot, tuple(s.counts for s in stats), sum(s.numel for s in stats)
+                )
+        norms = {"input_norm": record.input_norm, "fp8_rel_error": record.rel_error} | norms
+        for name, norm in norms.items():
+            values[name] = _Norm(name, (norm,)) if isinstance(norm, torch.Tensor) else norm
         return values
 
     @staticmethod
@@ -205,39 +247,124 @@ class TelemetryCollector:
 
 
 @dataclass(frozen=True)
-class _Fraction:
-    """A count on the device over a number of elements: divided on the host, as Python divides
-    int by int (a CUDA tensor divided by a number is multiplied by its reciprocal instead)."""
+class _Counts:
+    """One slot's cast counts (``CastStats.counts``), one device tensor per micro-batch: added up
+    on the host, exactly, and saturation and underflow divided there, as Python divides int by
+    int (a CUDA tensor divided by a number is multiplied by its reciprocal instead)."""
 
-    count: torch.Tensor
-    total: int
+    slot: str
+    tensors: tuple[torch.Tensor, ...]
+    numel: int
 
-
-def _to_host(rows: list[dict]) -> list[dict[str, float]]:
-    """The same dicts with every tensor (and :class:`_Fraction`) replaced by its value, all
-    fetched in one transfer (float64 holds float32 norms and int64 counts below 2**53)."""
-
-    def tensor_of(value):
-        return value.count if isinstance(value, _Fraction) else value
-
-    tensors = [tensor_of(v) for values in rows for v in values.values()]
-    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
-    if tensors:
-        host = iter(torch.stack([t.reshape(()).double() for t in tensors]).cpu().tolist())
-
-    def value_of(value):
-        if isinstance(value, _Fraction):
-            return int(next(host)) / value.total
-        return next(host) if isinstance(value, torch.Tensor) else value
-
-    return [{k: value_of(v) for k, v in values.items()} for values in rows]
+    def metrics(self, host: list[list[int]]) -> dict[str, float]:
+        saturated, underflow, nan, inf = (sum(column) for column in zip(*host, strict=True))
+        return {
+            f"{self.slot}.saturation": saturated / self.numel,
+            f"{self.slot}.underflow": underflow / self.numel,
+            f"{self.slot}.nan": nan,
+            f"{self.slot}.inf": inf,
+        }
 
 
-def _host_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Float32 host copies of ``tensors`` (one device, any shapes) in one transfer."""
-    flat = torch.cat([t.reshape(-1).float() for t in tensors]).cpu()
-    pieces = flat.split([t.numel() for t in tensors])
-    return [piece.view(t.shape) for piece, t in zip(pieces, tensors, strict=True)]
+@dataclass(frozen=True)
+class _Norm:
+    """A norm (or ratio of norms) computed on the device, a 0-dim float32 tensor."""
+
+    name: str
+    tensors: tuple[torch.Tensor]
+
+    def metrics(self, host: list[float]) -> dict[str, float]:
+        return {self.name: host[0]}
+
+
+class _HostCopy:
+    """A tensor on its way to host memory. From a GPU it is copied into pinned memory without
+    waiting (``non_blocking``), and :meth:`get` waits for that copy alone: a blocking ``.cpu()``
+    would stop the host until the GPU had run everything queued, every step, and a host that
+    waits does not queue the next step's kernels (a GPU step of FP8 layers is bound by the host,
+    docs/gpu.md). Elsewhere the tensor is already in host memory, or is brought there now."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._ready = None
+        if tensor.device.type == "cuda":
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = tensor.cpu()
+
+    def get(self) -> torch.Tensor:
+        if self._ready is not None:
+            self._ready.synchronize()
+            self._ready = None
+        return self._host
+
+
+@dataclass
+class PendingRow:
+    """A step's telemetry row whose device values are still being copied (``end_step``).
+
+    :meth:`result` waits for its copies (only those) and builds the row. It holds copies, not
+    the model's tensors, so the row is the step's whenever it is finished; and the previous
+    row's state copy, for scale_change, so rows can be finished in any order.
+    """
+
+    collector: TelemetryCollector
+    state: _HostCopy | None  # None: an unobserved step, an all-NaN row
+    previous: _HostCopy | None
+    measured: list[dict]  # per module: a number, or _Counts / _Norm of device tensors
+    measured_copy: dict[tuple, _HostCopy]  # their tensors (_measured_copy)
+    counts: list[dict[str, float]]
+    _row: np.ndarray | None = None
+
+    def result(self) -> np.ndarray:
+        """The ``[modules, metrics]`` float32 row (waits for this row's copies)."""
+        if self._row is None:
+            self._row = self.collector._finish(self)
+        return self._row
+
+
+def _history_len(modules: dict) -> int:
+    """The amax history length every module shares (one recipe per scope, so one length)."""
+    lengths = {
+        module.fp8_meta.direction(forward).amax_history.shape[0]
+        for module in modules.values()
+        for forward in (True, False)
+    }
+    if len(lengths) > 1:
+        raise ValueError(
+            f"the modules' FP8 states have amax histories of {sorted(lengths)} entries; "
+            "telemetry reads modules of one recipe (build them from the same manifest)"
+        )
+    return lengths.pop() if lengths else 1
+
+
+def _measured_copy(rows: list[dict]) -> dict[tuple, _HostCopy]:
+    """Every device tensor of ``rows``' :class:`_Counts` and :class:`_Norm`, on its way to the
+    host: one copy for all the tensors of one dtype and shape (the counts, the norms)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for values in rows:
+        for value in values.values():
+            for tensor in getattr(value, "tensors", ()):
+                groups.setdefault((tensor.dtype, tensor.shape), []).append(tensor)
+    return {key: _HostCopy(torch.stack(tensors)) for key, tensors in groups.items()}
+
+
+def _values(rows: list[dict], copies: dict[tuple, _HostCopy]) -> list[dict[str, float]]:
+    """``rows`` with their :class:`_Counts` and :class:`_Norm` replaced by the metrics they
+    give, read from ``copies`` (:func:`_measured_copy` of the same rows, so in the same order)."""
+    host = {key: iter(copy.get().tolist()) for key, copy in copies.items()}
+    finished = []
+    for values in rows:
+        metrics: dict[str, float] = {}
+        for name, value in values.items():
+            if hasattr(value, "tensors"):
+                metrics |= value.metrics([next(host[(t.dtype, t.shape)]) for t in value.tensors])
+            else:
+                metrics[name] = value
+        finished.append(metrics)
+    return finished
 
 
 def _quantile(ordered: np.ndarray, count: np.ndarray, q: float) -> np.ndarray:

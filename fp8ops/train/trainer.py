@@ -265,7 +265,8 @@ class Trainer:
             loss.backward()
             step_loss += loss.detach().double()
         step_loss = self._dp_sum(step_loss)
-        # Read before the optimizer step: it zeroes the gradients the row reports.
+        # Read before the optimizer step: it zeroes the gradients the row reports. The row's
+        # copies to the host run on; the loss below syncs anyway, so observe() does not wait.
         self._telemetry_row = self.collector.end_step()
         grad_norm, skipped = self.optimizer.step(lr)
         seconds = time.perf_counter() - started
@@ -399,7 +400,7 @@ class Trainer:
             "tokens_per_s": record["tokens_per_s"],
             "step_seconds": record["seconds"],
         }
-        row = self._telemetry_row
+        row = self._telemetry_row.result()
         if self.telemetry is not None:
             scalars = np.array([step_values[m] for m in STEP_METRIC_NAMES], dtype=np.float32)
             self.telemetry.append(step, row, scalars)

@@ -20,9 +20,10 @@ reduced and updated once per step as before. :func:`build_gpt_te` sets the flag 
 named in ``precision.overrides`` (approved fallbacks) and in ``bf16_modules``.
 
 Everywhere else :func:`te_available` is False and :func:`build_gpt_te` refuses with the fallback
-to use, so callers and tests skip cleanly. Not yet wired: the trainer's admission table, telemetry
-and checkpoints read fp8ops' ``Fp8Meta``, not TE's ``fp8_meta`` dict; TE's checkpoint payload is
-read and written by ``fp8ops.checkpoint.te_extra_state``.
+to use, so callers and tests skip cleanly. The telemetry collector reads a TE model through
+``te_telemetry.te_telemetry_modules`` (TE's own ``fp8_meta`` tensors); TE's checkpoint payload is
+read and written by ``fp8ops.checkpoint.te_extra_state``. Not yet wired: the trainer builds its
+admission table, collector, checkpoints and cross-rank checks from fp8ops' own FP8 layers only.
 """
 
 from __future__ import annotations

@@ -38,13 +38,14 @@ class Probe:
         self.cast_logs.append(log)
         return log
 
-    def fp8_call(self, x: torch.Tensor, out: torch.Tensor, weight, bias) -> None:
+    def fp8_call(self, x: torch.Tensor, out: torch.Tensor, weight, bias, *, error=True) -> None:
         """After an FP8 forward: count its GEMMs; measure the input and, when sampling, the
-        error against the same GEMM in the input's dtype."""
+        error against the same GEMM in the input's dtype. ``error=False`` where ``out`` is not
+        ``x @ weight.T + bias`` (a TE LayerNormLinear normalises ``x`` first)."""
         self.fp8_gemms += _gemms(x, weight)
         if self.measure:
             self.input_norm = x.detach().float().norm()
-        if self.sample_error:
+        if self.sample_error and error:
             with torch.no_grad():
                 reference = F.linear(x.detach(), weight.detach(), bias)
                 difference = (out.detach().float() - reference.float()).norm()

@@ -1,0 +1,164 @@
+"""Telemetry of the TE backend: the collector reads TE's own ``fp8_meta`` (``te_telemetry.py``).
+
+Transformer Engine does not import on any machine here, so these tests run the adapter against a
+stand-in that keeps TE's documented layout and behaviour (reference §1-2): no state until a
+module's first FP8 forward, then ``fp8_meta["scaling_fwd"]`` / ``["scaling_bwd"]`` holding
+``scale`` and ``amax_history``; ``module.fp8`` set at every forward. They check fp8ops' side
+only; whether TE itself behaves so is for a GPU with TE (docs/gpu.md).
+"""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fp8ops.megatron.te_telemetry import TeTelemetryModule, te_telemetry_modules
+from fp8ops.precision import DelayedScalingRecipe
+from fp8ops.telemetry.catalogue import COLUMN
+from fp8ops.telemetry.collector import TelemetryCollector
+
+RECIPE = DelayedScalingRecipe(amax_history_len=4)
+CADENCE = SimpleNamespace(every_steps=2, error_sample_every=2)
+
+
+class TeLikeLinear(nn.Linear):
+    """A stand-in for a TE linear's FP8 bookkeeping (not its arithmetic)."""
+
+    autocast = False  # stands in for TE's fp8_autocast being entered
+
+    def __init__(self, features: int, gemms: int = 1):
+        super().__init__(features, features, bias=False)
+        self.fp8_meta: dict = {}
+        self.fp8_enabled = True  # te_backend.bf16_capable's flag
+        self.gemms = gemms
+
+    def forward(self, x):
+        self.fp8 = TeLikeLinear.autocast and self.fp8_enabled
+        if self.fp8 and "scaling_fwd" not in self.fp8_meta:  # TE's init_fp8_metadata
+            for key, slots in (("scaling_fwd", 3), ("scaling_bwd", 2)):
+                self.fp8_meta[key] = SimpleNamespace(
+                    scale=torch.ones(slots * self.gemms),
+                    amax_history=torch.zeros(RECIPE.amax_history_len, slots * self.gemms),
+                )
+        if self.fp8:
+            row = self.fp8_meta["scaling_fwd"].amax_history[0]
+            row[0] = torch.fmax(row[0], x.detach().abs().amax())
+            row[1] = torch.fmax(row[1], self.weight.detach().abs().amax())
+        return super().forward(x)
+
+
+def decoder(layers: int = 2) -> nn.Module:
+    model = nn.Module()
+    model.decoder = nn.Module()
+    model.decoder.layers = nn.ModuleList()
+    for _ in range(layers):
+        layer = nn.Module()
+        layer.linear_qkv, layer.linear_proj = TeLikeLinear(8), TeLikeLinear(8)
+        model.decoder.layers.append(layer)
+    model.output_layer = TeLikeLinear(8)  # not a decoder projection: not observed
+    return model
+
+
+def step(model, collector, number: int, fp8: bool = True):
+    collector.begin_step(number)
+    TeLikeLinear.autocast = fp8
+    try:
+        x = torch.randn(4, 8, requires_grad=True)
+        for layer in model.decoder.layers:
+            x = layer.linear_proj(layer.linear_qkv(x))
+        x.sum().backward()
+    finally:
+        TeLikeLinear.autocast = False
+    return collector.end_step().result()
+
+
+def cell(row, collector, module, metric):
+    return row[collector.names.index(module), COLUMN[metric]]
+
+
+QKV0 = "decoder.layers.0.linear_qkv"
+
+
+def test_the_decoder_projections_are_observed_in_module_order():
+    modules = te_telemetry_modules(decoder(), RECIPE)
+    assert list(modules) == [
+        "decoder.layers.0.linear_qkv", "decoder.layers.0.linear_proj",
+        "decoder.layers.1.linear_qkv", "decoder.layers.1.linear_proj",
+    ]  # fmt: skip
+
+
+def test_the_row_holds_tes_own_state_read_afresh_every_row():
+    model = decoder()
+    collector = TelemetryCollector(te_telemetry_modules(model, RECIPE), CADENCE)
+    module = model.decoder.layers[0].linear_qkv
+
+    # Before its first FP8 forward TE has no state: the row shows the state TE will create.
+    row = step(model, collector, 1, fp8=False)
+    assert module.fp8_meta == {}
+    assert cell(row, collector, QKV0, "input.scale") == 1.0
+    assert cell(row, collector, QKV0, "input.window_max") == 0.0
+    assert np.isnan(cell(row, collector, QKV0, "input.window_p50"))  # zeros: no observation
+    assert cell(row, collector, QKV0, "fallback_gemms") == 3
+    assert cell(row, collector, QKV0, "fp8_gemms") == 0
+
+    # TE's update would now write into its own tensors; so does the test.
+    step(model, collector, 2)
+    state = module.fp8_meta["scaling_fwd"]
+    state.amax_history[1:, 0] = torch.tensor([2.0, 8.0, 4.0])
+    state.scale[0] = 448.0 / 8.0
+    row = step(model, collector, 3)
+    assert cell(row, collector, QKV0, "input.scale") == np.float32(56.0)
+    assert cell(row, collector, QKV0, "input.window_max") == 8.0
+    assert cell(row, collector, QKV0, "input.amax") == 4.0  # the newest entry, row L-1
+    assert cell(row, collector, QKV0, "fp8_gemms") == 3
+
+    # TE rebinds its tensors (loading a checkpoint): the next row reads the new ones.
+    module.fp8_meta["scaling_bwd"].scale = torch.tensor([1024.0, 1.0])
+    row = step(model, collector, 4)
+    assert cell(row, collector, QKV0, "grad_output.scale") == 1024.0
+    assert np.isfinite(cell(row, collector, QKV0, "input_norm"))  # step 4 measures
+
+
+def test_a_module_held_in_bf16_is_counted_as_fallback_and_its_state_frozen():
+    model = decoder()
+    collector = TelemetryCollector(te_telemetry_modules(model, RECIPE), CADENCE)
+    held = model.decoder.layers[1].linear_proj
+    held.fp8_enabled = False
+    row = step(model, collector, 1)
+    name = "decoder.layers.1.linear_proj"
+    assert cell(row, collector, name, "fp8_enabled") == 0
+    assert cell(row, collector, name, "fallback_gemms") == 3
+    assert cell(row, collector, name, "fp8_gemms") == 0
+    assert held.fp8_meta == {}  # it never ran in FP8
+
+
+def test_no_error_sample_where_the_output_is_not_the_inputs_gemm():
+    model = decoder()
+    collector = TelemetryCollector(te_telemetry_modules(model, RECIPE), CADENCE)
+    row = step(model, collector, 2)  # a sampling step (error_sample_every 2)
+    assert np.isnan(row[:, COLUMN["fp8_rel_error"]]).all()
+    assert np.isnan(row[:, COLUMN["input.saturation"]]).all()  # TE keeps no cast counts
+
+
+def test_a_module_of_two_gemms_is_refused_naming_it():
+    model = nn.Module()
+    model.decoder = nn.Module()
+    model.decoder.mlp = TeLikeLinear(8, gemms=2)
+    modules = te_telemetry_modules(model, RECIPE)
+    TeLikeLinear.autocast = True
+    try:
+        model.decoder.mlp(torch.randn(2, 8))
+    finally:
+        TeLikeLinear.autocast = False
+    with pytest.raises(ValueError, match=r"decoder\.mlp: TE's fp8_meta\['scaling_fwd'\]"):
+        TelemetryCollector(modules, CADENCE)
+
+
+def test_removing_the_hook_leaves_the_module_unobserved():
+    module = TeLikeLinear(8)
+    view = TeTelemetryModule(module, RECIPE, "m")
+    view.probe = SimpleNamespace(fallback_call=lambda *a: pytest.fail("observed"))
+    view.remove()
+    module(torch.randn(2, 8))

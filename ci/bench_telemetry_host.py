@@ -1,7 +1,7 @@
 """Benchmark (not a test): the host's time per telemetry row, the part of telemetry's cost that a
 GPU step bound by the host pays in full.
 
-    .venv/bin/python ci/bench_telemetry_host.py [--layers N] [--rows N]
+    .venv/bin/python ci/bench_telemetry_host.py [--layers N] [--steps N]
 
 A GPU step of four 8B layers of fp8ops' FP8 linears is bound by the host (docs/gpu.md): the GPU
 waits while the host queues kernels, so every microsecond the host spends on telemetry lengthens

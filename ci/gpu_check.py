@@ -523,7 +523,8 @@ def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
         if telemetry:
             # After the backward, before gradients go, as the trainer. The trainer syncs each
             # step for its loss anyway and finishes the row then; these steps do not sync, so
-            # the row is finished one step later, when its copies are long done.
+            # the row is finished one step later, by when its copies are usually done (a host
+            # more than a step ahead of the GPU waits there).
             pending.append(collector.end_step())
             if len(pending) > 1:
                 pending.pop(0).result()

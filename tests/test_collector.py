@@ -257,10 +257,12 @@ def test_modules_of_different_history_lengths_are_refused():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_end_step_does_not_stop_the_host():
-    """torch's sync debug mode raises at any operation that waits for the GPU."""
+    """end_step queues its copies and returns while the GPU is still busy (torch's sync debug
+    mode raises at any operation that waits for it); the row is the state as it was then."""
     from types import SimpleNamespace
 
     from fp8ops.precision import Fp8Meta
+    from fp8ops.precision.quantize import quantize
 
     recipe = DelayedScalingRecipe(amax_history_len=8)
     modules = {f"m{i}": SimpleNamespace(fp8_meta=Fp8Meta.fresh(recipe), fp8_enabled=True,
@@ -272,15 +274,23 @@ def test_on_a_gpu_end_step_does_not_stop_the_host():
             state.scale = state.scale.cuda() * 2
     collector = TelemetryCollector(modules, SimpleNamespace(every_steps=1, error_sample_every=1))
     collector.begin_step(1)
+    x = torch.tensor([[1.0, 1e6, float("nan"), 0.0]], device="cuda")
+    _, stats = quantize(x, torch.tensor(1.0, device="cuda"), recipe.fp8_format.forward)
+    modules["m0"].probe.measure = True
+    modules["m0"].probe.cast_logs.append({"input": stats})
+    history = modules["m3"].fp8_meta.backward.amax_history
+    window_max = history[1:, 0].max().item()
     torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # keeps the GPU busy: the copies queue behind it
     torch.cuda.set_sync_debug_mode("error")
     try:
         pending = collector.end_step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    assert not pending.state._ready.query()  # returned before its copy ran
+    history.fill_(1e9)  # the next step's in-place update, queued after the copy
     row = pending.result()
     assert row[0, COLUMN["input.scale"]] == 2.0
-    assert (
-        row[3, COLUMN["grad_output.window_max"]]
-        == modules["m3"].fp8_meta.backward.amax_history[1:, 0].max().item()
-    )
+    assert row[3, COLUMN["grad_output.window_max"]] == np.float32(window_max)
+    assert row[0, COLUMN["input.saturation"]] == 0.25  # 1e6 of 4: the int64 counts' copy
+    assert row[0, COLUMN["input.nan"]] == 1

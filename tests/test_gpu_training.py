@@ -27,10 +27,6 @@ import torch.distributed as dist
 
 from fp8ops.data.batches import MicroBatch
 from fp8ops.errors import Fp8opsError, ManifestError
-from fp8ops.precision import DelayedScalingRecipe
-from fp8ops.precision.state import Fp8Meta
-from fp8ops.telemetry import collector as collector_module
-from fp8ops.telemetry.collector import TelemetryCollector
 from fp8ops.train import distributed
 
 HAS_MEGATRON = importlib.util.find_spec("megatron") is not None
@@ -176,35 +172,6 @@ def test_megatron_subgroups_inherit_a_multi_backend_string(tmp_path):
     finally:
         distributed.shutdown_distributed()  # Megatron's state; the group is the test's
         dist.destroy_process_group()
-
-
-# -- on the CPU: telemetry reads the FP8 state where it is -------------------------------------
-
-
-def _collector(metas: list[Fp8Meta]) -> TelemetryCollector:
-    modules = {
-        f"m{i}": SimpleNamespace(fp8_meta=meta, fp8_enabled=True) for i, meta in enumerate(metas)
-    }
-    return TelemetryCollector(modules, SimpleNamespace(every_steps=1, error_sample_every=1))
-
-
-def test_the_collector_reads_cpu_fp8_state_without_copies():
-    recipe = DelayedScalingRecipe(amax_history_len=4)
-    metas = [Fp8Meta.fresh(recipe), Fp8Meta.fresh(recipe)]
-    states = _collector(metas)._host_states()
-    for name, meta in zip(("m0", "m1"), metas, strict=True):
-        for forward in (True, False):
-            history, scale = states[name][forward]
-            assert history is meta.direction(forward).amax_history
-            assert scale is meta.direction(forward).scale
-
-
-def test_host_copies_split_one_transfer_back_into_each_tensor():
-    tensors = [torch.randn(4, 3), torch.randn(3), torch.randn(4, 2), torch.randn(2)]
-    copies = collector_module._host_copies(tensors)
-    assert [c.shape for c in copies] == [t.shape for t in tensors]
-    for copy, tensor in zip(copies, tensors, strict=True):
-        assert torch.equal(copy, tensor) and copy.device.type == "cpu"
 
 
 # -- on a GPU ---------------------------------------------------------------------------------

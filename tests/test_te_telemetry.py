@@ -142,6 +142,25 @@ def test_no_error_sample_where_the_output_is_not_the_inputs_gemm():
     assert np.isnan(row[:, COLUMN["input.saturation"]]).all()  # TE keeps no cast counts
 
 
+def test_a_history_loaded_at_another_length_is_read_as_te_will_adjust_it():
+    """A checkpoint of another amax_history_len loads at its own length; TE truncates or pads
+    it (zeros at the end) at the next forward. Telemetry right after the load must not fail."""
+    model = decoder()
+    modules = te_telemetry_modules(model, RECIPE)  # amax_history_len 4
+    longer = torch.arange(1.0, 25.0).reshape(8, 3)
+    shorter = torch.tensor([[0.0, 0.0], [5.0, 6.0]])
+    first, second = model.decoder.layers[0].linear_qkv, model.decoder.layers[0].linear_proj
+    first.fp8_meta["scaling_fwd"] = SimpleNamespace(scale=torch.ones(3), amax_history=longer)
+    second.fp8_meta["scaling_bwd"] = SimpleNamespace(scale=torch.ones(2), amax_history=shorter)
+    collector = TelemetryCollector(modules, CADENCE)
+    collector.seed_previous_scales()  # what the trainer does after loading a checkpoint
+    view = modules[QKV0].fp8_meta
+    assert torch.equal(view.direction(True).amax_history, longer[:4])
+    padded = modules["decoder.layers.0.linear_proj"].fp8_meta.direction(False).amax_history
+    assert torch.equal(padded, torch.tensor([[0.0, 0.0], [5.0, 6.0], [0.0, 0.0], [0.0, 0.0]]))
+    assert torch.equal(longer, torch.arange(1.0, 25.0).reshape(8, 3))  # TE's own left alone
+
+
 def test_a_module_of_two_gemms_is_refused_naming_it():
     model = nn.Module()
     model.decoder = nn.Module()
@@ -152,7 +171,7 @@ def test_a_module_of_two_gemms_is_refused_naming_it():
         model.decoder.mlp(torch.randn(2, 8))
     finally:
         TeLikeLinear.autocast = False
-    with pytest.raises(ValueError, match=r"decoder\.mlp: TE's fp8_meta\['scaling_fwd'\]"):
+    with pytest.raises(ValueError, match=r"decoder\.mlp: TE's fp8_meta\['scaling_fwd'\].* 6 slots"):
         TelemetryCollector(modules, CADENCE)
 
 

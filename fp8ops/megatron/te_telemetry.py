@@ -8,7 +8,9 @@ and a ``probe`` it attaches. :func:`te_telemetry_modules` gives it that view of 
 * the state is TE's own tensors, ``fp8_meta["scaling_fwd"]`` and ``["scaling_bwd"]``
   (``amax_history [L, 3]`` and ``scale [3]`` forward, ``[L, 2]`` and ``[2]`` backward: one GEMM
   per module in Megatron's spec, the layout fp8ops' state copies), read afresh every row, because
-  TE rebinds them (loading a checkpoint, changing the history length). Reading them costs no
+  TE rebinds them (loading a checkpoint, changing the history length). A history loaded at
+  another length, which TE adjusts only at the next forward, is shown as TE will adjust it.
+  Reading them costs no
   kernel of its own: the collector snapshots every module's state in three ``cat`` s per row,
   whatever the backend. Before a module's first FP8 forward TE has no state for it yet; the view
   then shows the state TE will create (scales 1, histories 0), as fp8ops' own layers start;
@@ -59,15 +61,27 @@ class TeFp8MetaView:
                 )
                 self._initial[forward] = initial
             return self._initial[forward]
-        expected = (self.recipe.amax_history_len, SLOTS_PER_GEMM[forward])
-        if tuple(state.amax_history.shape) != expected:
+        slots = state.amax_history.shape[1]
+        if slots != SLOTS_PER_GEMM[forward]:
             raise ValueError(
-                f"{self.name}: TE's fp8_meta[{TE_KEYS[forward]!r}].amax_history is "
-                f"{tuple(state.amax_history.shape)}, telemetry expects {expected} (one GEMM, "
-                f"the manifest's amax_history_len); a module of several GEMMs (LayerNormMLP) "
-                "is not one of Megatron's GPT projections"
+                f"{self.name}: TE's fp8_meta[{TE_KEYS[forward]!r}].amax_history has {slots} "
+                f"slots, telemetry reads modules of one GEMM ({SLOTS_PER_GEMM[forward]}); a "
+                "module of several GEMMs (LayerNormMLP) is not one of Megatron's GPT projections"
             )
-        return ScalingState(amax_history=state.amax_history, scale=state.scale, fp8=fp8)
+        history = _at_length(state.amax_history, self.recipe.amax_history_len)
+        return ScalingState(amax_history=history, scale=state.scale, fp8=fp8)
+
+
+def _at_length(history: torch.Tensor, length: int) -> torch.Tensor:
+    """``history`` as TE will have it at the module's next forward: a checkpoint saved with
+    another ``amax_history_len`` loads at its own length, and TE's
+    ``adjust_amax_history_length`` truncates it or pads it with zeros at the end then
+    (reference §4). A copy, only in that case."""
+    if history.shape[0] == length:
+        return history
+    if history.shape[0] > length:
+        return history[:length].clone()
+    return torch.nn.functional.pad(history, (0, 0, 0, length - history.shape[0]))
 
 
 class TeTelemetryModule:

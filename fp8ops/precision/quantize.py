@@ -18,8 +18,8 @@ COUNTS = ("saturated", "underflow", "nan", "inf")  # CastStats.counts, in this o
 
 @dataclass(frozen=True)
 class CastStats:
-    """What one cast did. Tensors on the cast's device, so no host sync is forced; the counts
-    are one tensor, so telemetry brings a cast's four over as one."""
+    """What one cast did, as tensors (on the cast's device, but for an empty tensor's), so no
+    host sync is forced; the counts are one tensor, so telemetry copies a cast's four as one."""
 
     amax: torch.Tensor  # float32 max |x|, NaN ignored (TE's fmaxf), +inf kept
     # [4] int64, COUNTS: |x * scale| > fp8 max (clipped to +-max, inf included); non-zero

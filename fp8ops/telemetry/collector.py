@@ -12,7 +12,8 @@ extra passes over every cast tensor; the FP8-vs-reference error every ``error_sa
 steps, because it costs one more GEMM per module. Unmeasured values are NaN.
 
 On a GPU a row costs one device-to-host copy for the FP8 state of every module, and on
-measuring steps one more for every measured value (tensors on the device until then). Neither
+measuring steps one more for the cast counts and one for the norms (tensors on the device until
+then). Neither
 stops the host: ``end_step`` starts them and returns a :class:`PendingRow`, whose ``result()``
 waits for them (the trainer asks after its own per-step sync for the loss, so it never waits).
 """
@@ -115,7 +116,7 @@ class TelemetryCollector:
         row = np.full((len(self.names), len(MODULE_METRIC_NAMES)), np.nan, dtype=np.float32)
         if pending.state is None:  # an unobserved step
             return row
-        previous = None if pending.previous is None else self._slot_arrays(pending.previous)[1]
+        previous = None if pending.previous is None else self._slot_scales(pending.previous)
         metrics = self._state_metrics(self._slot_arrays(pending.state), previous)
         for metric, values in metrics.items():
             row[:, COLUMN[metric]] = values
@@ -149,6 +150,10 @@ class TelemetryCollector:
         ``_SLOTS`` order."""
         table = copy.get().numpy()
         return table[1:-1, self._columns].transpose(1, 2, 0), table[-1, self._columns]
+
+    def _slot_scales(self, copy: _HostCopy) -> np.ndarray:
+        """The scales alone of :meth:`_slot_arrays` (the previous row's, for scale_change)."""
+        return copy.get().numpy()[-1, self._columns]
 
     def _state_columns(self) -> np.ndarray:
         """``[modules, slots]``: the column of each module's slot in :meth:`_state_tensor`."""
@@ -288,9 +293,9 @@ class _HostCopy:
         self._ready = None
         if tensor.device.type == "cuda":
             self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            self._host.copy_(tensor, non_blocking=True)
+            self._host.copy_(tensor, non_blocking=True)  # on the tensor's GPU's current stream
             self._ready = torch.cuda.Event()
-            self._ready.record()
+            self._ready.record(torch.cuda.current_stream(tensor.device))  # so, that stream
         else:
             self._host = tensor.cpu()
 

@@ -7,7 +7,8 @@ gradient fills it later, during backward) and the probe keeps every micro-batch'
 steps the probe only counts GEMMs, which costs nothing measurable.
 
 Measurements stay tensors on the layer's device: a ``.item()`` here would stop the host until
-the GPU caught up, once per module and step. The collector brings them over in one transfer.
+the GPU caught up, once per module and step. The collector copies them over together, without
+waiting.
 """
 
 from __future__ import annotations

@@ -61,14 +61,16 @@ def decoder(layers: int = 2) -> nn.Module:
     return model
 
 
-def step(model, collector, number: int, fp8: bool = True):
+def step(model, collector, number: int, fp8=True, micro_batches=1, backward=True):
     collector.begin_step(number)
     TeLikeLinear.autocast = fp8
     try:
-        x = torch.randn(4, 8, requires_grad=True)
-        for layer in model.decoder.layers:
-            x = layer.linear_proj(layer.linear_qkv(x))
-        x.sum().backward()
+        for _ in range(micro_batches):
+            x = torch.randn(4, 8, requires_grad=True)
+            for layer in model.decoder.layers:
+                x = layer.linear_proj(layer.linear_qkv(x))
+            if backward:
+                x.sum().backward()
     finally:
         TeLikeLinear.autocast = False
     return collector.end_step().result()
@@ -134,12 +136,54 @@ def test_a_module_held_in_bf16_is_counted_as_fallback_and_its_state_frozen():
     assert held.fp8_meta == {}  # it never ran in FP8
 
 
-def test_no_error_sample_where_the_output_is_not_the_inputs_gemm():
-    model = decoder()
+class TeLikeLayerNormLinear(TeLikeLinear):
+    """A LayerNormLinear stand-in: it normalises its input before the GEMM."""
+
+    def __init__(self, features: int):
+        super().__init__(features)
+        self.layer_norm_weight = nn.Parameter(torch.ones(features))
+
+    def forward(self, x):
+        return super().forward(nn.functional.rms_norm(x, (x.shape[-1],), self.layer_norm_weight))
+
+
+def test_statistics_steps_recount_tes_casts_with_the_scales_it_used():
+    model = decoder(layers=1)
+    layer = model.decoder.layers[0]
+    layer.linear_qkv = TeLikeLayerNormLinear(8)
     collector = TelemetryCollector(te_telemetry_modules(model, RECIPE), CADENCE)
-    row = step(model, collector, 2)  # a sampling step (error_sample_every 2)
-    assert np.isnan(row[:, COLUMN["fp8_rel_error"]]).all()
-    assert np.isnan(row[:, COLUMN["input.saturation"]]).all()  # TE keeps no cast counts
+    step(model, collector, 1)  # every module now has its TE state
+    proj = layer.linear_proj
+    with torch.no_grad():
+        proj.weight.copy_(torch.linspace(-1, 1, 64).reshape(8, 8))
+    proj.fp8_meta["scaling_fwd"].scale[1] = 448.0 / 0.5  # half the weight's values saturate
+    proj.fp8_meta["scaling_bwd"].scale[0] = 2.0**-30  # every gradient flushes to zero
+    name = "decoder.layers.0.linear_proj"
+
+    ordinary = step(model, collector, 3)  # not a statistics step: nothing recounted
+    assert np.isnan(cell(ordinary, collector, name, "weight.saturation"))
+
+    row = step(model, collector, 4, micro_batches=2)
+    assert cell(row, collector, name, "weight.saturation") == 32 / 64  # |w| > 0.5: 16 a side
+    assert cell(row, collector, name, "grad_output.underflow") == 1.0
+    assert cell(row, collector, name, "input.saturation") == 0.0
+    assert cell(row, collector, name, "input.nan") == 0
+    # The LayerNormLinear's cast input is its normalised input: not seen, so not counted.
+    assert np.isnan(cell(row, collector, QKV0, "input.saturation"))
+    assert cell(row, collector, QKV0, "weight.saturation") == 0.0
+    assert np.isfinite(cell(row, collector, QKV0, "grad_output.underflow"))
+    assert np.isnan(row[:, COLUMN["fp8_rel_error"]]).all()  # not the input's GEMM either
+
+
+def test_the_weight_is_counted_once_a_step_as_te_casts_it():
+    model = decoder(layers=1)
+    collector = TelemetryCollector(te_telemetry_modules(model, RECIPE), CADENCE)
+    proj = model.decoder.layers[0].linear_proj
+    with torch.no_grad():
+        proj.weight[0, 0] = float("inf")  # one Inf per cast of the weight
+    row = step(model, collector, 2, micro_batches=3, backward=False)
+    assert cell(row, collector, "decoder.layers.0.linear_proj", "weight.inf") == 1
+    assert cell(row, collector, "decoder.layers.0.linear_proj", "fp8_gemms") == 3 * 3
 
 
 def test_a_history_loaded_at_another_length_is_read_as_te_will_adjust_it():

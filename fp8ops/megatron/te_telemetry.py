@@ -15,14 +15,18 @@ and a ``probe`` it attaches. :func:`te_telemetry_modules` gives it that view of 
   whatever the backend. Before a module's first FP8 forward TE has no state for it yet; the view
   then shows the state TE will create (scales 1, histories 0), as fp8ops' own layers start;
 * a forward hook counts each call's GEMMs, in FP8 or in the base dtype (TE sets ``module.fp8``
-  at every forward), and on statistics steps the norm of the module's input (of a
-  ``LayerNormLinear``, the input before its norm).
+  at every forward), and on statistics steps measures the norm of the module's input (of a
+  ``LayerNormLinear``, the input before its norm);
+* on statistics steps, saturation, underflow, NaN and Inf of TE's casts are recomputed from the
+  tensors TE cast and the scales it used (TE's casts keep no counts): the weight (once a step),
+  the input of a plain ``Linear``, and the output's gradient (a hook on the output). The input a
+  ``LayerNormLinear`` casts is its normalised input, which the hook does not see: that input's
+  counts stay NaN, and so does the FP8-vs-reference error, for the same reason. With sequence
+  parallelism a row-parallel module's output gradient is this rank's part of what TE gathers
+  and casts.
 
-Not read from TE: saturation and underflow (TE's casts keep no counts, and the input a
-``LayerNormLinear`` casts is its normalised input, which the hook does not see) and the
-FP8-vs-reference error (for the same reason); their columns stay NaN on the TE backend. No machine
-here has Transformer Engine: the tests run this against a stand-in that keeps TE's documented
-layout (``../shared/reference/transformer-engine.md`` §1-2), not against TE.
+No machine here has Transformer Engine: the tests run this against a stand-in that keeps TE's
+documented layout (``../shared/reference/transformer-engine.md`` §1-2), not against TE.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fp8ops.precision.quantize import CastStats, quantize
 from fp8ops.precision.recipe import DelayedScalingRecipe
+from fp8ops.precision.scaling import BWD_GRAD_OUTPUT, FWD_INPUT, FWD_WEIGHT
 from fp8ops.precision.state import ScalingState
 
 SLOTS_PER_GEMM = {True: 3, False: 2}  # TE's FP8FwdTensors / FP8BwdTensors
@@ -106,14 +112,45 @@ class TeTelemetryModule:
         self._hook.remove()
 
     def _after_forward(self, module, args, output) -> None:
-        if self.probe is None:
+        probe = self.probe
+        if probe is None:
             return
         x = args[0]
         # TE sets module.fp8 at every forward: whether this one ran its GEMMs in FP8.
-        if getattr(module, "fp8", False):
-            self.probe.fp8_call(x, output, module.weight, None, error=False)
-        else:
-            self.probe.fallback_call(x, module.weight)
+        if not getattr(module, "fp8", False):
+            probe.fallback_call(x, module.weight)
+            return
+        probe.fp8_call(x, output, module.weight, None, error=False)
+        if probe.measure:
+            out = output[0] if isinstance(output, tuple) else output  # Megatron: (out, bias)
+            self._cast_statistics(probe, x, out)
+
+    def _cast_statistics(self, probe, x: torch.Tensor, out: torch.Tensor) -> None:
+        """On statistics steps: what TE's casts of this forward did, recomputed with the scales
+        they used (the update comes at the autocast's exit, after this hook). An extra pass
+        over each tensor, as fp8ops' own statistics casts cost; none on other steps."""
+        first_call = not any("weight" in log for log in probe.cast_logs)
+        log = probe.track()
+        forward = self.fp8_meta.direction(True)
+        with torch.no_grad():
+            if first_call:  # TE casts the weight once a step (is_first_microbatch)
+                log["weight"] = _stats(self.weight, forward.scale[FWD_WEIGHT], forward.fp8)
+            # A LayerNormLinear casts its normalised input, which this hook does not see.
+            if not hasattr(self.module, "layer_norm_weight"):
+                log["input"] = _stats(x, forward.scale[FWD_INPUT], forward.fp8)
+        if out.requires_grad:
+            # The gradient TE casts in backward is the gradient of this output; the backward
+            # scale is read when it arrives (the backward update comes after the whole pass).
+            def grad_statistics(grad: torch.Tensor) -> None:
+                backward = self.fp8_meta.direction(False)
+                with torch.no_grad():
+                    log["grad_output"] = _stats(grad, backward.scale[BWD_GRAD_OUTPUT], backward.fp8)
+
+            out.register_hook(grad_statistics)
+
+
+def _stats(x: torch.Tensor, scale: torch.Tensor, fp8) -> CastStats:
+    return quantize(x.detach(), scale, fp8)[1]
 
 
 def te_telemetry_modules(model: nn.Module, recipe: DelayedScalingRecipe) -> dict:

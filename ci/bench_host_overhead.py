@@ -20,6 +20,7 @@ timed per linear. Rows:
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -68,20 +69,23 @@ def chain(kind: str, linears: int):
     return step
 
 
-def per_linear_us(kind: str, linears: int, steps: int) -> float:
+def per_linear_us(kind: str, linears: int, steps: int) -> list[float]:
+    """Every timed step's µs per linear (a median of them resists this machine's noise)."""
     step = chain(kind, linears)
     for _ in range(5):  # warm-up; the compiled casts compile and verify here
         step()
-    start = time.perf_counter()
+    times = []
     for _ in range(steps):
+        start = time.perf_counter()
         step()
-    return (time.perf_counter() - start) / steps / linears * 1e6
+        times.append((time.perf_counter() - start) / linears * 1e6)
+    return times
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--linears", type=int, default=16, help="linears in the chain (16)")
-    parser.add_argument("--steps", type=int, default=50, help="timed steps (50)")
+    parser.add_argument("--steps", type=int, default=200, help="timed steps (200)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # the host's own work, not intra-op parallelism
 
@@ -100,10 +104,14 @@ def main() -> None:
     table = Table(title=f"Host time per linear, forward + backward ({args.linears} chained, "
                   f"[{TOKENS}, {WIDTH}] bf16, {args.steps} steps, 1 thread)")  # fmt: skip
     table.add_column("linear")
-    table.add_column("µs per linear", justify="right")
+    table.add_column("µs per linear (median)", justify="right")
+    table.add_column("quartiles", justify="right")
     table.add_column("vs BF16", justify="right")
-    for label, us in rows:
-        table.add_row(label, f"{us:.0f}", f"{us / rows[0][1]:.1f}x")
+    bf16 = statistics.median(rows[0][1])
+    for label, times in rows:
+        low, _, high = statistics.quantiles(times, n=4)
+        median = statistics.median(times)
+        table.add_row(label, f"{median:.0f}", f"{low:.0f} to {high:.0f}", f"{median / bf16:.1f}x")
     Console().print(table)
 
 

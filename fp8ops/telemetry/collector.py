@@ -120,9 +120,11 @@ class TelemetryCollector:
         metrics = self._state_metrics(self._slot_arrays(pending.state), previous)
         for metric, values in metrics.items():
             row[:, COLUMN[metric]] = values
+        for metric in ("fp8_gemms", "fallback_gemms", "fp8_enabled"):
+            row[:, COLUMN[metric]] = [counts[metric] for counts in pending.counts]
         measured = _values(pending.measured, pending.measured_copy)
-        for i, (counts, values) in enumerate(zip(pending.counts, measured, strict=True)):
-            for metric, value in (counts | values).items():
+        for i, values in enumerate(measured):
+            for metric, value in values.items():  # none on ordinary steps
                 row[i, COLUMN[metric]] = value
         return row
 
@@ -196,8 +198,7 @@ class TelemetryCollector:
             "scale": scale,
             "scale_inv": 1.0 / scale64,
             "window_max": history.max(axis=-1),
-            "window_p50": _quantile(ordered, count, 0.5),
-            "window_p90": _quantile(ordered, count, 0.9),
+            **dict(zip(("window_p50", "window_p90"), _quantiles(ordered, count, (0.5, 0.9)))),
             "scale_change": np.maximum(ratio, 1.0 / ratio),
         }
         return {
@@ -239,7 +240,8 @@ class TelemetryCollector:
                 )
         norms = {"input_norm": record.input_norm, "fp8_rel_error": record.rel_error} | norms
         for name, norm in norms.items():
-            values[name] = _Norm(name, (norm,)) if isinstance(norm, torch.Tensor) else norm
+            if isinstance(norm, torch.Tensor):  # else NaN: not measured, as the row starts
+                values[name] = _Norm(name, (norm,))
         return values
 
     @staticmethod
@@ -372,14 +374,16 @@ def _values(rows: list[dict], copies: dict[tuple, _HostCopy]) -> list[dict[str, 
     return finished
 
 
-def _quantile(ordered: np.ndarray, count: np.ndarray, q: float) -> np.ndarray:
-    """numpy's default (linear) quantile of the first ``count`` values of each sorted row, NaN
-    where ``count`` is 0; float32 arithmetic throughout, as on one row of float32 values."""
-    position = q * np.maximum(count - 1, 0)
+def _quantiles(ordered: np.ndarray, count: np.ndarray, qs: tuple[float, ...]) -> np.ndarray:
+    """numpy's default (linear) quantiles ``qs`` of the first ``count`` values of each sorted
+    row (``[len(qs), *count.shape]``), NaN where ``count`` is 0; float32 arithmetic throughout,
+    as on one row of float32 values."""
+    last = np.maximum(count - 1, 0)
+    position = np.multiply.outer(qs, last)  # float64, as q * (n - 1) in numpy
     low = position.astype(np.int64)
-    high = np.minimum(low + 1, np.maximum(count - 1, 0))
-    below = np.take_along_axis(ordered, low[..., None], axis=-1)[..., 0]
-    above = np.take_along_axis(ordered, high[..., None], axis=-1)[..., 0]
+    high = np.minimum(low + 1, last)
+    below = np.take_along_axis(ordered[None], low[..., None], axis=-1)[..., 0]
+    above = np.take_along_axis(ordered[None], high[..., None], axis=-1)[..., 0]
     with np.errstate(invalid="ignore"):  # inf - inf where the window holds an infinite amax
         value = below + (above - below) * (position - low).astype(np.float32)
     return np.where(count > 0, value, np.float32(np.nan))

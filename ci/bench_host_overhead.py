@@ -85,8 +85,10 @@ def per_linear_us(kind: str, linears: int, steps: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--linears", type=int, default=16, help="linears in the chain (16)")
-    parser.add_argument("--steps", type=int, default=200, help="timed steps (200)")
+    parser.add_argument("--steps", type=int, default=200, help="timed steps (200; at least 2)")
     args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps must be at least 2 (the quartiles need two)")
     torch.set_num_threads(1)  # the host's own work, not intra-op parallelism
 
     rows = []

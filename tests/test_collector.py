@@ -294,3 +294,21 @@ def test_on_a_gpu_end_step_does_not_stop_the_host():
     assert row[3, COLUMN["grad_output.window_max"]] == np.float32(window_max)
     assert row[0, COLUMN["input.saturation"]] == 0.25  # 1e6 of 4: the int64 counts' copy
     assert row[0, COLUMN["input.nan"]] == 1
+
+
+def test_a_history_of_one_entry_has_no_window_but_its_scale():
+    """amax_history_len 1 (Megatron's default): the update keeps no past amax, so the window
+    metrics are NaN; the scale is still reported."""
+    from types import SimpleNamespace
+
+    from fp8ops.precision import Fp8Meta
+
+    meta = Fp8Meta.fresh(DelayedScalingRecipe(amax_history_len=1))
+    meta.forward.scale[0] = 3.0
+    modules = {"m": SimpleNamespace(fp8_meta=meta, fp8_enabled=True, weight=torch.ones(2, 2))}
+    collector = TelemetryCollector(modules, SimpleNamespace(every_steps=1, error_sample_every=1))
+    collector.begin_step(1)
+    row = collector.end_step().result()
+    assert row[0, COLUMN["input.scale"]] == 3.0
+    for metric in ("amax", "window_max", "window_p50", "window_p90"):
+        assert np.isnan(row[0, COLUMN[f"input.{metric}"]]), metric

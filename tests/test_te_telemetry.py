@@ -3,10 +3,13 @@
 Transformer Engine does not import on any machine here, so these tests run the adapter against a
 stand-in that keeps TE's documented layout and behaviour (reference §1-2): no state until a
 module's first FP8 forward, then ``fp8_meta["scaling_fwd"]`` / ``["scaling_bwd"]`` holding
-``scale`` and ``amax_history``; ``module.fp8`` set at every forward. They check fp8ops' side
-only; whether TE itself behaves so is for a GPU with TE (docs/gpu.md).
+``scale`` and ``amax_history``; ``module.fp8`` set at every forward; the weight cast unless
+Megatron's ``is_first_microbatch`` flag is False; the scales updated when the autocast exits
+and when a backward pass ends (§2.4). They check fp8ops' side only; whether TE itself behaves
+so is for a GPU with TE (docs/gpu.md).
 """
 
+import importlib.util
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,6 +17,10 @@ import pytest
 import torch
 from torch import nn
 
+if importlib.util.find_spec("megatron") is None:
+    pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
+
+from fp8ops.megatron import mark_first_microbatch
 from fp8ops.megatron.te_telemetry import TeTelemetryModule, te_telemetry_modules
 from fp8ops.precision import DelayedScalingRecipe
 from fp8ops.telemetry.catalogue import COLUMN
@@ -33,9 +40,12 @@ class TeLikeLinear(nn.Linear):
         self.fp8_meta: dict = {}
         self.fp8_enabled = True  # te_backend.bf16_capable's flag
         self.gemms = gemms
+        self.is_first_microbatch = True  # Megatron's TELinear keeps it
+        self.disable_parameter_transpose_cache = False
 
     def forward(self, x):
         self.fp8 = TeLikeLinear.autocast and self.fp8_enabled
+        self.is_first_microbatch = False  # as TELinear.forward leaves it
         if self.fp8 and "scaling_fwd" not in self.fp8_meta:  # TE's init_fp8_metadata
             for key, slots in (("scaling_fwd", 3), ("scaling_bwd", 2)):
                 self.fp8_meta[key] = SimpleNamespace(
@@ -61,7 +71,18 @@ def decoder(layers: int = 2) -> nn.Module:
     return model
 
 
-def step(model, collector, number: int, fp8=True, micro_batches=1, backward=True):
+def te_update(model, forward: bool) -> None:
+    """Stands in for TE's update, which comes after the hooks: every scale of that direction
+    quartered (the values do not matter, only that they change after the casts)."""
+    for module in model.modules():
+        state = getattr(module, "fp8_meta", {}).get("scaling_fwd" if forward else "scaling_bwd")
+        if state is not None:
+            state.scale /= 4
+
+
+def step(model, collector, number: int, fp8=True, micro_batches=1, backward=True, mark=True):
+    if mark:
+        mark_first_microbatch(model)
     collector.begin_step(number)
     TeLikeLinear.autocast = fp8
     try:
@@ -69,10 +90,18 @@ def step(model, collector, number: int, fp8=True, micro_batches=1, backward=True
             x = torch.randn(4, 8, requires_grad=True)
             for layer in model.decoder.layers:
                 x = layer.linear_proj(layer.linear_qkv(x))
+            te_update(model, forward=True)  # the autocast's exit
             if backward:
                 x.sum().backward()
+                te_update(model, forward=False)  # the end of the backward pass
     finally:
         TeLikeLinear.autocast = False
+    return collector.end_step().result()
+
+
+def state_row(collector, number: int):
+    """A row read now, with no step run: the FP8 state as it stands."""
+    collector.begin_step(number)
     return collector.end_step().result()
 
 
@@ -105,22 +134,22 @@ def test_the_row_holds_tes_own_state_read_afresh_every_row():
     assert cell(row, collector, QKV0, "fallback_gemms") == 3
     assert cell(row, collector, QKV0, "fp8_gemms") == 0
 
-    # TE's update would now write into its own tensors; so does the test.
-    step(model, collector, 2)
+    # TE's update writes into its own tensors; so does the test, then reads a row at once.
+    row = step(model, collector, 2)
+    assert cell(row, collector, QKV0, "fp8_gemms") == 3
+    assert np.isfinite(cell(row, collector, QKV0, "input_norm"))  # step 2 measures
     state = module.fp8_meta["scaling_fwd"]
     state.amax_history[1:, 0] = torch.tensor([2.0, 8.0, 4.0])
     state.scale[0] = 448.0 / 8.0
-    row = step(model, collector, 3)
+    row = state_row(collector, 3)
     assert cell(row, collector, QKV0, "input.scale") == np.float32(56.0)
     assert cell(row, collector, QKV0, "input.window_max") == 8.0
     assert cell(row, collector, QKV0, "input.amax") == 4.0  # the newest entry, row L-1
-    assert cell(row, collector, QKV0, "fp8_gemms") == 3
 
     # TE rebinds its tensors (loading a checkpoint): the next row reads the new ones.
     module.fp8_meta["scaling_bwd"].scale = torch.tensor([1024.0, 1.0])
-    row = step(model, collector, 4)
+    row = state_row(collector, 5)
     assert cell(row, collector, QKV0, "grad_output.scale") == 1024.0
-    assert np.isfinite(cell(row, collector, QKV0, "input_norm"))  # step 4 measures
 
 
 def test_a_module_held_in_bf16_is_counted_as_fallback_and_its_state_frozen():
@@ -153,16 +182,15 @@ def test_statistics_steps_recount_tes_casts_with_the_scales_it_used():
     layer.linear_qkv = TeLikeLayerNormLinear(8)
     collector = TelemetryCollector(te_telemetry_modules(model, RECIPE), CADENCE)
     step(model, collector, 1)  # every module now has its TE state
+    ordinary = step(model, collector, 3)  # not a statistics step: nothing recounted
+    assert np.isnan(cell(ordinary, collector, "decoder.layers.0.linear_proj", "weight.saturation"))
+
     proj = layer.linear_proj
     with torch.no_grad():
         proj.weight.copy_(torch.linspace(-1, 1, 64).reshape(8, 8))
     proj.fp8_meta["scaling_fwd"].scale[1] = 448.0 / 0.5  # half the weight's values saturate
-    proj.fp8_meta["scaling_bwd"].scale[0] = 2.0**-30  # every gradient flushes to zero
+    proj.fp8_meta["scaling_bwd"].scale[0] = 2.0**-40  # every gradient flushes to zero (twice)
     name = "decoder.layers.0.linear_proj"
-
-    ordinary = step(model, collector, 3)  # not a statistics step: nothing recounted
-    assert np.isnan(cell(ordinary, collector, name, "weight.saturation"))
-
     row = step(model, collector, 4, micro_batches=2)
     assert cell(row, collector, name, "weight.saturation") == 32 / 64  # |w| > 0.5: 16 a side
     assert cell(row, collector, name, "grad_output.underflow") == 1.0
@@ -172,18 +200,43 @@ def test_statistics_steps_recount_tes_casts_with_the_scales_it_used():
     assert np.isnan(cell(row, collector, QKV0, "input.saturation"))
     assert cell(row, collector, QKV0, "weight.saturation") == 0.0
     assert np.isfinite(cell(row, collector, QKV0, "grad_output.underflow"))
-    assert np.isnan(row[:, COLUMN["fp8_rel_error"]]).all()  # not the input's GEMM either
+    assert np.isnan(row[:, COLUMN["fp8_rel_error"]]).all()  # no TE module is sampled
 
 
-def test_the_weight_is_counted_once_a_step_as_te_casts_it():
+@pytest.mark.parametrize(
+    ("cache_disabled", "marked", "casts"),
+    [(False, True, 1), (True, True, 3), (False, False, 0)],
+    ids=["first micro-batch only", "parameter cache disabled: every call", "flag never reset"],
+)
+def test_the_weight_is_counted_when_te_casts_it(cache_disabled, marked, casts):
     model = decoder(layers=1)
     collector = TelemetryCollector(te_telemetry_modules(model, RECIPE), CADENCE)
+    step(model, collector, 1)  # clears every flag (TELinear.forward)
     proj = model.decoder.layers[0].linear_proj
+    proj.disable_parameter_transpose_cache = cache_disabled
     with torch.no_grad():
         proj.weight[0, 0] = float("inf")  # one Inf per cast of the weight
-    row = step(model, collector, 2, micro_batches=3, backward=False)
-    assert cell(row, collector, "decoder.layers.0.linear_proj", "weight.inf") == 1
+    row = step(model, collector, 2, micro_batches=3, backward=False, mark=marked)
+    infs = cell(row, collector, "decoder.layers.0.linear_proj", "weight.inf")
+    assert (np.isnan(infs) and casts == 0) or infs == casts
     assert cell(row, collector, "decoder.layers.0.linear_proj", "fp8_gemms") == 3 * 3
+
+
+def test_the_counts_use_the_scales_the_casts_used_not_the_updated_ones():
+    """TE updates the scales after the forward hooks (autocast exit) and after the gradient
+    hooks (end of the backward pass): the counts must be taken with the scales before that."""
+    model = decoder(layers=1)
+    collector = TelemetryCollector(te_telemetry_modules(model, RECIPE), CADENCE)
+    step(model, collector, 1)
+    proj = model.decoder.layers[0].linear_proj
+    with torch.no_grad():
+        proj.weight.copy_(torch.full((8, 8), 1.0))
+    proj.fp8_meta["scaling_fwd"].scale[1] = 448.0 * 2  # saturates all; a quarter of it, none
+    proj.fp8_meta["scaling_bwd"].scale[0] = 2.0**-15  # 1 * 2^-15: E5M2's smallest subnormal is
+    # 2^-16, so nothing flushes; a quarter of the scale, 2^-17, flushes every gradient of 1.0
+    row = step(model, collector, 2)
+    assert cell(row, collector, "decoder.layers.0.linear_proj", "weight.saturation") == 1.0
+    assert cell(row, collector, "decoder.layers.0.linear_proj", "grad_output.underflow") == 0.0
 
 
 def test_a_history_loaded_at_another_length_is_read_as_te_will_adjust_it():

@@ -262,6 +262,8 @@ def fp8_modules(model: nn.Module) -> dict[str, Fp8ColumnParallelLinear | Fp8RowP
 
 def mark_first_microbatch(model: nn.Module) -> None:
     """Before the first micro-batch of a step: every FP8 linear casts its weight once and reuses
-    that FP8 copy for the step's later micro-batches."""
-    for module in fp8_modules(model).values():
-        module.is_first_microbatch = True
+    that FP8 copy for the step's later micro-batches. Megatron's TE linears keep the same flag
+    (``TELinear.is_first_microbatch``), so they are marked too."""
+    for module in model.modules():
+        if hasattr(module, "is_first_microbatch"):
+            module.is_first_microbatch = True

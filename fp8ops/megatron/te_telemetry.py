@@ -18,12 +18,16 @@ and a ``probe`` it attaches. :func:`te_telemetry_modules` gives it that view of 
   at every forward), and on statistics steps measures the norm of the module's input (of a
   ``LayerNormLinear``, the input before its norm);
 * on statistics steps, saturation, underflow, NaN and Inf of TE's casts are recomputed from the
-  tensors TE cast and the scales it used (TE's casts keep no counts): the weight (once a step),
-  the input of a plain ``Linear``, and the output's gradient (a hook on the output). The input a
-  ``LayerNormLinear`` casts is its normalised input, which the hook does not see: that input's
-  counts stay NaN, and so does the FP8-vs-reference error, for the same reason. With sequence
-  parallelism a row-parallel module's output gradient is this rank's part of what TE gathers
-  and casts.
+  tensors TE cast and the scales it used (TE's casts keep no counts): the weight (whenever TE
+  casts it: not on micro-batches where ``is_first_microbatch`` is False), the input of a plain
+  ``Linear``, and the output's gradient (a hook on the output). The input a ``LayerNormLinear``
+  casts is its normalised input, which the hook does not see: its counts stay NaN. With
+  sequence parallelism a row-parallel module's output gradient is this rank's part of what TE
+  gathers and casts.
+
+The FP8-vs-reference error stays NaN for every TE module: the hook sees neither the GEMM's
+higher-precision result nor, for a ``LayerNormLinear``, its input. Activation recompute is not
+supported (fp8ops' manifests cannot turn it on): TE's recompute pass would run the hooks again.
 
 No machine here has Transformer Engine: the tests run this against a stand-in that keeps TE's
 documented layout (``../shared/reference/transformer-engine.md`` §1-2), not against TE.
@@ -97,7 +101,11 @@ class TeTelemetryModule:
         self.module = module
         self.fp8_meta = TeFp8MetaView(module, recipe, name)
         self.probe = None  # the collector attaches one (TelemetryCollector.set_active)
-        self._hook = module.register_forward_hook(self._after_forward)
+        self._casts_weight = True  # whether the forward in progress casts the weight
+        self._hooks = (
+            module.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            module.register_forward_hook(self._after_forward),
+        )
 
     @property
     def weight(self) -> torch.Tensor:
@@ -108,8 +116,13 @@ class TeTelemetryModule:
         return self.module.fp8_enabled
 
     def remove(self) -> None:
-        """Detach the forward hook (the module runs unobserved)."""
-        self._hook.remove()
+        """Detach the hooks (the module runs unobserved)."""
+        for hook in self._hooks:
+            hook.remove()
+
+    def _before_forward(self, module, args, kwargs) -> None:
+        # Read before the forward, which clears Megatron's flag (TELinear.forward).
+        self._casts_weight = _casts_weight(module, kwargs)
 
     def _after_forward(self, module, args, output) -> None:
         probe = self.probe
@@ -129,11 +142,10 @@ class TeTelemetryModule:
         """On statistics steps: what TE's casts of this forward did, recomputed with the scales
         they used (the update comes at the autocast's exit, after this hook). An extra pass
         over each tensor, as fp8ops' own statistics casts cost; none on other steps."""
-        first_call = not any("weight" in log for log in probe.cast_logs)
         log = probe.track()
         forward = self.fp8_meta.direction(True)
         with torch.no_grad():
-            if first_call:  # TE casts the weight once a step (is_first_microbatch)
+            if self._casts_weight:  # else TE reused the FP8 weight of an earlier micro-batch
                 log["weight"] = _stats(self.weight, forward.scale[FWD_WEIGHT], forward.fp8)
             # A LayerNormLinear casts its normalised input, which this hook does not see.
             if not hasattr(self.module, "layer_norm_weight"):
@@ -147,6 +159,20 @@ class TeTelemetryModule:
                     log["grad_output"] = _stats(grad, backward.scale[BWD_GRAD_OUTPUT], backward.fp8)
 
             out.register_hook(grad_statistics)
+
+
+def _casts_weight(module: nn.Module, kwargs: dict) -> bool:
+    """Whether TE casts the weight in this forward: unless ``is_first_microbatch`` is False,
+    which makes it reuse the FP8 weight cached by the step's first micro-batch. Megatron's TE
+    linears keep the flag on the module and pass None instead when
+    ``disable_parameter_transpose_cache`` is set; TE's own modules take it as an argument."""
+    if "is_first_microbatch" in kwargs:
+        flag = kwargs["is_first_microbatch"]
+    elif getattr(module, "disable_parameter_transpose_cache", False):
+        flag = None
+    else:
+        flag = getattr(module, "is_first_microbatch", None)
+    return flag is not False
 
 
 def _stats(x: torch.Tensor, scale: torch.Tensor, fp8) -> CastStats:

@@ -123,12 +123,17 @@ class Fp8Scope:
             margin=self.recipe.margin,
             algo=self.recipe.amax_compute_algo,
         )
-        # Back into every module's own tensors with two multi-tensor copies instead of two
-        # copies per module: a GPU step is bound by the host's time per kernel launch.
-        widths = [s.scale.numel() for s in states]
+        # Back into every module's own tensors in one call instead of two per module: a GPU
+        # step is bound by the host's time per call. Every module of a direction has the same
+        # slots (state.py), so the results are laid out per module first, one contiguous block
+        # each, as the destinations are: only then is it one multi-tensor kernel on a GPU
+        # (otherwise _foreach_copy_ copies pair by pair).
+        modules, width = len(states), states[0].scale.numel()
+        per_module_history = history.reshape(history.shape[0], modules, width).transpose(0, 1)
         torch._foreach_copy_(
             [s.amax_history for s in states] + [s.scale for s in states],
-            list(history.split(widths, dim=1)) + list(scale.split(widths)),
+            list(per_module_history.contiguous().unbind(0))
+            + list(scale.reshape(modules, width).unbind(0)),
         )
 
     def _should_reduce(self) -> bool:

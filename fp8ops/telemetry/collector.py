@@ -184,6 +184,8 @@ class TelemetryCollector:
         history, scale = arrays
         if not history.shape[0]:  # a model without FP8-capable modules
             return {}
+        if not history.shape[-1]:  # amax_history_len 1: the update keeps no past amax
+            history = np.full((*history.shape[:-1], 1), np.nan, dtype=np.float32)
         seen = history > 0  # NaN and zero are no observation
         count = seen.sum(axis=-1)
         # Positive values first, ascending; the +inf filler sorts after them (and equals a +inf
@@ -375,9 +377,10 @@ def _values(rows: list[dict], copies: dict[tuple, _HostCopy]) -> list[dict[str, 
 
 
 def _quantiles(ordered: np.ndarray, count: np.ndarray, qs: tuple[float, ...]) -> np.ndarray:
-    """numpy's default (linear) quantiles ``qs`` of the first ``count`` values of each sorted
-    row (``[len(qs), *count.shape]``), NaN where ``count`` is 0; float32 arithmetic throughout,
-    as on one row of float32 values."""
+    """Linearly interpolated quantiles ``qs`` of the first ``count`` values of each sorted row
+    (``[len(qs), *count.shape]``), NaN where ``count`` is 0: ``below + (above - below) * frac``
+    in float32 (``np.quantile`` computes some of them the other way round, which can differ by
+    an ulp)."""
     last = np.maximum(count - 1, 0)
     position = np.multiply.outer(qs, last)  # float64, as q * (n - 1) in numpy
     low = position.astype(np.int64)

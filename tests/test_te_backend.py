@@ -183,3 +183,56 @@ def test_a_te_module_in_bf16_keeps_its_state_while_the_others_train(manifest):  
     assert torch.isfinite(trained.scale).all()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+@needs_te
+def test_telemetry_reads_a_te_model(manifest):  # pragma: no cover - GPU with TE only
+    """What tests/test_te_telemetry.py checks against a stand-in, against TE itself: the row's
+    state is TE's fp8_meta, the GEMMs are counted, and a statistics step recounts the casts."""
+    import math
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from fp8ops.megatron import mark_first_microbatch
+    from fp8ops.megatron.compat import parallel_state
+    from fp8ops.megatron.te_telemetry import te_telemetry_modules
+    from fp8ops.precision import DelayedScalingRecipe
+    from fp8ops.telemetry.catalogue import COLUMN
+    from fp8ops.telemetry.collector import TelemetryCollector
+    from fp8ops.train.distributed import _free_port
+
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    model = build_gpt_te(manifest)
+    modules = te_telemetry_modules(model, DelayedScalingRecipe.from_precision(manifest.precision))
+    collector = TelemetryCollector(modules, SimpleNamespace(every_steps=2, error_sample_every=2))
+    s = manifest.model.seq_length
+    tokens = torch.randint(0, 256, (2, s), device="cuda")
+    positions = torch.arange(s, device="cuda").expand(2, s)
+    rows = []
+    for step in (1, 2):
+        mark_first_microbatch(model)
+        collector.begin_step(step)
+        model(tokens, positions, None, labels=tokens).float().mean().backward()
+        rows.append(collector.end_step().result())
+        model.zero_grad()
+    qkv, proj = (
+        "decoder.layers.0.self_attention.linear_qkv",
+        "decoder.layers.0.self_attention.linear_proj",
+    )
+    row = rows[1]
+    at = collector.names.index
+    te_scale = model.get_submodule(qkv).fp8_meta["scaling_fwd"].scale
+    assert row[at(qkv), COLUMN["input.scale"]] == te_scale[0].item()
+    assert row[at(qkv), COLUMN["fp8_gemms"]] == 3
+    for metric in ("weight.saturation", "grad_output.underflow"):
+        assert math.isfinite(row[at(qkv), COLUMN[metric]]), metric
+    assert math.isfinite(row[at(proj), COLUMN["input.saturation"]])  # a plain Linear
+    assert math.isnan(row[at(qkv), COLUMN["input.saturation"]])  # a LayerNormLinear
+    assert math.isnan(rows[0][at(qkv), COLUMN["weight.saturation"]])  # step 1 does not measure
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()

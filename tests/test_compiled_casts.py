@@ -288,3 +288,19 @@ def test_an_error_that_is_not_the_compilers_is_raised_and_keeps_the_compiled_ker
     with pytest.raises(torch.OutOfMemoryError, match="injected"):
         cast_fn(x, torch.tensor(1.0), E4M3.max, E4M3.torch_dtype)
     assert cast_fn.statuses("cpu", "float32") == {"compiled"}
+
+
+def test_an_amax_history_of_one_entry_is_verified_on_its_own(compile_everywhere):
+    """The history is an argument with a size-1 dimension when amax_history_len is 1: Dynamo
+    compiles that as another graph, so it gets its own key and verification."""
+    from fp8ops.precision.state import Fp8Meta
+
+    x = sample(torch.bfloat16)
+    for length in (16, 1):
+        state = Fp8Meta.fresh(DelayedScalingRecipe(amax_history_len=length)).forward
+        quantized = linear_module.cast_and_record(x, state, 0, None, "input")
+        assert same_bits(quantized.data, cast(x, torch.tensor(1.0), E4M3).data)
+        assert same_bits(state.amax_history[0, 0], amax_of(x))
+    record = linear_module._CAST_AND_RECORD
+    for pattern in ("arg0:nn", "arg0:1n"):
+        assert record.statuses("cpu", "bfloat16", pattern) == {"compiled"}, pattern

@@ -158,22 +158,25 @@ def shaped_like(probe: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def _key(x: torch.Tensor, args: tuple) -> tuple[str, ...]:
     """What a compiled graph is specialised on, so what one verification holds for: ``x``'s
-    device, dtype and size-1 dimensions, the other tensors' devices, and the dtypes, booleans
-    and integers (a slot index) among the arguments. Sizes are symbolic (``dynamic=True``);
-    the float fp8_max follows from the FP8 dtype."""
-    key = [
-        str(x.device),
-        _name(x.dtype),
-        "size1:" + "".join("1" if d == 1 else "n" for d in x.shape),
-    ]
-    for a in args:
+    device, dtype and size-1 dimensions, the other tensors' devices and size-1 dimensions (an
+    amax history of one entry is a graph of its own too), and the dtypes, booleans and
+    integers (a slot index) among the arguments. Sizes are symbolic (``dynamic=True``); the
+    float fp8_max follows from the FP8 dtype."""
+    key = [str(x.device), _name(x.dtype), "size1:" + _size1(x)]
+    for index, a in enumerate(args):
         if isinstance(a, torch.Tensor):
             key.append(str(a.device))
+            if a.dim():
+                key.append(f"arg{index}:" + _size1(a))
         elif isinstance(a, torch.dtype):
             key.append(_name(a))
         elif isinstance(a, (bool, int)):
             key.append(f"{a}")
     return tuple(key)
+
+
+def _size1(t: torch.Tensor) -> str:
+    return "".join("1" if d == 1 else "n" for d in t.shape)
 
 
 def _recompile_limit(limit: int):

@@ -20,7 +20,6 @@ every 50). Timed, of each training step: ``begin_step``, ``end_step`` and finish
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import time
 import warnings
@@ -36,20 +35,23 @@ from fp8ops.megatron import build_gpt, fp8_modules, mark_first_microbatch
 from fp8ops.megatron.compat import parallel_state
 from fp8ops.precision import DelayedScalingRecipe, Fp8Scope
 from fp8ops.telemetry.collector import TelemetryCollector
+from fp8ops.train.distributed import _free_port
 
 MANIFESTS = Path(__file__).resolve().parents[1] / "manifests"
 H200_FP8_STEP_MS = 46.4  # docs/gpu.md, run 3: four 8B layers, FP8 with compiled casts
 
 
+CADENCE = load_manifest(MANIFESTS / "llama3-8b-h100-r1.yaml").telemetry
+
+
 def build(layers: int):
     """A small GPT at the 8B revision's telemetry cadence, its collector and its FP8 scope."""
-    cadence = load_manifest(MANIFESTS / "llama3-8b-h100-r1.yaml").telemetry
     manifest = derive(
         load_manifest(MANIFESTS / "tiny-gpt-cpu.yaml"),
         {"model.num_layers": layers, "model.hidden_size": 64, "model.ffn_hidden_size": 256,
          "model.seq_length": 32, "model.init_checkpoint": None,
-         "telemetry.every_steps": cadence.every_steps,
-         "telemetry.error_sample_every": cadence.error_sample_every},
+         "telemetry.every_steps": CADENCE.every_steps,
+         "telemetry.error_sample_every": CADENCE.error_sample_every},
         "bench_telemetry_host",
     )  # fmt: skip
     recipe = DelayedScalingRecipe.from_precision(manifest.precision)
@@ -84,13 +86,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4, help="GPT layers, 4 FP8 linears each (4)")
     parser.add_argument("--steps", type=int, default=300, help="timed steps (300)")
     args = parser.parse_args()
+    if args.layers < 1:
+        parser.error("--layers must be at least 1")
+    if args.steps < CADENCE.every_steps:
+        parser.error(f"--steps must be at least {CADENCE.every_steps}, so one step measures")
     torch.set_num_threads(1)  # the host's own work, not intra-op parallelism
     warnings.filterwarnings("ignore", category=DeprecationWarning)  # Megatron's, at build
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     try:
         model, collector, scope = build(args.layers)

@@ -672,36 +672,23 @@ def cast_speeds(device: torch.device, shape: dict, compiled: str) -> list[Row]:
     in milliseconds and in bytes moved per element of the input (2 read + 1 written at best)."""
     x = torch.randn(shape["seq"], shape["ffn"], device=device, dtype=torch.bfloat16)
     scale = torch.tensor(1.0, device=device)
-    rows, seconds = [], {}
-    for mode in ("off", compiled):
-        old = set_compiled_casts(mode)
-        try:
-            seconds[mode] = seconds_per_call(lambda: cast_and_amax(x, scale, E4M3), device)
-        finally:
-            set_compiled_casts(old)
-    for mode in ("off", compiled):
-        old = set_compiled_casts(mode)
-        try:
-            seconds[f"transposed {mode}"] = seconds_per_call(
-                lambda: cast_and_amax(x, scale, E4M3, transposed=True), device
-            )
-        finally:
-            set_compiled_casts(old)
     bandwidth = 4.3e12 if device.type == "cuda" else None  # H200 copy rate (KINDS.md), bytes/s
-    for mode, label in (("off", "eager"), (compiled, "compiled")):
-        ms = seconds[mode] * 1e3
-        moved = ""
-        if bandwidth:
-            moved = f", ~{seconds[mode] * bandwidth / x.numel():.0f} B/element at 4.3 TB/s"
-        rows.append(Row("throughput", f"cast [{shape['seq']}x{shape['ffn']}] bf16 -> E4M3 + amax, "
-                        f"{label}", f"{ms:.3f} ms{moved}", values={"ms": ms}))  # fmt: skip
-    for mode, label in (("off", "eager"), (compiled, "compiled")):
-        ms = seconds[f"transposed {mode}"] * 1e3
-        moved = ""
-        if bandwidth:
-            moved = f", ~{seconds[f'transposed {mode}'] * bandwidth / x.numel():.0f} B/element"
-        rows.append(Row("throughput", f"... and the transposed copy too, {label}",
-                        f"{ms:.3f} ms{moved}", values={"ms": ms}))  # fmt: skip
+    rows = []
+    for transposed, what in (
+        (False, f"cast [{shape['seq']}x{shape['ffn']}] bf16 -> E4M3 + amax"),
+        (True, "... and the transposed copy too"),
+    ):
+        for mode, label in (("off", "eager"), (compiled, "compiled")):
+            old = set_compiled_casts(mode)
+            try:
+                seconds = seconds_per_call(
+                    lambda t=transposed: cast_and_amax(x, scale, E4M3, transposed=t), device
+                )
+            finally:
+                set_compiled_casts(old)
+            moved = f", ~{seconds * bandwidth / x.numel():.0f} B/element" if bandwidth else ""
+            rows.append(Row("throughput", f"{what}, {label}", f"{seconds * 1e3:.3f} ms{moved}",
+                            values={"ms": seconds * 1e3}))  # fmt: skip
     return rows
 
 

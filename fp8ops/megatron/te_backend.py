@@ -144,11 +144,20 @@ def bf16_module_names(manifest, extra: Iterable[str] = ()) -> set[str]:
     return names
 
 
+def te_projections(model) -> dict:
+    """The decoder's BF16-capable TE projections (:func:`bf16_capable`) by fully qualified
+    name, in module order."""
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if hasattr(module, "fp8_enabled") and name.split(".", 1)[0] == "decoder"
+    }
+
+
 def set_bf16_modules(model, names: Collection[str]) -> None:
     """Run the named projections in BF16 from the next forward (the others in FP8)."""
-    for name, module in model.named_modules():
-        if hasattr(module, "fp8_enabled") and name.split(".", 1)[0] == "decoder":
-            module.fp8_enabled = name not in names
+    for name, module in te_projections(model).items():
+        module.fp8_enabled = name not in names
 
 
 def build_gpt_te(manifest, bf16_modules: Iterable[str] = ()):

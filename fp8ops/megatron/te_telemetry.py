@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fp8ops.megatron.te_backend import te_projections
 from fp8ops.precision.quantize import CastStats, quantize
 from fp8ops.precision.recipe import DelayedScalingRecipe
 from fp8ops.precision.scaling import BWD_GRAD_OUTPUT, FWD_INPUT, FWD_WEIGHT
@@ -57,19 +58,12 @@ class TeFp8MetaView:
     def direction(self, forward: bool) -> ScalingState:
         fp8 = self.recipe.fp8_format.forward if forward else self.recipe.fp8_format.backward
         state = self.module.fp8_meta.get(TE_KEYS[forward])
-        if (
-            state is None
-        ):  # no FP8 forward yet: the state TE will create (DelayedScalingRecipeState)
+        if state is None:  # no FP8 forward yet: the state TE will create then
             if forward not in self._initial:
-                initial = ScalingState.fresh(
-                    self.recipe.amax_history_len, SLOTS_PER_GEMM[forward], fp8
-                )
-                device = self.module.weight.device
-                initial.amax_history, initial.scale = (
-                    initial.amax_history.to(device),
-                    initial.scale.to(device),
-                )
-                self._initial[forward] = initial
+                self._initial[forward] = ScalingState.fresh(
+                    self.recipe.amax_history_len, SLOTS_PER_GEMM[forward], fp8,
+                    device=self.module.weight.device,
+                )  # fmt: skip
             return self._initial[forward]
         slots = state.amax_history.shape[1]
         if slots != SLOTS_PER_GEMM[forward]:
@@ -180,10 +174,9 @@ def _stats(x: torch.Tensor, scale: torch.Tensor, fp8) -> CastStats:
 
 
 def te_telemetry_modules(model: nn.Module, recipe: DelayedScalingRecipe) -> dict:
-    """The decoder's TE projections (those carrying ``fp8_enabled``) by fully qualified name,
+    """The decoder's TE projections (``te_backend.te_projections``) by fully qualified name,
     in module order, as the telemetry collector reads them."""
     return {
         name: TeTelemetryModule(module, recipe, name)
-        for name, module in model.named_modules()
-        if hasattr(module, "fp8_enabled") and name.split(".", 1)[0] == "decoder"
+        for name, module in te_projections(model).items()
     }

@@ -27,30 +27,11 @@ class CastStats:
     counts: torch.Tensor
     numel: int
 
-    @property
-    def saturated(self) -> torch.Tensor:
-        return self.counts[0]
-
-    @property
-    def underflow(self) -> torch.Tensor:
-        return self.counts[1]
-
-    @property
-    def nan(self) -> torch.Tensor:
-        return self.counts[2]
-
-    @property
-    def inf(self) -> torch.Tensor:
-        return self.counts[3]
-
     def as_dict(self) -> dict[str, float]:
         """Plain numbers, for logs and tests (forces a host sync)."""
         return {
             "amax": self.amax.item(),
-            "saturated": int(self.saturated),
-            "underflow": int(self.underflow),
-            "nan": int(self.nan),
-            "inf": int(self.inf),
+            **dict(zip(COUNTS, self.counts.tolist(), strict=True)),
             "numel": self.numel,
         }
 

@@ -25,10 +25,12 @@ class ScalingState:
     fp8: Fp8Dtype
 
     @classmethod
-    def fresh(cls, history_len: int, num_slots: int, fp8: Fp8Dtype) -> ScalingState:
+    def fresh(
+        cls, history_len: int, num_slots: int, fp8: Fp8Dtype, device: torch.device | None = None
+    ) -> ScalingState:
         return cls(
-            amax_history=torch.zeros(history_len, num_slots, dtype=torch.float32),
-            scale=torch.ones(num_slots, dtype=torch.float32),
+            amax_history=torch.zeros(history_len, num_slots, dtype=torch.float32, device=device),
+            scale=torch.ones(num_slots, dtype=torch.float32, device=device),
             fp8=fp8,
         )
 

@@ -13,9 +13,9 @@ steps, because it costs one more GEMM per module. Unmeasured values are NaN.
 
 On a GPU a row costs one device-to-host copy for the FP8 state of every module, and on
 measuring steps one more for the cast counts and one for the norms (tensors on the device until
-then). Neither
-stops the host: ``end_step`` starts them and returns a :class:`PendingRow`, whose ``result()``
-waits for them (the trainer asks after its own per-step sync for the loss, so it never waits).
+then). None stops the host: ``end_step`` starts them and returns a :class:`PendingRow`, whose
+``result()`` waits for them (the trainer asks after its own per-step sync for the loss, so it
+never waits).
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ class TelemetryCollector:
     def _measured(record: Probe, norms: dict[str, torch.Tensor | float]) -> dict:
         """What this step measured, still on the device (:class:`_Counts`, :class:`_Norm`):
         saturation, underflow, NaN and Inf over all micro-batches' casts, and the norms."""
-        values: dict[str, _Counts | _Norm | float] = {}
+        values: dict[str, _Counts | _Norm] = {}
         for slot, _, _ in _SLOTS:
             stats = [log[slot] for log in record.cast_logs if slot in log]
             if stats:
@@ -322,7 +322,7 @@ class PendingRow:
     collector: TelemetryCollector
     state: _HostCopy | None  # None: an unobserved step, an all-NaN row
     previous: _HostCopy | None
-    measured: list[dict]  # per module: a number, or _Counts / _Norm of device tensors
+    measured: list[dict]  # per module: _Counts / _Norm of device tensors (what was measured)
     measured_copy: dict[tuple, _HostCopy]  # their tensors (_measured_copy)
     counts: list[dict[str, float]]
     _row: np.ndarray | None = None
@@ -355,7 +355,7 @@ def _measured_copy(rows: list[dict]) -> dict[tuple, _HostCopy]:
     groups: dict[tuple, list[torch.Tensor]] = {}
     for values in rows:
         for value in values.values():
-            for tensor in getattr(value, "tensors", ()):
+            for tensor in value.tensors:
                 groups.setdefault((tensor.dtype, tensor.shape), []).append(tensor)
     return {key: _HostCopy(torch.stack(tensors)) for key, tensors in groups.items()}
 
@@ -367,11 +367,8 @@ def _values(rows: list[dict], copies: dict[tuple, _HostCopy]) -> list[dict[str, 
     finished = []
     for values in rows:
         metrics: dict[str, float] = {}
-        for name, value in values.items():
-            if hasattr(value, "tensors"):
-                metrics |= value.metrics([next(host[(t.dtype, t.shape)]) for t in value.tensors])
-            else:
-                metrics[name] = value
+        for value in values.values():
+            metrics |= value.metrics([next(host[(t.dtype, t.shape)]) for t in value.tensors])
         finished.append(metrics)
     return finished
 

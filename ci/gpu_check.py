@@ -15,8 +15,10 @@ lines while it runs, then one table, last, and the same rows as JSON (``--out``)
 (c) throughput: a stack of Megatron GPT layers at 8B shapes (hidden 4096, FFN 14336, 32 heads in
     8 query groups, sequence 4096, micro-batch 1 or ``--micro-batch N``, bf16), forward and
     backward, in BF16 and in FP8 through ``torch._scaled_mm``, each with and without fp8ops
-    telemetry: tokens/s, step time, peak memory. Goals: FP8 >= 1.3x the BF16 tokens/s;
-    telemetry <= 1% of the step time.
+    telemetry, FP8 also with the hand-written Triton cast kernel, and BF16 and FP8 again as
+    CUDA graphs (the step captured once and replayed: the GPU's time without the host's):
+    tokens/s, step time, peak memory. Goals: FP8 >= 1.3x the BF16 tokens/s; telemetry <= 1%
+    of the step time.
 
 What (c) runs, precisely: fp8ops' FP8 layer spec (``get_gpt_layer_fp8_emulated_spec`` with
 ``ScaledMmGemm``) in a Megatron ``TransformerBlock`` built from ``transformer_config`` (the
@@ -69,6 +71,7 @@ from fp8ops.precision import (
 )
 from fp8ops.precision.compiled import same_bits, set_compiled_casts
 from fp8ops.precision.formats import saturating_cast
+from fp8ops.precision.linear import cast_and_record_status, set_cast_kernel
 from fp8ops.precision.quantize import amax_of, cast, cast_and_amax, quantize
 
 SPEEDUP_GOAL = 1.3  # FP8 tokens/s over BF16 tokens/s
@@ -388,36 +391,49 @@ def check_compiled_casts(x: torch.Tensor, device: torch.device) -> list[Row]:
                 + ("compiled" if compiled else "eager: " + "; ".join(sorted(statuses))),
                 "all", all(equal), {"statuses": sorted(statuses)},
             ))  # fmt: skip
-        rows.append(check_cast_and_record(x, device))
+        rows.append(check_cast_and_record(x, device, "inductor"))
+        if device.type == "cuda":  # Triton's kernels need a GPU (the CPU tests interpret it)
+            rows.append(check_cast_and_record(x, device, "triton"))
+        else:
+            rows.append(Row("scaling", "triton cast+record (the ordinary step) = CPU eager",
+                            "skipped: needs a GPU"))  # fmt: skip
     finally:
         set_compiled_casts(old)
     return rows
 
 
-def check_cast_and_record(x: torch.Tensor, device: torch.device) -> Row:
+def check_cast_and_record(x: torch.Tensor, device: torch.device, kernel: str) -> Row:
     """The ordinary step's cast (``linear.cast_and_record``: cast, transposed copy, amax folded
-    into the history, scale_inv) compiled on ``device`` against eager on the CPU."""
-    from fp8ops.precision.linear import cast_and_record
+    into the history, scale_inv) by ``kernel`` (Inductor's compilation, or the hand-written
+    Triton kernel) on ``device`` against eager on the CPU."""
+    from fp8ops.precision.linear import cast_and_record, set_cast_kernel
     from fp8ops.precision.state import ScalingState
 
     linear_module = sys.modules["fp8ops.precision.linear"]
     source = x[: 256 * 256].reshape(256, 256).to(torch.bfloat16)
     equal = []
-    for fmt, slot in ((E4M3, 0), (E4M3, 1), (E5M2, 0)):
-        results = {}
-        for where, mode in ((device, "all"), (torch.device("cpu"), "off")):
-            state = ScalingState.fresh(4, 3, fmt)
-            state.amax_history[0] = torch.tensor([2.0, 0.0, float("nan")])
-            state.scale[:] = torch.tensor([fmt.max / 1e3, 0.7, 3e5])
-            state.amax_history, state.scale = state.amax_history.to(where), state.scale.to(where)
-            set_compiled_casts(mode)
-            q = cast_and_record(source.to(where), state, slot, None, "input", transposed=True)
-            results[mode] = [t.cpu() for t in (q.data, q.data_t, q.scale_inv, state.amax_history)]
-        set_compiled_casts("all")
-        pairs = zip(results["all"], results["off"], strict=True)
-        equal.append(all(same_bits(a, b) for a, b in pairs))
-    statuses = sorted(linear_module._CAST_AND_RECORD.statuses(str(source.to(device).device)))
-    return Row("scaling", "compiled cast+record (the ordinary step) = CPU eager",
+    old_kernel = set_cast_kernel(kernel)
+    try:
+        for fmt, slot in ((E4M3, 0), (E4M3, 1), (E5M2, 0)):
+            results = {}
+            for where, mode in ((device, "all"), (torch.device("cpu"), "off")):
+                state = ScalingState.fresh(4, 3, fmt)
+                state.amax_history[0] = torch.tensor([2.0, 0.0, float("nan")])
+                state.scale[:] = torch.tensor([fmt.max / 1e3, 0.7, 3e5])
+                state.amax_history = state.amax_history.to(where)
+                state.scale = state.scale.to(where)
+                set_compiled_casts(mode)
+                q = cast_and_record(source.to(where), state, slot, None, "input", transposed=True)
+                results[mode] = [t.cpu() for t in (q.data, q.data_t, q.scale_inv,
+                                                   state.amax_history)]  # fmt: skip
+            set_compiled_casts("all")
+            pairs = zip(results["all"], results["off"], strict=True)
+            equal.append(all(same_bits(a, b) for a, b in pairs))
+    finally:
+        set_cast_kernel(old_kernel)
+    record = linear_module._CAST_AND_RECORD[kernel]
+    statuses = sorted(record.statuses(str(source.to(device).device)))
+    return Row("scaling", f"{kernel} cast+record (the ordinary step) = CPU eager",
                f"{sum(equal)}/{len(equal)} equal; " + ", ".join(statuses),
                "all", all(equal) and statuses == ["compiled"], {"statuses": statuses})  # fmt: skip
 
@@ -528,42 +544,104 @@ def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
             pending.append(collector.end_step())
             if len(pending) > 1:
                 pending.pop(0).result()
+        clear_grads()
+
+    def clear_grads() -> None:
         for p in block.parameters():
             p.grad = None
         x.grad = None
 
+    def forward_backward(fp8: bool) -> None:  # what a CUDA graph captures: no telemetry
+        mark_first_microbatch(block)
+        with scope() if fp8 else contextlib.nullcontext():
+            out = block(x, attention_mask=None)
+        out.backward(grad)
+
+    graphs: dict[str, torch.cuda.CUDAGraph] = {}
+
+    capture_peak_mib: dict[str, float] = {}
+
+    def replayed(key: str, fp8: bool):
+        """The step as one CUDA graph, captured at its first call and replayed after. Replays
+        allocate nothing, so the peak memory is taken over the capture and its eager warm-up:
+        what the graph's pool holds is allocated there."""
+
+        def run(number: int) -> None:
+            if key not in graphs:
+                torch.cuda.reset_peak_memory_stats(device)
+                graphs[key] = capture(lambda: forward_backward(fp8), clear_grads, device)
+                capture_peak_mib[key] = torch.cuda.max_memory_allocated(device) / 2**20
+            graphs[key].replay()
+
+        return run
+
+    def release_graph(key: str) -> None:
+        graphs.pop(key, None)
+        for module in fp8_modules(block).values():  # FP8 weights cast in the graph's pool
+            module._weight_fp8 = None
+        clear_grads()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
     fp8_name = "FP8 " + ("scaled_mm" if native else "emulated")
     compiled = "all" if args.smoke else "auto"  # --smoke compiles on the CPU too
-    configurations = (  # (key, label, FP8?, compiled casts mode, telemetry?)
-        ("bf16", "BF16", False, compiled, False),
-        ("bf16+telemetry", "BF16 + telemetry", False, compiled, True),
-        ("fp8-eager-casts", f"{fp8_name}, eager casts", True, "off", False),
-        ("fp8", f"{fp8_name} (compiled casts)", True, compiled, False),
-        ("fp8+telemetry", f"{fp8_name} (compiled casts) + telemetry", True, compiled, True),
-    )
+    triton = "compiled casts, Triton cast kernel"
+    configurations = (  # (key, label, FP8?, compiled casts mode, cast kernel, telemetry?)
+        ("bf16", "BF16", False, compiled, "inductor", False),
+        ("bf16+telemetry", "BF16 + telemetry", False, compiled, "inductor", True),
+        ("fp8-eager-casts", f"{fp8_name}, eager casts", True, "off", "inductor", False),
+        ("fp8", f"{fp8_name} (compiled casts)", True, compiled, "inductor", False),
+        ("fp8+telemetry", f"{fp8_name} (compiled casts) + telemetry", True, compiled, "inductor",
+         True),
+        ("fp8-triton", f"{fp8_name} ({triton})", True, compiled, "triton", False),
+        # Last: a failed capture is the likeliest thing here to upset the device for what follows.
+        ("bf16-graph", "BF16, CUDA graph", False, compiled, "inductor", False),
+        ("fp8-graph", f"{fp8_name} (compiled casts), CUDA graph", True, compiled, "inductor",
+         False),
+        ("fp8-triton-graph", f"{fp8_name} ({triton}), CUDA graph", True, compiled, "triton", False),
+    )  # fmt: skip
     measured: dict[str, dict] = {}
     rows = cast_speeds(device, shape, compiled)
-    for key, label, fp8, casts, telemetry in configurations:
+    for key, label, fp8, casts, kernel, telemetry in configurations:
         if telemetry and collector is None:
             rows.append(Row("throughput", label, f"skipped: telemetry: {telemetry_missing}"))
+            continue
+        graphed = key.endswith("-graph")
+        if (graphed or kernel == "triton") and device.type != "cuda":
+            rows.append(Row("throughput", label, "skipped: needs a GPU"))
+            continue
+        if graphed and args.attention != "sdpa":  # Megatron's forks its RNG tracker: no capture
+            rows.append(Row("throughput", label, "skipped: CUDA graphs need --attention sdpa"))
             continue
         if time.perf_counter() - started > args.time_limit:
             rows.append(Row("throughput", label, f"skipped: past --time-limit {args.time_limit}s"))
             continue
         if collector is not None:
             collector.set_active(telemetry)
-        old_casts = set_compiled_casts(casts)
+        old_casts, old_kernel = set_compiled_casts(casts), set_cast_kernel(kernel)
+        run = replayed(key, fp8) if graphed else lambda n, f=fp8, t=telemetry: step(n, f, t)
         try:
-            result = timed(lambda n, f=fp8, t=telemetry: step(n, f, t), args, device, shape)
+            result = timed(run, args, device, shape)
         except Exception as exc:  # noqa: BLE001 - report it and go on with the others
             traceback.print_exc()
             rows.append(Row("throughput", label, f"error: {type(exc).__name__}: {exc}"[:200]))
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
             continue
         finally:
             set_compiled_casts(old_casts)
+            set_cast_kernel(old_kernel)
             pending.clear()  # the last row of 50 is left unfinished (about 0.1 ms of numpy)
+            release_graph(key)
+        if key in capture_peak_mib:
+            result["peak_mib"] = max(result["peak_mib"], capture_peak_mib[key])
+        if kernel == "triton":
+            # Rows timed with a kernel that failed its verification timed eager casts instead.
+            statuses = sorted({v for k, v in cast_and_record_status()["triton"].items()
+                               if str(device) in k})  # fmt: skip
+            if statuses != ["compiled"]:
+                rows.append(Row("throughput", label,
+                                "not the Triton kernel (eager): " + "; ".join(statuses)[:150],
+                                values=result))  # fmt: skip
+                continue
         measured[key] = result
         print(f"  {label}: {result['tokens_per_s']:,.0f} tokens/s", flush=True)
         rows.append(Row(
@@ -574,7 +652,7 @@ def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
     if collector is not None:
         collector.set_active(False)
     if args.profile:
-        for key, label, fp8, casts, _ in configurations:
+        for key, label, fp8, casts, _, _ in configurations:
             if key in ("bf16", "fp8"):
                 rows.append(
                     profiled(lambda n, f=fp8: step(n, f, False), label, casts, device, args)
@@ -582,6 +660,28 @@ def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return rows + goals(measured, judged=native and not args.smoke)
+
+
+def capture(body, clear_grads, device) -> torch.cuda.CUDAGraph:
+    """``body()`` (a forward and backward) captured in a CUDA graph, torch's recipe: three eager
+    runs first on a side stream, so that what happens once (cuBLAS handles and workspaces, the
+    compiled casts' compilation and verification, with its host syncs) stays out of the graph.
+    Gradients are cleared before the capture, so the captured backward allocates them from the
+    graph's pool and every replay writes that step's gradients into them. Whatever ``body``
+    does on the host (the FP8 scope's bookkeeping, the choice of kernels) runs once, at the
+    capture; the replays repeat its kernels, the delayed-scaling update among them, on the same
+    tensors."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            body()
+            clear_grads()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    return graph
 
 
 def profiled(step, label: str, casts: str, device, args) -> Row:
@@ -649,11 +749,15 @@ def timed(step, args, device, shape) -> dict:
 def goals(measured: dict, judged: bool) -> list[Row]:
     """The two goals, PASS/FAIL where ``judged`` (full shapes, FP8 on tensor cores)."""
     rows = []
-    bf16 = measured.get("bf16")
-    for key, name, goal in (("fp8", "FP8 tokens/s over BF16", True),
-                            ("fp8-eager-casts", "FP8 with eager casts over BF16", False)):  # fmt: skip
-        if bf16 and key in measured:
-            speedup = measured[key]["tokens_per_s"] / bf16["tokens_per_s"]
+    for key, base, name, goal in (
+        ("fp8", "bf16", "FP8 tokens/s over BF16", True),
+        ("fp8-triton", "bf16", "FP8 (Triton cast kernel) over BF16", True),
+        ("fp8-graph", "bf16-graph", "FP8 over BF16, both as CUDA graphs", True),
+        ("fp8-triton-graph", "bf16-graph", "FP8 (Triton cast kernel) over BF16, CUDA graphs", True),
+        ("fp8-eager-casts", "bf16", "FP8 with eager casts over BF16", False),
+    ):
+        if base in measured and key in measured:
+            speedup = measured[key]["tokens_per_s"] / measured[base]["tokens_per_s"]
             rows.append(Row("goal", name, f"{speedup:.2f}x", f">= {SPEEDUP_GOAL}x" if goal else "",
                             speedup >= SPEEDUP_GOAL if judged and goal else None,
                             {"speedup": speedup}))  # fmt: skip
@@ -669,26 +773,69 @@ def goals(measured: dict, judged: bool) -> list[Row]:
 
 def cast_speeds(device: torch.device, shape: dict, compiled: str) -> list[Row]:
     """One cast of an fc2 input ([seq, ffn] bf16) to E4M3 with its amax: eager against compiled,
-    in milliseconds and in bytes moved per element of the input (2 read + 1 written at best)."""
+    in milliseconds and in bytes moved per element of the input (2 read + 1 written at best).
+    Then what bounds it: a bf16 copy and torch's own conversion kernel (no scale, no amax), the
+    ordinary step's call (``cast_and_record``: with the transposed copy, the amax folded into the
+    history), and the same function compiled for this one shape (timing only: the compiled
+    casts are compiled for any shape, which may cost speed)."""
+    from fp8ops.precision.compiled import _recompile_limit
+    from fp8ops.precision.linear import _cast_and_record, cast_and_record
+    from fp8ops.precision.state import ScalingState
+
     x = torch.randn(shape["seq"], shape["ffn"], device=device, dtype=torch.bfloat16)
     scale = torch.tensor(1.0, device=device)
     bandwidth = 4.3e12 if device.type == "cuda" else None  # H200 copy rate (KINDS.md), bytes/s
-    rows = []
-    for transposed, what in (
-        (False, f"cast [{shape['seq']}x{shape['ffn']}] bf16 -> E4M3 + amax"),
-        (True, "... and the transposed copy too"),
-    ):
+    state = ScalingState.fresh(16, 3, E4M3, device=device)
+    static = torch.compile(_cast_and_record, dynamic=False, fullgraph=True)
+
+    def record(mode: str, kernel: str = "inductor"):
+        old, old_kernel = set_compiled_casts(mode), set_cast_kernel(kernel)
+        try:
+            return seconds_per_call(
+                lambda: cast_and_record(x, state, 0, None, "input", transposed=True), device
+            )
+        finally:
+            set_compiled_casts(old)
+            set_cast_kernel(old_kernel)
+
+    def record_static():
+        with torch.no_grad(), _recompile_limit(64):
+            return seconds_per_call(lambda: static(x, state.amax_history, state.scale, 0,
+                                                   E4M3.max, E4M3.torch_dtype, True), device)  # fmt: skip
+
+    def eager_and_compiled(transposed: bool):
         for mode, label in (("off", "eager"), (compiled, "compiled")):
             old = set_compiled_casts(mode)
             try:
                 seconds = seconds_per_call(
-                    lambda t=transposed: cast_and_amax(x, scale, E4M3, transposed=t), device
+                    lambda: cast_and_amax(x, scale, E4M3, transposed=transposed), device
                 )
             finally:
                 set_compiled_casts(old)
-            moved = f", ~{seconds * bandwidth / x.numel():.0f} B/element" if bandwidth else ""
-            rows.append(Row("throughput", f"{what}, {label}", f"{seconds * 1e3:.3f} ms{moved}",
-                            values={"ms": seconds * 1e3}))  # fmt: skip
+            yield label, seconds
+
+    what = f"[{shape['seq']}x{shape['ffn']}] bf16"
+    timings = [
+        (f"cast {what} -> E4M3 + amax, {label}", seconds)
+        for label, seconds in eager_and_compiled(transposed=False)
+    ] + [
+        (f"... and the transposed copy too, {label}", seconds)
+        for label, seconds in eager_and_compiled(transposed=True)
+    ] + [
+        (f"reference: copy {what}", seconds_per_call(lambda: x.clone(), device)),
+        (f"reference: torch's {what} -> E4M3 (no scale, no amax)",
+         seconds_per_call(lambda: x.to(torch.float8_e4m3fn), device)),
+        ("cast_and_record (+ transposed copy), eager", record("off")),
+        ("cast_and_record (+ transposed copy), compiled", record(compiled)),
+        ("cast_and_record, compiled for this shape only (timing)", record_static()),
+    ]  # fmt: skip
+    if device.type == "cuda":
+        timings.append(("cast_and_record, Triton cast kernel", record(compiled, "triton")))
+    rows = []
+    for label, seconds in timings:
+        moved = f", ~{seconds * bandwidth / x.numel():.0f} B/element" if bandwidth else ""
+        rows.append(Row("throughput", label, f"{seconds * 1e3:.3f} ms{moved}",
+                        values={"ms": seconds * 1e3}))  # fmt: skip
     return rows
 
 

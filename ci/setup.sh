@@ -24,6 +24,11 @@ pip install -e '.[test,megatron,console]'
 .venv/bin/python -c "import importlib.util as u; exit(u.find_spec('transformer_engine') is None)" \
     || pip install --no-deps transformer-engine==2.20.2
 
+# Triton's interpreter runs the hand-written cast kernel on the CPU (tests/test_cast_kernel.py).
+# torch's CUDA builds bring their own Triton, so it is installed only where none imports, and
+# not as an extra a GPU machine's pip could upgrade.
+.venv/bin/python -c "import triton" 2>/dev/null || pip install 'triton>=3.2'
+
 # The console's browser test (tests/test_console_browser.py) drives Debian's Chromium through
 # Playwright's Python package, pointed at /usr/bin/chromium: `playwright install` (a browser
 # download) is never run. Without root or apt the test skips and says why; a failed install

@@ -206,7 +206,7 @@ def test_an_fp8_linear_trains_bit_identically_with_compiled_casts():
         assert same_bits(compiled_state[key], eager_state[key]), key
     # Every cast of the ordinary steps, with the transposed copies the backward takes, ran
     # compiled: input (slot 0) and weight (slot 1) in E4M3, the gradient (slot 0) in E5M2.
-    record = linear_module._CAST_AND_RECORD
+    record = linear_module._CAST_AND_RECORD["inductor"]
     for slot, fp8 in (("0", "float8_e4m3fn"), ("1", "float8_e4m3fn"), ("0", "float8_e5m2")):
         assert record.statuses("cpu", "bfloat16", slot, fp8, "True") == {"compiled"}, (slot, fp8)
 
@@ -301,6 +301,6 @@ def test_an_amax_history_of_one_entry_is_verified_on_its_own(compile_everywhere)
         quantized = linear_module.cast_and_record(x, state, 0, None, "input")
         assert same_bits(quantized.data, cast(x, torch.tensor(1.0), E4M3).data)
         assert same_bits(state.amax_history[0, 0], amax_of(x))
-    record = linear_module._CAST_AND_RECORD
+    record = linear_module._CAST_AND_RECORD["inductor"]
     for pattern in ("arg0:nn", "arg0:1n"):
         assert record.statuses("cpu", "bfloat16", pattern) == {"compiled"}, pattern

@@ -32,7 +32,7 @@ def test_the_smoke_run_passes_every_check_and_prints_the_table_last(tmp_path):
     assert parts == {"gemm", "scaling", "throughput", "goal"}
     checks = [row for row in report["rows"] if row["part"] in ("gemm", "scaling")]
     assert all(row["status"] in ("PASS", "info") for row in checks)
-    assert any("compiled cast+record" in row["check"] and row["status"] == "PASS" for row in checks)
+    assert any("inductor cast+record" in row["check"] and row["status"] == "PASS" for row in checks)
     throughput = {row["check"]: row for row in report["rows"] if row["part"] == "throughput"}
     assert "tokens/s" in throughput["FP8 scaled_mm (compiled casts) + telemetry"]["result"]
     for kind in ("bf16", "fp8"):

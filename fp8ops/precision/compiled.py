@@ -66,9 +66,20 @@ class Compiled:
     eager; the GPU check reports it.
     """
 
-    def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], probes: Callable | None = None):
+    def __init__(
+        self,
+        fn: Callable[..., tuple[torch.Tensor, ...]],
+        probes: Callable | None = None,
+        build: Callable[[Callable], Callable] | None = None,
+        key: Callable[..., tuple[str, ...]] | None = None,
+    ):
         self.fn = fn
         self.probes = probes or (lambda *args: [args])
+        # What makes the fast version of ``fn``: torch.compile by default; a hand-written
+        # kernel of the same function (cast_kernel.py) is checked the same way.
+        self.build = build or _inductor
+        # What else the fast version is specialised on (``key(x, *args)``), beyond :func:`_key`.
+        self.key = key
         self.status: dict[tuple[str, ...], str] = {}
         self._compiled: Callable | None = None
 
@@ -76,7 +87,7 @@ class Compiled:
         if x.numel() == 0 or not _applies(x.device):
             return self.fn(x, *args)
         x = x.contiguous()  # strides are one thing fewer that could tell two graphs apart
-        key = _key(x, args)
+        key = _key(x, args) + (self.key(x, *args) if self.key else ())
         if key not in self.status:
             self.status[key] = self._verify(x, *args)
             if self.status[key] != "compiled":
@@ -104,11 +115,9 @@ class Compiled:
         return {status for key, status in self.status.items() if all(p in key for p in parts)}
 
     def _verify(self, x: torch.Tensor, *args) -> str:
-        if self._compiled is None:
-            # dynamic=True: one kernel per dtype serves every tensor size (each linear's
-            # weight, activations, gradients) instead of one compilation per shape.
-            self._compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
         try:
+            if self._compiled is None:
+                self._compiled = self.build(self.fn)
             for probe in self.probes(x, *args):
                 # Each run gets its own copies: the function may write into its inputs (the
                 # amax history), and those writes are compared too.
@@ -133,6 +142,12 @@ class Compiled:
         except Exception as exc:  # noqa: BLE001 - any compiler failure means: stay eager
             return f"compilation failed: {type(exc).__name__}: {exc}"[:300]
         return "compiled"
+
+
+def _inductor(fn: Callable) -> Callable:
+    # dynamic=True: one kernel per dtype serves every tensor size (each linear's weight,
+    # activations, gradients) instead of one compilation per shape.
+    return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
 def cast_probes(x: torch.Tensor, scale: torch.Tensor, fp8_max: float, *flags):

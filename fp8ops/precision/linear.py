@@ -18,11 +18,14 @@ Megatron's fused ``main_grad`` accumulation; the Megatron layers do not enable e
 from __future__ import annotations
 
 import math
+import os
+import warnings
 from typing import Protocol
 
 import torch
 from torch import nn
 
+from fp8ops.precision import cast_kernel
 from fp8ops.precision.compiled import Compiled, cast_probes
 from fp8ops.precision.quantize import QuantizedTensor, _cast_and_amax, cast_and_amax, quantize
 from fp8ops.precision.recipe import DelayedScalingRecipe
@@ -84,7 +87,40 @@ def _record_probes(x, history, scales, slot, fp8_max, dtype, transposed):
     return rows
 
 
-_CAST_AND_RECORD = Compiled(_cast_and_record, probes=_record_probes)
+_CAST_AND_RECORD = {  # the fast versions of the ordinary step's cast, both verified against it
+    "inductor": Compiled(_cast_and_record, probes=_record_probes),
+    "triton": Compiled(
+        _cast_and_record,
+        probes=cast_kernel.probes,
+        build=lambda fn: cast_kernel.cast_and_record,
+        key=cast_kernel.key,
+    ),
+}
+CAST_KERNEL_ENV = "FP8OPS_CAST_KERNEL"
+_cast_kernel = os.environ.get(CAST_KERNEL_ENV, "inductor").strip().lower() or "inductor"
+if _cast_kernel not in _CAST_AND_RECORD:
+    warnings.warn(
+        f"{CAST_KERNEL_ENV}={_cast_kernel!r} is not one of {sorted(_CAST_AND_RECORD)}; "
+        "using 'inductor'",
+        stacklevel=1,
+    )
+    _cast_kernel = "inductor"
+
+
+def set_cast_kernel(name: str) -> str:
+    """Which fast version casts on ordinary steps where the casts are compiled
+    (``compiled.py``): ``inductor`` (torch.compile of ``_cast_and_record``) or ``triton`` (the
+    hand-written kernel of ``cast_kernel.py``). Returns the old choice."""
+    global _cast_kernel
+    if name not in _CAST_AND_RECORD:
+        raise ValueError(f"cast kernel {name!r}: use one of {sorted(_CAST_AND_RECORD)}")
+    old, _cast_kernel = _cast_kernel, name
+    return old
+
+
+def cast_and_record_status() -> dict[str, dict]:
+    """Each fast version's verification status per specialisation (the GPU check's report)."""
+    return {name: dict(compiled.status) for name, compiled in _CAST_AND_RECORD.items()}
 
 
 def cast_and_record(
@@ -106,7 +142,7 @@ def cast_and_record(
         fp8 = state.fp8
         # The scale this cast uses, before anything could change it.
         scale_inv = torch.reciprocal(state.scale[slot])
-        data, *data_t = _CAST_AND_RECORD(
+        data, *data_t = _CAST_AND_RECORD[_cast_kernel](
             x.detach(), state.amax_history, state.scale, slot, fp8.max, fp8.torch_dtype, transposed
         )
         return QuantizedTensor(data, scale_inv, fp8, data_t[0] if transposed else None)

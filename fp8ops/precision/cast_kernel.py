@@ -1,0 +1,141 @@
+"""The ordinary step's cast as one hand-written Triton kernel: FP8 data, its transposed copy and
+the amax in one pass over the input, as Transformer Engine's fused cast-transpose does.
+
+The compiled casts (``compiled.py``) leave this to Inductor, which on an H200 moved about 16
+bytes per input element for the cast with its transposed copy (docs/gpu.md), where the pass
+needs 4 (2 read, 1 + 1 written). Here each program casts one tile and writes it twice: row
+major, and transposed through a layout change in shared memory, so both stores are coalesced.
+Each tile's amax goes to its own slot of a partial buffer, and torch folds their max into the
+history: no atomics, and the same value in any order (a max).
+
+:func:`cast_and_record` computes exactly what ``linear._cast_and_record`` computes and is used
+through :class:`~fp8ops.precision.compiled.Compiled` with that function as the reference, so
+each specialisation is checked bit for bit against the eager code at its first call and runs
+eager where it differs. The arithmetic is the eager code's: one float32 multiply, a clamp that
+keeps NaN, a round-to-nearest-even conversion, NaN ignored and +inf kept in the amax.
+
+Triton is imported only when the kernel is first used (it ships with torch's CUDA builds). With
+``TRITON_INTERPRET=1`` set before that, the kernel runs on the CPU through Triton's interpreter,
+which is how the tests run it where there is no GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+BLOCK = (64, 64)  # rows x columns of the input per program
+NUM_WARPS = 4
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    # The slot is not specialised on (Triton would compile slot 1 apart). Sizes are: Triton
+    # vectorises loads and stores only for sizes it knows divide by 16, so that is part of the
+    # verification key and the probes come in the same class (``probes``).
+    @triton.jit(do_not_specialize=["slot"])
+    def cast_transpose_amax(
+        x_ptr, scale_ptr, slot, data_ptr, data_t_ptr, partial_ptr, rows, cols, fp8_max,
+        FP8: tl.constexpr, TRANSPOSED: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        # One flat grid (a second grid dimension is capped at 65535 programs).
+        tiles_c = tl.cdiv(cols, BLOCK_C)
+        pid_r = tl.program_id(0) // tiles_c
+        pid_c = tl.program_id(0) % tiles_c
+        r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        inside = (r[:, None] < rows) & (c[None, :] < cols)
+        offsets = r[:, None].to(tl.int64) * cols + c[None, :]
+        x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+
+        scaled = x * tl.load(scale_ptr + slot)
+        # torch.clamp keeps NaN; Triton's minimum and maximum would turn it into a bound.
+        clamped = tl.minimum(tl.maximum(scaled, -fp8_max), fp8_max)
+        clamped = tl.where(scaled != scaled, scaled, clamped)  # noqa: PLR0124 - NaN test
+        data = clamped.to(FP8, fp_downcast_rounding="rtne")
+        tl.store(data_ptr + offsets, data, mask=inside)
+        if TRANSPOSED:
+            offsets_t = c[:, None].to(tl.int64) * rows + r[None, :]
+            inside_t = (c[:, None] < cols) & (r[None, :] < rows)
+            tl.store(data_t_ptr + offsets_t, tl.trans(data), mask=inside_t)
+
+        # |x| with NaN as 0 (the casts' fmaxf reduction), +inf kept; masked lanes are 0.
+        magnitude = tl.where(x != x, 0.0, tl.abs(x))  # noqa: PLR0124 - NaN test
+        tl.store(partial_ptr + tl.program_id(0), tl.max(tl.max(magnitude, axis=1), axis=0))
+
+    @triton.jit(do_not_specialize=["slot", "count"])
+    def fold_amax(partial_ptr, count, history_ptr, slot, BLOCK: tl.constexpr):
+        # history[0, slot] = fmax(history[0, slot], max(partial)) in one program: one launch
+        # where torch takes three (amax, fmax, the write back).
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, count, BLOCK):
+            index = start + tl.arange(0, BLOCK)
+            amax = tl.maximum(amax, tl.load(partial_ptr + index, mask=index < count, other=0.0))
+        amax = tl.max(amax, axis=0)
+        old = tl.load(history_ptr + slot)
+        new = tl.where(old != old, amax, tl.maximum(old, amax))  # noqa: PLR0124 - fmax
+        tl.store(history_ptr + slot, new)
+
+    return cast_transpose_amax, fold_amax
+
+
+def key(x: torch.Tensor, *args) -> tuple[str, ...]:
+    """What the kernel is specialised on beyond ``Compiled``'s key: which sizes divide by 16."""
+    return ("div16:" + "".join("y" if size % 16 == 0 else "n" for size in x.shape),)
+
+
+def probes(x, history, scales, slot, fp8_max, dtype, transposed):
+    """``linear._record_probes``, each probe grown to rows and columns that divide by 16 where
+    ``x``'s do and do not where they do not (size-1 dimensions stay 1), so the variant the
+    probes verify is the one ``x`` runs. Grown by repeating its first rows or columns."""
+    from fp8ops.precision.linear import _record_probes
+
+    shaped = []
+    for probe, *rest in _record_probes(x, history, scales, slot, fp8_max, dtype, transposed):
+        for dim in range(2):
+            size = probe.shape[dim]
+            if size == 1 or (size % 16 == 0) == (x.shape[dim] % 16 == 0):
+                continue
+            grown = -(-size // 16) * 16 if x.shape[dim] % 16 == 0 else size + 1
+            probe = torch.cat([probe, probe.narrow(dim, 0, grown - size)], dim)
+        shaped.append((probe.contiguous(), *rest))
+    return shaped
+
+
+def _triton_dtype(dtype: torch.dtype):
+    import triton.language as tl
+
+    return {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}[dtype]
+
+
+def cast_and_record(x, history, scales, slot: int, fp8_max: float, dtype, transposed: bool):
+    """``linear._cast_and_record`` through the kernels: ``x`` (2-D, contiguous) cast with
+    ``scales[slot]``, its amax folded into ``history[0, slot]`` in place; returns ``(data,)``
+    or ``(data, data_t)``."""
+    rows, cols = x.shape
+    # Triton specialises on 16-byte alignment too; the probes are aligned, so the kernels are
+    # verified for aligned tensors only. A copy is cheap next to running an unchecked variant.
+    if x.data_ptr() % 16:
+        x = x.clone()
+    if scales.data_ptr() % 16 or scales.stride(0) != 1:
+        scales = scales.clone()  # read only: the kernel never writes the scales
+    row0 = history[0]  # written in place, so it must be the history itself
+    if row0.data_ptr() % 16 or row0.stride(0) != 1:
+        raise ValueError("the amax history must be contiguous and 16-byte aligned")
+    data = torch.empty((rows, cols), dtype=dtype, device=x.device)
+    data_t = torch.empty((cols, rows), dtype=dtype, device=x.device) if transposed else data
+    tiles = -(-rows // BLOCK[0]) * -(-cols // BLOCK[1])
+    partial = torch.empty(tiles, dtype=torch.float32, device=x.device)
+    cast_transpose_amax, fold_amax = _kernels()
+    cast_transpose_amax[(tiles,)](
+        x, scales, slot, data, data_t, partial, rows, cols, fp8_max,
+        FP8=_triton_dtype(dtype), TRANSPOSED=transposed,
+        BLOCK_R=BLOCK[0], BLOCK_C=BLOCK[1], num_warps=NUM_WARPS,
+    )  # fmt: skip
+    fold_amax[(1,)](partial, tiles, row0, slot, BLOCK=1024)
+    return (data, data_t) if transposed else (data,)

@@ -1,0 +1,207 @@
+"""The hand-written Triton cast (fp8ops/precision/cast_kernel.py), run on the CPU by Triton's
+interpreter.
+
+The interpreter's float-to-FP8 conversion is not the GPU's: it truncates instead of rounding
+to nearest even, and turns NaN into a number (E4M3 0xF8). So these tests use inputs whose scaled
+values are FP8 values exactly (every finite FP8 value, both signs, subnormals included) plus
+zeros, infinities and values past the format's maximum, and compare the FP8 bytes everywhere
+but at NaN inputs: everything the kernel does but the conversion instruction itself. NaN still
+runs through the amax and the history fold, which are checked. The conversion is the GPU's, and
+there the kernel is checked bit for bit against the eager cast at its first call
+(``Compiled``), NaN and every rounding included, like the compiled casts (``ci/gpu_check.py``,
+part b).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from fp8ops.precision import cast_kernel
+from fp8ops.precision.compiled import same_bits
+from fp8ops.precision.formats import E4M3, E5M2
+from fp8ops.precision.linear import _cast_and_record
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="needs triton (its interpreter)"
+)
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kernels = cast_kernel._kernels  # (a test may replace it)
+    kernels.cache_clear()  # jit reads the setting when the kernels are defined
+    yield
+    kernels.cache_clear()
+
+
+def exact_inputs(fp8, scale: float, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
+    """Every finite FP8 value of ``fp8`` divided by ``scale`` (a power of two, so the kernel's
+    product is that FP8 value again), then the special values, tiled to ``shape``."""
+    values = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(fp8.torch_dtype).float()
+    values = values[torch.isfinite(values)] / scale
+    specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"),
+                             2 * fp8.max / scale, -3 * fp8.max / scale, 3e38])  # fmt: skip
+    pattern = torch.cat([values, specials])
+    count = shape[0] * shape[1]
+    tiled = pattern.repeat(-(-count // pattern.numel()))[:count]
+    return tiled.reshape(shape).to(dtype)
+
+
+def both(x, history, scales, slot, fp8, transposed):
+    """The kernel's and the eager function's results, each on its own copies of the state."""
+    kernel_state, eager_state = (history.clone(), scales.clone()), (history.clone(), scales.clone())
+    got = cast_kernel.cast_and_record(x, *kernel_state, slot, fp8.max, fp8.torch_dtype, transposed)
+    want = _cast_and_record(x, *eager_state, slot, fp8.max, fp8.torch_dtype, transposed)
+    return got, want, kernel_state[0], eager_state[0]
+
+
+def same_bytes_but_at_nan(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor) -> bool:
+    """The FP8 bytes are equal wherever the input (laid out as ``got``) is not NaN."""
+    differ = got.view(torch.uint8) != want.view(torch.uint8)
+    return got.shape == want.shape and not (differ & ~torch.isnan(x)).any()
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("scale", [1.0, 2.0**-6, 16.0])
+def test_the_kernel_casts_transposes_and_records_as_the_eager_cast(interpreted, fp8, dtype, scale):
+    # 70 x 150: neither side a multiple of the 64 x 64 tile, so the edge masks are exercised.
+    x = exact_inputs(fp8, scale, dtype, (70, 150))
+    history = torch.tensor([[0.0, float("nan"), 5.0], [1.0, 2.0, 3.0]])
+    scales = torch.tensor([0.5, scale, 2.0])
+    got, want, got_history, want_history = both(x, history, scales, 1, fp8, transposed=True)
+    assert got[0].shape == (70, 150) and got[1].shape == (150, 70)
+    assert same_bytes_but_at_nan(got[0], want[0], x)  # saturation, signed zeros, inf
+    assert same_bytes_but_at_nan(got[1], want[1], x.t())
+    assert torch.equal(got[1].view(torch.uint8), got[0].view(torch.uint8).t())
+    assert same_bits(got_history, want_history)  # NaN in row 0 replaced by an inf amax (fmax)
+    assert got_history[0, 1] == float("inf") and torch.equal(got_history[1], history[1])
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_the_amax_ignores_nan_keeps_the_largest_tile_and_folds_into_row_zero(interpreted, fp8):
+    x = torch.zeros(130, 200)
+    x[3, 5], x[129, 199], x[64, 64] = float("nan"), -7.0, 3.0  # the largest is in an edge tile
+    for row0, expected in ((0.0, 7.0), (9.0, 9.0), (float("nan"), 7.0)):
+        history = torch.tensor([[row0, 1.0, 1.0]])
+        got, want, got_history, want_history = both(x, history, torch.ones(3), 0, fp8, False)
+        assert len(got) == 1 and same_bytes_but_at_nan(got[0], want[0], x)
+        assert same_bits(got_history, want_history) and got_history[0, 0] == expected
+
+
+def test_an_input_that_is_all_zeros_records_a_positive_zero(interpreted):
+    x = -torch.zeros(64, 64)
+    history = torch.zeros(1, 3)
+    got, want, got_history, want_history = both(x, history, torch.ones(3), 2, E4M3, True)
+    assert same_bits(got[0], want[0]) and same_bits(got_history, want_history)
+    assert got_history[0, 2].item() == 0.0 and not torch.signbit(got_history[0, 2])
+
+
+@pytest.mark.parametrize("shape", [(1, 150), (70, 1), (1, 1)])
+def test_rows_and_columns_of_one_element(interpreted, shape):
+    x = exact_inputs(E5M2, 1.0, torch.bfloat16, shape)
+    got, want, got_history, want_history = both(x, torch.zeros(3, 3), torch.ones(3), 0, E5M2, True)
+    assert same_bytes_but_at_nan(got[0], want[0], x)
+    assert same_bytes_but_at_nan(got[1], want[1], x.t())
+    assert same_bits(got_history, want_history)
+
+
+def test_an_input_not_aligned_to_16_bytes_is_copied_first(interpreted, monkeypatch):
+    """Triton specialises on 16-byte alignment, and the probes are aligned: an input that is not
+    reaches the kernel as an aligned copy. (The interpreter ignores alignment, so the pointer the
+    kernel receives is what is checked.)"""
+    cast, fold = cast_kernel._kernels()
+    pointers = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(x, *args, **kwargs):
+                pointers.append(x.data_ptr())
+                return cast[grid](x, *args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(cast_kernel, "_kernels", lambda: (Spy(), fold))
+    storage = exact_inputs(E4M3, 1.0, torch.bfloat16, (1, 64 * 65 + 1)).reshape(-1)
+    x = storage[1:].reshape(64, 65)  # a contiguous view 2 bytes into its storage
+    assert x.data_ptr() % 16 and x.is_contiguous()
+    got, want, got_history, want_history = both(x, torch.zeros(2, 3), torch.ones(3), 0, E4M3, True)
+    assert len(pointers) == 1 and pointers[0] % 16 == 0
+    assert same_bytes_but_at_nan(got[0], want[0], x)
+    assert same_bytes_but_at_nan(got[1], want[1], x.t())
+    assert same_bits(got_history, want_history)
+
+
+@pytest.mark.parametrize("shape", [(4096, 14336), (4095, 14336), (4096, 100), (1, 4096), (17, 1)])
+def test_the_probes_run_the_variant_the_input_runs(shape):
+    """Triton compiles apart sizes that divide by 16; the verification key says which, and the
+    probes are of the same kind, holding every pattern of the plain probe."""
+    from fp8ops.precision.linear import _record_probes
+
+    x = torch.empty(shape, dtype=torch.bfloat16)
+    history, scales = torch.zeros(4, 3), torch.ones(3)
+    key = cast_kernel.key(x)
+    plain = _record_probes(x, history, scales, 0, E4M3.max, E4M3.torch_dtype, True)
+    shaped = cast_kernel.probes(x, history, scales, 0, E4M3.max, E4M3.torch_dtype, True)
+    assert len(shaped) == len(plain) == 5
+    for (probe, *rest), (original, *original_rest) in zip(shaped, plain, strict=True):
+        assert cast_kernel.key(probe) == key
+        assert [d == 1 for d in probe.shape] == [d == 1 for d in shape]
+        rows, cols = original.shape
+        assert same_bits(probe[:rows, :cols], original)
+        for a, b in zip(rest, original_rest, strict=True):
+            assert same_bits(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def test_the_kernel_is_verified_before_use_and_its_result_is_the_eager_one(interpreted):
+    """Through ``linear.cast_and_record`` with the Triton choice: the call is verified (here,
+    under the interpreter, whose conversion is not the GPU's, it may be refused, and then runs
+    eager) and its result is the eager cast's either way."""
+    import warnings
+
+    from fp8ops.precision import linear
+    from fp8ops.precision.compiled import set_compiled_casts
+    from fp8ops.precision.state import ScalingState
+
+    x = exact_inputs(E4M3, 0.5, torch.bfloat16, (96, 80)) * 0.37  # rounds
+    states = [ScalingState.fresh(4, 3, E4M3) for _ in range(2)]
+    for state in states:
+        state.scale[:] = torch.tensor([0.5, 2.0, 3.0])
+    old_mode, old_kernel = set_compiled_casts("all"), linear.set_cast_kernel("triton")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = linear.cast_and_record(x, states[0], 0, None, "input", transposed=True)
+    finally:
+        set_compiled_casts(old_mode)
+        linear.set_cast_kernel(old_kernel)
+    want = linear.cast_and_record(x, states[1], 0, None, "input", transposed=True)
+    assert same_bits(got.data, want.data) and same_bits(got.data_t, want.data_t)
+    assert same_bits(states[0].amax_history, states[1].amax_history)
+    statuses = linear.cast_and_record_status()["triton"]
+    assert [key for key in statuses if "div16:yy" in key and "cpu" in key], statuses
+
+
+def test_an_unknown_cast_kernel_is_refused_by_name():
+    from fp8ops.precision.linear import set_cast_kernel
+
+    with pytest.raises(ValueError, match="'cutlass'.*inductor.*triton"):
+        set_cast_kernel("cutlass")
+
+
+def test_an_unknown_cast_kernel_in_the_environment_falls_back_to_inductor_with_a_warning():
+    import subprocess
+    import sys
+
+    code = "import fp8ops.precision.linear as linear; print(linear._cast_kernel)"
+    result = subprocess.run(
+        [sys.executable, "-W", "always", "-c", code], capture_output=True, text=True,
+        env={**__import__("os").environ, "FP8OPS_CAST_KERNEL": "cutlass"}, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "inductor"
+    assert "FP8OPS_CAST_KERNEL='cutlass' is not one of ['inductor', 'triton']" in result.stderr

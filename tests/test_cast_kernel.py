@@ -15,6 +15,7 @@ part b).
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import pytest
 import torch
@@ -32,10 +33,10 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture
 def interpreted(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    kernels = cast_kernel._kernels  # (a test may replace it)
-    kernels.cache_clear()  # jit reads the setting when the kernels are defined
+    # Triton reads the setting when a kernel is defined: the kernels' module is imported anew.
+    sys.modules.pop(cast_kernel.KERNELS_MODULE, None)
     yield
-    kernels.cache_clear()
+    sys.modules.pop(cast_kernel.KERNELS_MODULE, None)
 
 
 def exact_inputs(fp8, scale: float, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
@@ -205,3 +206,44 @@ def test_an_unknown_cast_kernel_in_the_environment_falls_back_to_inductor_with_a
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "inductor"
     assert "FP8OPS_CAST_KERNEL='cutlass' is not one of ['inductor', 'triton']" in result.stderr
+
+
+@pytest.mark.parametrize("fp8", ["fp8e4nv", "fp8e5"])
+def test_for_hopper_the_kernel_compiles_to_one_conversion_vector_access_and_no_flush(fp8):
+    """What the interpreter cannot show, read from the PTX Triton generates for sm_90 (no GPU
+    needed): the conversion is one round-to-nearest-even, saturating instruction from float32
+    (no double rounding through float16), subnormals are not flushed, and with sizes that
+    divide by 16 the loads and both stores are 16-byte vectors (the transposed store too)."""
+    import re
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cast, _ = cast_kernel._kernels()
+    aligned = [["tt.divisibility", 16]]
+    source = ASTSource(
+        fn=cast,
+        signature={"x_ptr": "*bf16", "scale_ptr": "*fp32", "slot": "i32", "data_ptr": f"*{fp8}",
+                   "data_t_ptr": f"*{fp8}", "partial_ptr": "*fp32", "rows": "i32", "cols": "i32",
+                   "fp8_max": "fp32", "FP8": "constexpr", "TRANSPOSED": "constexpr",
+                   "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"},
+        constexprs={"FP8": getattr(tl, "float8e4nv" if fp8 == "fp8e4nv" else "float8e5"),
+                    "TRANSPOSED": True, "BLOCK_R": 64, "BLOCK_C": 64},
+        attrs={(i,): aligned for i in (0, 1, 3, 4, 5, 6, 7)},
+    )  # fmt: skip
+    try:
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": cast_kernel.NUM_WARPS}).asm["ptx"]  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - a Triton without its NVIDIA toolchain
+        pytest.skip(f"Triton cannot compile for sm_90 here: {type(exc).__name__}: {exc}"[:200])
+    name = "e4m3" if fp8 == "fp8e4nv" else "e5m2"
+    assert set(re.findall(r"cvt\.\S+", ptx)) >= {f"cvt.rn.satfinite.{name}x2.f32"}
+    assert not re.findall(rf"cvt\.\S*{name}\S*f16", ptx)  # no conversion through float16
+    assert ".ftz" not in ptx
+    # The input in 16-byte loads (without the sizes' divisibility: 32 two-byte loads), both
+    # tiles in 16-byte stores (else 64 one-byte stores); the one scalar store is the tile amax.
+    assert re.findall(r"ld\.global\S*", ptx).count("ld.global.v4.b32") == 4
+    stores = re.findall(r"st\.global\S*", ptx)
+    assert stores.count("st.global.v4.b32") == 4 and not [s for s in stores if ".b8" in s]

@@ -21,67 +21,19 @@ which is how the tests run it where there is no GPU.
 
 from __future__ import annotations
 
-import functools
+import importlib
 
 import torch
 
+KERNELS_MODULE = "fp8ops.precision.cast_kernel_triton"
 BLOCK = (64, 64)  # rows x columns of the input per program
 NUM_WARPS = 4
 
 
-@functools.cache
 def _kernels():
-    import triton
-    import triton.language as tl
-
-    # The slot is not specialised on (Triton would compile slot 1 apart). Sizes are: Triton
-    # vectorises loads and stores only for sizes it knows divide by 16, so that is part of the
-    # verification key and the probes come in the same class (``probes``).
-    @triton.jit(do_not_specialize=["slot"])
-    def cast_transpose_amax(
-        x_ptr, scale_ptr, slot, data_ptr, data_t_ptr, partial_ptr, rows, cols, fp8_max,
-        FP8: tl.constexpr, TRANSPOSED: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    ):  # fmt: skip
-        # One flat grid (a second grid dimension is capped at 65535 programs).
-        tiles_c = tl.cdiv(cols, BLOCK_C)
-        pid_r = tl.program_id(0) // tiles_c
-        pid_c = tl.program_id(0) % tiles_c
-        r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-        inside = (r[:, None] < rows) & (c[None, :] < cols)
-        offsets = r[:, None].to(tl.int64) * cols + c[None, :]
-        x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-
-        scaled = x * tl.load(scale_ptr + slot)
-        # torch.clamp keeps NaN; Triton's minimum and maximum would turn it into a bound.
-        clamped = tl.minimum(tl.maximum(scaled, -fp8_max), fp8_max)
-        clamped = tl.where(scaled != scaled, scaled, clamped)  # noqa: PLR0124 - NaN test
-        data = clamped.to(FP8, fp_downcast_rounding="rtne")
-        tl.store(data_ptr + offsets, data, mask=inside)
-        if TRANSPOSED:
-            offsets_t = c[:, None].to(tl.int64) * rows + r[None, :]
-            inside_t = (c[:, None] < cols) & (r[None, :] < rows)
-            tl.store(data_t_ptr + offsets_t, tl.trans(data), mask=inside_t)
-
-        # |x| with NaN as 0 (the casts' fmaxf reduction), +inf kept; masked lanes are 0.
-        magnitude = tl.where(x != x, 0.0, tl.abs(x))  # noqa: PLR0124 - NaN test
-        tl.store(partial_ptr + tl.program_id(0), tl.max(tl.max(magnitude, axis=1), axis=0))
-
-    @triton.jit(do_not_specialize=["slot", "count"])
-    def fold_amax(partial_ptr, count, history_ptr, slot, BLOCK: tl.constexpr):
-        # history[0, slot] = fmax(history[0, slot], max(partial)) in one program: one launch
-        # where torch takes three (amax, fmax, the write back).
-        amax = tl.zeros((BLOCK,), dtype=tl.float32)
-        for start in range(0, count, BLOCK):
-            index = start + tl.arange(0, BLOCK)
-            amax = tl.maximum(amax, tl.load(partial_ptr + index, mask=index < count, other=0.0))
-        amax = tl.max(amax, axis=0)
-        old = tl.load(history_ptr + slot)
-        new = tl.where(old != old, amax, tl.maximum(old, amax))  # noqa: PLR0124 - fmax
-        tl.store(history_ptr + slot, new)
-
-    return cast_transpose_amax, fold_amax
+    """The two kernels, from the module that defines them (imported at first use)."""
+    module = importlib.import_module(KERNELS_MODULE)
+    return module.cast_transpose_amax, module.fold_amax
 
 
 def key(x: torch.Tensor, *args) -> tuple[str, ...]:

@@ -1,0 +1,67 @@
+"""The Triton kernels of ``cast_kernel.py`` (which says what they compute and how they are
+checked). A module of its own, imported at first use: Triton decides when a kernel is defined
+whether it is compiled or interpreted (``TRITON_INTERPRET``), and the CPU tests set that first.
+
+Only Triton's built-ins and this module's own jit functions are used, none of
+``triton.language.standard``'s (``tl.cdiv``, ``tl.max``, ``tl.zeros``): those were defined when
+Triton was first imported, and in a process that imported Triton before asking for the
+interpreter (Megatron imports it), the interpreter cannot run them.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def larger(a, b):
+    return tl.maximum(a, b)
+
+
+# The slot is not specialised on (Triton would compile slot 1 apart). Sizes are: Triton
+# vectorises loads and stores only for sizes it knows divide by 16, so that is part of the
+# verification key and the probes come in the same class (cast_kernel.probes).
+@triton.jit(do_not_specialize=["slot"])
+def cast_transpose_amax(
+    x_ptr, scale_ptr, slot, data_ptr, data_t_ptr, partial_ptr, rows, cols, fp8_max,
+    FP8: tl.constexpr, TRANSPOSED: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    # One flat grid (a second grid dimension is capped at 65535 programs).
+    tiles_c = (cols + BLOCK_C - 1) // BLOCK_C
+    pid_r = tl.program_id(0) // tiles_c
+    pid_c = tl.program_id(0) % tiles_c
+    r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    inside = (r[:, None] < rows) & (c[None, :] < cols)
+    offsets = r[:, None].to(tl.int64) * cols + c[None, :]
+    x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+
+    scaled = x * tl.load(scale_ptr + slot)
+    # torch.clamp keeps NaN; Triton's minimum and maximum would turn it into a bound.
+    clamped = tl.minimum(tl.maximum(scaled, -fp8_max), fp8_max)
+    clamped = tl.where(scaled != scaled, scaled, clamped)  # noqa: PLR0124 - NaN test
+    data = clamped.to(FP8, fp_downcast_rounding="rtne")
+    tl.store(data_ptr + offsets, data, mask=inside)
+    if TRANSPOSED:
+        offsets_t = c[:, None].to(tl.int64) * rows + r[None, :]
+        inside_t = (c[:, None] < cols) & (r[None, :] < rows)
+        tl.store(data_t_ptr + offsets_t, tl.trans(data), mask=inside_t)
+
+    # |x| with NaN as 0 (the casts' fmaxf reduction), +inf kept; masked lanes are 0.
+    magnitude = tl.where(x != x, 0.0, tl.abs(x))  # noqa: PLR0124 - NaN test
+    tile_amax = tl.reduce(tl.reduce(magnitude, 1, larger), 0, larger)
+    tl.store(partial_ptr + tl.program_id(0), tile_amax)
+
+
+@triton.jit(do_not_specialize=["slot", "count"])
+def fold_amax(partial_ptr, count, history_ptr, slot, BLOCK: tl.constexpr):
+    # history[0, slot] = fmax(history[0, slot], max(partial)) in one program: one launch
+    # where torch takes three (amax, fmax, the write back).
+    amax = tl.full((BLOCK,), 0.0, tl.float32)
+    for start in range(0, count, BLOCK):
+        index = start + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.load(partial_ptr + index, mask=index < count, other=0.0))
+    amax = tl.reduce(amax, 0, larger)
+    old = tl.load(history_ptr + slot)
+    new = tl.where(old != old, amax, tl.maximum(old, amax))  # noqa: PLR0124 - fmax
+    tl.store(history_ptr + slot, new)

@@ -557,21 +557,63 @@ def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
             out = block(x, attention_mask=None)
         out.backward(grad)
 
-    graphs: dict[str, torch.cuda.CUDAGraph] = {}
-
+    # key -> {cadence: (graph, the probes' records of its capture, the gradients it writes)};
+    # cadence is (cast statistics?, error sample?), the step number's, so a statistics step
+    # replays a graph captured with the statistics on, as the trainer's cadence would run it.
+    graphs: dict[str, dict[tuple[bool, bool] | None, tuple]] = {}
     capture_peak_mib: dict[str, float] = {}
 
-    def replayed(key: str, fp8: bool):
-        """The step as one CUDA graph, captured at its first call and replayed after. Replays
-        allocate nothing, so the peak memory is taken over the capture and its eager warm-up:
-        what the graph's pool holds is allocated there."""
+    def cadence(number: int) -> tuple[bool, bool]:
+        return number % args.telemetry_every == 0, number % args.error_sample_every == 0
+
+    def capture_all(fp8: bool, telemetry: bool) -> dict[tuple[bool, bool] | None, tuple]:
+        """One graph per cadence the steps have (one without telemetry), each captured with a
+        step number of that cadence, and the records of the probes during its capture: a replay
+        runs no Python, so its row is built from those (``TelemetryCollector.end_step``)."""
+        if not telemetry:
+            graph = capture(lambda: forward_backward(fp8), clear_grads, device)
+            return {None: (graph, None, gradients())}
+        numbers = {}  # cadence -> the first step number that has it
+        for number in range(1, math.lcm(args.telemetry_every, args.error_sample_every) + 1):
+            numbers.setdefault(cadence(number), number)
+        variants = {}
+        for kind, number in numbers.items():
+
+            def body(number=number) -> None:
+                collector.take_records()  # each run starts with empty probes
+                collector.begin_step(number)
+                forward_backward(fp8)
+
+            graph = capture(body, clear_grads, device)
+            variants[kind] = (graph, collector.take_records(), gradients())
+        return variants
+
+    def gradients() -> list:
+        # Each capture allocates its gradients in its own graph's pool, and its replays write
+        # them there: the tensors the model's .grad must hold after that graph's replay.
+        return [p.grad for p in block.parameters()] + [x.grad]
+
+    def replayed(key: str, fp8: bool, telemetry: bool):
+        """The step as a CUDA graph, captured at its first call and replayed after; with
+        telemetry, each step's row is read after its replay as after an eager step. Replays
+        allocate nothing, so the peak memory is taken over the captures and their eager
+        warm-ups: what the graphs' pools hold is allocated there."""
 
         def run(number: int) -> None:
             if key not in graphs:
                 torch.cuda.reset_peak_memory_stats(device)
-                graphs[key] = capture(lambda: forward_backward(fp8), clear_grads, device)
+                graphs[key] = capture_all(fp8, telemetry)
                 capture_peak_mib[key] = torch.cuda.max_memory_allocated(device) / 2**20
-            graphs[key].replay()
+            graph, records, grads = graphs[key][cadence(number) if telemetry else None]
+            graph.replay()
+            if telemetry:
+                # The row's norms read the gradients this graph wrote; the row is finished one
+                # step later, as step() does.
+                for holder, grad in zip([*block.parameters(), x], grads, strict=True):
+                    holder.grad = grad
+                pending.append(collector.end_step(records=records))
+                if len(pending) > 1:
+                    pending.pop(0).result()
 
         return run
 
@@ -599,6 +641,9 @@ def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
         ("fp8-graph", f"{fp8_name} (compiled casts), CUDA graph", True, compiled, "inductor",
          False),
         ("fp8-triton-graph", f"{fp8_name} ({triton}), CUDA graph", True, compiled, "triton", False),
+        ("bf16-graph+telemetry", "BF16, CUDA graph + telemetry", False, compiled, "inductor", True),
+        ("fp8-graph+telemetry", f"{fp8_name} (compiled casts), CUDA graph + telemetry", True,
+         compiled, "inductor", True),
     )  # fmt: skip
     measured: dict[str, dict] = {}
     rows = cast_speeds(device, shape, compiled)
@@ -606,7 +651,7 @@ def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
         if telemetry and collector is None:
             rows.append(Row("throughput", label, f"skipped: telemetry: {telemetry_missing}"))
             continue
-        graphed = key.endswith("-graph")
+        graphed = "-graph" in key
         if (graphed or kernel == "triton") and device.type != "cuda":
             rows.append(Row("throughput", label, "skipped: needs a GPU"))
             continue
@@ -619,7 +664,8 @@ def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
         if collector is not None:
             collector.set_active(telemetry)
         old_casts, old_kernel = set_compiled_casts(casts), set_cast_kernel(kernel)
-        run = replayed(key, fp8) if graphed else lambda n, f=fp8, t=telemetry: step(n, f, t)
+        run = (replayed(key, fp8, telemetry) if graphed
+               else lambda n, f=fp8, t=telemetry: step(n, f, t))  # fmt: skip
         try:
             result = timed(run, args, device, shape)
         except Exception as exc:  # noqa: BLE001 - report it and go on with the others
@@ -761,7 +807,8 @@ def goals(measured: dict, judged: bool) -> list[Row]:
             rows.append(Row("goal", name, f"{speedup:.2f}x", f">= {SPEEDUP_GOAL}x" if goal else "",
                             speedup >= SPEEDUP_GOAL if judged and goal else None,
                             {"speedup": speedup}))  # fmt: skip
-    for key, name in (("bf16", "BF16"), ("fp8", "FP8")):
+    for key, name in (("bf16", "BF16"), ("fp8", "FP8"), ("bf16-graph", "BF16 graph"),
+                      ("fp8-graph", "FP8 graph")):  # fmt: skip
         off, on = measured.get(key), measured.get(f"{key}+telemetry")
         if off and on:
             overhead = on["step_ms"] / off["step_ms"] - 1

@@ -59,6 +59,12 @@ def run_step(model, scope, collector, step, seed):
 
 def start_step(model, scope, collector, step, seed):
     """One step of two micro-batches; its telemetry row still pending (gradients kept)."""
+    forward_backward(model, scope, collector, step, seed)
+    return collector.end_step()
+
+
+def forward_backward(model, scope, collector, step, seed):
+    """One step of two micro-batches, its telemetry begun, its row not asked for."""
     mark_first_microbatch(model)
     collector.begin_step(step)
     generator = torch.Generator().manual_seed(seed)
@@ -68,7 +74,6 @@ def start_step(model, scope, collector, step, seed):
         with scope():
             loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).mean()
         loss.backward()
-    return collector.end_step()
 
 
 def value(row, collector, module, metric):
@@ -312,3 +317,22 @@ def test_a_history_of_one_entry_has_no_window_but_its_scale():
     assert row[0, COLUMN["input.scale"]] == 3.0
     for metric in ("amax", "window_max", "window_p50", "window_p90"):
         assert np.isnan(row[0, COLUMN[f"input.{metric}"]]), metric
+
+
+def test_a_replayed_step_is_reported_from_the_records_of_its_capture(setup):
+    """A CUDA graph's replay runs no Python, so the probes see no GEMM: the row is built from
+    the records taken after the capture, and a row built from the empty probes would report
+    nothing ran. (Here the "capture" is an eager step whose records are kept.)"""
+    _, model, scope, collector = setup
+    forward_backward(model, scope, collector, 2, seed=0)  # a statistics step, as captured
+    captured = collector.take_records()  # the probes are empty now, as a replay leaves them
+
+    replayed = collector.end_step(records=captured).result()
+    unrecorded = collector.end_step().result()
+    fc2 = "decoder.layers.0.mlp.linear_fc2"
+    assert value(replayed, collector, fc2, "fp8_gemms") == 3 * MICRO_BATCHES
+    assert value(unrecorded, collector, fc2, "fp8_gemms") == 0
+    assert np.isfinite(value(replayed, collector, fc2, "input.saturation"))
+    assert np.isnan(value(unrecorded, collector, fc2, "input.saturation"))
+    with pytest.raises(ValueError, match="1 records for"):
+        collector.end_step(records=captured[:1])

@@ -86,17 +86,29 @@ class TelemetryCollector:
             module.probe.measure = measure
             module.probe.sample_error = sample and module.fp8_enabled
 
-    def end_step(self) -> PendingRow:
+    def take_records(self) -> list[Probe]:
+        """Every probe's record of the step so far, in module order; the probes start empty."""
+        return [module.probe.take() for module in self.modules.values()]
+
+    def end_step(self, records: list[Probe] | None = None) -> PendingRow:
         """This step's row, on its way: every device value it needs is copied to the host
         without waiting for the GPU (:class:`_HostCopy`); :meth:`PendingRow.result` finishes it.
 
         Call it after the last backward, before the optimizer zeroes the gradients: what the
         row reports is read (on the device) here, and only the copy completes later.
+
+        ``records``: for a step replayed from a CUDA graph, whose forward ran no Python, so the
+        probes saw nothing: the records taken (:meth:`take_records`) right after that graph was
+        captured, with the step number's cadence. Their GEMM counts are the capture's, which
+        every replay repeats, and their tensors are the graph's, which every replay rewrites.
         """
         if not self.active:
             return PendingRow(self, None, None, [], {}, [])
         state = _HostCopy(self._state_tensor())
-        records = [module.probe.take() for module in self.modules.values()]
+        if records is None:
+            records = self.take_records()
+        elif len(records) != len(self.names):
+            raise ValueError(f"{len(records)} records for {len(self.names)} modules")
         norms = self._norms(records)
         measured = [
             self._measured(record, norms.get(name, {}))

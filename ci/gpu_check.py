@@ -604,18 +604,77 @@ def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
                 torch.cuda.reset_peak_memory_stats(device)
                 graphs[key] = capture_all(fp8, telemetry)
                 capture_peak_mib[key] = torch.cuda.max_memory_allocated(device) / 2**20
-            graph, records, grads = graphs[key][cadence(number) if telemetry else None]
-            graph.replay()
-            if telemetry:
-                # The row's norms read the gradients this graph wrote; the row is finished one
-                # step later, as step() does.
-                for holder, grad in zip([*block.parameters(), x], grads, strict=True):
-                    holder.grad = grad
-                pending.append(collector.end_step(records=records))
+                for graph, *_ in graphs[key].values():  # each graph's first (upload) replay
+                    graph.replay()  # before the clock, which may start at any cadence
+                torch.cuda.synchronize(device)
+            row = replay(key, number, telemetry)
+            if row is not None:  # finished one step later, as step() does
+                pending.append(row)
                 if len(pending) > 1:
                     pending.pop(0).result()
 
         return run
+
+    def replay(key: str, number: int, telemetry: bool):
+        """Step ``number`` replayed; with telemetry, its pending row."""
+        graph, records, grads = graphs[key][cadence(number) if telemetry else None]
+        graph.replay()
+        if not telemetry:
+            return None
+        # The row's norms read the gradients this graph wrote.
+        for holder, grad in zip([*block.parameters(), x], grads, strict=True):
+            holder.grad = grad
+        return collector.end_step(records=records)
+
+    def check_replayed_rows(key: str) -> Row:
+        """The rows of replayed steps checked against what they must hold, on a new input
+        each step (so the graphs' record tensors must have been rewritten): every module's
+        three FP8 GEMMs; cast statistics on statistics steps only, the FP8 error on
+        error-sample steps only; the gradient norms and scales read from the model right after
+        the replay. Untimed, after the timed steps."""
+        from fp8ops.telemetry.catalogue import COLUMN
+
+        modules = fp8_modules(block)
+        period = math.lcm(args.telemetry_every, args.error_sample_every)
+        numbers, seen = [], {}  # two steps of each cadence
+        for number in range(1000 * period + 1, 1002 * period + 1):
+            if seen.setdefault(cadence(number), 0) < 2:
+                seen[cadence(number)] += 1
+                numbers.append(number)
+        saved, problems, norms = x.detach().clone(), [], []
+        try:
+            for number in numbers:
+                with torch.no_grad():
+                    x.copy_(torch.randn_like(x))
+                pending_row = replay(key, number, telemetry=True)
+                grad_norm = [m.weight.grad.float().norm() for m in modules.values()]
+                scales = [m.fp8_meta.forward.scale[0].clone() for m in modules.values()]
+                row = pending_row.result()
+                measure, sample = cadence(number)
+                gemms = row[:, COLUMN["fp8_gemms"]]
+                if not (gemms == 3).all():
+                    problems.append(f"step {number}: fp8_gemms {sorted(set(gemms.tolist()))}")
+                for column, wanted in (("input.saturation", measure), ("fp8_rel_error", sample)):
+                    finite = np.isfinite(row[:, COLUMN[column]])
+                    if not (finite.all() if wanted else not finite.any()):
+                        problems.append(f"step {number}: {column} measured is not {wanted}")
+                if measure:
+                    want = torch.stack(grad_norm).cpu().numpy()
+                    got = row[:, COLUMN["grad_norm"]]
+                    if not np.allclose(got, want, rtol=1e-5):
+                        problems.append(f"step {number}: grad_norm {got[:2]} != {want[:2]}")
+                    norms.append(row[:, COLUMN["input_norm"]])
+                want_scale = torch.stack(scales).cpu().numpy()
+                if not np.array_equal(row[:, COLUMN["input.scale"]], want_scale):
+                    problems.append(f"step {number}: input.scale is not the model's")
+            if len(norms) >= 2 and np.array_equal(norms[0], norms[1]):
+                problems.append("two statistics steps on different inputs report the same norms")
+        finally:
+            with torch.no_grad():
+                x.copy_(saved)
+        return Row("throughput", f"rows of replayed steps ({key})",
+                   "; ".join(problems)[:200] or f"{len(numbers)} steps as expected",
+                   "as eager rows", not problems)  # fmt: skip
 
     def release_graph(key: str) -> None:
         graphs.pop(key, None)
@@ -666,8 +725,12 @@ def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
         old_casts, old_kernel = set_compiled_casts(casts), set_cast_kernel(kernel)
         run = (replayed(key, fp8, telemetry) if graphed
                else lambda n, f=fp8, t=telemetry: step(n, f, t))  # fmt: skip
+        checked = None
         try:
             result = timed(run, args, device, shape)
+            if graphed and telemetry and fp8:
+                pending.clear()
+                checked = check_replayed_rows(key)
         except Exception as exc:  # noqa: BLE001 - report it and go on with the others
             traceback.print_exc()
             rows.append(Row("throughput", label, f"error: {type(exc).__name__}: {exc}"[:200]))
@@ -695,6 +758,8 @@ def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
             f"{result['tokens_per_s']:,.0f} tokens/s, {result['step_ms']:.1f} ms/step, "
             f"peak {result['peak_mib']:,.0f} MiB", values=result,
         ))  # fmt: skip
+        if checked is not None:
+            rows.append(checked)
     if collector is not None:
         collector.set_active(False)
     if args.profile:

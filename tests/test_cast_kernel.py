@@ -137,6 +137,36 @@ def test_an_input_not_aligned_to_16_bytes_is_copied_first(interpreted, monkeypat
     assert same_bits(got_history, want_history)
 
 
+def test_a_history_not_aligned_to_16_bytes_is_folded_by_torch(interpreted, monkeypatch):
+    """The fold kernel was verified on aligned histories; a history that is a view into a
+    larger buffer gets the same fold from torch, in place."""
+    cast, fold = cast_kernel._kernels()
+    folds = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                folds.append(args[2].data_ptr())
+                return fold[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(cast_kernel, "_kernels", lambda: (cast, Spy()))
+    x = torch.linspace(-300.0, 200.0, 64 * 64).reshape(64, 64)  # amax 300
+    buffer = torch.zeros(1 + 2 * 3)
+    history = buffer[1:].view(2, 3)  # 4 bytes into its storage
+    history[0] = torch.tensor([1.0, float("nan"), 1e30])
+    assert history.data_ptr() % 16
+    want_history = history.clone()
+    _cast_and_record(x, want_history, torch.ones(3), 1, E4M3.max, E4M3.torch_dtype, False)
+    cast_kernel.cast_and_record(x, history, torch.ones(3), 1, E4M3.max, E4M3.torch_dtype, False)
+    assert same_bits(history, want_history) and history[0, 1] == 300.0  # NaN replaced, in place
+    assert not folds
+    aligned = torch.zeros(2, 3)
+    cast_kernel.cast_and_record(x, aligned, torch.ones(3), 1, E4M3.max, E4M3.torch_dtype, False)
+    assert len(folds) == 1 and aligned[0, 1] == 300.0
+
+
 @pytest.mark.parametrize("shape", [(4096, 14336), (4095, 14336), (4096, 100), (1, 4096), (17, 1)])
 def test_the_probes_run_the_variant_the_input_runs(shape):
     """Triton compiles apart sizes that divide by 16; the verification key says which, and the

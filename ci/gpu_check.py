@@ -48,7 +48,7 @@ import platform
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -492,7 +492,7 @@ def build_stack(shape: dict, recipe, gemm, device, attention: str):
 
 def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
     try:
-        from fp8ops.megatron import apply_cpu_shims, fp8_modules, mark_first_microbatch
+        from fp8ops.megatron import apply_cpu_shims, fp8_modules
         from fp8ops.megatron.compat import parallel_state
     except Exception as exc:  # noqa: BLE001 - any import failure means: no Megatron here
         return [Row("throughput", "layer stack", f"skipped: megatron-core not importable: {exc}")]
@@ -527,162 +527,7 @@ def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
     x = x.to(device=device, dtype=torch.bfloat16).requires_grad_()
     grad = torch.randn(x.shape, generator=generator).to(device=device, dtype=torch.bfloat16)
 
-    pending = []  # the last step's telemetry row, finished after the next step is queued
-
-    def step(number: int, fp8: bool, telemetry: bool) -> None:
-        mark_first_microbatch(block)  # one micro-batch a step: every weight cast once
-        if telemetry:
-            collector.begin_step(number)
-        with scope() if fp8 else contextlib.nullcontext():
-            out = block(x, attention_mask=None)
-        out.backward(grad)
-        if telemetry:
-            # After the backward, before gradients go, as the trainer. The trainer syncs each
-            # step for its loss anyway and finishes the row then; these steps do not sync, so
-            # the row is finished one step later, by when its copies are usually done (a host
-            # more than a step ahead of the GPU waits there).
-            pending.append(collector.end_step())
-            if len(pending) > 1:
-                pending.pop(0).result()
-        clear_grads()
-
-    def clear_grads() -> None:
-        for p in block.parameters():
-            p.grad = None
-        x.grad = None
-
-    def forward_backward(fp8: bool) -> None:  # what a CUDA graph captures: no telemetry
-        mark_first_microbatch(block)
-        with scope() if fp8 else contextlib.nullcontext():
-            out = block(x, attention_mask=None)
-        out.backward(grad)
-
-    # key -> {cadence: (graph, the probes' records of its capture, the gradients it writes)};
-    # cadence is (cast statistics?, error sample?), the step number's, so a statistics step
-    # replays a graph captured with the statistics on, as the trainer's cadence would run it.
-    graphs: dict[str, dict[tuple[bool, bool] | None, tuple]] = {}
-    capture_peak_mib: dict[str, float] = {}
-
-    def cadence(number: int) -> tuple[bool, bool]:
-        return number % args.telemetry_every == 0, number % args.error_sample_every == 0
-
-    def capture_all(fp8: bool, telemetry: bool) -> dict[tuple[bool, bool] | None, tuple]:
-        """One graph per cadence the steps have (one without telemetry), each captured with a
-        step number of that cadence, and the records of the probes during its capture: a replay
-        runs no Python, so its row is built from those (``TelemetryCollector.end_step``)."""
-        if not telemetry:
-            graph = capture(lambda: forward_backward(fp8), clear_grads, device)
-            return {None: (graph, None, gradients())}
-        numbers = {}  # cadence -> the first step number that has it
-        for number in range(1, math.lcm(args.telemetry_every, args.error_sample_every) + 1):
-            numbers.setdefault(cadence(number), number)
-        variants = {}
-        for kind, number in numbers.items():
-
-            def body(number=number) -> None:
-                collector.take_records()  # each run starts with empty probes
-                collector.begin_step(number)
-                forward_backward(fp8)
-
-            graph = capture(body, clear_grads, device)
-            variants[kind] = (graph, collector.take_records(), gradients())
-        return variants
-
-    def gradients() -> list:
-        # Each capture allocates its gradients in its own graph's pool, and its replays write
-        # them there: the tensors the model's .grad must hold after that graph's replay.
-        return [p.grad for p in block.parameters()] + [x.grad]
-
-    def replayed(key: str, fp8: bool, telemetry: bool):
-        """The step as a CUDA graph, captured at its first call and replayed after; with
-        telemetry, each step's row is read after its replay as after an eager step. Replays
-        allocate nothing, so the peak memory is taken over the captures and their eager
-        warm-ups: what the graphs' pools hold is allocated there."""
-
-        def run(number: int) -> None:
-            if key not in graphs:
-                torch.cuda.reset_peak_memory_stats(device)
-                graphs[key] = capture_all(fp8, telemetry)
-                capture_peak_mib[key] = torch.cuda.max_memory_allocated(device) / 2**20
-                for graph, *_ in graphs[key].values():  # each graph's first (upload) replay
-                    graph.replay()  # before the clock, which may start at any cadence
-                torch.cuda.synchronize(device)
-            row = replay(key, number, telemetry)
-            if row is not None:  # finished one step later, as step() does
-                pending.append(row)
-                if len(pending) > 1:
-                    pending.pop(0).result()
-
-        return run
-
-    def replay(key: str, number: int, telemetry: bool):
-        """Step ``number`` replayed; with telemetry, its pending row."""
-        graph, records, grads = graphs[key][cadence(number) if telemetry else None]
-        graph.replay()
-        if not telemetry:
-            return None
-        # The row's norms read the gradients this graph wrote.
-        for holder, grad in zip([*block.parameters(), x], grads, strict=True):
-            holder.grad = grad
-        return collector.end_step(records=records)
-
-    def check_replayed_rows(key: str) -> Row:
-        """The rows of replayed steps checked against what they must hold, on a new input
-        each step (so the graphs' record tensors must have been rewritten): every module's
-        three FP8 GEMMs; cast statistics on statistics steps only, the FP8 error on
-        error-sample steps only; the gradient norms and scales read from the model right after
-        the replay. Untimed, after the timed steps."""
-        from fp8ops.telemetry.catalogue import COLUMN
-
-        modules = fp8_modules(block)
-        period = math.lcm(args.telemetry_every, args.error_sample_every)
-        numbers, seen = [], {}  # two steps of each cadence
-        for number in range(1000 * period + 1, 1002 * period + 1):
-            if seen.setdefault(cadence(number), 0) < 2:
-                seen[cadence(number)] += 1
-                numbers.append(number)
-        saved, problems, norms = x.detach().clone(), [], []
-        try:
-            for number in numbers:
-                with torch.no_grad():
-                    x.copy_(torch.randn_like(x))
-                pending_row = replay(key, number, telemetry=True)
-                grad_norm = [m.weight.grad.float().norm() for m in modules.values()]
-                scales = [m.fp8_meta.forward.scale[0].clone() for m in modules.values()]
-                row = pending_row.result()
-                measure, sample = cadence(number)
-                gemms = row[:, COLUMN["fp8_gemms"]]
-                if not (gemms == 3).all():
-                    problems.append(f"step {number}: fp8_gemms {sorted(set(gemms.tolist()))}")
-                for column, wanted in (("input.saturation", measure), ("fp8_rel_error", sample)):
-                    finite = np.isfinite(row[:, COLUMN[column]])
-                    if not (finite.all() if wanted else not finite.any()):
-                        problems.append(f"step {number}: {column} measured is not {wanted}")
-                if measure:
-                    want = torch.stack(grad_norm).cpu().numpy()
-                    got = row[:, COLUMN["grad_norm"]]
-                    if not np.allclose(got, want, rtol=1e-5):
-                        problems.append(f"step {number}: grad_norm {got[:2]} != {want[:2]}")
-                    norms.append(row[:, COLUMN["input_norm"]])
-                want_scale = torch.stack(scales).cpu().numpy()
-                if not np.array_equal(row[:, COLUMN["input.scale"]], want_scale):
-                    problems.append(f"step {number}: input.scale is not the model's")
-            if len(norms) >= 2 and np.array_equal(norms[0], norms[1]):
-                problems.append("two statistics steps on different inputs report the same norms")
-        finally:
-            with torch.no_grad():
-                x.copy_(saved)
-        return Row("throughput", f"rows of replayed steps ({key})",
-                   "; ".join(problems)[:200] or f"{len(numbers)} steps as expected",
-                   "as eager rows", not problems)  # fmt: skip
-
-    def release_graph(key: str) -> None:
-        graphs.pop(key, None)
-        for module in fp8_modules(block).values():  # FP8 weights cast in the graph's pool
-            module._weight_fp8 = None
-        clear_grads()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    stack = LayerStack(block, x, grad, scope, collector)
 
     fp8_name = "FP8 " + ("scaled_mm" if native else "emulated")
     compiled = "all" if args.smoke else "auto"  # --smoke compiles on the CPU too
@@ -723,14 +568,14 @@ def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
         if collector is not None:
             collector.set_active(telemetry)
         old_casts, old_kernel = set_compiled_casts(casts), set_cast_kernel(kernel)
-        run = (replayed(key, fp8, telemetry) if graphed
-               else lambda n, f=fp8, t=telemetry: step(n, f, t))  # fmt: skip
+        graphs = StepGraphs(stack, fp8, telemetry, args, device) if graphed else None
+        run = graphs if graphed else (lambda n, f=fp8, t=telemetry: stack.step(n, f, t))
         checked = None
         try:
             result = timed(run, args, device, shape)
             if graphed and telemetry and fp8:
-                pending.clear()
-                checked = check_replayed_rows(key)
+                stack.pending.clear()
+                checked = graphs.check_rows(key)
         except Exception as exc:  # noqa: BLE001 - report it and go on with the others
             traceback.print_exc()
             rows.append(Row("throughput", label, f"error: {type(exc).__name__}: {exc}"[:200]))
@@ -738,10 +583,11 @@ def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
         finally:
             set_compiled_casts(old_casts)
             set_cast_kernel(old_kernel)
-            pending.clear()  # the last row of 50 is left unfinished (about 0.1 ms of numpy)
-            release_graph(key)
-        if key in capture_peak_mib:
-            result["peak_mib"] = max(result["peak_mib"], capture_peak_mib[key])
+            stack.pending.clear()  # the last row of 50 is left unfinished (0.1 ms of numpy)
+            if graphs is not None:
+                graphs.release()
+        if graphs is not None:
+            result["peak_mib"] = max(result["peak_mib"], graphs.peak_mib)
         if kernel == "triton":
             # Rows timed with a kernel that failed its verification timed eager casts instead.
             statuses = sorted({v for k, v in cast_and_record_status()["triton"].items()
@@ -766,11 +612,189 @@ def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
         for key, label, fp8, casts, _, _ in configurations:
             if key in ("bf16", "fp8"):
                 rows.append(
-                    profiled(lambda n, f=fp8: step(n, f, False), label, casts, device, args)
+                    profiled(lambda n, f=fp8: stack.step(n, f, False), label, casts, device, args)
                 )
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return rows + goals(measured, judged=native and not args.smoke)
+
+
+@dataclass
+class LayerStack:
+    """What (c) times: the block, its input and the gradient its output gets (the same every
+    step), the FP8 scope, and the telemetry collector (None where it cannot import)."""
+
+    block: torch.nn.Module
+    x: torch.Tensor
+    grad: torch.Tensor
+    scope: Fp8Scope
+    collector: object | None
+    pending: list = field(default_factory=list)  # telemetry rows, finished one step later
+
+    def forward_backward(self, fp8: bool) -> None:
+        from fp8ops.megatron import mark_first_microbatch
+
+        mark_first_microbatch(self.block)  # one micro-batch a step: every weight cast once
+        with self.scope() if fp8 else contextlib.nullcontext():
+            out = self.block(self.x, attention_mask=None)
+        out.backward(self.grad)
+
+    def step(self, number: int, fp8: bool, telemetry: bool) -> None:
+        """One eager step, with its telemetry row when ``telemetry``."""
+        if telemetry:
+            self.collector.begin_step(number)
+        self.forward_backward(fp8)
+        if telemetry:
+            # After the backward, before gradients go, as the trainer.
+            self.finish_later(self.collector.end_step())
+        self.clear_grads()
+
+    def finish_later(self, row) -> None:
+        """The trainer syncs each step for its loss anyway and finishes the row then; these
+        steps do not sync, so a row is finished one step later, by when its copies are usually
+        done (a host more than a step ahead of the GPU waits there)."""
+        self.pending.append(row)
+        if len(self.pending) > 1:
+            self.pending.pop(0).result()
+
+    def clear_grads(self) -> None:
+        for p in self.block.parameters():
+            p.grad = None
+        self.x.grad = None
+
+    def gradients(self) -> list:
+        return [p.grad for p in self.block.parameters()] + [self.x.grad]
+
+    def set_gradients(self, gradients: list) -> None:
+        for holder, grad in zip([*self.block.parameters(), self.x], gradients, strict=True):
+            holder.grad = grad
+
+
+class StepGraphs:
+    """The stack's step as CUDA graphs, captured at the first call and replayed after: the host
+    issues one launch a step, so the time is the GPU's.
+
+    Without telemetry, one graph. With it, one graph per cadence, (cast statistics?, error
+    sample?) as a step number has it, captured with a step number of that cadence, so a
+    statistics step replays a graph captured with the statistics on, as the trainer's cadence
+    runs them. A replay runs no Python, so the probes see nothing: a step's row is built from
+    the records the probes took during its graph's capture (``TelemetryCollector.end_step``),
+    and from the gradients that graph writes, which each capture allocated in its own pool.
+    Replays allocate nothing, so the peak memory is taken over the captures and their eager
+    warm-ups: what the graphs' pools hold is allocated there.
+    """
+
+    def __init__(self, stack: LayerStack, fp8: bool, telemetry: bool, args, device):
+        self.stack, self.fp8, self.telemetry = stack, fp8, telemetry
+        self.args, self.device = args, device
+        # cadence (None without telemetry) -> (graph, the probes' records, the gradients)
+        self.graphs: dict[tuple[bool, bool] | None, tuple] = {}
+        self.peak_mib = 0.0
+
+    def cadence(self, number: int) -> tuple[bool, bool] | None:
+        if not self.telemetry:
+            return None
+        return number % self.args.telemetry_every == 0, number % self.args.error_sample_every == 0
+
+    def __call__(self, number: int) -> None:
+        """The timed step."""
+        if not self.graphs:
+            self._capture_all()
+        row = self.replay(number)
+        if row is not None:
+            self.stack.finish_later(row)
+
+    def replay(self, number: int):
+        """Step ``number`` replayed; with telemetry, its pending row."""
+        graph, records, gradients = self.graphs[self.cadence(number)]
+        graph.replay()
+        if not self.telemetry:
+            return None
+        self.stack.set_gradients(gradients)  # the row's norms read what this graph wrote
+        return self.stack.collector.end_step(records=records)
+
+    def _capture_all(self) -> None:
+        stack, collector = self.stack, self.stack.collector
+        torch.cuda.reset_peak_memory_stats(self.device)
+        numbers = {}  # cadence -> the first step number that has it
+        period = math.lcm(self.args.telemetry_every, self.args.error_sample_every)
+        for number in range(1, period + 1):
+            numbers.setdefault(self.cadence(number), number)
+        for kind, number in numbers.items():
+
+            def body(number=number) -> None:
+                if self.telemetry:
+                    collector.take_records()  # each run starts with empty probes
+                    collector.begin_step(number)
+                stack.forward_backward(self.fp8)
+
+            graph = capture(body, stack.clear_grads, self.device)
+            records = collector.take_records() if self.telemetry else None
+            self.graphs[kind] = (graph, records, stack.gradients())
+        self.peak_mib = torch.cuda.max_memory_allocated(self.device) / 2**20
+        for graph, *_ in self.graphs.values():  # each graph's first (upload) replay before
+            graph.replay()  # the clock, which may start at any cadence
+        torch.cuda.synchronize(self.device)
+
+    def check_rows(self, key: str) -> Row:
+        """The rows of replayed steps checked against what they must hold, on a new input each
+        step (so the graphs' record tensors must have been rewritten): every module's three FP8
+        GEMMs; cast statistics on statistics steps only, the FP8 error on error-sample steps
+        only; the gradient norms and scales read from the model right after the replay.
+        Untimed, after the timed steps."""
+        from fp8ops.telemetry.catalogue import COLUMN
+
+        x, modules = self.stack.x, self.stack.collector.modules
+        period = math.lcm(self.args.telemetry_every, self.args.error_sample_every)
+        numbers, seen = [], {}  # two steps of each cadence
+        for number in range(1000 * period + 1, 1002 * period + 1):
+            if seen.setdefault(self.cadence(number), 0) < 2:
+                seen[self.cadence(number)] += 1
+                numbers.append(number)
+        saved, problems, norms = x.detach().clone(), [], []
+        try:
+            for number in numbers:
+                with torch.no_grad():
+                    x.copy_(torch.randn_like(x))
+                pending_row = self.replay(number)
+                grad_norm = [m.weight.grad.float().norm() for m in modules.values()]
+                scales = [m.fp8_meta.forward.scale[0].clone() for m in modules.values()]
+                row = pending_row.result()
+                measure, sample = self.cadence(number)
+                gemms = row[:, COLUMN["fp8_gemms"]]
+                if not (gemms == 3).all():
+                    problems.append(f"step {number}: fp8_gemms {sorted(set(gemms.tolist()))}")
+                for column, wanted in (("input.saturation", measure), ("fp8_rel_error", sample)):
+                    finite = np.isfinite(row[:, COLUMN[column]])
+                    if not (finite.all() if wanted else not finite.any()):
+                        problems.append(f"step {number}: {column} measured is not {wanted}")
+                if measure:
+                    want = torch.stack(grad_norm).cpu().numpy()
+                    got = row[:, COLUMN["grad_norm"]]
+                    if not np.allclose(got, want, rtol=1e-5):
+                        problems.append(f"step {number}: grad_norm {got[:2]} != {want[:2]}")
+                    norms.append(row[:, COLUMN["input_norm"]])
+                want_scale = torch.stack(scales).cpu().numpy()
+                if not np.array_equal(row[:, COLUMN["input.scale"]], want_scale):
+                    problems.append(f"step {number}: input.scale is not the model's")
+            if len(norms) >= 2 and np.array_equal(norms[0], norms[1]):
+                problems.append("two statistics steps on different inputs report the same norms")
+        finally:
+            with torch.no_grad():
+                x.copy_(saved)
+        return Row("throughput", f"rows of replayed steps ({key})",
+                   "; ".join(problems)[:200] or f"{len(numbers)} steps as expected",
+                   "as eager rows", not problems)  # fmt: skip
+
+    def release(self) -> None:
+        """The graphs and their pools go, with the FP8 weights cached in them."""
+        from fp8ops.megatron import fp8_modules
+
+        self.graphs.clear()
+        for module in fp8_modules(self.stack.block).values():
+            module._weight_fp8 = None
+        self.stack.clear_grads()
+        torch.cuda.empty_cache()
 
 
 def capture(body, clear_grads, device) -> torch.cuda.CUDAGraph:

@@ -583,9 +583,10 @@ def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
         finally:
             set_compiled_casts(old_casts)
             set_cast_kernel(old_kernel)
-            stack.pending.clear()  # the last row of 50 is left unfinished (0.1 ms of numpy)
+            stack.pending.clear()  # the last row of 50 is left unfinished (~0.1 ms of numpy)
             if graphs is not None:
                 graphs.release()
+            stack.release()
         if graphs is not None:
             result["peak_mib"] = max(result["peak_mib"], graphs.peak_mib)
         if kernel == "triton":
@@ -661,6 +662,17 @@ class LayerStack:
         for p in self.block.parameters():
             p.grad = None
         self.x.grad = None
+
+    def release(self) -> None:
+        """After a configuration: the FP8 weights it cached and its gradients go, and the
+        memory they held returns to the device, so the next one starts from the same memory."""
+        from fp8ops.megatron import fp8_modules
+
+        for module in fp8_modules(self.block).values():
+            module._weight_fp8 = None
+        self.clear_grads()
+        if self.x.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def gradients(self) -> list:
         return [p.grad for p in self.block.parameters()] + [self.x.grad]
@@ -787,14 +799,9 @@ class StepGraphs:
                    "as eager rows", not problems)  # fmt: skip
 
     def release(self) -> None:
-        """The graphs and their pools go, with the FP8 weights cached in them."""
-        from fp8ops.megatron import fp8_modules
-
+        """The graphs go; their pools with them once ``LayerStack.release`` drops the FP8
+        weights and gradients cast and computed in them."""
         self.graphs.clear()
-        for module in fp8_modules(self.stack.block).values():
-            module._weight_fp8 = None
-        self.stack.clear_grads()
-        torch.cuda.empty_cache()
 
 
 def capture(body, clear_grads, device) -> torch.cuda.CUDAGraph:

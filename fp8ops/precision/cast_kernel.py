@@ -1,12 +1,13 @@
-"""The ordinary step's cast as one hand-written Triton kernel: FP8 data, its transposed copy and
+"""The ordinary step's cast as hand-written Triton kernels: FP8 data, its transposed copy and
 the amax in one pass over the input, as Transformer Engine's fused cast-transpose does.
 
 The compiled casts (``compiled.py``) leave this to Inductor, which on an H200 moved about 16
 bytes per input element for the cast with its transposed copy (docs/gpu.md), where the pass
 needs 4 (2 read, 1 + 1 written). Here each program casts one tile and writes it twice: row
 major, and transposed through a layout change in shared memory, so both stores are coalesced.
-Each tile's amax goes to its own slot of a partial buffer, and torch folds their max into the
-history: no atomics, and the same value in any order (a max).
+Each tile's amax goes to its own slot of a partial buffer, and a second, one-program kernel
+folds their max into history row 0: no atomics, and the same value in any order (a max). The
+kernels are in ``cast_kernel_triton.py``.
 
 :func:`cast_and_record` computes exactly what ``linear._cast_and_record`` computes and is used
 through :class:`~fp8ops.precision.compiled.Compiled` with that function as the reference, so

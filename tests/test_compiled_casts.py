@@ -304,3 +304,19 @@ def test_an_amax_history_of_one_entry_is_verified_on_its_own(compile_everywhere)
     record = linear_module._CAST_AND_RECORD["inductor"]
     for pattern in ("arg0:nn", "arg0:1n"):
         assert record.statuses("cpu", "bfloat16", pattern) == {"compiled"}, pattern
+
+
+def test_the_cast_path_a_run_records_follows_both_switches():
+    old_mode = set_compiled_casts("auto")
+    old_kernel = linear_module.set_cast_kernel("inductor")
+    try:
+        assert linear_module.cast_path("cpu") == "eager"  # auto compiles CUDA tensors only
+        set_compiled_casts("all")
+        assert linear_module.cast_path("cpu") == "compiled: inductor"
+        linear_module.set_cast_kernel("triton")
+        assert linear_module.cast_path("cpu") == "compiled: triton"
+        set_compiled_casts("off")
+        assert linear_module.cast_path("cuda") == "eager"
+    finally:
+        set_compiled_casts(old_mode)
+        linear_module.set_cast_kernel(old_kernel)

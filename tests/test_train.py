@@ -124,6 +124,7 @@ def test_finetune_run_records_everything(fp8_run, base, finetune_manifest):
     assert info["topology"]["amax_reduction_ranks"] == [0]
     assert info["data"]["kind"] == "tasks" and len(info["data"]["fingerprint"]) == 64
     assert info["environment"]["torch"] == torch.__version__
+    assert info["fp8_casts"] == "eager"  # compiled casts are for CUDA tensors unless asked
     assert set(info["data"]["train"]["buckets"]) == {"task", "length", "difficulty", "format"}
     sampler = info["data"]["sampler"]
     assert sampler["position"] == {"epoch": 0, "cursor": 0, "seed": manifest.seeds.data}

@@ -52,6 +52,11 @@ def set_compiled_casts(mode: str) -> str:
     return old
 
 
+def compiles_for(device: torch.device | str) -> bool:
+    """Whether casts of tensors on ``device`` run compiled (``FP8OPS_COMPILED_CASTS``)."""
+    return _applies(torch.device(device))
+
+
 def _applies(device: torch.device) -> bool:
     devices = MODES[_mode]
     return devices is None or device.type in devices

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from fp8ops.precision import cast_kernel
-from fp8ops.precision.compiled import Compiled, cast_probes
+from fp8ops.precision.compiled import Compiled, cast_probes, compiles_for
 from fp8ops.precision.quantize import QuantizedTensor, _cast_and_amax, cast_and_amax, quantize
 from fp8ops.precision.recipe import DelayedScalingRecipe
 from fp8ops.precision.scaling import BWD_GRAD_OUTPUT, FWD_INPUT, FWD_WEIGHT
@@ -116,6 +116,12 @@ def set_cast_kernel(name: str) -> str:
         raise ValueError(f"cast kernel {name!r}: use one of {sorted(_CAST_AND_RECORD)}")
     old, _cast_kernel = _cast_kernel, name
     return old
+
+
+def cast_path(device: torch.device | str) -> str:
+    """What runs the ordinary step's casts on ``device``: ``eager``, or ``compiled: inductor``
+    / ``compiled: triton`` (each specialisation verified first; one that fails runs eager)."""
+    return f"compiled: {_cast_kernel}" if compiles_for(device) else "eager"
 
 
 def cast_and_record_status() -> dict[str, dict]:

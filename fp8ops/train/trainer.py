@@ -736,6 +736,7 @@ class Trainer:
         if not self.ranks.is_main:
             return
         from fp8ops.data import ByteTokenizer
+        from fp8ops.precision.linear import cast_path
 
         self.run.write_json("run.json", {
             "manifest": manifest_hash(manifest),
@@ -763,6 +764,9 @@ class Trainer:
             "data": {**self.data.summary(), "fingerprint": self.data.fingerprint,
                      "sampler": self.sampler.describe()},
             "admission": {"fp8_modules": sum(r.precision == "fp8" for r in self.admission.rows)},
+            # Which kernels cast (FP8OPS_COMPILED_CASTS, FP8OPS_CAST_KERNEL): the same bits
+            # either way, so not part of the environment a resume compares, but what ran.
+            "fp8_casts": cast_path(self.device) if manifest.precision.enabled else None,
         })  # fmt: skip
         self.run.event("run_started", manifest=manifest_hash(manifest))
 

@@ -921,7 +921,7 @@ def cast_speeds(device: torch.device, shape: dict, compiled: str) -> list[Row]:
     ordinary step's call (``cast_and_record``: with the transposed copy, the amax folded into the
     history), and the same function compiled for this one shape (timing only: the compiled
     casts are compiled for any shape, which may cost speed)."""
-    from fp8ops.precision.compiled import _recompile_limit
+    from fp8ops.precision.compiled import RECOMPILE_LIMIT, _recompile_limit
     from fp8ops.precision.linear import _cast_and_record, cast_and_record
     from fp8ops.precision.state import ScalingState
 
@@ -942,7 +942,7 @@ def cast_speeds(device: torch.device, shape: dict, compiled: str) -> list[Row]:
             set_cast_kernel(old_kernel)
 
     def record_static():
-        with torch.no_grad(), _recompile_limit(64):
+        with torch.no_grad(), _recompile_limit(RECOMPILE_LIMIT):  # shares fn with the casts
             return seconds_per_call(lambda: static(x, state.amax_history, state.scale, 0,
                                                    E4M3.max, E4M3.torch_dtype, True), device)  # fmt: skip
 

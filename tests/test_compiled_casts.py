@@ -320,3 +320,20 @@ def test_the_cast_path_a_run_records_follows_both_switches():
     finally:
         set_compiled_casts(old_mode)
         linear_module.set_cast_kernel(old_kernel)
+
+
+@pytest.mark.parametrize(("variable", "module", "attribute", "default", "choices"), [
+    ("FP8OPS_COMPILED_CASTS", "compiled", "_mode", "auto", "['all', 'auto', 'off']"),
+    ("FP8OPS_CAST_KERNEL", "linear", "_cast_kernel", "inductor", "['inductor', 'triton']"),
+])  # fmt: skip
+def test_an_unknown_choice_in_the_environment_falls_back_with_a_warning(
+    variable, module, attribute, default, choices
+):
+    code = f"import fp8ops.precision.{module} as m; print(m.{attribute})"
+    result = subprocess.run(
+        [sys.executable, "-W", "always", "-c", code], capture_output=True, text=True,
+        env={**os.environ, variable: "Cutlass"}, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == default
+    assert f"{variable}='cutlass' is not one of {choices}; using '{default}'" in result.stderr

@@ -37,10 +37,20 @@ ENV = "FP8OPS_COMPILED_CASTS"
 RECOMPILE_LIMIT = 64  # specialisations of one compiled function, each verified (Compiled)
 MODES = {"auto": frozenset({"cuda"}), "all": None, "off": frozenset()}  # None: every device
 
-_mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
-if _mode not in MODES:
-    warnings.warn(f"{ENV}={_mode!r} is not one of {sorted(MODES)}; using 'auto'", stacklevel=1)
-    _mode = "auto"
+
+def env_choice(name: str, choices, default: str) -> str:
+    """The environment variable ``name``, lower-cased, if it is one of ``choices``; else
+    ``default``, with a warning that names the variable, its value and the choices."""
+    value = os.environ.get(name, default).strip().lower() or default
+    if value not in choices:
+        warnings.warn(
+            f"{name}={value!r} is not one of {sorted(choices)}; using {default!r}", stacklevel=2
+        )
+        return default
+    return value
+
+
+_mode = env_choice(ENV, MODES, "auto")
 
 
 def set_compiled_casts(mode: str) -> str:

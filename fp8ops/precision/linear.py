@@ -18,15 +18,13 @@ Megatron's fused ``main_grad`` accumulation; the Megatron layers do not enable e
 from __future__ import annotations
 
 import math
-import os
-import warnings
 from typing import Protocol
 
 import torch
 from torch import nn
 
 from fp8ops.precision import cast_kernel
-from fp8ops.precision.compiled import Compiled, cast_probes, compiles_for
+from fp8ops.precision.compiled import Compiled, cast_probes, compiles_for, env_choice
 from fp8ops.precision.quantize import QuantizedTensor, _cast_and_amax, cast_and_amax, quantize
 from fp8ops.precision.recipe import DelayedScalingRecipe
 from fp8ops.precision.scaling import BWD_GRAD_OUTPUT, FWD_INPUT, FWD_WEIGHT
@@ -97,14 +95,7 @@ _CAST_AND_RECORD = {  # the fast versions of the ordinary step's cast, both veri
     ),
 }
 CAST_KERNEL_ENV = "FP8OPS_CAST_KERNEL"
-_cast_kernel = os.environ.get(CAST_KERNEL_ENV, "inductor").strip().lower() or "inductor"
-if _cast_kernel not in _CAST_AND_RECORD:
-    warnings.warn(
-        f"{CAST_KERNEL_ENV}={_cast_kernel!r} is not one of {sorted(_CAST_AND_RECORD)}; "
-        "using 'inductor'",
-        stacklevel=1,
-    )
-    _cast_kernel = "inductor"
+_cast_kernel = env_choice(CAST_KERNEL_ENV, _CAST_AND_RECORD, "inductor")
 
 
 def set_cast_kernel(name: str) -> str:

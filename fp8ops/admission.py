@@ -357,8 +357,11 @@ def _classify(fqn: str, module: Any) -> _Found | None:
 
     from fp8ops.megatron.compat import ColumnParallelLinear, RowParallelLinear, tensor_parallel
     from fp8ops.megatron.layers import FP8_PARALLEL_LINEARS
+    from fp8ops.megatron.te_state import is_te_projection
 
     name = fqn.rsplit(".", 1)[-1]
+    if is_te_projection(module):  # Megatron's TE spec (te_backend): TE's own parallel linears
+        return _te_projection(fqn, module, _PROJECTION_KINDS.get(name, "other"))
     if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
         parallel = "column" if isinstance(module, ColumnParallelLinear) else "row"
         shape = GemmShape.of(module.input_size, module.output_size)
@@ -380,6 +383,20 @@ def _classify(fqn: str, module: Any) -> _Found | None:
         width = module.weight.numel()
         return _Found(fqn, module, "norm", "replicated", GemmShape.of(width, width), False, "norm")
     return None
+
+
+def _te_projection(fqn: str, module: Any, kind: str) -> _Found:
+    """A TE linear keeps only this rank's sizes: its weight is ``[out, in]`` per rank, and
+    ``parallel_mode`` says which of the two ``tp_size`` ranks split."""
+    out_features, in_features = module.weight.shape
+    parallel = module.parallel_mode
+    if parallel not in ("column", "row"):
+        raise ValueError(f"{fqn}: a TE linear with parallel_mode {parallel!r} is not a projection")
+    if parallel == "column":
+        shape = GemmShape.of(in_features, out_features * module.tp_size)
+    else:
+        shape = GemmShape.of(in_features * module.tp_size, out_features)
+    return _Found(fqn, module, kind, parallel, shape, True, None)
 
 
 def _is_norm(module: Any) -> bool:
@@ -499,6 +516,7 @@ def apply_admission(table: AdmissionTable, model: nn.Module) -> None:
     :class:`AdmissionError` says which names differ.
     """
     from fp8ops.megatron.layers import fp8_modules
+    from fp8ops.megatron.te_backend import te_projections
 
     in_model = [f.fqn for f in _walk(model, table.tensor_parallel)]
     in_table = [row.fqn for row in table.rows]
@@ -509,7 +527,7 @@ def apply_admission(table: AdmissionTable, model: nn.Module) -> None:
             "the admission table does not fit the model (was it decided for another model?): "
             f"only in the table: {_few(only_table)}; only in the model: {_few(only_model)}"
         )
-    capable = fp8_modules(model)
+    capable = fp8_modules(model) | te_projections(model)
     wrong = [row.fqn for row in table.rows if row.fp8 and row.fqn not in capable]
     if wrong:
         raise AdmissionError(

@@ -120,11 +120,13 @@ def _prompts(trainer) -> list[list[int]]:
     return [ByteTokenizer().encode(e.prompt) for e in trainer.capability_examples]
 
 
-def _generate(trainer, prompts, max_new_tokens=GENERATE, vocab_size=VOCAB) -> list[list[int]]:
+def _generate(
+    trainer, prompts, max_new_tokens=GENERATE, vocab_size=VOCAB, length_multiple=1
+) -> list[list[int]]:
     with trainer._held_out():
         return generate(
             trainer.model, prompts, max_new_tokens=max_new_tokens, seq_length=SEQ_LENGTH,
-            vocab_size=vocab_size, fp8=trainer._fp8,
+            vocab_size=vocab_size, fp8=trainer._fp8, length_multiple=length_multiple,
         )  # fmt: skip
 
 
@@ -154,6 +156,23 @@ def test_generation_matches_the_slow_reference(trainer):
     # Not vacuous: both ways of stopping occur, and the answers differ.
     assert any(c[-1] == EOD for c in batched) and any(len(c) == GENERATE for c in batched)
     assert len({tuple(c) for c in batched}) > len(batched) // 2
+
+
+def test_rows_padded_for_tes_fp8_gemms_give_the_same_answers(trainer):
+    """TE's FP8 GEMMs take token counts in multiples of 8: generation pads each forward's rows
+    that far; causal attention keeps the padding out of every logit a row reads."""
+    prompts = _prompts(trainer)
+    lengths = []
+    hook = trainer.model.register_forward_pre_hook(lambda _, args: lengths.append(args[0].shape[1]))
+    try:
+        padded = _generate(trainer, prompts, length_multiple=8)
+    finally:
+        hook.remove()
+    assert padded == _generate(trainer, prompts)
+    assert lengths and all(s % 8 == 0 for s in lengths)
+    assert len(set(lengths)) > 1  # the batch grows as it generates
+    with pytest.raises(ValueError, match=f"seq_length {SEQ_LENGTH} is not a multiple of 48"):
+        _generate(trainer, prompts, length_multiple=48)
 
 
 def test_batching_and_order_do_not_change_answers(trainer):

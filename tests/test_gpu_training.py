@@ -8,7 +8,8 @@ reading the FP8 state without copies on the CPU and in one copy from a device.
 On a GPU (skipped without CUDA): the small model trained through ``run_training`` with everything
 on the GPU (model, FP8 state, optimizer, batches), finite losses, its first loss near the CPU's;
 two straight runs and a stop + resume bit-identical; a checkpoint loaded back onto the GPU; the
-native ``scaled_mm`` backend; and TP=2 / DP=2 under torchrun when two GPUs are visible.
+native ``scaled_mm`` backend; the TE backend where Transformer Engine imports; and TP=2 / DP=2
+under torchrun when two GPUs are visible.
 """
 
 import importlib.util
@@ -34,9 +35,16 @@ HAS_MEGATRON = importlib.util.find_spec("megatron") is not None
 # change to them can be tried here by setting GPU = HAS_MEGATRON; they prove nothing then.
 GPU = torch.cuda.is_available() and HAS_MEGATRON
 TWO_GPUS = GPU and torch.cuda.device_count() >= 2
+if GPU:
+    from fp8ops.megatron.te_backend import te_available
+
+    TE = te_available()
+else:
+    TE = False
 needs_megatron = pytest.mark.skipif(not HAS_MEGATRON, reason="needs the megatron extra")
 needs_gpu = pytest.mark.skipif(not GPU, reason="needs CUDA and megatron-core")
 needs_two_gpus = pytest.mark.skipif(not TWO_GPUS, reason="needs two GPUs and megatron-core")
+needs_te = pytest.mark.skipif(not TE, reason="needs a GPU with Transformer Engine")
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
@@ -380,6 +388,39 @@ def test_the_first_gpu_loss_is_the_cpus_within_rounding(gpu_manifest, gpu_straig
     assert done.returncode == 0, done.stderr
     cpu, gpu = _losses(tmp_path / "cpu")[0], _losses(gpu_straight)[0]
     assert abs(cpu - gpu) <= 1e-2 * abs(cpu), (cpu, gpu)
+
+
+@needs_te
+def test_the_te_backend_trains_and_resumes_as_its_straight_run(gpu_manifest, tmp_path):
+    """``precision.backend: te`` through the trainer: Megatron's TE spec under TE's autocast,
+    telemetry read from TE's own ``fp8_meta``, and a stop + resume, which loads TE's state
+    through TE's own loader past TE 2.18's refusal of pickled state (``te_state.py``), equal
+    to the straight run. Without a base: a base of the local spec hashes its weights under
+    other parameter names (docs/precision.md)."""
+    from fp8ops.files import read_jsonl
+    from fp8ops.telemetry import open_run
+    from fp8ops.train import resume_training, run_training
+
+    te = {"precision.backend": "te", "model.init_checkpoint": None}
+    straight = tmp_path / "straight"
+    run_training(gpu_manifest, straight, assignments=te, progress=False)
+    assert all(math.isfinite(loss) for loss in _losses(straight))
+    assert json.loads((straight / "run.json").read_text())["fp8_casts"] == "transformer_engine"
+    telemetry = open_run(straight)
+    qkv = "decoder.layers.0.self_attention.linear_qkv"
+    assert qkv in telemetry.modules
+    assert telemetry.module_history(qkv, "input.scale").iloc[-1, 0] != 1.0  # TE's scale, updated
+
+    events = [e["event"] for e in read_jsonl(straight / "events.jsonl")]
+    assert "capability_failed" not in events  # its forwards are padded for TE's FP8 GEMMs
+    assert read_jsonl(straight / "capability.jsonl")
+
+    run = tmp_path / "run"
+    paused = run_training(gpu_manifest, run, assignments=te, progress=False, stop_at=N)
+    assert paused.paused
+    resume_training(run, progress=False)
+    _assert_same_training(straight, run)
+    assert "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE" not in os.environ  # on for fp8ops' load only
 
 
 @needs_gpu

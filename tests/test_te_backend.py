@@ -49,6 +49,7 @@ def test_config_carries_the_manifest_recipe(manifest):
         ({"precision.amax_compute_algo": "quantile:0.9"}, "amax_compute_algo 'quantile:0.9'"),
         ({"precision.reduce_amax": False}, "reduce_amax is false"),
         ({"precision.enabled": False}, "precision.enabled is false"),
+        ({"model.seq_length": 100}, "model.seq_length 100: TE's FP8 GEMMs take token counts"),
     ],
 )
 def test_settings_megatron_cannot_carry_to_te_are_refused(manifest, change, message):

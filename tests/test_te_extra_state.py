@@ -5,13 +5,13 @@ need it skip without it."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pickle
 from pathlib import Path
 
 import pytest
 import torch
+from te_stand_in import TE_EXTRA_STATE
 
 from fp8ops.checkpoint.te_extra_state import (
     FP8_KEYS,
@@ -70,15 +70,9 @@ def test_te_itself_unpickles_the_payload_into_its_own_recipe():
 def test_te_2_18_and_later_would_refuse_the_payload_that_fp8ops_reads_safely():
     """TE's own classifier (its _extra_state.py, loaded from the installed file) sends the
     payload to the unsafe path, which TE >= 2.18 refuses without its environment switch."""
-    spec = importlib.util.find_spec("transformer_engine")
-    path = Path(spec.origin).parent / "pytorch" / "_extra_state.py"
-    if not path.exists():
+    te_extra = TE_EXTRA_STATE
+    if te_extra is None:
         pytest.skip("this TE has no pytorch/_extra_state.py (before 2.18)")
-    module_spec = importlib.util.spec_from_file_location(
-        "transformer_engine.pytorch._extra_state", path
-    )
-    te_extra = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(te_extra)
     payload = te_extra_state(trained_meta().state_dict(), RECIPE).numpy().tobytes()
     assert os.environ.get(te_extra.UNSAFE_PICKLE_EXTRA_STATE_ENV) != "1"
     with pytest.raises(RuntimeError, match="Refusing to load pickled"):

@@ -1,12 +1,9 @@
 """Telemetry of the TE backend: the collector reads TE's own ``fp8_meta`` (``te_telemetry.py``).
 
-Transformer Engine does not import on any machine here, so these tests run the adapter against a
-stand-in that keeps TE's documented layout and behaviour (reference §1-2): no state until a
-module's first FP8 forward, then ``fp8_meta["scaling_fwd"]`` / ``["scaling_bwd"]`` holding
-``scale`` and ``amax_history``; ``module.fp8`` set at every forward; the weight cast unless
-Megatron's ``is_first_microbatch`` flag is False; the scales updated when the autocast exits
-and when a backward pass ends (§2.4). They check fp8ops' side only; whether TE itself behaves
-so is for a GPU with TE (docs/gpu.md).
+Transformer Engine does not import on any machine here, so these tests run the adapter against
+``te_stand_in.TeLikeLinear``, which keeps TE's documented layout and behaviour; here the scales
+are also updated when the autocast exits and when a backward pass ends (§2.4). They check
+fp8ops' side only; whether TE itself behaves so is for a GPU with TE (docs/gpu.md).
 """
 
 import importlib.util
@@ -20,6 +17,8 @@ from torch import nn
 if importlib.util.find_spec("megatron") is None:
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
 
+from te_stand_in import TeLikeLinear, decoder
+
 from fp8ops.megatron import mark_first_microbatch
 from fp8ops.megatron.te_telemetry import TeTelemetryModule, te_telemetry_modules
 from fp8ops.precision import DelayedScalingRecipe
@@ -28,47 +27,6 @@ from fp8ops.telemetry.collector import TelemetryCollector
 
 RECIPE = DelayedScalingRecipe(amax_history_len=4)
 CADENCE = SimpleNamespace(every_steps=2, error_sample_every=2)
-
-
-class TeLikeLinear(nn.Linear):
-    """A stand-in for a TE linear's FP8 bookkeeping (not its arithmetic)."""
-
-    autocast = False  # stands in for TE's fp8_autocast being entered
-
-    def __init__(self, features: int, gemms: int = 1):
-        super().__init__(features, features, bias=False)
-        self.fp8_meta: dict = {}
-        self.fp8_enabled = True  # te_backend.bf16_capable's flag
-        self.gemms = gemms
-        self.is_first_microbatch = True  # Megatron's TELinear keeps it
-        self.disable_parameter_transpose_cache = False
-
-    def forward(self, x):
-        self.fp8 = TeLikeLinear.autocast and self.fp8_enabled
-        self.is_first_microbatch = False  # as TELinear.forward leaves it
-        if self.fp8 and "scaling_fwd" not in self.fp8_meta:  # TE's init_fp8_metadata
-            for key, slots in (("scaling_fwd", 3), ("scaling_bwd", 2)):
-                self.fp8_meta[key] = SimpleNamespace(
-                    scale=torch.ones(slots * self.gemms),
-                    amax_history=torch.zeros(RECIPE.amax_history_len, slots * self.gemms),
-                )
-        if self.fp8:
-            row = self.fp8_meta["scaling_fwd"].amax_history[0]
-            row[0] = torch.fmax(row[0], x.detach().abs().amax())
-            row[1] = torch.fmax(row[1], self.weight.detach().abs().amax())
-        return super().forward(x)
-
-
-def decoder(layers: int = 2) -> nn.Module:
-    model = nn.Module()
-    model.decoder = nn.Module()
-    model.decoder.layers = nn.ModuleList()
-    for _ in range(layers):
-        layer = nn.Module()
-        layer.linear_qkv, layer.linear_proj = TeLikeLinear(8), TeLikeLinear(8)
-        model.decoder.layers.append(layer)
-    model.output_layer = TeLikeLinear(8)  # not a decoder projection: not observed
-    return model
 
 
 def te_update(model, forward: bool) -> None:

@@ -57,6 +57,11 @@ def evaluate_capability(
     # A model may have more ids than the tokenizer (byte tokens need vocab_size >= 256, not
     # == 256); ids the tokenizer cannot decode are not answers.
     vocab_size = min(manifest.model.vocab_size, tokenizer.vocab_size)
+    length_multiple = 1
+    if manifest.precision.enabled and manifest.precision.backend == "te":
+        from fp8ops.megatron.te_backend import FP8_TOKEN_MULTIPLE
+
+        length_multiple = FP8_TOKEN_MULTIPLE
     predictions = []
     for start in range(0, len(examples), batch_size):
         batch = examples[start : start + batch_size]
@@ -64,6 +69,7 @@ def evaluate_capability(
             model, [tokenizer.encode(example.prompt) for example in batch],
             max_new_tokens=manifest.capability.max_new_tokens,
             seq_length=manifest.model.seq_length, vocab_size=vocab_size, fp8=fp8,
+            length_multiple=length_multiple,
         )  # fmt: skip
         for row, (example, ids) in enumerate(zip(batch, continuations, strict=True), start):
             generated = tokenizer.decode(ids)
@@ -78,15 +84,19 @@ def evaluate_capability(
 @torch.no_grad()
 def generate(
     model, prompts: Sequence[list[int]], *, max_new_tokens: int, seq_length: int, vocab_size: int,
-    fp8: Callable = contextlib.nullcontext,
+    fp8: Callable = contextlib.nullcontext, length_multiple: int = 1,
 ) -> list[list[int]]:  # fmt: skip
     """Greedy continuations of ``prompts`` (token ids), generated as one batch.
 
     A continuation ends with the end-of-document id when the model produced one; otherwise it
     stopped after ``max_new_tokens``, or when prompt and continuation hold ``seq_length + 1``
     tokens (a training window: the model has no position to read the next one from). Ids are
-    below ``vocab_size``: the embedding's padding rows are never chosen.
+    below ``vocab_size``: the embedding's padding rows are never chosen. ``length_multiple``:
+    each forward's rows are padded to a multiple of it (TE's FP8 GEMMs take token counts in
+    multiples of 8), never past ``seq_length``.
     """
+    if seq_length % length_multiple:  # else the padding could run past the positions
+        raise ValueError(f"seq_length {seq_length} is not a multiple of {length_multiple}")
     for prompt in prompts:
         if not 1 <= len(prompt) <= seq_length:
             raise ValueError(f"a prompt must have 1 to {seq_length} tokens, not {len(prompt)}")
@@ -94,7 +104,8 @@ def generate(
     continuations: list[list[int]] = [[] for _ in prompts]
     live = list(range(len(prompts)))
     while live:
-        for i, token in zip(live, next_tokens(model, [rows[i] for i in live], vocab_size, fp8)):
+        batch = [rows[i] for i in live]
+        for i, token in zip(live, next_tokens(model, batch, vocab_size, fp8, length_multiple)):
             rows[i].append(token)
             continuations[i].append(token)
         live = [
@@ -107,12 +118,15 @@ def generate(
 
 
 def next_tokens(
-    model, rows: Sequence[list[int]], vocab_size: int, fp8: Callable = contextlib.nullcontext
-) -> list[int]:
-    """The greedy next token of each row: one forward over the rows right-padded to the longest."""
+    model, rows: Sequence[list[int]], vocab_size: int, fp8: Callable = contextlib.nullcontext,
+    length_multiple: int = 1,
+) -> list[int]:  # fmt: skip
+    """The greedy next token of each row: one forward over the rows right-padded to the longest,
+    rounded up to ``length_multiple``. Attention is causal, so no padding reaches the logits a
+    row's last token reads."""
     device = next(model.parameters()).device
     lengths = torch.tensor([len(row) for row in rows], device=device)
-    b, s = len(rows), max(len(row) for row in rows)
+    b, s = len(rows), -(-max(len(row) for row in rows) // length_multiple) * length_multiple
     # Filled on the host and moved once (no copy on the CPU), not one transfer per row.
     tokens = torch.full((b, s), PAD, dtype=torch.int64)
     for i, row in enumerate(rows):

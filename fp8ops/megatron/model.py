@@ -36,7 +36,10 @@ from fp8ops.megatron.compat import (
     tensor_parallel,
 )
 from fp8ops.megatron.cpu_shims import apply_cpu_shims
+from fp8ops.megatron.layers import fp8_modules
 from fp8ops.megatron.spec import get_gpt_layer_fp8_emulated_spec
+from fp8ops.megatron.te_backend import FP8_TOKEN_MULTIPLE, build_gpt_te, te_projections
+from fp8ops.megatron.te_telemetry import te_telemetry_modules
 from fp8ops.precision import DelayedScalingRecipe, EmulatedGemm, ScaledMmGemm
 from fp8ops.precision.scaled_mm import ALIGNMENT, scaled_mm_unsupported
 
@@ -60,14 +63,14 @@ def build_gpt(
 
     ``precision.backend`` chooses the GEMM those projections run (``GEMMS``); ``te`` builds
     Megatron's Transformer Engine spec instead (:func:`~fp8ops.megatron.te_backend.build_gpt_te`),
-    which refuses on a machine without a GPU and TE. With ``scaled_mm``, an FP8 module whose
-    per-rank GEMM is not a multiple of 16 wide is refused here, by name (:func:`_check_aligned`).
+    which refuses on a machine without a GPU and TE. With ``scaled_mm`` or ``te``, an FP8 module
+    whose per-rank GEMM the backend cannot take is refused here, by name (:func:`_check_aligned`).
     """
     backend = manifest.precision.backend
     if recipe is not None and backend == "te":
-        from fp8ops.megatron.te_backend import build_gpt_te
-
-        return build_gpt_te(manifest)
+        model = build_gpt_te(manifest)
+        _check_aligned(model, manifest)
+        return model
     apply_cpu_shims()
     model_cfg, topology = manifest.model, manifest.topology
     _check_parallel_state(topology)
@@ -102,6 +105,17 @@ def build_gpt(
     return model
 
 
+def fp8_state_modules(model: GPTModel, recipe: DelayedScalingRecipe) -> dict:
+    """The projections whose FP8 state a run observes, checkpoints and compares across ranks,
+    by fully qualified name: fp8ops' own FP8 linears; on a TE model (``build_gpt_te``), TE's
+    projections seen through ``te_telemetry`` as the same ``fp8_meta`` (TE's own tensors). On a
+    TE model each call attaches telemetry hooks of its own: call it once per model, as the
+    trainer does."""
+    if te_projections(model):
+        return te_telemetry_modules(model, recipe)
+    return fp8_modules(model)
+
+
 def _check_scaled_mm_runs(device: torch.device) -> None:
     reason = scaled_mm_unsupported(device)
     if reason is not None:
@@ -111,34 +125,46 @@ def _check_scaled_mm_runs(device: torch.device) -> None:
         )
 
 
+# backend -> (K multiple, N multiple, why): the per-rank GEMM sizes an FP8 module must have.
+FP8_GEMM_SIZES = {
+    "scaled_mm": (ALIGNMENT, ALIGNMENT, "torch._scaled_mm needs them, and padding would copy each "
+                  "FP8 weight on every GEMM"),
+    "te": (16, FP8_TOKEN_MULTIPLE, "Transformer Engine's FP8 GEMMs refuse others "
+           "(assert_dim_for_fp8_exec)"),
+}  # fmt: skip
+
+
 def _check_aligned(model: GPTModel, manifest) -> None:
-    """Refuse FP8 modules whose per-rank GEMM ``torch._scaled_mm`` would have to pad.
+    """Refuse FP8 modules whose per-rank GEMM the backend's FP8 kernels cannot take as it is.
 
-    ``_scaled_mm`` takes K and N in multiples of 16. The GEMM pads what is not (exactly: with
-    zeros), which is right for the token dimension, set by the batch; but a *module* that is
+    ``torch._scaled_mm`` takes K and N in multiples of 16. The GEMM pads what is not (exactly:
+    with zeros), which is right for the token dimension, set by the batch; but a *module* that is
     not aligned would have its FP8 weight copied into a padded buffer on every GEMM, for a GEMM
-    too narrow or oddly shaped to gain from FP8. So such modules are named here, when the model
-    is built, with the two ways out. Only the modules admission runs in FP8 count: an excluded
-    one never reaches the GEMM.
+    too narrow or oddly shaped to gain from FP8. TE takes K in multiples of 16 and N in
+    multiples of 8, and fails at the module's first FP8 forward otherwise. So such modules are
+    named here, when the model is built, with the two ways out. Only the modules admission runs
+    in FP8 count: an excluded one never reaches the GEMM.
     """
-    from fp8ops.admission import decide_admission  # pydantic: only for this backend's check
+    from fp8ops.admission import decide_admission  # pydantic: only for these backends' check
 
+    backend = manifest.precision.backend
+    k_multiple, n_multiple, why = FP8_GEMM_SIZES[backend]
     table = decide_admission(
         model, manifest.precision, tensor_parallel=manifest.topology.tensor_parallel
     )
     unaligned = [
         f"{row.fqn} (K x N = {row.rank_shape} per rank)"
         for row in table.rows
-        if row.fp8 and (row.rank_shape.k % ALIGNMENT or row.rank_shape.n % ALIGNMENT)
+        if row.fp8 and (row.rank_shape.k % k_multiple or row.rank_shape.n % n_multiple)
     ]
     if unaligned:
         more = f"; and {len(unaligned) - 4} more" if unaligned[4:] else ""
         raise ManifestError(
-            f"precision.backend 'scaled_mm': torch._scaled_mm needs the GEMM dimensions K and N "
-            f"of every FP8 module to be multiples of {ALIGNMENT}, and {len(unaligned)} are not: "
-            f"{'; '.join(unaligned[:4])}{more}. Padding them would copy each FP8 weight on "
-            f"every GEMM; keep them in {manifest.precision.base_dtype} "
-            "(precision.exclude_modules), or use precision.backend 'emulated'"
+            f"precision.backend {backend!r}: every FP8 module's GEMM needs K in multiples of "
+            f"{k_multiple} and N in multiples of {n_multiple} per rank ({why}), and "
+            f"{len(unaligned)} are not: {'; '.join(unaligned[:4])}{more}. Keep them in "
+            f"{manifest.precision.base_dtype} (precision.exclude_modules), or use "
+            "precision.backend 'emulated'"
         )
 
 

@@ -20,10 +20,11 @@ reduced and updated once per step as before. :func:`build_gpt_te` sets the flag 
 named in ``precision.overrides`` (approved fallbacks) and in ``bf16_modules``.
 
 Everywhere else :func:`te_available` is False and :func:`build_gpt_te` refuses with the fallback
-to use, so callers and tests skip cleanly. The telemetry collector reads a TE model through
-``te_telemetry.te_telemetry_modules`` (TE's own ``fp8_meta`` tensors); TE's checkpoint payload is
-read and written by ``fp8ops.checkpoint.te_extra_state``. Not yet wired: the trainer builds its
-admission table, collector, checkpoints and cross-rank checks from fp8ops' own FP8 layers only.
+to use, so callers and tests skip cleanly. The trainer runs a TE model as it runs fp8ops' own:
+admission lists and switches its projections (``fp8ops.admission``), and its telemetry,
+checkpoints and cross-rank checks read TE's own ``fp8_meta`` through
+``te_telemetry.te_telemetry_modules`` (``model.fp8_state_modules`` chooses). Its scope is TE's
+autocast, which Megatron enters; fp8ops' ``Fp8Scope`` stays out.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ import torch
 
 from fp8ops.errors import Fp8opsError
 from fp8ops.megatron import compat
+from fp8ops.megatron.te_state import is_te_projection
+
+
+# TE's FP8 GEMMs take inputs whose leading dimensions (the tokens) multiply to a multiple of 8
+# (transformer_engine/pytorch/utils.py::assert_dim_for_fp8_exec).
+FP8_TOKEN_MULTIPLE = 8
 
 
 def te_available() -> bool:
@@ -59,6 +66,12 @@ def te_transformer_config(manifest):
         raise Fp8opsError(
             f"precision.amax_compute_algo {precision.amax_compute_algo!r}: Megatron's TE path "
             "supports only 'max' and 'most_recent'; use one of them, or the emulated backend"
+        )
+    if manifest.model.seq_length % FP8_TOKEN_MULTIPLE:
+        raise Fp8opsError(
+            f"model.seq_length {manifest.model.seq_length}: TE's FP8 GEMMs take token counts in "
+            f"multiples of {FP8_TOKEN_MULTIPLE}, and a batch holds whole sequences; use a "
+            f"multiple of {FP8_TOKEN_MULTIPLE}, or the emulated backend"
         )
     if not precision.reduce_amax:
         raise Fp8opsError(
@@ -150,7 +163,7 @@ def te_projections(model) -> dict:
     return {
         name: module
         for name, module in model.named_modules()
-        if hasattr(module, "fp8_enabled") and name.split(".", 1)[0] == "decoder"
+        if is_te_projection(module) and name.split(".", 1)[0] == "decoder"
     }
 
 

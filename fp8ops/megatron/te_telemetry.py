@@ -2,18 +2,13 @@
 
 The telemetry collector reads, of each module, ``fp8_meta.direction(forward)`` (an amax history
 and scales, fp8ops' :class:`~fp8ops.precision.state.ScalingState`), ``weight``, ``fp8_enabled``
-and a ``probe`` it attaches. :func:`te_telemetry_modules` gives it that view of a TE model
+and a ``probe`` it attaches; the trainer's checkpoints and rank checks read the same
+``fp8_meta``. :func:`te_telemetry_modules` gives that view of a TE model
 (``te_backend.build_gpt_te``), one :class:`TeTelemetryModule` per projection:
 
-* the state is TE's own tensors, ``fp8_meta["scaling_fwd"]`` and ``["scaling_bwd"]``
-  (``amax_history [L, 3]`` and ``scale [3]`` forward, ``[L, 2]`` and ``[2]`` backward: one GEMM
-  per module in Megatron's spec, the layout fp8ops' state copies), read afresh every row, because
-  TE rebinds them (loading a checkpoint, changing the history length). A history loaded at
-  another length, which TE adjusts only at the next forward, is shown as TE will adjust it.
-  Reading them costs no
-  kernel of its own: the collector snapshots every module's state in three ``cat`` s per row,
-  whatever the backend. Before a module's first FP8 forward TE has no state for it yet; the view
-  then shows the state TE will create (scales 1, histories 0), as fp8ops' own layers start;
+* the state is TE's own ``fp8_meta`` tensors, read through ``te_state.TeFp8MetaView`` (the
+  view checkpoints use too). Reading them costs no kernel of its own: the collector snapshots
+  every module's state in three ``cat`` s per row, whatever the backend;
 * a forward hook counts each call's GEMMs, in FP8 or in the base dtype (TE sets ``module.fp8``
   at every forward), and on statistics steps measures the norm of the module's input (of a
   ``LayerNormLinear``, the input before its norm);
@@ -39,53 +34,10 @@ import torch
 from torch import nn
 
 from fp8ops.megatron.te_backend import te_projections
+from fp8ops.megatron.te_state import TeFp8MetaView
 from fp8ops.precision.quantize import CastStats, quantize
 from fp8ops.precision.recipe import DelayedScalingRecipe
 from fp8ops.precision.scaling import BWD_GRAD_OUTPUT, FWD_INPUT, FWD_WEIGHT
-from fp8ops.precision.state import ScalingState
-
-SLOTS_PER_GEMM = {True: 3, False: 2}  # TE's FP8FwdTensors / FP8BwdTensors
-TE_KEYS = {True: "scaling_fwd", False: "scaling_bwd"}
-
-
-class TeFp8MetaView:
-    """A TE module's delayed-scaling state as ``Fp8Meta.direction`` gives it: TE's tensors."""
-
-    def __init__(self, module: nn.Module, recipe: DelayedScalingRecipe, name: str):
-        self.module, self.recipe, self.name = module, recipe, name
-        self._initial: dict[bool, ScalingState] = {}
-
-    def direction(self, forward: bool) -> ScalingState:
-        fp8 = self.recipe.fp8_format.forward if forward else self.recipe.fp8_format.backward
-        state = self.module.fp8_meta.get(TE_KEYS[forward])
-        if state is None:  # no FP8 forward yet: the state TE will create then
-            if forward not in self._initial:
-                self._initial[forward] = ScalingState.fresh(
-                    self.recipe.amax_history_len, SLOTS_PER_GEMM[forward], fp8,
-                    device=self.module.weight.device,
-                )  # fmt: skip
-            return self._initial[forward]
-        slots = state.amax_history.shape[1]
-        if slots != SLOTS_PER_GEMM[forward]:
-            raise ValueError(
-                f"{self.name}: TE's fp8_meta[{TE_KEYS[forward]!r}].amax_history has {slots} "
-                f"slots, telemetry reads modules of one GEMM ({SLOTS_PER_GEMM[forward]}); a "
-                "module of several GEMMs (LayerNormMLP) is not one of Megatron's GPT projections"
-            )
-        history = _at_length(state.amax_history, self.recipe.amax_history_len)
-        return ScalingState(amax_history=history, scale=state.scale, fp8=fp8)
-
-
-def _at_length(history: torch.Tensor, length: int) -> torch.Tensor:
-    """``history`` as TE will have it at the module's next forward: a checkpoint saved with
-    another ``amax_history_len`` loads at its own length, and TE's
-    ``adjust_amax_history_length`` truncates it or pads it with zeros at the end then
-    (reference §4). A copy, only in that case."""
-    if history.shape[0] == length:
-        return history
-    if history.shape[0] > length:
-        return history[:length].clone()
-    return torch.nn.functional.pad(history, (0, 0, 0, length - history.shape[0]))
 
 
 class TeTelemetryModule:

@@ -5,7 +5,9 @@ depend on each other) and ``train`` is the loop, in execution order. The command
 Delayed scaling as Megatron uses it: one FP8 scope per micro-batch forward (input and gradient
 histories advance per micro-batch), the weight cast once per optimizer step
 (``mark_first_microbatch``: weight histories advance per step), amaxes reduced over the
-manifest's amax reduction group.
+manifest's amax reduction group. The scope is fp8ops' ``Fp8Scope``, or on the TE backend TE's own
+autocast, which Megatron's ``TransformerBlock`` enters; either way the run reads the FP8 state
+through ``fp8_state_modules``.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ class Trainer:
         from fp8ops.checkpoint.state import Fp8Layout
         from fp8ops.data import TrainSampler, build_data
         from fp8ops.evaluate.capability import capability_examples
-        from fp8ops.megatron import amax_reduction_group, build_gpt, fp8_modules
+        from fp8ops.megatron import amax_reduction_group, build_gpt, fp8_state_modules
         from fp8ops.megatron.compat import parallel_state
         from fp8ops.precision import DelayedScalingRecipe, Fp8Scope
         from fp8ops.telemetry.collector import TelemetryCollector
@@ -118,14 +120,19 @@ class Trainer:
             self.model, precision, tensor_parallel=manifest.topology.tensor_parallel
         )
         apply_admission(self.admission, self.model)
-        self.collector = TelemetryCollector(fp8_modules(self.model), manifest.telemetry)
+        self.collector = TelemetryCollector(
+            fp8_state_modules(self.model, self.recipe), manifest.telemetry
+        )
         self.alert_engine = AlertEngine(
             manifest.alerts,
             self.collector.names,
             [module.fp8_enabled for module in self.collector.modules.values()],
         )
         self.amax_group = amax_reduction_group(manifest.topology)
-        self.scope = Fp8Scope(self.recipe, group=self.amax_group) if precision.enabled else None
+        # On TE, Megatron's TransformerBlock enters TE's own delayed-scaling autocast, which
+        # reduces and updates; fp8ops' scope is for fp8ops' own FP8 layers.
+        own_scope = precision.enabled and precision.backend != "te"
+        self.scope = Fp8Scope(self.recipe, group=self.amax_group) if own_scope else None
         self.optimizer = MainParamsOptimizer(
             self.model, manifest.optimizer, tp_group=self.tp_group, dp_group=self.dp_group
         )
@@ -654,7 +661,7 @@ class Trainer:
         with other scales. Compares one sha256 per rank; returns it (None when not checked:
         FP8 off, or amaxes not reduced, so ranks may differ by design).
         """
-        if self.scope is None or not self.recipe.reduce_amax:
+        if not self.manifest.precision.enabled or not self.recipe.reduce_amax:
             return None
         from fp8ops.checkpoint.state import fp8_digest
 
@@ -690,10 +697,8 @@ class Trainer:
         return self.scope() if self.scope is not None else contextlib.nullcontext()
 
     def _fp8_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        return {
-            name: {k: v.clone() for k, v in m.fp8_meta.state_dict().items()}
-            for name, m in self.collector.modules.items()
-        }
+        # state_dict() copies, on both backends.
+        return {name: m.fp8_meta.state_dict() for name, m in self.collector.modules.items()}
 
     def _restore_fp8_state(self, saved: dict[str, dict[str, torch.Tensor]]) -> None:
         for name, module in self.collector.modules.items():
@@ -736,7 +741,6 @@ class Trainer:
         if not self.ranks.is_main:
             return
         from fp8ops.data import ByteTokenizer
-        from fp8ops.precision.linear import cast_path
 
         self.run.write_json("run.json", {
             "manifest": manifest_hash(manifest),
@@ -764,9 +768,9 @@ class Trainer:
             "data": {**self.data.summary(), "fingerprint": self.data.fingerprint,
                      "sampler": self.sampler.describe()},
             "admission": {"fp8_modules": sum(r.precision == "fp8" for r in self.admission.rows)},
-            # Which kernels cast (FP8OPS_COMPILED_CASTS, FP8OPS_CAST_KERNEL): the same bits
-            # either way, so not part of the environment a resume compares, but what ran.
-            "fp8_casts": cast_path(self.device) if manifest.precision.enabled else None,
+            # Which kernels cast (FP8OPS_COMPILED_CASTS, FP8OPS_CAST_KERNEL, or TE's own): the
+            # same bits either way, so not part of the environment a resume compares.
+            "fp8_casts": _fp8_casts(manifest.precision, self.device),
         })  # fmt: skip
         self.run.event("run_started", manifest=manifest_hash(manifest))
 
@@ -852,3 +856,12 @@ def _peak_memory_mib() -> float:
         return torch.cuda.max_memory_allocated() / 2**20
     # Linux reports the peak resident set size in KiB.
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _fp8_casts(precision, device: torch.device) -> str | None:
+    """What ran the FP8 casts: TE's kernels, or fp8ops' (eager, or compiled: which kernel)."""
+    from fp8ops.precision.linear import cast_path
+
+    if not precision.enabled:
+        return None
+    return "transformer_engine" if precision.backend == "te" else cast_path(device)

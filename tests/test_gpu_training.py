@@ -395,17 +395,18 @@ def test_the_te_backend_trains_and_resumes_as_its_straight_run(gpu_manifest, tmp
     """``precision.backend: te`` through the trainer: Megatron's TE spec under TE's autocast,
     telemetry read from TE's own ``fp8_meta``, and a stop + resume, which loads TE's state
     through TE's own loader past TE 2.18's refusal of pickled state (``te_state.py``), equal
-    to the straight run. Without a base: a base of the local spec hashes its weights under
-    other parameter names (docs/precision.md)."""
+    to the straight run. The base was trained with fp8ops' own layers (Megatron's local spec):
+    it loads under Megatron's shared checkpoint keys and verifies by them (train/weights.py)."""
     from fp8ops.files import read_jsonl
     from fp8ops.telemetry import open_run
     from fp8ops.train import resume_training, run_training
 
-    te = {"precision.backend": "te", "model.init_checkpoint": None}
+    te = {"precision.backend": "te"}
     straight = tmp_path / "straight"
     run_training(gpu_manifest, straight, assignments=te, progress=False)
     assert all(math.isfinite(loss) for loss in _losses(straight))
-    assert json.loads((straight / "run.json").read_text())["fp8_casts"] == "transformer_engine"
+    info = json.loads((straight / "run.json").read_text())
+    assert info["fp8_casts"] == "transformer_engine" and info["model"]["init_verified"]
     telemetry = open_run(straight)
     qkv = "decoder.layers.0.self_attention.linear_qkv"
     assert qkv in telemetry.modules

@@ -317,6 +317,20 @@ def test_a_load_that_resets_fp8_state_is_refused(paused, monkeypatch):
     assert {f.name: f.read_bytes() for f in paused.iterdir() if f.is_file()} == before
 
 
+def test_the_weights_are_verified_under_the_scheme_their_checkpoint_names(paused):
+    """A checkpoint records how its weights fingerprint names the parameters; one that names
+    none was written before schemes were named (module paths), and is verified that way: here,
+    where it is not true, the load is refused."""
+    from checkpoint_support import edit_meta
+
+    checkpoint = paused / "checkpoints" / checkpoint_name(N)
+    assert read_meta(checkpoint).weights_fingerprint_scheme == "checkpoint-keys"
+    edit_meta(checkpoint, lambda meta: meta.pop("weights_fingerprint_scheme"))
+    assert read_meta(checkpoint).weights_fingerprint_scheme == "parameter-names"
+    with pytest.raises(CheckpointError, match="the restored weights hash to .* refusing"):
+        resume_training(paused, progress=False)
+
+
 def test_plan_refuses_environment_drift_before_building_anything(paused):
     from fp8ops.train.environment import environment_fingerprint
 

@@ -364,3 +364,47 @@ def test_damaged_base_checkpoint_is_refused(base, finetune_manifest, tmp_path, c
     assert result.code == 2
     assert "changed or are damaged" in result.err
     assert not (tmp_path / "run").exists()
+
+
+def test_weights_are_hashed_by_checkpoint_name_and_older_bases_still_verify(
+    trainer, base, tmp_path, monkeypatch
+):
+    """A fingerprint names each parameter as Megatron checkpoints it, which Megatron's local and
+    TE specs share (a base hashes alike in either), in the order of those names; a base written
+    before, hashed by module path in module order, says no scheme and verifies that way."""
+    from fp8ops.errors import ManifestError
+    from fp8ops.train.weights import (
+        LEGACY_FINGERPRINT_SCHEME,
+        checkpoint_names,
+        load_weights,
+        weights_fingerprint,
+    )
+
+    model, group = trainer.model, trainer.tp_group
+    norm = model.decoder.layers[1].input_layernorm.weight
+    assert checkpoint_names(model)[norm.data_ptr()] == (
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight[1]"  # TE's name for it
+    )
+    current = weights_fingerprint(model, group)
+    assert current == trainer.base["fingerprint"]  # the base was loaded and verified so
+    assert trainer.base["fingerprint_scheme"] == "checkpoint-keys"
+    reordered = list(model.parameters())[::-1]
+    monkeypatch.setattr(model, "parameters", lambda: iter(reordered))
+    assert weights_fingerprint(model, group) == current  # module order does not count
+    monkeypatch.undo()
+
+    legacy = weights_fingerprint(model, group, scheme=LEGACY_FINGERPRINT_SCHEME)
+    assert legacy != current
+    older = tmp_path / "older"
+    shutil.copytree(base / "final", older)
+    meta = json.loads((older / META_FILE).read_text())
+    meta["fingerprint"] = legacy
+    del meta["fingerprint_scheme"]
+    (older / META_FILE).write_text(json.dumps(meta))
+    loaded = load_weights(model, older, trainer.manifest.model, tp_group=group, field="base")
+    assert loaded["verified"] and loaded["fingerprint_scheme"] == LEGACY_FINGERPRINT_SCHEME
+
+    meta["fingerprint_scheme"] = "v9"
+    (older / META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(ManifestError, match=r"older/fp8ops_weights.json: fingerprint_scheme 'v9'"):
+        load_weights(model, older, trainer.manifest.model, tp_group=group, field="base")

@@ -59,7 +59,7 @@ def save_checkpoint(
     """Write the checkpoint of ``step`` and publish it; returns its path and the seconds taken."""
     from megatron.core import dist_checkpointing
 
-    from fp8ops.train.weights import weights_fingerprint
+    from fp8ops.train.weights import FINGERPRINT_SCHEME, weights_fingerprint
 
     started = time.perf_counter()
     store = CheckpointDir(run_dir)
@@ -92,6 +92,7 @@ def save_checkpoint(
             topology=topology,
             admission=admission,
             weights_fingerprint=fingerprint,
+            weights_fingerprint_scheme=FINGERPRINT_SCHEME,
             fp8=Fp8StateRecord(
                 layout=parts.layout.name,
                 groups=parts.layout.groups,
@@ -165,7 +166,8 @@ def load_checkpoint(parts: TrainingParts, directory: Path, meta: CheckpointMeta,
     if same_world:
         state.restore_per_rank(loaded, alerts)
 
-    found = weights_fingerprint(parts.model, parts.tp_group)  # the same on every rank
+    # The same on every rank, under the scheme it was saved with.
+    found = weights_fingerprint(parts.model, parts.tp_group, scheme=meta.weights_fingerprint_scheme)
     if found != meta.weights_fingerprint:
         raise CheckpointError(
             f"{directory}: the restored weights hash to {found[:12]}, but they were saved as "

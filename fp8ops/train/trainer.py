@@ -735,9 +735,10 @@ class Trainer:
             "torch."
         )
         if self.base and self.base["verified"] and same_dtype:
-            initial = self.base["fingerprint"]
+            initial, scheme = self.base["fingerprint"], self.base["fingerprint_scheme"]
         else:
             initial = weights.weights_fingerprint(self.model, self.tp_group)
+            scheme = weights.FINGERPRINT_SCHEME
         if not self.ranks.is_main:
             return
         from fp8ops.data import ByteTokenizer
@@ -762,6 +763,7 @@ class Trainer:
                 "init_fingerprint": self.base["fingerprint"] if self.base else None,
                 "init_verified": self.base["verified"] if self.base else None,
                 "initial_weights_fingerprint": initial,
+                "fingerprint_scheme": scheme,
                 "parameters": sum(p.numel() for p in self.model.parameters()),
             },
             "tokenizer": {"kind": manifest.tokenizer.kind, "fingerprint": ByteTokenizer().fingerprint()},
@@ -779,10 +781,12 @@ class Trainer:
 
         checkpoint = self.save_checkpoint(self.manifest.schedule.train_steps, "final")
         # The same weights: the checkpoint already gathered and hashed them.
-        fingerprint = read_meta(checkpoint).weights_fingerprint
+        saved = read_meta(checkpoint)
+        fingerprint = saved.weights_fingerprint
         meta = {
             "architecture": weights.architecture(self.manifest.model),
             "fingerprint": fingerprint,
+            "fingerprint_scheme": saved.weights_fingerprint_scheme,
             "manifest": manifest_hash(self.manifest),
             "steps": self.manifest.schedule.train_steps,
             "last_loss": last_loss,

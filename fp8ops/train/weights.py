@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import warnings
 from contextlib import contextmanager
@@ -45,22 +46,68 @@ def architecture_fingerprint(model_cfg) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def weights_fingerprint(model: nn.Module, tp_group, dtype: torch.dtype | None = None) -> str:
+# How a fingerprint names and orders the parameters it hashes (recorded beside every fingerprint):
+# "checkpoint-keys", the one written now, names each by the key Megatron checkpoints it under;
+# "parameter-names", what files written before it hold, by its module path, in module order.
+FINGERPRINT_SCHEME = "checkpoint-keys"
+LEGACY_FINGERPRINT_SCHEME = "parameter-names"
+FINGERPRINT_SCHEMES = (FINGERPRINT_SCHEME, LEGACY_FINGERPRINT_SCHEME)
+
+
+def weights_fingerprint(
+    model: nn.Module, tp_group, dtype: torch.dtype | None = None, *,
+    scheme: str = FINGERPRINT_SCHEME,
+) -> str:  # fmt: skip
     """sha256 of the full weights, identical on every rank and at every TP size.
+
+    Each parameter is hashed under its checkpoint name (``scheme`` "checkpoint-keys"): its key in
+    Megatron's sharded state dict and its layer, in the order of those names. Megatron's local
+    and TE specs checkpoint under the same keys (the local ``input_layernorm.weight`` is TE's
+    ``linear_qkv.layer_norm_weight``), so a base hashes alike in a model of either spec; module
+    paths, and the order modules register in, differ between them. "parameter-names" is the
+    scheme of files written before: module paths, in module order.
 
     ``dtype`` hashes the values converted to that dtype (a bf16 base loaded into an fp32 model
     still hashes as the bf16 it was saved as). Each tensor-parallel shard is gathered one
     parameter at a time (peak memory: one full parameter), which is collective: every rank of
     the TP group must call this.
     """
+    if scheme == FINGERPRINT_SCHEME:
+        names = checkpoint_names(model)
+        named = sorted(((names[p.data_ptr()], p) for p in model.parameters()), key=lambda x: x[0])
+    elif scheme == LEGACY_FINGERPRINT_SCHEME:
+        named = list(model.named_parameters())
+    else:
+        raise ValueError(f"fingerprint scheme {scheme!r}: use one of {FINGERPRINT_SCHEMES}")
     digest = hashlib.sha256()
-    for name, param in model.named_parameters():
+    for name, param in named:
         full = _gather_full(param, tp_group)
         if dtype is not None:
             full = full.to(dtype)
         digest.update(f"{name}|{full.dtype}|{tuple(full.shape)}|".encode())
         digest.update(full.contiguous().view(torch.uint8).cpu().numpy().tobytes())
     return digest.hexdigest()
+
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")  # a module path's layer number
+
+
+def checkpoint_names(model: nn.Module) -> dict[int, str]:
+    """Each parameter's checkpoint name, by its storage: the key of its entry in Megatron's
+    sharded state dict (layers share one key, stacked on a layer axis), with its layer number:
+    ``decoder.layers.mlp.linear_fc1.weight[3]``. The layer comes from the entry's module path,
+    the same in either spec (fp8ops runs one pipeline stage, so the path's number is global)."""
+    names = {}
+    for path, sharded in _weights_only(model.sharded_state_dict()).items():
+        layer = _LAYER.search(path)
+        names[sharded.data.data_ptr()] = sharded.key + (f"[{layer.group(1)}]" if layer else "")
+    missing = [n for n, p in model.named_parameters() if p.data_ptr() not in names]
+    if missing:
+        raise KeyError(
+            f"parameters without an entry in the model's sharded state dict, so without a "
+            f"checkpoint name: {missing[:4]}"
+        )
+    return names
 
 
 def save_weights(model: nn.Module, directory: Path, meta: dict, *, is_main: bool) -> None:
@@ -144,7 +191,9 @@ def load_weights(model: nn.Module, directory: Path, model_cfg, *, tp_group, fiel
     meta["verified"] = model_dtype in (saved_dtype, torch.float32)
     if not meta["verified"]:
         return meta
-    found = weights_fingerprint(model, tp_group, dtype=saved_dtype)
+    found = weights_fingerprint(
+        model, tp_group, dtype=saved_dtype, scheme=meta["fingerprint_scheme"]
+    )
     if found != meta["fingerprint"]:
         raise ManifestError(
             f"{meta_path}: the loaded weights hash to {found}, but the checkpoint was saved as "
@@ -177,6 +226,12 @@ def read_weights_meta(directory: Path, *, field: str) -> dict:
     for key in ("architecture", "fingerprint", "dtype"):
         if key not in meta:
             raise ManifestError(f"{meta_path}: missing {key!r}; the checkpoint is damaged")
+    meta.setdefault("fingerprint_scheme", LEGACY_FINGERPRINT_SCHEME)  # written before it was named
+    if meta["fingerprint_scheme"] not in FINGERPRINT_SCHEMES:
+        raise ManifestError(
+            f"{meta_path}: fingerprint_scheme {meta['fingerprint_scheme']!r} is not one of "
+            f"{FINGERPRINT_SCHEMES}; the checkpoint is from a newer fp8ops, or damaged"
+        )
     return meta
 
 

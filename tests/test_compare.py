@@ -732,3 +732,18 @@ def test_compare_runs_without_torch_and_help_without_plotly(tmp_path):
         found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                check=True).stdout.strip()  # fmt: skip
         assert found == "[]"
+
+
+def test_initial_weights_fingerprinted_under_two_schemes_are_not_compared(tmp_path, cli):
+    """An older run's fingerprint names parameters by module path, a newer one's by checkpoint
+    key (train/weights.py): the two differ for the same weights, so they say nothing."""
+    reference, candidate = pair(tmp_path, initial_weights="0f" * 32)
+    info = json.loads((candidate / "run.json").read_text())
+    info["model"]["initial_weights_fingerprint_scheme"] = "checkpoint-keys"
+    write_json(candidate / "run.json", info)
+    result = cli("compare", reference, candidate, "--no-png")
+    assert "initial_weights_fingerprint" not in result.err, result.err
+    assert result.code in (0, 1)  # judged, not refused
+    info["model"]["initial_weights_fingerprint_scheme"] = "parameter-names"  # as the reference
+    write_json(candidate / "run.json", info)
+    assert cli("compare", reference, candidate, "--no-png").code == 2

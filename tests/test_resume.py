@@ -331,6 +331,23 @@ def test_the_weights_are_verified_under_the_scheme_their_checkpoint_names(paused
         resume_training(paused, progress=False)
 
 
+def test_a_checkpoint_written_before_schemes_were_named_resumes(manifest, straight, tmp_path,
+                                                                monkeypatch):  # fmt: skip
+    """As an older fp8ops wrote it: the fingerprint by module path, and no scheme named."""
+    from checkpoint_support import edit_meta
+
+    from fp8ops.train import weights
+
+    run = tmp_path / "older"
+    monkeypatch.setattr(weights, "FINGERPRINT_SCHEME", weights.PARAMETER_NAMES)
+    run_training(manifest, run, progress=False, stop_at=N)
+    monkeypatch.undo()
+    checkpoint = run / "checkpoints" / checkpoint_name(N)
+    edit_meta(checkpoint, lambda meta: meta.pop("weights_fingerprint_scheme"))
+    resume_training(run, progress=False)
+    assert_same_training(straight, run)
+
+
 def test_plan_refuses_environment_drift_before_building_anything(paused):
     from fp8ops.train.environment import environment_fingerprint
 

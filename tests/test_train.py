@@ -275,6 +275,31 @@ def test_tp2_matches_tp1_and_ranks_agree(finetune_manifest, tmp_path):
     assert (tmp_path / "tp2" / "manifests" / f"{manifest_hash(parent)}.yaml").exists()
 
 
+def test_a_swiglu_run_checkpoints_resumes_and_verifies_at_another_tp_size(tmp_path):
+    """SwiGLU's linear_fc1 is checkpointed through Megatron's ShardedTensorFactory (gate and up
+    saved apart), its optimizer state too; and each rank holds [gate; up], so its fingerprint
+    joins all the gates, then all the ups, as the checkpoint stores it: a TP=1 base verifies at
+    TP=2."""
+    from fp8ops.train import resume_training
+
+    swiglu = {**SMALL_MODEL, **SCHEDULE, "model.activation": "swiglu",
+              "schedule.train_steps": 2, "schedule.eval_interval": 2}  # fmt: skip
+    base = _write(tmp_path, "base", MANIFESTS / "tiny-gpt-cpu-base.yaml", swiglu)
+    assert run_training(base, tmp_path / "base", progress=False, stop_at=1).paused
+    resume_training(tmp_path / "base", progress=False)
+    run_training(base, tmp_path / "straight", progress=False)
+    assert _losses(tmp_path / "base") == _losses(tmp_path / "straight")  # step 2 after a resume
+    final = {json.loads((tmp_path / run / "final" / META_FILE).read_text())["fingerprint"]
+             for run in ("base", "straight")}  # fmt: skip
+    assert len(final) == 1
+    finetune = _write(tmp_path, "finetune", MANIFESTS / "tiny-gpt-cpu.yaml",
+                      {**swiglu, "model.init_checkpoint": str(tmp_path / "base" / "final")})  # fmt: skip
+    _torchrun(finetune, tmp_path / "tp2", {"topology.tensor_parallel": 2})
+    info = json.loads((tmp_path / "tp2" / "run.json").read_text())["model"]
+    base_meta = json.loads((tmp_path / "base" / "final" / META_FILE).read_text())
+    assert info["init_verified"] and info["init_fingerprint"] == base_meta["fingerprint"]
+
+
 def test_dp2_matches_one_rank(finetune_manifest, tmp_path):
     """Two data-parallel replicas, each half of every global batch, give the one-rank run's
     gradients. FP8 off: with FP8 the two layouts would legitimately differ, since each DP rank
@@ -374,7 +399,7 @@ def test_weights_are_hashed_by_checkpoint_name_and_older_bases_still_verify(
     before, hashed by module path in module order, says no scheme and verifies that way."""
     from fp8ops.errors import ManifestError
     from fp8ops.train.weights import (
-        LEGACY_FINGERPRINT_SCHEME,
+        PARAMETER_NAMES,
         checkpoint_names,
         load_weights,
         weights_fingerprint,
@@ -393,7 +418,7 @@ def test_weights_are_hashed_by_checkpoint_name_and_older_bases_still_verify(
     assert weights_fingerprint(model, group) == current  # module order does not count
     monkeypatch.undo()
 
-    legacy = weights_fingerprint(model, group, scheme=LEGACY_FINGERPRINT_SCHEME)
+    legacy = weights_fingerprint(model, group, scheme=PARAMETER_NAMES)
     assert legacy != current
     older = tmp_path / "older"
     shutil.copytree(base / "final", older)
@@ -402,7 +427,7 @@ def test_weights_are_hashed_by_checkpoint_name_and_older_bases_still_verify(
     del meta["fingerprint_scheme"]
     (older / META_FILE).write_text(json.dumps(meta))
     loaded = load_weights(model, older, trainer.manifest.model, tp_group=group, field="base")
-    assert loaded["verified"] and loaded["fingerprint_scheme"] == LEGACY_FINGERPRINT_SCHEME
+    assert loaded["verified"] and loaded["fingerprint_scheme"] == PARAMETER_NAMES
 
     meta["fingerprint_scheme"] = "v9"
     (older / META_FILE).write_text(json.dumps(meta))

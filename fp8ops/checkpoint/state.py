@@ -94,9 +94,13 @@ def optimizer_state(model: nn.Module, optimizer, weights: dict) -> dict:
         if main is not param:
             tensors["main"] = main.detach()
         for kind, tensor in tensors.items():
-            state[f"optimizer.{kind}.{name}"] = dataclasses.replace(
-                sharded, key=f"optimizer.{kind}.{sharded.key}", data=tensor, dtype=tensor.dtype
-            )
+            fields = {"key": f"optimizer.{kind}.{sharded.key}", "data": tensor}
+            # A SwiGLU linear_fc1 is a ShardedTensorFactory (it splits into gate and up when
+            # saved), which has no dtype field: it takes its tensor's, as Megatron's own
+            # optimizer state does (make_sharded_optimizer_tensor).
+            if hasattr(sharded, "dtype"):
+                fields["dtype"] = tensor.dtype
+            state[f"optimizer.{kind}.{name}"] = dataclasses.replace(sharded, **fields)
     return state
 
 

@@ -73,7 +73,7 @@ def save_checkpoint(
         **state.per_rank_state(parts.alert_engine, parts.ranks),
     }
     digests = state.group_digests(parts.fp8_modules, parts.layout)
-    fingerprint = weights_fingerprint(parts.model, parts.tp_group)
+    fingerprint = weights_fingerprint(parts.model, parts.tp_group, scheme=FINGERPRINT_SCHEME)
     optimizer_steps = state.optimizer_steps(parts.optimizer)
     with _quiet_dcp():
         dist_checkpointing.save(sharded, str(partial))

@@ -334,10 +334,12 @@ def check_comparable(reference: RunRecords, candidates: list[RunRecords]) -> Non
                     "fp8ops dualtrack)"
                 )
         # Both start from the same weights (the base checkpoint, or one seed: the FP8 and BF16
-        # builds draw them alike). Older runs did not record it; then it is not checked.
+        # builds draw them alike). Older runs did not record it, and fingerprints of two
+        # schemes (train/weights.py) cannot be compared; then it is not checked.
         ours = _dig(run.info, "model", "initial_weights_fingerprint")
         theirs = _dig(reference.info, "model", "initial_weights_fingerprint")
-        if ours is not None and theirs is not None and ours != theirs:
+        same_scheme = _fingerprint_scheme(run.info) == _fingerprint_scheme(reference.info)
+        if ours is not None and theirs is not None and same_scheme and ours != theirs:
             raise Fp8opsError(
                 f"{run.path}: run.json model.initial_weights_fingerprint is {_short(ours)}, the "
                 f"reference {reference.path} started from {_short(theirs)}; runs are comparable "
@@ -361,6 +363,11 @@ def _dig(document: dict[str, Any], *keys: str) -> Any:
             return None
         document = document.get(key)
     return document
+
+
+def _fingerprint_scheme(info: dict[str, Any]) -> str:
+    # Runs that record none fingerprinted by module path (train/weights.py's legacy scheme).
+    return _dig(info, "model", "initial_weights_fingerprint_scheme") or "parameter-names"
 
 
 def _short(value: Any) -> str:

@@ -737,8 +737,8 @@ class Trainer:
         if self.base and self.base["verified"] and same_dtype:
             initial, scheme = self.base["fingerprint"], self.base["fingerprint_scheme"]
         else:
-            initial = weights.weights_fingerprint(self.model, self.tp_group)
             scheme = weights.FINGERPRINT_SCHEME
+            initial = weights.weights_fingerprint(self.model, self.tp_group, scheme=scheme)
         if not self.ranks.is_main:
             return
         from fp8ops.data import ByteTokenizer
@@ -761,9 +761,10 @@ class Trainer:
                 "config_fingerprint": weights.architecture_fingerprint(manifest.model),
                 "init_checkpoint": manifest.model.init_checkpoint,
                 "init_fingerprint": self.base["fingerprint"] if self.base else None,
+                "init_fingerprint_scheme": self.base["fingerprint_scheme"] if self.base else None,
                 "init_verified": self.base["verified"] if self.base else None,
                 "initial_weights_fingerprint": initial,
-                "fingerprint_scheme": scheme,
+                "initial_weights_fingerprint_scheme": scheme,
                 "parameters": sum(p.numel() for p in self.model.parameters()),
             },
             "tokenizer": {"kind": manifest.tokenizer.kind, "fingerprint": ByteTokenizer().fingerprint()},

@@ -6,8 +6,9 @@ trained with and a fingerprint of the weights. The FP8 state (``_extra_state``) 
 base is a starting point, and a fine-tuning run starts its scaling state fresh from its own
 recipe. Full training checkpoints, with the FP8 state and optimizer, are a different thing.
 
-The fingerprint is a sha256 over every parameter's full (unsharded) tensor in the model's
-parameter order, so it is the same at any tensor-parallel size. Loading recomputes it: a base
+The fingerprint is a sha256 over every parameter's full (unsharded) tensor, each under the name
+Megatron checkpoints it by (:func:`weights_fingerprint`), so it is the same at any
+tensor-parallel size and in a model of Megatron's local or TE spec. Loading recomputes it: a base
 that loaded wrong, or a file that changed, cannot pass unnoticed.
 """
 
@@ -49,39 +50,45 @@ def architecture_fingerprint(model_cfg) -> str:
 # How a fingerprint names and orders the parameters it hashes (recorded beside every fingerprint):
 # "checkpoint-keys", the one written now, names each by the key Megatron checkpoints it under;
 # "parameter-names", what files written before it hold, by its module path, in module order.
-FINGERPRINT_SCHEME = "checkpoint-keys"
-LEGACY_FINGERPRINT_SCHEME = "parameter-names"
-FINGERPRINT_SCHEMES = (FINGERPRINT_SCHEME, LEGACY_FINGERPRINT_SCHEME)
+CHECKPOINT_KEYS, PARAMETER_NAMES = "checkpoint-keys", "parameter-names"
+FINGERPRINT_SCHEMES = (CHECKPOINT_KEYS, PARAMETER_NAMES)
+FINGERPRINT_SCHEME = CHECKPOINT_KEYS  # what fingerprints are written with
 
 
 def weights_fingerprint(
     model: nn.Module, tp_group, dtype: torch.dtype | None = None, *,
-    scheme: str = FINGERPRINT_SCHEME,
+    scheme: str = CHECKPOINT_KEYS,
 ) -> str:  # fmt: skip
     """sha256 of the full weights, identical on every rank and at every TP size.
 
-    Each parameter is hashed under its checkpoint name (``scheme`` "checkpoint-keys"): its key in
-    Megatron's sharded state dict and its layer, in the order of those names. Megatron's local
-    and TE specs checkpoint under the same keys (the local ``input_layernorm.weight`` is TE's
+    Each parameter is hashed under its checkpoint name (``scheme`` "checkpoint-keys",
+    :func:`checkpoint_names`), in the order of those names as strings (``[10]`` before ``[2]``:
+    the names and their order are part of what is hashed). Megatron's local and TE specs
+    checkpoint under the same keys (the local ``input_layernorm.weight`` is TE's
     ``linear_qkv.layer_norm_weight``), so a base hashes alike in a model of either spec; module
-    paths, and the order modules register in, differ between them. "parameter-names" is the
-    scheme of files written before: module paths, in module order.
+    paths, and the order modules register in, differ between them. A SwiGLU ``linear_fc1``
+    holds ``[gate; up]`` shards per rank; it is hashed as the checkpoint holds it, all gates
+    then all ups, the same at every TP size. "parameter-names" is the scheme of files written
+    before: module paths, in module order, shards joined rank by rank.
 
     ``dtype`` hashes the values converted to that dtype (a bf16 base loaded into an fp32 model
     still hashes as the bf16 it was saved as). Each tensor-parallel shard is gathered one
     parameter at a time (peak memory: one full parameter), which is collective: every rank of
     the TP group must call this.
     """
-    if scheme == FINGERPRINT_SCHEME:
+    gated = set()
+    if scheme == CHECKPOINT_KEYS:
         names = checkpoint_names(model)
         named = sorted(((names[p.data_ptr()], p) for p in model.parameters()), key=lambda x: x[0])
-    elif scheme == LEGACY_FINGERPRINT_SCHEME:
+        if model.config.gated_linear_unit:
+            gated = {name for name, _ in named if _GATED.search(name)}
+    elif scheme == PARAMETER_NAMES:
         named = list(model.named_parameters())
     else:
         raise ValueError(f"fingerprint scheme {scheme!r}: use one of {FINGERPRINT_SCHEMES}")
     digest = hashlib.sha256()
     for name, param in named:
-        full = _gather_full(param, tp_group)
+        full = _gather_full(param, tp_group, parts=2 if name in gated else 1)
         if dtype is not None:
             full = full.to(dtype)
         digest.update(f"{name}|{full.dtype}|{tuple(full.shape)}|".encode())
@@ -90,6 +97,7 @@ def weights_fingerprint(
 
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")  # a module path's layer number
+_GATED = re.compile(r"\.linear_fc1\.(weight|bias)\[")  # SwiGLU's [gate; up] on each rank
 
 
 def checkpoint_names(model: nn.Module) -> dict[int, str]:
@@ -99,14 +107,23 @@ def checkpoint_names(model: nn.Module) -> dict[int, str]:
     the same in either spec (fp8ops runs one pipeline stage, so the path's number is global)."""
     names = {}
     for path, sharded in _weights_only(model.sharded_state_dict()).items():
+        if not isinstance(getattr(sharded, "data", None), torch.Tensor):
+            continue  # an object, not a tensor: no parameter of its own
         layer = _LAYER.search(path)
-        names[sharded.data.data_ptr()] = sharded.key + (f"[{layer.group(1)}]" if layer else "")
-    missing = [n for n, p in model.named_parameters() if p.data_ptr() not in names]
+        # A layer number in the key itself (Megatron's heterogeneous layers) moves to the end.
+        key = _LAYER.sub(".layers.", sharded.key)
+        names[sharded.data.data_ptr()] = key + (f"[{layer.group(1)}]" if layer else "")
+    params = dict(model.named_parameters())
+    missing = [n for n, p in params.items() if p.data_ptr() not in names]
     if missing:
         raise KeyError(
             f"parameters without an entry in the model's sharded state dict, so without a "
             f"checkpoint name: {missing[:4]}"
         )
+    taken = [names[p.data_ptr()] for p in params.values()]
+    if len(set(taken)) != len(taken):  # the order of the hash would then be the model's
+        twice = sorted({n for n in taken if taken.count(n) > 1})
+        raise KeyError(f"parameters share a checkpoint name: {twice[:4]}")
     return names
 
 
@@ -195,9 +212,16 @@ def load_weights(model: nn.Module, directory: Path, model_cfg, *, tp_group, fiel
         model, tp_group, dtype=saved_dtype, scheme=meta["fingerprint_scheme"]
     )
     if found != meta["fingerprint"]:
+        older = ""
+        if meta["fingerprint_scheme"] == PARAMETER_NAMES:
+            older = (
+                " (it was fingerprinted by module path, as fp8ops did before, which cannot match "
+                "in a model of Megatron's other layer spec, such as precision.backend 'te': load "
+                "it with the backend it was trained with, or train the base again)"
+            )
         raise ManifestError(
             f"{meta_path}: the loaded weights hash to {found}, but the checkpoint was saved as "
-            f"{meta['fingerprint']}; its files changed or are damaged, so rebuild it"
+            f"{meta['fingerprint']}; its files changed or are damaged, so rebuild it{older}"
         )
     return meta
 
@@ -226,7 +250,7 @@ def read_weights_meta(directory: Path, *, field: str) -> dict:
     for key in ("architecture", "fingerprint", "dtype"):
         if key not in meta:
             raise ManifestError(f"{meta_path}: missing {key!r}; the checkpoint is damaged")
-    meta.setdefault("fingerprint_scheme", LEGACY_FINGERPRINT_SCHEME)  # written before it was named
+    meta.setdefault("fingerprint_scheme", PARAMETER_NAMES)  # written before it was named
     if meta["fingerprint_scheme"] not in FINGERPRINT_SCHEMES:
         raise ManifestError(
             f"{meta_path}: fingerprint_scheme {meta['fingerprint_scheme']!r} is not one of "
@@ -248,11 +272,15 @@ def _weights_only(sharded_state_dict: dict) -> dict:
     return {k: v for k, v in sharded_state_dict.items() if not k.endswith("_extra_state")}
 
 
-def _gather_full(param: nn.Parameter, tp_group) -> torch.Tensor:
+def _gather_full(param: nn.Parameter, tp_group, parts: int = 1) -> torch.Tensor:
+    """The full tensor of a tensor-parallel shard. ``parts``: each rank's shard holds that many
+    blocks along the split (SwiGLU's gate and up), joined block by block across the ranks."""
     # Megatron marks shards on the Parameter itself (tensor_model_parallel, partition_dim).
     local = param.detach()
     if not getattr(param, "tensor_model_parallel", False) or dist.get_world_size(tp_group) == 1:
         return local
     shards = [torch.empty_like(local) for _ in range(dist.get_world_size(tp_group))]
     dist.all_gather(shards, local.contiguous(), group=tp_group)
-    return torch.cat(shards, dim=param.partition_dim)
+    dim = param.partition_dim
+    blocks = [shard.chunk(parts, dim=dim) for shard in shards]
+    return torch.cat([rank[part] for part in range(parts) for rank in blocks], dim=dim)

@@ -319,3 +319,12 @@ def test_a_projection_tes_fp8_gemms_cannot_take_is_refused_by_name():
     assert "N in multiples of 8" in message and "linear_qkv" not in message
     excluded = derive(manifest, {"precision.exclude_modules": ["*.1.mlp.linear_fc1"]}, "bf16")
     _check_aligned(model, excluded)  # kept in BF16, it never reaches TE's FP8 GEMM
+
+
+def test_a_history_holding_nan_is_loaded_and_checked_bit_for_bit():
+    saved = trained(TeLikeLinear(8), seed=13)
+    saved["amax_history_fwd"][2, 1] = float("nan")
+    target = TeLikeLinear(8)
+    trained(target, seed=14)
+    TeFp8MetaView(target, RECIPE, "m").load_state_dict(saved)  # in place
+    assert torch.isnan(target.fp8_meta["scaling_fwd"].amax_history[2, 1])

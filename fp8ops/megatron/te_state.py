@@ -118,9 +118,7 @@ class TeFp8MetaView:
         # A TE that skipped the payload (a classifier that ignores it, a changed loader) must
         # not leave the old state in place unnoticed: evaluation restores through here too.
         loaded = self._te_tensors()
-        if loaded is None or not all(
-            torch.equal(loaded[k].cpu(), state[k].cpu()) for k in FP8_KEYS
-        ):
+        if loaded is None or not all(_same_bits(loaded[k], state[k]) for k in FP8_KEYS):
             raise Fp8opsError(
                 f"{self.name}: Transformer Engine did not take the FP8 state handed to its "
                 "set_extra_state; this TE's loader is not the one fp8ops was written against"
@@ -133,6 +131,11 @@ class TeFp8MetaView:
             return None
         tensors = (forward.scale, forward.amax_history, backward.scale, backward.amax_history)
         return dict(zip(FP8_KEYS, tensors, strict=True))
+
+
+def _same_bits(te: torch.Tensor, given: torch.Tensor) -> bool:
+    # Bits, not values: a NaN in a history is the same NaN after a copy, and never == itself.
+    return torch.equal(te.cpu().view(torch.int32), given.to(torch.float32).cpu().view(torch.int32))
 
 
 @contextlib.contextmanager

@@ -275,14 +275,18 @@ def test_tp2_matches_tp1_and_ranks_agree(finetune_manifest, tmp_path):
     assert (tmp_path / "tp2" / "manifests" / f"{manifest_hash(parent)}.yaml").exists()
 
 
-def test_a_swiglu_run_checkpoints_resumes_and_verifies_at_another_tp_size(tmp_path):
+def test_a_llama_shaped_run_checkpoints_resumes_and_verifies_at_another_tp_size(tmp_path):
     """SwiGLU's linear_fc1 is checkpointed through Megatron's ShardedTensorFactory (gate and up
     saved apart), its optimizer state too; and each rank holds [gate; up], so its fingerprint
     joins all the gates, then all the ups, as the checkpoint stores it: a TP=1 base verifies at
-    TP=2."""
+    TP=2. Before, such a run failed at its first checkpoint."""
     from fp8ops.train import resume_training
 
+    # The 8B manifest's architecture at the small model's size: SwiGLU, RMSNorm, rotary
+    # positions, grouped-query attention.
     swiglu = {**SMALL_MODEL, **SCHEDULE, "model.activation": "swiglu",
+              "model.normalization": "RMSNorm", "model.position_embedding": "rope",
+              "model.num_query_groups": 2,
               "schedule.train_steps": 2, "schedule.eval_interval": 2}  # fmt: skip
     base = _write(tmp_path, "base", MANIFESTS / "tiny-gpt-cpu-base.yaml", swiglu)
     assert run_training(base, tmp_path / "base", progress=False, stop_at=1).paused

@@ -38,7 +38,7 @@ from fp8ops.megatron.compat import (
 from fp8ops.megatron.cpu_shims import apply_cpu_shims
 from fp8ops.megatron.layers import fp8_modules
 from fp8ops.megatron.spec import get_gpt_layer_fp8_emulated_spec
-from fp8ops.megatron.te_backend import FP8_TOKEN_MULTIPLE, build_gpt_te, te_projections
+from fp8ops.megatron.te_backend import build_gpt_te, te_projections
 from fp8ops.megatron.te_telemetry import te_telemetry_modules
 from fp8ops.precision import DelayedScalingRecipe, EmulatedGemm, ScaledMmGemm
 from fp8ops.precision.scaled_mm import ALIGNMENT, scaled_mm_unsupported
@@ -127,11 +127,10 @@ def _check_scaled_mm_runs(device: torch.device) -> None:
 
 # backend -> (K multiple, N multiple, why): the per-rank GEMM sizes an FP8 module must have.
 FP8_GEMM_SIZES = {
-    "scaled_mm": (ALIGNMENT, ALIGNMENT, "torch._scaled_mm needs them, and padding would copy each "
-                  "FP8 weight on every GEMM"),
-    "te": (16, FP8_TOKEN_MULTIPLE, "Transformer Engine's FP8 GEMMs refuse others "
-           "(assert_dim_for_fp8_exec)"),
-}  # fmt: skip
+    "scaled_mm": (ALIGNMENT, ALIGNMENT, "torch._scaled_mm needs them; padding would copy weights"),
+    # TE: a weight's rows in multiples of 8, as the tokens are; its columns of 16.
+    "te": (16, 8, "Transformer Engine's FP8 GEMMs refuse others (assert_dim_for_fp8_exec)"),
+}
 
 
 def _check_aligned(model: GPTModel, manifest) -> None:

@@ -10,14 +10,16 @@ from typing import Any
 import pytest
 import yaml
 from manifest_support import LLAMA, MINIMAL, TINY
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
 from fp8ops.errors import ManifestError, RevisionError
 from fp8ops.manifest import (
     Manifest,
+    Telemetry,
     ManifestStore,
     canonical_dict,
     canonical_json,
+    content_dict,
     derive,
     diff_manifests,
     load_manifest,
@@ -27,11 +29,12 @@ from fp8ops.manifest import (
     to_yaml,
     write_manifest,
 )
+from fp8ops.manifest.schema import Globs, _Section, added_field
 
 
 def with_change(m: Manifest, path: str, value: Any) -> Manifest:
     """``m`` with one dotted field replaced (no revision bookkeeping, unlike ``derive``)."""
-    data = canonical_dict(m)
+    data = content_dict(m)
     *sections, field = path.split(".")
     node = data
     for section in sections:
@@ -197,6 +200,68 @@ def test_to_yaml_round_trips(path):
 def test_to_yaml_quotes_strings_that_look_like_floats(tiny):
     child = derive(tiny, {"precision.margin": 1}, "1e-5")
     assert parse_manifest(to_yaml(child), "x").revision.reason == "1e-5"
+
+
+# --------------------------------------------------------------------------------------
+# Hashes across fp8ops versions
+# --------------------------------------------------------------------------------------
+
+# The shipped manifests' hashes. A run's checkpoints, its stored revisions and their parent
+# links all name a manifest by hash, so a change of the hash of a manifest that did not change
+# refuses every existing run's resume. If this fails after a schema change: declare the new field
+# with ``schema.added_field``, not ``Field``, and give it the default that means what runs did
+# before. (The files themselves are never edited: a change is a new revision.)
+SHIPPED_HASHES = {
+    "tiny-gpt-cpu-base.yaml": "147bb0a27e1e7e7e18bd66a0ba07a88ce341c6af5348f6d2eba23e73a8813ee9",
+    "tiny-gpt-cpu.yaml": "e3401e12090da85ef349b9b7b1848eb4c57b28efa02a86271f0caa44f8c68dcf",
+    "llama3-8b-h100.yaml": "e43d286bfcaf197c8a13a910c8ba6cd68badab08aadc1dda6828d607caf0cbb5",
+    "llama3-8b-h100-r1.yaml": "5f2ea22db9f025dced89bd8a475ad7ef6d858843f35c6a251f5bdd5b3b0d460c",
+}
+
+
+def test_shipped_manifests_keep_their_hashes():
+    shipped = {p.name: manifest_hash(load_manifest(p)) for p in TINY.parent.glob("*.yaml")}
+    assert shipped == SHIPPED_HASHES
+    r1 = load_manifest(TINY.parent / "llama3-8b-h100-r1.yaml")
+    assert r1.revision.parent == SHIPPED_HASHES["llama3-8b-h100.yaml"]
+
+
+class _LaterTelemetry(Telemetry):
+    # What a later fp8ops adding a field looks like.
+    error_sample_modules: Globs = added_field(
+        (), added_in="9.9.0", description="Modules whose FP8 error is sampled; () for all."
+    )
+
+
+class _LaterReview(_Section):
+    quorum: int = Field(1, description="Approvals an override needs.")
+
+
+class _LaterManifest(Manifest):
+    telemetry: _LaterTelemetry = Field(default_factory=_LaterTelemetry)
+    later_review: _LaterReview = added_field(default_factory=_LaterReview, added_in="9.9.0")
+
+
+def test_a_field_added_later_keeps_existing_hashes_until_it_is_used(tiny):
+    data = content_dict(tiny)
+    later = _LaterManifest.model_validate(data)
+    assert manifest_hash(later) == manifest_hash(tiny)
+    assert content_dict(later)["telemetry"]["error_sample_modules"] == []  # still in the content
+    # Written out at its default, it means the same run.
+    data["telemetry"]["error_sample_modules"] = []
+    data["later_review"] = {"quorum": 1}
+    assert manifest_hash(_LaterManifest.model_validate(data)) == manifest_hash(tiny)
+    # Used, it changes the hash, and the diff names it.
+    data["telemetry"]["error_sample_modules"] = ["*.linear_fc2"]
+    used = _LaterManifest.model_validate(data)
+    assert manifest_hash(used) != manifest_hash(tiny)
+    assert [(c.path, c.old, c.new) for c in diff_manifests(later, used)] == [
+        ("telemetry.error_sample_modules", [], ["*.linear_fc2"])
+    ]
+    data["later_review"] = {"quorum": 2}
+    assert "later_review" in canonical_dict(_LaterManifest.model_validate(data))
+    # At its default, the canonical YAML leaves it out, so an older fp8ops reads the file.
+    assert manifest_hash(parse_manifest(to_yaml(later), "older reader")) == manifest_hash(tiny)
 
 
 def test_diff_reports_changes_by_path(tiny):

@@ -30,7 +30,7 @@ from fp8ops.checkpoint.drift import (
 from fp8ops.checkpoint.meta import CheckpointMeta, read_meta
 from fp8ops.errors import ManifestError
 from fp8ops.manifest import derive, load_manifest, manifest_hash
-from fp8ops.manifest.canonical import canonical_dict
+from fp8ops.manifest.canonical import content_dict
 from fp8ops.manifest.schema import Manifest
 
 
@@ -162,7 +162,7 @@ def _with_ledger_overrides(requested: Manifest, saved: Manifest) -> Manifest:
 
 def _rebase(saved: Manifest, requested: Manifest, reason: str) -> Manifest:
     """``requested``'s content as the next revision of ``saved``."""
-    old, new = canonical_dict(saved), canonical_dict(requested)
+    old, new = content_dict(saved), content_dict(requested)
     changes = {
         section: new[section]
         for section in new

@@ -5,6 +5,13 @@ in, keys sorted, no whitespace. Two files that mean the same run (keys in anothe
 other comments, flow or block style, defaults written out or left implicit, ``1e-5`` or
 ``0.00001``) have the same canonical form and so the same hash; any change of meaning
 changes it.
+
+One exception keeps hashes stable across fp8ops versions: a field added to the schema after
+its first release (``schema.added_field``) is left out while it holds its default. Without
+it, every new field would change the hash of every existing manifest, and with it every
+stored revision's name, every revision's parent link and every checkpoint's manifest lock:
+an upgrade would refuse every run's resume as drift. A default chosen for a new field
+therefore has to mean what runs did before the field existed.
 """
 
 from __future__ import annotations
@@ -16,13 +23,42 @@ from typing import Any, Literal
 
 import yaml
 
-from fp8ops.manifest.schema import Manifest
+from pydantic import BaseModel
+
+from fp8ops.manifest.schema import ADDED_IN, Manifest
 from fp8ops.manifest.yaml_io import ManifestDumper
 
 
-def canonical_dict(m: Manifest) -> dict[str, Any]:
-    """Every field, defaults included, as JSON types (tuples become lists)."""
+def content_dict(m: Manifest) -> dict[str, Any]:
+    """Every field, defaults included, as JSON types (tuples become lists): the content to
+    edit, compare or derive from."""
     return _positive_zero(m.model_dump(mode="json"))
+
+
+def canonical_dict(m: Manifest) -> dict[str, Any]:
+    """What the hash covers: :func:`content_dict` without the fields added to the schema
+    later that still hold their defaults (module docstring)."""
+    return _without_added_defaults(m, content_dict(m))
+
+
+def _without_added_defaults(model: BaseModel, dumped: dict[str, Any]) -> dict[str, Any]:
+    kept = {}
+    for name, field in type(model).model_fields.items():
+        value = getattr(model, name)
+        extra = field.json_schema_extra
+        if isinstance(extra, dict) and ADDED_IN in extra:
+            if value == field.get_default(call_default_factory=True):
+                continue
+        kept[name] = _recurse(value, dumped[name])
+    return kept
+
+
+def _recurse(value: Any, dumped: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return _without_added_defaults(value, dumped)
+    if isinstance(value, tuple | list):
+        return [_recurse(v, d) for v, d in zip(value, dumped, strict=True)]
+    return dumped
 
 
 def canonical_json(m: Manifest) -> str:
@@ -85,7 +121,7 @@ def diff_manifests(a: Manifest, b: Manifest) -> list[FieldChange]:
     Lists (module globs) are compared as whole values: ``[] -> ['*.linear_fc2']`` reads
     better than a change per index.
     """
-    old, new = _leaves(canonical_dict(a)), _leaves(canonical_dict(b))
+    old, new = _leaves(content_dict(a)), _leaves(content_dict(b))
     changes = []
     for path in sorted(old.keys() | new.keys()):
         if path not in new:

@@ -17,7 +17,7 @@ import yaml
 
 from fp8ops.errors import ManifestError, RevisionError
 from fp8ops.files import atomic_write_text
-from fp8ops.manifest.canonical import canonical_dict, manifest_hash, to_yaml
+from fp8ops.manifest.canonical import content_dict, manifest_hash, to_yaml
 from fp8ops.manifest.load import load_manifest
 from fp8ops.manifest.messages import dotted, validate_manifest
 from fp8ops.manifest.schema import Manifest
@@ -61,12 +61,12 @@ def derive(
     source = source or f"revision {number} of {parent.name}"
     if not changes:
         raise ManifestError(f"{source}: no changes given")
-    data = canonical_dict(parent)
+    data = content_dict(parent)
     for path, value in changes.items():
         _assign(data, path, value, source)
     data["revision"] = {"number": number, "parent": manifest_hash(parent), "reason": reason}
     child = validate_manifest(data, source)
-    if {**canonical_dict(child), "revision": None} == {**canonical_dict(parent), "revision": None}:
+    if {**content_dict(child), "revision": None} == {**content_dict(parent), "revision": None}:
         raise ManifestError(
             f"{source}: the changes leave the manifest as it was; nothing to derive"
         )

@@ -31,12 +31,29 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
+from pydantic_core import PydanticCustomError, PydanticUndefined
 
 if TYPE_CHECKING:
     from fp8ops.amax_algo import AmaxAlgo
 
 SCHEMA_VERSION = 1
+
+# The marker of a field added after the schema's first release (``added_field``).
+ADDED_IN = "fp8ops_added_in"
+
+
+def added_field(default: Any = PydanticUndefined, *, added_in: str, **kwargs: Any) -> Any:
+    """A field added to the schema after its first release, in fp8ops version ``added_in``.
+
+    Every field added from now on must be declared with this, not ``Field``: the hash leaves
+    it out while it holds its default (``canonical.py``), so every manifest written before it
+    existed keeps its hash, its stored revisions and its checkpoints' lock. ``default`` must
+    therefore mean what runs did before. ``tests/test_manifest.py`` pins the shipped
+    manifests' hashes, and fails on a field added with ``Field``.
+    """
+    extra = dict(kwargs.pop("json_schema_extra", None) or {})
+    extra[ADDED_IN] = added_in
+    return Field(default, json_schema_extra=extra, **kwargs)
 
 
 class _Section(BaseModel):

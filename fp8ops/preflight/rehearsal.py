@@ -26,7 +26,7 @@ from typing import Any
 from fp8ops.errors import Fp8opsError
 from fp8ops.files import read_jsonl
 from fp8ops.manifest import derive, write_manifest
-from fp8ops.manifest.canonical import canonical_dict
+from fp8ops.manifest.canonical import content_dict
 from fp8ops.manifest.schema import Manifest
 from fp8ops.preflight.results import Evidence
 
@@ -67,7 +67,7 @@ def fitted_changes(manifest: Manifest, steps: int) -> dict[str, Any]:
 
 def derived(manifest: Manifest, changes: dict[str, Any], reason: str) -> Manifest:
     """``manifest`` with the ``changes`` it does not already have, as a revision (or itself)."""
-    current = canonical_dict(manifest)
+    current = content_dict(manifest)
 
     def value(path: str) -> Any:
         node: Any = current

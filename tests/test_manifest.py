@@ -15,8 +15,8 @@ from pydantic import Field, ValidationError
 from fp8ops.errors import ManifestError, RevisionError
 from fp8ops.manifest import (
     Manifest,
-    Telemetry,
     ManifestStore,
+    Telemetry,
     canonical_dict,
     canonical_json,
     content_dict,

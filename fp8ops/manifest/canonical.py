@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import yaml
-
 from pydantic import BaseModel
 
 from fp8ops.manifest.schema import ADDED_IN, Manifest
@@ -46,9 +45,9 @@ def _without_added_defaults(model: BaseModel, dumped: dict[str, Any]) -> dict[st
     for name, field in type(model).model_fields.items():
         value = getattr(model, name)
         extra = field.json_schema_extra
-        if isinstance(extra, dict) and ADDED_IN in extra:
-            if value == field.get_default(call_default_factory=True):
-                continue
+        added_later = isinstance(extra, dict) and ADDED_IN in extra
+        if added_later and value == field.get_default(call_default_factory=True):
+            continue
         kept[name] = _recurse(value, dumped[name])
     return kept
 

@@ -59,6 +59,12 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0 or not getattr(exc, "collective", False):
             print(exc if rank == 0 else f"[rank {rank}] {exc}", file=sys.stderr)
         raise SystemExit(exc.exit_code) from None
+    except OSError as exc:
+        # A path given (or the disk under it) failed: say which, as for every user error.
+        paths = [str(p) for p in (exc.filename, exc.filename2) if p is not None]
+        where = f"{' -> '.join(paths)}: " if paths else ""
+        print(f"[rank {rank}] " * (rank != 0) + f"{where}{exc.strerror or exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _console() -> Console:
@@ -330,10 +336,14 @@ def _report_training(result) -> None:
     eval_text = "" if result.last_eval_loss is None else f", eval loss {result.last_eval_loss:.4f}"
     if result.capability_accuracy is not None:
         eval_text += f", capability accuracy {result.capability_accuracy:.1%}"
-    out.print(
-        f"trained steps {result.first_step}-{result.steps} in {result.seconds:.0f} s: loss "
-        f"{result.first_loss:.4f} -> {result.last_loss:.4f}{eval_text}"
-    )
+    if result.first_step > result.steps:  # Trainer.finish: nothing left to train
+        out.print(f"finished the run: final weights written from its step {result.steps} "
+                  f"checkpoint in {result.seconds:.0f} s")  # fmt: skip
+    else:
+        out.print(
+            f"trained steps {result.first_step}-{result.steps} in {result.seconds:.0f} s: loss "
+            f"{result.first_loss:.4f} -> {result.last_loss:.4f}{eval_text}"
+        )
     if result.paused:
         out.print(f"paused at step {result.steps}; continue with: fp8ops resume {result.run_dir}")
         return

@@ -18,6 +18,9 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     flushed to disk before the rename, and the rename before returning.
     """
     path = Path(path)
+    for folder in (path.parent, *path.parent.parents):
+        if folder.exists() and not folder.is_dir():
+            raise Fp8opsError(f"{path}: {folder} is a file, not a directory; choose another path")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -37,11 +40,43 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         os.close(dir_fd)
 
 
+def append_lines(path: str | Path, text: str) -> None:
+    """Append ``text`` (whole lines) to a log in one write, first cutting off a torn last line.
+
+    A crash or a full disk can leave the log ending mid-record. That record was never
+    completed, and :func:`read_jsonl` already skips it; but appended after, it would sit
+    mid-file, where it is damage, and every later read of the log would refuse.
+    """
+    with open(path, "ab+") as log:  # writes go to the end
+        end = log.seek(0, os.SEEK_END)
+        if end:
+            log.seek(end - 1)
+            if log.read(1) != b"\n":
+                log.truncate(_after_last_newline(log, end))
+        log.write(text.encode("utf-8"))
+
+
+def _after_last_newline(log, end: int) -> int:
+    block = 1 << 16
+    position = end
+    while position > 0:
+        start = max(0, position - block)
+        log.seek(start)
+        found = log.read(position - start).rfind(b"\n")
+        if found >= 0:
+            return start + found + 1
+        position = start
+    return 0
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """The records of an append-only log; a torn last line (a crash mid-write) is skipped."""
     records = []
-    with open(path) as log:
-        lines = log.read().split("\n")
+    try:
+        with open(path, encoding="utf-8") as log:
+            lines = log.read().split("\n")
+    except UnicodeDecodeError:
+        raise Fp8opsError(f"{path}: not text (not UTF-8); the file is damaged") from None
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue

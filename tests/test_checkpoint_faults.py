@@ -37,7 +37,7 @@ from checkpoint_support import edit_meta, rehash, train_small_base, write_small_
 from fp8ops.checkpoint import CheckpointDir, read_meta
 from fp8ops.checkpoint.directory import META_FILE, checkpoint_name, checkpoint_step, verify_files
 from fp8ops.files import read_jsonl
-from fp8ops.manifest import derive, load_manifest, write_manifest
+from fp8ops.manifest import derive, load_manifest, manifest_hash, write_manifest
 from fp8ops.train import run_training
 from fp8ops.train.run_dir import read_metrics
 from fp8ops.train.weights import META_FILE as WEIGHTS_META
@@ -407,13 +407,118 @@ def test_a_metadata_pickle_naming_a_class_a_metadata_module_only_imports_is_refu
 # -- latest naming a checkpoint that is gone ----------------------------------------------------
 
 
-def test_latest_naming_a_checkpoint_that_is_gone_says_so(run, manifest, cli):
+def test_latest_naming_a_checkpoint_that_is_gone_says_so_and_the_advice_works(
+    run, manifest, reference, cli
+):
     shutil.rmtree(run / "checkpoints" / LATEST)
     for command in (["resume", run], ["train", manifest, "--resume", "--run-dir", run]):
         refused = cli(*command, "--no-progress")
         assert refused.code == 2
         assert f"names {LATEST!r}, which is not a checkpoint here" in refused.err
         assert "--checkpoint NAME" in refused.err
+    gc.collect()  # the refused Trainer's run.lock (see the damaged-file test)
+    resumed = cli("resume", run, "--checkpoint", PREVIOUS, "--stop-at", PAUSED_AT, "--no-progress")
+    assert resumed.code == 0, resumed.err
+    assert CheckpointDir(run).latest().name == LATEST
+    assert read_metrics(run)[-1]["loss"] == read_metrics(reference)[PAUSED_AT - 1]["loss"]
+
+
+# -- records of earlier attempts ----------------------------------------------------------------
+
+
+def test_torn_log_tails_are_cut_and_stale_status_fields_dropped_on_resume(run, reference, cli):
+    """A crash or a full disk left metrics.jsonl and events.jsonl ending mid-line, and the
+    failed attempt's error in status.json. The resume appends after whole lines only, so
+    every log still reads, and its status is its own."""
+    for name in ("metrics.jsonl", "events.jsonl"):
+        log = run / name
+        log.write_bytes(log.read_bytes()[:-20])
+    status = json.loads((run / "status.json").read_text())
+    (run / "status.json").write_text(
+        json.dumps(
+            {**status, "state": "failed", "error": "OSError: [Errno 28] No space left on device"}
+        )
+    )
+    resumed = cli("resume", run, "--stop-at", PAUSED_AT + 1, "--no-progress")
+    assert resumed.code == 0, resumed.err
+    for name in ("metrics.jsonl", "events.jsonl"):
+        assert all(json.loads(line) for line in (run / name).read_text().splitlines())
+    # Step 2's torn line is gone; step 3 trained as in the straight run.
+    assert [r["step"] for r in read_metrics(run)] == [1, PAUSED_AT + 1]
+    assert read_metrics(run)[-1]["loss"] == read_metrics(reference)[PAUSED_AT]["loss"]
+    status = json.loads((run / "status.json").read_text())
+    assert (status["state"], status["step"], "error" in status) == ("paused", PAUSED_AT + 1, False)
+
+
+def test_a_run_killed_between_its_final_checkpoint_and_final_weights_is_finished(
+    reference, tmp_path, cli
+):
+    run = Path(shutil.copytree(reference, tmp_path / "run"))
+    shutil.rmtree(run / "final")
+    status = json.loads((run / "status.json").read_text())
+    (run / "status.json").write_text(json.dumps({**status, "state": "running"}))
+
+    finished = cli("resume", run, "--no-progress")
+    assert finished.code == 0, finished.err
+    assert f"final weights written from its step {STEPS} checkpoint" in finished.out
+    assert json.loads((run / "status.json").read_text())["state"] == "completed"
+    written = json.loads((run / "final" / WEIGHTS_META).read_text())
+    straight = json.loads((reference / "final" / WEIGHTS_META).read_text())
+    assert written == straight  # the same weights (fingerprint), manifest, steps and last loss
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, STEPS + 1))  # nothing trained
+    again = cli("resume", run, "--no-progress")
+    assert again.code == 0 and "nothing to train" in again.err
+
+
+def test_a_damaged_telemetry_store_says_how_to_resume_without_it(run, reference, cli):
+    store = run / "telemetry.zarr"
+    (store / "zarr.json").unlink()
+    refused = cli("resume", run, "--stop-at", PAUSED_AT + 1, "--no-progress")
+    assert refused.code == 2
+    assert f"move it aside (mv {store} {store}.damaged)" in refused.err, refused.err
+    gc.collect()  # the refused Trainer's run.lock (see the damaged-file test)
+    store.rename(store.with_name("telemetry.zarr.damaged"))
+    resumed = cli("resume", run, "--stop-at", PAUSED_AT + 1, "--no-progress")
+    assert resumed.code == 0, resumed.err
+    assert read_metrics(run)[-1]["loss"] == read_metrics(reference)[PAUSED_AT]["loss"]
+    assert (store / "zarr.json").is_file()
+
+
+# -- a checkpoint that is not this run's --------------------------------------------------------
+
+
+def test_a_checkpoint_from_another_run_is_refused(run, manifest, tmp_path, cli):
+    latest = run / "checkpoints" / LATEST
+    other = derive(load_manifest(manifest), {"optimizer.lr": 1e-3}, "test: another run")
+    (latest / "manifest.yaml").unlink()
+    write_manifest(other, latest / "manifest.yaml")
+    rehash(latest, "manifest.yaml")
+    edit_meta(latest, lambda meta: meta.update(manifest=manifest_hash(other)))
+    before = _files(run)
+    refused = cli("resume", run, "--no-progress")
+    assert refused.code == 2
+    assert f"{latest}: saved under manifest {manifest_hash(other)[:12]}, which is not one of " in (
+        refused.err
+    )
+    assert "belongs to another run" in refused.err
+    assert _files(run) == before
+
+
+def test_an_edited_revision_is_refused_before_training(run, cli):
+    (stored,) = (run / "manifests").glob("*.yaml")
+    stored.write_text(stored.read_text().replace("margin: 0", "margin: 2"))
+    before = _files(run)
+    refused = cli("resume", run, "--no-progress")
+    assert refused.code == 2
+    assert str(stored) in refused.err
+    assert _files(run) == before  # refused before anything trained or was written
+
+
+def test_an_empty_drift_reason_is_refused(run, cli):
+    refused = cli("resume", run, "--set", "optimizer.lr=0.001", "--accept-drift", " ",
+                  "--no-progress")  # fmt: skip
+    assert refused.code == 2
+    assert "--accept-drift: give the reason" in refused.err
 
 
 # -- drift: refused from the JSON, before any model ---------------------------------------------

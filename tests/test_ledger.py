@@ -27,7 +27,7 @@ if importlib.util.find_spec("megatron") is None:  # the layer table comes from t
 
 from fp8ops.admission import decide_admission, write_layers_json
 from fp8ops.alerts import Alert, write_alerts
-from fp8ops.manifest import derive, load_manifest, manifest_hash, write_manifest
+from fp8ops.manifest import ManifestStore, derive, load_manifest, manifest_hash, write_manifest
 from fp8ops.overrides import Ledger, LedgerError, OverrideError, Trigger, te_debug_yaml
 from fp8ops.overrides import ledger as ledger_module
 from fp8ops.overrides.chain import GENESIS, canonical_json, record_hash
@@ -72,9 +72,12 @@ def make_run_dir(path, admitted, *, allow_self_approval=False):
         manifest = derive(manifest, {"review.allow_self_approval": True}, "one-person team")
     path.mkdir(parents=True, exist_ok=True)
     write_manifest(manifest, path / "manifest.yaml")
+    ManifestStore(path / "manifests").put(manifest)
     write_layers_json(path, table, recipe, tensor_parallel=1, manifest_hash=manifest_hash(manifest))
     (path / "run.json").write_text(json.dumps({"data": {"fingerprint": DATA}}))
-    (path / "status.json").write_text(json.dumps({"state": "running", "step": 120}))
+    (path / "status.json").write_text(
+        json.dumps({"state": "running", "step": 120, "manifest": manifest_hash(manifest)})
+    )
     saturation = {"rule": "saturation", "metric": "input.saturation", "threshold": 0.02}
     write_alerts(path, [
         Alert(100, "observe", module=FC1, value=0.01, message="", **{**saturation,
@@ -141,6 +144,23 @@ def test_self_approval_is_refused_unless_the_manifest_allows_it(run_dir, tmp_pat
     solo = Ledger(make_run_dir(tmp_path / "solo", admitted, allow_self_approval=True))
     o = solo.stage(FC1, "saturation", who="ana")
     assert solo.approve(o.id, who="ana").status == "approved"
+
+
+def test_self_approval_does_not_follow_an_edited_manifest_file(run_dir):
+    """Review rules come from the revision the run is locked to, not from whatever
+    manifest.yaml says now."""
+    file = run_dir / "manifest.yaml"
+    locked = file.read_text()
+    file.write_text(locked.replace("allow_self_approval: false", "allow_self_approval: true"))
+    ledger = Ledger(run_dir)
+    o = ledger.stage(FC1, "saturation", who="ana")
+    with pytest.raises(OverrideError, match=r"manifest.yaml hashes to .* the run is locked to .* "
+                       r"edited after the run wrote it.*restore the file: cp "):  # fmt: skip
+        ledger.approve(o.id, who="ana")
+    assert len(lines(run_dir)) == 1  # nothing written
+    file.write_text(locked)
+    with pytest.raises(OverrideError, match="cannot approve it too"):
+        ledger.approve(o.id, who="ana")
 
 
 def test_an_alert_engine_proposal_is_approved_by_a_person(run_dir):

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from fp8ops.alerts.records import Alert
 from fp8ops.errors import Fp8opsError
-from fp8ops.files import read_jsonl
+from fp8ops.files import append_lines, read_jsonl
 
 ALERTS = "alerts.jsonl"
 T = TypeVar("T")
@@ -48,8 +48,7 @@ def _append(path: Path, records: Iterable[Any]) -> None:
         for r in records
     ]
     if lines:
-        with open(path, "a") as log:
-            log.write("".join(lines))  # one write: a crash tears at most the last line
+        append_lines(path, "".join(lines))  # one write: a crash tears at most the last line
 
 
 def _parse(path: Path, parse: Callable[[dict[str, Any]], T]) -> list[T]:

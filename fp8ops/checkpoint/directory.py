@@ -82,7 +82,7 @@ class CheckpointDir:
         if not pointer.is_file():
             complete = self.complete()
             return complete[-1] if complete else None
-        name = pointer.read_text().strip()
+        name = pointer.read_text(errors="replace").strip()
         if checkpoint_step(name) is None or not (self.path / name).is_dir():
             raise CheckpointError(
                 f"{pointer} names {name!r}, which is not a checkpoint here; "
@@ -151,7 +151,9 @@ class CheckpointDir:
         the next save continues this run, not the abandoned one (rank 0 only)."""
         later = [p for p in self.complete() if checkpoint_step(p.name) > checkpoint_step(
             checkpoint.name)]  # fmt: skip
-        if not later and (self.path / LATEST).is_file() and self.latest() == checkpoint:
+        pointer = self.path / LATEST
+        named = pointer.read_text(errors="replace").strip() if pointer.is_file() else None
+        if not later and named == checkpoint.name:  # (a pointer to nothing is rewritten)
             return []
         atomic_write_text(self.path / LATEST, checkpoint.name + "\n")  # first: never a gap
         moved = []

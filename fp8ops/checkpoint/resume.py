@@ -29,7 +29,7 @@ from fp8ops.checkpoint.drift import (
 )
 from fp8ops.checkpoint.meta import CheckpointMeta, read_meta
 from fp8ops.errors import ManifestError
-from fp8ops.manifest import derive, load_manifest, manifest_hash
+from fp8ops.manifest import ManifestStore, derive, load_manifest, manifest_hash
 from fp8ops.manifest.canonical import content_dict
 from fp8ops.manifest.schema import Manifest
 
@@ -76,9 +76,15 @@ def plan_resume(
         raise ManifestError(
             f"{directory / 'manifest.yaml'}: hashes to {manifest_hash(saved)[:12]} but the "
             f"checkpoint was saved under {meta.manifest[:12]}. Either the file was changed (the "
-            "checkpoint is damaged), or the checkpoint was written by another fp8ops whose "
-            "manifest schema had other fields (the hash covers every field, defaults included): "
-            "resume it with the fp8ops that wrote it"
+            "checkpoint is damaged), or the checkpoint was written by an fp8ops whose manifest "
+            "schema differs from this one's in more than added fields: resume it with the "
+            "fp8ops that wrote it"
+        )
+    _check_run_revisions(run_dir, directory, meta)
+    if accept_drift is not None and not accept_drift.strip():
+        raise ManifestError(
+            "--accept-drift: give the reason the drift is acceptable; it is recorded in the "
+            "new revision and the run's events (an empty reason was given)"
         )
     requested = saved
     if manifest_path is not None:
@@ -108,6 +114,23 @@ def plan_resume(
     )  # fmt: skip
     _apply_ledger(plan)
     return plan
+
+
+def _check_run_revisions(run_dir: Path, directory: Path, meta: CheckpointMeta) -> None:
+    """The checkpoint was saved under one of the run's own revisions, and the run's copies of
+    its revision chain still hash to their names. Checked here, before anything is trained: a
+    checkpoint copied in from another run would otherwise train on under that run's manifest,
+    and an edited revision would be found only at the next save, losing the steps since."""
+    store = ManifestStore(run_dir / "manifests")
+    if not store.path_for(meta.manifest).exists():
+        raise ManifestError(
+            f"{directory}: saved under manifest {meta.manifest[:12]}, which is not one of this "
+            f"run's revisions ({store.directory}): the checkpoint belongs to another run. Resume "
+            "it in its own run directory, or start a new run from its weights"
+        )
+    for digest in meta.revisions:
+        if store.path_for(digest).exists():
+            store.get(digest)  # raises RevisionError, naming the file, if it was edited
 
 
 # Changes a checkpoint cannot be loaded into, accepted or not: other tensor shapes, another data

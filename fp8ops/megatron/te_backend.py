@@ -39,7 +39,6 @@ from fp8ops.errors import Fp8opsError
 from fp8ops.megatron import compat
 from fp8ops.megatron.te_state import is_te_projection
 
-
 # TE's FP8 GEMMs take inputs whose leading dimensions (the tokens) multiply to a multiple of 8
 # (transformer_engine/pytorch/utils.py::assert_dim_for_fp8_exec).
 FP8_TOKEN_MULTIPLE = 8

@@ -40,7 +40,6 @@ from fp8ops.admission import read_layers_json
 from fp8ops.alerts.files import read_alerts
 from fp8ops.alerts.records import Alert, decode_float, encode_float
 from fp8ops.errors import Fp8opsError
-from fp8ops.manifest import load_manifest
 from fp8ops.manifest.schema import Bf16Override
 from fp8ops.overrides.chain import GENESIS, LedgerError, canonical_json, parse_chain, record_hash
 
@@ -520,7 +519,12 @@ class Ledger:
         return [Trigger.from_alert(latest[metric]) for metric in sorted(latest)]
 
     def _self_approval_allowed(self) -> bool:
-        return load_manifest(self.run_dir / "manifest.yaml").review.allow_self_approval
+        from fp8ops.train.run_dir import locked_manifest
+
+        try:
+            return locked_manifest(self.run_dir).review.allow_self_approval
+        except Fp8opsError as exc:
+            raise OverrideError(str(exc)) from None
 
     def _status_step(self) -> int | None:
         return _json_field(self.run_dir / "status.json", "step")

@@ -72,12 +72,23 @@ def resume_training(
 
 def _resume(plan, source: str, progress: bool, stop_at: int | None) -> TrainResult:
     if plan.step >= plan.manifest.schedule.train_steps:
+        if not _finished(plan.run_dir):  # ended after the final checkpoint: Trainer.finish
+            return _run(plan.manifest, None, source, plan.run_dir, progress, plan=plan)
         raise RunAlreadyComplete(
             f"{plan.checkpoint} is at step {plan.step} of {plan.manifest.schedule.train_steps}: "
             "nothing to train. To train longer, raise schedule.train_steps "
             '(--set schedule.train_steps=N --accept-drift "why")'
         )
     return _run(plan.manifest, None, source, plan.run_dir, progress, plan=plan, stop_at=stop_at)
+
+
+def _finished(run_dir: Path) -> bool:
+    """The run wrote its final weights and said so (the last thing a run does)."""
+    from fp8ops.train.run_dir import read_status
+    from fp8ops.train.weights import META_FILE
+
+    status = read_status(Path(run_dir)) or {}
+    return status.get("state") == "completed" and (Path(run_dir) / "final" / META_FILE).is_file()
 
 
 def _run(manifest, lineage, source: str, run_dir: Path, progress: bool, *, plan=None,
@@ -92,6 +103,7 @@ def _run(manifest, lineage, source: str, run_dir: Path, progress: bool, *, plan=
     from fp8ops.train.trainer import Trainer
 
     start = plan.step if plan is not None else 0
+    finishing = start == manifest.schedule.train_steps
     if stop_at is not None and not start < stop_at < manifest.schedule.train_steps:
         raise Fp8opsError(
             f"--stop-at {stop_at}: the run is at step {start} of {manifest.schedule.train_steps}; "
@@ -123,7 +135,7 @@ def _run(manifest, lineage, source: str, run_dir: Path, progress: bool, *, plan=
                     raise
                 raise type(exc)(f"{source}: {exc}") from None  # name the file, as load errors do
             try:
-                result = trainer.train(stop_at=stop_at)
+                result = trainer.finish() if finishing else trainer.train(stop_at=stop_at)
             finally:
                 trainer.run.release()
         finally:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8ops.errors import Fp8opsError
-from fp8ops.files import atomic_write_text
+from fp8ops.files import append_lines, atomic_write_text
 from fp8ops.manifest import ManifestStore, manifest_hash, write_manifest
 from fp8ops.manifest.canonical import to_yaml
 from fp8ops.manifest.schema import Manifest
@@ -165,9 +165,11 @@ class RunDir:
         return run
 
     @classmethod
-    def reopen(cls, path: Path, manifest: Manifest, new_revisions: list[Manifest]) -> RunDir:
-        """Continue a run in its own directory (a resume; rank 0 only): the revisions the
-        resume adds are stored and ``manifest.yaml`` becomes the one it is locked to."""
+    def reopen(cls, path: Path, manifest: Manifest, new_revisions: list[Manifest], *,
+               step: int, checkpoint: str) -> RunDir:  # fmt: skip
+        """Continue a run in its own directory from ``checkpoint`` at ``step`` (a resume; rank 0
+        only): the revisions the resume adds are stored and ``manifest.yaml`` becomes the one
+        it is locked to."""
         run = cls(path)
         run._hold()
         store = ManifestStore(run.path / "manifests")
@@ -175,7 +177,10 @@ class RunDir:
             store.put(revision)
         if new_revisions:  # the lock moves to the new revision; all of them stay in manifests/
             atomic_write_text(run.path / MANIFEST, to_yaml(manifest))
-        run.set_status("running", manifest=manifest_hash(manifest))
+        # A fresh status: an earlier attempt's error, alert, step or checkpoint is not this one's.
+        run._status = {}
+        run.set_status("running", manifest=manifest_hash(manifest), step=step,
+                       resumed_from=checkpoint)  # fmt: skip
         return run
 
     def release(self) -> None:
@@ -211,8 +216,7 @@ class RunDir:
     # -- append-only logs --------------------------------------------------------------------
 
     def append(self, name: str, record: dict[str, Any]) -> None:
-        with open(self.path / name, "a") as log:
-            log.write(json.dumps(record, sort_keys=True) + "\n")
+        append_lines(self.path / name, json.dumps(record, sort_keys=True) + "\n")
 
     def event(self, kind: str, **fields: Any) -> None:
         self.append("events.jsonl", {"event": kind, "time": _now(), **fields})
@@ -227,14 +231,43 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return latest_per_step(read_jsonl(file)) if file.exists() else []
 
 
+def locked_manifest(path: Path) -> Manifest:
+    """The run's ``manifest.yaml``, checked to be the revision ``status.json`` names and to
+    be stored in ``manifests/``: decisions read from it (who may approve an override) must not
+    follow an edit of the file."""
+    from fp8ops.manifest import load_manifest
+
+    file = Path(path) / MANIFEST
+    manifest = load_manifest(file)
+    digest, status = manifest_hash(manifest), read_status(path) or {}
+    store = ManifestStore(Path(path) / "manifests")
+    locked = status.get("manifest", digest)
+    if digest != locked or not store.path_for(digest).exists():
+        restore = f"cp {store.path_for(locked)} {file}" if store.path_for(locked).exists() else (
+            "restore it from a copy")  # fmt: skip
+        raise Fp8opsError(
+            f"{file} hashes to {digest[:12]}, but the run is locked to {locked[:12]} "
+            f"({Path(path) / STATUS}, {store.directory}): the file was edited after the run "
+            f"wrote it. A change to a run is a new revision (fp8ops resume --set ... "
+            f"--accept-drift); restore the file: {restore}"
+        )
+    store.get(digest)  # the stored copy still hashes to its name
+    return manifest
+
+
 def read_status(path: Path) -> dict[str, Any] | None:
     """A run directory's status, or None if it has none."""
+    file = Path(path) / STATUS
     try:
-        return json.loads((Path(path) / STATUS).read_text())
+        status = json.loads(file.read_text())
     except FileNotFoundError:
         return None
-    except json.JSONDecodeError as exc:
-        raise Fp8opsError(f"{Path(path) / STATUS}: not valid JSON ({exc})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise Fp8opsError(f"{file}: not valid JSON ({exc}); the file is damaged") from None
+    if not isinstance(status, dict):
+        raise Fp8opsError(f"{file}: holds a JSON {type(status).__name__}, not an object; the "
+                          "file is damaged")  # fmt: skip
+    return status
 
 
 def _now() -> str:

@@ -150,7 +150,8 @@ class Trainer:
         elif resume is None:
             self.run = RunDir.claim(run_dir, manifest, lineage)
         else:
-            self.run = RunDir.reopen(run_dir, manifest, resume.new_revisions)
+            self.run = RunDir.reopen(run_dir, manifest, resume.new_revisions, step=resume.step,
+                                     checkpoint=resume.checkpoint.name)  # fmt: skip
         try:
             if ranks.is_main:
                 from fp8ops.overrides import Ledger
@@ -206,7 +207,8 @@ class Trainer:
                         self.save_checkpoint(finished, "periodic")
             if self.telemetry is not None:  # the last steps reach the disk before "completed"
                 self.telemetry.close()
-            self._save_final(losses[-1])
+            final = self.save_checkpoint(schedule.train_steps, "final")
+            self._save_final_weights(final, losses[-1])
         except StopRun as stop:
             try:
                 self._stop(stop)
@@ -227,6 +229,39 @@ class Trainer:
             first_step=self.start_step + 1, resume_summary=self._resume_summary(),
             capability_accuracy=self.capability_accuracy,
         )  # fmt: skip
+
+    def finish(self) -> TrainResult:
+        """Complete a run whose process ended after its final checkpoint but before its final
+        weights (``final/``) or its completed status: a kill or a preemption in that window,
+        which on a large model lasts minutes. The weights come from that checkpoint, which the
+        constructor loaded; nothing is trained or saved again."""
+        steps, checkpoint = self.manifest.schedule.train_steps, self.resume.checkpoint
+        started = time.perf_counter()
+        self._event("finishing", checkpoint=checkpoint.name)
+        last_loss = self._logged_loss(steps)
+        try:
+            if self.telemetry is not None:
+                self.telemetry.close()
+            self._save_final_weights(checkpoint, last_loss)
+        except BaseException as exc:
+            self._close_telemetry_after(exc)
+            self._mark_failed(exc)
+            raise
+        seconds = time.perf_counter() - started
+        if self.ranks.is_main:
+            self.run.set_status("completed", step=steps)
+            self.run.event("train_completed", seconds=round(seconds, 3))
+        return TrainResult(
+            self.run.path, steps, last_loss, last_loss, None, seconds, first_step=steps + 1,
+            resume_summary=self._resume_summary(),
+        )  # fmt: skip
+
+    def _logged_loss(self, step: int) -> float:
+        """The loss metrics.jsonl holds for ``step`` (NaN if it holds none: the line was lost)."""
+        from fp8ops.train.run_dir import read_metrics
+
+        logged = {r["step"]: r["loss"] for r in read_metrics(self.run.path)}
+        return logged.get(step, float("nan"))
 
     def _pause(self, step: int, losses: list[float], last_eval, started: float,
                why: str) -> TrainResult:  # fmt: skip
@@ -448,20 +483,27 @@ class Trainer:
         """The store, or None for a run without FP8-capable modules (FP8 off: the per-step
         metrics are in metrics.jsonl, and there is no per-module FP8 state to record)."""
         from fp8ops.telemetry import TelemetryWriter
-        from fp8ops.telemetry.store import rank_group
+        from fp8ops.telemetry.store import TelemetryError, rank_group
 
         if not self.collector.names:
             return None
         path = self.run.path / "telemetry.zarr"
         if self.resume is not None and path.exists():
             dist.barrier()  # rank 0 may have rewritten nothing yet; all ranks see one store
-            if (path / rank_group(self.ranks.rank)).exists():
-                return TelemetryWriter.resume(path, rank=self.ranks.rank,
-                                              next_step=self.start_step + 1)  # fmt: skip
-            return TelemetryWriter.join(
-                path, rank=self.ranks.rank, next_step=self.start_step + 1,
-                flush_every=self.manifest.telemetry.flush_steps,
-            )  # fmt: skip
+            try:
+                if (path / rank_group(self.ranks.rank)).exists():
+                    return TelemetryWriter.resume(path, rank=self.ranks.rank,
+                                                  next_step=self.start_step + 1)  # fmt: skip
+                return TelemetryWriter.join(
+                    path, rank=self.ranks.rank, next_step=self.start_step + 1,
+                    flush_every=self.manifest.telemetry.flush_steps,
+                )  # fmt: skip
+            except TelemetryError as exc:
+                raise TelemetryError(
+                    f"{exc}. The checkpoint is not affected: to resume without the damaged "
+                    f"store, move it aside (mv {path} {path}.damaged); a new one then records "
+                    f"from step {self.start_step + 1}"
+                ) from None
         return TelemetryWriter(
             path, rank=self.ranks.rank, first_step=self.start_step + 1,
             modules=self.collector.names, flush_every=self.manifest.telemetry.flush_steps,
@@ -777,10 +819,10 @@ class Trainer:
         })  # fmt: skip
         self.run.event("run_started", manifest=manifest_hash(manifest))
 
-    def _save_final(self, last_loss: float) -> None:
+    def _save_final_weights(self, checkpoint: Path, last_loss: float) -> None:
+        """``final/``: the weights of the final ``checkpoint`` (the model holds them)."""
         from fp8ops.checkpoint import read_meta
 
-        checkpoint = self.save_checkpoint(self.manifest.schedule.train_steps, "final")
         # The same weights: the checkpoint already gathered and hashed them.
         saved = read_meta(checkpoint)
         fingerprint = saved.weights_fingerprint

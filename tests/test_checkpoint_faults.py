@@ -39,7 +39,7 @@ from fp8ops.checkpoint.directory import META_FILE, checkpoint_name, checkpoint_s
 from fp8ops.files import read_jsonl
 from fp8ops.manifest import derive, load_manifest, manifest_hash, write_manifest
 from fp8ops.train import run_training
-from fp8ops.train.run_dir import read_metrics
+from fp8ops.train.run_dir import RunDir, read_metrics
 from fp8ops.train.weights import META_FILE as WEIGHTS_META
 
 pytestmark = [
@@ -482,6 +482,51 @@ def test_a_damaged_telemetry_store_says_how_to_resume_without_it(run, reference,
     assert resumed.code == 0, resumed.err
     assert read_metrics(run)[-1]["loss"] == read_metrics(reference)[PAUSED_AT]["loss"]
     assert (store / "zarr.json").is_file()
+
+
+def test_train_into_a_run_being_trained_now_is_refused_as_such(run, manifest, cli):
+    holder = RunDir(run)
+    holder._hold()  # what the training process holds while it trains
+    try:
+        refused = cli("train", manifest, "--run-dir", run, "--no-progress")
+    finally:
+        holder.release()
+    assert refused.code == 2
+    assert "is being trained by another fp8ops process right now" in refused.err
+
+
+def test_an_unreadable_base_checkpoint_is_named_with_its_field(manifest, tmp_path, cli):
+    base = Path(load_manifest(manifest).model.init_checkpoint)
+    damaged = Path(shutil.copytree(base, tmp_path / "base"))
+    shard = max((p for p in damaged.rglob("*") if p.is_file() and p.suffix == ".distcp"),
+                key=lambda p: p.stat().st_size)  # fmt: skip
+    shard.write_bytes(shard.read_bytes()[:100])
+    edited = write_manifest(
+        derive(load_manifest(manifest), {"model.init_checkpoint": str(damaged)}, "test"),
+        tmp_path / "edited.yaml",
+    )
+    refused = cli("train", edited, "--run-dir", tmp_path / "run", "--no-progress")
+    assert refused.code == 2, refused.err
+    assert f"model.init_checkpoint '{damaged}': its weights cannot be read (EOFError)" in (
+        refused.err
+    ), refused.err
+    assert "Traceback" not in refused.err
+
+
+def test_resume_of_what_is_not_a_resumable_run_says_what_it_is(tmp_path, cli):
+    file = tmp_path / "a-file"
+    file.write_text("x\n")
+    early = tmp_path / "early"
+    early.mkdir()
+    (early / "status.json").write_text(json.dumps({"state": "failed", "step": 0}))
+    for path, says in [
+        (tmp_path / "typo", "does not exist: give the run directory to resume"),
+        (file, "is a file: give the run directory to resume"),
+        (early, f"stopped before its first one. Start it over with `fp8ops train MANIFEST "
+                f"--resume --run-dir {early}`"),
+    ]:  # fmt: skip
+        refused = cli("resume", path, "--no-progress")
+        assert refused.code == 2 and says in refused.err, refused.err
 
 
 # -- a checkpoint that is not this run's --------------------------------------------------------

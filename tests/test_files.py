@@ -63,3 +63,12 @@ def test_an_output_path_that_cannot_be_written_is_named_without_a_traceback(tmp_
                  "--out", long)  # fmt: skip
     assert result.code == 2
     assert result.err.startswith(str(tmp_path)) and "File name too long" in result.err, result.err
+
+
+def test_a_manifest_written_to_a_directory_is_refused_as_such(tmp_path, cli):
+    from manifest_support import TINY
+
+    result = cli("manifest", "derive", TINY, "--set", "precision.margin=1", "--reason", "why",
+                 "--out", tmp_path)  # fmt: skip
+    assert result.code == 2
+    assert result.err.strip() == f"{tmp_path}: is a directory; give the manifest file's path"

@@ -402,6 +402,10 @@ def test_ids_are_resolved_from_unique_prefixes(run_dir, admitted, monkeypatch):
 def test_a_missing_run_directory_and_an_empty_ledger(tmp_path, run_dir):
     with pytest.raises(OverrideError, match="no such run directory"):
         Ledger(tmp_path / "nowhere")
+    (tmp_path / "other").mkdir()
+    with pytest.raises(OverrideError, match="not an fp8ops run directory"):
+        Ledger(tmp_path / "other")
+    assert not list((tmp_path / "other").iterdir())  # nothing left behind
     ledger = Ledger(run_dir)
     assert (ledger.records(), ledger.verify(), ledger.overrides()) == ([], 0, {})
     assert not ledger.path.exists()  # reading creates nothing

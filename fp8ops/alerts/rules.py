@@ -460,7 +460,7 @@ class AlertEngine:
                     message = (
                         f"Step {step}: {self.modules[i]} {metric} was "
                         f"{format_value(_py(values[i, j]))}, above the {level} level "
-                        f"{format_value(threshold)}{self._for_steps(patience, unit)}."
+                        f"{threshold:.6g}{self._for_steps(patience, unit)}."  # as written
                     )
                     alerts.append(
                         self._alert(step, level, rule, i, metric, values[i, j], threshold, message)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fp8ops.checkpoint.directory import CheckpointDir
+from fp8ops.checkpoint.directory import CheckpointDir, CheckpointError
 from fp8ops.checkpoint.drift import (
     Drift,
     DriftRefused,
@@ -69,6 +69,7 @@ def plan_resume(
     from fp8ops.train.environment import environment_fingerprint
 
     run_dir = Path(run_dir)
+    _check_is_run(run_dir)
     directory = CheckpointDir(run_dir).find(checkpoint)
     meta = read_meta(directory)
     saved = load_manifest(directory / "manifest.yaml")
@@ -114,6 +115,20 @@ def plan_resume(
     )  # fmt: skip
     _apply_ledger(plan)
     return plan
+
+
+def _check_is_run(run_dir: Path) -> None:
+    """A directory to resume, not a typo; and a run stopped before its first checkpoint says
+    how to start it over."""
+    if not run_dir.is_dir():
+        what = "is a file" if run_dir.exists() else "does not exist"
+        raise CheckpointError(f"{run_dir} {what}: give the run directory to resume")
+    if not CheckpointDir(run_dir).complete() and (run_dir / "status.json").is_file():
+        raise CheckpointError(
+            f"{run_dir} has no checkpoint to resume from: the run stopped before its first one. "
+            f"Start it over with `fp8ops train MANIFEST --resume --run-dir {run_dir}` (the "
+            "unfinished attempt is kept in its attempts/ folder)"
+        )
 
 
 def _check_run_revisions(run_dir: Path, directory: Path, meta: CheckpointMeta) -> None:

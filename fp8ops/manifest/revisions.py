@@ -124,6 +124,8 @@ def write_manifest(m: Manifest, path: str | Path) -> Path:
     """
     path = Path(path)
     digest = manifest_hash(m)
+    if path.is_dir():
+        raise ManifestError(f"{path}: is a directory; give the manifest file's path")
     if path.exists():
         try:
             existing = manifest_hash(load_manifest(path))

@@ -257,6 +257,11 @@ class Ledger:
         if not self.run_dir.is_dir():
             what = "is not a directory" if self.run_dir.exists() else "no such run directory"
             raise OverrideError(f"{self.run_dir}: {what}")
+        if not any((self.run_dir / name).is_file() for name in ("status.json", "manifest.yaml")):
+            raise OverrideError(
+                f"{self.run_dir}: not an fp8ops run directory (no status.json or manifest.yaml); "
+                "give the directory a run writes"
+            )
 
     # -- reading ------------------------------------------------------------------------------
 

@@ -83,6 +83,11 @@ class RunDir:
                 f"{path} already holds a completed run of this manifest (sha256 {digest[:12]}); "
                 "nothing to do. Its results are in that directory."
             )
+        if _trained_now(path):
+            raise Fp8opsError(
+                f"--run-dir {str(path)!r} is being trained by another fp8ops process right now; "
+                "wait for it to finish or stop it, or choose a new --run-dir"
+            )
         if status is None:
             raise Fp8opsError(
                 f"--run-dir {str(path)!r} holds files that are not an fp8ops run; choose a new "
@@ -229,6 +234,20 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
     file = Path(path) / "metrics.jsonl"
     return latest_per_step(read_jsonl(file)) if file.exists() else []
+
+
+def _trained_now(path: Path) -> bool:
+    """Whether a live process holds the run's ``run.lock`` (``RunDir._hold``)."""
+    lock_file = Path(path) / "run.lock"
+    if not lock_file.is_file():
+        return False
+    with open(lock_file, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    return False
 
 
 def locked_manifest(path: Path) -> Manifest:

@@ -171,6 +171,7 @@ def load_weights(model: nn.Module, directory: Path, model_cfg, *, tp_group, fiel
     manifest's, or weights whose fingerprint no longer matches.
     """
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
     directory = Path(directory)
     meta_path = directory / META_FILE
@@ -192,8 +193,21 @@ def load_weights(model: nn.Module, directory: Path, model_cfg, *, tp_group, fiel
             "topology.tensor_parallel); train at a tensor-parallel size that pads alike"
         )
     sharded = _weights_only(model.sharded_state_dict())
-    with _quiet_dcp():
-        loaded = dist_checkpointing.load(sharded, str(directory))
+    try:
+        with _quiet_dcp():
+            loaded = dist_checkpointing.load(sharded, str(directory))
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any kind, for bad files
+        # (CheckpointException, torch's collective read error, is a BaseException that holds
+        # each failed rank's exception and traceback.)
+        failures = getattr(exc, "failures", None) or {}
+        cause = next(iter(failures.values()), exc)
+        cause = cause[0] if isinstance(cause, tuple) else cause
+        detail = (str(cause).strip().splitlines() or [""])[0][:300]
+        raise ManifestError(
+            f"{field} {str(directory)!r}: its weights cannot be read ({type(cause).__name__}"
+            f"{': ' + detail if detail else ''}); the checkpoint is damaged or incomplete: point "
+            f"{field} at a whole one"
+        ) from None
     missing, unexpected = model.load_state_dict(loaded, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:

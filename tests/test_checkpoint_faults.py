@@ -423,6 +423,25 @@ def test_latest_naming_a_checkpoint_that_is_gone_says_so_and_the_advice_works(
     assert read_metrics(run)[-1]["loss"] == read_metrics(reference)[PAUSED_AT - 1]["loss"]
 
 
+def test_a_second_rewind_past_a_step_keeps_both_abandoned_checkpoints(tmp_path):
+    store = CheckpointDir(tmp_path)
+
+    def save(step: int, text: str) -> None:
+        (store.path / checkpoint_name(step)).mkdir(parents=True)
+        (store.path / checkpoint_name(step) / "what").write_text(text)
+
+    save(1, "first")
+    save(2, "abandoned once")
+    store.rewind(store.path / checkpoint_name(1))
+    save(2, "abandoned twice")
+    moved = store.rewind(store.path / checkpoint_name(1))
+    superseded = store.path / "superseded"
+    assert moved == [superseded / f"{checkpoint_name(2)}.2"]
+    assert sorted((p.name, (p / "what").read_text()) for p in superseded.iterdir()) == [
+        (checkpoint_name(2), "abandoned once"), (f"{checkpoint_name(2)}.2", "abandoned twice")]
+    assert store.latest() == store.path / checkpoint_name(1)
+
+
 # -- records of earlier attempts ----------------------------------------------------------------
 
 

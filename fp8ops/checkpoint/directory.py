@@ -28,6 +28,7 @@ import dataclasses
 import enum
 import hashlib
 import io
+import itertools
 import os
 import pickle
 import re
@@ -159,7 +160,11 @@ class CheckpointDir:
         moved = []
         for path in later:
             target = self.path / SUPERSEDED / path.name
-            shutil.rmtree(target, ignore_errors=True)
+            # A second rewind past the same step keeps both abandoned checkpoints.
+            for attempt in itertools.count(2):
+                if not target.exists():
+                    break
+                target = self.path / SUPERSEDED / f"{path.name}.{attempt}"
             target.parent.mkdir(exist_ok=True)
             os.replace(path, target)
             moved.append(target)

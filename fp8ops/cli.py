@@ -60,10 +60,12 @@ def main(argv: list[str] | None = None) -> None:
             print(exc if rank == 0 else f"[rank {rank}] {exc}", file=sys.stderr)
         raise SystemExit(exc.exit_code) from None
     except OSError as exc:
+        if exc.filename is None:  # not about a path (a connection, a device): a real fault
+            raise
         # A path given (or the disk under it) failed: say which, as for every user error.
         paths = [str(p) for p in (exc.filename, exc.filename2) if p is not None]
-        where = f"{' -> '.join(paths)}: " if paths else ""
-        print(f"[rank {rank}] " * (rank != 0) + f"{where}{exc.strerror or exc}", file=sys.stderr)
+        print(f"[rank {rank}] " * (rank != 0) + f"{' -> '.join(paths)}: {exc.strerror or exc}",
+              file=sys.stderr)  # fmt: skip
         raise SystemExit(2) from None
 
 
@@ -338,7 +340,7 @@ def _report_training(result) -> None:
         eval_text += f", capability accuracy {result.capability_accuracy:.1%}"
     if result.first_step > result.steps:  # Trainer.finish: nothing left to train
         out.print(f"finished the run: final weights written from its step {result.steps} "
-                  f"checkpoint in {result.seconds:.0f} s")  # fmt: skip
+                  f"checkpoint in {result.seconds:.0f} s{eval_text}")  # fmt: skip
     else:
         out.print(
             f"trained steps {result.first_step}-{result.steps} in {result.seconds:.0f} s: loss "

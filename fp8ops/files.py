@@ -45,15 +45,29 @@ def append_lines(path: str | Path, text: str) -> None:
 
     A crash or a full disk can leave the log ending mid-record. That record was never
     completed, and :func:`read_jsonl` already skips it; but appended after, it would sit
-    mid-file, where it is damage, and every later read of the log would refuse.
+    mid-file, where it is damage, and every later read of the log would refuse. (A last line
+    that is whole JSON, only its newline lost, is a record :func:`read_jsonl` returns: kept.)
     """
     with open(path, "ab+") as log:  # writes go to the end
         end = log.seek(0, os.SEEK_END)
         if end:
             log.seek(end - 1)
             if log.read(1) != b"\n":
-                log.truncate(_after_last_newline(log, end))
+                start = _after_last_newline(log, end)
+                log.seek(start)
+                if _is_json(log.read(end - start)):
+                    text = "\n" + text  # a whole record that lost only its newline: kept
+                else:
+                    log.truncate(start)
         log.write(text.encode("utf-8"))
+
+
+def _is_json(data: bytes) -> bool:
+    try:
+        json.loads(data)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError both are
+        return False
+    return True
 
 
 def _after_last_newline(log, end: int) -> int:

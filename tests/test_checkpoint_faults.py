@@ -39,7 +39,7 @@ from fp8ops.checkpoint.directory import META_FILE, checkpoint_name, checkpoint_s
 from fp8ops.files import read_jsonl
 from fp8ops.manifest import derive, load_manifest, manifest_hash, write_manifest
 from fp8ops.train import run_training
-from fp8ops.train.run_dir import RunDir, read_metrics
+from fp8ops.train.run_dir import RunDir, locked_manifest, read_metrics
 from fp8ops.train.weights import META_FILE as WEIGHTS_META
 
 pytestmark = [
@@ -546,6 +546,62 @@ def test_resume_of_what_is_not_a_resumable_run_says_what_it_is(tmp_path, cli):
     ]:  # fmt: skip
         refused = cli("resume", path, "--no-progress")
         assert refused.code == 2 and says in refused.err, refused.err
+
+
+def test_a_stop_alert_at_the_last_step_is_finished_with_its_evaluations(reference, tmp_path, cli):
+    """A Stop alert at the last step checkpoints before the step's evaluations (the checkpoint's
+    reason says so). Simulated on the straight run: its final checkpoint relabelled, the
+    final evaluation and weights removed."""
+    run = Path(shutil.copytree(reference, tmp_path / "run"))
+    last = run / "checkpoints" / checkpoint_name(STEPS)
+    edit_meta(last, lambda meta: meta.update(reason="alert-stop: saturation"))
+    shutil.rmtree(run / "final")
+    evals = (run / "eval.jsonl").read_text().splitlines()
+    (run / "eval.jsonl").write_text("".join(line + "\n" for line in evals[:-1]))
+    status = json.loads((run / "status.json").read_text())
+    (run / "status.json").write_text(json.dumps({**status, "state": "stopped"}))
+
+    finished = cli("resume", run, "--no-progress")
+    assert finished.code == 0, finished.err
+    straight_eval = json.loads(evals[-1])
+    assert json.loads((run / "eval.jsonl").read_text().splitlines()[-1]) == straight_eval
+    assert f"eval loss {straight_eval['loss']:.4f}" in finished.out
+    assert json.loads((run / "status.json").read_text())["state"] == "completed"
+    written = json.loads((run / "final" / WEIGHTS_META).read_text())
+    assert written == json.loads((reference / "final" / WEIGHTS_META).read_text())
+
+
+def test_a_resume_past_a_shortened_schedule_trains_and_overwrites_nothing(run, cli):
+    before = _files(run)
+    result = cli("resume", run, "--set", "schedule.train_steps=1", "--accept-drift", "shorter",
+                 "--no-progress")  # fmt: skip
+    assert result.code == 0 and "nothing to train" in result.err, result.err
+    assert _files(run) == before
+
+
+def test_a_resume_on_other_data_is_refused(run, cli):
+    info = json.loads((run / "run.json").read_text())
+    info["data"]["fingerprint"] = "0" * 64  # the data the run started on, as far as it knows
+    (run / "run.json").write_text(json.dumps(info))
+    before = _files(run)
+    refused = cli("resume", run, "--no-progress")
+    assert refused.code == 4
+    assert "the training data changed since the run started (run.json records data " in (
+        refused.err
+    ), refused.err
+    assert _files(run) == before
+
+
+def test_a_rewind_to_an_earlier_revision_moves_the_lock_back(run, manifest, cli):
+    first = manifest_hash(load_manifest(run / "manifest.yaml"))
+    drifted = cli("resume", run, "--set", "optimizer.lr=0.001", "--accept-drift", "lower lr",
+                  "--stop-at", PAUSED_AT + 1, "--no-progress")  # fmt: skip
+    assert drifted.code == 0, drifted.err
+    assert manifest_hash(locked_manifest(run)) != first
+    back = cli("resume", run, "--checkpoint", PAUSED_AT, "--stop-at", PAUSED_AT + 1,
+               "--no-progress")  # fmt: skip
+    assert back.code == 0, back.err
+    assert manifest_hash(locked_manifest(run)) == first  # the file moved back with the lock
 
 
 # -- a checkpoint that is not this run's --------------------------------------------------------

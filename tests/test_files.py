@@ -22,6 +22,14 @@ def test_append_lines_cuts_a_torn_last_line_first(tmp_path, torn):
     assert [r["step"] for r in read_jsonl(log)] == [1, 2, 3]
 
 
+def test_append_lines_keeps_a_whole_last_record_that_lost_only_its_newline(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 1}\n{"step": 2}')
+    assert [r["step"] for r in read_jsonl(log)] == [1, 2]
+    append_lines(log, '{"step": 3}\n')
+    assert [r["step"] for r in read_jsonl(log)] == [1, 2, 3]
+
+
 def test_append_lines_on_a_file_that_is_all_torn_line_or_new(tmp_path):
     log = tmp_path / "events.jsonl"
     log.write_bytes(b'{"event": "run_sta')

@@ -480,3 +480,20 @@ def test_stop_at_outside_the_remaining_steps_is_refused_up_front(paused, cli):
         result = cli("resume", paused, "--stop-at", step, "--no-progress")
         assert result.code == 2 and "--stop-at" in result.err
     assert read_status(paused)["state"] == "paused"
+
+
+def test_a_requeue_keeps_hand_written_and_ledger_overrides_in_the_saved_order():
+    """A manifest file with its own override, a ledger override applied on top: the requeue's
+    file (the hand-written one only) is the saved revision, not drift. Lists compare as written,
+    so the merge must keep the saved order (hand-written first, as the resume appended)."""
+    from fp8ops.checkpoint.drift import manifest_drift
+    from fp8ops.checkpoint.resume import _with_ledger_overrides
+
+    hand = {"module": "decoder.layers.0.mlp.linear_fc1", "reason": "hand-written"}
+    approved = {"module": FC2, "reason": "saturates", "approval": "a" * 64}
+    requested = derive(load_manifest(MANIFESTS / "tiny-gpt-cpu.yaml"),
+                       {"precision.overrides": [hand]}, "own override")  # fmt: skip
+    saved = derive(requested, {"precision.overrides": [hand, approved]}, "from the ledger")
+    merged = _with_ledger_overrides(requested, saved)
+    assert [o.module for o in merged.precision.overrides] == [hand["module"], FC2]
+    assert manifest_drift(saved, merged) == []

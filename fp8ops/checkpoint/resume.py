@@ -123,7 +123,15 @@ def _check_is_run(run_dir: Path) -> None:
     if not run_dir.is_dir():
         what = "is a file" if run_dir.exists() else "does not exist"
         raise CheckpointError(f"{run_dir} {what}: give the run directory to resume")
-    if not CheckpointDir(run_dir).complete() and (run_dir / "status.json").is_file():
+    from fp8ops.train.run_dir import read_status
+
+    status = read_status(run_dir)
+    if not CheckpointDir(run_dir).complete() and status is not None:
+        if status.get("state") == "completed":
+            raise CheckpointError(
+                f"{run_dir} is a completed run whose checkpoints are gone: nothing to resume. "
+                f"Its weights are in {run_dir / 'final'}; to train on, start a new run from them"
+            )
         raise CheckpointError(
             f"{run_dir} has no checkpoint to resume from: the run stopped before its first one. "
             f"Start it over with `fp8ops train MANIFEST --resume --run-dir {run_dir}` (the "
@@ -192,10 +200,14 @@ def _with_ledger_overrides(requested: Manifest, saved: Manifest) -> Manifest:
     """
     ledger_backed = [o for o in saved.precision.overrides if o.approval is not None]
     own = [o for o in requested.precision.overrides if o.approval is None]
-    if not ledger_backed or requested.precision.overrides == tuple(ledger_backed + own):
+    # In the saved list's order (manifests compare lists as written; their order means nothing),
+    # the file's own overrides the checkpoint does not hold after them.
+    order = {o: i for i, o in enumerate(saved.precision.overrides)}
+    merged = sorted(ledger_backed + own, key=lambda o: order.get(o, len(order)))
+    if not ledger_backed or requested.precision.overrides == tuple(merged):
         return requested
-    merged = [o.model_dump(mode="json") for o in ledger_backed + own]
-    return derive(requested, {"precision.overrides": merged}, "overrides from the run's ledger")
+    changes = {"precision.overrides": [o.model_dump(mode="json") for o in merged]}
+    return derive(requested, changes, "overrides from the run's ledger")
 
 
 def _rebase(saved: Manifest, requested: Manifest, reason: str) -> Manifest:

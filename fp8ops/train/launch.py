@@ -72,8 +72,8 @@ def resume_training(
 
 def _resume(plan, source: str, progress: bool, stop_at: int | None) -> TrainResult:
     if plan.step >= plan.manifest.schedule.train_steps:
-        if not _finished(plan.run_dir):  # ended after the final checkpoint: Trainer.finish
-            return _run(plan.manifest, None, source, plan.run_dir, progress, plan=plan)
+        if plan.step == plan.manifest.schedule.train_steps and not _finished(plan.run_dir):
+            return _run(plan.manifest, None, source, plan.run_dir, progress, plan=plan)  # finish
         raise RunAlreadyComplete(
             f"{plan.checkpoint} is at step {plan.step} of {plan.manifest.schedule.train_steps}: "
             "nothing to train. To train longer, raise schedule.train_steps "

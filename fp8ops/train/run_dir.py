@@ -180,8 +180,11 @@ class RunDir:
         store = ManifestStore(run.path / "manifests")
         for revision in new_revisions:
             store.put(revision)
-        if new_revisions:  # the lock moves to the new revision; all of them stay in manifests/
-            atomic_write_text(run.path / MANIFEST, to_yaml(manifest))
+        # The lock moves to the resumed revision (a new one, or an earlier one after a rewind);
+        # every revision stays in manifests/.
+        file = run.path / MANIFEST
+        if not file.is_file() or file.read_text() != to_yaml(manifest):
+            atomic_write_text(file, to_yaml(manifest))
         # A fresh status: an earlier attempt's error, alert, step or checkpoint is not this one's.
         run._status = {}
         run.set_status("running", manifest=manifest_hash(manifest), step=step,
@@ -238,15 +241,15 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 def _trained_now(path: Path) -> bool:
     """Whether a live process holds the run's ``run.lock`` (``RunDir._hold``)."""
-    lock_file = Path(path) / "run.lock"
-    if not lock_file.is_file():
+    try:
+        with open(Path(path) / "run.lock", "rb") as lock:  # read-only: any reader may probe
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    except OSError:  # no lock file, or not readable: nothing known to hold it
         return False
-    with open(lock_file, "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(lock, fcntl.LOCK_UN)
     return False
 
 

@@ -67,6 +67,26 @@ class TrainResult:
     capability_accuracy: float | None = None  # the segment's last capability evaluation
 
 
+def _check_same_data(fingerprint: str, run_dir: Path, plan) -> None:
+    """A resume reads the data the run started on: the sampler's position means nothing in
+    other data. ``data.fingerprint: null`` checks nothing when a run starts, so the data are
+    checked here against what the run recorded in ``run.json``."""
+    from fp8ops.checkpoint.drift import DriftRefused
+
+    try:
+        recorded = json.loads((run_dir / "run.json").read_text())["data"]["fingerprint"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no record to hold the data to (the run's files say so elsewhere)
+    if recorded is not None and recorded != fingerprint:
+        raise DriftRefused(
+            f"refusing to resume from {plan.checkpoint}: the training data changed since the run "
+            f"started (run.json records data fingerprint {recorded[:12]}, the data now hash to "
+            f"{fingerprint[:12]}), and the sampler's position means nothing in other data. "
+            "Restore the data the run started on, or start a new run from this checkpoint's "
+            "weights"
+        )
+
+
 class Trainer:
     """One run: the model, its data, optimizer and FP8 scope, and the run directory."""
 
@@ -99,6 +119,8 @@ class Trainer:
         # Everything that can refuse the manifest runs before the run directory is claimed,
         # so a refused run leaves nothing behind.
         self.data = build_data(manifest)
+        if resume is not None:
+            _check_same_data(self.data.fingerprint, Path(run_dir), resume)
         self.capability_examples = capability_examples(self.data, manifest.capability)
         self.capability_accuracy: float | None = None
         schedule = manifest.schedule
@@ -231,15 +253,26 @@ class Trainer:
         )  # fmt: skip
 
     def finish(self) -> TrainResult:
-        """Complete a run whose process ended after its final checkpoint but before its final
-        weights (``final/``) or its completed status: a kill or a preemption in that window,
-        which on a large model lasts minutes. The weights come from that checkpoint, which the
-        constructor loaded; nothing is trained or saved again."""
+        """Complete a run whose checkpoint is at its last step but which never wrote its final
+        weights (``final/``) or its completed status:
+
+        * the process ended after the final checkpoint (a kill or a preemption while ``final/``
+          is written, minutes on a large model): nothing is left but the weights;
+        * a Stop alert fired at the last step (its checkpoint's reason is ``alert-stop``): the
+          last step's evaluations never ran, so they run first, under the resumed manifest
+          (with any override approved since).
+
+        The weights are the checkpoint's, which the constructor loaded: nothing is trained."""
         steps, checkpoint = self.manifest.schedule.train_steps, self.resume.checkpoint
         started = time.perf_counter()
         self._event("finishing", checkpoint=checkpoint.name)
-        last_loss = self._logged_loss(steps)
+        last_loss, last_eval = self._logged_loss(steps), None
         try:
+            if self.resume.meta.reason != "final":  # stopped before the last step's evaluations
+                last_eval = self.evaluate(steps)
+                self.check_fp8_agreement(steps)
+                if self._capability_due(steps):
+                    self.evaluate_capability(steps)
             if self.telemetry is not None:
                 self.telemetry.close()
             self._save_final_weights(checkpoint, last_loss)
@@ -252,8 +285,8 @@ class Trainer:
             self.run.set_status("completed", step=steps)
             self.run.event("train_completed", seconds=round(seconds, 3))
         return TrainResult(
-            self.run.path, steps, last_loss, last_loss, None, seconds, first_step=steps + 1,
-            resume_summary=self._resume_summary(),
+            self.run.path, steps, last_loss, last_loss, last_eval, seconds, first_step=steps + 1,
+            resume_summary=self._resume_summary(), capability_accuracy=self.capability_accuracy,
         )  # fmt: skip
 
     def _logged_loss(self, step: int) -> float:
@@ -830,7 +863,7 @@ class Trainer:
             "architecture": weights.architecture(self.manifest.model),
             "fingerprint": fingerprint,
             "fingerprint_scheme": saved.weights_fingerprint_scheme,
-            "manifest": manifest_hash(self.manifest),
+            "manifest": saved.manifest,  # what trained them (a finish may run under a later one)
             "steps": self.manifest.schedule.train_steps,
             "last_loss": last_loss,
         }

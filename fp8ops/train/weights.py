@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 import warnings
@@ -196,7 +197,8 @@ def load_weights(model: nn.Module, directory: Path, model_cfg, *, tp_group, fiel
     try:
         with _quiet_dcp():
             loaded = dist_checkpointing.load(sharded, str(directory))
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any kind, for bad files
+    except (CheckpointException, OSError, EOFError, pickle.UnpicklingError, ValueError,
+            KeyError) as exc:  # fmt: skip
         # (CheckpointException, torch's collective read error, is a BaseException that holds
         # each failed rank's exception and traceback.)
         failures = getattr(exc, "failures", None) or {}

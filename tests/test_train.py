@@ -367,9 +367,10 @@ def test_an_unfinished_run_directory_is_refused_with_advice(finetune_manifest, t
          r"finetune.yaml.*different model.*num_layers: checkpoint 2, manifest 3"),
         (["tokenizer.kind=sentencepiece", "tokenizer.path=x.model"], r"tokenizer.kind"),
         (["topology.pipeline_parallel=2"], r"finetune.yaml.*topology.pipeline_parallel is 2"),
+        (["precision.base_dtype=fp16"], r"finetune.yaml.*base_dtype is fp16.*loss scaling"),
     ],
     ids=["glob-matches-nothing", "tp-not-dividing-heads", "missing-base", "world-size",
-         "base-of-another-model", "tokenizer", "pipeline-parallel"],
+         "base-of-another-model", "tokenizer", "pipeline-parallel", "fp16"],
 )  # fmt: skip
 def test_bad_manifests_stop_before_training(finetune_manifest, tmp_path, cli, settings, message):
     run_dir = tmp_path / "run"

@@ -267,7 +267,10 @@ class PrecisionPolicy(_Section):
     )
     base_dtype: Literal["bf16", "fp16", "fp32"] = Field(
         "bf16",
-        description="Dtype of everything not in FP8: weights, optimizer math, excluded modules.",
+        description=(
+            "Dtype of everything not in FP8: weights, optimizer math, excluded modules. Training "
+            "refuses fp16 (no loss scaling yet)."
+        ),
     )
     fp8_format: Literal["hybrid", "e4m3"] = Field(
         "hybrid",

@@ -165,6 +165,13 @@ def _check_inputs(manifest: Manifest, source: str, *, resuming: bool = False) ->
         raise ManifestError(
             f"{source}: tokenizer.kind {manifest.tokenizer.kind!r} is not supported yet; use 'byte'"
         )
+    if manifest.precision.base_dtype == "fp16":
+        # fp16's range ends near 6e-8: small gradients flush to zero unless the loss is scaled,
+        # and nothing would show it. bf16 keeps float32's range; it is what FP8 recipes use.
+        raise ManifestError(
+            f"{source}: precision.base_dtype is fp16, but fp8ops trains without loss scaling, "
+            "which fp16 gradients need; use bf16 (or fp32)"
+        )
     if manifest.topology.pipeline_parallel != 1:
         raise ManifestError(
             f"{source}: topology.pipeline_parallel is {manifest.topology.pipeline_parallel}, but "

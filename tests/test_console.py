@@ -319,7 +319,7 @@ def test_a_bare_store_shows_what_is_missing(tmp_path):
     _synthetic_store(tmp_path / "run" / "telemetry.zarr", 300).close()
     app = ConsoleApp(tmp_path / "run", follow=False)
     assert "manifest.yaml" in app.header.value  # named as the problem
-    assert "layers.json" in app.ledger_table.value
+    assert "no status.json or manifest.yaml" in app.ledger_table.value
     assert np.asarray(app.heatmap_fig.data[0].z).shape == (MODULES, 300)
 
 

@@ -334,9 +334,13 @@ def test_without_a_held_out_split_evaluation_is_skipped(finetune_manifest, tmp_p
 
 def test_a_run_directory_is_claimed_once(finetune_manifest, tmp_path):
     manifest = load_manifest(finetune_manifest)
-    RunDir.claim(tmp_path / "run", manifest, [manifest])
+    run = RunDir.claim(tmp_path / "run", manifest, [manifest])
     with pytest.raises(Fp8opsError, match="claimed by another fp8ops run"):
         RunDir.claim(tmp_path / "run", manifest, [manifest])
+    # While its trainer holds it, any other start is told so, whatever its status says.
+    with pytest.raises(Fp8opsError, match="is being trained by another fp8ops process right now"):
+        RunDir.check_free(tmp_path / "run", manifest)
+    run.release()
 
 
 @pytest.mark.parametrize(
@@ -348,6 +352,7 @@ def test_an_unfinished_run_directory_is_refused_with_advice(finetune_manifest, t
     manifest = load_manifest(finetune_manifest)
     run = RunDir.claim(tmp_path / "run", manifest, [manifest])
     run.set_status(state)
+    run.release()  # the process that ran it is gone
     with pytest.raises(Fp8opsError, match=f"already holds a {state} run.*{advice}"):
         RunDir.check_free(tmp_path / "run", manifest)
 

@@ -442,6 +442,28 @@ def test_a_second_rewind_past_a_step_keeps_both_abandoned_checkpoints(tmp_path):
     assert store.latest() == store.path / checkpoint_name(1)
 
 
+def test_a_save_cut_between_its_two_renames_keeps_the_previous_copy(run, reference, cli):
+    """Saving a step again renames the old copy aside, then the new one into place; a crash in
+    between leaves `latest` naming nothing. The old copy is named, not swept away."""
+    checkpoints = run / "checkpoints"
+    aside = checkpoints / f".{LATEST}.replaced"
+    (checkpoints / LATEST).rename(aside)
+    refused = cli("resume", run, "--no-progress")
+    assert refused.code == 2
+    assert f"the previous {LATEST} is whole in {aside}. Put it back with `mv {aside} " in (
+        refused.err
+    ), refused.err
+    # Resumed from the one before instead, the next save keeps the copy in superseded/.
+    gc.collect()
+    resumed = cli("resume", run, "--checkpoint", PREVIOUS, "--stop-at", PAUSED_AT,
+                  "--no-progress")  # fmt: skip
+    assert resumed.code == 0, resumed.err
+    kept = checkpoints / "superseded" / LATEST
+    assert not aside.exists() and kept.is_dir()
+    verify_files(kept, read_meta(kept).files)
+    assert read_metrics(run)[-1]["loss"] == read_metrics(reference)[PAUSED_AT - 1]["loss"]
+
+
 # -- records of earlier attempts ----------------------------------------------------------------
 
 

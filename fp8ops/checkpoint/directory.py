@@ -84,6 +84,14 @@ class CheckpointDir:
             complete = self.complete()
             return complete[-1] if complete else None
         name = pointer.read_text(errors="replace").strip()
+        replaced = self.path / f".{name}.replaced"
+        named = self.path / name
+        if checkpoint_step(name) is not None and replaced.is_dir() and not named.exists():
+            raise CheckpointError(
+                f"{pointer} names {name!r}, whose save again was cut short between its two "
+                f"renames; the previous {name} is whole in {replaced}. Put it back with "
+                f"`mv {replaced} {named}`, then resume"
+            )
         if checkpoint_step(name) is None or not (self.path / name).is_dir():
             raise CheckpointError(
                 f"{pointer} names {name!r}, which is not a checkpoint here; "
@@ -113,11 +121,18 @@ class CheckpointDir:
 
         Leftovers of saves and deletions that a crash cut short (hidden ``.partial`` and
         ``.deleting`` directories, the pointer's temporary files) are removed first: one
-        process trains a run at a time (``run.lock``), so none of them is in use.
+        process trains a run at a time (``run.lock``), so none of them is in use. A
+        ``.replaced`` checkpoint whose step is missing is the only copy of that step, and is
+        moved to ``superseded/`` instead.
         """
         if self.path.is_dir():
             for leftover in self.path.glob(".*"):
-                if leftover.is_dir():
+                name = leftover.name.removeprefix(".").removesuffix(".replaced")
+                if leftover.name.endswith(".replaced") and not (self.path / name).exists():
+                    # The only whole copy of its step (a save of it again was cut short): kept
+                    # where it is never loaded or pruned.
+                    os.replace(leftover, self._superseded(name))
+                elif leftover.is_dir():
                     shutil.rmtree(leftover, ignore_errors=True)
                 else:
                     leftover.unlink(missing_ok=True)
@@ -159,16 +174,21 @@ class CheckpointDir:
         atomic_write_text(self.path / LATEST, checkpoint.name + "\n")  # first: never a gap
         moved = []
         for path in later:
-            target = self.path / SUPERSEDED / path.name
-            # A second rewind past the same step keeps both abandoned checkpoints.
-            for attempt in itertools.count(2):
-                if not target.exists():
-                    break
-                target = self.path / SUPERSEDED / f"{path.name}.{attempt}"
-            target.parent.mkdir(exist_ok=True)
+            target = self._superseded(path.name)
             os.replace(path, target)
             moved.append(target)
         return moved
+
+    def _superseded(self, name: str) -> Path:
+        """A new place in ``superseded/`` for checkpoint ``name``: a second rewind past the same
+        step keeps both abandoned checkpoints (``step_N``, ``step_N.2``, ...)."""
+        target = self.path / SUPERSEDED / name
+        for attempt in itertools.count(2):
+            if not target.exists():
+                break
+            target = self.path / SUPERSEDED / f"{name}.{attempt}"
+        target.parent.mkdir(exist_ok=True)
+        return target
 
 
 def _remove(path: Path) -> None:

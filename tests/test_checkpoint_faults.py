@@ -523,6 +523,10 @@ def test_a_damaged_telemetry_store_says_how_to_resume_without_it(run, reference,
     assert resumed.code == 0, resumed.err
     assert read_metrics(run)[-1]["loss"] == read_metrics(reference)[PAUSED_AT]["loss"]
     assert (store / "zarr.json").is_file()
+    # The store it started again is said, not started quietly.
+    assert f"warning: {store} is missing, though the checkpoint's run had committed" in resumed.err
+    restarted = [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "telemetry_restarted"]
+    assert len(restarted) == 1 and f"records from step {PAUSED_AT + 1}" in restarted[0]["message"]
 
 
 def test_train_into_a_run_being_trained_now_is_refused_as_such(run, manifest, cli):

@@ -537,6 +537,13 @@ class Trainer:
                     f"store, move it aside (mv {path} {path}.damaged); a new one then records "
                     f"from step {self.start_step + 1}"
                 ) from None
+        if self.resume is not None and self.resume.meta.telemetry_committed and self.ranks.is_main:
+            # The run had a store and it is gone: say so, rather than start a new one quietly.
+            message = (f"{path} is missing, though the checkpoint's run had committed telemetry "
+                       f"up to step {self.resume.meta.telemetry_committed}; a new store records "
+                       f"from step {self.start_step + 1}")  # fmt: skip
+            print(f"warning: {message}", file=sys.stderr)
+            self.run.event("telemetry_restarted", message=message)
         return TelemetryWriter(
             path, rank=self.ranks.rank, first_step=self.start_step + 1,
             modules=self.collector.names, flush_every=self.manifest.telemetry.flush_steps,

@@ -660,6 +660,31 @@ def test_an_edited_revision_is_refused_before_training(run, cli):
     assert _files(run) == before  # refused before anything trained or was written
 
 
+def test_a_new_telemetry_block_size_needs_a_new_store(run, cli):
+    blocks = load_manifest(run / "manifest.yaml").telemetry.flush_steps
+    other = 1 if blocks != 1 else 2
+    args = ("--set", f"telemetry.flush_steps={other}", "--accept-drift", "fresher reads",
+            "--stop-at", PAUSED_AT + 1, "--no-progress")  # fmt: skip
+    refused = cli("resume", run, *args)
+    assert refused.code == 4
+    store = run / "telemetry.zarr"
+    assert f"telemetry.flush_steps changed ({blocks} -> {other}), but {store} " in refused.err
+    assert "move the store aside" in refused.err
+    store.rename(run / "telemetry.zarr.old")
+    resumed = cli("resume", run, *args)
+    assert resumed.code == 0, resumed.err
+    assert zarr_chunk_steps(store) == other
+
+
+def zarr_chunk_steps(store: Path) -> int:
+    """Steps per block of rank 0's per-module metrics (the array chunked by flush_steps)."""
+    import zarr
+
+    from fp8ops.telemetry.store import MODULE_METRICS, rank_group
+
+    return zarr.open_group(store / rank_group(0), mode="r")[MODULE_METRICS].chunks[0]
+
+
 def test_an_empty_drift_reason_is_refused(run, cli):
     refused = cli("resume", run, "--set", "optimizer.lr=0.001", "--accept-drift", " ",
                   "--no-progress")  # fmt: skip

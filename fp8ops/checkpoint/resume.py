@@ -96,7 +96,7 @@ def plan_resume(
     drift = Drift(manifest_drift(saved, requested))
     drift.changes += environment_drift(meta.environment, environment or environment_fingerprint())
     fp8_read, fp8_problem = _fp8_mapping(meta, requested)
-    problem = fp8_problem or _unloadable(drift)
+    problem = fp8_problem or _unloadable(drift) or _store_problem(drift, run_dir)
     if problem:  # no --accept-drift helps: the checkpoint cannot be loaded into that run
         raise DriftRefused(f"refusing to resume from {directory}: {problem}")
     if drift and accept_drift is None:
@@ -189,6 +189,20 @@ def _unloadable(drift: Drift) -> str | None:
                     f"{path} changed ({change.old!r} -> {change.new!r}): it would change {what}; "
                     "start a new run instead"
                 )
+    return None
+
+
+def _store_problem(drift: Drift, run_dir: Path) -> str | None:
+    """The telemetry store writes blocks of the size its arrays were made with: a changed
+    ``telemetry.flush_steps`` cannot apply to it (accepted, it would be recorded but not done)."""
+    store = run_dir / "telemetry.zarr"
+    for change in drift.changes:
+        if change.what == "manifest" and change.path == "telemetry.flush_steps" and store.exists():
+            return (
+                f"telemetry.flush_steps changed ({change.old!r} -> {change.new!r}), but {store} "
+                f"writes blocks of {change.old} steps, the size its arrays were made with; keep "
+                "it, or move the store aside (a new one is then made with the new size)"
+            )
     return None
 
 

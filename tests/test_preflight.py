@@ -272,6 +272,17 @@ def test_a_run_recorded_under_another_torch_fails_the_versions_item(cli, run, tm
     assert versions["facts"]["drift"] == [{"field": "torch", "recorded": "2.0.0", "now": now}]
 
 
+def test_a_run_whose_manifest_file_was_edited_fails_the_version_control_item(cli, run, tmp_path):
+    copy = Path(shutil.copytree(run, tmp_path / "run"))
+    file = copy / "manifest.yaml"
+    file.write_text(file.read_text().replace("margin: 0", "margin: 1"))
+    code, results, _ = _preflight(cli, copy, tmp_path, *NO_REHEARSALS)
+    control = _item(results, "version-control")
+    assert code == 1 and control["result"] == "fail"
+    assert f"{file} hashes to " in _texts(control, "fail")
+    assert "the file was edited after the run wrote it" in _texts(control, "fail")
+
+
 # -- bad input --------------------------------------------------------------------------------------
 
 

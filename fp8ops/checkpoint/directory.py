@@ -92,7 +92,7 @@ class CheckpointDir:
                 f"renames; the previous {name} is whole in {replaced}. Put it back with "
                 f"`mv {replaced} {named}`, then resume"
             )
-        if checkpoint_step(name) is None or not (self.path / name).is_dir():
+        if checkpoint_step(name) is None or not named.is_dir():
             raise CheckpointError(
                 f"{pointer} names {name!r}, which is not a checkpoint here; "
                 f"list them with `fp8ops checkpoints list {self.path.parent}` and resume from one "

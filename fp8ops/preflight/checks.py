@@ -155,21 +155,17 @@ def _layer_lists(ev: Evidence, file: Path, manifest: Manifest) -> None:
 def _chain_root(ev: Evidence, run_dir: Path, file: Path) -> None:
     """The file hashes to the first revision of the run's chain that the run holds (a file
     that is itself a revision names a parent the run never stored)."""
+    from fp8ops.train.run_dir import locked_manifest
+
     store = ManifestStore(run_dir / "manifests")
-    locked = manifest_hash(load_manifest(run_dir / "manifest.yaml"))
-    if not store.path_for(locked).exists():
-        ev.fail(f"{run_dir}/manifest.yaml hashes to {locked[:12]}, which {run_dir}/manifests "
-                "does not hold: manifest.yaml was edited, or an older fp8ops wrote the run "
-                "(its manifests hashed differently)")  # fmt: skip
-        return
     try:
-        current = store.get(locked)
+        current = locked_manifest(run_dir)  # manifest.yaml is the locked, stored revision
         held = [current]
         while current.revision.parent and store.path_for(current.revision.parent).exists():
             current = store.get(current.revision.parent)  # re-hashed against its name
             held.append(current)
     except Fp8opsError as exc:
-        ev.fail(f"{run_dir}/manifests: the run's revision chain is damaged: {exc}")
+        ev.fail(f"{run_dir}: the run's locked manifest or its revision chain is damaged: {exc}")
         return
     root, file_hash = manifest_hash(held[-1]), manifest_hash(load_manifest(file))
     ev.facts["chain_root"] = root

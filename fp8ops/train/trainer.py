@@ -242,10 +242,7 @@ class Trainer:
             self._close_telemetry_after(exc)  # keep what was measured up to the failure
             self._mark_failed(exc)
             raise
-        seconds = time.perf_counter() - started
-        if self.ranks.is_main:
-            self.run.set_status("completed", step=schedule.train_steps)
-            self.run.event("train_completed", seconds=round(seconds, 3))
+        seconds = self._completed(started)
         return TrainResult(
             self.run.path, schedule.train_steps, losses[0], losses[-1], last_eval, seconds,
             first_step=self.start_step + 1, resume_summary=self._resume_summary(),
@@ -280,14 +277,19 @@ class Trainer:
             self._close_telemetry_after(exc)
             self._mark_failed(exc)
             raise
-        seconds = time.perf_counter() - started
-        if self.ranks.is_main:
-            self.run.set_status("completed", step=steps)
-            self.run.event("train_completed", seconds=round(seconds, 3))
+        seconds = self._completed(started)
         return TrainResult(
             self.run.path, steps, last_loss, last_loss, last_eval, seconds, first_step=steps + 1,
             resume_summary=self._resume_summary(), capability_accuracy=self.capability_accuracy,
         )  # fmt: skip
+
+    def _completed(self, started: float) -> float:
+        """Mark the run completed (final weights written); the seconds since ``started``."""
+        seconds = time.perf_counter() - started
+        if self.ranks.is_main:
+            self.run.set_status("completed", step=self.manifest.schedule.train_steps)
+            self.run.event("train_completed", seconds=round(seconds, 3))
+        return seconds
 
     def _logged_loss(self, step: int) -> float:
         """The loss metrics.jsonl holds for ``step`` (NaN if it holds none: the line was lost)."""

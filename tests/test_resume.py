@@ -497,3 +497,20 @@ def test_a_requeue_keeps_hand_written_and_ledger_overrides_in_the_saved_order():
     merged = _with_ledger_overrides(requested, saved)
     assert [o.module for o in merged.precision.overrides] == [hand["module"], FC2]
     assert manifest_drift(saved, merged) == []
+
+
+def test_a_format_change_on_resume_carries_the_scales_to_the_new_maximum(paused, cli):
+    """hybrid -> e4m3 gradients: the saved backward scales were computed for E5M2's 57344 and
+    would saturate E4M3 (448) on the first step; they are carried by 448 / 57344 at load."""
+    result = cli("resume", paused, "--set", "precision.fp8_format=e4m3", "--accept-drift",
+                 "gradients fit E4M3", "--stop-at", N + 1, "--no-progress")  # fmt: skip
+    assert result.code == 0, result.err
+    event = [e for e in read_jsonl(paused / "events.jsonl") if e["event"] == "resumed"][-1]
+    assert event["scales_carried"] == {"backward": 2.0**-7}
+    assert "backward scales carried to the new recipe: x0.0078125" in result.out + result.err
+    telemetry = open_run(paused)
+    first = telemetry.step_snapshot(N + 1)
+    assert (first["grad_output.saturation"] == 0).all(), first["grad_output.saturation"]
+    # The update moved each carried scale as on any step, not by the factor (128x).
+    assert (first["grad_output.scale_change"] < 4).all(), first["grad_output.scale_change"]
+    assert (first["input.scale_change"] < 4).all()

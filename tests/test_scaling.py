@@ -10,7 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fp8ops.precision.formats import E4M3, Fp8Format
+from fp8ops.precision.recipe import DelayedScalingRecipe
 from fp8ops.precision.scaling import FLT_MAX, parse_amax_algo, update_delayed_scaling
+from fp8ops.precision.state import Fp8Meta, ScalingState, carry_scales, scale_factor
 
 INF, NAN = math.inf, math.nan
 
@@ -272,3 +275,73 @@ def test_a_kept_infinite_scale_is_clamped_like_a_new_one():
     # The kernel's `isinf(scale) -> FLT_MAX` runs after it chose between new and old scale.
     _, scale = update([[0.0, 0.0], [0.0, 0.0]], [math.inf, -math.inf], [0.0, math.nan])
     assert scale.tolist() == [FLT_MAX, FLT_MAX]
+
+
+# ---- carrying scales to a changed recipe (a resume with another format or margin) ---------
+
+
+def _recipe(fmt: str, margin: int, algo: str = "max") -> DelayedScalingRecipe:
+    return DelayedScalingRecipe(fp8_format=Fp8Format.parse(fmt), amax_history_len=4,
+                                amax_compute_algo=parse_amax_algo(algo), margin=margin)  # fmt: skip
+
+
+def test_scale_factors_are_the_ratio_of_the_scaled_maxima():
+    hybrid, e4m3 = _recipe("hybrid", 0), _recipe("e4m3", 0)
+    assert scale_factor(hybrid, e4m3, forward=False) == 2.0**-7  # 448 / 57344
+    assert scale_factor(e4m3, hybrid, forward=False) == 2.0**7
+    assert scale_factor(hybrid, e4m3, forward=True) == 1.0  # forward is E4M3 in both
+    assert scale_factor(hybrid, _recipe("hybrid", 3), forward=True) == 2.0**-3
+    assert scale_factor(_recipe("hybrid", 2), _recipe("e4m3", 0), forward=False) == 2.0**-5
+
+
+def test_carrying_leaves_initial_scales_and_clamps_like_the_update():
+    state = ScalingState(amax_history=torch.zeros(4, 3), fp8=E4M3,
+                         scale=torch.tensor([1.0, FLT_MAX, 3.0]))  # fmt: skip
+    state.carry_scales(2.0**7)
+    assert state.scale.tolist() == [1.0, FLT_MAX, 384.0]  # never set; inf -> FLT_MAX; exact
+    state.carry_scales(2.0**-7)
+    assert state.scale.tolist() == [1.0, f32(FLT_MAX / 128), 3.0]
+    with pytest.raises(ValueError, match="power of two"):
+        state.carry_scales(3.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    amaxes=st.lists(
+        st.lists(st.one_of(st.floats(1e-6, 1e6), st.sampled_from([0.0, NAN])), min_size=2,
+                 max_size=2),
+        min_size=1, max_size=7,
+    ),
+    old=st.tuples(st.sampled_from(["hybrid", "e4m3"]), st.integers(0, 4)),
+    new=st.tuples(st.sampled_from(["hybrid", "e4m3"]), st.integers(0, 4)),
+    algo=st.sampled_from(["max", "most_recent", "quantile:0.9"]),
+)  # fmt: skip
+def test_carried_scales_are_the_new_recipes_bit_for_bit(amaxes, old, new, algo):
+    """Updates under the old recipe, then the carry, give the scales the same updates give under
+    the new recipe: the resumed first step casts with the new recipe's scales."""
+    old, new = _recipe(*old, algo), _recipe(*new, algo)
+    runs = {}
+    for recipe in (old, new):
+        meta = Fp8Meta.fresh(recipe)
+        for amax, state in ((a, s) for a in amaxes for s in (meta.forward, meta.backward)):
+            state.amax_history[0, :2] = torch.tensor(amax, dtype=torch.float32)  # output slot: 0
+            history, scale = update_delayed_scaling(
+                state.amax_history, state.scale, state.amax_history[0], algo=algo,
+                fp8_max=state.fp8.max, margin=recipe.margin,
+            )  # fmt: skip
+            state.amax_history.copy_(history)
+            state.scale.copy_(scale)
+        runs[recipe] = meta
+    carried, wanted = runs[old], runs[new]
+    before = {forward: carried.direction(forward).scale.clone() for forward in (True, False)}
+    factors = carry_scales([carried], old, new)
+    assert 1.0 not in factors.values()
+    for forward in (True, False):
+        got, expected = carried.direction(forward).scale, wanted.direction(forward).scale
+        for k in range(len(got)):
+            if before[forward][k] == 1.0:  # no update set it (or one set exactly 1): left
+                assert got[k] == 1.0
+            else:
+                assert got[k].view(torch.int32) == expected[k].view(torch.int32), (got, expected)
+        assert torch.equal(carried.direction(forward).amax_history.nan_to_num(-1),
+                           wanted.direction(forward).amax_history.nan_to_num(-1))  # fmt: skip

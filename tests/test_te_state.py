@@ -27,6 +27,8 @@ from fp8ops.megatron import fp8_state_modules
 from fp8ops.megatron.te_state import UNSAFE_PICKLE_ENV, TeFp8MetaView, is_te_projection
 from fp8ops.megatron.te_telemetry import TeTelemetryModule
 from fp8ops.precision import DelayedScalingRecipe, Fp8Meta
+from fp8ops.precision.formats import Fp8Format
+from fp8ops.precision.state import carry_scales
 
 RECIPE = DelayedScalingRecipe(amax_history_len=4)
 needs_te_classifier = pytest.mark.skipif(
@@ -328,3 +330,18 @@ def test_a_history_holding_nan_is_loaded_and_checked_bit_for_bit():
     trained(target, seed=14)
     TeFp8MetaView(target, RECIPE, "m").load_state_dict(saved)  # in place
     assert torch.isnan(target.fp8_meta["scaling_fwd"].amax_history[2, 1])
+
+
+def test_carried_scales_land_in_tes_own_tensors():
+    """A resume that changes the format carries the scales of a TE model too (the trainer calls
+    ``carry_scales`` on the views): TE's scale tensors change in place, histories stay."""
+    module = TeLikeLinear(8)
+    saved = trained(module, seed=9)
+    e4m3 = DelayedScalingRecipe(amax_history_len=4, fp8_format=Fp8Format.E4M3)
+    te_scale = module.fp8_meta["scaling_bwd"].scale
+    factors = carry_scales([TeFp8MetaView(module, e4m3, "m")], RECIPE, e4m3)
+    assert factors == {"backward": 2.0**-7}
+    assert module.fp8_meta["scaling_bwd"].scale is te_scale
+    assert torch.equal(te_scale, saved["scale_bwd"] * 2.0**-7)
+    assert torch.equal(module.fp8_meta["scaling_fwd"].scale, saved["scale_fwd"])
+    assert torch.equal(module.fp8_meta["scaling_bwd"].amax_history, saved["amax_history_bwd"])

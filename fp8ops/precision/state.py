@@ -8,6 +8,7 @@ FP8 output is requested, so they normally stay at scale 1 with a zero history, a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,24 @@ class ScalingState:
         """Max-accumulate a cast's amax into row 0, as TE's atomicMaxFloat does."""
         row = self.amax_history[0]
         row[slot] = torch.fmax(row[slot], amax.to(row.dtype))
+
+    @torch.no_grad()
+    def carry_scales(self, factor: float) -> None:
+        """Multiply every scale an update has set by ``factor``, a power of two (in place).
+
+        Used when a resume changes the FP8 maximum or the margin: the histories hold raw
+        amaxes, valid under any recipe, but each scale was computed for the old
+        ``fp8_max * 2**-margin``. Both are powers of two apart, and multiplying a correctly
+        rounded quotient by a power of two is exact, so the result is bit for bit the scale the
+        last update would have computed under the new recipe (unless it leaves float32's normal
+        range; an infinite product becomes FLT_MAX, as the update clamps). A scale still at its
+        initial 1 is left: no update set it, and the new recipe would not set it either.
+        """
+        _check_power_of_two(factor)
+        # One rounding, of the exact product: float64 holds both factors exactly.
+        carried = (self.scale.double() * factor).to(torch.float32)
+        carried = torch.where(torch.isinf(carried), torch.finfo(torch.float32).max, carried)
+        self.scale.copy_(torch.where(self.scale != 1.0, carried, self.scale))
 
 
 @dataclass
@@ -82,3 +101,35 @@ class Fp8Meta:
                     f"this module's {tuple(target.shape)}"
                 )
             target.copy_(state[key])
+
+
+def scale_factor(old: DelayedScalingRecipe, new: DelayedScalingRecipe, forward: bool) -> float:
+    """``new``'s ``fp8_max * 2**-margin`` over ``old``'s for one direction: what a scale computed
+    under ``old`` must be multiplied by to be ``new``'s (a power of two: 448 and 57344 are)."""
+
+    def top(recipe: DelayedScalingRecipe) -> float:  # exact in float64
+        fp8 = recipe.fp8_format.forward if forward else recipe.fp8_format.backward
+        return math.ldexp(fp8.max, -recipe.margin)
+
+    return top(new) / top(old)
+
+
+def carry_scales(metas, old: DelayedScalingRecipe, new: DelayedScalingRecipe) -> dict[str, float]:
+    """Make scales computed under ``old`` the scales of ``new`` (:meth:`ScalingState.carry_scales`)
+    in every ``Fp8Meta`` (or TE view) of ``metas``; returns the factor per direction, only where
+    it is not 1 (empty: nothing to do)."""
+    factors = {
+        direction: scale_factor(old, new, forward)
+        for direction, forward in (("forward", True), ("backward", False))
+    }
+    factors = {direction: f for direction, f in factors.items() if f != 1.0}
+    for meta in metas:
+        for direction, factor in factors.items():
+            meta.direction(direction == "forward").carry_scales(factor)
+    return factors
+
+
+def _check_power_of_two(factor: float) -> None:
+    mantissa, _ = math.frexp(factor)
+    if factor <= 0 or mantissa != 0.5:
+        raise ValueError(f"a scale factor must be a power of two, got {factor!r}")

@@ -624,7 +624,22 @@ class Trainer:
             alert_windows=plan.saved_manifest.alerts == self.manifest.alerts,
         )  # fmt: skip
         self.sampler.load_state_dict(plan.meta.sampler)
+        self._carried_scales = self._carry_scales(plan)
         self.collector.seed_previous_scales()  # the next row's scale_change continues
+
+    def _carry_scales(self, plan) -> dict[str, float]:
+        """An accepted change of ``fp8_format`` or ``margin`` applies from the first step: the
+        loaded scales were computed for the old FP8 maximum and margin, and would saturate (or
+        waste range) until the first update. Scaled by the exact factor instead
+        (``ScalingState.carry_scales``); the histories, raw amaxes, stay as saved."""
+        from fp8ops.precision import DelayedScalingRecipe
+        from fp8ops.precision.state import carry_scales
+
+        saved = plan.saved_manifest.precision
+        if not (saved.enabled and self.manifest.precision.enabled):
+            return {}
+        metas = [module.fp8_meta for module in self.collector.modules.values()]
+        return carry_scales(metas, DelayedScalingRecipe.from_precision(saved), self.recipe)
 
     def _record_resume(self, plan) -> None:
         """After the load: the ledger's applied records, ``latest`` moved back if the resume
@@ -651,7 +666,8 @@ class Trainer:
             overrides_applied=[o.module for o in plan.applied_overrides],
             overrides_lifted=[o.module for o in plan.lifted_overrides],
             superseded=[p.name for p in superseded],
-            fp8_state=plan.fp8_read, environment=environment_fingerprint(),
+            fp8_state=plan.fp8_read, scales_carried=self._carried_scales,
+            environment=environment_fingerprint(),
             command=sys.argv, load_seconds=round(self._load_seconds, 3),
         )  # fmt: skip
 
@@ -728,6 +744,8 @@ class Trainer:
             lines.append(f"accepted drift: {plan.drift.summary()} ({plan.accepted_reason})")
         lines += [f"fallback: {o.module} -> bf16 ({o.reason})" for o in plan.applied_overrides]
         lines += [f"lifted: {o.module} -> fp8" for o in plan.lifted_overrides]
+        lines += [f"{direction} scales carried to the new recipe: x{factor:g}"
+                  for direction, factor in self._carried_scales.items()]  # fmt: skip
         metrics = read_metrics(self.run.path)
         before = [m["tokens_per_s"] for m in metrics if plan.step - 20 < m["step"] <= plan.step]
         after = [m["tokens_per_s"] for m in metrics if plan.step < m["step"] <= plan.step + 20]

@@ -163,6 +163,7 @@ class AdmissionTable:
 _SUMMARY_LABELS = {
     "fp8": "FP8",
     "excluded": "excluded",
+    "override": "override",
     "not_included": "not included",
     "small_gemm": "small GEMM",
     "fp8_disabled": "FP8 disabled",

@@ -78,7 +78,13 @@ def _console() -> Console:
 # fp8ops manifest ...
 # --------------------------------------------------------------------------------------
 
-ManifestFile = Annotated[Path, typer.Argument(help="A manifest YAML file.", show_default=False)]
+PROGRESS_HELP = (
+    "Per-step progress: a bar on a terminal, log lines otherwise; --no-progress prints only the "
+    "summary at the end."
+)
+ManifestFile = Annotated[
+    Path, typer.Argument(help="A manifest YAML file.", metavar="MANIFEST", show_default=False)
+]
 
 
 @manifest_app.command()
@@ -228,7 +234,7 @@ def train(
             ),
         ),
     ] = None,
-    progress: Annotated[bool, typer.Option(help="Show a progress bar or log lines.")] = True,
+    progress: Annotated[bool, typer.Option(help=PROGRESS_HELP)] = True,
     resume: Annotated[
         bool,
         typer.Option(
@@ -267,7 +273,7 @@ def resume(
     ] = None,
     accept_drift: AcceptDrift = None,
     stop_at: StopAt = None,
-    progress: Annotated[bool, typer.Option(help="Show a progress bar or log lines.")] = True,
+    progress: Annotated[bool, typer.Option(help=PROGRESS_HELP)] = True,
 ) -> None:
     """Continue RUN_DIR from a checkpoint, locked to the checkpoint's manifest.
 
@@ -301,7 +307,7 @@ def dualtrack(
         bool, typer.Option(help="Compare the tracks at the end (fp8ops compare OUT).")
     ] = True,
     png: Annotated[bool, typer.Option(help="Export the main plots as PNG too.")] = True,
-    progress: Annotated[bool, typer.Option(help="Show a progress bar or log lines.")] = True,
+    progress: Annotated[bool, typer.Option(help=PROGRESS_HELP)] = True,
 ) -> None:
     """Train MANIFEST three ways on the same data and tokens (a BF16 control, the FP8
     candidate, FP8 with high-risk modules in BF16), then compare them against the manifest's

@@ -152,6 +152,16 @@ def test_an_exclude_glob_moves_exactly_layer_0s_projections_to_the_base_dtype(mo
     assert table.summary().startswith("4 of 16 modules FP8; 12 in bf16: 4 excluded, ")
 
 
+def test_an_override_is_its_own_reason_and_counted_in_the_summary(model, manifest):
+    fc1 = "decoder.layers.1.mlp.linear_fc1"
+    table = decide(model, manifest, overrides=[{"module": fc1, "reason": "saturates"}])
+    assert table.row(fc1).reason.code == "override"
+    assert table.row(fc1).reason.text == "BF16 override (written in the manifest): saturates"
+    assert table.summary() == (
+        "7 of 16 modules FP8; 9 in bf16: 1 override, 2 embedding, 1 LM head, 5 norm"
+    )
+
+
 def test_a_narrower_include_admits_only_what_it_names(model, manifest):
     table = decide(model, manifest, include_modules=["*.linear_fc1", "*.final_layernorm"])
     for fqn, kind in projections().items():

@@ -425,10 +425,9 @@ def test_degrade_proposes_one_override_per_module():
         3, MODULES[FC1_0], alerts[0].message,
         {"input.saturation": 0.004, "weight.underflow": 0.06},
     )  # fmt: skip
-    # Cleared and fired again: the module's proposal is still open, so no second one.
+    # Cleared and fired again: proposed again (the ledger, not the engine, refuses a second
+    # open override for a module, and takes one after the first was rejected or revoked).
     again = feed(eng, [row()] * 3 + [both] * 3, first=4)
-    assert eng.proposals(again[9]) == []
-    eng.close_proposal(MODULES[FC1_0])
     assert [p.module for p in eng.proposals(again[9])] == [MODULES[FC1_0]]
 
 
@@ -446,7 +445,47 @@ def test_which_alerts_propose():
     # Gathered JSON records (with the trainer's rank) work as well.
     record = dict(stop.to_json(), module=MODULES[FC1_0], rank=1)
     assert [p.module for p in eng.proposals([record])] == [MODULES[FC1_0]]
-    assert set(eng.open_proposals) == {MODULES[FC1_0], MODULES[FC1_1]}
+
+
+# -- resume ---------------------------------------------------------------------------------------
+
+
+def resumed(eng: AlertEngine, fp8=ALL_FP8) -> AlertEngine:
+    """A new engine with ``eng``'s checkpointed state, as a resume at the same world size."""
+    again = engine(fp8)
+    again.load_state_dict(eng.state_dict())
+    return again
+
+
+def test_a_resume_continues_open_alerts_but_a_stop_that_holds_on_stops_again():
+    eng = engine()
+    saturated = row({(FC1_0, "input.saturation"): 0.05})  # past observe, degrade and stop
+    nan = row({(QKV0, "input.nan"): 3.0})
+    assert [a.level for a in feed(eng, [saturated] * 3)[3]] == ["stop"]
+    # The Stop's checkpoint holds its alerts open; resumed, the same saturation stops again
+    # after its patience, and a NaN that holds on stops at once each time.
+    again = resumed(eng)
+    found = feed(again, [saturated] * 3, first=4)
+    assert [(step, a.level, a.rule) for step, alerts in found.items() for a in alerts] == [
+        (6, "stop", "saturation")]  # fmt: skip
+    assert only(feed(again, [nan], first=7)).rule == "nonfinite"
+    assert only(feed(resumed(again), [nan], first=8)).rule == "nonfinite"
+    # Below Stop, a resume continues the straight run: an open Observe does not fire again.
+    eng = engine()
+    hovering = row({(FC1_0, "input.saturation"): 5e-4})  # past observe only
+    assert only(feed(eng, [hovering] * 3)).level == "observe"
+    assert feed(resumed(eng), [hovering] * 5, first=4) == {}
+
+
+def test_a_module_held_in_bf16_and_lifted_back_starts_its_alerts_afresh():
+    eng = engine()
+    saturated = row({(FC1_0, "input.saturation"): 5e-4})  # past observe: its alert stays open
+    assert only(feed(eng, [saturated] * 3)).level == "observe"
+    bf16 = tuple(i != FC1_0 for i in range(len(MODULES)))
+    held = resumed(eng, bf16)  # an override runs it in BF16: its FP8 alerts are forgotten
+    assert feed(held, [row()] * 2, first=4) == {}
+    lifted = resumed(held)  # revoked and lifted: saturating again is reported again
+    assert only(feed(lifted, [saturated] * 3, first=6)).level == "observe"
 
 
 # -- files ---------------------------------------------------------------------------------------

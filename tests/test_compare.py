@@ -26,7 +26,7 @@ from fp8ops.compare.gates import judge
 from fp8ops.compare.runs import check_comparable, load_run, resolve_tracks
 from fp8ops.compare.verdict import compare
 from fp8ops.evaluate.records import write_capability
-from fp8ops.manifest import derive, load_manifest, manifest_hash, write_manifest
+from fp8ops.manifest import ManifestStore, derive, load_manifest, manifest_hash, write_manifest
 from fp8ops.telemetry import MODULE_METRIC_NAMES, STEP_METRIC_NAMES, TelemetryWriter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,6 +100,7 @@ def make_run(
     manifest = run_manifest(fp8, changes or {})
     digest = manifest_hash(manifest)
     write_manifest(manifest, path / "manifest.yaml")
+    ManifestStore(path / "manifests").put(manifest)
     write_json(path / "run.json", {
         "manifest": digest, "seeds": {"data": data_seed, "model": 1234},
         "data": {"fingerprint": fingerprint, "kind": "tasks", "objective": "sft"},
@@ -549,6 +550,13 @@ BAD_INPUTS = {
                       "{fp8}/metrics.jsonl: record 3: no 'tokens' field; the file is damaged"),
     "damaged run.json": (lambda fp8: (fp8 / "run.json").write_text("{"),
                          "{fp8}/run.json: cannot be read"),
+    "another run's run.json": (
+        lambda fp8: shutil.copy(make_run(fp8.parent / "other", changes={"optimizer.lr": 1e-3})
+                                / "run.json", fp8 / "run.json"),
+        "{fp8}/run.json: manifest is "),
+    "edited manifest": (lambda fp8: (fp8 / "manifest.yaml").write_text(
+                            (fp8 / "manifest.yaml").read_text().replace("margin: 0", "margin: 1")),
+                        "{fp8}/manifest.yaml hashes to "),
     "no layers.json": (lambda fp8: (fp8 / "layers.json").unlink(),
                        "{fp8}/layers.json: no such file"),
     "damaged manifest": (lambda fp8: (fp8 / "manifest.yaml").write_text("name: [\n"),

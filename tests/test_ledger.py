@@ -219,6 +219,63 @@ def test_revoking_an_approved_and_an_applied_override(run_dir):
         ledger.record_applied([a.id], step=201, revision="f" * 64)
 
 
+def _resume_ledger(run_dir, manifest):
+    """What a resume from a checkpoint saved under ``manifest`` makes of the ledger: the plan's
+    manifest, with the overrides it applies and lifts (``plan_resume``'s last step)."""
+    from fp8ops.checkpoint.drift import Drift
+    from fp8ops.checkpoint.resume import ResumePlan, _apply_ledger
+
+    plan = ResumePlan(run_dir, run_dir / "checkpoints" / "step_00000120", None, manifest,
+                      manifest, [], Drift(), None)  # fmt: skip
+    _apply_ledger(plan)
+    return plan
+
+
+def test_an_override_approved_again_before_the_revoke_was_lifted_is_applied(run_dir):
+    """Applied, revoked, then another one approved for the module before a resume lifted the
+    first: the module stays in BF16 under the new approval, and both reach the records."""
+    ledger = Ledger(run_dir)
+    first = ledger.approve(ledger.stage(FC1, "saturation", who="ana").id, who="ben")
+    plan = _resume_ledger(run_dir, load_manifest(run_dir / "manifest.yaml"))
+    ledger.record_applied([first.id], step=121, revision=manifest_hash(plan.manifest))
+    ledger.revoke(first.id, "try FP8 again", who="ana")
+    second = ledger.approve(ledger.stage(FC1, "still saturating", who="ana").id, who="ben")
+
+    again = _resume_ledger(run_dir, plan.manifest)
+    (override,) = [o for o in again.manifest.precision.overrides if o.module == FC1]
+    assert (override.approval, override.reason) == (second.approval, "still saturating")
+    assert [o.id for o in again.applied_overrides] == [second.id]
+    assert [o.id for o in again.lifted_overrides] == [first.id]
+    assert f"{FC1} stays bf16 under {second.id[:12]}" in again.manifest.revision.reason
+    ledger.record_applied([second.id, first.id], step=131, revision="f" * 64)
+    assert ledger.pending_for_resume() == []
+    assert _resume_ledger(run_dir, again.manifest).new_revisions == []  # settled
+
+
+def test_a_deleted_ledger_refuses_a_resume_whose_manifest_names_its_approvals(run_dir):
+    ledger = Ledger(run_dir)
+    ledger.approve(ledger.stage(FC1, "saturation", who="ana").id, who="ben")
+    applied = _resume_ledger(run_dir, load_manifest(run_dir / "manifest.yaml")).manifest
+    ledger.path.unlink()
+    with pytest.raises(LedgerError, match=f"runs {FC1} in BF16 under approval .* the ledger is "
+                                          "gone. Restore the file"):  # fmt: skip
+        _resume_ledger(run_dir, applied)
+    assert _resume_ledger(run_dir, load_manifest(run_dir / "manifest.yaml")).new_revisions == []
+
+
+def test_the_console_row_shows_a_pending_lift_over_a_later_rejected_override(run_dir):
+    from fp8ops.console.ledger_state import module_states
+
+    ledger = Ledger(run_dir)
+    first = ledger.approve(ledger.stage(FC1, "saturation", who="ana").id, who="ben")
+    ledger.record_applied([first.id], step=121, revision=REVISION)
+    ledger.revoke(first.id, "try FP8 again", who="ana")
+    ledger.reject(ledger.stage(FC1, "again?", who="ana").id, "no: wait for the lift", who="ben")
+    (row,) = [state for state in module_states(run_dir) if state.module == FC1]
+    assert row.override.id == first.id
+    assert row.ledger_status == "applied, revoked: lifted at the next resume"
+
+
 # -- which modules ----------------------------------------------------------------------------------
 
 

@@ -27,7 +27,7 @@ from fp8ops.telemetry import (
     TelemetryWriter,
     open_run,
 )
-from fp8ops.telemetry.store import COMMITTED, HISTORY, STORE_NAME
+from fp8ops.telemetry.store import COMMITTED, HISTORY, STORE_NAME, WRITTEN_FROM
 
 MODULES = ["decoder.layers.0.qkv", "decoder.layers.0.proj", "decoder.layers.1.fc1"]
 N_MOD, N_MET, N_STEP = len(MODULES), len(MODULE_METRIC_NAMES), len(STEP_METRIC_NAMES)
@@ -283,8 +283,8 @@ def test_a_body_exception_wins_over_a_writer_error(tmp_path):
 # ----------------------------------------------------------------------------------------
 
 
-def expected_history(steps, m: int = 0) -> np.ndarray:
-    return np.stack([module_values(s)[m] for s in steps])
+def expected_history(steps, m: int = 0, rank: int = 0) -> np.ndarray:
+    return np.stack([module_values(s, rank)[m] for s in steps])
 
 
 def test_resume_continues_the_arrays(tmp_path):
@@ -477,6 +477,60 @@ def test_a_missing_array_is_named(tmp_path):
     run.module_history(MODULES[0], stop=9)  # steps 1-8 live in module_history, still there
 
 
+def test_a_missing_chunk_file_is_named_instead_of_read_as_nan(tmp_path):
+    """Zarr reads a missing chunk as NaN, which in this store means "nothing to report"."""
+    path = tmp_path / STORE_NAME
+    write(path, range(1, 21)).close()  # blocks of 4 steps, shards of 8: history holds 1-16
+    rank = path / "rank_00000"
+    (rank / "module_metrics" / "c" / "4" / "0" / "0").unlink()  # steps 17-20
+    (rank / "step_metrics" / "c" / "1" / "0").unlink()  # steps 9-16
+    (rank / "module_history" / "c" / "0" / "0" / "0").unlink()  # steps 1-8
+    run = open_run(tmp_path)
+    missing = r"rank_00000/{}/c/{} is missing: it holds committed steps {}\.\.{}"
+    with pytest.raises(TelemetryError, match=missing.format("module_metrics", "4/0/0", 17, 20)):
+        run.step_snapshot()
+    with pytest.raises(TelemetryError, match=missing.format("step_metrics", "1/0", 9, 16)):
+        run.step_metrics(start=12)
+    with pytest.raises(TelemetryError, match=missing.format("module_history", "0/0/0", 1, 8)):
+        run.module_history(MODULES[1])
+    # What the files still there hold reads as before.
+    assert same_bits(run.step_snapshot(16).to_numpy(), module_values(16))
+    assert same_bits(run.step_metrics(stop=9).to_numpy(),
+                     np.stack([step_values(s) for s in range(1, 9)]))  # fmt: skip
+    assert same_bits(run.module_history(MODULES[1], start=9, stop=17).to_numpy(),
+                     expected_history(range(9, 17), 1))  # fmt: skip
+    # A store written before the marker existed is read as zarr reads it.
+    zarr.open_group(rank, mode="r+").attrs.__delitem__(WRITTEN_FROM)
+    assert np.isnan(open_run(tmp_path).step_snapshot().to_numpy()).all()
+
+
+def test_a_rank_that_joined_mid_run_reads_empty_steps_before_it_joined(tmp_path):
+    path = tmp_path / STORE_NAME
+    write(path, range(1, 21)).close()
+    joined = TelemetryWriter.join(path, rank=1, next_step=11, **SMALL)  # no files for 1-10
+    for step in range(11, 21):
+        joined.append(step, module_values(step, 1), step_values(step, 1))
+    joined.close()
+    run = open_run(tmp_path)
+    history = run.module_history(MODULES[2], rank=1).to_numpy()
+    assert np.isnan(history[:10]).all()
+    assert same_bits(history[10:], expected_history(range(11, 21), 2, rank=1))
+    assert np.isnan(run.step_metrics(rank=1).to_numpy()[:10]).all()
+    # Resumed from before it joined: the steps from there on are written, and checked.
+    rewound = TelemetryWriter.resume(path, rank=1, next_step=6)
+    for step in range(6, 13):
+        rewound.append(step, module_values(step, 1), step_values(step, 1))
+    rewound.close()
+    assert zarr.open_group(path / "rank_00001", mode="r").attrs[WRITTEN_FROM] == 5
+    run = open_run(tmp_path)
+    assert same_bits(run.step_metrics(start=6, rank=1).to_numpy(),
+                     np.stack([step_values(s, 1) for s in range(6, 13)]))  # fmt: skip
+    (path / "rank_00001" / "step_metrics" / "c" / "1" / "0").unlink()  # steps 9-12
+    # A new reader: one remembers the files it has seen, and does not look for them again.
+    with pytest.raises(TelemetryError, match="rank_00001/step_metrics/c/1/0 is missing"):
+        open_run(tmp_path).step_metrics(rank=1)
+
+
 def test_unknown_names_and_steps(tmp_path):
     write(tmp_path / STORE_NAME, range(1, 6)).close()
     run = open_run(tmp_path / STORE_NAME)  # the store itself is accepted too
@@ -488,3 +542,16 @@ def test_unknown_names_and_steps(tmp_path):
         run.module_history(MODULES[0], ["input.amax", "loss"])  # a step metric
     with pytest.raises(TelemetryError, match="step 0 is not committed"):
         run.step_snapshot(0)
+
+
+def test_steps_a_resume_withdrew_under_a_reader_are_not_called_damage(tmp_path):
+    """A reader whose marker predates a resume from an earlier step asks for rows whose files
+    are gone: they were withdrawn, not lost, and read as NaN as they always did."""
+    path = tmp_path / STORE_NAME
+    write(path, range(1, 21)).close()
+    run = open_run(tmp_path)  # marker: 20 committed, 16 in module_history
+    run.step_snapshot(19), run.module_history(MODULES[0], start=9, stop=17)  # arrays opened
+    TelemetryWriter.resume(path, rank=0, next_step=6).close()  # keeps 1-5, shard 1-8 withdrawn
+    assert not (path / "rank_00000" / "module_metrics" / "c" / "4" / "0" / "0").exists()
+    assert np.isnan(run.step_snapshot(20).to_numpy()).all()
+    assert np.isnan(run.module_history(MODULES[0], stop=9).to_numpy()).all()

@@ -109,6 +109,10 @@ class _Latch:
         self.open |= fired
         return fired
 
+    def rearm(self, where: np.ndarray) -> None:
+        """Forget the streaks and open alerts of the keys ``where`` selects (a boolean mask)."""
+        self.streak[where], self.calm[where], self.open[where] = 0, 0, False
+
 
 class _Leveled:
     """One metric (per module and slot) against the observe/degrade/stop levels of a section."""
@@ -180,7 +184,6 @@ class AlertEngine:
         self._observed = 0
         self._lowest_loss = np.inf  # of the smoothed loss
         self._recent_losses: deque[float] = deque(maxlen=config.patience_steps)
-        self._proposals: dict[str, Proposal] = {}
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -279,6 +282,33 @@ class AlertEngine:
             latch.streak = state[f"{name}.streak"].astype(np.int32)
             latch.calm = state[f"{name}.calm"].astype(np.int32)
             latch.open = state[f"{name}.open"].astype(bool)
+        self._rearm_after_resume()
+
+    def _rearm_after_resume(self) -> None:
+        """What a resumed run must hear again, unlike the straight run it otherwise continues.
+
+        * Stop conditions: the checkpoint of a Stop is saved with its alert open, and an open
+          alert fires again only after its condition has cleared. A resume whose fix did not
+          work (or no fix) would then train on through the same NaN or saturation in silence.
+          A Stop that held on is reported again after its patience, and stops the run again.
+        * Modules held in BF16 by an override: their FP8 history (open alerts, windows, the last
+          window max) is from before the override. Forgotten, so a module lifted back to FP8
+          later starts afresh instead of under alerts that can never clear.
+        """
+        stops = [self._divergence] + ([self._nonfinite] if self.config.nonfinite_stop else [])
+        for _, leveled in self._leveled.values():
+            stops += [latch for level, (_, latch) in leveled.latches.items() if level == "stop"]
+        for latch in stops:
+            latch.rearm(latch.open.copy())  # only the open ones: the rest continue as before
+        held = ~self.fp8
+        for _, leveled in self._leveled.values():
+            for _, latch in leveled.latches.values():
+                latch.rearm(held)
+        for latch in (self._rising, self._growing, self._jump):
+            latch.rearm(held)
+        self._underflow[:, held] = np.nan
+        self._errors[held], self._error_samples[held] = np.nan, 0
+        self._previous_window_max[held] = np.nan
 
     def _latches(self) -> dict[str, _Latch]:
         latches = {
@@ -296,9 +326,11 @@ class AlertEngine:
     def proposals(self, alerts: Iterable[Alert | Mapping[str, Any]]) -> list[Proposal]:
         """Override proposals for the Degrade alerts among ``alerts`` (Alerts or their JSON).
 
-        One per FP8 module at most while it is open: a module that already has an open proposal
-        gets no second one. Stop alerts of the threshold rules propose too (they passed Degrade
-        on the way). Modules held in the base dtype are never proposed.
+        One per FP8 module: its most severe alert. Stop alerts of the threshold rules propose
+        too (they passed Degrade on the way). Modules held in the base dtype are never proposed.
+        A module that has an open override already gets none: the ledger refuses a second one
+        (``Ledger.propose``), so one rejected or revoked can be proposed again when its alert
+        fires again.
         """
         alerts = [a if isinstance(a, Alert) else Alert.from_json(a) for a in alerts]
         fp8 = dict(zip(self.modules, self.fp8.tolist(), strict=True))
@@ -310,7 +342,7 @@ class AlertEngine:
             )
             if not proposes or module is None or not fp8.get(module, True):
                 continue
-            if module in self._proposals or module in new:
+            if module in new:
                 continue
             metrics = {
                 a.metric: a.value
@@ -318,18 +350,7 @@ class AlertEngine:
                 if a.module == module and a.metric is not None and a.step == alert.step
             }
             new[module] = Proposal(alert.step, module, alert.message, metrics)
-        self._proposals.update(new)
         return list(new.values())
-
-
-    @property
-    def open_proposals(self) -> dict[str, Proposal]:
-        """Module -> its open proposal."""
-        return dict(self._proposals)
-
-    def close_proposal(self, module: str) -> None:
-        """Mark a module's proposal decided (the ledger's business): a new one may follow."""
-        self._proposals.pop(module, None)
 
     # -- rules --------------------------------------------------------------------------------
 

@@ -285,29 +285,41 @@ def _apply_ledger(plan: ResumePlan) -> None:
     from fp8ops.overrides import Ledger, LedgerError
 
     ledger = Ledger(plan.run_dir)
-    if not ledger.path.exists():
-        return
-    overrides = ledger.overrides()
-    approvals = {o.approval: o for o in overrides.values() if o.approval is not None}
     in_force = {o.module: o for o in plan.manifest.precision.overrides if o.approval is not None}
+    if not ledger.path.exists() and not in_force:
+        return
+    overrides = ledger.overrides() if ledger.path.exists() else {}
+    approvals = {o.approval: o for o in overrides.values() if o.approval is not None}
     for override in in_force.values():
         if override.approval not in approvals:
+            lost = "is gone" if not ledger.path.exists() else (
+                "no longer holds it: its last records were removed")  # fmt: skip
             raise LedgerError(
                 f"{ledger.path}: the checkpoint's manifest runs {override.module} in BF16 under "
-                f"approval {override.approval[:12]}, which the ledger no longer holds: its last "
-                "records were removed. Restore the file from a backup before resuming."
+                f"approval {override.approval[:12]}, but the ledger {lost}. Restore the file "
+                "from a backup before resuming."
             )
     wanted = {o.module: o for o in overrides.values() if o.status in ("approved", "applied")}
-    applied = [o for module, o in wanted.items() if module not in in_force]
-    lifted = [approvals[o.approval] for module, o in in_force.items() if module not in wanted]
+    # A module in force under another approval than the one wanted now (its override revoked,
+    # then a new one approved before a resume lifted it) is lifted and applied again: the
+    # revision then names the approval that holds it, and both reach the ledger's records.
+    applied = [o for module, o in wanted.items()
+               if module not in in_force or in_force[module].approval != o.approval]
+    lifted = [approvals[o.approval] for module, o in in_force.items()
+              if module not in wanted or wanted[module].approval != o.approval]  # fmt: skip
     if not applied and not lifted:
         return
     keep = [o for o in plan.manifest.precision.overrides if o.module not in
             {lift.module for lift in lifted}]  # fmt: skip
     overrides_now = [o.model_dump(mode="json") for o in keep]
     overrides_now += [o.as_manifest_override().model_dump(mode="json") for o in applied]
-    words = [f"{o.module} to bf16 ({o.id[:12]})" for o in applied]
-    words += [f"{o.module} back to fp8 ({o.id[:12]} revoked)" for o in lifted]
+    revoked = {o.module: o for o in lifted}
+    replaced = revoked.keys() & {o.module for o in applied}
+    words = [f"{o.module} to bf16 ({o.id[:12]})" for o in applied if o.module not in replaced]
+    words += [f"{o.module} back to fp8 ({o.id[:12]} revoked)" for o in lifted
+              if o.module not in replaced]  # fmt: skip
+    words += [f"{o.module} stays bf16 under {o.id[:12]} ({revoked[o.module].id[:12]} revoked)"
+              for o in applied if o.module in replaced]  # fmt: skip
     child = derive(
         plan.manifest, {"precision.overrides": overrides_now},
         "resume applies approved overrides: " + "; ".join(words),

@@ -23,8 +23,8 @@ from fp8ops.compare.layers import TelemetrySummary, summarise_telemetry
 from fp8ops.dualtrack.tracks import LABELS, PLAN
 from fp8ops.errors import Fp8opsError
 from fp8ops.files import latest_per_step, read_jsonl
-from fp8ops.manifest import Manifest, load_manifest, manifest_hash
-from fp8ops.train.run_dir import MANIFEST, read_status
+from fp8ops.manifest import Manifest, ManifestStore, manifest_hash
+from fp8ops.train.run_dir import MANIFEST, locked_manifest, read_status
 
 USAGE = "give run directories (the reference first, then candidates) or one dual-track directory"
 
@@ -192,7 +192,9 @@ def load_run(track: Track) -> RunRecords:
         )
     if not (path / MANIFEST).is_file():
         raise Fp8opsError(f"{path}: no {MANIFEST}; the run directory is incomplete or damaged")
-    manifest = load_manifest(path / MANIFEST)
+    manifest = locked_manifest(path)  # not a manifest.yaml edited or copied in since
+    info = _read_json(path / "run.json")
+    _check_own_info(path, info)
     state = status.get("state")
     evals = _read_steps(path / "eval.jsonl", ("loss",))
     if not evals and state not in ("stopped", "failed"):
@@ -209,7 +211,7 @@ def load_run(track: Track) -> RunRecords:
         track=track,
         manifest=manifest,
         manifest_sha256=manifest_hash(manifest),
-        info=_read_json(path / "run.json"),
+        info=info,
         status=status,
         metrics=metrics,
         tokens_through=_cumulative_tokens(path, metrics),
@@ -232,6 +234,20 @@ def load_run(track: Track) -> RunRecords:
         layers=read_layers_json(path),
         telemetry=summarise_telemetry(path),
     )
+
+
+def _check_own_info(path: Path, info: dict[str, Any]) -> None:
+    """``run.json`` is this run's: written under one of its revisions. The comparability checks
+    read it (data, seeds, initial weights), so one copied in from another run would make them
+    pass or fail on the other run's facts."""
+    store = ManifestStore(path / "manifests")
+    digest = info.get("manifest")
+    if not isinstance(digest, str) or not store.path_for(digest).is_file():
+        raise Fp8opsError(
+            f"{path / 'run.json'}: manifest is {_short(digest)}, which is not one of this run's "
+            f"revisions ({store.directory}): the file belongs to another run, or is damaged. "
+            "Restore the run's own run.json"
+        )
 
 
 def _read_json(file: Path) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 A module's row joins its ``layers.json`` decision (FP8, or the base dtype and why) with its
 newest override in ``overrides.jsonl`` (``fp8ops.overrides.Ledger``): open (proposed, staged,
-approved, applied) or, when none is open, the last decided one. Torch-free.
+approved, applied); when none is open, a revoked one the next resume lifts; else the last
+decided one. Torch-free.
 """
 
 from __future__ import annotations
@@ -35,13 +36,20 @@ def module_states(run_dir: Path) -> list[ModuleState]:
     overrides = Ledger(run_dir).overrides()
     newest: dict[str, Override] = {}
     for o in overrides.values():  # in ledger order: later ones replace earlier ones ...
-        if o.is_open or not (o.module in newest and newest[o.module].is_open):
-            newest[o.module] = o  # ... unless the earlier one is still open
+        earlier = newest.get(o.module)
+        if earlier is None or _weight(o) >= _weight(earlier):
+            newest[o.module] = o  # ... unless the earlier one still has something to do
     rows = []
     for row in read_layers_json(run_dir).rows:
         if row.fp8 or row.reason.code == "override" or row.fqn in newest:
             rows.append(ModuleState(row.fqn, row.precision, row.reason.code, newest.get(row.fqn)))
     return rows
+
+
+def _weight(o: Override) -> int:
+    """Which override a module's row shows: an open one, else one whose lift is pending (the
+    next resume acts on it), else the newest decided one."""
+    return 2 if o.is_open else 1 if o.to_lift else 0
 
 
 def fp8_modules(run_dir: Path) -> list[str]:

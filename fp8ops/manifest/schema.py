@@ -866,7 +866,8 @@ class Alerts(_Section):
         ge=0,
         description=(
             "Observed steps before the lowest loss starts to count: the first steps of a run "
-            "(and the first after a resume, while scales recalibrate) swing widely."
+            "swing widely. A resume continues the count (its FP8 scales are restored exactly); "
+            "one at another world size or alert configuration starts it again."
         ),
     )
 

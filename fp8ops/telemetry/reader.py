@@ -21,6 +21,7 @@ per 256 steps and 64 modules).
 from __future__ import annotations
 
 import difflib
+import itertools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from fp8ops.telemetry.store import (
     MODULE_METRICS,
     STEP_METRICS,
     STORE_NAME,
+    WRITTEN_FROM,
     StoreSchema,
     TelemetryError,
     rank_group,
@@ -60,6 +62,7 @@ class _Rank:
 
     committed: int  # steps readable in module_metrics and step_metrics
     history: int  # steps readable in module_history
+    written_from: int | None  # rows before it never written (joined mid-run); None: not known
     arrays: dict[str, zarr.Array] = field(default_factory=dict)
 
 
@@ -77,6 +80,7 @@ class TelemetryRun:
         self._module_index = {name: i for i, name in enumerate(self.modules)}
         self._metric_index = {name: i for i, name in enumerate(self.metrics)}
         self._ranks: dict[int, _Rank] = {}
+        self._files_seen: set[Path] = set()
         self.refresh()
 
     def __repr__(self) -> str:
@@ -106,7 +110,11 @@ class TelemetryRun:
                 attrs = group.attrs.asdict()
                 if COMMITTED not in attrs:
                     continue  # a rank still creating its arrays: listed once it has a marker
-                ranks[int(match.group(1))] = _Rank(int(attrs[COMMITTED]), int(attrs[HISTORY]))
+                written = attrs.get(WRITTEN_FROM)  # absent in stores older than the check
+                ranks[int(match.group(1))] = _Rank(
+                    int(attrs[COMMITTED]), int(attrs[HISTORY]),
+                    None if written is None else int(written),
+                )  # fmt: skip
             except Exception as e:
                 raise TelemetryError(
                     f"{entry}/zarr.json cannot be read ({type(e).__name__}: {e}); the store "
@@ -261,11 +269,59 @@ class TelemetryRun:
                 array = state.arrays[name] = zarr.open_array(
                     self.path / rank_group(rank) / name, mode="r", zarr_format=3
                 )
+            self._check_files(array, Path(where), selection, rank)
             return array[selection]
+        except TelemetryError:
+            raise
         except Exception as e:
             raise TelemetryError(
                 f"{where} cannot be read ({type(e).__name__}: {e}); the store is damaged"
             ) from e
+
+    def _check_files(self, array: zarr.Array, directory: Path, selection, rank: int) -> None:
+        """Every chunk (or shard) file under the rows read must be there.
+
+        Zarr reads a missing file as its fill value, NaN, which in this store means "nothing to
+        report this step", so a deleted or lost file would read as quiet steps. The writer never
+        leaves one out (each holds flags and counts that are never NaN), so within the committed
+        rows a missing file is damage. Exceptions: a rank that joined mid-run has no files before
+        the row it joined at (``written_from``); a store written before that marker existed is
+        not checked; and steps a resume withdrew since the last refresh read as NaN, as before
+        (their files go once the marker no longer covers them). Files once seen are remembered:
+        a console refreshing every few seconds checks only new ones.
+        """
+        written_from = self._ranks[rank].written_from
+        rows = selection[0] if isinstance(selection, tuple) else selection
+        lo, hi = (rows, rows + 1) if isinstance(rows, int) else (rows.start, rows.stop)
+        if written_from is None or max(lo, written_from) >= hi:
+            return
+        lo, step = max(lo, written_from), (array.shards or array.chunks)[0]
+        cells = [
+            range(-(-n // g))
+            for n, g in zip(array.shape[1:], (array.shards or array.chunks)[1:], strict=True)
+        ]
+        for coords in itertools.product(range(lo // step, -(-hi // step)), *cells):
+            path = directory / array.metadata.encode_chunk_key(coords)
+            if path in self._files_seen:
+                continue
+            if not path.is_file():
+                if self._withdrawn(rank, directory.name, coords[0] * step):
+                    return
+                first = self.first_step + coords[0] * step
+                last = self.first_step + min((coords[0] + 1) * step, array.shape[0]) - 1
+                raise TelemetryError(
+                    f"{path} is missing: it holds committed steps {first}..{last}, so the store "
+                    "is damaged (zarr would read the file as NaN, which here means nothing to "
+                    "report). Restore it from a backup, or move the store aside to read the run "
+                    "without telemetry"
+                )
+            self._files_seen.add(path)
+
+    def _withdrawn(self, rank: int, name: str, row: int) -> bool:
+        """Whether ``rank``'s marker on disk, read now, no longer covers ``row`` of ``name``."""
+        marker = zarr.open_group(self.path / rank_group(rank), mode="r", zarr_format=3,
+                                 use_consolidated=False).attrs.asdict()  # fmt: skip
+        return int(marker[HISTORY if name == MODULE_HISTORY else COMMITTED]) <= row
 
     def _lookup(self, name: str, index: dict[str, int], what: str) -> int:
         if name not in index:

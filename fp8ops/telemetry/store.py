@@ -4,7 +4,7 @@ Layout of ``RUN_DIR/telemetry.zarr`` (numbers behind every choice: ``docs/teleme
 
     zarr.json                 root attributes: schema version, catalogue, module and metric
                               lists, first step, the caller's attrs. Written once, by rank 0.
-    rank_00000/zarr.json      this rank's marker: committed_steps, history_steps
+    rank_00000/zarr.json      this rank's marker: committed_steps, history_steps, written_from
     rank_00000/module_metrics   [steps, modules, metrics] float32, chunks (256 steps, 64 modules)
     rank_00000/module_history   the same values, module-major: shards of 2048 steps holding one
                                 inner chunk per module; only whole shards, so it lags behind
@@ -75,6 +75,7 @@ MODULE_HISTORY = "module_history"
 STEP_METRICS = "step_metrics"
 COMMITTED = "committed_steps"  # steps written to module_metrics and step_metrics
 HISTORY = "history_steps"  # steps written to module_history (whole shards only)
+WRITTEN_FROM = "written_from"  # rows before it were never written: a rank that joined mid-run
 
 FLUSH_EVERY = 256  # steps per block: the freshness of what readers see, and a chunk's length
 STEPS_PER_SHARD = 2048  # module_history's shard length: 2048 x 256 x 40 x 4 B = 84 MB in memory
@@ -302,7 +303,7 @@ class TelemetryWriter:
         group = root.create_group(name)
         _create_arrays(group, schema, flush_every, steps_per_shard)
         # The marker last: a reader lists a rank only once its arrays exist.
-        group.update_attributes({COMMITTED: 0, HISTORY: 0, "rank": rank})
+        group.update_attributes({COMMITTED: 0, HISTORY: 0, WRITTEN_FROM: 0, "rank": rank})
         self._start(path, rank, schema, group, committed=0, history=0)
 
     @classmethod
@@ -336,8 +337,11 @@ class TelemetryWriter:
                 )
             shard = arrays[1].shards[0]
             committed, history = keep, min(history, keep // shard * shard)
+            marker = {COMMITTED: committed, HISTORY: history}
+            if WRITTEN_FROM in group.attrs:  # rows from ``keep`` on are written again
+                marker[WRITTEN_FROM] = min(int(group.attrs[WRITTEN_FROM]), keep)
             # Withdraw the dropped steps from readers before their data goes away.
-            group.update_attributes({COMMITTED: committed, HISTORY: history})
+            group.update_attributes(marker)
         # Shrinking deletes whole chunks beyond the commit; a torn partial chunk stays, past the
         # shape and the marker, and is overwritten row by row before its steps are committed.
         for array, rows in zip(arrays, (committed, history, committed), strict=True):
@@ -370,8 +374,9 @@ class TelemetryWriter:
         rows = next_step - schema.first_step
         for name in (MODULE_METRICS, MODULE_HISTORY, STEP_METRICS):
             group[name].resize((rows, *group[name].shape[1:]))
+        history = rows // steps_per_shard * steps_per_shard
         group.update_attributes(
-            {COMMITTED: rows, HISTORY: rows // steps_per_shard * steps_per_shard, "rank": rank}
+            {COMMITTED: rows, HISTORY: history, WRITTEN_FROM: rows, "rank": rank}
         )
         return cls.resume(path, rank=rank)
 

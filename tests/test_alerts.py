@@ -25,6 +25,7 @@ from fp8ops.alerts import (
     select_alerts,
     write_alerts,
 )
+from fp8ops.alerts.records import merge_rank_alerts
 from fp8ops.manifest import load_manifest, parse_manifest
 from fp8ops.manifest.schema import Alerts
 from fp8ops.telemetry.catalogue import COLUMN, MODULE_METRIC_NAMES, SLOTS
@@ -486,6 +487,16 @@ def test_a_module_held_in_bf16_and_lifted_back_starts_its_alerts_afresh():
     assert feed(held, [row()] * 2, first=4) == {}
     lifted = resumed(held)  # revoked and lifted: saturating again is reported again
     assert only(feed(lifted, [saturated] * 3, first=6)).level == "observe"
+
+
+def test_a_run_level_alert_every_rank_raises_is_recorded_once():
+    eng = engine()
+    divergence = eng.report(9, "divergence", "stop", "loss 4 > 2 x 1.9", metric="loss").to_json()
+    saturation = eng.report(9, "saturation", "degrade", "m", module=MODULES[FC1_0],
+                            metric="input.saturation").to_json()  # fmt: skip
+    merged = merge_rank_alerts([[divergence, saturation], [divergence, saturation]])
+    assert [(a["rule"], a["rank"]) for a in merged] == [
+        ("divergence", 0), ("saturation", 0), ("saturation", 1)]  # fmt: skip
 
 
 # -- files ---------------------------------------------------------------------------------------

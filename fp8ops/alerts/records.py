@@ -8,7 +8,7 @@ the strings ``"nan"``, ``"inf"`` and ``"-inf"`` and read back as floats.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any, Literal
@@ -104,6 +104,25 @@ class Proposal:
             reason=str(record.get("reason", "")),
             metrics={k: decode_float(v) for k, v in (record.get("metrics") or {}).items()},
         )
+
+
+def merge_rank_alerts(gathered: Sequence[Iterable[Mapping[str, Any]]]) -> list[dict[str, Any]]:
+    """One step's alerts of every rank (``gathered[rank]``, as JSON), each tagged with its rank.
+
+    A run-level alert (no module) is judged on values every rank shares after their reductions
+    (the loss, the step's gradient norm), so each rank raises the same one: it is kept once,
+    from the first rank. Module alerts stay per rank: ranks hold different shards.
+    """
+    merged, seen = [], set()
+    for rank, alerts in enumerate(gathered):
+        for alert in alerts:
+            if alert.get("module") is None:
+                key = (alert["rule"], alert["level"], alert["step"], alert.get("message"))
+                if key in seen:
+                    continue
+                seen.add(key)
+            merged.append(dict(alert, rank=rank))
+    return merged
 
 
 def select_alerts(

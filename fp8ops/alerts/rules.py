@@ -599,8 +599,9 @@ class AlertEngine:
                 f"Step {step}: {self.modules[i]} {metric} was {format_value(_py(amax[i, j]))}, "
                 f"above {factor:g}x the previous step's window max "
                 f"{format_value(_py(previous[i, j]))} (threshold "
-                f"{format_value(_py(threshold[i, j]))}): the scale in use was set for a range "
-                f"{factor:g}x smaller, so this step's cast clipped."
+                f"{format_value(_py(threshold[i, j]))}): the scale in use was set from a history "
+                f"{factor:g}x below it, so the cast clipped unless the margin leaves that much "
+                "headroom."
             )
             alerts.append(
                 self._alert(

@@ -848,8 +848,10 @@ class Alerts(_Section):
         gt=1,
         description=(
             "Early warning (observe, no patience): a tensor's amax this many times above the "
-            "previous step's window max. The scale in use was computed from that window, so the "
-            "cast clipped; a per-layer amax spike is what precedes FP8 NaNs (torchtitan#3109)."
+            "previous step's window max. The scale in use was computed from that history (under "
+            "most_recent, from its last amax alone), so the cast clipped unless the margin leaves "
+            "that much headroom; a per-layer amax spike is what precedes FP8 NaNs "
+            "(torchtitan#3109)."
         ),
     )
     divergence_factor: float = Field(

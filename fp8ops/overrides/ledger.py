@@ -324,6 +324,9 @@ class Ledger:
     ) -> list[Override]:
         """:meth:`stage` for several modules at once: all are staged or none is."""
         reason, who = _text(reason, "a reason"), _text(who or default_user(), "a user name")
+        twice = sorted({module for module in modules if list(modules).count(module) > 1})
+        if twice:
+            raise OverrideError(f"{twice[0]} is named more than once: stage each module once")
         given = None if triggers is None else _triggers(triggers)
         step = self._status_step() if step is None else step
 

@@ -488,6 +488,7 @@ class Trainer:
         """Gather every rank's alerts to rank 0 (only when some rank has any), record them and
         their proposals, and stop all ranks together on a Stop alert."""
         from fp8ops.alerts import Alert, write_alerts
+        from fp8ops.alerts.records import merge_rank_alerts
 
         flag = torch.tensor(float(len(alerts) > 0))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -495,7 +496,7 @@ class Trainer:
             return
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, [a.to_json() for a in alerts])
-        everyone = [dict(a, rank=rank) for rank, found in enumerate(gathered) for a in found]
+        everyone = merge_rank_alerts(gathered)
         if self.ranks.is_main:
             write_alerts(self.run.path, everyone)
             # Degrade proposes a BF16 override into the ledger, where an operator reviews it.

@@ -260,6 +260,15 @@ def test_amax_jump_observes_at_once():
     small = row({(QKV1, "input.amax"): 3.0, (QKV1, "input.window_max"): 3.0})
     assert feed(engine(), [row(), small]) == {}
     assert feed(engine(), [jump]) == {}  # no previous step
+    # Under most_recent the scale comes from the last amax, not the window max: a jump from a
+    # last amax well below the window's top is one the scale did not cover.
+    most_recent = AlertEngine(Alerts(), MODULES, ALL_FP8, amax_compute_algo="most_recent")
+    low = row({(QKV1, "input.amax"): 0.5, (QKV1, "input.window_max"): 3.0})
+    rise = row({(QKV1, "input.amax"): 2.5, (QKV1, "input.window_max"): 3.0})
+    assert feed(engine(), [low, rise]) == {}  # 2.5 < 4 x 3
+    alert = only(feed(most_recent, [low, rise]))
+    assert (alert.value, alert.threshold) == (2.5, 2.0)
+    assert "above 4x the previous step's amax 0.5" in alert.message
 
 
 # -- NaN / Inf -----------------------------------------------------------------------------------

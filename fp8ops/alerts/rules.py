@@ -33,7 +33,8 @@ underflow_rising    newer half of the window's mean underflow >=             obs
                     ``underflow_rise_factor`` x older half's, and >=
                     ``underflow_rise_floor``
 amax_jump           ``<slot>.amax`` > ``amax_jump_factor`` x the previous    observe, at once
-                    step's ``<slot>.window_max``
+                    step's ``<slot>.window_max`` (``<slot>.amax`` under
+                    ``most_recent``: what the scale is computed from)
 ==================  =======================================================  ==================
 
 Modules held in the base dtype have no casts and no scales in use: every rule skips them except
@@ -144,11 +145,21 @@ class AlertEngine:
     """Evaluates the manifest's alert rules on each step's telemetry, in memory.
 
     ``modules`` are the row order of the telemetry (module FQNs); ``fp8_enabled`` says which of
-    them run FP8: the others are skipped by the FP8-only rules.
+    them run FP8: the others are skipped by the FP8-only rules. ``amax_compute_algo`` (the
+    manifest's) says what the scales are computed from, which ``amax_jump`` compares with: the
+    last amax under ``most_recent``, else the window max (an upper bound of every statistic).
     """
 
-    def __init__(self, config: Alerts, modules: Sequence[str], fp8_enabled: Sequence[bool]):
+    def __init__(
+        self,
+        config: Alerts,
+        modules: Sequence[str],
+        fp8_enabled: Sequence[bool],
+        *,
+        amax_compute_algo: str = "max",
+    ):
         self.config = config
+        self._jump_base = "amax" if amax_compute_algo == "most_recent" else "window_max"
         self.modules = tuple(modules)
         self.fp8 = np.array(list(fp8_enabled), dtype=bool)
         if self.fp8.shape != (len(self.modules),):
@@ -180,7 +191,7 @@ class AlertEngine:
         self._grad_rows = 0
         self._errors = np.full((n, config.error_growth_samples), np.nan, np.float32)
         self._error_samples = np.zeros(n, np.int32)
-        self._previous_window_max = np.full((n, slots), np.nan, np.float32)
+        self._previous_base = np.full((n, slots), np.nan, np.float32)
         self._observed = 0
         self._lowest_loss = np.inf  # of the smoothed loss
         self._recent_losses: deque[float] = deque(maxlen=config.patience_steps)
@@ -242,7 +253,7 @@ class AlertEngine:
             "grad_rows": np.array(self._grad_rows, np.int64),
             "errors": self._errors,
             "error_samples": self._error_samples,
-            "previous_window_max": self._previous_window_max,
+            "previous_window_max": self._previous_base,
             "observed": np.array(self._observed, np.int64),
             "lowest_loss": np.array(self._lowest_loss, np.float64),
             "recent_losses": np.array(
@@ -272,7 +283,7 @@ class AlertEngine:
         self._grad_rows = int(state["grad_rows"])
         self._errors = state["errors"].astype(np.float32)
         self._error_samples = state["error_samples"].astype(np.int32)
-        self._previous_window_max = state["previous_window_max"].astype(np.float32)
+        self._previous_base = state["previous_window_max"].astype(np.float32)
         self._observed = int(state["observed"])
         self._lowest_loss = float(state["lowest_loss"])
         count = int(state["recent_count"])
@@ -308,7 +319,7 @@ class AlertEngine:
             latch.rearm(held)
         self._underflow[:, held] = np.nan
         self._errors[held], self._error_samples[held] = np.nan, 0
-        self._previous_window_max[held] = np.nan
+        self._previous_base[held] = np.nan
 
     def _latches(self) -> dict[str, _Latch]:
         latches = {
@@ -582,26 +593,26 @@ class AlertEngine:
         return alerts
 
     def _check_amax_jump(self, step, rows) -> list[Alert]:
-        """Early warning: this step's amax far above the window its scale was computed from."""
+        """Early warning: this step's amax far above what its scale was computed from."""
         amax = rows[:, _columns("amax")]
-        previous = self._previous_window_max
+        previous = self._previous_base
         factor = self.config.amax_jump_factor
         threshold = np.float32(factor) * previous
         known = self.fp8[:, None] & np.isfinite(amax) & np.isfinite(previous) & (previous > 0)
         with np.errstate(invalid="ignore"):
             fired = self._jump.update(amax > threshold, known)
-        window_max = rows[:, _columns("window_max")]
-        self._previous_window_max = np.where(np.isnan(window_max), previous, window_max)
+        base = rows[:, _columns(self._jump_base)]
+        self._previous_base = np.where(np.isnan(base), previous, base)
         alerts = []
         for i, j in np.argwhere(fired):
             metric = f"{SLOTS[j]}.amax"
             message = (
                 f"Step {step}: {self.modules[i]} {metric} was {format_value(_py(amax[i, j]))}, "
-                f"above {factor:g}x the previous step's window max "
+                f"above {factor:g}x the previous step's {self._jump_base.replace('_', ' ')} "
                 f"{format_value(_py(previous[i, j]))} (threshold "
-                f"{format_value(_py(threshold[i, j]))}): the scale in use was set from a history "
-                f"{factor:g}x below it, so the cast clipped unless the margin leaves that much "
-                "headroom."
+                f"{format_value(_py(threshold[i, j]))}): the scale in use was set from that "
+                f"value, {factor:g}x below, so the cast clipped unless the margin leaves that "
+                "much headroom."
             )
             alerts.append(
                 self._alert(

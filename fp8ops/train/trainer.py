@@ -149,6 +149,7 @@ class Trainer:
             manifest.alerts,
             self.collector.names,
             [module.fp8_enabled for module in self.collector.modules.values()],
+            amax_compute_algo=precision.amax_compute_algo,
         )
         self.amax_group = amax_reduction_group(manifest.topology)
         # On TE, Megatron's TransformerBlock enters TE's own delayed-scaling autocast, which

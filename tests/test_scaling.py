@@ -305,11 +305,31 @@ def test_carrying_leaves_initial_scales_and_clamps_like_the_update():
         state.carry_scales(3.0)
 
 
+def test_a_scale_an_update_set_to_exactly_one_is_carried():
+    """amax 448 under E4M3 and margin 0 gives scale 1: set, so a margin of 1 makes it 0.5."""
+    meta = Fp8Meta.fresh(_recipe("hybrid", 0))
+    state = meta.forward
+    state.amax_history[0] = torch.tensor([448.0, 3.0, 0.0])
+    history, scale = update_delayed_scaling(state.amax_history, state.scale,
+                                            state.amax_history[0], fp8_max=448.0, margin=0,
+                                            algo="max")  # fmt: skip
+    state.amax_history.copy_(history)
+    state.scale.copy_(scale)
+    assert state.scale[0] == 1.0
+    carry_scales([meta], _recipe("hybrid", 0), _recipe("hybrid", 1))
+    assert state.scale.tolist() == [0.5, f32(448 / 3 / 2), 1.0]  # the output slot never ran
+
+
+# Amaxes whose scale is exactly 1 under some recipe of the test: once rolled out of the history,
+# the carry cannot tell such a scale from one no update set (ScalingState.carry_scales).
+SCALE_ONE = {math.ldexp(top, -m) for top in (448.0, 57344.0) for m in range(5)}
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     amaxes=st.lists(
-        st.lists(st.one_of(st.floats(1e-6, 1e6), st.sampled_from([0.0, NAN])), min_size=2,
-                 max_size=2),
+        st.lists(st.one_of(st.floats(1e-6, 1e6).filter(lambda x: x not in SCALE_ONE),
+                           st.sampled_from([0.0, NAN])), min_size=2, max_size=2),
         min_size=1, max_size=7,
     ),
     old=st.tuples(st.sampled_from(["hybrid", "e4m3"]), st.integers(0, 4)),
@@ -333,15 +353,11 @@ def test_carried_scales_are_the_new_recipes_bit_for_bit(amaxes, old, new, algo):
             state.scale.copy_(scale)
         runs[recipe] = meta
     carried, wanted = runs[old], runs[new]
-    before = {forward: carried.direction(forward).scale.clone() for forward in (True, False)}
     factors = carry_scales([carried], old, new)
     assert 1.0 not in factors.values()
     for forward in (True, False):
         got, expected = carried.direction(forward).scale, wanted.direction(forward).scale
-        for k in range(len(got)):
-            if before[forward][k] == 1.0:  # no update set it (or one set exactly 1): left
-                assert got[k] == 1.0
-            else:
-                assert got[k].view(torch.int32) == expected[k].view(torch.int32), (got, expected)
+        # Never-set slots included: the new recipe leaves them at 1, and so must the carry.
+        assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), (got, expected)
         assert torch.equal(carried.direction(forward).amax_history.nan_to_num(-1),
                            wanted.direction(forward).amax_history.nan_to_num(-1))  # fmt: skip

@@ -504,6 +504,27 @@ def test_a_missing_chunk_file_is_named_instead_of_read_as_nan(tmp_path):
     assert np.isnan(open_run(tmp_path).step_snapshot().to_numpy()).all()
 
 
+def test_blocks_with_nothing_to_report_are_written_and_read_as_nan(tmp_path):
+    """A block that is all NaN (a caller's own metrics, nothing measured) still gets its file,
+    also after a resume: the reader takes a missing one for damage."""
+    path = tmp_path / STORE_NAME
+    writer = TelemetryWriter(path, rank=0, modules=MODULES, **SMALL)
+    nothing = np.full(N_STEP, np.nan, np.float32)
+    for step in range(1, 13):
+        writer.append(step, module_values(step), nothing if 5 <= step <= 8 else step_values(step))
+    writer.close()
+    writer = TelemetryWriter.resume(path, rank=0)
+    for step in range(13, 17):
+        writer.append(step, np.full((N_MOD, N_MET), np.nan, np.float32), nothing)
+    writer.close()
+    run = open_run(tmp_path)
+    assert np.isnan(run.step_metrics(start=5, stop=9).to_numpy()).all()
+    assert np.isnan(run.step_snapshot(16).to_numpy()).all()
+    assert np.isnan(run.module_history(MODULES[0], start=13).to_numpy()).all()
+    # A step number that is a numpy integer (from an array of steps) reads like an int.
+    assert same_bits(run.step_snapshot(np.int64(12)).to_numpy(), module_values(12))
+
+
 def test_a_rank_that_joined_mid_run_reads_empty_steps_before_it_joined(tmp_path):
     path = tmp_path / STORE_NAME
     write(path, range(1, 21)).close()

@@ -253,7 +253,7 @@ class AlertEngine:
             "grad_rows": np.array(self._grad_rows, np.int64),
             "errors": self._errors,
             "error_samples": self._error_samples,
-            "previous_window_max": self._previous_base,
+            "previous_window_max": self._previous_base,  # the name older checkpoints hold
             "observed": np.array(self._observed, np.int64),
             "lowest_loss": np.array(self._lowest_loss, np.float64),
             "recent_losses": np.array(

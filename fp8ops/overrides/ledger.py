@@ -29,6 +29,7 @@ import getpass
 import json
 import os
 import re
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -324,7 +325,7 @@ class Ledger:
     ) -> list[Override]:
         """:meth:`stage` for several modules at once: all are staged or none is."""
         reason, who = _text(reason, "a reason"), _text(who or default_user(), "a user name")
-        twice = sorted({module for module in modules if list(modules).count(module) > 1})
+        twice = sorted(module for module, n in Counter(modules).items() if n > 1)
         if twice:
             raise OverrideError(f"{twice[0]} is named more than once: stage each module once")
         given = None if triggers is None else _triggers(triggers)

@@ -48,15 +48,23 @@ class ScalingState:
         amaxes, valid under any recipe, but each scale was computed for the old
         ``fp8_max * 2**-margin``. Both are powers of two apart, and multiplying a correctly
         rounded quotient by a power of two is exact, so the result is bit for bit the scale the
-        last update would have computed under the new recipe (unless it leaves float32's normal
-        range; an infinite product becomes FLT_MAX, as the update clamps). A scale still at its
-        initial 1 is left: no update set it, and the new recipe would not set it either.
+        last update would have computed under the new recipe. Exceptions: a result outside
+        float32's normal range (an infinite product becomes FLT_MAX, as the update clamps), and
+        an old scale the update had clamped to FLT_MAX (an amax so small that the quotient
+        overflowed: the new one may not).
+
+        A slot no update has set keeps its initial scale 1, as the new recipe would: one whose
+        scale is 1 and whose history holds no finite positive amax. (An update that set exactly
+        1, from an amax that has since left the history, is taken for none; with
+        ``amax_history_len`` 1 every amax leaves at once.)
         """
         _check_power_of_two(factor)
         # One rounding, of the exact product: float64 holds both factors exactly.
         carried = (self.scale.double() * factor).to(torch.float32)
         carried = torch.where(torch.isinf(carried), torch.finfo(torch.float32).max, carried)
-        self.scale.copy_(torch.where(self.scale != 1.0, carried, self.scale))
+        history = self.amax_history
+        seen = (torch.isfinite(history) & (history > 0)).any(dim=0)
+        self.scale.copy_(torch.where((self.scale != 1.0) | seen, carried, self.scale))
 
 
 @dataclass

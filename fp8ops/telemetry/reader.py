@@ -283,24 +283,22 @@ class TelemetryRun:
 
         Zarr reads a missing file as its fill value, NaN, which in this store means "nothing to
         report this step", so a deleted or lost file would read as quiet steps. The writer never
-        leaves one out (each holds flags and counts that are never NaN), so within the committed
-        rows a missing file is damage. Exceptions: a rank that joined mid-run has no files before
-        the row it joined at (``written_from``); a store written before that marker existed is
-        not checked; and steps a resume withdrew since the last refresh read as NaN, as before
-        (their files go once the marker no longer covers them). Files once seen are remembered:
-        a console refreshing every few seconds checks only new ones.
+        leaves one out (all-NaN chunks included), so within the committed rows a missing file is
+        damage. Exceptions: a rank that joined mid-run has no files before the row it joined at
+        (``written_from``); a store written before that marker existed is not checked; and steps
+        a resume withdrew since the last refresh read as NaN, as before (their files go once the
+        marker no longer covers them). Files once seen are remembered: a console refreshing
+        every few seconds checks only new ones.
         """
         written_from = self._ranks[rank].written_from
         rows = selection[0] if isinstance(selection, tuple) else selection
-        lo, hi = (rows, rows + 1) if isinstance(rows, int) else (rows.start, rows.stop)
+        lo, hi = (rows.start, rows.stop) if isinstance(rows, slice) else (int(rows), int(rows) + 1)
         if written_from is None or max(lo, written_from) >= hi:
             return
-        lo, step = max(lo, written_from), (array.shards or array.chunks)[0]
-        cells = [
-            range(-(-n // g))
-            for n, g in zip(array.shape[1:], (array.shards or array.chunks)[1:], strict=True)
-        ]
-        for coords in itertools.product(range(lo // step, -(-hi // step)), *cells):
+        grid = array.shards or array.chunks  # one file per shard, else per chunk
+        lo, step = max(lo, written_from), grid[0]
+        cells = [range(_ceil_div(n, g)) for n, g in zip(array.shape[1:], grid[1:], strict=True)]
+        for coords in itertools.product(range(lo // step, _ceil_div(hi, step)), *cells):
             path = directory / array.metadata.encode_chunk_key(coords)
             if path in self._files_seen:
                 continue
@@ -338,6 +336,10 @@ class TelemetryRun:
         else:
             names = list(metrics)
         return names, [self._lookup(n, self._metric_index, "metric") for n in names]
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _columns(names: Sequence[str], label: str) -> pd.Index:

@@ -470,9 +470,12 @@ class TelemetryWriter:
         history: int,
     ) -> None:
         self.path, self.rank, self._schema, self._group = path, rank, schema, group
-        self._module_metrics = group[MODULE_METRICS]
-        self._module_history = group[MODULE_HISTORY]
-        self._step_metrics = group[STEP_METRICS]
+        # Every chunk written, even one that is all NaN (zarr leaves those out by default, and
+        # the setting is not stored with the array): a reader takes a missing file for damage.
+        self._module_metrics, self._module_history, self._step_metrics = (
+            group[name].with_config({"write_empty_chunks": True})
+            for name in (MODULE_METRICS, MODULE_HISTORY, STEP_METRICS)
+        )
         self._flush_every = self._module_metrics.chunks[0]
         self._steps_per_shard = self._module_history.shards[0]
         self.stats = WriterStats()

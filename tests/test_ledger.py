@@ -139,6 +139,11 @@ def test_self_approval_is_refused_unless_the_manifest_allows_it(run_dir, tmp_pat
     o = ledger.stage(FC1, "saturation", who="ana")
     with pytest.raises(OverrideError, match="ana staged override .* cannot approve it too"):
         ledger.approve(o.id, who="ana")
+    with pytest.raises(OverrideError, match="cannot approve it too"):
+        ledger.approve(o.id, who=" Ana")  # one operator, however typed
+    # The alert engine's name is not a way around the rule: its proposals need no second person.
+    with pytest.raises(OverrideError, match="'fp8ops-alerts' is the alert engine's name"):
+        ledger.stage(QKV, "saturation", who="fp8ops-alerts")
     assert len(lines(run_dir)) == 1  # nothing written
 
     solo = Ledger(make_run_dir(tmp_path / "solo", admitted, allow_self_approval=True))

@@ -62,6 +62,11 @@ def default_user() -> str:
     return os.environ.get("FP8OPS_USER") or getpass.getuser()
 
 
+def _same_person(a: str, b: str) -> bool:
+    """Names as the review rule compares them: "Ana" and "ana " are one operator."""
+    return a.strip().casefold() == b.strip().casefold()
+
+
 # --------------------------------------------------------------------------------------
 # What the records describe
 # --------------------------------------------------------------------------------------
@@ -325,6 +330,11 @@ class Ledger:
     ) -> list[Override]:
         """:meth:`stage` for several modules at once: all are staged or none is."""
         reason, who = _text(reason, "a reason"), _text(who or default_user(), "a user name")
+        if _same_person(who, ALERT_ENGINE):
+            raise OverrideError(
+                f"{who!r} is the alert engine's name (its proposals may be approved by anyone): "
+                "stage under your own name"
+            )
         twice = sorted(module for module, n in Counter(modules).items() if n > 1)
         if twice:
             raise OverrideError(f"{twice[0]} is named more than once: stage each module once")
@@ -375,7 +385,7 @@ class Ledger:
         def build(overrides: dict[str, Override]) -> list[dict[str, Any]]:
             o = overrides[self._resolve(overrides, ref)]
             _check_transition(o, "approved")
-            if who == o.who and not self._self_approval_allowed():
+            if _same_person(who, o.who) and not self._self_approval_allowed():
                 raise OverrideError(
                     f"{who} {o.origin} {_describe(o)} and cannot approve it too: another operator "
                     "must (a one-person team sets review.allow_self_approval: true in the run's "

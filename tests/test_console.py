@@ -32,7 +32,14 @@ from small_model import SCHEDULE, SMALL_MODEL
 from fp8ops.console import ConsoleApp
 from fp8ops.console.data import Overview, pool, window_heatmap
 from fp8ops.console.notebook import notebook
-from fp8ops.console.whatif import Window, fidelity, replay, replay_slots, run_window
+from fp8ops.console.whatif import (
+    SlotWhatIf,
+    Window,
+    fidelity,
+    replay,
+    replay_slots,
+    run_window,
+)
 from fp8ops.files import read_jsonl
 from fp8ops.manifest import ManifestStore, derive, load_manifest, manifest_hash, write_manifest
 from fp8ops.telemetry import MODULE_METRIC_NAMES, STEP_METRIC_NAMES, TelemetryWriter, open_run
@@ -351,6 +358,17 @@ def test_replay_feeds_the_te_update_and_counts_overflows():
     # Starting later with a warm-up as long as the window gives the same steps.
     late = replay(amax[2:], Window(2, "max", 0), 448.0, steps=range(3, 7), warmup=2)
     np.testing.assert_array_equal(late.scale, r.scale[4:])
+
+
+def test_fidelity_counts_only_the_steps_a_slot_cast_in_fp8():
+    """A module held in BF16 keeps its frozen scale in the row; those steps are not misses."""
+    amax = np.array([np.nan, np.nan, 2, 2], np.float32)  # steps 1-2 held in BF16, then lifted
+    r = replay(amax, Window(2, "max", 0), 448.0, steps=range(1, 5))
+    recorded = np.array([112, 112, 224, 224], np.float32)  # the frozen scale, then the updates
+    assert list(r.scale[:, 0]) == [1, 1, 224, 224]  # a replay starts from TE's initial scale
+    assert fidelity(SlotWhatIf("m", "input", recorded, r, r)) == 1.0
+    held = replay(np.full(3, np.nan, np.float32), Window(2, "max", 0), 448.0)
+    assert np.isnan(fidelity(SlotWhatIf("m", "input", np.ones(3, np.float32), held, held)))
 
 
 def test_the_replay_reproduces_the_recorded_weight_scales(trained):

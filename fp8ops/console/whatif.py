@@ -269,10 +269,12 @@ class Summary:
 
 
 def fidelity(w: SlotWhatIf) -> float:
-    """Share of steps where the run's own settings, replayed, give the recorded scale exactly
-    (1.0 for weight; lower for input and grad_output, see the module docstring)."""
+    """Share of the steps the slot cast in FP8 where the run's own settings, replayed, give the
+    recorded scale exactly (1.0 for weight; lower for input and grad_output, see the module
+    docstring). Steps held in the base dtype do not count: the row keeps their frozen scale,
+    which no replay of a cast-free step reproduces. NaN if the slot never cast."""
     recorded, replayed = w.recorded_scale, w.run.scale[:, 0]
-    known = np.isfinite(recorded)
+    known = np.isfinite(recorded) & ~np.isnan(w.run.amax[:, 0])
     return float((recorded[known] == replayed[known]).mean()) if known.any() else float("nan")
 
 

@@ -81,11 +81,11 @@ def judge(reference: RunRecords, candidate: RunRecords) -> CandidateVerdict:
         gates=[
             _reference_gate(reference),
             _completed_gate(candidate),
-            _loss_gate(reference, evaluations, gates),
+            _loss_gate(reference, candidate, evaluations, gates),
             bucket_gate,
             _finite_gate(candidate, gates),
             _skipped_gate(candidate, gates),
-            _resume_gate(candidate, gates),
+            _resume_gate(candidate, reference, gates),
         ],
         evaluations=evaluations,
         capability=capability,
@@ -101,6 +101,9 @@ def reference_problems(reference: RunRecords) -> list[str]:
     steps, detail = _nonfinite(reference)
     if steps:
         problems.append(detail)
+    bad_evals = [r["step"] for r in reference.evals if not finite(r["loss"])]
+    if bad_evals:
+        problems.append(f"held-out loss not finite at {_steps(bad_evals)} (eval.jsonl)")
     return [p for p in problems if p]
 
 
@@ -137,6 +140,9 @@ def _completion_problem(run: RunRecords) -> str | None:
         return f"{where} (resume it to the end, then compare)"
     if run.last_step < steps:
         return f"{run.label} status completed, but metrics.jsonl ends at step {run.last_step}"
+    gaps = sorted(set(range(1, run.last_step + 1)) - {m["step"] for m in run.metrics})
+    if gaps:  # every later step's tokens would differ, and the gates judge an earlier step
+        return f"{run.label} metrics.jsonl lacks {_steps(gaps)}; the log is damaged"
     return None
 
 
@@ -159,7 +165,8 @@ def matched_evaluations(reference: RunRecords, candidate: RunRecords) -> list[di
 
 
 def _loss_gate(
-    reference: RunRecords, evaluations: list[dict[str, Any]], gates: Gates
+    reference: RunRecords, candidate: RunRecords, evaluations: list[dict[str, Any]],
+    gates: Gates,
 ) -> GateResult:
     if not evaluations:
         return GateResult(
@@ -168,6 +175,13 @@ def _loss_gate(
             f"(reference evaluated at steps {_steps(r['step'] for r in reference.evals)})",
         )  # fmt: skip
     last = evaluations[-1]
+    final = max((r["step"] for r in candidate.evals), default=None)
+    if candidate.state == "completed" and final != last["step"]:
+        return GateResult(
+            "loss_gap", False, None, gates.loss_gap,
+            f"the candidate's last evaluation (step {final}) has no reference evaluation after "
+            f"equal tokens; the last matched one is at step {last['step']}",
+        )  # fmt: skip
     gap = last["gap"]
     passed = finite(gap) and gap <= gates.loss_gap
     where = f"at step {last['step']} (tokens {last['tokens']})"
@@ -207,6 +221,16 @@ def _buckets(
             "no capability evaluation at a step both runs reached with equal tokens",
         ), None, None  # fmt: skip
 
+    ours, theirs = (
+        {_item_key(item) for item in run.predictions[step]} for run in (reference, candidate)
+    )
+    if ours != theirs:  # unpaired items count for neither side: any drop would pass
+        return GateResult(
+            name, False, None, gap,
+            f"the runs answered different held-out items at step {step} ({len(ours & theirs)} "
+            f"of {len(ours | theirs)} in both): evaluate the same items (capability.items, the "
+            "data's eval split)",
+        ), None, None  # fmt: skip
     comparison = compare_capability(reference, candidate, step, gates)
     rows = [comparison["overall"], *comparison["buckets"]]
     gated = [row for row in rows if row["gated"]]
@@ -342,9 +366,13 @@ def _drop_order(row: dict[str, Any]) -> float:
 
 
 def _describe_bucket(row: dict[str, Any]) -> str:
+    def number(x: Any, spec: str) -> str:  # an accuracy a damaged record left out reads as such
+        return format(x, spec) if finite(x) else "unknown"
+
     return (
-        f"{row['drop']:.3g} in {row['bucket']} ({row['reference_accuracy']:.3f} -> "
-        f"{row['candidate_accuracy']:.3f}; {row['lost']} right only in the reference, "
+        f"{number(row['drop'], '.3g')} in {row['bucket']} "
+        f"({number(row['reference_accuracy'], '.3f')} -> "
+        f"{number(row['candidate_accuracy'], '.3f')}; {row['lost']} right only in the reference, "
         f"{row['gained']} only in the candidate, of {row['items']}; sign test p "
         f"{row['p_value']:.2g})"
     )
@@ -402,7 +430,7 @@ def _skipped_gate(run: RunRecords, gates: Gates) -> GateResult:
     return GateResult("skipped_steps", not skipped or allowed, len(skipped), allowed, detail)
 
 
-def _resume_gate(run: RunRecords, gates: Gates) -> GateResult:
+def _resume_gate(run: RunRecords, reference: RunRecords, gates: Gates) -> GateResult:
     name, limit = "resume_continuity", gates.resume_loss_jump
     if not gates.require_resume_continuity:
         return GateResult(name, True, None, limit, "not gated: require_resume_continuity is false")
@@ -423,21 +451,24 @@ def _resume_gate(run: RunRecords, gates: Gates) -> GateResult:
         if not resume.checkpoint:
             problems.append(f"the resumed event at step {resume.step} names no checkpoint")
 
-    losses = {m["step"]: m.get("loss") for m in run.metrics}
+    # The change across the resume, less the reference's across the same steps: same data in
+    # the same order, so its change is what the loss would have done anyway (falling early in
+    # training, which would otherwise hide a jump; harder or easier batches).
+    ours = {m["step"]: m.get("loss") for m in run.metrics}
+    theirs = {m["step"]: m.get("loss") for m in reference.metrics}
     jumps = {}
     for step in resume_steps:
-        before = [losses.get(s) for s in range(step - RESUME_WINDOW + 1, step + 1)]
-        after = [losses.get(s) for s in range(step + 1, step + RESUME_WINDOW + 1)]
-        before, after = [x for x in before if finite(x)], [x for x in after if finite(x)]
-        if before and after:
-            jumps[step] = sum(after) / len(after) - sum(before) / len(before)
+        change, expected = _change_across(ours, step), _change_across(theirs, step)
+        if change is not None:
+            jumps[step] = change - (expected if expected is not None else 0.0)
     worst_step = max(jumps, key=jumps.get, default=None)
     value = jumps.get(worst_step)
     if value is not None and value > limit:
         checkpoint = recorded[worst_step].checkpoint if worst_step in recorded else None
         problems.append(
-            f"mean loss rose {value:.3g} > {limit:g} over the {RESUME_WINDOW} steps after the "
-            f"resume at step {worst_step}" + (f" ({checkpoint})" if checkpoint else "")
+            f"mean loss rose {value:.3g} > {limit:g} more than the reference's over the "
+            f"{RESUME_WINDOW} steps after the resume at step {worst_step}"
+            + (f" ({checkpoint})" if checkpoint else "")
         )
     if problems:
         return GateResult(name, False, value, limit, f"resume: {'; '.join(problems)}")
@@ -445,6 +476,14 @@ def _resume_gate(run: RunRecords, gates: Gates) -> GateResult:
     return GateResult(
         name, True, value, limit, f"resumed at {_steps(resume_steps)}, steps contiguous{change}"
     )
+
+
+def _change_across(losses: dict[int, Any], step: int) -> float | None:
+    """Mean loss of the ``RESUME_WINDOW`` steps after ``step`` less that of the ones up to it."""
+    before = [losses.get(s) for s in range(step - RESUME_WINDOW + 1, step + 1)]
+    after = [losses.get(s) for s in range(step + 1, step + RESUME_WINDOW + 1)]
+    before, after = [x for x in before if finite(x)], [x for x in after if finite(x)]
+    return sum(after) / len(after) - sum(before) / len(before) if before and after else None
 
 
 # --------------------------------------------------------------------------------------

@@ -341,13 +341,16 @@ def check_comparable(reference: RunRecords, candidates: list[RunRecords]) -> Non
              _dig(reference.info, "seeds", "data")),
             ("manifest.yaml schedule.global_batch_size", run.manifest.schedule.global_batch_size,
              reference.manifest.schedule.global_batch_size),
+            # Another length is another learning-rate schedule, judged at another end.
+            ("manifest.yaml schedule.train_steps", run.manifest.schedule.train_steps,
+             reference.manifest.schedule.train_steps),
         ):  # fmt: skip
             if ours is None or ours != theirs:
                 raise Fp8opsError(
                     f"{run.path}: {field_path} is {_short(ours)}, the reference "
                     f"{reference.path} has {_short(theirs)}; runs are comparable only with the "
-                    "same data, data seed and batch (train them from one manifest, e.g. with "
-                    "fp8ops dualtrack)"
+                    "same data, data seed, batch and length (train them from one manifest, e.g. "
+                    "with fp8ops dualtrack)"
                 )
         # Both start from the same weights (the base checkpoint, or one seed: the FP8 and BF16
         # builds draw them alike). Older runs did not record it, and fingerprints of two

@@ -17,7 +17,8 @@ from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
 
 from fp8ops.admission import AdmissionRow, RecipeRecord, table_hash
 from fp8ops.alerts import Alert, write_alerts
-from fp8ops.dualtrack.tracks import fallback_modules
+from fp8ops.dualtrack.run import _train_fallback
+from fp8ops.dualtrack.tracks import CANDIDATE, Track, check_fallback_globs, fallback_modules
 from fp8ops.errors import ManifestError
 from fp8ops.manifest import diff_manifests, load_manifest, manifest_hash
 from fp8ops.train.run_dir import read_metrics, read_status
@@ -182,7 +183,7 @@ def test_a_fallback_glob_typo_is_refused_before_the_candidate_trains(cli, short_
                          {"dualtrack.fallback_modules": ["*.linear_fc3"]})  # fmt: skip
     result = cli("dualtrack", typo, "--out", tmp_path / "dt", "--no-progress")
     assert result.code == 2
-    assert "dualtrack.fallback_modules: '*.linear_fc3' matches none of the model's" in result.err
+    assert "dualtrack.fallback_modules: '*.linear_fc3' matches none of the" in result.err
     assert (tmp_path / "dt" / "bf16" / "layers.json").exists()
     assert not (tmp_path / "dt" / "fp8").exists()
 
@@ -218,6 +219,58 @@ def test_fallback_modules_come_from_alerts_and_globs(short_manifest, short_dualt
     typo = _rule(by_glob, fallback_modules=("*.linear_fc3",))
     with pytest.raises(ManifestError, match=r"dualtrack.fallback_modules: '\*.linear_fc3'"):
         fallback_modules(typo, candidate)
+
+
+def test_a_fallback_glob_naming_only_modules_the_candidate_keeps_in_bf16_is_refused_early(
+    short_manifest, short_dualtrack
+):
+    """Checked against the control's layers.json before the candidate trains: found after,
+    fixing the glob changes the source manifest and costs the tracks already trained."""
+    fc2 = "decoder.layers.1.mlp.linear_fc2"
+    source = load_manifest(short_manifest)
+    excluded = source.model_copy(update={
+        "precision": source.precision.model_copy(update={"exclude_modules": (fc2,)}),
+        "dualtrack": source.dualtrack.model_copy(update={"fallback_modules": (fc2,)}),
+    })  # fmt: skip
+    with pytest.raises(ManifestError, match="matches none of the 11 modules the candidate will"):
+        check_fallback_globs(excluded, short_dualtrack / "bf16")
+    check_fallback_globs(_rule(source, fallback_modules=(fc2,)), short_dualtrack / "bf16")
+
+
+def test_a_fallback_that_would_hold_every_fp8_module_is_skipped(short_manifest, short_dualtrack,
+                                                                tmp_path):  # fmt: skip
+    out = tmp_path / "dt"
+    shutil.copytree(short_dualtrack / "fp8", out / "fp8")
+    (out / "tracks").mkdir()
+    candidate = Track(CANDIDATE, "candidate", out / "tracks" / "fp8.yaml", out / "fp8")
+    source = _rule(load_manifest(short_manifest), fallback_modules=("*",))
+    outcome = _train_fallback(source, out, candidate, False, {"tracks": []})
+    assert outcome.status == "skipped"
+    assert outcome.note.startswith("the dualtrack rules choose all 12 of the candidate's FP8")
+    assert not (out / "tracks" / "fp8-fallback.yaml").exists()
+    assert not (out / "fp8-fallback").exists()  # nothing trained
+
+
+def test_a_track_that_failed_is_recorded_failed_so_compare_judges_it(short_manifest, tmp_path,
+                                                                     monkeypatch):  # fmt: skip
+    """Recorded "interrupted", compare DIR refused it as unfinished for as long as the failure
+    repeated; "failed" is judged (and fails). The next invocation still retries it."""
+    import fp8ops.train
+    from fp8ops.dualtrack.run import _train
+
+    def failing(manifest_file, run_dir, **_):
+        run_dir.mkdir(parents=True)
+        (run_dir / "status.json").write_text(json.dumps({"state": "failed", "error": "boom"}))
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(fp8ops.train, "run_training", failing)
+    (tmp_path / "dt" / "tracks").mkdir(parents=True)
+    manifest = shutil.copy(short_manifest, tmp_path / "dt" / "tracks" / "fp8.yaml")
+    track = Track(CANDIDATE, "candidate", Path(manifest), tmp_path / "dt" / "fp8")
+    plan = {"tracks": []}
+    with pytest.raises(RuntimeError, match="boom"):
+        _train(track, tmp_path / "dt", False, plan)
+    assert [entry["status"] for entry in plan["tracks"]] == ["failed"]
 
 
 def _rule(manifest, **fields):

@@ -32,6 +32,7 @@ from fp8ops.dualtrack.tracks import (
     FALLBACK,
     PLAN,
     Track,
+    candidate_fp8_modules,
     check_fallback_globs,
     control_manifest,
     fallback_manifest,
@@ -48,7 +49,7 @@ class TrackOutcome:
     """How a track stands after this invocation."""
 
     track: Track
-    status: str  # completed | stopped | interrupted | skipped
+    status: str  # completed | stopped | failed | interrupted | skipped
     seconds: float  # spent training it in this invocation
     note: str = ""
 
@@ -123,11 +124,18 @@ def _train_fallback(source: Manifest, out_dir: Path, candidate: Track, progress:
         }  # fmt: skip
     else:
         modules = fallback_modules(source, candidate.run_dir)
-        if modules:
+        every = len(modules) == len(candidate_fp8_modules(source, candidate.run_dir))
+        if modules and not every:
             write_manifest(fallback_manifest(source, modules), file)
     track = Track(FALLBACK, "candidate", file, out_dir / FALLBACK, modules)
+    note = None
     if not modules:
         note = "no high-risk modules (see the manifest's dualtrack section): same as fp8"
+    elif not file.exists():  # every FP8 module chosen
+        note = (f"the dualtrack rules choose all {len(modules)} of the candidate's FP8 modules: "
+                "the track would be a second BF16 control (narrow the manifest's dualtrack "
+                "section)")  # fmt: skip
+    if note is not None:
         _record(plan, out_dir, track, "skipped", 0.0, note)
         return TrackOutcome(track, "skipped", 0.0, note)
     return _train(track, out_dir, progress, plan)
@@ -158,6 +166,8 @@ def _train(track: Track, out_dir: Path, progress: bool, plan: dict) -> TrackOutc
         if _is_main():
             print(f"dual-track: {track.label} {stop}", flush=True)
     finally:
+        if state == "interrupted" and (read_status(track.run_dir) or {}).get("state") == "failed":
+            state = "failed"  # judged (and failed) by compare; the next invocation retries it
         seconds = time.perf_counter() - started
         _record(plan, out_dir, track, state, seconds)
     return TrackOutcome(track, state, seconds)
@@ -210,7 +220,7 @@ def _open_plan(out_dir: Path, source: Manifest) -> dict:
 
 def _record(plan: dict, root: Path, track: Track, status: str, seconds: float,
             note: str = "") -> None:  # fmt: skip
-    """Update the track's entry in dualtrack.json (status: running, completed, stopped,
+    """Update the track's entry in dualtrack.json (status: running, completed, stopped, failed,
     interrupted or skipped); time adds up across invocations."""
     entries = {entry["label"]: entry for entry in plan["tracks"]}
     earlier = entries.get(track.label, {})

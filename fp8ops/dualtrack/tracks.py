@@ -70,17 +70,10 @@ def fallback_modules(source: Manifest, candidate_run: Path) -> dict[str, str]:
     Modules already in the base dtype in the candidate (excluded, overridden, too small) are not
     listed: only modules that ran FP8 can fall back.
     """
-    from fp8ops.admission import read_layers_json
     from fp8ops.alerts.files import read_alerts
 
     rule = source.dualtrack
-    # The candidate's layers.json is the latest resume's: a module an approved override moved to
-    # BF16 during the run ran FP8 before that, and is exactly one to keep in BF16 here.
-    inherited = {o.module for o in source.precision.overrides}
-    fp8 = [
-        row.fqn for row in read_layers_json(candidate_run).rows
-        if row.fp8 or (row.reason.code == "override" and row.fqn not in inherited)
-    ]  # fmt: skip
+    fp8 = candidate_fp8_modules(source, candidate_run)
     chosen: dict[str, str] = {}
     if rule.fallback_first_last:
         layers = source.model.num_layers
@@ -110,17 +103,51 @@ def fallback_modules(source: Manifest, candidate_run: Path) -> dict[str, str]:
     return dict(sorted(chosen.items(), key=lambda item: fp8.index(item[0])))
 
 
-def check_fallback_globs(source: Manifest, control_run: Path) -> None:
-    """Refuse a ``dualtrack.fallback_modules`` glob that names no module of the model (the
-    control's layers.json lists them all), before the candidate trains."""
+def candidate_fp8_modules(source: Manifest, candidate_run: Path) -> list[str]:
+    """The modules that ran FP8 in the candidate, in layers.json order."""
     from fp8ops.admission import read_layers_json
 
-    names = [row.fqn for row in read_layers_json(control_run).rows]
+    # The candidate's layers.json is the latest resume's: a module an approved override moved to
+    # BF16 during the run ran FP8 before that, and is exactly one to keep in BF16 here.
+    inherited = {o.module for o in source.precision.overrides}
+    return [
+        row.fqn for row in read_layers_json(candidate_run).rows
+        if row.fp8 or (row.reason.code == "override" and row.fqn not in inherited)
+    ]  # fmt: skip
+
+
+def check_fallback_globs(source: Manifest, control_run: Path) -> None:
+    """Refuse a ``dualtrack.fallback_modules`` glob that names none of the modules the candidate
+    will run in FP8, before it trains: found after, fixing the glob would change the source
+    manifest and cost the tracks already trained.
+
+    The control's layers.json lists the model's projections (``fp8_disabled``: each would run
+    FP8 but for ``precision.enabled``); the candidate keeps those its include and exclude globs
+    and hand-written overrides leave. (The small-GEMM rule, which needs the per-rank shapes,
+    is applied when the candidate has trained.)
+    """
+    from fp8ops.admission import read_layers_json
+
+    precision = source.precision
+    overridden = {o.module for o in precision.overrides}
+
+    def fp8_in_candidate(name: str) -> bool:
+        return (
+            any(fnmatch.fnmatchcase(name, glob) for glob in precision.include_modules)
+            and not any(fnmatch.fnmatchcase(name, glob) for glob in precision.exclude_modules)
+            and name not in overridden
+        )
+
+    rows = read_layers_json(control_run).rows
+    names = [
+        row.fqn for row in rows if row.reason.code == "fp8_disabled" and fp8_in_candidate(row.fqn)
+    ]
     for glob in source.dualtrack.fallback_modules:
         if not fnmatch.filter(names, glob):
             raise ManifestError(
-                f"dualtrack.fallback_modules: {glob!r} matches none of the model's {len(names)} "
-                f"modules (see {control_run / 'layers.json'}); fix the glob"
+                f"dualtrack.fallback_modules: {glob!r} matches none of the {len(names)} modules "
+                f"the candidate will run in FP8 (the projections of {control_run / 'layers.json'} "
+                "its precision globs and overrides admit); fix the glob"
             )
 
 

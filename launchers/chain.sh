@@ -18,10 +18,32 @@ shift
 [ $# -ge 1 ] || { echo "chain.sh: give the batch script (e.g. launchers/train.sbatch)" >&2; exit 2; }
 
 export FP8OPS_REQUEUE=${FP8OPS_REQUEUE:-0}   # sbatch passes the environment on to the jobs
+
+# The links after the first wait for the one before them. sbatch keeps the last --dependency it
+# is given, so a --dependency of the caller's goes to the first link only (the others wait for
+# it through the chain).
+later=()
+skip=0
+for arg in "$@"; do
+  if [ "$skip" = 1 ]; then skip=0; continue; fi
+  case "$arg" in
+    --dependency=*|-d?*) continue ;;
+    --dependency|-d) skip=1; continue ;;
+  esac
+  later+=("$arg")
+done
+
 previous=""
 for _ in $(seq "$N"); do
-  id=$(sbatch --parsable ${previous:+--dependency=afterany:$previous} "$@")
+  if [ -z "$previous" ]; then
+    id=$(sbatch --parsable "$@")
+  else
+    id=$(sbatch --parsable --dependency="afterany:$previous" "${later[@]}")
+  fi
   id=${id%%;*}   # "ID;CLUSTER" on federated clusters
   echo "$id"
   previous=$id
+  # An accepted drift's reason is for the drift seen now, which the first link records as a
+  # revision; the later links resume locked to it and refuse new drift.
+  unset FP8OPS_ACCEPT_DRIFT
 done

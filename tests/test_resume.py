@@ -128,6 +128,24 @@ def test_a_completed_run_has_nothing_to_resume(straight, cli):
     assert result.code == 0 and "nothing to train" in result.err
 
 
+def test_a_completed_run_is_complete_whatever_the_manifest_file_says_now(manifest, straight,
+                                                                         cli, tmp_path):  # fmt: skip
+    """A rerun after the end (a requeue, a chain's next link) finds nothing to train, even once
+    the file was edited for the next experiment; training longer is a resume, drift-checked."""
+    before = (straight / "events.jsonl").read_text()
+    edited = write_manifest(derive(load_manifest(manifest), {"optimizer.lr": 1e-3}, "next"),
+                            tmp_path / "edited.yaml")  # fmt: skip
+    done = cli("train", edited, "--resume", "--run-dir", straight, "--no-progress")
+    assert done.code == 0 and f"completed at step {2 * N}: nothing to train" in done.err
+    longer = write_manifest(
+        derive(load_manifest(manifest), {"schedule.train_steps": 2 * N + 2}, "longer"),
+        tmp_path / "longer.yaml",
+    )  # fmt: skip
+    refused = cli("train", longer, "--resume", "--run-dir", straight, "--no-progress")
+    assert refused.code == 4 and "schedule.train_steps" in refused.err
+    assert (straight / "events.jsonl").read_text() == before
+
+
 def _torchrun(*args: object) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",

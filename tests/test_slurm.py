@@ -146,6 +146,104 @@ def test_the_launchers_are_valid_bash(script):
     assert done.returncode == 0, done.stderr
 
 
+def test_paths_and_options_with_spaces_are_quoted_in_the_directives(eight_rank_manifest, cli,
+                                                                    tmp_path, monkeypatch):  # fmt: skip
+    """sbatch splits an #SBATCH line at whitespace unless the value is in double quotes."""
+    work = tmp_path / "my work"
+    work.mkdir()
+    monkeypatch.chdir(work)  # the job's working directory is where it is launched from
+    result = cli("launch", "slurm", eight_rank_manifest, "--nodes", 2, "--gpus-per-node", 4,
+                 "--time", "1:00:00", "--run-dir", "my runs/r1",
+                 "--sbatch-arg=--comment=two words", "--dry-run")  # fmt: skip
+    assert result.code == 0, result.err
+    directives = _directives(result.out)
+    assert f'--chdir="{work}"' in directives
+    assert f'--output="{work}/my runs/r1.slurm-%j.out"' in directives
+    assert '--comment="two words"' in directives
+    refused = cli("launch", "slurm", eight_rank_manifest, "--nodes", 2, "--gpus-per-node", 4,
+                  "--time", "1:00:00", '--sbatch-arg=--comment=say "hi"', "--dry-run")  # fmt: skip
+    assert refused.code == 2 and "cannot hold a double quote" in refused.err
+
+
+def test_a_tensor_parallel_group_across_a_node_boundary_is_warned_about(tmp_path, cli):
+    """TP 4 on nodes of 6 ranks: the second group (ranks 4-7) has a foot on each node."""
+    manifest = _write(tmp_path / "twelve.yaml", MANIFESTS / "tiny-gpt-cpu.yaml",
+                      {"topology.tensor_parallel": 4, "topology.data_parallel": 3,
+                       "schedule.micro_batch_size": 2, "schedule.global_batch_size": 24})  # fmt: skip
+    result = cli("launch", "slurm", manifest, "--nodes", 2, "--gpus-per-node", 6, "--time",
+                 "1:00:00", "--dry-run")  # fmt: skip
+    assert result.code == 0, result.err
+    assert "warning: topology.tensor_parallel 4 spans more than one node" in result.err
+
+
+def _fake_commands(tmp_path: Path, **scripts: str) -> dict[str, str]:
+    """An environment whose PATH starts with ``tmp_path/bin`` holding the given scripts."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in scripts.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body)
+        (bin_dir / name).chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+# Records each call (its arguments, and the drift reason it would hand the job) and prints an id.
+FAKE_SBATCH = """n=$(( $(cat "$CALLS" 2>/dev/null | wc -l) + 1 ))
+echo "$* | drift=${FP8OPS_ACCEPT_DRIFT:-}" >> "$CALLS"
+echo "$(( 100 + n ));cluster"
+"""
+
+
+def test_a_chain_waits_link_by_link_and_accepts_drift_in_its_first_link_only(tmp_path):
+    env = _fake_commands(tmp_path, sbatch=FAKE_SBATCH)
+    env.update(CALLS=str(tmp_path / "calls"), FP8OPS_ACCEPT_DRIFT="lr lowered")
+    done = subprocess.run(
+        ["bash", str(LAUNCHERS / "chain.sh"), "3", "--dependency=afterok:77", "--time=10",
+         "train.sbatch"], env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["101", "102", "103"]
+    assert (tmp_path / "calls").read_text().splitlines() == [
+        "--parsable --dependency=afterok:77 --time=10 train.sbatch | drift=lr lowered",
+        "--parsable --dependency=afterany:101 --time=10 train.sbatch | drift=",
+        "--parsable --dependency=afterany:102 --time=10 train.sbatch | drift=",
+    ]
+
+
+def test_launch_slurm_chain_hands_the_drift_reason_to_its_first_job_only(eight_rank_manifest,
+                                                                       tmp_path, monkeypatch):  # fmt: skip
+    from fp8ops.launch.slurm import plan_job, submit
+
+    env = _fake_commands(tmp_path, sbatch=FAKE_SBATCH)
+    for key in ("PATH",):
+        monkeypatch.setenv(key, env[key])
+    monkeypatch.setenv("CALLS", str(tmp_path / "calls"))
+    monkeypatch.setenv("FP8OPS_ACCEPT_DRIFT", "lr lowered")
+    job = plan_job(eight_rank_manifest, nodes=2, gpus_per_node=4, time="1:00:00",
+                   workdir=tmp_path)  # fmt: skip
+    assert submit(job, chain=2) == ["101", "102"]
+    drift = [line.split("| ")[1] for line in (tmp_path / "calls").read_text().splitlines()]
+    assert drift == ["drift=lr lowered", "drift="]
+
+
+def test_a_requeued_attempt_does_not_accept_drift_again(tmp_path):
+    """train.sbatch with fake srun and scontrol: the training step's command line, per attempt."""
+    env = _fake_commands(
+        tmp_path, srun='echo "$*" | tr "\\n" " " >> "$CALLS"; echo >> "$CALLS"\n',
+        scontrol="echo localhost\n",
+    )  # fmt: skip
+    env.update(CALLS=str(tmp_path / "calls"), FP8OPS_MANIFEST="m.yaml",
+               FP8OPS_RUN_DIR=str(tmp_path / "run"), FP8OPS_LAUNCHER="srun",
+               FP8OPS_ACCEPT_DRIFT="lr lowered", SLURM_JOB_ID="7")  # fmt: skip
+    for attempt in ("0", "1"):
+        done = subprocess.run(["bash", str(LAUNCHERS / "train.sbatch")], capture_output=True,
+                              text=True, check=False, env={**env, "SLURM_RESTART_COUNT": attempt},
+                              cwd=tmp_path)  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+    first, requeue = (tmp_path / "calls").read_text().splitlines()
+    assert first.rstrip().endswith("--no-progress --accept-drift lr lowered")
+    assert requeue.rstrip().endswith("--no-progress") and "accept-drift" not in requeue
+
+
 # -- a real SLURM -------------------------------------------------------------------------------------
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
@@ -249,6 +347,22 @@ def _wait_for_steps(run_dir: Path, steps: int, job_id: str) -> None:
         time.sleep(0.2)
     pytest.fail(f"{run_dir} did not log {steps} steps; job {job_id}'s log ends:\n"
                 + _log(run_dir, job_id)[-3000:])  # fmt: skip
+
+
+def test_sbatch_accepts_a_script_whose_paths_hold_spaces(cluster, tmp_path, monkeypatch):
+    """The rendered directives as the real sbatch parses them (--test-only: nothing runs)."""
+    work = tmp_path / "my work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    done = subprocess.run(
+        [sys.executable, "-m", "fp8ops", "launch", "slurm", str(MANIFESTS / "tiny-gpt-cpu.yaml"),
+         "--cpu", "--time", "10", "--run-dir", "my runs/r1", "--sbatch-arg=--comment=two words",
+         "--dry-run"], capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    test = subprocess.run(["sbatch", "--test-only"], input=done.stdout, capture_output=True,
+                          text=True, timeout=60, check=False)  # fmt: skip
+    assert test.returncode == 0 and "to start at" in test.stderr, test.stderr
 
 
 @pytest.mark.slow

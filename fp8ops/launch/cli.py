@@ -126,8 +126,9 @@ def slurm(
         requeue=chain == 1 if requeue is None else requeue, container_image=container_image,
         container_mounts=container_mounts, sbatch_args=tuple(sbatch_arg or ()),
     )  # fmt: skip
-    if job.tensor_parallel > job.procs_per_node:
-        # Megatron runs it, but slowly: a tensor-parallel group wider than a node.
+    if job.procs_per_node % job.tensor_parallel and job.nodes > 1:
+        # Megatron runs it, but slowly: a tensor-parallel group (consecutive ranks) that does not
+        # fit in one node, because it is wider or because the node's ranks do not divide by it.
         print(
             f"warning: topology.tensor_parallel {job.tensor_parallel} spans more than one node "
             f"({job.procs_per_node} ranks each): every layer's collectives cross the network",

@@ -12,6 +12,7 @@ command line, checked), :func:`render`, :func:`submit`.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -129,6 +130,10 @@ def plan_job(
     for arg in sbatch_args:
         if not arg.startswith("-") or "\n" in arg:
             raise LaunchError(f"--sbatch-arg {arg!r}: give one sbatch option, e.g. --qos=high")
+        option, _, value = arg.partition("=")
+        if any(c.isspace() for c in option):
+            raise LaunchError(f"--sbatch-arg {arg!r}: write the option as --name=value")
+        _directive(option, value)  # refuses what an #SBATCH line cannot hold
     workdir = Path(workdir or Path.cwd()).resolve()
     run_dir = (workdir / (run_dir or Path("runs") / manifest.name)).resolve()
     return SlurmJob(
@@ -203,9 +208,9 @@ def render(job: SlurmJob) -> str:
         "--requeue",
         f"--signal=B:USR1@{job.signal_seconds}",
         "--open-mode=append",
-        f"--output={job.output}",
-        f"--chdir={job.workdir}",
-        *job.sbatch_args,
+        _directive("--output", job.output),
+        _directive("--chdir", job.workdir),
+        *(_directive(*arg.partition("=")[::2]) if "=" in arg else arg for arg in job.sbatch_args),
     ]  # fmt: skip
     inputs = {
         "FP8OPS_MANIFEST": job.manifest,
@@ -226,6 +231,19 @@ def render(job: SlurmJob) -> str:
         *(f"export {k}={shlex.quote(str(v))}" for k, v in inputs.items() if v is not None),
     ]
     return "\n".join(header) + "\n" + _script_body()
+
+
+def _directive(option: str, value: object) -> str:
+    """``--option=value`` for an ``#SBATCH`` line. sbatch splits these lines at whitespace
+    unless the value is in double quotes, which it cannot escape: a value with a double quote or
+    a line break is refused."""
+    text = str(value)
+    if '"' in text or "\n" in text:
+        raise LaunchError(
+            f"{option}={text!r}: an #SBATCH line cannot hold a double quote or a line break; "
+            "use another path"
+        )
+    return f'{option}="{text}"' if any(c.isspace() for c in text) else f"{option}={text}"
 
 
 def _script_body() -> str:
@@ -250,7 +268,12 @@ def submit(job: SlurmJob, *, chain: int = 1, dependency: str | None = None) -> l
     for _ in range(chain):
         after = f"afterany:{ids[-1]}" if ids else dependency
         command = [sbatch, "--parsable", *([f"--dependency={after}"] if after else [])]
-        done = subprocess.run(command, input=script, capture_output=True, text=True, check=False)
+        # sbatch hands its environment to the job: an accepted drift's reason is for the drift
+        # seen at submission, which the first link records as a revision; later links resume
+        # locked to it, and refuse new drift.
+        env = {k: v for k, v in os.environ.items() if not (ids and k == "FP8OPS_ACCEPT_DRIFT")}
+        done = subprocess.run(command, input=script, capture_output=True, text=True, check=False,
+                              env=env)  # fmt: skip
         if done.returncode != 0:
             submitted = f" (submitted before it: {', '.join(ids)})" if ids else ""
             raise LaunchError(f"sbatch failed{submitted}: {done.stderr.strip() or done.stdout}")

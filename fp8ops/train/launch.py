@@ -39,6 +39,9 @@ def run_training(
     start it otherwise. ``stop_at``: checkpoint after that step and stop (resumable)."""
     from fp8ops.checkpoint import CheckpointDir, plan_resume
 
+    if resume and accept_drift is None:
+        steps = _locked_manifest(Path(manifest_path), assignments or {})[0].schedule.train_steps
+        _refuse_if_complete(Path(run_dir), steps)
     if resume and CheckpointDir(run_dir).complete():
         plan = plan_resume(
             Path(run_dir), manifest_path=Path(manifest_path), assignments=assignments,
@@ -64,6 +67,8 @@ def resume_training(
     checkpoint's manifest, plus approved overrides, plus accepted drift."""
     from fp8ops.checkpoint import plan_resume
 
+    if checkpoint is None and not assignments and accept_drift is None:
+        _refuse_if_complete(Path(run_dir), None)
     plan = plan_resume(
         Path(run_dir), checkpoint=checkpoint, assignments=assignments, accept_drift=accept_drift
     )
@@ -80,6 +85,25 @@ def _resume(plan, source: str, progress: bool, stop_at: int | None) -> TrainResu
             '(--set schedule.train_steps=N --accept-drift "why")'
         )
     return _run(plan.manifest, None, source, plan.run_dir, progress, plan=plan, stop_at=stop_at)
+
+
+def _refuse_if_complete(run_dir: Path, train_steps: int | None) -> None:
+    """A finished run (``train_steps`` None: at whatever length) has nothing to train, whatever
+    the manifest file or the machine now: said before the drift check, which would otherwise
+    fail a rerun (a SLURM requeue or chain link after the end, on another node or after the
+    manifest was edited for the next experiment). A longer ``train_steps`` is a resume, and goes
+    through the drift check."""
+    from fp8ops.train.run_dir import read_status
+
+    if not _finished(run_dir):
+        return
+    step = (read_status(run_dir) or {}).get("step")
+    if isinstance(step, int) and (train_steps is None or train_steps <= step):
+        raise RunAlreadyComplete(
+            f"{run_dir} completed at step {step}: nothing to train (the manifest and environment "
+            "are not compared: nothing runs). To train longer, raise schedule.train_steps "
+            '(--set schedule.train_steps=N --accept-drift "why")'
+        )
 
 
 def _finished(run_dir: Path) -> bool:

@@ -21,14 +21,20 @@ export FP8OPS_REQUEUE=${FP8OPS_REQUEUE:-0}   # sbatch passes the environment on 
 
 # The links after the first wait for the one before them. sbatch keeps the last --dependency it
 # is given, so a --dependency of the caller's goes to the first link only (the others wait for
-# it through the chain).
+# it through the chain). sbatch also takes it abbreviated (--dep, --depend, ...: any prefix of
+# at least --dep, which no other option of sbatch's starts with) and as -d.
 later=()
 skip=0
 for arg in "$@"; do
   if [ "$skip" = 1 ]; then skip=0; continue; fi
+  name=${arg%%=*}
+  if [ "${#name}" -ge 5 ] && [[ "--dependency" == "$name"* ]]; then
+    [[ "$arg" == *=* ]] || skip=1   # "--dep X": its value is the next word
+    continue
+  fi
   case "$arg" in
-    --dependency=*|-d?*) continue ;;
-    --dependency|-d) skip=1; continue ;;
+    -d) skip=1; continue ;;
+    -d?*) continue ;;
   esac
   later+=("$arg")
 done

@@ -540,6 +540,27 @@ def test_resume_continuity(tmp_path):
     assert gate(verdict_of(reference, off), "resume_continuity").passed
 
 
+def test_a_reference_that_resumed_at_the_same_step_is_no_baseline_for_the_jump(tmp_path):
+    """Both resumed at step 20 with the same jump: the reference's change would cancel the
+    candidate's, so the candidate's own change is judged."""
+    reference = make_run(tmp_path / "bf16", fp8=False, resume_at=20, loss_jump=0.5)
+    resume = gate(verdict_of(reference, make_run(tmp_path / "fp8", resume_at=20, loss_jump=0.5)),
+                  "resume_continuity")  # fmt: skip
+    assert not resume.passed and resume.value == pytest.approx(0.3)
+
+
+def test_a_completed_candidate_is_judged_on_its_last_capability_evaluation(tmp_path):
+    """A final capability evaluation that failed (capability_failed) must not leave the gate
+    judging an earlier one."""
+    reference, candidate = pair(tmp_path)
+    log = candidate / "capability.jsonl"
+    log.write_text("".join(line + "\n" for line in log.read_text().splitlines()[:-1]))
+    bucket = gate(verdict_of(reference, candidate), "bucket_accuracy_gap")
+    assert not bucket.passed and bucket.detail.startswith(
+        f"no capability evaluation of both runs at the last step ({STEPS}) with equal tokens"
+    )
+
+
 def test_a_broken_reference_fails_every_candidate(tmp_path, cli):
     reference = make_run(tmp_path / "bf16", fp8=False, state="failed", last_step=30,
                          edits={12: {"loss": math.inf}})  # fmt: skip
@@ -685,6 +706,22 @@ def test_runs_that_saw_other_data_are_not_compared(tmp_path, cli, case):
 # --------------------------------------------------------------------------------------
 # The dual-track directory
 # --------------------------------------------------------------------------------------
+
+
+def test_a_dualtrack_directory_whose_candidate_failed_is_judged_without_its_fallback(tmp_path,
+                                                                                     cli):  # fmt: skip
+    """The candidate failed (an error, retried by the next invocation), so the fallback track
+    never started: the candidate is judged, and fails, instead of the directory being refused."""
+    dual = tmp_path / "dual"
+    make_run(dual / "bf16", fp8=False)
+    make_run(dual / "fp8", state="failed", last_step=15)
+    write_json(dual / "dualtrack.json", {"manifest": "ab" * 32, "tracks": [
+        {"label": "bf16", "run_dir": "bf16", "role": "control", "status": "completed"},
+        {"label": "fp8", "run_dir": "fp8", "role": "candidate", "status": "failed"},
+    ]})  # fmt: skip
+    result = cli("compare", dual, "--no-png")
+    assert result.code == 1, result.out + result.err
+    assert "fp8 status failed at step 15" in result.out + result.err
 
 
 def test_a_dualtrack_directory_compares_its_tracks(tmp_path, cli):

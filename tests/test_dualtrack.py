@@ -271,6 +271,12 @@ def test_a_track_that_failed_is_recorded_failed_so_compare_judges_it(short_manif
     with pytest.raises(RuntimeError, match="boom"):
         _train(track, tmp_path / "dt", False, plan)
     assert [entry["status"] for entry in plan["tracks"]] == ["failed"]
+    # An attempt that fails before its trainer writes anything leaves the last one's "failed"
+    # in status.json: that attempt is interrupted, not failed.
+    monkeypatch.setattr(fp8ops.train, "run_training", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        _train(track, tmp_path / "dt", False, plan)
+    assert [entry["status"] for entry in plan["tracks"]] == ["interrupted"]
 
 
 def _rule(manifest, **fields):

@@ -128,15 +128,23 @@ def test_a_completed_run_has_nothing_to_resume(straight, cli):
     assert result.code == 0 and "nothing to train" in result.err
 
 
-def test_a_completed_run_is_complete_whatever_the_manifest_file_says_now(manifest, straight,
-                                                                         cli, tmp_path):  # fmt: skip
-    """A rerun after the end (a requeue, a chain's next link) finds nothing to train, even once
-    the file was edited for the next experiment; training longer is a resume, drift-checked."""
+def test_a_rerun_of_a_completed_run_on_another_machine_has_nothing_to_train(manifest, straight,
+                                                                           cli, tmp_path,
+                                                                           monkeypatch):  # fmt: skip
+    """A requeue or a chain's next link after the end, on a node with another environment:
+    nothing to train, not a drift refusal. A manifest edited in place for the next experiment is
+    still refused with its diff (it is not this run), and training longer is a resume."""
+    import fp8ops.train.environment as environment
+
     before = (straight / "events.jsonl").read_text()
+    elsewhere = {**environment.environment_fingerprint(), "gpu": "another node's"}
+    monkeypatch.setattr(environment, "environment_fingerprint", lambda: elsewhere)
+    done = cli("train", manifest, "--resume", "--run-dir", straight, "--no-progress")
+    assert done.code == 0 and f"completed at step {2 * N}: nothing to train" in done.err
     edited = write_manifest(derive(load_manifest(manifest), {"optimizer.lr": 1e-3}, "next"),
                             tmp_path / "edited.yaml")  # fmt: skip
-    done = cli("train", edited, "--resume", "--run-dir", straight, "--no-progress")
-    assert done.code == 0 and f"completed at step {2 * N}: nothing to train" in done.err
+    refused = cli("train", edited, "--resume", "--run-dir", straight, "--no-progress")
+    assert refused.code == 4 and "optimizer.lr" in refused.err
     longer = write_manifest(
         derive(load_manifest(manifest), {"schedule.train_steps": 2 * N + 2}, "longer"),
         tmp_path / "longer.yaml",

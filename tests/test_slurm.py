@@ -76,7 +76,7 @@ def test_dry_run_renders_the_directives_and_inputs_from_the_manifest(eight_rank_
         "--job-name=tiny-gpt-cpu", "--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=4",
         "--time=04:00:00", "--partition=gpu", "--account=proj", "--requeue",
         "--signal=B:USR1@600", "--open-mode=append",
-        f"--output={tmp_path / 'run'}.slurm-%j.out", f"--chdir={Path.cwd()}", "--qos=high",
+        f'--output="{tmp_path / "run"}.slurm-%j.out"', f'--chdir="{Path.cwd()}"', '--qos="high"',
     ]  # fmt: skip
     assert f"export FP8OPS_MANIFEST={eight_rank_manifest}\n" in script
     assert f"export FP8OPS_RUN_DIR={tmp_path / 'run'}\n" in script
@@ -153,16 +153,17 @@ def test_paths_and_options_with_spaces_are_quoted_in_the_directives(eight_rank_m
     work.mkdir()
     monkeypatch.chdir(work)  # the job's working directory is where it is launched from
     result = cli("launch", "slurm", eight_rank_manifest, "--nodes", 2, "--gpus-per-node", 4,
-                 "--time", "1:00:00", "--run-dir", "my runs/r1",
+                 "--time", "1:00:00", "--run-dir", "my runs/r1 50%",
                  "--sbatch-arg=--comment=two words", "--dry-run")  # fmt: skip
     assert result.code == 0, result.err
     directives = _directives(result.out)
     assert f'--chdir="{work}"' in directives
-    assert f'--output="{work}/my runs/r1.slurm-%j.out"' in directives
+    assert f'--output="{work}/my runs/r1 50%%.slurm-%j.out"' in directives  # % is a pattern
     assert '--comment="two words"' in directives
-    refused = cli("launch", "slurm", eight_rank_manifest, "--nodes", 2, "--gpus-per-node", 4,
-                  "--time", "1:00:00", '--sbatch-arg=--comment=say "hi"', "--dry-run")  # fmt: skip
-    assert refused.code == 2 and "cannot hold a double quote" in refused.err
+    quoted = cli("launch", "slurm", eight_rank_manifest, "--nodes", 2, "--gpus-per-node", 4,
+                 "--time", "1:00:00", '--sbatch-arg=--comment=say "hi" #1 \\ it\'s', "--dry-run")  # fmt: skip
+    assert quoted.code == 0, quoted.err
+    assert '--comment="say \\"hi\\" #1 \\\\ it\'s"' in _directives(quoted.out)
 
 
 def test_a_tensor_parallel_group_across_a_node_boundary_is_warned_about(tmp_path, cli):
@@ -207,6 +208,14 @@ def test_a_chain_waits_link_by_link_and_accepts_drift_in_its_first_link_only(tmp
         "--parsable --dependency=afterany:101 --time=10 train.sbatch | drift=",
         "--parsable --dependency=afterany:102 --time=10 train.sbatch | drift=",
     ]
+    # sbatch takes it abbreviated too, and as a separate word or -d: the first link only.
+    for given in (["--depend=afterok:5"], ["--dep", "afterok:5"], ["-d", "afterok:5"],
+                  ["-dafterok:5"]):  # fmt: skip
+        (tmp_path / "calls").unlink()
+        subprocess.run(["bash", str(LAUNCHERS / "chain.sh"), "2", *given, "--time=10",
+                        "train.sbatch"], env=env, capture_output=True, check=True)  # fmt: skip
+        second = (tmp_path / "calls").read_text().splitlines()[1]
+        assert second == "--parsable --dependency=afterany:101 --time=10 train.sbatch | drift=", given
 
 
 def test_launch_slurm_chain_hands_the_drift_reason_to_its_first_job_only(eight_rank_manifest,
@@ -363,6 +372,30 @@ def test_sbatch_accepts_a_script_whose_paths_hold_spaces(cluster, tmp_path, monk
     test = subprocess.run(["sbatch", "--test-only"], input=done.stdout, capture_output=True,
                           text=True, timeout=60, check=False)  # fmt: skip
     assert test.returncode == 0 and "to start at" in test.stderr, test.stderr
+
+
+def test_sbatch_reads_paths_with_hashes_quotes_and_backslashes_as_written(cluster, tmp_path):
+    """A held job (it never runs): scontrol shows the working directory and log path sbatch
+    read from the rendered directives. (A % in the log's path is written %%, which sbatch turns
+    back into %; scontrol's display expands patterns itself, so it is checked as rendered, in
+    test_paths_and_options_with_spaces_are_quoted_in_the_directives.)"""
+    from fp8ops.launch.slurm import plan_job, render
+
+    work = tmp_path / "a#b it's \\ c"
+    work.mkdir()
+    job = plan_job(MANIFESTS / "tiny-gpt-cpu.yaml", time="10", gpus=False, workdir=work,
+                   run_dir=Path("r#1"))  # fmt: skip
+    held = subprocess.run(["sbatch", "--parsable", "--hold"], input=render(job),
+                          capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    job_id = held.stdout.strip().split(";")[0]
+    cluster.append(job_id)
+    try:
+        shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True,
+                               text=True, check=True).stdout  # fmt: skip
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True, check=False)
+    assert f"WorkDir={work}\n" in shown, shown
+    assert f"StdOut={work}/r#1.slurm-{job_id}.out\n" in shown, shown
 
 
 @pytest.mark.slow

@@ -220,6 +220,14 @@ def _buckets(
             name, False, None, gap,
             "no capability evaluation at a step both runs reached with equal tokens",
         ), None, None  # fmt: skip
+    last = candidate.manifest.schedule.train_steps
+    if candidate.state == "completed" and step != last:  # every run evaluates at its last step
+        return GateResult(
+            name, False, None, gap,
+            f"no capability evaluation of both runs at the last step ({last}) with equal tokens "
+            f"(one failed? see events.jsonl: capability_failed); the last matched one is at "
+            f"step {step}",
+        ), None, None  # fmt: skip
 
     ours, theirs = (
         {_item_key(item) for item in run.predictions[step]} for run in (reference, candidate)
@@ -454,11 +462,16 @@ def _resume_gate(run: RunRecords, reference: RunRecords, gates: Gates) -> GateRe
     # The change across the resume, less the reference's across the same steps: same data in
     # the same order, so its change is what the loss would have done anyway (falling early in
     # training, which would otherwise hide a jump; harder or easier batches).
+    # A reference that itself resumed near the step is no baseline: a jump of its own would
+    # cancel the candidate's.
     ours = {m["step"]: m.get("loss") for m in run.metrics}
     theirs = {m["step"]: m.get("loss") for m in reference.metrics}
+    its_resumes = {r.step for r in reference.resumes} | set(reference.restarts)
     jumps = {}
     for step in resume_steps:
         change, expected = _change_across(ours, step), _change_across(theirs, step)
+        if any(abs(step - other) <= RESUME_WINDOW for other in its_resumes):
+            expected = None
         if change is not None:
             jumps[step] = change - (expected if expected is not None else 0.0)
     worst_step = max(jumps, key=jumps.get, default=None)

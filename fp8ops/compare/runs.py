@@ -20,7 +20,7 @@ from typing import Any, Literal
 from fp8ops.admission import LayersDocument, read_layers_json
 from fp8ops.alerts import Alert, read_alerts
 from fp8ops.compare.layers import TelemetrySummary, summarise_telemetry
-from fp8ops.dualtrack.tracks import LABELS, PLAN
+from fp8ops.dualtrack.tracks import CANDIDATE, FALLBACK, LABELS, PLAN
 from fp8ops.errors import Fp8opsError
 from fp8ops.files import latest_per_step, read_jsonl
 from fp8ops.manifest import Manifest, ManifestStore, manifest_hash
@@ -127,8 +127,13 @@ def _dualtrack_tracks(directory: Path) -> list[Track]:
     tracks = document.get("tracks")
     if not isinstance(tracks, list) or not tracks:
         raise Fp8opsError(f"{file}: no 'tracks' list; the file is damaged (rerun fp8ops dualtrack)")
-    listed = {entry.get("label") for entry in tracks if isinstance(entry, dict)}
-    if missing := [label for label in LABELS if label not in listed]:
+    listed = {
+        entry.get("label"): entry.get("status") for entry in tracks if isinstance(entry, dict)
+    }
+    missing = [label for label in LABELS if label not in listed]
+    if missing == [FALLBACK] and listed.get(CANDIDATE) == "failed":
+        missing = []  # the candidate failed (and fails here); the fallback never ran after it
+    if missing:
         raise Fp8opsError(
             f"{file}: the {', '.join(missing)} track has not started; the evaluation is "
             f"unfinished (run fp8ops dualtrack again to finish it)"

@@ -148,7 +148,8 @@ def _train(track: Track, out_dir: Path, progress: bool, plan: dict) -> TrackOutc
     from fp8ops.train.run_dir import RunAlreadyComplete, read_status
     from fp8ops.train.trainer import StopRun
 
-    status = (read_status(track.run_dir) or {}).get("state") if track.run_dir.exists() else None
+    before = read_status(track.run_dir) if track.run_dir.exists() else None
+    status = (before or {}).get("state")
     if status == "stopped":  # a Stop alert would stop it again at the same step
         _record(plan, out_dir, track, "stopped", 0.0)
         return TrackOutcome(track, "stopped", 0.0, "stopped by an alert (earlier)")
@@ -166,7 +167,8 @@ def _train(track: Track, out_dir: Path, progress: bool, plan: dict) -> TrackOutc
         if _is_main():
             print(f"dual-track: {track.label} {stop}", flush=True)
     finally:
-        if state == "interrupted" and (read_status(track.run_dir) or {}).get("state") == "failed":
+        after = read_status(track.run_dir) if track.run_dir.exists() else None
+        if state == "interrupted" and after != before and (after or {}).get("state") == "failed":
             state = "failed"  # judged (and failed) by compare; the next invocation retries it
         seconds = time.perf_counter() - started
         _record(plan, out_dir, track, state, seconds)

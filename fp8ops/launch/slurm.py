@@ -136,6 +136,10 @@ def plan_job(
         _directive(option, value)  # refuses what an #SBATCH line cannot hold
     workdir = Path(workdir or Path.cwd()).resolve()
     run_dir = (workdir / (run_dir or Path("runs") / manifest.name)).resolve()
+    for what, path in (("manifest", manifest_path), ("--run-dir", run_dir), ("workdir", workdir)):
+        if "\n" in str(path) or "\r" in str(path):
+            raise LaunchError(f"{what} {str(path)!r}: a path with a line break cannot go in a "
+                              "batch script")  # fmt: skip
     return SlurmJob(
         manifest=manifest_path, manifest_sha256=manifest_hash(manifest), name=manifest.name,
         run_dir=run_dir, nodes=nodes, procs_per_node=gpus_per_node,
@@ -208,7 +212,8 @@ def render(job: SlurmJob) -> str:
         "--requeue",
         f"--signal=B:USR1@{job.signal_seconds}",
         "--open-mode=append",
-        _directive("--output", job.output),
+        # sbatch expands %-patterns in --output: a % of the path itself is written %%.
+        _directive("--output", str(job.run_dir).replace("%", "%%") + ".slurm-%j.out"),
         _directive("--chdir", job.workdir),
         *(_directive(*arg.partition("=")[::2]) if "=" in arg else arg for arg in job.sbatch_args),
     ]  # fmt: skip
@@ -234,16 +239,15 @@ def render(job: SlurmJob) -> str:
 
 
 def _directive(option: str, value: object) -> str:
-    """``--option=value`` for an ``#SBATCH`` line. sbatch splits these lines at whitespace
-    unless the value is in double quotes, which it cannot escape: a value with a double quote or
-    a line break is refused."""
+    r"""``--option="value"`` for an ``#SBATCH`` line. sbatch's directive parser splits at
+    whitespace, ends the line at an unquoted ``#``, and reads ``'`` as a quote and ``\`` as an
+    escape, so the value goes in double quotes with ``\`` and ``"`` escaped. A line break cannot
+    be written at all: refused."""
     text = str(value)
-    if '"' in text or "\n" in text:
-        raise LaunchError(
-            f"{option}={text!r}: an #SBATCH line cannot hold a double quote or a line break; "
-            "use another path"
-        )
-    return f'{option}="{text}"' if any(c.isspace() for c in text) else f"{option}={text}"
+    if "\n" in text or "\r" in text:
+        raise LaunchError(f"{option}={text!r}: an #SBATCH line cannot hold a line break")
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"')
+    return f'{option}="{escaped}"'
 
 
 def _script_body() -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fp8ops.errors import Fp8opsError, ManifestError
-from fp8ops.manifest import derive, load_manifest
+from fp8ops.manifest import ManifestStore, derive, load_manifest, manifest_hash
 from fp8ops.manifest.schema import Manifest
 from fp8ops.train.run_dir import RunAlreadyComplete, RunDir
 
@@ -40,8 +40,9 @@ def run_training(
     from fp8ops.checkpoint import CheckpointDir, plan_resume
 
     if resume and accept_drift is None:
-        steps = _locked_manifest(Path(manifest_path), assignments or {})[0].schedule.train_steps
-        _refuse_if_complete(Path(run_dir), steps)
+        requested = _locked_manifest(Path(manifest_path), assignments or {})[0]
+        if ManifestStore(Path(run_dir) / "manifests").path_for(manifest_hash(requested)).exists():
+            _refuse_if_complete(Path(run_dir))  # the run's own manifest: a rerun after the end
     if resume and CheckpointDir(run_dir).complete():
         plan = plan_resume(
             Path(run_dir), manifest_path=Path(manifest_path), assignments=assignments,
@@ -68,7 +69,7 @@ def resume_training(
     from fp8ops.checkpoint import plan_resume
 
     if checkpoint is None and not assignments and accept_drift is None:
-        _refuse_if_complete(Path(run_dir), None)
+        _refuse_if_complete(Path(run_dir))
     plan = plan_resume(
         Path(run_dir), checkpoint=checkpoint, assignments=assignments, accept_drift=accept_drift
     )
@@ -87,23 +88,21 @@ def _resume(plan, source: str, progress: bool, stop_at: int | None) -> TrainResu
     return _run(plan.manifest, None, source, plan.run_dir, progress, plan=plan, stop_at=stop_at)
 
 
-def _refuse_if_complete(run_dir: Path, train_steps: int | None) -> None:
-    """A finished run (``train_steps`` None: at whatever length) has nothing to train, whatever
-    the manifest file or the machine now: said before the drift check, which would otherwise
-    fail a rerun (a SLURM requeue or chain link after the end, on another node or after the
-    manifest was edited for the next experiment). A longer ``train_steps`` is a resume, and goes
-    through the drift check."""
+def _refuse_if_complete(run_dir: Path) -> None:
+    """A finished run, rerun with one of its own revisions (a SLURM requeue or a chain's next
+    link after the end), has nothing to train: said before the drift check, so a rerun on a node
+    with another environment succeeds. Another manifest still goes through the drift check: a
+    file edited in place for the next experiment is refused with its diff, not taken as done."""
     from fp8ops.train.run_dir import read_status
 
     if not _finished(run_dir):
         return
     step = (read_status(run_dir) or {}).get("step")
-    if isinstance(step, int) and (train_steps is None or train_steps <= step):
-        raise RunAlreadyComplete(
-            f"{run_dir} completed at step {step}: nothing to train (the manifest and environment "
-            "are not compared: nothing runs). To train longer, raise schedule.train_steps "
-            '(--set schedule.train_steps=N --accept-drift "why")'
-        )
+    raise RunAlreadyComplete(
+        f"{run_dir} completed at step {step}: nothing to train (the environment is not compared: "
+        "nothing runs). To train longer, raise schedule.train_steps "
+        '(--set schedule.train_steps=N --accept-drift "why")'
+    )
 
 
 def _finished(run_dir: Path) -> bool:

@@ -95,7 +95,7 @@ def _refuse_if_complete(run_dir: Path) -> None:
     file edited in place for the next experiment is refused with its diff, not taken as done."""
     from fp8ops.train.run_dir import read_status
 
-    if not _finished(run_dir):
+    if not run_dir.is_dir() or not _finished(run_dir):  # not a run: plan_resume says what
         return
     step = (read_status(run_dir) or {}).get("step")
     raise RunAlreadyComplete(

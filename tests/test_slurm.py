@@ -166,6 +166,21 @@ def test_paths_and_options_with_spaces_are_quoted_in_the_directives(eight_rank_m
     assert '--comment="say \\"hi\\" #1 \\\\ it\'s"' in _directives(quoted.out)
 
 
+def test_cpus_per_gpu_sizes_each_task(eight_rank_manifest, cli):
+    """A torchrun task is a node's agent with all its ranks; an srun task is one rank."""
+    common = ("launch", "slurm", eight_rank_manifest, "--nodes", 2, "--gpus-per-node", 4,
+              "--time", "1:00:00", "--cpus-per-gpu", 8, "--dry-run")  # fmt: skip
+    torchrun = _directives(cli(*common).out)
+    assert "--gpus-per-node=4" in torchrun and "--cpus-per-task=32" in torchrun
+    srun = _directives(cli(*common, "--launcher", "srun").out)
+    assert "--ntasks-per-node=4" in srun and "--cpus-per-task=8" in srun
+    assert not any(d.startswith("--cpus-per-task") for d in _directives(cli(*common[:-3],
+                   "--dry-run").out))  # fmt: skip
+    refused = cli(*common, "--cpu")
+    assert refused.code == 2 and "--cpus-per-gpu 8: give a count of at least 1, for a job on " \
+        "GPUs" in refused.err
+
+
 def test_a_tensor_parallel_group_across_a_node_boundary_is_warned_about(tmp_path, cli):
     """TP 4 on nodes of 6 ranks: the second group (ranks 4-7) has a foot on each node."""
     manifest = _write(tmp_path / "twelve.yaml", MANIFESTS / "tiny-gpt-cpu.yaml",

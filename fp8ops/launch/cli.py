@@ -110,6 +110,14 @@ def slurm(
             show_default=False,
         ),
     ] = None,
+    cpus_per_gpu: Annotated[
+        int | None,
+        typer.Option(
+            help="CPUs for each GPU's rank (--cpus-per-task of the script's tasks; default: "
+            "the cluster's, which may be one CPU per node).",
+            show_default=False,
+        ),
+    ] = None,
     dry_run: Annotated[bool, typer.Option(help="Print the batch script; submit nothing.")] = False,
 ) -> None:
     """Submit MANIFEST's training as a SLURM job that resumes by itself.
@@ -125,6 +133,7 @@ def slurm(
         partition=partition, account=account, python=python,
         requeue=chain == 1 if requeue is None else requeue, container_image=container_image,
         container_mounts=container_mounts, sbatch_args=tuple(sbatch_arg or ()),
+        cpus_per_gpu=cpus_per_gpu,
     )  # fmt: skip
     if job.procs_per_node % job.tensor_parallel and job.nodes > 1:
         # Megatron runs it, but slowly: a tensor-parallel group (consecutive ranks) that does not

@@ -75,6 +75,9 @@ class SlurmJob:
     """The job's log (``%j``: the job id), appended to by every attempt."""
     sbatch_args: tuple[str, ...] = ()
     """More ``#SBATCH`` options, each as on sbatch's command line (``--qos=high``)."""
+    cpus_per_gpu: int | None = None
+    """CPUs for each GPU's rank (data loading, the host side of its kernels); None: the
+    cluster's default, which may be one CPU for a whole node's torchrun agent and ranks."""
 
     @property
     def world_size(self) -> int:
@@ -99,6 +102,7 @@ def plan_job(
     container_mounts: str | None = None,
     sbatch_args: tuple[str, ...] = (),
     workdir: Path | None = None,
+    cpus_per_gpu: int | None = None,
 ) -> SlurmJob:
     """The submission for ``manifest_path`` on ``nodes`` x ``gpus_per_node`` ranks, checked
     against the manifest's topology (default ``gpus_per_node``: what the topology needs)."""
@@ -125,6 +129,11 @@ def plan_job(
             f"--signal-seconds {signal_seconds} is not shorter than --time {time} ({limit} s): "
             "the job would be asked to checkpoint and requeue as soon as it starts"
         )
+    if cpus_per_gpu is not None and (not gpus or cpus_per_gpu < 1):
+        raise LaunchError(
+            f"--cpus-per-gpu {cpus_per_gpu}: give a count of at least 1, for a job on GPUs "
+            "(with --cpu each node's processes get a CPU each)"
+        )
     if launcher not in ("torchrun", "srun"):
         raise LaunchError(f"--launcher must be torchrun or srun, not {launcher!r}")
     for arg in sbatch_args:
@@ -146,7 +155,7 @@ def plan_job(
         tensor_parallel=topology.tensor_parallel, time=time,
         signal_seconds=signal_seconds, gpus=gpus, launcher=launcher, partition=partition,
         account=account, requeue=requeue, container_image=container_image,
-        container_mounts=container_mounts, workdir=workdir,
+        container_mounts=container_mounts, workdir=workdir, cpus_per_gpu=cpus_per_gpu,
         # Next to the run directory, not in it: a new run refuses a directory with files in it.
         output=run_dir.parent / f"{run_dir.name}.slurm-%j.out",
         # In a container the host's interpreter path means nothing: the image's python.
@@ -199,13 +208,16 @@ def parse_time_limit(text: str) -> int | None:
 
 def render(job: SlurmJob) -> str:
     """The batch script for ``job``: its directives and inputs, then launchers/train.sbatch."""
-    # On CPUs a torchrun agent needs a CPU for each of its ranks; with srun each task is a rank.
-    cpus_per_task = job.procs_per_node if job.launcher == "torchrun" else 1
+    # A torchrun task is a node's agent and all its ranks; an srun task is one rank. On CPUs each
+    # rank gets a CPU; on GPUs --cpus-per-gpu each, or the cluster's default when not given.
+    ranks_per_task = job.procs_per_node if job.launcher == "torchrun" else 1
+    cpus_per_rank = job.cpus_per_gpu if job.gpus else 1
     directives = [
         f"--job-name={job.name}",
         f"--nodes={job.nodes}",
         f"--ntasks-per-node={1 if job.launcher == 'torchrun' else job.procs_per_node}",
-        f"--gpus-per-node={job.procs_per_node}" if job.gpus else f"--cpus-per-task={cpus_per_task}",
+        *([f"--gpus-per-node={job.procs_per_node}"] if job.gpus else []),
+        *([f"--cpus-per-task={cpus_per_rank * ranks_per_task}"] if cpus_per_rank else []),
         f"--time={job.time}",
         *([f"--partition={job.partition}"] if job.partition else []),
         *([f"--account={job.account}"] if job.account else []),

@@ -27,6 +27,7 @@ import hashlib
 import json
 import re
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -263,6 +264,23 @@ def decide_admission(
             )
         )  # fmt: skip
     return AdmissionTable(rows=tuple(rows), tensor_parallel=tensor_parallel)
+
+
+def admitted_under(rows: Sequence[AdmissionRow], precision: PrecisionPolicy) -> list[str]:
+    """The modules of a recorded table that ``precision`` would run in FP8: the decision of
+    :func:`decide_admission`, made again from the kinds and per-rank shapes ``layers.json``
+    holds, for another run of the same model at the same TP (a dual-track BF16 control's table
+    says what its FP8 candidate will admit, before it is built)."""
+    always_base = {"embedding", "lm_head", "norm"}
+    admitted = []
+    for row in rows:
+        code = row.reason.code
+        found = _Found(row.fqn, None, row.kind, row.parallel, row.global_shape,
+                       fp8_capable=code != "not_fp8_capable",
+                       always_base=code if code in always_base else None)  # fmt: skip
+        if _decide(found, row.rank_shape, precision).code == "fp8":
+            admitted.append(row.fqn)
+    return admitted
 
 
 def _decide(f: _Found, rank_shape: GemmShape, precision: PrecisionPolicy) -> Reason:

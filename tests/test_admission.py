@@ -16,6 +16,7 @@ from fp8ops.admission import (
     AdmissionTable,
     GemmShape,
     LayersFileError,
+    admitted_under,
     apply_admission,
     decide_admission,
     per_rank_shape,
@@ -160,6 +161,25 @@ def test_an_override_is_its_own_reason_and_counted_in_the_summary(model, manifes
     assert table.summary() == (
         "7 of 16 modules FP8; 9 in bf16: 1 override, 2 embedding, 1 LM head, 5 norm"
     )
+
+
+def test_a_bf16_twins_table_decided_again_admits_what_the_fp8_model_admits(model, manifest):
+    """``admitted_under``: a dual-track control's layers.json (the plain model, FP8 off) says
+    which modules the FP8 candidate will run in FP8, under each kind of rule."""
+    control = decide_admission(build_gpt(manifest, None), revised(manifest, enabled=False).precision,
+                               tensor_parallel=1)  # fmt: skip
+    assert all(row.reason.code in ("fp8_disabled", "embedding", "lm_head", "norm")
+               for row in control.rows)  # fmt: skip
+    for changes in (
+        {},
+        {"exclude_modules": ["decoder.layers.0.*"]},
+        {"include_modules": ["*.linear_fc1"]},
+        {"overrides": [{"module": "decoder.layers.1.mlp.linear_fc2", "reason": "by hand"}]},
+        {"small_gemm": {"enabled": True, "min_dim": 64, "min_flops_per_token": 20000}},
+    ):
+        candidate = revised(manifest, **changes) if changes else manifest
+        expected = decide(model, manifest, **changes).fp8_fqns
+        assert admitted_under(control.rows, candidate.precision) == list(expected), changes
 
 
 def test_a_narrower_include_admits_only_what_it_names(model, manifest):

@@ -119,35 +119,17 @@ def candidate_fp8_modules(source: Manifest, candidate_run: Path) -> list[str]:
 def check_fallback_globs(source: Manifest, control_run: Path) -> None:
     """Refuse a ``dualtrack.fallback_modules`` glob that names none of the modules the candidate
     will run in FP8, before it trains: found after, fixing the glob would change the source
-    manifest and cost the tracks already trained.
+    manifest and cost the tracks already trained. The control's layers.json, decided again under
+    the candidate's precision section (``admitted_under``), says which those are."""
+    from fp8ops.admission import admitted_under, read_layers_json
 
-    The control's layers.json lists the model's projections (``fp8_disabled``: each would run
-    FP8 but for ``precision.enabled``); the candidate keeps those its include and exclude globs
-    and hand-written overrides leave. (The small-GEMM rule, which needs the per-rank shapes,
-    is applied when the candidate has trained.)
-    """
-    from fp8ops.admission import read_layers_json
-
-    precision = source.precision
-    overridden = {o.module for o in precision.overrides}
-
-    def fp8_in_candidate(name: str) -> bool:
-        return (
-            any(fnmatch.fnmatchcase(name, glob) for glob in precision.include_modules)
-            and not any(fnmatch.fnmatchcase(name, glob) for glob in precision.exclude_modules)
-            and name not in overridden
-        )
-
-    rows = read_layers_json(control_run).rows
-    names = [
-        row.fqn for row in rows if row.reason.code == "fp8_disabled" and fp8_in_candidate(row.fqn)
-    ]
+    names = admitted_under(read_layers_json(control_run).rows, source.precision)
     for glob in source.dualtrack.fallback_modules:
         if not fnmatch.filter(names, glob):
             raise ManifestError(
                 f"dualtrack.fallback_modules: {glob!r} matches none of the {len(names)} modules "
-                f"the candidate will run in FP8 (the projections of {control_run / 'layers.json'} "
-                "its precision globs and overrides admit); fix the glob"
+                f"the candidate will run in FP8 (as {control_run / 'layers.json'} is admitted "
+                "under its precision section); fix the glob"
             )
 
 

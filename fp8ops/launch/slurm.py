@@ -27,6 +27,7 @@ from fp8ops.manifest import load_manifest, manifest_hash
 
 # A link to launchers/train.sbatch, so that the package finds it wherever it is installed from.
 BATCH_SCRIPT = Path(__file__).with_name("train.sbatch")
+LOG_SUFFIX = ".slurm-%j.out"  # the job log, beside the run directory: RUN_DIR.slurm-JOBID.out
 
 Launcher = Literal["torchrun", "srun"]
 
@@ -157,7 +158,7 @@ def plan_job(
         account=account, requeue=requeue, container_image=container_image,
         container_mounts=container_mounts, workdir=workdir, cpus_per_gpu=cpus_per_gpu,
         # Next to the run directory, not in it: a new run refuses a directory with files in it.
-        output=run_dir.parent / f"{run_dir.name}.slurm-%j.out",
+        output=run_dir.parent / f"{run_dir.name}{LOG_SUFFIX}",
         # In a container the host's interpreter path means nothing: the image's python.
         python=python or ("python" if container_image else sys.executable),
         sbatch_args=tuple(sbatch_args),
@@ -225,7 +226,7 @@ def render(job: SlurmJob) -> str:
         f"--signal=B:USR1@{job.signal_seconds}",
         "--open-mode=append",
         # sbatch expands %-patterns in --output: a % of the path itself is written %%.
-        _directive("--output", str(job.run_dir).replace("%", "%%") + ".slurm-%j.out"),
+        _directive("--output", str(job.run_dir).replace("%", "%%") + LOG_SUFFIX),
         _directive("--chdir", job.workdir),
         *(_directive(*arg.partition("=")[::2]) if "=" in arg else arg for arg in job.sbatch_args),
     ]  # fmt: skip

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from fp8ops.errors import Fp8opsError, ManifestError
 from fp8ops.manifest import ManifestStore, derive, load_manifest, manifest_hash
 from fp8ops.manifest.schema import Manifest
-from fp8ops.train.run_dir import RunAlreadyComplete, RunDir
+from fp8ops.train.run_dir import RunAlreadyComplete, RunDir, read_status
 
 # torch, Megatron and the trainer are imported inside _run: a resume that is refused for drift
 # (fp8ops.checkpoint.plan_resume, from one JSON file) answers in well under two seconds, before
@@ -93,8 +93,6 @@ def _refuse_if_complete(run_dir: Path) -> None:
     link after the end), has nothing to train: said before the drift check, so a rerun on a node
     with another environment succeeds. Another manifest still goes through the drift check: a
     file edited in place for the next experiment is refused with its diff, not taken as done."""
-    from fp8ops.train.run_dir import read_status
-
     if not run_dir.is_dir() or not _finished(run_dir):  # not a run: plan_resume says what
         return
     step = (read_status(run_dir) or {}).get("step")
@@ -107,7 +105,6 @@ def _refuse_if_complete(run_dir: Path) -> None:
 
 def _finished(run_dir: Path) -> bool:
     """The run wrote its final weights and said so (the last thing a run does)."""
-    from fp8ops.train.run_dir import read_status
     from fp8ops.train.weights import META_FILE
 
     status = read_status(Path(run_dir)) or {}

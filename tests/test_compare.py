@@ -22,7 +22,7 @@ import pytest
 
 from fp8ops.admission import AdmissionRow, LayersDocument, RecipeRecord, table_hash
 from fp8ops.alerts import Alert, write_alerts
-from fp8ops.compare.gates import judge
+from fp8ops.compare.gates import judge, one_bar
 from fp8ops.compare.runs import check_comparable, load_run, resolve_tracks
 from fp8ops.compare.verdict import compare
 from fp8ops.evaluate.records import write_capability
@@ -223,17 +223,25 @@ def underflow_alert(step: int = 35) -> Alert:
 
 
 def pair(tmp_path: Path, **candidate) -> tuple[Path, Path]:
-    """A BF16 reference and an FP8 candidate that passes unless ``candidate`` says otherwise."""
-    reference = make_run(tmp_path / "bf16", fp8=False)
+    """A BF16 reference and an FP8 candidate that passes unless ``candidate`` says otherwise.
+    Changed gates are the reference's too: every candidate is judged by one bar."""
+    gates = {k: v for k, v in candidate.get("changes", {}).items() if k.startswith("gates.")}
+    reference = make_run(tmp_path / "bf16", fp8=False, changes=gates)
     return reference, make_run(tmp_path / "fp8", **candidate)
 
 
-def verdict_of(reference: Path, candidate: Path):
-    """The candidate's verdict without writing a report (the gates alone)."""
+def verdict_of(reference: Path, candidate: Path, gates_from: Path | None = None):
+    """The candidate's verdict without writing a report (the gates alone), by the runs' one bar
+    or, as ``--gates`` gives it, by the gates of the run ``gates_from``."""
     tracks, _ = resolve_tracks([reference, candidate])
     ref, cand = (load_run(track) for track in tracks)
     check_comparable(ref, [cand])
-    return judge(ref, cand)
+    bar = (
+        one_bar([ref, cand])
+        if gates_from is None
+        else load_manifest(gates_from / "manifest.yaml").gates
+    )
+    return judge(ref, cand, bar)
 
 
 def gate(verdict, name: str):
@@ -255,8 +263,13 @@ def test_matching_runs_pass_every_gate_through_the_command(tmp_path, cli):
     assert f"verdict.json: {out / 'verdict.json'}" in result.out
 
     document = json.loads((out / "verdict.json").read_text())
-    assert set(document) == {"verdict", "reference", "candidates", "created"}
+    assert set(document) == {"verdict", "reference", "candidates", "gates", "created"}
     assert document["verdict"] == "pass"
+    assert document["gates"] == {
+        "source": "the runs' manifests",
+        **run_manifest(True, {}).gates.model_dump(),
+    }
+    assert "gates: the runs' manifests" in result.out
     assert document["reference"] == {
         "label": "bf16", "run_dir": str(reference), "status": "completed", "step": STEPS,
         "clean": True, "problems": [], "manifest": manifest_hash(run_manifest(False, {})),
@@ -398,7 +411,7 @@ def test_nonfinite_metrics_fail_unless_allowed(tmp_path):
     assert finite.detail == "fp8 non-finite: loss or grad_norm at step 17"
     allowed = make_run(tmp_path / "allowed", edits={17: {"grad_norm": None}},
                        changes={"gates.allow_nonfinite": True})  # fmt: skip
-    finite = gate(verdict_of(reference, allowed), "finite")
+    finite = gate(verdict_of(reference, allowed, gates_from=allowed), "finite")
     assert finite.passed and "(allowed by gates.allow_nonfinite)" in finite.detail
 
 
@@ -422,7 +435,7 @@ def test_skipped_steps_fail_unless_allowed(tmp_path):
     # the skipped_steps gate's to judge, so allowing skipped steps passes the run.
     allowed = make_run(tmp_path / "allowed", edits={5: {"skipped": True, "grad_norm": None}},
                        changes={"gates.allow_skipped_steps": True})  # fmt: skip
-    verdict = verdict_of(reference, allowed)
+    verdict = verdict_of(reference, allowed, gates_from=allowed)
     assert gate(verdict, "skipped_steps").passed and gate(verdict, "finite").passed
     assert verdict.passed
 
@@ -537,7 +550,7 @@ def test_resume_continuity(tmp_path):
 
     off = make_run(tmp_path / "e", resume_at=20, loss_jump=0.5,
                    changes={"gates.require_resume_continuity": False})  # fmt: skip
-    assert gate(verdict_of(reference, off), "resume_continuity").passed
+    assert gate(verdict_of(reference, off, gates_from=off), "resume_continuity").passed
 
 
 def test_a_reference_that_resumed_at_the_same_step_is_no_baseline_for_the_jump(tmp_path):
@@ -692,6 +705,47 @@ NOT_COMPARABLE = {
                 ("run.json model.initial_weights_fingerprint is 0f0f0f0f0f0f..., the "
                  "reference {ref} started from 1e1e1e1e1e1e...")),
 }  # fmt: skip
+
+
+def test_a_candidate_is_judged_by_the_references_bar_not_a_looser_one_of_its_own(tmp_path, cli):
+    """A loss gap of 0.034 fails the runs' 0.01. A candidate that wrote itself a 0.05 bar is not
+    judged by it: the gates differ and nothing is written, until one bar is given (--gates)."""
+    reference = make_run(tmp_path / "bf16", fp8=False)
+    candidate = make_run(tmp_path / "fp8", eval_shift=0.034, changes={"gates.loss_gap": 0.05})
+    out = tmp_path / "out"
+    result = cli("compare", reference, candidate, "--out", out, "--no-png")
+    assert result.code == 2, result.out + result.err
+    assert (f"{candidate}: manifest.yaml gates.loss_gap is 0.05, the reference has 0.01 "
+            f"({reference}); every candidate is judged by one bar: give it with --gates "
+            "MANIFEST") in result.err  # fmt: skip
+    assert not out.exists()
+
+    result = cli("compare", reference, candidate, "--out", out, "--no-png",
+                 "--gates", reference / "manifest.yaml")  # fmt: skip
+    assert result.code == 1, result.out + result.err
+    assert "loss gap 0.034 > 0.01" in result.out
+    document = json.loads((out / "verdict.json").read_text())
+    assert document["gates"]["source"] == str(reference / "manifest.yaml")
+    assert document["gates"]["loss_gap"] == 0.01
+
+    result = cli("compare", reference, candidate, "--out", out, "--no-png",
+                 "--gates", candidate / "manifest.yaml")  # fmt: skip
+    assert result.code == 0, result.out + result.err  # the bar given decides, and is recorded
+    assert json.loads((out / "verdict.json").read_text())["gates"]["loss_gap"] == 0.05
+
+
+def test_a_gates_manifest_that_cannot_be_read_is_refused_by_name(tmp_path, cli):
+    reference, candidate = pair(tmp_path)
+    bad = tmp_path / "gates.yaml"
+    text = BASE_MANIFEST.read_text()
+    assert "loss_gap: 0.03" in text
+    bad.write_text(text.replace("loss_gap: 0.03", "loss_gap: -1"))
+    out = tmp_path / "out"
+    for given, message in ((tmp_path / "missing.yaml", "missing.yaml: no such file"),
+                           (bad, f"{bad}: gates.loss_gap")):  # fmt: skip
+        result = cli("compare", reference, candidate, "--out", out, "--no-png", "--gates", given)
+        assert result.code == 2 and message in result.err, result.out + result.err
+        assert not out.exists()
 
 
 @pytest.mark.parametrize("case", list(NOT_COMPARABLE))

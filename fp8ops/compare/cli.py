@@ -34,9 +34,19 @@ def compare_command(
     png: Annotated[
         bool, typer.Option("--png/--no-png", help="Also export the main plots as PNGs (kaleido).")
     ] = True,
+    gates: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="MANIFEST",
+            help="Judge every candidate by this manifest's gates section (default: the runs' "
+            "own gates, which must agree).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
-    """Judge FP8 candidates against a reference run with the release gates of each candidate's
-    manifest; write verdict.json and report.html. Exit 0: all pass, 1: some fail, 2: bad input."""
+    """Judge FP8 candidates against a reference run with one set of release gates (the runs'
+    manifests', or --gates); write verdict.json and report.html. Exit 0: all pass, 1: some
+    fail, 2: bad input."""
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -44,7 +54,7 @@ def compare_command(
     from fp8ops.compare.report import format_value
     from fp8ops.compare.verdict import compare
 
-    result = compare(runs, out, png=png)
+    result = compare(runs, out, png=png, gates=gates)
     verdict = result.verdict
     # Module names are not markup; a cause stays on one line (soft_wrap), for grep and CI logs.
     console = Console(
@@ -62,6 +72,7 @@ def compare_command(
             )  # fmt: skip
     reference = verdict.reference
     console.print(f"reference: {reference['label']} ({reference['run_dir']})")
+    console.print(f"gates: {verdict.gates['source']}")
     console.print(table)
     for candidate in verdict.candidates:
         if candidate.passed:

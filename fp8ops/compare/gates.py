@@ -1,5 +1,6 @@
-"""The release gates: one candidate against the reference, with the thresholds of the
-candidate's own locked manifest (``gates``: :class:`fp8ops.manifest.schema.Gates`).
+"""The release gates: one candidate against the reference, with one set of thresholds
+(``gates``: :class:`fp8ops.manifest.schema.Gates`) for every candidate: the runs' own, which
+must agree (:func:`one_bar`), or a manifest's given with ``--gates``.
 
 Every gate is reported, passing or not, with its value and threshold; a gate that does not
 apply (a run never resumed, capability not evaluated) passes with a detail saying why it was
@@ -26,6 +27,7 @@ from typing import Any
 
 from fp8ops.alerts import Alert
 from fp8ops.compare.runs import RunRecords, finite
+from fp8ops.errors import Fp8opsError
 from fp8ops.manifest import Gates
 
 RESUME_WINDOW = 10  # steps averaged on each side of a resume (gates.resume_loss_jump's window)
@@ -68,9 +70,25 @@ class CandidateVerdict:
         return "; ".join(parts)
 
 
-def judge(reference: RunRecords, candidate: RunRecords) -> CandidateVerdict:
-    """Every gate for ``candidate``; thresholds from its manifest."""
-    gates = candidate.manifest.gates
+def one_bar(runs: list[RunRecords]) -> Gates:
+    """The gates every candidate is judged by: the runs' own, which must be one bar. A
+    candidate's own looser gates would pass it where the reference's would not."""
+    reference, bar = runs[0], runs[0].manifest.gates.model_dump()
+    for run in runs[1:]:
+        own = run.manifest.gates.model_dump()
+        differ = [f"gates.{key} is {own[key]!r}, the reference has {bar[key]!r}"
+                  for key in bar if own[key] != bar[key]]  # fmt: skip
+        if differ:
+            raise Fp8opsError(
+                f"{run.path}: manifest.yaml {'; '.join(differ)} ({reference.path}); every "
+                "candidate is judged by one bar: give it with --gates MANIFEST (its gates "
+                "section judges every run)"
+            )
+    return reference.manifest.gates
+
+
+def judge(reference: RunRecords, candidate: RunRecords, gates: Gates) -> CandidateVerdict:
+    """Every gate for ``candidate``, at the thresholds of ``gates``."""
     evaluations = matched_evaluations(reference, candidate)
     bucket_gate, capability, worst_bucket = _buckets(reference, candidate, gates)
     return CandidateVerdict(

@@ -18,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from fp8ops.compare.gates import CandidateVerdict, judge, reference_problems
+from fp8ops.compare.gates import CandidateVerdict, judge, one_bar, reference_problems
 from fp8ops.compare.runs import (
     RunRecords,
     check_comparable,
@@ -28,6 +28,7 @@ from fp8ops.compare.runs import (
 )
 from fp8ops.errors import Fp8opsError
 from fp8ops.files import atomic_write_text
+from fp8ops.manifest import load_manifest
 
 VERDICT = "verdict.json"
 REPORT = "report.html"
@@ -40,6 +41,7 @@ class Verdict:
     # problems
     candidates: list[CandidateVerdict]
     created: str
+    gates: dict[str, Any]  # the thresholds every candidate was judged by, and their source
 
     @property
     def verdict(self) -> str:
@@ -61,6 +63,7 @@ class Verdict:
             "verdict": self.verdict,
             "reference": self.reference,
             "candidates": candidates,
+            "gates": self.gates,
             "created": self.created,
         }
         return _json_safe(document)
@@ -78,9 +81,12 @@ class Comparison:
     png_error: str | None = None  # PNG export failed; the JSON and HTML are written
 
 
-def compare(inputs: list[Path], out: Path | None = None, *, png: bool = True) -> Comparison:
+def compare(
+    inputs: list[Path], out: Path | None = None, *, png: bool = True, gates: Path | None = None
+) -> Comparison:
     """Judge the runs in ``inputs`` (run directories, the reference first, or one dual-track
-    directory) and write the verdict and the report into ``out``.
+    directory) and write the verdict and the report into ``out``. The thresholds are the runs'
+    own gates, which must agree, or those of the manifest file ``gates``.
 
     Bad input raises :class:`Fp8opsError` before anything is written. A PNG export that fails
     (no kaleido, no browser) leaves verdict.json and report.html written and is reported in
@@ -98,10 +104,15 @@ def compare(inputs: list[Path], out: Path | None = None, *, png: bool = True) ->
     runs = [load_run(track) for track in tracks]
     reference, candidates = runs[0], runs[1:]
     check_comparable(reference, candidates)
+    if gates is None:
+        bar, source = one_bar(runs), "the runs' manifests"
+    else:
+        bar, source = load_manifest(gates).gates, str(gates)
     verdict = Verdict(
         reference=_reference_json(reference),
-        candidates=[judge(reference, candidate) for candidate in candidates],
+        candidates=[judge(reference, candidate, bar) for candidate in candidates],
         created=datetime.now().astimezone().isoformat(timespec="seconds"),
+        gates={"source": source, **bar.model_dump()},
     )
 
     out = Path(out) if out is not None else default_out(tracks, dualtrack)

@@ -96,7 +96,7 @@ class TeLikeLinear(nn.Linear):
         # (set_meta_tensor returns early), its history brought to the recipe's length.
         length = loaded["recipe"].amax_history_len
         if "scaling_fwd" not in self.fp8_meta:
-            self._init_state(length, self.fp8_meta["num_gemms"])
+            self._init_state(length, self.fp8_meta["num_gemms"], loaded["recipe"])
         for key in ("scaling_fwd", "scaling_bwd"):
             state = self.fp8_meta[key]
             if state.amax_history.shape[0] != length:  # adjust_amax_history_length
@@ -107,13 +107,16 @@ class TeLikeLinear(nn.Linear):
             self.fp8_meta[key].scale.copy_(loaded[f"scale_{direction}"])
             self.fp8_meta[key].amax_history.copy_(loaded[f"amax_history_{direction}"])
 
-    def _init_state(self, history_len: int, gemms: int | None = None) -> None:
-        # New tensors each time, as TE's RecipeState.create: a view must read them afresh.
+    def _init_state(self, history_len: int, gemms: int | None = None, recipe=None) -> None:
+        # New tensors each time, as TE's RecipeState.create: a view must read them afresh. TE's
+        # state keeps the recipe it was made for (its casts' dtypes are fixed then); the
+        # stand-in's autocast has none, so a state made by a forward here records None.
         gemms = self.gemms if gemms is None else gemms
         for key, slots in (("scaling_fwd", 3), ("scaling_bwd", 2)):
             self.fp8_meta[key] = SimpleNamespace(
                 scale=torch.ones(slots * gemms),
                 amax_history=torch.zeros(history_len, slots * gemms),
+                recipe=recipe,
             )
 
 

@@ -33,7 +33,7 @@ from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
 from fp8ops.checkpoint import read_meta
 from fp8ops.checkpoint.directory import checkpoint_name
 from fp8ops.data import EOD, ByteTokenizer, build_data
-from fp8ops.errors import Fp8opsError
+from fp8ops.errors import Fp8opsError, ManifestError
 from fp8ops.evaluate.capability import capability_examples, evaluate_capability, generate
 from fp8ops.evaluate.records import read_capability, read_predictions, score
 from fp8ops.files import read_jsonl
@@ -74,7 +74,7 @@ def manifest(tmp_path_factory) -> Path:
         tmp_path_factory.mktemp("capability") / "finetune.yaml", MANIFESTS / "tiny-gpt-cpu.yaml",
         {
             **SMALL_MODEL, **SCHEDULE, "schedule.eval_iters": 2, "model.init_checkpoint": None,
-            "data.num_examples": 400, "optimizer.lr": 1e-4, "optimizer.min_lr": 1e-5,
+            "data.num_examples": 500, "optimizer.lr": 1e-4, "optimizer.min_lr": 1e-5,
             "schedule.train_steps": 2 * N,
             "schedule.eval_interval": N, "schedule.checkpoint_interval": N,
             "telemetry.every_steps": 1, "telemetry.error_sample_every": 2,
@@ -252,13 +252,36 @@ def test_a_row_stops_when_it_fills_the_sequence(trainer):
 def test_items_are_the_first_of_the_eval_split(manifest):
     loaded = load_manifest(manifest)
     data = build_data(loaded)
-    assert capability_examples(data, loaded.capability) == list(data.eval.examples[:ITEMS])
+    assert capability_examples(data, loaded.capability, ByteTokenizer()) == list(
+        data.eval.examples[:ITEMS]
+    )
     everything = derive(loaded, {"capability.items": None}, "test").capability
-    assert capability_examples(data, everything) == list(data.eval.examples)
+    assert capability_examples(data, everything, ByteTokenizer()) == list(data.eval.examples)
     off = derive(loaded, {"capability.enabled": False}, "test").capability
-    assert capability_examples(data, off) == []
+    assert capability_examples(data, off, ByteTokenizer()) == []
     no_eval = derive(loaded, {"data.eval_fraction": 0.0}, "test")
-    assert capability_examples(build_data(no_eval), no_eval.capability) == []
+    assert capability_examples(build_data(no_eval), no_eval.capability, ByteTokenizer()) == []
+
+
+def test_answers_longer_than_max_new_tokens_are_refused(manifest):
+    """An answer longer than generation may run can never be right: with every answer that
+    long both runs of a comparison would score 0 and pass the accuracy gate. Refused, named."""
+    loaded = derive(load_manifest(manifest), {"capability.max_new_tokens": 2}, "test")
+    data = build_data(loaded)
+    examples = list(data.eval.examples[:ITEMS])
+    too_long = [e for e in examples if len(e.answer) > 2]
+    assert too_long and len(too_long) < len(examples)
+    with pytest.raises(ManifestError) as err:
+        capability_examples(data, loaded.capability, ByteTokenizer())
+    longest = max(len(e.answer) for e in examples)
+    assert str(err.value) == (
+        f"capability.max_new_tokens: 2 is too few for {len(too_long)} of the {ITEMS} capability "
+        f"items, which could never be answered right; the longest answer is {longest} tokens. "
+        f"Raise capability.max_new_tokens to at least {longest}, or lower capability.items to "
+        "leave out long answers"
+    )
+    enough = derive(loaded, {"capability.max_new_tokens": longest}, "test")
+    assert capability_examples(data, enough.capability, ByteTokenizer()) == examples
 
 
 def test_text_data_has_no_capability_evaluation(tmp_path):

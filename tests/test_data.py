@@ -77,17 +77,25 @@ def tasks_data():
 
 
 def problem_of(prompt: str) -> str:
-    """The format-independent problem of a task prompt, parsed here independently of tasks.py."""
+    """The problem of a task prompt whatever its format and the order of what does not change
+    the answer (12 + 39 is 39 + 12; 3142 and 2413 sort alike), parsed here independently of
+    tasks.py."""
+    canonical = {
+        "add": lambda a, b: f"add {min(int(a), int(b))} {max(int(a), int(b))}",
+        "reverse": lambda word: f"reverse {word}",
+        "sort": lambda digits: f"sort {''.join(sorted(digits))}",
+    }
     patterns = [
-        (r"(add \d+ \d+|reverse [a-z]+|sort \d+) = ", "{0}"),
-        (r"Q: What is (\d+) plus (\d+)\?\nA: ", "add {0} {1}"),
-        (r"Q: What is ([a-z]+) backwards\?\nA: ", "reverse {0}"),
-        (r"Q: Sort the digits (\d+)\.\nA: ", "sort {0}"),
-    ]
-    for pattern, template in patterns:
+        (r"(add) (\d+) (\d+) = ", "add"), (r"(reverse) ([a-z]+) = ", "reverse"),
+        (r"(sort) (\d+) = ", "sort"), (r"Q: What is (\d+) plus (\d+)\?\nA: ", "add"),
+        (r"Q: What is ([a-z]+) backwards\?\nA: ", "reverse"),
+        (r"Q: Sort the digits (\d+)\.\nA: ", "sort"),
+    ]  # fmt: skip
+    for pattern, task in patterns:
         match = re.fullmatch(pattern, prompt)
         if match:
-            return template.format(*match.groups())
+            groups = [g for g in match.groups() if g != task]
+            return canonical[task](*groups)
     raise AssertionError(f"not a task prompt: {prompt!r}")
 
 
@@ -268,6 +276,33 @@ def test_check_is_exact_match():
     assert not check(example, " 5")
     assert not check(example, "56")
     assert not check(example, "")
+    # An answer written with a final newline, as JSONL answers often are, can be right.
+    with_newline = Example("Q: 2+2?\nA:", " 4\n", {})
+    assert check(with_newline, " 4\n\x00") and check(with_newline, " 4")
+    assert not check(with_newline, "4\n")
+
+
+def test_eval_split_is_in_hash_order_so_its_first_items_sample_every_topic():
+    """A file sorted by topic: the first capability items (and loss batches) of the held-out
+    split must not all come from its first topic."""
+    topics = ["math", "code", "chat", "safety"]
+    examples = [Example(f"{topic} question {i}?", "yes", {"topic": topic})
+                for topic in topics for i in range(1500)]  # fmt: skip
+    _, evaluation = split_examples(examples, 0.1)
+    assert [split_point(e.key) for e in evaluation] == sorted(
+        split_point(e.key) for e in evaluation
+    )
+    first = Counter(e.buckets["topic"] for e in evaluation[:60])
+    assert set(first) == set(topics) and min(first.values()) >= 5, first
+
+
+def test_a_prompt_and_its_copy_with_other_whitespace_are_one_problem():
+    a, b = Example("What is 5 plus 1?", "6"), Example("  What is 5   plus 1? \n", "6")
+    assert a.key == b.key == "What is 5 plus 1?"
+    train, evaluation = split_examples(
+        [a, b] * 50 + [Example(f"q{i}", "a") for i in range(400)], 0.5
+    )
+    assert (a in train) != (a in evaluation) and (b in train) == (a in train)
 
 
 def test_split_has_no_shared_prompt_and_respects_the_fraction(tasks_data):
@@ -311,7 +346,7 @@ def test_too_long_example_names_model_seq_length():
     with pytest.raises(ManifestError, match=r"model\.seq_length") as err:
         build_data(make_manifest("kind: tasks\nnum_examples: 200", seq_length=16))
     message = str(err.value)
-    assert re.search(r"longest example is \d+ tokens", message)
+    assert re.search(r"\d+ of 200 examples do not fit; the longest is \d+ tokens", message)
     longest = max(
         len(e.prompt) + len(e.answer) + 1 for e in generate_examples(1234, 200)
     )  # ASCII: one byte per character
@@ -426,9 +461,13 @@ def test_jsonl_text_file_is_pretraining(tmp_path):
     path = _write(tmp_path, [json.dumps({"text": t}) for t in texts] + [""])
     data = build_data(_jsonl_manifest(path, seq_length=32))
     assert data.objective == "pretrain" and data.kind == "jsonl"
-    stream = b"".join(t.encode() + b"\x00" for t in texts)
+    # The documents in hash order: the held-out tail is a fair sample of a sorted file.
+    ordered = sorted(texts, key=split_point)
+    assert ordered != texts
+    stream = b"".join(t.encode() + b"\x00" for t in ordered)
     assert len(data.train) + len(data.eval) == len(stream) // 33
     assert bytes(data.train.tokens[0].tolist()) == stream[:32]
+    assert bytes(data.eval.tokens[-1].tolist()) == stream[(len(stream) // 33 - 1) * 33 :][:32]
     assert data.summary()["source"]["file_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -456,6 +495,35 @@ def test_jsonl_sft_file_keeps_prompts_answers_and_buckets(tmp_path):
     assert read_jsonl(plain).examples == (Example("a", "b", {}),)
 
 
+def test_sft_data_that_holds_out_nothing_is_refused(tmp_path):
+    """eval_fraction 0.1 of a small file can hold out nothing: the run would never evaluate."""
+    prompts = [f"Say {i}: " for i in range(200) if split_point(f"Say {i}:") >= 0.1][:30]
+    path = _write(tmp_path, [json.dumps({"prompt": p, "answer": "x"}) for p in prompts])
+    with pytest.raises(ManifestError) as err:
+        build_data(make_manifest(f"kind: jsonl\npath: '{path}'\neval_fraction: 0.1"))
+    assert str(err.value).startswith(
+        "data.eval_fraction: 0.1 held out none of the 30 examples"
+    ) and "set it to 0 to train without evaluation" in str(err.value)
+    assert (
+        build_data(make_manifest(f"kind: jsonl\npath: '{path}'\neval_fraction: 0")).eval.examples
+        == ()
+    )
+
+
+def test_too_long_jsonl_examples_are_named_by_file_and_line(tmp_path):
+    rows = [{"prompt": f"p{i}: ", "answer": "a" * (80 if i in (3, 7, 8, 9, 11) else 2)}
+            for i in range(20)]  # fmt: skip
+    path = _write(tmp_path, [json.dumps(row) for row in rows])
+    with pytest.raises(ManifestError) as err:
+        build_data(_jsonl_manifest(path, seq_length=32))
+    message = str(err.value)
+    named = re.search(r"5 of 20 examples do not fit \((.*) and 2 more\); the longest is 86 tokens",
+                      message)  # fmt: skip
+    assert named, message
+    lines = [int(part.removeprefix(f"{path}: line ")) for part in named.group(1).split("; ")]
+    assert len(lines) == 3 and set(lines) <= {4, 8, 9, 10, 12}, message
+
+
 GOOD_TEXT = '{"text": "hello"}'
 GOOD_SFT = '{"prompt": "p", "answer": "a", "buckets": {"k": "v"}}'
 
@@ -475,8 +543,15 @@ GOOD_SFT = '{"prompt": "p", "answer": "a", "buckets": {"k": "v"}}'
         (['{"text": "a\\u0000b"}'], 1, "contains NUL"),
         ([GOOD_SFT, '{"prompt": "p", "answer": "a", "buckets": {"j": "v"}}'], 2, "bucket names"),
         (['{"prompt": "p", "answer": "a", "buckets": {"k": 1}}'], 1, "bucket 'k' must be"),
+        ([GOOD_SFT, '{"prompt": "a\\ud800", "answer": "b", "buckets": {"k": "v"}}'], 2,
+         "'prompt' contains an unpaired surrogate (\\ud800)"),
+        (['{"text": "x\\udc80"}'], 1, "'text' contains an unpaired surrogate (\\udc80)"),
+        (['{"prompt": "a", "prompt": "zz", "answer": "b"}'], 1,
+         "key 'prompt' appears twice in one object"),
+        (['{"text": "x", "n": ' + "1" * 5000 + "}"], 1, "not readable JSON (a number too long)"),
+        (["[" * 100_000 + "]" * 100_000], 1, "not readable JSON (nested too deeply)"),
     ],
-)
+)  # fmt: skip
 def test_jsonl_bad_lines_name_file_and_line(tmp_path, lines, line, problem):
     path = _write(tmp_path, lines)
     with pytest.raises(ManifestError) as err:
@@ -503,7 +578,7 @@ def test_jsonl_missing_file_names_data_path(tmp_path):
 def test_jsonl_not_utf8(tmp_path):
     path = tmp_path / "latin1.jsonl"
     path.write_bytes(GOOD_TEXT.encode() + b"\n" + '{"text": "caf\xe9"}'.encode("latin-1"))
-    with pytest.raises(ManifestError, match=r"line 2: not UTF-8 \(byte 0xe9\)"):
+    with pytest.raises(ManifestError, match=r"line 2: not UTF-8 \(byte 0xe9 at column 14\); save "):
         read_jsonl(path)
 
 

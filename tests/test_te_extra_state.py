@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -64,6 +66,31 @@ def test_te_itself_unpickles_the_payload_into_its_own_recipe():
     assert recipe.fp8_format == TE_RECIPE.Format.HYBRID and recipe.amax_history_len == 16
     assert state["amax_history_fwd"].shape == (16, 3) and state["scale_bwd"].shape == (2,)
     assert state["extra_fp8_variables"]["num_gemms"] == 1
+
+
+@needs_te_recipe
+def test_a_payload_megatron_wrote_with_its_own_recipe_class_is_read(monkeypatch):
+    """Megatron's TE layers hold its TEDelayedScaling (a DelayedScaling subclass defined in
+    megatron.core.extensions.transformer_engine), so a Megatron-LM checkpoint's payload names
+    that class. Its module imports only with TE's PyTorch side: a stand-in module here."""
+    name = "megatron.core.extensions.transformer_engine"
+    module = types.ModuleType(name)
+
+    class TEDelayedScaling(TE_RECIPE.DelayedScaling):
+        pass
+
+    TEDelayedScaling.__module__, TEDelayedScaling.__qualname__ = name, "TEDelayedScaling"
+    module.TEDelayedScaling = TEDelayedScaling
+    monkeypatch.setitem(sys.modules, name, module)
+    meta = trained_meta()
+    state = pickle.loads(te_extra_state(meta.state_dict(), RECIPE).numpy().tobytes())
+    megatrons = TEDelayedScaling.__new__(TEDelayedScaling)
+    megatrons.__dict__.update(vars(state["recipe"]))
+    payload = pickle.dumps({**state, "recipe": megatrons})
+    assert f"{name}".encode() in payload and b"TEDelayedScaling" in payload
+    loaded = read_extra_state(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    assert recipe_differences(loaded.recipe, RECIPE) == []
+    assert all(torch.equal(loaded.tensors[key], meta.state_dict()[key]) for key in FP8_KEYS)
 
 
 @needs_te_recipe

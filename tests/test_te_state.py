@@ -251,6 +251,27 @@ def test_a_module_with_te_state_is_loaded_in_place_without_the_pickle():
 
 
 @needs_te_classifier
+def test_a_state_of_another_format_is_not_copied_into_tes_state_made_for_this_one():
+    """TE made the module's state for HYBRID (E5M2 gradients) from a payload; copying E4M3
+    scales into it in place would leave TE casting gradients to E5M2 with E4M3's scales."""
+    module = TeLikeLinear(8)
+    TeFp8MetaView(module, RECIPE, "m").load_state_dict(trained(TeLikeLinear(8), seed=3))
+    assert module.fp8_meta["scaling_bwd"].recipe.fp8_format.name == "HYBRID"
+    before = TeFp8MetaView(module, RECIPE, "m").state_dict()
+    e4m3 = DelayedScalingRecipe(amax_history_len=4, fp8_format=Fp8Format.E4M3)
+    with pytest.raises(Fp8opsError, match=(
+        r"^m: Transformer Engine made this module's FP8 state for fp8_format HYBRID and keeps "
+        r"its casts' dtypes when loading; a state for E4M3 loads only into a model built afresh"
+    )):  # fmt: skip
+        TeFp8MetaView(module, e4m3, "m").load_state_dict(trained(TeLikeLinear(8), seed=4))
+    after = TeFp8MetaView(module, RECIPE, "m").state_dict()
+    assert all(torch.equal(before[key], after[key]) for key in before)  # nothing copied
+    fresh = TeLikeLinear(8)  # as a resume builds it: TE makes the state from the payload
+    TeFp8MetaView(fresh, e4m3, "m").load_state_dict(trained(TeLikeLinear(8), seed=4))
+    assert fresh.fp8_meta["scaling_bwd"].recipe.fp8_format.name == "E4M3"
+
+
+@needs_te_classifier
 def test_a_te_history_at_another_length_is_loaded_through_tes_loader():
     """TE's state loaded from a checkpoint of another amax_history_len, not yet adjusted by a
     forward: TE's loader brings it to the recipe's length, then copies."""

@@ -203,6 +203,8 @@ _ALLOWED = {
     ("torch.storage", "_load_from_bytes"): _storage_from_bytes,
     ("collections", "OrderedDict"): dict,
     (_TE_RECIPE_MODULE, "DelayedScaling"): _TeRecipe,
+    # Megatron's subclass, which its TE layers keep in fp8_meta["recipe"] and so pickle.
+    ("megatron.core.extensions.transformer_engine", "TEDelayedScaling"): _TeRecipe,
     (_TE_RECIPE_MODULE, "Format"): _te_format,
     (_TE_RECIPE_MODULE, "_FormatHelper"): _TeFormatHelper,
 }

@@ -143,7 +143,7 @@ def sft_sequences(
     width = seq_length + 1
     windows = np.full((len(examples), width), PAD, dtype=np.int64)
     mask = np.zeros((len(examples), seq_length), dtype=np.float32)
-    longest = 0
+    longest, too_long = 0, []
     for row, example in enumerate(examples):
         prompt = tokenizer.encode(example.prompt)
         if not prompt:
@@ -154,17 +154,22 @@ def sft_sequences(
         ids = prompt + answer + [EOD]
         longest = max(longest, len(ids))
         if len(ids) > width:
-            continue  # reported below with the longest, so one fix covers every example
+            too_long.append(example)  # reported below with the longest: one fix covers them all
+            continue
         windows[row, : len(ids)] = ids
         # Window position p is predicted at position p - 1: the answer occupies window
         # positions [len(prompt), len(ids)), so its labels sit at [len(prompt) - 1, len(ids) - 1).
         mask[row, len(prompt) - 1 : len(ids) - 1] = 1.0
-    if longest > width:
+    if too_long:
+        where = [example.origin for example in too_long[:3] if example.origin]
+        more = f" and {len(too_long) - len(where)} more" if where and len(too_long) > 3 else ""
+        at = f" ({'; '.join(where)}{more})" if where else ""
         raise ManifestError(
-            f"model.seq_length: {seq_length} is too short for the data: the longest example is "
-            f"{longest} tokens (prompt + answer + end-of-document), and a sequence holds "
-            f"seq_length + 1 = {width}. Raise model.seq_length to at least {longest - 1} or "
-            "shorten the examples; fp8ops does not truncate them."
+            f"model.seq_length: {seq_length} is too short for the data: {len(too_long)} of "
+            f"{len(examples)} examples do not fit{at}; the longest is {longest} tokens (prompt + "
+            f"answer + end-of-document), and a sequence holds seq_length + 1 = {width}. Raise "
+            f"model.seq_length to at least {longest - 1} or shorten the examples; fp8ops does "
+            "not truncate them."
         )
     windows_t = torch.from_numpy(windows)
     return Sequences(

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from fp8ops.data.batches import TokenizedData, pack_documents, sft_sequences, text_sequences
 from fp8ops.data.corpus import build_corpus
 from fp8ops.data.jsonl import read_jsonl
-from fp8ops.data.tasks import Example, generate_examples, split_examples
+from fp8ops.data.tasks import Example, generate_examples, split_examples, split_point
 from fp8ops.data.tokenizer import EOD, ByteTokenizer, tokenizer_for
 from fp8ops.errors import ManifestError
 
@@ -47,7 +47,10 @@ def build_data(manifest: Manifest) -> TokenizedData:
         file = read_jsonl(config.path)
         source |= {"path": str(file.path), "file_sha256": file.sha256}
         if file.kind == "text":
-            stream = b"".join(bytes(tokenizer.encode(text) + [EOD]) for text in file.texts)
+            # In hash order, as the corpus is shuffled: the held-out tail is then a fair sample
+            # of the file, not its last topic when the file is sorted by one.
+            texts = sorted(file.texts, key=split_point)
+            stream = b"".join(bytes(tokenizer.encode(text) + [EOD]) for text in texts)
             data = _pretraining(config.kind, stream, seq_length, config.eval_fraction, source)
         else:
             data = _sft(
@@ -89,6 +92,13 @@ def _sft(
     source: dict,
 ) -> TokenizedData:
     train, evaluation = split_examples(examples, eval_fraction)
+    if eval_fraction > 0 and not evaluation:
+        raise ManifestError(
+            f"data.eval_fraction: {eval_fraction:g} held out none of the {len(examples)} "
+            "examples (each goes to evaluation by a hash of its prompt), so the run would never "
+            "evaluate; add examples, raise data.eval_fraction, or set it to 0 to train without "
+            "evaluation"
+        )
     # Tokenized together, so a length error reports the longest example of either split.
     both = sft_sequences([*train, *evaluation], seq_length, tokenizer)
     train_sequences, eval_sequences = both.split_at(len(train))

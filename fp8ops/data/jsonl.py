@@ -73,7 +73,7 @@ def read_jsonl(path: str | Path) -> JsonlData:
                 f"{list(bucket_names)}; every example needs the same bucket names"
             )
         prompt, answer = _string(obj, "prompt", where), _string(obj, "answer", where)
-        examples.append(Example(prompt, answer, buckets))
+        examples.append(Example(prompt, answer, buckets, origin=where))
 
     if not first:
         raise ManifestError(
@@ -97,15 +97,39 @@ def _parse(line: bytes, where: str) -> dict[str, Any] | None:
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ManifestError(f"{where}: not UTF-8 (byte 0x{line[exc.start]:02x})") from None
+        raise ManifestError(
+            f"{where}: not UTF-8 (byte 0x{line[exc.start]:02x} at column {exc.start + 1}); "
+            "save the file as UTF-8"
+        ) from None
     if not text.strip():
         return None
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, object_pairs_hook=_no_duplicate_keys)
     except json.JSONDecodeError as exc:
         raise ManifestError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except _DuplicateKey as exc:
+        raise ManifestError(
+            f"{where}: key {exc.args[0]!r} appears twice in one object; keep one"
+        ) from None
+    except (ValueError, RecursionError) as exc:  # an integer of thousands of digits; deep nesting
+        what = "nested too deeply" if isinstance(exc, RecursionError) else "a number too long"
+        raise ManifestError(f"{where}: not readable JSON ({what})") from None
     if not isinstance(obj, dict):
         raise ManifestError(f"{where}: expected a JSON object, got {_json_type(obj)}")
+    return obj
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose keys are all different: JSON would keep the last of two silently."""
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise _DuplicateKey(key)
+        obj[key] = value
     return obj
 
 
@@ -145,6 +169,14 @@ def _string(obj: dict[str, Any], key: str, where: str) -> str:
         raise ManifestError(
             f"{where}: {key!r} contains NUL (\\u0000), the byte tokenizer's end-of-document id"
         )
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone \ud800-\udfff escape: no character at all
+        raise ManifestError(
+            f"{where}: {key!r} contains an unpaired surrogate "
+            f"(\\u{ord(value[exc.start]):04x}), which is no character; fix the escape (a pair "
+            "\\ud83d\\ude00 is one character)"
+        ) from None
     return value
 
 

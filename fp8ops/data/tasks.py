@@ -14,8 +14,11 @@ Task, length, difficulty and format are drawn uniformly and independently, then 
 that fits them, so every bucket cell is populated.
 
 An answer is right only if it matches exactly (``check``). Examples go to evaluation by a hash
-of their problem (``held_out`` on ``Example.key``): the terse statement, the same in both formats,
-so "add 12 39" can never be trained in one format and evaluated in the other, whatever the seed.
+of their problem (``held_out`` on ``Example.key``), written the same whatever the wording and
+the order of what does not matter: "add 12 39" and "add 39 12" are one problem, and so are
+"sort 3142" and "sort 2413". Neither can be trained in one form and evaluated in another,
+whatever the seed. The evaluation split is in hash order, so any prefix of it (the capability
+items, the loss evaluation's batches) is a fair sample of it, however the data was ordered.
 """
 
 from __future__ import annotations
@@ -45,22 +48,25 @@ class Example:
     prompt: str
     answer: str
     buckets: dict[str, str] = field(default_factory=dict)  # bucket name -> value
-    # The problem whatever its wording ("add 12 39"); empty for your own data, whose prompt is
-    # then its problem.
+    # The problem whatever its wording ("add 12 39" for "add 39 12 = " too); empty for your own
+    # data, whose prompt is then its problem.
     problem: str = ""
+    origin: str = field(default="", compare=False)  # "FILE: line N" for your own data
 
     @property
     def key(self) -> str:
-        """What the train/eval split hashes: the problem, or the prompt when there is none."""
-        return self.problem or self.prompt
+        """What the train/eval split hashes: the problem, or else the prompt with its runs of
+        whitespace read as one space (a prompt and its copy with a trailing space are one)."""
+        return self.problem or " ".join(self.prompt.split())
 
 
 def check(example: Example, generated: str) -> bool:
     """Whether ``generated`` (the text after the prompt) is exactly the answer.
 
-    Anything from an end-of-document (NUL) on is ignored, and so is trailing whitespace.
+    Anything from an end-of-document (NUL) on is ignored, and so is trailing whitespace on
+    either side: an answer written with a final newline is right when generated with it.
     """
-    return generated.split("\x00", 1)[0].rstrip() == example.answer
+    return generated.split("\x00", 1)[0].rstrip() == example.answer.rstrip()
 
 
 def held_out(key: str, eval_fraction: float) -> bool:
@@ -80,10 +86,16 @@ def split_point(prompt: str) -> float:
 def split_examples(
     examples: Sequence[Example], eval_fraction: float
 ) -> tuple[list[Example], list[Example]]:
-    """(train, eval), each in the original order."""
+    """(train in the original order, eval in hash order).
+
+    Hash order (``split_point``, then the original order among equal keys) makes every prefix of
+    the evaluation split a fair sample: a file sorted by topic would otherwise give the first
+    capability items all from its first topic.
+    """
     train, evaluation = [], []
     for example in examples:
         (evaluation if held_out(example.key, eval_fraction) else train).append(example)
+    evaluation.sort(key=lambda example: split_point(example.key))  # stable
     return train, evaluation
 
 
@@ -104,25 +116,26 @@ def example_stream(seed: int | str) -> Iterator[Example]:
         length = rng.choice(LENGTHS)
         difficulty = rng.choice(DIFFICULTIES)
         style = rng.choice(FORMATS)
-        problem, verbose, answer = _MAKERS[task](rng, length, difficulty)
-        prompt = f"{problem} = " if style == "terse" else f"Q: {verbose}\nA: "
+        terse, verbose, answer, problem = _MAKERS[task](rng, length, difficulty)
+        prompt = f"{terse} = " if style == "terse" else f"Q: {verbose}\nA: "
         buckets = {"task": task, "length": length, "difficulty": difficulty, "format": style}
         yield Example(prompt, answer, buckets, problem)
 
 
 # --------------------------------------------------------------------------------------
-# The tasks. Each maker returns (terse problem, verbose question, answer) for the cell.
+# The tasks. Each maker returns (terse problem, verbose question, answer, the problem's key:
+# one for every order of operands that gives the same answer) for the cell.
 # --------------------------------------------------------------------------------------
 
 
-def _add(rng: random.Random, length: str, difficulty: str) -> tuple[str, str, str]:
+def _add(rng: random.Random, length: str, difficulty: str) -> tuple[str, str, str, str]:
     digits = LENGTHS.index(length) + 1
     low, high = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
     while True:  # rejection sampling: at worst ~1 in 6 three-digit pairs has no carry
         a, b = rng.randint(low, high), rng.randint(low, high)
         if carries(a, b) == (difficulty == "hard"):
             break
-    return f"add {a} {b}", f"What is {a} plus {b}?", str(a + b)
+    return f"add {a} {b}", f"What is {a} plus {b}?", str(a + b), f"add {min(a, b)} {max(a, b)}"
 
 
 def carries(a: int, b: int) -> bool:
@@ -147,18 +160,18 @@ def _draw(rng: random.Random, alphabet: str, size: int, repeated: bool) -> str:
             return text
 
 
-def _reverse(rng: random.Random, length: str, difficulty: str) -> tuple[str, str, str]:
+def _reverse(rng: random.Random, length: str, difficulty: str) -> tuple[str, str, str, str]:
     word = _draw(rng, string.ascii_lowercase, _text_size(rng, length), difficulty == "hard")
-    return f"reverse {word}", f"What is {word} backwards?", word[::-1]
+    return f"reverse {word}", f"What is {word} backwards?", word[::-1], f"reverse {word}"
 
 
-def _sort(rng: random.Random, length: str, difficulty: str) -> tuple[str, str, str]:
+def _sort(rng: random.Random, length: str, difficulty: str) -> tuple[str, str, str, str]:
     digits = _draw(rng, string.digits, _text_size(rng, length), difficulty == "hard")
     answer = "".join(sorted(digits))
-    return f"sort {digits}", f"Sort the digits {digits}.", answer
+    return f"sort {digits}", f"Sort the digits {digits}.", answer, f"sort {answer}"
 
 
-_MAKERS: dict[str, Callable[[random.Random, str, str], tuple[str, str, str]]] = {
+_MAKERS: dict[str, Callable[[random.Random, str, str], tuple[str, str, str, str]]] = {
     "add": _add,
     "reverse": _reverse,
     "sort": _sort,

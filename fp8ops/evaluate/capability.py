@@ -2,7 +2,7 @@
 
 The loss on held-out answers says how likely the model finds them; this says whether it
 *produces* them. For the first ``capability.items`` examples of the eval split (always the same
-ones, in order), the model continues the prompt greedily and ``fp8ops.data.tasks.check`` compares
+ones, in order; the split is in hash order, so they are a fair sample of it), the model continues the prompt greedily and ``fp8ops.data.tasks.check`` compares
 the continuation with the answer. ``records.py`` writes and reads what comes out.
 
 Decoding, ``micro_batch_size`` prompts at a time::
@@ -33,15 +33,33 @@ import torch
 from fp8ops.data.batches import TokenizedData
 from fp8ops.data.tasks import Example, check
 from fp8ops.data.tokenizer import EOD, PAD, tokenizer_for
+from fp8ops.errors import ManifestError
 
 
-def capability_examples(data: TokenizedData, config) -> list[Example]:
+def capability_examples(data: TokenizedData, config, tokenizer) -> list[Example]:
     """The examples a capability evaluation generates for (``config``: the manifest's
-    ``capability`` section): the first ``items`` of the eval split; none when it is off, for text
-    data (nothing to check) or without an eval split."""
+    ``capability`` section): the first ``items`` of the eval split (in hash order, a fair sample
+    of it); none when it is off, for text data (nothing to check) or without an eval split.
+
+    Refuses a ``max_new_tokens`` shorter than an item's answer: that item could never be
+    answered right, and with every answer too long both runs of a comparison would score 0 and
+    pass the accuracy gate without anything measured.
+    """
     if not config.enabled or data.objective != "sft":
         return []
-    return list(data.eval.examples[: config.items])  # items None: all of them
+    examples = list(data.eval.examples[: config.items])  # items None: all of them
+    lengths = [len(tokenizer.encode(example.answer.rstrip())) for example in examples]
+    too_long = [(n, e) for n, e in zip(lengths, examples, strict=True) if n > config.max_new_tokens]
+    if too_long:
+        longest, example = max(too_long, key=lambda pair: pair[0])
+        where = f" ({example.origin})" if example.origin else ""
+        raise ManifestError(
+            f"capability.max_new_tokens: {config.max_new_tokens} is too few for {len(too_long)} "
+            f"of the {len(examples)} capability items, which could never be answered right; the "
+            f"longest answer{where} is {longest} tokens. Raise capability.max_new_tokens to at "
+            f"least {longest}, or lower capability.items to leave out long answers"
+        )
+    return examples
 
 
 @torch.no_grad()

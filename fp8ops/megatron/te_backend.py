@@ -9,15 +9,20 @@ takes Megatron's amax reduction group; the autocast's exit then reduces and upda
 micro-batch forward, the cadence fp8ops' own scope follows. Module names match the emulated spec
 (``spec.py``), so telemetry and manifests' globs name the same modules on both.
 
-Per-module BF16 under delayed scaling, which Megatron refuses (its per-layer contexts would
-reduce amaxes once per layer, reference §7): every projection is built, by ModuleSpec, as a
-subclass of its TE class (:func:`bf16_capable`) that carries fp8ops' ``fp8_enabled`` flag, as
-fp8ops' own FP8 layers do. With the flag False its forward runs inside a *nested, disabled* TE
-autocast: TE then neither casts its GEMMs nor registers its ``fp8_meta`` in that step's amax
-buffer, so its state stays frozen, and the nested exit does not reduce (only the outermost,
-enabled exit does, ``FP8GlobalStateManager.autocast_exit``). Every other module's amaxes are
-reduced and updated once per step as before. :func:`build_gpt_te` sets the flag for the modules
-named in ``precision.overrides`` (approved fallbacks) and in ``bf16_modules``.
+Per-module BF16 under delayed scaling. Megatron's own BF16 first and last layers are refused
+under delayed scaling (its per-layer contexts would reduce amaxes once per layer, reference
+§7). Every projection is built, by ModuleSpec, as a subclass of its TE class
+(:func:`bf16_capable`) that carries fp8ops' ``fp8_enabled`` flag, as fp8ops' own FP8 layers do.
+With the flag False its forward runs inside a *nested, disabled* TE autocast, the mechanism
+Megatron 0.16's ``quant_recipe`` overrides use too: TE then neither casts its GEMMs nor records
+an amax for it, and the nested exit does not reduce (only the outermost, enabled exit does,
+``FP8GlobalStateManager.autocast_exit``). A module that ran in FP8 before stays registered in
+TE's amax buffer (TE registers once per module), with a zero amax each step, which TE's fused
+update neither rolls nor rescales: its state stays frozen. TE's unfused Python update
+(``NVTE_UNFUSED_FP8_UPDATE=1``) would roll it, and differs from the fused kernel fp8ops'
+update reproduces, so it is refused. Every other module's amaxes are reduced and updated once
+per step as before. :func:`build_gpt_te` sets the flag for the modules named in
+``precision.overrides`` (approved fallbacks) and in ``bf16_modules``.
 
 Everywhere else :func:`te_available` is False and :func:`build_gpt_te` refuses with the fallback
 to use, so callers and tests skip cleanly. The trainer runs a TE model as it runs fp8ops' own:
@@ -30,6 +35,7 @@ autocast, which Megatron enters; fp8ops' ``Fp8Scope`` stays out.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Collection, Iterable
 from dataclasses import replace
 
@@ -38,6 +44,8 @@ import torch
 from fp8ops.errors import Fp8opsError
 from fp8ops.megatron import compat
 from fp8ops.megatron.te_state import is_te_projection
+
+UNFUSED_UPDATE_ENV = "NVTE_UNFUSED_FP8_UPDATE"  # TE's switch to its Python scaling update
 
 # TE's FP8 GEMMs take inputs whose leading dimensions (the tokens) multiply to a multiple of 8
 # (transformer_engine/pytorch/utils.py::assert_dim_for_fp8_exec).
@@ -76,6 +84,13 @@ def te_transformer_config(manifest):
         raise Fp8opsError(
             "precision.reduce_amax is false, but Megatron always builds TE's DelayedScaling with "
             "amax reduction on; use true, or the emulated backend"
+        )
+    unfused = os.environ.get(UNFUSED_UPDATE_ENV, "0")
+    if unfused.strip() not in ("", "0"):
+        raise Fp8opsError(
+            f"{UNFUSED_UPDATE_ENV}={unfused}: TE's unfused scaling update rolls the history of a "
+            "module held in BF16 and computes scales in another order than the fused kernel "
+            "fp8ops' update reproduces bit for bit; unset it for the TE backend"
         )
     return replace(
         transformer_config(manifest),

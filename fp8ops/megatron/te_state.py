@@ -109,6 +109,7 @@ class TeFp8MetaView:
         if targets is not None and all(targets[k].shape == state[k].shape for k in FP8_KEYS):
             # TE's state exists at this length: its set_extra_state would copy in place too
             # (set_meta_tensor keeps an initialised state), so do that, without the pickle.
+            self._refuse_another_format()
             for key in FP8_KEYS:
                 targets[key].copy_(state[key])
         else:
@@ -122,6 +123,21 @@ class TeFp8MetaView:
             raise Fp8opsError(
                 f"{self.name}: Transformer Engine did not take the FP8 state handed to its "
                 "set_extra_state; this TE's loader is not the one fp8ops was written against"
+            )
+
+    def _refuse_another_format(self) -> None:
+        """TE fixes a state's cast dtypes when it makes the state, and loading keeps the state:
+        scales for this recipe's format copied into a state made for another would be used by
+        casts to the other format's dtype. A resume loads into a model built afresh, where TE
+        makes the state from the payload's recipe; this is for any other caller."""
+        made_for = getattr(self.module.fp8_meta[TE_KEYS[False]], "recipe", None)
+        made = getattr(getattr(made_for, "fp8_format", None), "name", None)
+        if made is not None and made != self.recipe.fp8_format.name:
+            raise Fp8opsError(
+                f"{self.name}: Transformer Engine made this module's FP8 state for fp8_format "
+                f"{made} and keeps its casts' dtypes when loading; a state for "
+                f"{self.recipe.fp8_format.name} loads only into a model built afresh (as "
+                "`fp8ops resume` does)"
             )
 
     def _te_tensors(self) -> dict[str, torch.Tensor] | None:

@@ -32,11 +32,17 @@ SLOT_METRICS = (
         "last micro-batch (their histories roll per micro-batch), for weight the step's cast.",
     ),
     Metric("scale", "factor", "The scale in use after this step's update (fp8_max / amax / 2^margin)."),
-    Metric("scale_inv", "factor", "1 / scale: what dequantisation multiplies by."),
+    Metric(
+        "scale_inv", "factor",
+        "1 / scale in float32, correctly rounded (as TE's cast computes it): what dequantisation "
+        "multiplies by.",
+    ),
     Metric(
         "window_max", "|value|",
-        "Largest amax in the history window (what `max` scales by); the window counts updates: "
-        "micro-batches for input and grad_output, steps for weight.",
+        "Largest amax in the history after this step's update: the newest L-1 amaxes, which the "
+        "next update's window holds with its own (under `max`, what it will scale by at least). "
+        "The scale in use also saw the amax that update rolled out, so it can be based on more. "
+        "The history counts updates: micro-batches for input and grad_output, steps for weight.",
     ),
     Metric("window_p50", "|value|", "Median of the non-zero amaxes in the history window."),
     Metric("window_p90", "|value|", "90th percentile of the non-zero amaxes in the history window."),

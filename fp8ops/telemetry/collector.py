@@ -210,7 +210,7 @@ class TelemetryCollector:
         columns = {
             "amax": history[..., -1],
             "scale": scale,
-            "scale_inv": 1.0 / scale64,
+            "scale_inv": np.float32(1.0) / scale,  # one float32 division: correctly rounded
             "window_max": history.max(axis=-1),
             **dict(zip(("window_p50", "window_p90"), _quantiles(ordered, count, (0.5, 0.9)))),
             "scale_change": np.maximum(ratio, 1.0 / ratio),

@@ -101,7 +101,7 @@ class Trainer:
         from fp8ops.admission import apply_admission, decide_admission, write_layers_json
         from fp8ops.alerts import AlertEngine
         from fp8ops.checkpoint.state import Fp8Layout
-        from fp8ops.data import TrainSampler, build_data
+        from fp8ops.data import TrainSampler, build_data, tokenizer_for
         from fp8ops.evaluate.capability import capability_examples
         from fp8ops.megatron import amax_reduction_group, build_gpt, fp8_state_modules
         from fp8ops.megatron.compat import parallel_state
@@ -121,7 +121,9 @@ class Trainer:
         self.data = build_data(manifest)
         if resume is not None:
             _check_same_data(self.data.fingerprint, Path(run_dir), resume)
-        self.capability_examples = capability_examples(self.data, manifest.capability)
+        self.capability_examples = capability_examples(
+            self.data, manifest.capability, tokenizer_for(manifest.tokenizer)
+        )
         self.capability_accuracy: float | None = None
         schedule = manifest.schedule
         self.sampler = TrainSampler(

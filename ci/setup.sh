@@ -18,7 +18,7 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2> >(grep -v
 if [ -n "$TORCH_SPEC" ] && ! .venv/bin/python -c "import torch" 2>/dev/null; then
     pip install "$TORCH_SPEC"
 fi
-pip install -e '.[test,megatron,console]'
+pip install -e '.[test,megatron,console,hf]'
 # Only TE's recipe module is usable without a GPU build; --no-deps keeps the 276 MB CUDA
 # core library out (docs/precision.md).
 .venv/bin/python -c "import importlib.util as u; exit(u.find_spec('transformer_engine') is None)" \

@@ -72,6 +72,9 @@ def make_trained_run(tmp: Path) -> tuple[Path, Path]:
         "data.num_examples": 400, "schedule.train_steps": STEPS, "schedule.eval_interval": 100,
         "schedule.checkpoint_interval": 4, "optimizer.lr": 2e-3, "telemetry.every_steps": 1,
         "telemetry.error_sample_every": 2,
+        # Observe alerts only: a Degrade would propose an override, and these tests write the
+        # ledger themselves. lr 2e-3 saturates a few inputs by up to 2% within 12 steps.
+        "alerts.saturation.degrade": 0.05, "alerts.saturation.stop": 0.5,
     })  # fmt: skip
     run = tmp / "runs" / "finetune"
     run_training(finetune, run, progress=False)

@@ -34,7 +34,7 @@ LAYERS = 3  # first and last fall back; the middle one stays FP8 in every FP8 tr
 SHORT = {
     **SMALL_MODEL, **SCHEDULE, "model.num_layers": LAYERS, "model.init_checkpoint": None,
     "data.num_examples": 400, "schedule.train_steps": 12, "schedule.eval_interval": 6,
-    "schedule.checkpoint_interval": 6, "capability.items": 16, "capability.max_new_tokens": 6,
+    "schedule.checkpoint_interval": 6, "capability.items": 16, "capability.max_new_tokens": 8,
 }  # fmt: skip
 TRACKS = ("bf16", "fp8", "fp8-fallback")
 

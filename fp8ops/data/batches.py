@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from fp8ops.data.tasks import Example
-from fp8ops.data.tokenizer import EOD, PAD, ByteTokenizer
+from fp8ops.data.tokenizer import Tokenizer
 from fp8ops.errors import ManifestError
 
 
@@ -113,18 +113,16 @@ class Sequences:
         }
 
 
-def pack_documents(stream: bytes, seq_length: int) -> torch.Tensor:
-    """Non-overlapping windows ``[n, seq_length + 1]`` (int64) of a byte-token stream.
+def pack_documents(stream: bytes | np.ndarray, seq_length: int) -> torch.Tensor:
+    """Non-overlapping windows ``[n, seq_length + 1]`` (int64) of a token stream: byte tokens
+    as ``bytes``, or any tokenizer's ids as an integer array.
 
     The tail that does not fill a window is dropped.
     """
     width = seq_length + 1
-    n = len(stream) // width
-    if n == 0:
-        return torch.zeros(0, width, dtype=torch.int64)
-    # bytearray: frombuffer wants a writable buffer; the copy is a few MB at most.
-    ids = torch.frombuffer(bytearray(stream[: n * width]), dtype=torch.uint8)
-    return ids.to(torch.int64).reshape(n, width)
+    ids = np.frombuffer(stream, dtype=np.uint8) if isinstance(stream, bytes) else stream
+    n = len(ids) // width
+    return torch.from_numpy(ids[: n * width].astype(np.int64)).reshape(n, width)
 
 
 def text_sequences(windows: torch.Tensor) -> Sequences:
@@ -136,22 +134,21 @@ def text_sequences(windows: torch.Tensor) -> Sequences:
     )
 
 
-def sft_sequences(
-    examples: Sequence[Example], seq_length: int, tokenizer: ByteTokenizer
-) -> Sequences:
+def sft_sequences(examples: Sequence[Example], seq_length: int, tokenizer: Tokenizer) -> Sequences:
     """One padded sequence per example; the loss only on the answer and its EOD."""
     width = seq_length + 1
-    windows = np.full((len(examples), width), PAD, dtype=np.int64)
+    windows = np.full((len(examples), width), tokenizer.pad, dtype=np.int64)
     mask = np.zeros((len(examples), seq_length), dtype=np.float32)
     longest, too_long = 0, []
     for row, example in enumerate(examples):
-        prompt = tokenizer.encode(example.prompt)
+        prompt, answer = (
+            encode(tokenizer, text, example) for text in (example.prompt, example.answer)
+        )
         if not prompt:
             raise ValueError(
                 "an SFT prompt must not be empty: no position would predict the answer"
             )
-        answer = tokenizer.encode(example.answer)
-        ids = prompt + answer + [EOD]
+        ids = prompt + answer + [tokenizer.eod]
         longest = max(longest, len(ids))
         if len(ids) > width:
             too_long.append(example)  # reported below with the longest: one fix covers them all
@@ -178,6 +175,15 @@ def sft_sequences(
         loss_mask=torch.from_numpy(mask),
         examples=tuple(examples),
     )
+
+
+def encode(tokenizer: Tokenizer, text: str, example: Example | None = None) -> list[int]:
+    """``tokenizer.encode(text)``, a refusal named by the example's file and line."""
+    try:
+        return tokenizer.encode(text)
+    except ValueError as exc:
+        where = f"{example.origin}: " if example is not None and example.origin else ""
+        raise ManifestError(f"{where}{exc}; remove it from the data") from None
 
 
 @dataclass(frozen=True)

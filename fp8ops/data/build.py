@@ -1,21 +1,25 @@
 """``build_data(manifest)``: the manifest's ``data`` section as train and eval sequences.
 
-Reads ``data`` (kind, path, num_examples, eval_fraction, fingerprint), ``tokenizer`` (byte
-only), ``model.seq_length`` and ``seeds.data``, and checks ``data.fingerprint`` when set.
+Reads ``data`` (kind, path, num_examples, eval_fraction, fingerprint), ``tokenizer``,
+``model.seq_length``, ``model.vocab_size`` (it must hold the tokenizer's ids) and ``seeds.data``,
+and checks ``data.fingerprint`` when set.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import platform
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from fp8ops.data.batches import TokenizedData, pack_documents, sft_sequences, text_sequences
+import numpy as np
+
+from fp8ops.data.batches import TokenizedData, encode, pack_documents, sft_sequences, text_sequences
 from fp8ops.data.corpus import build_corpus
 from fp8ops.data.jsonl import read_jsonl
 from fp8ops.data.tasks import Example, generate_examples, split_examples, split_point
-from fp8ops.data.tokenizer import EOD, ByteTokenizer, tokenizer_for
+from fp8ops.data.tokenizer import Tokenizer, tokenizer_for
 from fp8ops.errors import ManifestError
 
 if TYPE_CHECKING:
@@ -30,7 +34,17 @@ def build_data(manifest: Manifest) -> TokenizedData:
     seed = manifest.seeds.data
     source: dict = {"tokenizer": tokenizer.kind, "tokenizer_fingerprint": tokenizer.fingerprint()}
 
+    if tokenizer.vocab_size > manifest.model.vocab_size:
+        raise ManifestError(
+            f"model.vocab_size: {manifest.model.vocab_size} is smaller than the tokenizer's "
+            f"{tokenizer.vocab_size} ids; set it to at least {tokenizer.vocab_size}"
+        )
     if config.kind == "corpus":
+        if tokenizer.kind != "byte":
+            raise ManifestError(
+                f"data.kind: 'corpus' is fp8ops' byte-level demo text, for tokenizer.kind "
+                f"'byte', not '{tokenizer.kind}'; use data.kind 'jsonl' with your own text"
+            )
         corpus = build_corpus(seed)
         source |= {
             "corpus_bytes": len(corpus.data),
@@ -49,8 +63,13 @@ def build_data(manifest: Manifest) -> TokenizedData:
         if file.kind == "text":
             # In hash order, as the corpus is shuffled: the held-out tail is then a fair sample
             # of the file, not its last topic when the file is sorted by one.
-            texts = sorted(file.texts, key=split_point)
-            stream = b"".join(bytes(tokenizer.encode(text) + [EOD]) for text in texts)
+            documents = sorted(zip(file.texts, file.text_lines), key=lambda d: split_point(d[0]))
+            ids = [
+                encode(tokenizer, text, Example(text, "", origin=f"{file.path}: line {line}"))
+                + [tokenizer.eod]
+                for text, line in documents
+            ]
+            stream = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64)
             data = _pretraining(config.kind, stream, seq_length, config.eval_fraction, source)
         else:
             data = _sft(
@@ -74,7 +93,7 @@ def build_data(manifest: Manifest) -> TokenizedData:
 
 
 def _pretraining(
-    kind: str, stream: bytes, seq_length: int, eval_fraction: float, source: dict
+    kind: str, stream: bytes | np.ndarray, seq_length: int, eval_fraction: float, source: dict
 ) -> TokenizedData:
     windows = pack_documents(stream, seq_length)
     # The held-out windows are the stream's tail; at least one whenever evaluation is asked for.
@@ -88,7 +107,7 @@ def _sft(
     examples: Sequence[Example],
     seq_length: int,
     eval_fraction: float,
-    tokenizer: ByteTokenizer,
+    tokenizer: Tokenizer,
     source: dict,
 ) -> TokenizedData:
     train, evaluation = split_examples(examples, eval_fraction)

@@ -33,6 +33,7 @@ class JsonlData:
     texts: tuple[str, ...]
     examples: tuple[Example, ...]
     sha256: str  # of the file's bytes, for the record (the data fingerprint is what counts)
+    text_lines: tuple[int, ...] = ()  # each text's line, for errors found when it is encoded
 
 
 def read_jsonl(path: str | Path) -> JsonlData:
@@ -43,6 +44,7 @@ def read_jsonl(path: str | Path) -> JsonlData:
         raise ManifestError(f"data.path: {path}: {what}; it must name a JSONL file")
     raw = path.read_bytes()
     texts: list[str] = []
+    text_lines: list[int] = []
     examples: list[Example] = []
     first: dict[str, int] = {}  # kind -> its first line
     bucket_names: tuple[str, ...] | None = None
@@ -62,6 +64,7 @@ def read_jsonl(path: str | Path) -> JsonlData:
             )
         if kind == "text":
             texts.append(_string(obj, "text", where))
+            text_lines.append(number)
             continue
         buckets = _buckets(obj.get("buckets", {}), where)
         names = tuple(sorted(buckets))
@@ -84,6 +87,7 @@ def read_jsonl(path: str | Path) -> JsonlData:
         path=path,
         kind="text" if texts else "sft",
         texts=tuple(texts),
+        text_lines=tuple(text_lines),
         examples=tuple(examples),
         sha256=hashlib.sha256(raw).hexdigest(),
     )

@@ -32,7 +32,7 @@ import torch
 
 from fp8ops.data.batches import TokenizedData
 from fp8ops.data.tasks import Example, check
-from fp8ops.data.tokenizer import EOD, PAD, tokenizer_for
+from fp8ops.data.tokenizer import EOD, tokenizer_for
 from fp8ops.errors import ManifestError
 
 
@@ -87,7 +87,7 @@ def evaluate_capability(
             model, [tokenizer.encode(example.prompt) for example in batch],
             max_new_tokens=manifest.capability.max_new_tokens,
             seq_length=manifest.model.seq_length, vocab_size=vocab_size, fp8=fp8,
-            length_multiple=length_multiple,
+            length_multiple=length_multiple, eod=tokenizer.eod,
         )  # fmt: skip
         for row, (example, ids) in enumerate(zip(batch, continuations, strict=True), start):
             generated = tokenizer.decode(ids)
@@ -102,11 +102,11 @@ def evaluate_capability(
 @torch.no_grad()
 def generate(
     model, prompts: Sequence[list[int]], *, max_new_tokens: int, seq_length: int, vocab_size: int,
-    fp8: Callable = contextlib.nullcontext, length_multiple: int = 1,
+    fp8: Callable = contextlib.nullcontext, length_multiple: int = 1, eod: int = EOD,
 ) -> list[list[int]]:  # fmt: skip
     """Greedy continuations of ``prompts`` (token ids), generated as one batch.
 
-    A continuation ends with the end-of-document id when the model produced one; otherwise it
+    A continuation ends with the end-of-document id ``eod`` when the model produced one; otherwise it
     stopped after ``max_new_tokens``, or when prompt and continuation hold ``seq_length + 1``
     tokens (a training window: the model has no position to read the next one from). Ids are
     below ``vocab_size``: the embedding's padding rows are never chosen. ``length_multiple``:
@@ -128,7 +128,7 @@ def generate(
             continuations[i].append(token)
         live = [
             i for i in live
-            if continuations[i][-1] != EOD
+            if continuations[i][-1] != eod
             and len(continuations[i]) < max_new_tokens
             and len(rows[i]) <= seq_length
         ]  # fmt: skip
@@ -145,8 +145,9 @@ def next_tokens(
     device = next(model.parameters()).device
     lengths = torch.tensor([len(row) for row in rows], device=device)
     b, s = len(rows), -(-max(len(row) for row in rows) // length_multiple) * length_multiple
-    # Filled on the host and moved once (no copy on the CPU), not one transfer per row.
-    tokens = torch.full((b, s), PAD, dtype=torch.int64)
+    # Filled on the host and moved once (no copy on the CPU), not one transfer per row. The
+    # padding's id does not matter: no real position attends to it.
+    tokens = torch.zeros((b, s), dtype=torch.int64)
     for i, row in enumerate(rows):
         tokens[i, : len(row)] = torch.tensor(row)
     tokens = tokens.to(device)

@@ -470,13 +470,31 @@ class TokenizerConfig(_Section):
     """How text becomes token ids."""
 
     kind: Literal["byte", "sentencepiece", "huggingface"] = Field(
-        "byte", description="'byte': raw UTF-8 bytes, ids 0-255, no file. Others load path."
+        "byte",
+        description=(
+            "'byte': raw UTF-8 bytes, ids 0-255, no file. 'huggingface': path's tokenizer.json, "
+            "read with the tokenizers library (pip install 'fp8ops[hf]'). 'sentencepiece' is "
+            "refused: convert the model to a tokenizer.json."
+        ),
     )
     path: NonEmptyStr | None = Field(
-        None, description="Tokenizer file or directory; required unless kind is 'byte'."
+        None,
+        description="A tokenizer.json or the directory holding it; required unless kind is 'byte'.",
     )
     fingerprint: Sha256 | None = Field(
-        None, description="sha256 of the tokenizer files, checked when the run starts."
+        None,
+        description=(
+            "sha256 of what the tokenizer does (for 'huggingface': its tokenizer.json and "
+            "end-of-document token), checked when the run starts."
+        ),
+    )
+    eod_token: NonEmptyStr | None = added_field(
+        None,
+        added_in="0.1.0",
+        description=(
+            "'huggingface' only: the token that ends every document and answer (Llama 3: "
+            "<|end_of_text|>); null: the eos_token of the tokenizer_config.json beside the file."
+        ),
     )
 
     @model_validator(mode="after")
@@ -486,7 +504,17 @@ class TokenizerConfig(_Section):
             problems.append(
                 (("path",), self.path, "must be null for kind 'byte' (it needs no file)")
             )
-        if self.kind != "byte" and self.path is None:
+        if self.kind == "byte" and self.eod_token is not None:
+            problems.append(
+                (("eod_token",), self.eod_token, "must be null for kind 'byte' (id 0 ends text)")
+            )
+        if self.kind == "sentencepiece":
+            problems.append((
+                ("kind",), self.kind,
+                ("is not supported: convert the model to a tokenizer.json (transformers' "
+                 "LlamaTokenizerFast does) and use kind 'huggingface'"),
+            ))  # fmt: skip
+        if self.kind == "huggingface" and self.path is None:
             problems.append((("path",), None, f"required for kind '{self.kind}'"))
         _raise_problems("TokenizerConfig", problems)
         return self

@@ -194,7 +194,7 @@ def fingerprints(target: Target) -> Evidence:
 
 def _pinned_fingerprints(target: Target) -> Evidence:
     from fp8ops.data import build_data
-    from fp8ops.data.tokenizer import ByteTokenizer
+    from fp8ops.data.tokenizer import tokenizer_for
     from fp8ops.train.weights import read_weights_meta
 
     ev, m = Evidence(), target.manifest
@@ -218,11 +218,13 @@ def _pinned_fingerprints(target: Target) -> Evidence:
                    f"the weights of {m.model.init_checkpoint}")  # fmt: skip
         except Fp8opsError as exc:
             ev.fail(str(exc))
-    if m.tokenizer.kind == "byte":
-        pinned("tokenizer.fingerprint", m.tokenizer.fingerprint, ByteTokenizer().fingerprint(),
-               "fp8ops' byte tokenizer")  # fmt: skip
-    else:
-        ev.fail(f"tokenizer.kind {m.tokenizer.kind!r}: fp8ops reads only 'byte' so far")
+    try:
+        unpinned_tokenizer = m.tokenizer.model_copy(update={"fingerprint": None})
+        what = "fp8ops' byte tokenizer" if m.tokenizer.kind == "byte" else str(m.tokenizer.path)
+        pinned("tokenizer.fingerprint", m.tokenizer.fingerprint,
+               tokenizer_for(unpinned_tokenizer).fingerprint(), what)  # fmt: skip
+    except Fp8opsError as exc:
+        ev.fail(str(exc))
     try:
         unpinned = m.model_copy(update={"data": m.data.model_copy(update={"fingerprint": None})})
         pinned("data.fingerprint", m.data.fingerprint, build_data(unpinned).fingerprint,

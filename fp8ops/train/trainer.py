@@ -847,8 +847,6 @@ class Trainer:
             initial = weights.weights_fingerprint(self.model, self.tp_group, scheme=scheme)
         if not self.ranks.is_main:
             return
-        from fp8ops.data import ByteTokenizer
-
         self.run.write_json("run.json", {
             "manifest": manifest_hash(manifest),
             "revision": manifest.revision.number,
@@ -873,7 +871,8 @@ class Trainer:
                 "initial_weights_fingerprint_scheme": scheme,
                 "parameters": sum(p.numel() for p in self.model.parameters()),
             },
-            "tokenizer": {"kind": manifest.tokenizer.kind, "fingerprint": ByteTokenizer().fingerprint()},
+            "tokenizer": {"kind": manifest.tokenizer.kind,
+                          "fingerprint": self.data.source["tokenizer_fingerprint"]},
             "data": {**self.data.summary(), "fingerprint": self.data.fingerprint,
                      "sampler": self.sampler.describe()},
             "admission": {"fp8_modules": sum(r.precision == "fp8" for r in self.admission.rows)},

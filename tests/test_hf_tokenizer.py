@@ -1,0 +1,210 @@
+"""tokenizer.kind 'huggingface': a tokenizer.json read with the tokenizers library, through the
+data pipeline, the capability evaluation and a training run (docs/data.md).
+
+The tokenizer is a small byte-level BPE trained here (the tokenizers library, no network), with
+Llama 3's end-of-text token, saved as models ship it: tokenizer.json plus a
+tokenizer_config.json naming its eos_token."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+tokenizers = pytest.importorskip("tokenizers", reason="needs the hf extra: pip install -e '.[hf]'")
+
+from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived  # noqa: E402
+
+from fp8ops.data import build_data, tokenizer_for  # noqa: E402
+from fp8ops.errors import ManifestError  # noqa: E402
+from fp8ops.manifest import derive, load_manifest  # noqa: E402
+from fp8ops.manifest.load import parse_manifest  # noqa: E402
+from fp8ops.manifest.schema import TokenizerConfig  # noqa: E402
+
+EOT = "<|end_of_text|>"
+TEXTS = ["add 12 39 = 51", "Q: What is 5 plus 1?\nA: 6", "naïve café, 24 °C", "sort 3142 = 1234"]
+
+
+def make_tokenizer(directory: Path, *, config: bool = True, extra: str = "") -> Path:
+    """A byte-level BPE of about 300 ids with EOT as a special token, saved into ``directory``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=[EOT, "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tokenizer.train_from_iterator([*TEXTS, extra] * 20, trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    if config:
+        (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOT}))
+    return directory
+
+
+def config(path: Path, **fields) -> TokenizerConfig:
+    return TokenizerConfig(kind="huggingface", path=str(path), **fields)
+
+
+def test_text_round_trips_and_the_end_of_text_token_ends_it(tmp_path):
+    tokenizer = tokenizer_for(config(make_tokenizer(tmp_path / "tok")))
+    assert tokenizer.kind == "huggingface" and tokenizer.eod == tokenizer.pad == 0
+    assert 256 < tokenizer.vocab_size <= 300
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        assert tokenizer.eod not in ids and tokenizer.decode(ids) == text
+    ids = tokenizer.encode("add 12 39 = 51")
+    assert len(ids) < len("add 12 39 = 51")  # merges: not one id per byte
+    assert tokenizer.decode([*ids, tokenizer.eod, *ids]) == "add 12 39 = 51"
+    with pytest.raises(ValueError, match=f"contains the end-of-document token '{EOT}'"):
+        tokenizer.encode(f"one{EOT}two")
+    # No special tokens added: what the model sees is the text's own ids.
+    assert tokenizer.encode("6") == [tokenizer._tokenizer.token_to_id("6")]
+
+
+def test_the_fingerprint_covers_the_file_and_the_end_of_text_token(tmp_path):
+    directory = make_tokenizer(tmp_path / "tok")
+    first = tokenizer_for(config(directory)).fingerprint()
+    assert tokenizer_for(config(directory / "tokenizer.json")).fingerprint() == first
+    assert tokenizer_for(config(directory, eod_token="<|pad|>")).fingerprint() != first
+    make_tokenizer(tmp_path / "tok", extra="a new merge a new merge")
+    second = tokenizer_for(config(directory)).fingerprint()
+    assert second != first
+    with pytest.raises(ManifestError) as err:
+        tokenizer_for(config(directory, fingerprint=first))
+    assert str(err.value).startswith(
+        f"tokenizer.fingerprint: the manifest expects {first} but the huggingface tokenizer is "
+        f"{second} ({directory / 'tokenizer.json'} changed)"
+    )
+
+
+def test_bad_tokenizer_paths_and_tokens_are_named(tmp_path):
+    directory = make_tokenizer(tmp_path / "tok")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "broken.json").write_text('{"version": "1.0", "model": 3}')
+    no_config = make_tokenizer(tmp_path / "bare", config=False)
+    cases = [
+        (config(tmp_path / "missing.json"), f"tokenizer.path: {tmp_path / 'missing.json'}: no "
+         "such file; give a tokenizer.json or the directory holding it"),
+        (config(tmp_path / "empty"), f"tokenizer.path: {tmp_path / 'empty'} has no tokenizer.json"),
+        (config(tmp_path / "broken.json"), f"tokenizer.path: {tmp_path / 'broken.json'} is not a "
+         "tokenizer.json the tokenizers library reads"),
+        (config(directory, eod_token="</s>"), f"tokenizer.eod_token: '</s>' is not a token of "
+         f"{directory / 'tokenizer.json'}"),
+        (config(no_config), f"tokenizer.eod_token: not set, and {no_config / 'tokenizer_config.json'} "
+         "does not name an eos_token"),
+    ]  # fmt: skip
+    for given, message in cases:
+        with pytest.raises(ManifestError) as err:
+            tokenizer_for(given)
+        assert str(err.value).startswith(message), (str(err.value), message)
+    assert tokenizer_for(config(no_config, eod_token=EOT)).eod == 0
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ("kind: huggingface", "tokenizer.path: required for kind 'huggingface'"),
+        ("kind: byte\neod_token: x", "tokenizer.eod_token: must be null for kind 'byte'"),
+        ("kind: sentencepiece\npath: t.model", "tokenizer.kind: is not supported: convert"),
+    ],
+)
+def test_the_manifest_refuses_what_no_tokenizer_can_do(section, message):
+    original = (MANIFESTS / "tiny-gpt-cpu.yaml").read_text()
+    text = re.sub(
+        r"(?m)^tokenizer:\n  kind: byte.*\n",
+        "tokenizer:\n  " + section.replace("\n", "\n  ") + "\n",
+        original,
+    )
+    assert text != original
+    with pytest.raises(ManifestError, match=message.replace("(", r"\(")):
+        parse_manifest(text, "m.yaml")
+
+
+def _manifest(tmp_path: Path, data: Path, **changes):
+    base = load_manifest(MANIFESTS / "tiny-gpt-cpu.yaml")
+    return derive(base, {
+        **SMALL_MODEL, "model.vocab_size": 300, "model.init_checkpoint": None,
+        "tokenizer.kind": "huggingface", "tokenizer.path": str(make_tokenizer(tmp_path / "tok")),
+        "data.kind": "jsonl", "data.path": str(data), **changes,
+    }, "test: hf tokenizer")  # fmt: skip
+
+
+def _sft_file(tmp_path: Path, count: int = 300) -> Path:
+    path = tmp_path / "sft.jsonl"
+    rows = [{"prompt": f"add {i} {i + 1} = ", "answer": str(2 * i + 1)} for i in range(count)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_sft_sequences_are_the_tokenizers_ids_ended_by_its_end_of_text(tmp_path):
+    manifest = _manifest(tmp_path, _sft_file(tmp_path))
+    data = build_data(manifest)
+    tokenizer = tokenizer_for(manifest.tokenizer)
+    assert data.source["tokenizer"] == "huggingface"
+    assert data.source["tokenizer_fingerprint"] == tokenizer.fingerprint()
+    example, tokens, mask = data.train.examples[0], data.train.tokens[0], data.train.loss_mask[0]
+    prompt, answer = tokenizer.encode(example.prompt), tokenizer.encode(example.answer)
+    ids = prompt + answer + [tokenizer.eod]
+    assert tokens[: len(ids) - 1].tolist() == ids[:-1]
+    assert data.train.labels[0][: len(ids) - 1].tolist() == ids[1:]
+    scored = mask.nonzero().flatten().tolist()
+    assert scored == list(range(len(prompt) - 1, len(ids) - 1))  # the answer and its end
+
+
+def test_text_holding_the_end_of_text_token_is_named_by_line(tmp_path):
+    path = tmp_path / "text.jsonl"
+    lines = [json.dumps({"text": f"document {i} " * 20}) for i in range(30)]
+    lines[6] = json.dumps({"text": f"a chat log {EOT} that ends early"})
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ManifestError) as err:
+        build_data(_manifest(tmp_path, path))
+    assert str(err.value).startswith(
+        f"{path}: line 7: text contains the end-of-document token '{EOT}'"
+    )
+
+
+def test_a_model_vocabulary_smaller_than_the_tokenizers_and_the_corpus_are_refused(tmp_path):
+    with pytest.raises(
+        ManifestError,
+        match=r"^model.vocab_size: 256 is smaller than the tokenizer's \d+ ids; set it to at least",
+    ):
+        build_data(_manifest(tmp_path, _sft_file(tmp_path), **{"model.vocab_size": 256}))
+    with pytest.raises(ManifestError, match="'corpus' is fp8ops' byte-level demo text"):
+        build_data(_manifest(tmp_path, _sft_file(tmp_path), **{
+            "data.kind": "corpus", "data.path": None}))  # fmt: skip
+
+
+def test_a_run_trains_evaluates_and_records_the_tokenizer(tmp_path):
+    """End to end on the CPU: FP8 training, the held-out loss, and greedy answers decoded by the
+    tokenizer and stopped at its end-of-text id."""
+    from fp8ops.evaluate.records import read_predictions
+    from fp8ops.train import run_training
+    from fp8ops.train.run_dir import read_metrics
+
+    manifest_file = tmp_path / "hf.yaml"
+    write_derived(manifest_file, MANIFESTS / "tiny-gpt-cpu.yaml", {
+        **SMALL_MODEL, **SCHEDULE, "model.vocab_size": 300, "model.init_checkpoint": None,
+        "tokenizer.kind": "huggingface", "tokenizer.path": str(make_tokenizer(tmp_path / "tok")),
+        "data.kind": "jsonl", "data.path": str(_sft_file(tmp_path)),
+        "schedule.train_steps": 4, "schedule.eval_interval": 4, "schedule.checkpoint_interval": 4,
+        "capability.items": 8, "capability.max_new_tokens": 8, "optimizer.lr": 1e-3,
+    })  # fmt: skip
+    run = tmp_path / "run"
+    run_training(manifest_file, run, progress=False)
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    info = json.loads((run / "run.json").read_text())
+    tokenizer = tokenizer_for(load_manifest(run / "manifest.yaml").tokenizer)
+    assert info["tokenizer"] == {"kind": "huggingface", "fingerprint": tokenizer.fingerprint()}
+    [record] = [json.loads(line) for line in (run / "capability.jsonl").read_text().splitlines()]
+    assert record["step"] == 4 and record["items"] == 8
+    predictions = read_predictions(run, record)
+    assert len(predictions) == 8
+    for item in predictions:
+        assert EOT not in item["generated"]  # decoding stops at the end-of-text id
+        assert tokenizer.decode(tokenizer.encode(item["generated"])) == item["generated"]

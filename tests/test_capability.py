@@ -74,7 +74,7 @@ def manifest(tmp_path_factory) -> Path:
         tmp_path_factory.mktemp("capability") / "finetune.yaml", MANIFESTS / "tiny-gpt-cpu.yaml",
         {
             **SMALL_MODEL, **SCHEDULE, "schedule.eval_iters": 2, "model.init_checkpoint": None,
-            "data.num_examples": 500, "optimizer.lr": 1e-4, "optimizer.min_lr": 1e-5,
+            "data.num_examples": 400, "optimizer.lr": 1e-4, "optimizer.min_lr": 1e-5,
             "schedule.train_steps": 2 * N,
             "schedule.eval_interval": N, "schedule.checkpoint_interval": N,
             "telemetry.every_steps": 1, "telemetry.error_sample_every": 2,
@@ -188,7 +188,7 @@ def test_batching_and_order_do_not_change_answers(trainer):
         }, "test")  # fmt: skip
         with trainer._held_out():
             predictions = evaluate_capability(
-                trainer.model, trainer.capability_examples, manifest, fp8=trainer._fp8
+                trainer.model, trainer.capability_examples, manifest, trainer.tokenizer, fp8=trainer._fp8
             )
         assert [p["generated"] for p in predictions] == texts
         assert [p["index"] for p in predictions] == list(range(ITEMS))
@@ -230,7 +230,8 @@ def test_padded_vocabulary_ids_are_never_produced(manifest, tmp_path):
         def answers():
             with trainer._held_out():
                 return evaluate_capability(
-                    trainer.model, trainer.capability_examples, trainer.manifest, fp8=trainer._fp8
+                    trainer.model, trainer.capability_examples, trainer.manifest, trainer.tokenizer,
+                    fp8=trainer._fp8,
                 )
 
         assert _with_hook(trainer, _winning(256), answers) == answers()  # decodable bytes only
@@ -460,7 +461,7 @@ def _tp2_worker(manifest_file: Path, out: Path) -> None:
         trainer.train()
         with trainer._held_out():
             predictions = evaluate_capability(
-                trainer.model, trainer.capability_examples, manifest, fp8=trainer._fp8
+                trainer.model, trainer.capability_examples, manifest, trainer.tokenizer, fp8=trainer._fp8
             )
         (out / f"rank{ranks.rank}.json").write_text(json.dumps(predictions))
     finally:

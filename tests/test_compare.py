@@ -10,8 +10,10 @@ end-to-end comparison of three real training tracks lives with ``fp8ops dualtrac
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -726,6 +728,8 @@ def test_a_candidate_is_judged_by_the_references_bar_not_a_looser_one_of_its_own
     assert "loss gap 0.034 > 0.01" in result.out
     document = json.loads((out / "verdict.json").read_text())
     assert document["gates"]["source"] == str(reference / "manifest.yaml")
+    digest = hashlib.sha256((reference / "manifest.yaml").read_bytes()).hexdigest()
+    assert document["gates"]["file_sha256"] == digest
     assert document["gates"]["loss_gap"] == 0.01
 
     result = cli("compare", reference, candidate, "--out", out, "--no-png",
@@ -741,8 +745,13 @@ def test_a_gates_manifest_that_cannot_be_read_is_refused_by_name(tmp_path, cli):
     assert "loss_gap: 0.03" in text
     bad.write_text(text.replace("loss_gap: 0.03", "loss_gap: -1"))
     out = tmp_path / "out"
+    no_gates = tmp_path / "no-gates.yaml"
+    no_gates.write_text(re.sub(r"(?ms)^gates:\n(  .*?\n|\n)*(?=^\S)", "", text))
+    assert "gates:" not in no_gates.read_text()
     for given, message in ((tmp_path / "missing.yaml", "missing.yaml: no such file"),
-                           (bad, f"{bad}: gates.loss_gap")):  # fmt: skip
+                           (bad, f"{bad}: gates.loss_gap"),
+                           (no_gates, (f"{no_gates}: --gates: the manifest writes no gates "
+                            "section, so fp8ops' defaults would judge"))):  # fmt: skip
         result = cli("compare", reference, candidate, "--out", out, "--no-png", "--gates", given)
         assert result.code == 2 and message in result.err, result.out + result.err
         assert not out.exists()

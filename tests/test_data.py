@@ -29,9 +29,9 @@ from fp8ops.data import (
 )
 from fp8ops.data.batches import Sequences, pack_documents
 from fp8ops.data.corpus import MAX_BYTES, TASK_SHARE
-from fp8ops.data.tasks import MAX_EVAL_FRACTION, split_point
+from fp8ops.data.tasks import MAX_EVAL_FRACTION, split_key, split_point
 from fp8ops.errors import ManifestError
-from fp8ops.manifest import Manifest, derive, parse_manifest
+from fp8ops.manifest import Manifest, derive, load_manifest, parse_manifest
 
 
 def make_manifest(
@@ -63,7 +63,7 @@ seeds:
 
 @pytest.fixture(scope="module")
 def corpus():
-    return build_corpus(1234)
+    return build_corpus(1234, split_version=2)
 
 
 @pytest.fixture(scope="module")
@@ -100,11 +100,42 @@ def problem_of(prompt: str) -> str:
 
 
 def test_no_problem_is_in_both_splits_in_any_format():
-    train, evaluation = split_examples(generate_examples(1234, 6000), 0.1)
+    train, evaluation = split_examples(generate_examples(1234, 6000), 0.1, 2)
     train_problems = {problem_of(e.prompt) for e in train}
     eval_problems = {problem_of(e.prompt) for e in evaluation}
     assert len(eval_problems) > 300
     assert not train_problems & eval_problems
+    # Split version 1 (earlier runs) keys on the terse statement: the same problem in another
+    # format never crosses, but "add 39 12" can be trained while "add 12 39" is held out.
+    train, evaluation = split_examples(generate_examples(1234, 6000), 0.1, 1)
+    assert {e.problem for e in train}.isdisjoint(e.problem for e in evaluation)
+    assert {problem_of(e.prompt) for e in train} & {problem_of(e.prompt) for e in evaluation}
+
+
+# What split version 1 built before version 2 existed (fp8ops at 03a0c54): the CPU default's
+# tasks, and the two small JSONL files below. Runs made then resume on exactly this data.
+V1_TASKS = "c80632b74fe5a00a3af224ff0a7ad72d3bef9397683d21d141fb321540241d6e"
+V1_JSONL = {"sft": "d421ebff0d373878269cbc18309894ca58a71c97c1b0482caae8974652fe913e",
+            "text": "4a750fea01d78d0ccda6a65503984628d8fa03877bcfc43b6aeec59658cc10dd"}  # fmt: skip
+
+
+def test_split_version_1_builds_the_data_of_earlier_runs_bit_for_bit(tmp_path):
+    tiny = load_manifest(Path(__file__).resolve().parents[1] / "manifests" / "tiny-gpt-cpu.yaml")
+    assert tiny.data.split_version == 1
+    assert build_data(tiny).fingerprint == V1_TASKS
+    sorted_rows = [{"prompt": f"Q{i % 7}: what is {i} plus 1? ", "answer": f" {i + 1}",
+                    "buckets": {"topic": ["math", "code"][i % 2]}} for i in range(300)]  # fmt: skip
+    files = {
+        "sft": sorted_rows,
+        "text": [{"text": f"document {i}: " + "naïve words " * (i % 5 + 1)} for i in range(200)],
+    }
+    for name, rows in files.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        data = build_data(_jsonl_manifest(path))
+        assert data.fingerprint == V1_JSONL[name], name
+        version_2 = build_data(make_manifest(f"kind: jsonl\npath: '{path}'\nsplit_version: 2"))
+        assert version_2.fingerprint != data.fingerprint, name
 
 
 def test_tokenizer_round_trips_utf8_bytes():
@@ -151,7 +182,7 @@ def test_tokenizer_fingerprint_and_manifest_checks():
 
 
 def test_corpus_is_deterministic_and_sized(corpus):
-    again = build_corpus(1234)  # another clean interpreter, another hash seed
+    again = build_corpus(1234, split_version=2)  # another clean interpreter, another hash seed
     assert again.data == corpus.data
     assert again.fingerprint == corpus.fingerprint == hashlib.sha256(corpus.data).hexdigest()
     assert 300_000 < len(corpus.data) <= MAX_BYTES
@@ -172,6 +203,9 @@ def test_corpus_mixes_in_task_lines_from_the_training_side(corpus):
     prompts = prompt.findall("\n".join(task_docs))
     assert len(prompts) > 1000
     assert not any(held_out(problem_of(p), MAX_EVAL_FRACTION) for p in prompts)
+    # Nor under version 1's key, the terse statement as written.
+    terse = [p.removesuffix(" = ") for p in prompts if not p.startswith("Q: ")]
+    assert terse and not any(held_out(t, MAX_EVAL_FRACTION) for t in terse)
     # Task documents are spread through the stream, so the held-out tail has some too.
     positions = [i for i, d in enumerate(corpus.documents) if d in set(task_docs)]
     assert positions[0] < len(corpus.documents) * 0.1
@@ -187,7 +221,7 @@ def test_task_lines_guard_is_the_schema_limit():
 
 
 def test_corpus_seed_changes_order_and_task_lines_not_the_docs(corpus):
-    other = build_corpus(99)
+    other = build_corpus(99, split_version=2)
     assert other.fingerprint != corpus.fingerprint
     assert other.docs_bytes == corpus.docs_bytes
     docs = {d for d in corpus.documents if not d.startswith(("add", "reverse", "sort", "Q: "))}
@@ -195,7 +229,7 @@ def test_corpus_seed_changes_order_and_task_lines_not_the_docs(corpus):
 
 
 def test_corpus_cap():
-    small = build_corpus(1234, max_bytes=100_000)
+    small = build_corpus(1234, max_bytes=100_000, split_version=2)
     assert 80_000 < len(small.data) <= 100_000
 
 
@@ -205,7 +239,7 @@ def test_corpus_ignores_a_patched_stdlib(monkeypatch, corpus):
 
     # What importing torch does to inspect.getfile; the corpus must not see it.
     monkeypatch.setattr(inspect, "getfile", getfile)
-    patched = build_corpus(1234)
+    patched = build_corpus(1234, split_version=2)
     assert b"PATCHED" not in patched.data
     assert patched.data == corpus.data
 
@@ -270,15 +304,17 @@ def test_tasks_are_deterministic_per_seed():
 def test_check_is_exact_match():
     example = Example("add 2 3 = ", "5", {})
     assert check(example, "5")
-    assert check(example, "5\x00")
-    assert check(example, "5 \n\x00garbage")
+    assert check(example, "5 \n")
+    # The text is the decoded continuation, which the tokenizer ended at end-of-document: a
+    # NUL in it is text (a token another tokenizer can produce), not an end.
+    assert not check(example, "5\x00garbage")
     assert not check(example, "05")
     assert not check(example, " 5")
     assert not check(example, "56")
     assert not check(example, "")
     # An answer written with a final newline, as JSONL answers often are, can be right.
     with_newline = Example("Q: 2+2?\nA:", " 4\n", {})
-    assert check(with_newline, " 4\n\x00") and check(with_newline, " 4")
+    assert check(with_newline, " 4\n") and check(with_newline, " 4")
     assert not check(with_newline, "4\n")
 
 
@@ -288,25 +324,28 @@ def test_eval_split_is_in_hash_order_so_its_first_items_sample_every_topic():
     topics = ["math", "code", "chat", "safety"]
     examples = [Example(f"{topic} question {i}?", "yes", {"topic": topic})
                 for topic in topics for i in range(1500)]  # fmt: skip
-    _, evaluation = split_examples(examples, 0.1)
-    assert [split_point(e.key) for e in evaluation] == sorted(
-        split_point(e.key) for e in evaluation
-    )
+    _, evaluation = split_examples(examples, 0.1, 2)
+    points = [split_point(split_key(e, 2)) for e in evaluation]
+    assert points == sorted(points)
     first = Counter(e.buckets["topic"] for e in evaluation[:60])
     assert set(first) == set(topics) and min(first.values()) >= 5, first
+    # Version 1 keeps the file's order: its first items are all from the first topic.
+    _, evaluation = split_examples(examples, 0.1, 1)
+    assert {e.buckets["topic"] for e in evaluation[:60]} == {"math"}
 
 
 def test_a_prompt_and_its_copy_with_other_whitespace_are_one_problem():
     a, b = Example("What is 5 plus 1?", "6"), Example("  What is 5   plus 1? \n", "6")
-    assert a.key == b.key == "What is 5 plus 1?"
+    assert split_key(a, 2) == split_key(b, 2) == "What is 5 plus 1?"
+    assert split_key(b, 1) == b.key == b.prompt  # version 1: the prompt as written
     train, evaluation = split_examples(
-        [a, b] * 50 + [Example(f"q{i}", "a") for i in range(400)], 0.5
+        [a, b] * 50 + [Example(f"q{i}", "a") for i in range(400)], 0.5, 2
     )
     assert (a in train) != (a in evaluation) and (b in train) == (a in train)
 
 
 def test_split_has_no_shared_prompt_and_respects_the_fraction(tasks_data):
-    train, evaluation = split_examples(generate_examples(1234, 6000), 0.1)
+    train, evaluation = split_examples(generate_examples(1234, 6000), 0.1, 1)
     assert {e.prompt for e in train}.isdisjoint(e.prompt for e in evaluation)
     assert 0.07 < len(evaluation) / 6000 < 0.13
     assert list(tasks_data.eval.examples) == evaluation
@@ -355,7 +394,7 @@ def test_too_long_example_names_model_seq_length():
 
 
 def test_pretraining_windows_tile_the_corpus(corpus):
-    data = build_data(make_manifest("kind: corpus", seq_length=128))
+    data = build_data(make_manifest("kind: corpus\nsplit_version: 2", seq_length=128))
     width = 129
     n = len(corpus.data) // width
     assert len(data.train) + len(data.eval) == n
@@ -459,15 +498,20 @@ def _jsonl_manifest(path: Path, **kwargs) -> Manifest:
 def test_jsonl_text_file_is_pretraining(tmp_path):
     texts = [f"document {i}: naïve text, repeated. " * 5 for i in range(40)]
     path = _write(tmp_path, [json.dumps({"text": t}) for t in texts] + [""])
-    data = build_data(_jsonl_manifest(path, seq_length=32))
-    assert data.objective == "pretrain" and data.kind == "jsonl"
-    # The documents in hash order: the held-out tail is a fair sample of a sorted file.
+    # Split version 2: the documents in hash order, so the held-out tail is a fair sample of a
+    # sorted file; version 1 packs them in the file's order.
     ordered = sorted(texts, key=split_point)
     assert ordered != texts
-    stream = b"".join(t.encode() + b"\x00" for t in ordered)
-    assert len(data.train) + len(data.eval) == len(stream) // 33
-    assert bytes(data.train.tokens[0].tolist()) == stream[:32]
-    assert bytes(data.eval.tokens[-1].tolist()) == stream[(len(stream) // 33 - 1) * 33 :][:32]
+    for version, documents in ((2, ordered), (1, texts)):
+        manifest = make_manifest(f"kind: jsonl\npath: '{path}'\nsplit_version: {version}",
+                                 seq_length=32)  # fmt: skip
+        data = build_data(manifest)
+        assert data.objective == "pretrain" and data.kind == "jsonl"
+        stream = b"".join(t.encode() + b"\x00" for t in documents)
+        assert len(data.train) + len(data.eval) == len(stream) // 33
+        assert bytes(data.train.tokens[0].tolist()) == stream[:32]
+        last = (len(stream) // 33 - 1) * 33
+        assert bytes(data.eval.tokens[-1].tolist()) == stream[last : last + 32]
     assert data.summary()["source"]["file_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -497,7 +541,7 @@ def test_jsonl_sft_file_keeps_prompts_answers_and_buckets(tmp_path):
 
 def test_sft_data_that_holds_out_nothing_is_refused(tmp_path):
     """eval_fraction 0.1 of a small file can hold out nothing: the run would never evaluate."""
-    prompts = [f"Say {i}: " for i in range(200) if split_point(f"Say {i}:") >= 0.1][:30]
+    prompts = [f"Say {i}: " for i in range(200) if split_point(f"Say {i}: ") >= 0.1][:30]
     path = _write(tmp_path, [json.dumps({"prompt": p, "answer": "x"}) for p in prompts])
     with pytest.raises(ManifestError) as err:
         build_data(make_manifest(f"kind: jsonl\npath: '{path}'\neval_fraction: 0.1"))

@@ -15,13 +15,13 @@ import pytest
 
 tokenizers = pytest.importorskip("tokenizers", reason="needs the hf extra: pip install -e '.[hf]'")
 
-from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived  # noqa: E402
+from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
 
-from fp8ops.data import build_data, tokenizer_for  # noqa: E402
-from fp8ops.errors import ManifestError  # noqa: E402
-from fp8ops.manifest import derive, load_manifest  # noqa: E402
-from fp8ops.manifest.load import parse_manifest  # noqa: E402
-from fp8ops.manifest.schema import TokenizerConfig  # noqa: E402
+from fp8ops.data import build_data, tokenizer_for
+from fp8ops.errors import ManifestError
+from fp8ops.manifest import derive, load_manifest
+from fp8ops.manifest.load import parse_manifest
+from fp8ops.manifest.schema import TokenizerConfig
 
 EOT = "<|end_of_text|>"
 TEXTS = ["add 12 39 = 51", "Q: What is 5 plus 1?\nA: 6", "naïve café, 24 °C", "sort 3142 = 1234"]
@@ -34,8 +34,9 @@ def make_tokenizer(directory: Path, *, config: bool = True, extra: str = "") -> 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
+    # EOT is not id 0, as in real tokenizers (Llama 3: 128001): nothing may take 0 for it.
     trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=[EOT, "<|pad|>"],
+        vocab_size=300, special_tokens=["<|pad|>", EOT],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )  # fmt: skip
     tokenizer.train_from_iterator([*TEXTS, extra] * 20, trainer)
@@ -52,7 +53,7 @@ def config(path: Path, **fields) -> TokenizerConfig:
 
 def test_text_round_trips_and_the_end_of_text_token_ends_it(tmp_path):
     tokenizer = tokenizer_for(config(make_tokenizer(tmp_path / "tok")))
-    assert tokenizer.kind == "huggingface" and tokenizer.eod == tokenizer.pad == 0
+    assert tokenizer.kind == "huggingface" and tokenizer.eod == tokenizer.pad == 1
     assert 256 < tokenizer.vocab_size <= 300
     for text in TEXTS:
         ids = tokenizer.encode(text)
@@ -88,21 +89,21 @@ def test_bad_tokenizer_paths_and_tokens_are_named(tmp_path):
     (tmp_path / "broken.json").write_text('{"version": "1.0", "model": 3}')
     no_config = make_tokenizer(tmp_path / "bare", config=False)
     cases = [
-        (config(tmp_path / "missing.json"), f"tokenizer.path: {tmp_path / 'missing.json'}: no "
-         "such file; give a tokenizer.json or the directory holding it"),
+        (config(tmp_path / "missing.json"), (f"tokenizer.path: {tmp_path / 'missing.json'}: no "
+         "such file; give a tokenizer.json or the directory holding it")),
         (config(tmp_path / "empty"), f"tokenizer.path: {tmp_path / 'empty'} has no tokenizer.json"),
-        (config(tmp_path / "broken.json"), f"tokenizer.path: {tmp_path / 'broken.json'} is not a "
-         "tokenizer.json the tokenizers library reads"),
-        (config(directory, eod_token="</s>"), f"tokenizer.eod_token: '</s>' is not a token of "
-         f"{directory / 'tokenizer.json'}"),
-        (config(no_config), f"tokenizer.eod_token: not set, and {no_config / 'tokenizer_config.json'} "
-         "does not name an eos_token"),
+        (config(tmp_path / "broken.json"), (f"tokenizer.path: {tmp_path / 'broken.json'} is not "
+         "a tokenizer.json the tokenizers library reads")),
+        (config(directory, eod_token="</s>"), ("tokenizer.eod_token: '</s>' is not a token of "
+         f"{directory / 'tokenizer.json'}")),
+        (config(no_config), (f"tokenizer.eod_token: not set, and "
+         f"{no_config / 'tokenizer_config.json'} does not name an eos_token")),
     ]  # fmt: skip
     for given, message in cases:
         with pytest.raises(ManifestError) as err:
             tokenizer_for(given)
         assert str(err.value).startswith(message), (str(err.value), message)
-    assert tokenizer_for(config(no_config, eod_token=EOT)).eod == 0
+    assert tokenizer_for(config(no_config, eod_token=EOT)).eod == 1
 
 
 @pytest.mark.parametrize(
@@ -154,6 +155,62 @@ def test_sft_sequences_are_the_tokenizers_ids_ended_by_its_end_of_text(tmp_path)
     assert data.train.labels[0][: len(ids) - 1].tolist() == ids[1:]
     scored = mask.nonzero().flatten().tolist()
     assert scored == list(range(len(prompt) - 1, len(ids) - 1))  # the answer and its end
+    # Padded with the end-of-text id (never scored), not with the byte tokenizer's 0.
+    assert set(tokens[len(ids) - 1 :].tolist()) == {tokenizer.eod}
+
+
+def test_generation_stops_at_the_tokenizers_end_of_text_id():
+    """A model that always predicts id 1: with the end-of-text id 1 every answer is that one
+    token; under the byte tokenizer's 0 it would run to max_new_tokens."""
+    import torch
+
+    from fp8ops.evaluate.capability import generate
+
+    class AlwaysOne(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.unused = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, tokens, positions, labels, runtime_gather_output=False):
+            logits = torch.zeros(*tokens.shape, 300)
+            logits[..., 1] = 1.0
+            return logits
+
+    prompts = [[5, 6, 7], [8]]
+    kwargs = {"max_new_tokens": 6, "seq_length": 64, "vocab_size": 300}
+    assert generate(AlwaysOne(), prompts, eod=1, **kwargs) == [[1], [1]]
+    assert generate(AlwaysOne(), prompts, eod=0, **kwargs) == [[1] * 6, [1] * 6]
+
+
+def test_truncation_and_padding_a_tokenizer_json_ships_are_switched_off(tmp_path):
+    """fp8ops cuts and pads the data itself and says so; a tokenizer.json's own settings would
+    cut documents and answers silently."""
+    from tokenizers import Tokenizer
+
+    directory = make_tokenizer(tmp_path / "tok")
+    raw = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    raw.enable_truncation(max_length=4)
+    raw.enable_padding(length=16, pad_id=0, pad_token="<|pad|>")
+    raw.save(str(directory / "tokenizer.json"))
+    tokenizer = tokenizer_for(config(directory))
+    text = "add 12 39 = 51 and then some more words"
+    shipped = raw.encode(text, add_special_tokens=False).ids  # what the file says: cut, padded
+    assert len(shipped) == 16 and shipped[4:] == [0] * 12
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert len(tokenizer.encode("6")) == 1
+
+
+def test_the_vocabulary_size_is_the_largest_id_plus_one(tmp_path):
+    """Ids need not be contiguous: a tokenizer.json with a token at id 5000 needs an embedding
+    of 5001 rows, however many tokens it has."""
+    directory = make_tokenizer(tmp_path / "tok")
+    document = json.loads((directory / "tokenizer.json").read_text())
+    vocab = document["model"]["vocab"]
+    token = next(t for t, i in vocab.items() if i == max(vocab.values()))
+    vocab[token] = 5000
+    (directory / "tokenizer.json").write_text(json.dumps(document))
+    tokenizer = tokenizer_for(config(directory))
+    assert tokenizer.vocab_size == 5001
 
 
 def test_text_holding_the_end_of_text_token_is_named_by_line(tmp_path):

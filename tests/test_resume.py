@@ -400,7 +400,10 @@ def test_sigusr1_to_one_rank_stops_both_at_one_step_and_resume_finishes(manifest
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          "-m", "fp8ops", "train", str(manifest), "--run-dir", str(run), "--no-progress",
          "--set", "topology.tensor_parallel=2", "--set", "schedule.train_steps=40",
-         "--set", "schedule.checkpoint_interval=100"],
+         "--set", "schedule.checkpoint_interval=100",
+         # This is about stopping on a signal: at lr 2e-3 over 40 steps a layer's input can
+         # saturate past the Stop level, which would end the resumed run first.
+         "--set", "alerts.saturation.stop=0.5"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     deadline = time.monotonic() + 120

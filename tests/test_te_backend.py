@@ -57,15 +57,16 @@ def test_settings_megatron_cannot_carry_to_te_are_refused(manifest, change, mess
         te_transformer_config(derive(manifest, change, "not expressible on TE"))
 
 
-@pytest.mark.parametrize("value", ["1", " 1", "2"])
+@pytest.mark.parametrize("value", ["1", " 1", "2", "yes"])
 def test_tes_unfused_scaling_update_is_refused(manifest, monkeypatch, value):
     """TE's Python update rolls a BF16-held module's history and rounds scales differently: the
     bookkeeping fp8ops reproduces and reads would no longer be TE's."""
     monkeypatch.setenv("NVTE_UNFUSED_FP8_UPDATE", value)
     with pytest.raises(Fp8opsError, match=f"^NVTE_UNFUSED_FP8_UPDATE={value}: TE's unfused"):
         te_transformer_config(manifest)
-    monkeypatch.setenv("NVTE_UNFUSED_FP8_UPDATE", "0")
-    assert te_transformer_config(manifest).fp8_recipe == "delayed"
+    for off in ("0", "00", " 0"):  # what TE's int() reads as off
+        monkeypatch.setenv("NVTE_UNFUSED_FP8_UPDATE", off)
+        assert te_transformer_config(manifest).fp8_recipe == "delayed"
 
 
 @pytest.mark.skipif(te_available(), reason="checks the machine without Transformer Engine")

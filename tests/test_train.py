@@ -371,11 +371,13 @@ def test_an_unfinished_run_directory_is_refused_with_advice(finetune_manifest, t
         (["model.num_layers=3"],
          r"finetune.yaml.*different model.*num_layers: checkpoint 2, manifest 3"),
         (["tokenizer.kind=sentencepiece", "tokenizer.path=x.model"], r"tokenizer.kind"),
+        (["tokenizer.kind=huggingface", "tokenizer.path=/nonexistent/tok.json"],
+         r"finetune.yaml.*: tokenizer.path: /nonexistent/tok.json: no such file"),
         (["topology.pipeline_parallel=2"], r"finetune.yaml.*topology.pipeline_parallel is 2"),
         (["precision.base_dtype=fp16"], r"finetune.yaml.*base_dtype is fp16.*loss scaling"),
     ],
     ids=["glob-matches-nothing", "tp-not-dividing-heads", "missing-base", "world-size",
-         "base-of-another-model", "tokenizer", "pipeline-parallel", "fp16"],
+         "base-of-another-model", "tokenizer", "tokenizer-file", "pipeline-parallel", "fp16"],
 )  # fmt: skip
 def test_bad_manifests_stop_before_training(finetune_manifest, tmp_path, cli, settings, message):
     run_dir = tmp_path / "run"

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -28,7 +29,7 @@ from fp8ops.compare.runs import (
 )
 from fp8ops.errors import Fp8opsError
 from fp8ops.files import atomic_write_text
-from fp8ops.manifest import load_manifest
+from fp8ops.manifest import Gates, load_manifest
 
 VERDICT = "verdict.json"
 REPORT = "report.html"
@@ -105,14 +106,14 @@ def compare(
     reference, candidates = runs[0], runs[1:]
     check_comparable(reference, candidates)
     if gates is None:
-        bar, source = one_bar(runs), "the runs' manifests"
+        bar, source = one_bar(runs), {"source": "the runs' manifests"}
     else:
-        bar, source = load_manifest(gates).gates, str(gates)
+        bar, source = _gates_from(Path(gates))
     verdict = Verdict(
         reference=_reference_json(reference),
         candidates=[judge(reference, candidate, bar) for candidate in candidates],
         created=datetime.now().astimezone().isoformat(timespec="seconds"),
-        gates={"source": source, **bar.model_dump()},
+        gates={**source, **bar.model_dump()},
     )
 
     out = Path(out) if out is not None else default_out(tracks, dualtrack)
@@ -129,6 +130,19 @@ def compare(
         except Fp8opsError as exc:
             result.png_error = str(exc)
     return result
+
+
+def _gates_from(path: Path) -> tuple[Gates, dict[str, str]]:
+    """The gates section of the manifest file ``path``, which must write one (a manifest
+    without it would judge by fp8ops' defaults, which nobody chose), and where it came from."""
+    manifest = load_manifest(path)
+    if "gates" not in manifest.model_fields_set:
+        raise Fp8opsError(
+            f"{path}: --gates: the manifest writes no gates section, so fp8ops' defaults would "
+            "judge; write the gates you accept into it"
+        )
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    return manifest.gates, {"source": str(path), "file_sha256": digest}
 
 
 def _reference_json(run: RunRecords) -> dict[str, Any]:

@@ -7,7 +7,6 @@ and checks ``data.fingerprint`` when set.
 
 from __future__ import annotations
 
-import itertools
 import math
 import platform
 from collections.abc import Sequence
@@ -17,13 +16,13 @@ import numpy as np
 
 from fp8ops.data.batches import TokenizedData, encode, pack_documents, sft_sequences, text_sequences
 from fp8ops.data.corpus import build_corpus
-from fp8ops.data.jsonl import read_jsonl
+from fp8ops.data.jsonl import JsonlData, read_jsonl
 from fp8ops.data.tasks import Example, generate_examples, split_examples, split_point
 from fp8ops.data.tokenizer import Tokenizer, tokenizer_for
 from fp8ops.errors import ManifestError
 
 if TYPE_CHECKING:
-    from fp8ops.manifest.schema import Manifest
+    from fp8ops.manifest.schema import DataConfig, Manifest
 
 
 def build_data(manifest: Manifest) -> TokenizedData:
@@ -45,7 +44,7 @@ def build_data(manifest: Manifest) -> TokenizedData:
                 f"data.kind: 'corpus' is fp8ops' byte-level demo text, for tokenizer.kind "
                 f"'byte', not '{tokenizer.kind}'; use data.kind 'jsonl' with your own text"
             )
-        corpus = build_corpus(seed)
+        corpus = build_corpus(seed, split_version=config.split_version)
         source |= {
             "corpus_bytes": len(corpus.data),
             "corpus_documents": len(corpus.documents),
@@ -56,25 +55,15 @@ def build_data(manifest: Manifest) -> TokenizedData:
         data = _pretraining(config.kind, corpus.data, seq_length, config.eval_fraction, source)
     elif config.kind == "tasks":
         examples = generate_examples(seed, config.num_examples)
-        data = _sft(config.kind, examples, seq_length, config.eval_fraction, tokenizer, source)
+        data = _sft(config, examples, seq_length, tokenizer, source)
     else:  # jsonl
         file = read_jsonl(config.path)
         source |= {"path": str(file.path), "file_sha256": file.sha256}
         if file.kind == "text":
-            # In hash order, as the corpus is shuffled: the held-out tail is then a fair sample
-            # of the file, not its last topic when the file is sorted by one.
-            documents = sorted(zip(file.texts, file.text_lines), key=lambda d: split_point(d[0]))
-            ids = [
-                encode(tokenizer, text, Example(text, "", origin=f"{file.path}: line {line}"))
-                + [tokenizer.eod]
-                for text, line in documents
-            ]
-            stream = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64)
+            stream = _text_stream(file, tokenizer, config.split_version)
             data = _pretraining(config.kind, stream, seq_length, config.eval_fraction, source)
         else:
-            data = _sft(
-                config.kind, file.examples, seq_length, config.eval_fraction, tokenizer, source
-            )
+            data = _sft(config, file.examples, seq_length, tokenizer, source)
 
     if len(data.train) == 0:
         raise ManifestError(
@@ -102,15 +91,32 @@ def _pretraining(
     return TokenizedData(kind, "pretrain", train, evaluation, source)
 
 
+def _text_stream(file: JsonlData, tokenizer: Tokenizer, split_version: int) -> bytes | np.ndarray:
+    """The documents' ids, each followed by end-of-document: byte tokens as bytes, others as
+    int32. From split version 2 in hash order, as the corpus is shuffled: the held-out tail is
+    then a fair sample of the file, not its last topic when the file is sorted by one."""
+    documents = list(zip(file.texts, file.text_lines, strict=True))
+    if split_version >= 2:
+        documents.sort(key=lambda document: split_point(document[0]))
+    if tokenizer.kind == "byte":  # the file is UTF-8 without NUL (read_jsonl checked)
+        return b"".join(text.encode("utf-8") + b"\x00" for text, _ in documents)
+    end = np.array([tokenizer.eod], dtype=np.int32)
+    parts = []
+    for text, line in documents:
+        example = Example(text, "", origin=f"{file.path}: line {line}")
+        parts += [np.asarray(encode(tokenizer, text, example), dtype=np.int32), end]
+    return np.concatenate(parts) if parts else end[:0]
+
+
 def _sft(
-    kind: str,
+    config: DataConfig,
     examples: Sequence[Example],
     seq_length: int,
-    eval_fraction: float,
     tokenizer: Tokenizer,
     source: dict,
 ) -> TokenizedData:
-    train, evaluation = split_examples(examples, eval_fraction)
+    eval_fraction = config.eval_fraction
+    train, evaluation = split_examples(examples, eval_fraction, config.split_version)
     if eval_fraction > 0 and not evaluation:
         raise ManifestError(
             f"data.eval_fraction: {eval_fraction:g} held out none of the {len(examples)} "
@@ -121,4 +127,4 @@ def _sft(
     # Tokenized together, so a length error reports the longest example of either split.
     both = sft_sequences([*train, *evaluation], seq_length, tokenizer)
     train_sequences, eval_sequences = both.split_at(len(train))
-    return TokenizedData(kind, "sft", train_sequences, eval_sequences, source)
+    return TokenizedData(config.kind, "sft", train_sequences, eval_sequences, source)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from fp8ops.data.tasks import MAX_EVAL_FRACTION, example_stream, split_point
+from fp8ops.data.tasks import MAX_EVAL_FRACTION, example_stream, split_key, split_point
 from fp8ops.data.tokenizer import EOD
 from fp8ops.errors import ManifestError
 
@@ -47,8 +47,9 @@ class Corpus:
         return hashlib.sha256(self.data).hexdigest()
 
 
-def build_corpus(seed: int, max_bytes: int = MAX_BYTES) -> Corpus:
-    """The corpus for ``seed`` (task lines and document order), at most ``max_bytes`` long."""
+def build_corpus(seed: int, max_bytes: int = MAX_BYTES, *, split_version: int) -> Corpus:
+    """The corpus for ``seed`` (task lines and document order), at most ``max_bytes`` long.
+    ``split_version`` (``data.split_version``) decides which task problems are kept out."""
     docs = []
     budget = int(max_bytes * (1 - TASK_SHARE))
     used = 0
@@ -63,7 +64,7 @@ def build_corpus(seed: int, max_bytes: int = MAX_BYTES) -> Corpus:
     task_budget = int(docs_bytes * TASK_SHARE / (1 - TASK_SHARE))
     # Streams of their own, not seed itself: the corpus should not pre-teach the exact
     # examples the tasks kind trains on.
-    docs += _task_documents(f"fp8ops corpus tasks {seed}", task_budget)
+    docs += _task_documents(f"fp8ops corpus tasks {seed}", task_budget, split_version)
     random.Random(f"fp8ops corpus order {seed}").shuffle(docs)
     data = b"".join(doc.encode("utf-8") + bytes([EOD]) for doc in docs)
     return Corpus(documents=tuple(docs), data=data, docs_bytes=docs_bytes)
@@ -90,11 +91,16 @@ def stdlib_documents() -> list[str]:
     return json.loads(result.stdout)
 
 
-def _task_documents(seed: str, budget: int) -> list[str]:
+def _task_documents(seed: str, budget: int, split_version: int) -> list[str]:
     """Documents of task lines (prompt immediately followed by answer), ``budget`` bytes in all."""
-    # Only prompts on the training side of every evaluation split a manifest can ask for.
+    # Only prompts on the training side of every evaluation split a manifest can ask for; from
+    # version 2 on, under both versions' keys, so a fine-tune of either version has none of
+    # its held-out problems here.
+    versions = (1,) if split_version == 1 else (1, 2)
     lines = (
-        e.prompt + e.answer for e in example_stream(seed) if split_point(e.key) >= MAX_EVAL_FRACTION
+        e.prompt + e.answer
+        for e in example_stream(seed)
+        if all(split_point(split_key(e, v)) >= MAX_EVAL_FRACTION for v in versions)
     )
     documents: list[str] = []
     used = 0

@@ -171,7 +171,7 @@ def _string(obj: dict[str, Any], key: str, where: str) -> str:
         raise ManifestError(f"{where}: {key!r} is empty")
     if "\x00" in value:
         raise ManifestError(
-            f"{where}: {key!r} contains NUL (\\u0000), the byte tokenizer's end-of-document id"
+            f"{where}: {key!r} contains NUL (\\u0000), which fp8ops reads as end of document"
         )
     try:
         value.encode("utf-8")

@@ -14,11 +14,13 @@ Task, length, difficulty and format are drawn uniformly and independently, then 
 that fits them, so every bucket cell is populated.
 
 An answer is right only if it matches exactly (``check``). Examples go to evaluation by a hash
-of their problem (``held_out`` on ``Example.key``), written the same whatever the wording and
-the order of what does not matter: "add 12 39" and "add 39 12" are one problem, and so are
-"sort 3142" and "sort 2413". Neither can be trained in one form and evaluated in another,
-whatever the seed. The evaluation split is in hash order, so any prefix of it (the capability
-items, the loss evaluation's batches) is a fair sample of it, however the data was ordered.
+of their problem (``held_out`` on ``split_key``). Under ``data.split_version`` 2 the problem is
+written the same whatever the wording and the order of what does not matter: "add 12 39" and
+"add 39 12" are one problem, and so are "sort 3142" and "sort 2413"; neither can be trained in
+one form and evaluated in another, whatever the seed. The evaluation split is then in hash
+order, so any prefix of it (the capability items, the loss evaluation's batches) is a fair
+sample of it, however the data was ordered. Version 1, the split of earlier runs, keys on the
+terse statement alone ("add 12 39" in both formats) and keeps the data's order.
 """
 
 from __future__ import annotations
@@ -48,25 +50,38 @@ class Example:
     prompt: str
     answer: str
     buckets: dict[str, str] = field(default_factory=dict)  # bucket name -> value
-    # The problem whatever its wording ("add 12 39" for "add 39 12 = " too); empty for your own
-    # data, whose prompt is then its problem.
+    # The problem whatever its wording ("add 12 39"); empty for your own data, whose prompt is
+    # then its problem.
     problem: str = ""
+    # The problem whatever the order of what does not change its answer ("add 12 39" for
+    # "add 39 12" too): what split version 2 hashes. Empty: the problem is its own.
+    canonical: str = ""
     origin: str = field(default="", compare=False)  # "FILE: line N" for your own data
 
     @property
     def key(self) -> str:
-        """What the train/eval split hashes: the problem, or else the prompt with its runs of
-        whitespace read as one space (a prompt and its copy with a trailing space are one)."""
-        return self.problem or " ".join(self.prompt.split())
+        """The problem, or the prompt when there is none (split version 1's key, and the
+        record's name for the item)."""
+        return self.problem or self.prompt
+
+
+def split_key(example: Example, version: int) -> str:
+    """What the train/eval split hashes (``data.split_version``): version 1, ``example.key``;
+    version 2, the canonical problem, or else the prompt with its runs of whitespace read as
+    one space (a prompt and its copy with a trailing space are one)."""
+    if version == 1:
+        return example.key
+    return example.canonical or example.problem or " ".join(example.prompt.split())
 
 
 def check(example: Example, generated: str) -> bool:
-    """Whether ``generated`` (the text after the prompt) is exactly the answer.
+    """Whether ``generated`` (the text after the prompt, decoded by the tokenizer, which stops at
+    end-of-document) is exactly the answer.
 
-    Anything from an end-of-document (NUL) on is ignored, and so is trailing whitespace on
-    either side: an answer written with a final newline is right when generated with it.
+    Trailing whitespace on either side is ignored: an answer written with a final newline is
+    right when generated with it, or without it.
     """
-    return generated.split("\x00", 1)[0].rstrip() == example.answer.rstrip()
+    return generated.rstrip() == example.answer.rstrip()
 
 
 def held_out(key: str, eval_fraction: float) -> bool:
@@ -84,9 +99,10 @@ def split_point(prompt: str) -> float:
 
 
 def split_examples(
-    examples: Sequence[Example], eval_fraction: float
+    examples: Sequence[Example], eval_fraction: float, version: int
 ) -> tuple[list[Example], list[Example]]:
-    """(train in the original order, eval in hash order).
+    """(train, eval) under ``data.split_version`` ``version``: train in the original order;
+    eval in hash order (version 2) or the original order (version 1).
 
     Hash order (``split_point``, then the original order among equal keys) makes every prefix of
     the evaluation split a fair sample: a file sorted by topic would otherwise give the first
@@ -94,8 +110,10 @@ def split_examples(
     """
     train, evaluation = [], []
     for example in examples:
-        (evaluation if held_out(example.key, eval_fraction) else train).append(example)
-    evaluation.sort(key=lambda example: split_point(example.key))  # stable
+        held = held_out(split_key(example, version), eval_fraction)
+        (evaluation if held else train).append(example)
+    if version >= 2:
+        evaluation.sort(key=lambda example: split_point(split_key(example, version)))  # stable
     return train, evaluation
 
 
@@ -116,10 +134,10 @@ def example_stream(seed: int | str) -> Iterator[Example]:
         length = rng.choice(LENGTHS)
         difficulty = rng.choice(DIFFICULTIES)
         style = rng.choice(FORMATS)
-        terse, verbose, answer, problem = _MAKERS[task](rng, length, difficulty)
-        prompt = f"{terse} = " if style == "terse" else f"Q: {verbose}\nA: "
+        problem, verbose, answer, canonical = _MAKERS[task](rng, length, difficulty)
+        prompt = f"{problem} = " if style == "terse" else f"Q: {verbose}\nA: "
         buckets = {"task": task, "length": length, "difficulty": difficulty, "format": style}
-        yield Example(prompt, answer, buckets, problem)
+        yield Example(prompt, answer, buckets, problem, canonical)
 
 
 # --------------------------------------------------------------------------------------

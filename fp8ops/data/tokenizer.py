@@ -89,8 +89,13 @@ class HuggingFaceTokenizer:
 
     def __init__(self, file: Path, eod_token: str, tokenizer) -> None:
         self.file, self.eod_token, self._tokenizer = file, eod_token, tokenizer
+        # A tokenizer.json may ship truncation or padding settings; the data is cut and padded
+        # by fp8ops (never silently), so they are switched off.
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
         self.eod = self.pad = tokenizer.token_to_id(eod_token)
-        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        # The largest id plus one: ids need not be contiguous, and the embedding must hold all.
+        self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
         digest = hashlib.sha256(_HF_DESCRIPTION)
         digest.update(file.read_bytes())
         digest.update(f"\neod {eod_token!r} = {self.eod}\n".encode())

@@ -32,11 +32,11 @@ import torch
 
 from fp8ops.data.batches import TokenizedData
 from fp8ops.data.tasks import Example, check
-from fp8ops.data.tokenizer import EOD, tokenizer_for
+from fp8ops.data.tokenizer import EOD, Tokenizer
 from fp8ops.errors import ManifestError
 
 
-def capability_examples(data: TokenizedData, config, tokenizer) -> list[Example]:
+def capability_examples(data: TokenizedData, config, tokenizer: Tokenizer) -> list[Example]:
     """The examples a capability evaluation generates for (``config``: the manifest's
     ``capability`` section): the first ``items`` of the eval split (in hash order, a fair sample
     of it); none when it is off, for text data (nothing to check) or without an eval split.
@@ -64,13 +64,15 @@ def capability_examples(data: TokenizedData, config, tokenizer) -> list[Example]
 
 @torch.no_grad()
 def evaluate_capability(
-    model, examples: Sequence[Example], manifest, *, fp8: Callable = contextlib.nullcontext
-) -> list[dict[str, Any]]:
+    model, examples: Sequence[Example], manifest, tokenizer: Tokenizer, *,
+    fp8: Callable = contextlib.nullcontext,
+) -> list[dict[str, Any]]:  # fmt: skip
     """One prediction record per example, in order (the per-item lines of ``records.py``).
 
     ``examples`` are the eval split's first rows (:func:`capability_examples`), so an example's
-    position is its row. ``fp8()`` opens the precision context each forward runs in."""
-    tokenizer = tokenizer_for(manifest.tokenizer)
+    position is its row. ``tokenizer``: the run's, built once when its data was (a tokenizer
+    file edited mid-run must not change how prompts are encoded). ``fp8()`` opens the
+    precision context each forward runs in."""
     batch_size = manifest.schedule.micro_batch_size
     # A model may have more ids than the tokenizer (byte tokens need vocab_size >= 256, not
     # == 256); ids the tokenizer cannot decode are not answers.

@@ -551,6 +551,17 @@ class DataConfig(_Section):
     eval_fraction: float = Field(
         0.1, ge=0, le=0.5, description="Fraction of documents held out for evaluation."
     )
+    split_version: Literal[1, 2] = added_field(
+        1,
+        added_in="0.1.0",
+        description=(
+            "How the held-out split is drawn (docs/data.md). 2: a problem is held out whatever "
+            "the order of operands that give its answer (built-in tasks) or the whitespace of "
+            "its prompt (jsonl); the evaluation split, and jsonl text before packing, in hash "
+            "order, so any prefix is a fair sample. 1: the split of runs made before version 2 "
+            "existed (kept so that they resume on the same data); new manifests should use 2."
+        ),
+    )
 
     @model_validator(mode="after")
     def _path_matches_kind(self) -> DataConfig:

@@ -86,7 +86,7 @@ def te_transformer_config(manifest):
             "amax reduction on; use true, or the emulated backend"
         )
     unfused = os.environ.get(UNFUSED_UPDATE_ENV, "0")
-    if unfused.strip() not in ("", "0"):
+    if not _reads_as_zero(unfused):  # as TE reads it, int(): "00" is off, "1" and "x" are not
         raise Fp8opsError(
             f"{UNFUSED_UPDATE_ENV}={unfused}: TE's unfused scaling update rolls the history of a "
             "module held in BF16 and computes scales in another order than the fused kernel "
@@ -102,6 +102,13 @@ def te_transformer_config(manifest):
         tp_only_amax_red=manifest.topology.amax_reduction == "tp_cp",
         use_cpu_initialization=False,
     )
+
+
+def _reads_as_zero(value: str) -> bool:
+    try:
+        return int(value) == 0
+    except ValueError:
+        return False
 
 
 PROJECTIONS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",

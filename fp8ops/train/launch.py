@@ -181,6 +181,12 @@ def _locked_manifest(path: Path, assignments: dict) -> tuple[Manifest, list[Mani
 
 def _check_inputs(manifest: Manifest, source: str, *, resuming: bool = False) -> None:
     """What can be checked before any process group or model exists."""
+    from fp8ops.data.tokenizer import tokenizer_for
+
+    try:
+        tokenizer_for(manifest.tokenizer)  # its file, library and end-of-document token
+    except ManifestError as exc:
+        raise ManifestError(f"{source}: {exc}") from None
     if manifest.precision.base_dtype == "fp16":
         # fp16's range ends near 6e-8: small gradients flush to zero unless the loss is scaled,
         # and nothing would show it. bf16 keeps float32's range; it is what FP8 recipes use.

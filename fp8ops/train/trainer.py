@@ -121,8 +121,9 @@ class Trainer:
         self.data = build_data(manifest)
         if resume is not None:
             _check_same_data(self.data.fingerprint, Path(run_dir), resume)
+        self.tokenizer = tokenizer_for(manifest.tokenizer)  # build_data checked it already
         self.capability_examples = capability_examples(
-            self.data, manifest.capability, tokenizer_for(manifest.tokenizer)
+            self.data, manifest.capability, self.tokenizer
         )
         self.capability_accuracy: float | None = None
         schedule = manifest.schedule
@@ -428,7 +429,8 @@ class Trainer:
         try:
             with self._held_out():
                 predictions = evaluate_capability(
-                    self.model, self.capability_examples, self.manifest, fp8=self._fp8
+                    self.model, self.capability_examples, self.manifest, self.tokenizer,
+                    fp8=self._fp8,
                 )
         except Exception as exc:  # noqa: BLE001 - any failure of the measurement, not of training
             if self.ranks.is_main:

@@ -18,6 +18,7 @@ tokenizers = pytest.importorskip("tokenizers", reason="needs the hf extra: pip i
 from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
 
 from fp8ops.data import build_data, tokenizer_for
+from fp8ops.data.tokenizer import TextRefused
 from fp8ops.errors import ManifestError
 from fp8ops.manifest import derive, load_manifest
 from fp8ops.manifest.load import parse_manifest
@@ -63,6 +64,12 @@ def test_text_round_trips_and_the_end_of_text_token_ends_it(tmp_path):
     assert tokenizer.decode([*ids, tokenizer.eod, *ids]) == "add 12 39 = 51"
     with pytest.raises(ValueError, match=f"contains the end-of-document token '{EOT}'"):
         tokenizer.encode(f"one{EOT}two")
+    # In batches (and chunks of them), the same ids; a refusal names the text.
+    many = [f"{text} {i}" for i in range(1100) for text in TEXTS[:2]]
+    assert tokenizer.encode_many(many) == [tokenizer.encode(text) for text in many]
+    with pytest.raises(TextRefused) as refused:
+        tokenizer.encode_many([*many[:1500], f"x{EOT}", "y"])
+    assert refused.value.index == 1500 and EOT in str(refused.value)
     # No special tokens added: what the model sees is the text's own ids.
     assert tokenizer.encode("6") == [tokenizer._tokenizer.token_to_id("6")]
 

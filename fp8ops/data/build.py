@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fp8ops.data.batches import TokenizedData, encode, pack_documents, sft_sequences, text_sequences
+from fp8ops.data.batches import TokenizedData, pack_documents, sft_sequences, text_sequences
 from fp8ops.data.corpus import build_corpus
 from fp8ops.data.jsonl import JsonlData, read_jsonl
 from fp8ops.data.tasks import Example, generate_examples, split_examples, split_point
-from fp8ops.data.tokenizer import Tokenizer, tokenizer_for
+from fp8ops.data.tokenizer import TextRefused, Tokenizer, tokenizer_for
 from fp8ops.errors import ManifestError
 
 if TYPE_CHECKING:
@@ -100,11 +100,13 @@ def _text_stream(file: JsonlData, tokenizer: Tokenizer, split_version: int) -> b
         documents.sort(key=lambda document: split_point(document[0]))
     if tokenizer.kind == "byte":  # the file is UTF-8 without NUL (read_jsonl checked)
         return b"".join(text.encode("utf-8") + b"\x00" for text, _ in documents)
+    try:
+        encoded = tokenizer.encode_many([text for text, _ in documents])
+    except TextRefused as exc:
+        line = documents[exc.index][1]
+        raise ManifestError(f"{file.path}: line {line}: {exc}; remove it from the data") from None
     end = np.array([tokenizer.eod], dtype=np.int32)
-    parts = []
-    for text, line in documents:
-        example = Example(text, "", origin=f"{file.path}: line {line}")
-        parts += [np.asarray(encode(tokenizer, text, example), dtype=np.int32), end]
+    parts = [part for ids in encoded for part in (np.asarray(ids, dtype=np.int32), end)]
     return np.concatenate(parts) if parts else end[:0]
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -34,6 +34,7 @@ VOCAB_SIZE = 256
 
 # What the fingerprint stands for. Change it whenever encode/decode change meaning.
 _DESCRIPTION = "fp8ops byte tokenizer v1: utf-8 bytes, ids 0-255, eod=pad=0"
+_BATCH = 1024  # texts per batch encoding of a tokenizer.json
 _HF_DESCRIPTION = b"fp8ops huggingface tokenizer v1: tokenizer.json, no special tokens added\n"
 
 
@@ -44,6 +45,8 @@ class Tokenizer(Protocol):
     vocab_size: int
 
     def encode(self, text: str) -> list[int]: ...
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]: ...
 
     def decode(self, ids: Iterable[int]) -> str: ...
 
@@ -63,6 +66,10 @@ class ByteTokenizer:
         if "\x00" in text:
             raise ValueError("text contains NUL (U+0000), the byte tokenizer's end-of-document id")
         return list(text.encode("utf-8"))
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        """``encode`` of each text; a refusal names the text's index (:class:`TextRefused`)."""
+        return _each(self.encode, texts)
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text up to the first end-of-document id; broken UTF-8 becomes U+FFFD.
@@ -104,7 +111,21 @@ class HuggingFaceTokenizer:
     def encode(self, text: str) -> list[int]:
         """The ids of ``text``, no special tokens added. Refuses text that holds the
         end-of-document token (its string is matched in text): the document would end there."""
-        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        return self._checked(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        """``encode`` of each text, in parallel threads (the library's batch encoding: about
+        twice as fast on two cores); a refusal names the text's index (:class:`TextRefused`).
+        In chunks: an encoding holds offsets and token strings besides the ids."""
+        ids: list[list[int]] = []
+        for start in range(0, len(texts), _BATCH):
+            chunk = self._tokenizer.encode_batch(
+                list(texts[start : start + _BATCH]), add_special_tokens=False
+            )
+            ids += [encoding.ids for encoding in chunk]
+        return _each(self._checked, ids)
+
+    def _checked(self, ids: list[int]) -> list[int]:
         if self.eod in ids:
             raise ValueError(
                 f"text contains the end-of-document token {self.eod_token!r}, which would end "
@@ -125,6 +146,24 @@ class HuggingFaceTokenizer:
     def fingerprint(self) -> str:
         """sha256 of the tokenizer.json bytes and the end-of-document token."""
         return self._fingerprint
+
+
+class TextRefused(ValueError):
+    """``encode_many`` refused its ``index``-th text."""
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(reason)
+        self.index = index
+
+
+def _each(encode, items) -> list[list[int]]:
+    out = []
+    for index, item in enumerate(items):
+        try:
+            out.append(encode(item))
+        except ValueError as exc:
+            raise TextRefused(index, str(exc)) from None
+    return out
 
 
 def tokenizer_for(config: TokenizerConfig) -> Tokenizer:

@@ -189,6 +189,32 @@ def test_generation_stops_at_the_tokenizers_end_of_text_id():
     assert generate(AlwaysOne(), prompts, eod=0, **kwargs) == [[1] * 6, [1] * 6]
 
 
+def test_the_capability_evaluation_generates_up_to_the_tokenizers_end_of_text(tmp_path):
+    """A model that always predicts id 0, "<|pad|>" here: not the end of text (id 1), so every
+    answer runs to max_new_tokens; the byte tokenizer's end (0) would stop it at one."""
+    import torch
+
+    from fp8ops.data.tasks import Example
+    from fp8ops.evaluate.capability import evaluate_capability
+
+    class AlwaysZero(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.unused = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, tokens, positions, labels, runtime_gather_output=False):
+            logits = torch.zeros(*tokens.shape, 300)
+            logits[..., 0] = 1.0
+            return logits
+
+    manifest = _manifest(tmp_path, _sft_file(tmp_path), **{"capability.max_new_tokens": 5})
+    tokenizer = tokenizer_for(manifest.tokenizer)
+    examples = [Example("add 1 2 = ", "3"), Example("add 2 2 = ", "4")]
+    predictions = evaluate_capability(AlwaysZero(), examples, manifest, tokenizer)
+    assert [p["generated"] for p in predictions] == ["<|pad|>" * 5] * 2
+    assert not any(p["correct"] for p in predictions)
+
+
 def test_truncation_and_padding_a_tokenizer_json_ships_are_switched_off(tmp_path):
     """fp8ops cuts and pads the data itself and says so; a tokenizer.json's own settings would
     cut documents and answers silently."""

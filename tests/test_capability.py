@@ -126,7 +126,7 @@ def _generate(
     with trainer._held_out():
         return generate(
             trainer.model, prompts, max_new_tokens=max_new_tokens, seq_length=SEQ_LENGTH,
-            vocab_size=vocab_size, fp8=trainer._fp8, length_multiple=length_multiple,
+            vocab_size=vocab_size, eod=EOD, fp8=trainer._fp8, length_multiple=length_multiple,
         )  # fmt: skip
 
 

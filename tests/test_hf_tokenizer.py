@@ -166,51 +166,44 @@ def test_sft_sequences_are_the_tokenizers_ids_ended_by_its_end_of_text(tmp_path)
     assert set(tokens[len(ids) - 1 :].tolist()) == {tokenizer.eod}
 
 
-def test_generation_stops_at_the_tokenizers_end_of_text_id():
-    """A model that always predicts id 1: with the end-of-text id 1 every answer is that one
-    token; under the byte tokenizer's 0 it would run to max_new_tokens."""
+def always_predicting(token: int):
+    """A stand-in for the GPT in generation: every position's logits favour ``token``."""
     import torch
 
-    from fp8ops.evaluate.capability import generate
-
-    class AlwaysOne(torch.nn.Module):
+    class Always(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.unused = torch.nn.Parameter(torch.zeros(1))
+            self.unused = torch.nn.Parameter(torch.zeros(1))  # generation reads its device
 
         def forward(self, tokens, positions, labels, runtime_gather_output=False):
             logits = torch.zeros(*tokens.shape, 300)
-            logits[..., 1] = 1.0
+            logits[..., token] = 1.0
             return logits
+
+    return Always()
+
+
+def test_generation_stops_at_the_tokenizers_end_of_text_id():
+    """A model that always predicts id 1: with the end-of-text id 1 every answer is that one
+    token; under the byte tokenizer's 0 it would run to max_new_tokens."""
+    from fp8ops.evaluate.capability import generate
 
     prompts = [[5, 6, 7], [8]]
     kwargs = {"max_new_tokens": 6, "seq_length": 64, "vocab_size": 300}
-    assert generate(AlwaysOne(), prompts, eod=1, **kwargs) == [[1], [1]]
-    assert generate(AlwaysOne(), prompts, eod=0, **kwargs) == [[1] * 6, [1] * 6]
+    assert generate(always_predicting(1), prompts, eod=1, **kwargs) == [[1], [1]]
+    assert generate(always_predicting(1), prompts, eod=0, **kwargs) == [[1] * 6, [1] * 6]
 
 
 def test_the_capability_evaluation_generates_up_to_the_tokenizers_end_of_text(tmp_path):
     """A model that always predicts id 0, "<|pad|>" here: not the end of text (id 1), so every
     answer runs to max_new_tokens; the byte tokenizer's end (0) would stop it at one."""
-    import torch
-
     from fp8ops.data.tasks import Example
     from fp8ops.evaluate.capability import evaluate_capability
-
-    class AlwaysZero(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.unused = torch.nn.Parameter(torch.zeros(1))
-
-        def forward(self, tokens, positions, labels, runtime_gather_output=False):
-            logits = torch.zeros(*tokens.shape, 300)
-            logits[..., 0] = 1.0
-            return logits
 
     manifest = _manifest(tmp_path, _sft_file(tmp_path), **{"capability.max_new_tokens": 5})
     tokenizer = tokenizer_for(manifest.tokenizer)
     examples = [Example("add 1 2 = ", "3"), Example("add 2 2 = ", "4")]
-    predictions = evaluate_capability(AlwaysZero(), examples, manifest, tokenizer)
+    predictions = evaluate_capability(always_predicting(0), examples, manifest, tokenizer)
     assert [p["generated"] for p in predictions] == ["<|pad|>" * 5] * 2
     assert not any(p["correct"] for p in predictions)
 
@@ -256,6 +249,14 @@ def test_text_holding_the_end_of_text_token_is_named_by_line(tmp_path):
     assert str(err.value).startswith(
         f"{path}: line 7: text contains the end-of-document token '{EOT}'"
     )
+    # An SFT answer too: the example is named by its line.
+    sft = tmp_path / "sft.jsonl"
+    rows = [{"prompt": f"add {i} 1 = ", "answer": str(i + 1)} for i in range(40)]
+    rows[2]["answer"] = f"3{EOT}"
+    sft.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(ManifestError) as err:
+        build_data(_manifest(tmp_path, sft))
+    assert str(err.value).startswith(f"{sft}: line 3: text contains the end-of-document token")
 
 
 def test_a_model_vocabulary_smaller_than_the_tokenizers_and_the_corpus_are_refused(tmp_path):

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from fp8ops.data.tasks import Example
-from fp8ops.data.tokenizer import Tokenizer
+from fp8ops.data.tokenizer import TextRefused, Tokenizer
 from fp8ops.errors import ManifestError
 
 
@@ -139,11 +139,13 @@ def sft_sequences(examples: Sequence[Example], seq_length: int, tokenizer: Token
     width = seq_length + 1
     windows = np.full((len(examples), width), tokenizer.pad, dtype=np.int64)
     mask = np.zeros((len(examples), seq_length), dtype=np.float32)
+    try:  # prompt, answer, prompt, answer, ...: one batch (a tokenizer.json encodes in threads)
+        encoded = tokenizer.encode_many([t for e in examples for t in (e.prompt, e.answer)])
+    except TextRefused as exc:
+        raise refused(examples[exc.index // 2].origin, exc) from None
     longest, too_long = 0, []
     for row, example in enumerate(examples):
-        prompt, answer = (
-            encode(tokenizer, text, example) for text in (example.prompt, example.answer)
-        )
+        prompt, answer = encoded[2 * row], encoded[2 * row + 1]
         if not prompt:
             raise ValueError(
                 "an SFT prompt must not be empty: no position would predict the answer"
@@ -177,13 +179,10 @@ def sft_sequences(examples: Sequence[Example], seq_length: int, tokenizer: Token
     )
 
 
-def encode(tokenizer: Tokenizer, text: str, example: Example | None = None) -> list[int]:
-    """``tokenizer.encode(text)``, a refusal named by the example's file and line."""
-    try:
-        return tokenizer.encode(text)
-    except ValueError as exc:
-        where = f"{example.origin}: " if example is not None and example.origin else ""
-        raise ManifestError(f"{where}{exc}; remove it from the data") from None
+def refused(origin: str, exc: TextRefused) -> ManifestError:
+    """The tokenizer's refusal of a text, named by where the text is (``FILE: line N``)."""
+    where = f"{origin}: " if origin else ""
+    return ManifestError(f"{where}{exc}; remove it from the data")
 
 
 @dataclass(frozen=True)

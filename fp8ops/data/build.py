@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fp8ops.data.batches import TokenizedData, pack_documents, sft_sequences, text_sequences
+from fp8ops.data.batches import (
+    TokenizedData,
+    pack_documents,
+    refused,
+    sft_sequences,
+    text_sequences,
+)
 from fp8ops.data.corpus import build_corpus
 from fp8ops.data.jsonl import JsonlData, read_jsonl
 from fp8ops.data.tasks import Example, generate_examples, split_examples, split_point
@@ -25,10 +31,11 @@ if TYPE_CHECKING:
     from fp8ops.manifest.schema import DataConfig, Manifest
 
 
-def build_data(manifest: Manifest) -> TokenizedData:
-    """Tokenized train and eval data for ``manifest``; deterministic for a given manifest."""
+def build_data(manifest: Manifest, tokenizer: Tokenizer | None = None) -> TokenizedData:
+    """Tokenized train and eval data for ``manifest``; deterministic for a given manifest.
+    ``tokenizer``: the manifest's, when the caller has built it already."""
     config = manifest.data
-    tokenizer = tokenizer_for(manifest.tokenizer)
+    tokenizer = tokenizer_for(manifest.tokenizer) if tokenizer is None else tokenizer
     seq_length = manifest.model.seq_length
     seed = manifest.seeds.data
     source: dict = {"tokenizer": tokenizer.kind, "tokenizer_fingerprint": tokenizer.fingerprint()}
@@ -103,8 +110,7 @@ def _text_stream(file: JsonlData, tokenizer: Tokenizer, split_version: int) -> b
     try:
         encoded = tokenizer.encode_many([text for text, _ in documents])
     except TextRefused as exc:
-        line = documents[exc.index][1]
-        raise ManifestError(f"{file.path}: line {line}: {exc}; remove it from the data") from None
+        raise refused(f"{file.path}: line {documents[exc.index][1]}", exc) from None
     end = np.array([tokenizer.eod], dtype=np.int32)
     parts = [part for ids in encoded for part in (np.asarray(ids, dtype=np.int32), end)]
     return np.concatenate(parts) if parts else end[:0]

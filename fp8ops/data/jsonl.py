@@ -33,7 +33,7 @@ class JsonlData:
     texts: tuple[str, ...]
     examples: tuple[Example, ...]
     sha256: str  # of the file's bytes, for the record (the data fingerprint is what counts)
-    text_lines: tuple[int, ...] = ()  # each text's line, for errors found when it is encoded
+    text_lines: tuple[int, ...]  # each text's line, for errors found when it is encoded
 
 
 def read_jsonl(path: str | Path) -> JsonlData:

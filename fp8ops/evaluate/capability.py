@@ -2,8 +2,8 @@
 
 The loss on held-out answers says how likely the model finds them; this says whether it
 *produces* them. For the first ``capability.items`` examples of the eval split (always the same
-ones, in order; the split is in hash order, so they are a fair sample of it), the model continues the prompt greedily and ``fp8ops.data.tasks.check`` compares
-the continuation with the answer. ``records.py`` writes and reads what comes out.
+ones, in order; under ``data.split_version`` 2 a fair sample of it), the model continues the
+prompt greedily and ``fp8ops.data.tasks.check`` compares the continuation with the answer. ``records.py`` writes and reads what comes out.
 
 Decoding, ``micro_batch_size`` prompts at a time::
 
@@ -32,14 +32,14 @@ import torch
 
 from fp8ops.data.batches import TokenizedData
 from fp8ops.data.tasks import Example, check
-from fp8ops.data.tokenizer import EOD, Tokenizer
+from fp8ops.data.tokenizer import Tokenizer
 from fp8ops.errors import ManifestError
 
 
 def capability_examples(data: TokenizedData, config, tokenizer: Tokenizer) -> list[Example]:
     """The examples a capability evaluation generates for (``config``: the manifest's
-    ``capability`` section): the first ``items`` of the eval split (in hash order, a fair sample
-    of it); none when it is off, for text data (nothing to check) or without an eval split.
+    ``capability`` section): the first ``items`` of the eval split (under split version 2 a fair
+    sample of it); none when it is off, for text data (nothing to check) or without an eval split.
 
     Refuses a ``max_new_tokens`` shorter than an item's answer: that item could never be
     answered right, and with every answer too long both runs of a comparison would score 0 and
@@ -104,12 +104,12 @@ def evaluate_capability(
 @torch.no_grad()
 def generate(
     model, prompts: Sequence[list[int]], *, max_new_tokens: int, seq_length: int, vocab_size: int,
-    fp8: Callable = contextlib.nullcontext, length_multiple: int = 1, eod: int = EOD,
+    eod: int, fp8: Callable = contextlib.nullcontext, length_multiple: int = 1,
 ) -> list[list[int]]:  # fmt: skip
     """Greedy continuations of ``prompts`` (token ids), generated as one batch.
 
-    A continuation ends with the end-of-document id ``eod`` when the model produced one; otherwise it
-    stopped after ``max_new_tokens``, or when prompt and continuation hold ``seq_length + 1``
+    A continuation ends with the tokenizer's end-of-document id ``eod`` when the model produced
+    one; otherwise it stopped after ``max_new_tokens``, or when prompt and continuation hold ``seq_length + 1``
     tokens (a training window: the model has no position to read the next one from). Ids are
     below ``vocab_size``: the embedding's padding rows are never chosen. ``length_multiple``:
     each forward's rows are padded to a multiple of it (TE's FP8 GEMMs take token counts in

@@ -118,10 +118,12 @@ class Trainer:
 
         # Everything that can refuse the manifest runs before the run directory is claimed,
         # so a refused run leaves nothing behind.
-        self.data = build_data(manifest)
+        # Built once: the data and every capability evaluation encode with this one, so an edit
+        # of a tokenizer.json mid-run changes nothing.
+        self.tokenizer = tokenizer_for(manifest.tokenizer)
+        self.data = build_data(manifest, self.tokenizer)
         if resume is not None:
             _check_same_data(self.data.fingerprint, Path(run_dir), resume)
-        self.tokenizer = tokenizer_for(manifest.tokenizer)  # build_data checked it already
         self.capability_examples = capability_examples(
             self.data, manifest.capability, self.tokenizer
         )

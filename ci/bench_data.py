@@ -1,0 +1,105 @@
+"""Benchmark (not a test): building JSONL data, byte tokenizer against a tokenizer.json.
+
+    .venv/bin/python ci/bench_data.py [--documents N] [--repeats N]
+
+Writes a seeded JSONL text file of N documents (50 to 300 words each), trains a small byte-level
+BPE tokenizer.json on it (the tokenizers library, as ``tokenizer.kind: huggingface`` reads it),
+then times ``build_data`` on that file with each tokenizer, each repeat in a fresh process so
+that its peak memory (``ru_maxrss``) is its own. Prints the median seconds and the largest peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+WORDS = "the of and to in is was for on that with as by at from this be are or an it not which"
+
+# Run in a child: build the data once, print seconds and peak RSS (KiB) as JSON.
+CHILD = """
+import json, resource, sys, time
+from fp8ops.data import build_data
+from fp8ops.manifest.load import parse_manifest
+manifest = parse_manifest(sys.argv[1], "bench.yaml")
+start = time.perf_counter()
+data = build_data(manifest)
+seconds = time.perf_counter() - start
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"seconds": seconds, "peak_kib": peak, "windows": len(data.train) + len(data.eval)}))
+"""
+
+
+def write_inputs(directory: Path, documents: int) -> tuple[Path, Path]:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    rng, words = random.Random(0), WORDS.split()
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(50, 300)))
+             for _ in range(documents)]  # fmt: skip
+    data = directory / "text.jsonl"
+    data.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=500, special_tokens=["<|end_of_text|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return data, directory / "tokenizer.json"
+
+
+def manifest(data: Path, tokenizer: Path | None) -> str:
+    section = (
+        "" if tokenizer is None
+        else f"tokenizer: {{kind: huggingface, path: '{tokenizer}', eod_token: '<|end_of_text|>'}}\n"
+    )  # fmt: skip
+    return (
+        "schema_version: 1\nname: bench\n"
+        "model: {num_layers: 2, hidden_size: 64, ffn_hidden_size: 256, num_attention_heads: 4, "
+        "seq_length: 1024, vocab_size: 512}\n"
+        f"data: {{kind: jsonl, path: '{data}'}}\n"
+        "schedule: {train_steps: 10, global_batch_size: 8}\n" + section
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--documents", type=int, default=40_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if args.documents < 100 or args.repeats < 1:
+        parser.error("--documents must be at least 100 and --repeats at least 1")
+    with tempfile.TemporaryDirectory() as tmp:
+        data, tokenizer_json = write_inputs(Path(tmp), args.documents)
+        size_mb = data.stat().st_size / 1e6
+        table = Table(title=f"build_data on a JSONL text file of {args.documents:,} documents "
+                            f"({size_mb:.1f} MB), seq_length 1024, {args.repeats} runs")  # fmt: skip
+        for column in ("tokenizer", "seconds (median)", "peak RSS (MiB, largest)", "windows"):
+            table.add_column(column, justify="left" if column == "tokenizer" else "right")
+        for label, tokenizer in (("byte", None), ("tokenizer.json (BPE)", tokenizer_json)):
+            runs = []
+            for _ in range(args.repeats):
+                out = subprocess.run(
+                    [sys.executable, "-c", CHILD, manifest(data, tokenizer)],
+                    capture_output=True, text=True, check=True,
+                )  # fmt: skip
+                runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            table.add_row(
+                label, f"{statistics.median(r['seconds'] for r in runs):.2f}",
+                f"{max(r['peak_kib'] for r in runs) / 1024:.0f}", f"{runs[0]['windows']:,}",
+            )  # fmt: skip
+        Console().print(table)
+
+
+if __name__ == "__main__":
+    main()

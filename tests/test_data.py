@@ -10,6 +10,7 @@ import textwrap
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,6 +20,7 @@ from fp8ops.data import (
     ByteTokenizer,
     Example,
     TrainSampler,
+    batches,
     build_corpus,
     build_data,
     check,
@@ -27,7 +29,7 @@ from fp8ops.data import (
     read_jsonl,
     split_examples,
 )
-from fp8ops.data.batches import Sequences, pack_documents
+from fp8ops.data.batches import MicroBatch, Sequences, text_sequences
 from fp8ops.data.corpus import MAX_BYTES, TASK_SHARE
 from fp8ops.data.tasks import MAX_EVAL_FRACTION, split_key, split_point
 from fp8ops.errors import ManifestError
@@ -136,6 +138,17 @@ def test_split_version_1_builds_the_data_of_earlier_runs_bit_for_bit(tmp_path):
         assert data.fingerprint == V1_JSONL[name], name
         version_2 = build_data(make_manifest(f"kind: jsonl\npath: '{path}'\nsplit_version: 2"))
         assert version_2.fingerprint != data.fingerprint, name
+
+
+@pytest.mark.parametrize("positions", [1, 1000])
+def test_the_fingerprint_does_not_depend_on_how_many_rows_are_hashed_at_once(
+    positions, monkeypatch
+):
+    # Held ragged, the data are padded a few rows at a time to be hashed: one row, and 15 rows
+    # (the last part shorter), give the digest of the whole padded tensors.
+    monkeypatch.setattr(batches, "DIGEST_POSITIONS", positions)
+    tiny = load_manifest(Path(__file__).resolve().parents[1] / "manifests" / "tiny-gpt-cpu.yaml")
+    assert build_data(tiny).fingerprint == V1_TASKS
 
 
 def test_tokenizer_round_trips_utf8_bytes():
@@ -359,26 +372,32 @@ def test_split_has_no_shared_prompt_and_respects_the_fraction(tasks_data):
 # --------------------------------------------------------------------------------------
 
 
+def whole(split: Sequences) -> MicroBatch:
+    """Every row of ``split`` as one batch."""
+    return split.batch(range(len(split)))
+
+
 def test_sft_loss_mask_is_exactly_the_answer_and_eod(tasks_data):
     assert len(tasks_data.train) + len(tasks_data.eval) == 6000
     for split in (tasks_data.train, tasks_data.eval):
-        assert split.tokens.dtype == split.labels.dtype == torch.int64
-        assert split.loss_mask.dtype == torch.float32
-        assert split.tokens.shape == split.labels.shape == split.loss_mask.shape
-        assert split.tokens.shape[1] == 64
+        batch = whole(split)
+        assert batch.tokens.dtype == batch.labels.dtype == torch.int64
+        assert batch.loss_mask.dtype == torch.float32
+        assert batch.tokens.shape == batch.labels.shape == batch.loss_mask.shape
+        assert batch.tokens.shape[1] == 64
         for row, example in enumerate(split.examples):
-            mask = split.loss_mask[row].bool()
-            scored = bytes(split.labels[row][mask].tolist())
+            mask = batch.loss_mask[row].bool()
+            scored = bytes(batch.labels[row][mask].tolist())
             assert scored == example.answer.encode() + bytes([EOD])
             # The scored positions are contiguous, right after the prompt.
             first = len(example.prompt) - 1
             assert mask.nonzero().flatten().tolist() == list(
                 range(first, first + len(example.answer) + 1)
             )
-            assert bytes(split.tokens[row][: len(example.prompt)].tolist()) == (
+            assert bytes(batch.tokens[row][: len(example.prompt)].tolist()) == (
                 example.prompt.encode()
             )
-            assert split.labels[row][:-1].tolist() == split.tokens[row][1:].tolist()
+            assert batch.labels[row][:-1].tolist() == batch.tokens[row][1:].tolist()
 
 
 def test_too_long_example_names_model_seq_length():
@@ -399,23 +418,25 @@ def test_pretraining_windows_tile_the_corpus(corpus):
     n = len(corpus.data) // width
     assert len(data.train) + len(data.eval) == n
     assert len(data.eval) == -(-n // 10)  # ceil(n * 0.1): the tail
-    windows = torch.cat([data.train.tokens, data.eval.tokens])
-    labels = torch.cat([data.train.labels, data.eval.labels])
+    windows = torch.cat([whole(data.train).tokens, whole(data.eval).tokens])
+    labels = torch.cat([whole(data.train).labels, whole(data.eval).labels])
     assert bytes(windows[:, 0].tolist()) == corpus.data[: n * width : width]
     assert (
         bytes(windows[-1].tolist()) + bytes([labels[-1, -1]])
         == (corpus.data[(n - 1) * width : n * width])
     )
     assert torch.equal(labels[:, :-1], windows[:, 1:])
-    assert torch.equal(data.train.loss_mask, torch.ones_like(data.train.loss_mask))
+    assert torch.equal(whole(data.train).loss_mask, torch.ones(len(data.train), 128))
+    assert data.train.ids.dtype == np.uint8  # bytes stay one byte per token
     assert data.objective == "pretrain" and data.summary()["train"]["buckets"] == {}
     assert data.summary()["source"]["corpus_fingerprint"] == corpus.fingerprint
 
 
-def test_pack_documents_drops_the_tail():
-    windows = pack_documents(bytes(range(1, 11)), seq_length=2)
-    assert windows.tolist() == [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
-    assert pack_documents(b"ab", seq_length=4).shape == (0, 5)
+def test_text_sequences_drop_the_tail():
+    windows = text_sequences(bytes(range(1, 11)), seq_length=2)
+    assert whole(windows).tokens.tolist() == [[1, 2], [4, 5], [7, 8]]
+    assert whole(windows).labels.tolist() == [[2, 3], [5, 6], [8, 9]]
+    assert len(text_sequences(b"ab", seq_length=4)) == 0
 
 
 def test_summary_is_json_and_counts(tasks_data):
@@ -438,7 +459,7 @@ def test_eval_batches_in_fixed_order(tasks_data):
     assert [len(b.indices) for b in batches[:-1]] == [64] * (len(batches) - 1)
     assert 0 < len(batches[-1].indices) <= 64
     assert torch.equal(torch.cat([b.indices for b in batches]), torch.arange(len(tasks_data.eval)))
-    assert torch.equal(torch.cat([b.tokens for b in batches]), tasks_data.eval.tokens)
+    assert torch.equal(torch.cat([b.tokens for b in batches]), whole(tasks_data.eval).tokens)
     assert torch.equal(batches[0].position_ids[3], torch.arange(64))
 
 
@@ -463,7 +484,7 @@ def test_fingerprint_covers_bucket_labels(tmp_path):
         return build_data(make_manifest(f"kind: jsonl\npath: '{path}'\neval_fraction: 0"))
 
     one, other = build("one"), build("other")
-    assert torch.equal(one.train.tokens, other.train.tokens)
+    assert torch.equal(whole(one.train).tokens, whole(other.train).tokens)
     assert one.fingerprint != other.fingerprint
 
 
@@ -509,9 +530,9 @@ def test_jsonl_text_file_is_pretraining(tmp_path):
         assert data.objective == "pretrain" and data.kind == "jsonl"
         stream = b"".join(t.encode() + b"\x00" for t in documents)
         assert len(data.train) + len(data.eval) == len(stream) // 33
-        assert bytes(data.train.tokens[0].tolist()) == stream[:32]
+        assert bytes(whole(data.train).tokens[0].tolist()) == stream[:32]
         last = (len(stream) // 33 - 1) * 33
-        assert bytes(data.eval.tokens[-1].tolist()) == stream[last : last + 32]
+        assert bytes(whole(data.eval).tokens[-1].tolist()) == stream[last : last + 32]
     assert data.summary()["source"]["file_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -533,7 +554,8 @@ def test_jsonl_sft_file_keeps_prompts_answers_and_buckets(tmp_path):
     assert all(not held_out(e.key, 0.1) for e in data.train.examples)
     assert all(held_out(e.key, 0.1) for e in data.eval.examples)
     row = data.train.examples.index(next(e for e in data.train.examples if e.answer == "42"))
-    assert bytes(data.train.labels[row][data.train.loss_mask[row].bool()].tolist()) == b"42\x00"
+    batch = data.train.batch([row])
+    assert bytes(batch.labels[0][batch.loss_mask[0].bool()].tolist()) == b"42\x00"
     # Buckets are optional (the same on every line).
     plain = _write(tmp_path, ['{"prompt": "a", "answer": "b"}'], "plain.jsonl")
     assert read_jsonl(plain).examples == (Example("a", "b", {}),)
@@ -632,9 +654,12 @@ def test_jsonl_not_utf8(tmp_path):
 
 
 def _sequences(n: int, s: int = 4) -> Sequences:
-    """n sequences whose every token is the row index (so a batch shows which rows it holds)."""
-    rows = torch.arange(n, dtype=torch.int64)[:, None].expand(n, s)
-    return Sequences(rows.clone(), rows + 1000, torch.ones(n, s))
+    """n sequences whose tokens start with the row index and labels with it plus 1000 (so a
+    batch shows which rows it holds)."""
+    windows = np.arange(n, dtype=np.int64)[:, None].repeat(s + 1, axis=1)
+    windows[:, 1] += 1000
+    starts = np.arange(n + 1, dtype=np.int64) * (s + 1)
+    return Sequences(windows.ravel(), starts, np.zeros(n, dtype=np.int64), s, pad=0)
 
 
 def _global_batches(sampler: TrainSampler, steps: int) -> list[list[int]]:

@@ -155,11 +155,12 @@ def test_sft_sequences_are_the_tokenizers_ids_ended_by_its_end_of_text(tmp_path)
     tokenizer = tokenizer_for(manifest.tokenizer)
     assert data.source["tokenizer"] == "huggingface"
     assert data.source["tokenizer_fingerprint"] == tokenizer.fingerprint()
-    example, tokens, mask = data.train.examples[0], data.train.tokens[0], data.train.loss_mask[0]
+    batch = data.train.batch([0])
+    example, tokens, mask = data.train.examples[0], batch.tokens[0], batch.loss_mask[0]
     prompt, answer = tokenizer.encode(example.prompt), tokenizer.encode(example.answer)
     ids = prompt + answer + [tokenizer.eod]
     assert tokens[: len(ids) - 1].tolist() == ids[:-1]
-    assert data.train.labels[0][: len(ids) - 1].tolist() == ids[1:]
+    assert batch.labels[0][: len(ids) - 1].tolist() == ids[1:]
     scored = mask.nonzero().flatten().tolist()
     assert scored == list(range(len(prompt) - 1, len(ids) - 1))  # the answer and its end
     # Padded with the end-of-text id (never scored), not with the byte tokenizer's 0.

@@ -7,14 +7,15 @@ Reading order:
 * ``corpus.py``: the built-in pre-training corpus (kind ``corpus``), Python's own docstrings
   (collected by ``stdlib_docs.py``);
 * ``jsonl.py``: your own data (kind ``jsonl``), strictly checked line by line;
-* ``batches.py``: windows -> tokens/labels/loss_mask, ``TokenizedData`` and its fingerprint;
+* ``batches.py``: ragged windows -> padded tokens/labels/loss_mask batches, ``TokenizedData``
+  and its fingerprint;
 * ``build.py``: ``build_data(manifest)``, the one entry point;
 * ``sampler.py``: ``TrainSampler``, the resumable, DP-independent training order.
 
 See ``docs/data.md``.
 """
 
-from fp8ops.data.batches import MicroBatch, Sequences, TokenizedData, pack_documents, sft_sequences
+from fp8ops.data.batches import MicroBatch, Sequences, TokenizedData, sft_sequences, text_sequences
 from fp8ops.data.build import build_data
 from fp8ops.data.corpus import Corpus, build_corpus
 from fp8ops.data.jsonl import JsonlData, read_jsonl
@@ -49,9 +50,9 @@ __all__ = [
     "epoch_order",
     "generate_examples",
     "held_out",
-    "pack_documents",
     "read_jsonl",
     "sft_sequences",
     "split_examples",
+    "text_sequences",
     "tokenizer_for",
 ]

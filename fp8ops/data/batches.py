@@ -4,7 +4,7 @@ Every sequence is a window of ``seq_length + 1`` token ids; the model reads ``to
 window[:-1]`` and predicts ``labels = window[1:]``, so position ``i`` is scored on the token at
 ``i + 1``. ``loss_mask`` says which positions count:
 
-* pre-training (``pack_documents``): documents, each followed by EOD, are concatenated and cut
+* pre-training (``text_sequences``): documents, each followed by EOD, are concatenated and cut
   into non-overlapping windows; every position counts. A window may start mid-document and
   hold several; positions are 0..seq_length-1 in every window (no reset at EOD, Megatron's
   default), and attention is plain causal across document boundaries.
@@ -28,6 +28,9 @@ import torch
 from fp8ops.data.tasks import Example
 from fp8ops.data.tokenizer import TextRefused, Tokenizer
 from fp8ops.errors import ManifestError
+
+# How many positions the fingerprint pads and hashes at a time (about 20 MB of padded tensors).
+DIGEST_POSITIONS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -54,21 +57,27 @@ class MicroBatch:
 
 @dataclass(frozen=True)
 class Sequences:
-    """One split (train or eval): n sequences of s positions."""
+    """One split (train or eval): ``len(self)`` sequences of ``seq_length`` positions.
 
-    tokens: torch.Tensor  # [n, s] int64
-    labels: torch.Tensor  # [n, s] int64
-    loss_mask: torch.Tensor  # [n, s] float32
+    Held ragged: the windows' ids back to back in ``ids`` (bytes stay one byte per token), and
+    ``starts``, where each window begins. Window ``i`` is ``ids[starts[i]:starts[i + 1]]``; one
+    shorter than ``seq_length + 1`` (an SFT example) is right-padded with ``pad`` only when a
+    batch is cut. Its loss counts from label position ``scored_from[i]`` to the window's end.
+    Padded [n, seq_length] tokens, labels and masks took 20 bytes a position: at seq_length 8192
+    a 1 MB SFT file of short examples held 450 MB per rank, almost all of it padding.
+    """
+
+    ids: np.ndarray  # 1-D, any integer dtype
+    starts: np.ndarray  # [n + 1] int64, offsets into ids
+    scored_from: np.ndarray  # [n] int64, the first label position in the loss
+    seq_length: int
+    pad: int
     # SFT only (empty for pre-training): the example behind each row, for generation-based
     # evaluation, and its bucket labels.
     examples: tuple[Example, ...] = ()
 
     def __len__(self) -> int:
-        return self.tokens.shape[0]
-
-    @property
-    def seq_length(self) -> int:
-        return self.tokens.shape[1]
+        return len(self.starts) - 1
 
     @cached_property
     def buckets(self) -> tuple[dict[str, str], ...]:
@@ -76,19 +85,37 @@ class Sequences:
         return tuple(example.buckets for example in self.examples)
 
     def split_at(self, n: int) -> tuple[Sequences, Sequences]:
-        """(the first ``n`` rows, the rest)."""
-        head = Sequences(self.tokens[:n], self.labels[:n], self.loss_mask[:n], self.examples[:n])
-        tail = Sequences(self.tokens[n:], self.labels[n:], self.loss_mask[n:], self.examples[n:])
-        return head, tail
+        """(the first ``n`` rows, the rest), sharing ``ids``."""
+
+        def part(starts: np.ndarray, scored_from: np.ndarray, examples: tuple) -> Sequences:
+            return Sequences(self.ids, starts, scored_from, self.seq_length, self.pad, examples)
+
+        return (part(self.starts[: n + 1], self.scored_from[:n], self.examples[:n]),
+                part(self.starts[n:], self.scored_from[n:], self.examples[n:]))  # fmt: skip
+
+    def windows(self, indices: np.ndarray) -> np.ndarray:
+        """The rows ``indices`` as padded windows ``[b, seq_length + 1]`` (int64)."""
+        start = self.starts[indices]
+        length = self.starts[indices + 1] - start
+        position = np.arange(self.seq_length + 1)
+        inside = position < length[:, None]
+        # Positions past a window's end read ids[0] (any valid index) and are then replaced.
+        gathered = self.ids[np.where(inside, start[:, None] + position, 0)] if self.ids.size else 0
+        return np.where(inside, gathered, self.pad).astype(np.int64)
 
     def batch(self, indices: torch.Tensor | Sequence[int]) -> MicroBatch:
         """The rows ``indices``, in that order."""
         indices = torch.as_tensor(indices, dtype=torch.int64)
-        b, s = len(indices), self.seq_length
+        rows = indices.numpy()
+        windows = torch.from_numpy(self.windows(rows))
+        b, s = len(rows), self.seq_length
+        position = np.arange(s)
+        last = self.starts[rows + 1] - self.starts[rows] - 1  # the window's last label position
+        scored = (position >= self.scored_from[rows, None]) & (position < last[:, None])
         return MicroBatch(
-            tokens=self.tokens[indices],
-            labels=self.labels[indices],
-            loss_mask=self.loss_mask[indices],
+            tokens=windows[:, :-1].contiguous(),
+            labels=windows[:, 1:].contiguous(),
+            loss_mask=torch.from_numpy(scored.astype(np.float32)),
             position_ids=torch.arange(s, dtype=torch.int64).expand(b, s).contiguous(),
             indices=indices,
         )
@@ -98,6 +125,10 @@ class Sequences:
         for start in range(0, len(self), micro_batch_size):
             yield self.batch(range(start, min(start + micro_batch_size, len(self))))
 
+    def loss_tokens(self) -> int:
+        lengths = np.diff(self.starts)
+        return int((lengths - 1 - self.scored_from).sum())
+
     def summary(self) -> dict[str, Any]:
         histogram: dict[str, Counter[str]] = {}
         for buckets in self.buckets:
@@ -105,45 +136,39 @@ class Sequences:
                 histogram.setdefault(name, Counter())[value] += 1
         return {
             "sequences": len(self),
-            "tokens": self.tokens.numel(),
-            "loss_tokens": int(self.loss_mask.sum().item()),
+            "tokens": len(self) * self.seq_length,
+            "loss_tokens": self.loss_tokens(),
             "buckets": {
                 name: dict(sorted(counts.items())) for name, counts in sorted(histogram.items())
             },
         }
 
 
-def pack_documents(stream: bytes | np.ndarray, seq_length: int) -> torch.Tensor:
-    """Non-overlapping windows ``[n, seq_length + 1]`` (int64) of a token stream: byte tokens
-    as ``bytes``, or any tokenizer's ids as an integer array.
-
-    The tail that does not fill a window is dropped.
-    """
+def text_sequences(stream: bytes | np.ndarray, seq_length: int) -> Sequences:
+    """Pre-training sequences: non-overlapping windows of ``seq_length + 1`` ids of a token
+    stream (byte tokens as ``bytes``, any tokenizer's ids as an integer array), every position
+    scored. The tail that does not fill a window is dropped."""
     width = seq_length + 1
     ids = np.frombuffer(stream, dtype=np.uint8) if isinstance(stream, bytes) else stream
     n = len(ids) // width
-    return torch.from_numpy(ids[: n * width].astype(np.int64)).reshape(n, width)
-
-
-def text_sequences(windows: torch.Tensor) -> Sequences:
-    """Pre-training sequences from ``pack_documents`` windows: every position scored."""
     return Sequences(
-        tokens=windows[:, :-1].contiguous(),
-        labels=windows[:, 1:].contiguous(),
-        loss_mask=torch.ones(windows.shape[0], windows.shape[1] - 1, dtype=torch.float32),
+        ids=ids[: n * width],
+        starts=np.arange(n + 1, dtype=np.int64) * width,
+        scored_from=np.zeros(n, dtype=np.int64),
+        seq_length=seq_length,
+        pad=0,  # never read: every window is full
     )
 
 
 def sft_sequences(examples: Sequence[Example], seq_length: int, tokenizer: Tokenizer) -> Sequences:
-    """One padded sequence per example; the loss only on the answer and its EOD."""
+    """One sequence per example, ``prompt + answer + EOD``; the loss only on the answer and
+    its EOD. Padded with ``tokenizer.pad`` when batched."""
     width = seq_length + 1
-    windows = np.full((len(examples), width), tokenizer.pad, dtype=np.int64)
-    mask = np.zeros((len(examples), seq_length), dtype=np.float32)
     try:  # prompt, answer, prompt, answer, ...: one batch (a tokenizer.json encodes in threads)
         encoded = tokenizer.encode_many([t for e in examples for t in (e.prompt, e.answer)])
     except TextRefused as exc:
         raise refused(examples[exc.index // 2].origin, exc) from None
-    longest, too_long = 0, []
+    parts, lengths, prompts, longest, too_long = [], [], [], 0, []
     for row, example in enumerate(examples):
         prompt, answer = encoded[2 * row], encoded[2 * row + 1]
         if not prompt:
@@ -155,10 +180,9 @@ def sft_sequences(examples: Sequence[Example], seq_length: int, tokenizer: Token
         if len(ids) > width:
             too_long.append(example)  # reported below with the longest: one fix covers them all
             continue
-        windows[row, : len(ids)] = ids
-        # Window position p is predicted at position p - 1: the answer occupies window
-        # positions [len(prompt), len(ids)), so its labels sit at [len(prompt) - 1, len(ids) - 1).
-        mask[row, len(prompt) - 1 : len(ids) - 1] = 1.0
+        parts.append(np.asarray(ids, dtype=np.int32))
+        lengths.append(len(ids))
+        prompts.append(len(prompt))
     if too_long:
         where = [example.origin for example in too_long[:3] if example.origin]
         more = f" and {len(too_long) - len(where)} more" if where and len(too_long) > 3 else ""
@@ -170,11 +194,14 @@ def sft_sequences(examples: Sequence[Example], seq_length: int, tokenizer: Token
             f"model.seq_length to at least {longest - 1} or shorten the examples; fp8ops does "
             "not truncate them."
         )
-    windows_t = torch.from_numpy(windows)
     return Sequences(
-        tokens=windows_t[:, :-1].contiguous(),
-        labels=windows_t[:, 1:].contiguous(),
-        loss_mask=torch.from_numpy(mask),
+        ids=np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32),
+        starts=np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64),
+        # Window position p is predicted at position p - 1: the answer occupies window
+        # positions [len(prompt), len(ids)), so its labels sit at [len(prompt) - 1, len(ids) - 1).
+        scored_from=np.asarray(prompts, dtype=np.int64) - 1,
+        seq_length=seq_length,
+        pad=tokenizer.pad,
         examples=tuple(examples),
     )
 
@@ -205,10 +232,15 @@ class TokenizedData:
         digest = hashlib.sha256(b"fp8ops tokenized data v1\n")
         for name, split in (("train", self.train), ("eval", self.eval)):
             digest.update(f"{name} {len(split)} {split.seq_length}\n".encode())
-            for tensor in (split.tokens, split.labels, split.loss_mask):
-                # Fixed little-endian dtypes, so the digest does not depend on the machine.
-                dtype = "<f4" if tensor.is_floating_point() else "<i8"
-                digest.update(tensor.numpy().astype(dtype, copy=False).tobytes())
+            # The bytes of the padded [n, s] tensors, each in turn (the digest of runs made
+            # when they were held padded), cut a few rows at a time so that none is held whole.
+            rows = max(1, DIGEST_POSITIONS // max(1, split.seq_length))
+            for part in ("tokens", "labels", "loss_mask"):
+                for start in range(0, len(split), rows):
+                    tensor = getattr(split.batch(range(start, min(start + rows, len(split)))), part)
+                    # Fixed little-endian dtypes, so the digest does not depend on the machine.
+                    dtype = "<f4" if tensor.is_floating_point() else "<i8"
+                    digest.update(tensor.numpy().astype(dtype, copy=False).tobytes())
             digest.update(json.dumps(list(split.buckets), sort_keys=True).encode())
         return digest.hexdigest()
 

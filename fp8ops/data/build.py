@@ -14,13 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fp8ops.data.batches import (
-    TokenizedData,
-    pack_documents,
-    refused,
-    sft_sequences,
-    text_sequences,
-)
+from fp8ops.data.batches import TokenizedData, refused, sft_sequences, text_sequences
 from fp8ops.data.corpus import build_corpus
 from fp8ops.data.jsonl import JsonlData, read_jsonl
 from fp8ops.data.tasks import Example, generate_examples, split_examples, split_point
@@ -91,10 +85,10 @@ def build_data(manifest: Manifest, tokenizer: Tokenizer | None = None) -> Tokeni
 def _pretraining(
     kind: str, stream: bytes | np.ndarray, seq_length: int, eval_fraction: float, source: dict
 ) -> TokenizedData:
-    windows = pack_documents(stream, seq_length)
+    windows = text_sequences(stream, seq_length)
     # The held-out windows are the stream's tail; at least one whenever evaluation is asked for.
     n_eval = math.ceil(len(windows) * eval_fraction) if len(windows) > 1 else 0
-    train, evaluation = text_sequences(windows).split_at(len(windows) - n_eval)
+    train, evaluation = windows.split_at(len(windows) - n_eval)
     return TokenizedData(kind, "pretrain", train, evaluation, source)
 
 

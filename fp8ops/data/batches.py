@@ -63,8 +63,8 @@ class Sequences:
     ``starts``, where each window begins. Window ``i`` is ``ids[starts[i]:starts[i + 1]]``; one
     shorter than ``seq_length + 1`` (an SFT example) is right-padded with ``pad`` only when a
     batch is cut. Its loss counts from label position ``scored_from[i]`` to the window's end.
-    Padded [n, seq_length] tokens, labels and masks took 20 bytes a position: at seq_length 8192
-    a 1 MB SFT file of short examples held 450 MB per rank, almost all of it padding.
+    Held padded ([n, seq_length] tokens, labels and mask: 20 bytes a position), a 3.8 MB SFT
+    file of 20,000 short examples at seq_length 4096 took 2.5 GB per rank (``ci/bench_data.py``).
     """
 
     ids: np.ndarray  # 1-D, any integer dtype

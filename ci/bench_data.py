@@ -6,8 +6,8 @@ Writes a seeded JSONL text file of N documents (50 to 300 words each) and a JSON
 short examples, trains a small byte-level BPE tokenizer.json on the text (the tokenizers
 library, as ``tokenizer.kind: huggingface`` reads it), then times ``build_data`` and the data's
 fingerprint: the text with each tokenizer at seq_length 1024, the SFT file with the bytes at
-seq_length 4096 (where padding would dominate). Each repeat runs in a fresh process so that its peak memory (``ru_maxrss``) is
-its own. Prints the median seconds and the largest peak.
+seq_length 4096 (where padding would dominate). Each repeat runs in a fresh process so that its
+peak memory (``ru_maxrss``) is its own. Prints the median seconds and the largest peak.
 """
 
 from __future__ import annotations

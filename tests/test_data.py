@@ -439,6 +439,23 @@ def test_text_sequences_drop_the_tail():
     assert len(text_sequences(b"ab", seq_length=4)) == 0
 
 
+def test_a_batch_of_rows_outside_the_split_is_refused(tasks_data):
+    split = tasks_data.eval
+    assert len(split.batch([]).indices) == 0
+    assert torch.equal(split.batch(np.array([len(split) - 1])).tokens, whole(split).tokens[-1:])
+    # Ragged, starts[-1] is the end of the last row: -1 would read as an empty, unscored row.
+    for rows in ([-1], [0, len(split)], [[0, 1]]):
+        with pytest.raises(IndexError):
+            split.batch(rows)
+
+
+def test_ids_are_held_in_the_smallest_dtype_of_the_vocabulary(tasks_data):
+    assert tasks_data.train.ids.dtype == np.uint8  # bytes: one byte a token, SFT too
+    assert [batches.id_dtype(n) for n in (256, 257, 65536, 65537, 128256)] == [
+        np.uint8, np.uint16, np.uint16, np.int32, np.int32,
+    ]  # fmt: skip
+
+
 def test_summary_is_json_and_counts(tasks_data):
     summary = json.loads(json.dumps(tasks_data.summary()))
     assert summary["kind"] == "tasks" and summary["objective"] == "sft"

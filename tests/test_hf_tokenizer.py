@@ -11,6 +11,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 tokenizers = pytest.importorskip("tokenizers", reason="needs the hf extra: pip install -e '.[hf]'")
@@ -163,6 +164,7 @@ def test_sft_sequences_are_the_tokenizers_ids_ended_by_its_end_of_text(tmp_path)
     assert batch.labels[0][: len(ids) - 1].tolist() == ids[1:]
     scored = mask.nonzero().flatten().tolist()
     assert scored == list(range(len(prompt) - 1, len(ids) - 1))  # the answer and its end
+    assert data.train.ids.dtype == np.uint16  # a vocabulary past 256 ids, under 65,536
     # Padded with the end-of-text id (never scored), not with the byte tokenizer's 0.
     assert set(tokens[len(ids) - 1 :].tolist()) == {tokenizer.eod}
 

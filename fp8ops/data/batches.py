@@ -59,12 +59,12 @@ class MicroBatch:
 class Sequences:
     """One split (train or eval): ``len(self)`` sequences of ``seq_length`` positions.
 
-    Held ragged: the windows' ids back to back in ``ids`` (bytes stay one byte per token), and
-    ``starts``, where each window begins. Window ``i`` is ``ids[starts[i]:starts[i + 1]]``; one
+    Held ragged: the windows' ids back to back in ``ids`` (in :func:`id_dtype`: one byte per
+    token for the byte tokenizer), and ``starts``, where each window begins. Window ``i`` is ``ids[starts[i]:starts[i + 1]]``; one
     shorter than ``seq_length + 1`` (an SFT example) is right-padded with ``pad`` only when a
     batch is cut. Its loss counts from label position ``scored_from[i]`` to the window's end.
     Held padded ([n, seq_length] tokens, labels and mask: 20 bytes a position), a 3.8 MB SFT
-    file of 20,000 short examples at seq_length 4096 took 2.5 GB per rank (``ci/bench_data.py``).
+    file of 20,000 short examples at seq_length 4096 took 1.6 GB per rank (``ci/bench_data.py``).
     """
 
     ids: np.ndarray  # 1-D, any integer dtype
@@ -93,29 +93,47 @@ class Sequences:
         return (part(self.starts[: n + 1], self.scored_from[:n], self.examples[:n]),
                 part(self.starts[n:], self.scored_from[n:], self.examples[n:]))  # fmt: skip
 
-    def windows(self, indices: np.ndarray) -> np.ndarray:
-        """The rows ``indices`` as padded windows ``[b, seq_length + 1]`` (int64)."""
-        start = self.starts[indices]
-        length = self.starts[indices + 1] - start
+    def rows(self, indices: torch.Tensor | Sequence[int] | np.ndarray) -> np.ndarray:
+        """``indices`` as an int64 array of this split's rows (a row outside ``0 … n - 1``,
+        negative ones included, is an error: ``starts[-1]`` would read as an empty row)."""
+        rows = np.asarray(indices, dtype=np.int64)
+        if rows.ndim != 1:
+            raise IndexError(f"rows must be a 1-D sequence of indices, not shape {rows.shape}")
+        if rows.size and (rows.min() < 0 or rows.max() >= len(self)):
+            bad = rows[(rows < 0) | (rows >= len(self))][0]
+            raise IndexError(f"row {bad} is not one of this split's {len(self)} rows")
+        return rows
+
+    def windows(self, rows: np.ndarray) -> np.ndarray:
+        """The rows ``rows`` (from :meth:`rows`) as padded windows ``[b, seq_length + 1]``."""
+        start = self.starts[rows]
+        length = self.starts[rows + 1] - start
         position = np.arange(self.seq_length + 1)
+        if (length == len(position)).all():  # pre-training: every window full, nothing to pad
+            return self.ids[start[:, None] + position].astype(np.int64)
         inside = position < length[:, None]
         # Positions past a window's end read ids[0] (any valid index) and are then replaced.
         gathered = self.ids[np.where(inside, start[:, None] + position, 0)] if self.ids.size else 0
         return np.where(inside, gathered, self.pad).astype(np.int64)
 
+    def loss_mask(self, rows: np.ndarray) -> np.ndarray:
+        """The rows' loss masks ``[b, seq_length]`` (float32): 1 from ``scored_from`` up to
+        the window's last label position."""
+        position = np.arange(self.seq_length)
+        last = self.starts[rows + 1] - self.starts[rows] - 1
+        scored = (position >= self.scored_from[rows, None]) & (position < last[:, None])
+        return scored.astype(np.float32)
+
     def batch(self, indices: torch.Tensor | Sequence[int]) -> MicroBatch:
         """The rows ``indices``, in that order."""
         indices = torch.as_tensor(indices, dtype=torch.int64)
-        rows = indices.numpy()
-        windows = torch.from_numpy(self.windows(rows))
+        rows = self.rows(indices.numpy())
+        windows = self.windows(rows)
         b, s = len(rows), self.seq_length
-        position = np.arange(s)
-        last = self.starts[rows + 1] - self.starts[rows] - 1  # the window's last label position
-        scored = (position >= self.scored_from[rows, None]) & (position < last[:, None])
         return MicroBatch(
-            tokens=windows[:, :-1].contiguous(),
-            labels=windows[:, 1:].contiguous(),
-            loss_mask=torch.from_numpy(scored.astype(np.float32)),
+            tokens=torch.from_numpy(np.ascontiguousarray(windows[:, :-1])),
+            labels=torch.from_numpy(np.ascontiguousarray(windows[:, 1:])),
+            loss_mask=torch.from_numpy(self.loss_mask(rows)),
             position_ids=torch.arange(s, dtype=torch.int64).expand(b, s).contiguous(),
             indices=indices,
         )
@@ -144,6 +162,12 @@ class Sequences:
         }
 
 
+def id_dtype(vocab_size: int) -> type[np.integer]:
+    """The smallest dtype that holds a vocabulary's ids: bytes take one byte a token, a 50k
+    vocabulary two, Llama 3's 128k four."""
+    return np.uint8 if vocab_size <= 1 << 8 else np.uint16 if vocab_size <= 1 << 16 else np.int32
+
+
 def text_sequences(stream: bytes | np.ndarray, seq_length: int) -> Sequences:
     """Pre-training sequences: non-overlapping windows of ``seq_length + 1`` ids of a token
     stream (byte tokens as ``bytes``, any tokenizer's ids as an integer array), every position
@@ -169,6 +193,7 @@ def sft_sequences(examples: Sequence[Example], seq_length: int, tokenizer: Token
     except TextRefused as exc:
         raise refused(examples[exc.index // 2].origin, exc) from None
     parts, lengths, prompts, longest, too_long = [], [], [], 0, []
+    dtype = id_dtype(tokenizer.vocab_size)
     for row, example in enumerate(examples):
         prompt, answer = encoded[2 * row], encoded[2 * row + 1]
         if not prompt:
@@ -180,7 +205,7 @@ def sft_sequences(examples: Sequence[Example], seq_length: int, tokenizer: Token
         if len(ids) > width:
             too_long.append(example)  # reported below with the longest: one fix covers them all
             continue
-        parts.append(np.asarray(ids, dtype=np.int32))
+        parts.append(np.asarray(ids, dtype=dtype))
         lengths.append(len(ids))
         prompts.append(len(prompt))
     if too_long:
@@ -195,7 +220,7 @@ def sft_sequences(examples: Sequence[Example], seq_length: int, tokenizer: Token
             "not truncate them."
         )
     return Sequences(
-        ids=np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32),
+        ids=np.concatenate(parts) if parts else np.zeros(0, dtype=dtype),
         starts=np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64),
         # Window position p is predicted at position p - 1: the answer occupies window
         # positions [len(prompt), len(ids)), so its labels sit at [len(prompt) - 1, len(ids) - 1).
@@ -232,15 +257,18 @@ class TokenizedData:
         digest = hashlib.sha256(b"fp8ops tokenized data v1\n")
         for name, split in (("train", self.train), ("eval", self.eval)):
             digest.update(f"{name} {len(split)} {split.seq_length}\n".encode())
-            # The bytes of the padded [n, s] tensors, each in turn (the digest of runs made
-            # when they were held padded), cut a few rows at a time so that none is held whole.
-            rows = max(1, DIGEST_POSITIONS // max(1, split.seq_length))
-            for part in ("tokens", "labels", "loss_mask"):
-                for start in range(0, len(split), rows):
-                    tensor = getattr(split.batch(range(start, min(start + rows, len(split)))), part)
-                    # Fixed little-endian dtypes, so the digest does not depend on the machine.
-                    dtype = "<f4" if tensor.is_floating_point() else "<i8"
-                    digest.update(tensor.numpy().astype(dtype, copy=False).tobytes())
+            # The bytes of the padded [n, s] tokens, labels and loss mask, each in turn (the
+            # digest of runs made when they were held padded), cut a few rows at a time so that
+            # none is held whole. Fixed little-endian dtypes: the same digest on any machine.
+            step = max(1, DIGEST_POSITIONS // max(1, split.seq_length))
+            chunks = [np.arange(start, min(start + step, len(split)), dtype=np.int64)
+                      for start in range(0, len(split), step)]  # fmt: skip
+            for columns in (slice(None, -1), slice(1, None)):  # tokens, then labels
+                for rows in chunks:
+                    part = np.ascontiguousarray(split.windows(rows)[:, columns])
+                    digest.update(part.astype("<i8", copy=False))
+            for rows in chunks:
+                digest.update(split.loss_mask(rows).astype("<f4", copy=False))
             digest.update(json.dumps(list(split.buckets), sort_keys=True).encode())
         return digest.hexdigest()
 

@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fp8ops.data.batches import TokenizedData, refused, sft_sequences, text_sequences
+from fp8ops.data.batches import (
+    TokenizedData,
+    id_dtype,
+    refused,
+    sft_sequences,
+    text_sequences,
+)
 from fp8ops.data.corpus import build_corpus
 from fp8ops.data.jsonl import JsonlData, read_jsonl
 from fp8ops.data.tasks import Example, generate_examples, split_examples, split_point
@@ -93,8 +99,8 @@ def _pretraining(
 
 
 def _text_stream(file: JsonlData, tokenizer: Tokenizer, split_version: int) -> bytes | np.ndarray:
-    """The documents' ids, each followed by end-of-document: byte tokens as bytes, others as
-    int32. From split version 2 in hash order, as the corpus is shuffled: the held-out tail is
+    """The documents' ids, each followed by end-of-document: byte tokens as bytes, others in
+    ``id_dtype(tokenizer.vocab_size)``. From split version 2 in hash order, as the corpus is shuffled: the held-out tail is
     then a fair sample of the file, not its last topic when the file is sorted by one."""
     documents = list(zip(file.texts, file.text_lines, strict=True))
     if split_version >= 2:
@@ -105,8 +111,9 @@ def _text_stream(file: JsonlData, tokenizer: Tokenizer, split_version: int) -> b
         encoded = tokenizer.encode_many([text for text, _ in documents])
     except TextRefused as exc:
         raise refused(f"{file.path}: line {documents[exc.index][1]}", exc) from None
-    end = np.array([tokenizer.eod], dtype=np.int32)
-    parts = [part for ids in encoded for part in (np.asarray(ids, dtype=np.int32), end)]
+    dtype = id_dtype(tokenizer.vocab_size)
+    end = np.array([tokenizer.eod], dtype=dtype)
+    parts = [part for ids in encoded for part in (np.asarray(ids, dtype=dtype), end)]
     return np.concatenate(parts) if parts else end[:0]
 
 

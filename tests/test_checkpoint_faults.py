@@ -612,10 +612,34 @@ def test_a_resume_on_other_data_is_refused(run, cli):
     before = _files(run)
     refused = cli("resume", run, "--no-progress")
     assert refused.code == 4
-    assert "the training data changed since the run started (run.json records data " in (
-        refused.err
-    ), refused.err
+    assert ("the training data changed since the run started (data.kind tasks: run.json "
+            "records data fingerprint 000000000000, the data now hash to ") in refused.err
     assert _files(run) == before
+
+
+def test_a_resume_refuses_an_edited_run_manifest_instead_of_writing_over_it(run, cli):
+    file = run / "manifest.yaml"
+    original = file.read_text()
+    assert "\n  lr: 0.002\n" in original
+    file.write_text(original.replace("\n  lr: 0.002\n", "\n  lr: 0.001\n"))
+    before = _files(run)
+    train = ["train", run / "manifest.yaml", "--run-dir", run, "--resume"]
+    for command in (["resume", run], train):
+        refused = cli(*command, "--no-progress")
+        assert refused.code == 4, refused.err
+        assert f"refusing to resume: {file} was edited after the run wrote it:" in refused.err
+        assert "manifest    optimizer.lr: 0.002 -> 0.001" in refused.err
+        assert "resume with --set FIELD=VALUE --accept-drift REASON" in refused.err
+        assert _files(run) == before  # the edit is still there to restore or redo
+    restore = refused.err.split("restore the file: ")[1].split()
+    assert restore[0] == "cp" and restore[2] == str(file)
+    shutil.copy(restore[1], restore[2])
+    assert file.read_text() == original
+    file.write_text("optimizer: [")  # an edit that no longer loads is refused the same way
+    broken = cli("resume", run, "--no-progress")
+    assert broken.code == 4 and "was edited after the run wrote it and no longer loads" in (
+        broken.err
+    )
 
 
 def test_a_rewind_to_an_earlier_revision_moves_the_lock_back(run, manifest, cli):

@@ -302,3 +302,63 @@ def test_a_run_trains_evaluates_and_records_the_tokenizer(tmp_path):
     for item in predictions:
         assert EOT not in item["generated"]  # decoding stops at the end-of-text id
         assert tokenizer.decode(tokenizer.encode(item["generated"])) == item["generated"]
+
+
+@pytest.fixture(scope="module")
+def paused_run(tmp_path_factory):
+    """A run with its own tokenizer.json and JSONL data, paused at step 2 of 6."""
+    from fp8ops.train import run_training
+
+    tmp = tmp_path_factory.mktemp("paused")
+    manifest_file = tmp / "hf.yaml"
+    write_derived(manifest_file, MANIFESTS / "tiny-gpt-cpu.yaml", {
+        **SMALL_MODEL, **SCHEDULE, "model.vocab_size": 300, "model.init_checkpoint": None,
+        "tokenizer.kind": "huggingface", "tokenizer.path": str(make_tokenizer(tmp / "tok")),
+        "data.kind": "jsonl", "data.path": str(_sft_file(tmp)), "schedule.train_steps": 6,
+        "schedule.eval_interval": 6, "schedule.checkpoint_interval": 6, "capability.items": 4,
+        "capability.max_new_tokens": 8,
+    })  # fmt: skip
+    run_training(manifest_file, tmp / "run", progress=False, stop_at=2)
+    return tmp
+
+
+@pytest.mark.parametrize("edit", ["decoder", "merges", "data"])
+def test_a_resume_refuses_a_tokenizer_or_data_file_edited_since_the_run_started(
+    edit, paused_run, cli
+):
+    """The manifest is locked, the files it names are not. A tokenizer.json whose decoder
+    changed encodes the same data (only the capability answers would read otherwise); one
+    retrained changes the ids and, with a token more, would fail model.vocab_size first.
+    Either is refused as the tokenizer, before the data is built; an edited data file as the
+    data, naming the file and both hashes."""
+    run, tok = paused_run / "run", paused_run / "tok" / "tokenizer.json"
+    data = paused_run / "sft.jsonl"
+    originals = {tok: tok.read_bytes(), data: data.read_bytes()}
+    files = {path: path.read_bytes() for path in run.rglob("*") if path.is_file()}
+    try:
+        if edit == "decoder":
+            tok.write_text(json.dumps({**json.loads(tok.read_text()), "decoder": None}))
+        elif edit == "merges":
+            make_tokenizer(tok.parent, extra="add add add 1 2 3 = " * 50)
+        else:
+            data.write_text(data.read_text().replace('"answer": "7"', '"answer": "8"', 1))
+        refused = cli("resume", run, "--no-progress")
+        assert refused.code == 4, refused.err
+        if edit == "data":
+            recorded = json.loads((run / "run.json").read_text())["data"]["source"]
+            assert (f"the training data changed since the run started (data.path {data}: "
+                    f"file_sha256 {recorded['file_sha256'][:12]} -> ") in refused.err, refused.err
+            assert "in a new run (another --run-dir)" in refused.err
+        else:
+            recorded = json.loads((run / "run.json").read_text())["tokenizer"]["fingerprint"]
+            assert (f"tokenizer.path {tok.parent} (its bytes or the end-of-document token "
+                    f"'{EOT}') changed since the run started (run.json records tokenizer "
+                    f"fingerprint {recorded[:12]}, it now hashes to ") in refused.err, refused.err
+            assert "vocab_size" not in refused.err
+        assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == files
+    finally:
+        for path, content in originals.items():
+            path.write_bytes(content)
+    step = json.loads((run / "status.json").read_text())["step"]
+    resumed = cli("resume", run, "--stop-at", step + 1, "--no-progress")  # restored: it goes on
+    assert resumed.code == 0 and f"paused at step {step + 1}" in resumed.out, resumed.err

@@ -250,6 +250,7 @@ def test_a_run_directory_is_judged_from_its_records(cli, run, pinned, tmp_path):
     assert "built now from the run's manifest, it hashes the same" in _texts(
         _item(results, "fingerprints")
     )
+    assert "tokenizer: read now, it hashes the same" in _texts(_item(results, "fingerprints"))
     telemetry = _texts(_item(results, "telemetry"))
     assert "rank 0: steps 1-4 committed" in telemetry
     assert "cast statistics on the 2 steps due (every 2)" in telemetry
@@ -270,6 +271,19 @@ def test_a_run_recorded_under_another_torch_fails_the_versions_item(cli, run, tm
     assert f"torch '2.0.0' -> '{now}'" in _texts(versions, "fail")
     assert "refused as drift" in _texts(versions, "fail")
     assert versions["facts"]["drift"] == [{"field": "torch", "recorded": "2.0.0", "now": now}]
+
+
+def test_a_run_whose_tokenizer_changed_fails_the_fingerprints_item(cli, run, tmp_path):
+    copy = Path(shutil.copytree(run, tmp_path / "run"))
+    info = json.loads((copy / "run.json").read_text())
+    now, info["tokenizer"]["fingerprint"] = info["tokenizer"]["fingerprint"], "0" * 64
+    (copy / "run.json").write_text(json.dumps(info))
+    code, results, _ = _preflight(cli, copy, tmp_path, *NO_REHEARSALS)
+    item = _item(results, "fingerprints")
+    assert code == 1 and item["result"] == "fail"
+    assert f"hashes to {now}, not {'0' * 64}: a resume would encode and decode otherwise" in (
+        _texts(item, "fail")
+    )
 
 
 def test_a_run_whose_manifest_file_was_edited_fails_the_version_control_item(cli, run, tmp_path):

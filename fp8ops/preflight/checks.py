@@ -243,6 +243,7 @@ def _pinned_fingerprints(target: Target) -> Evidence:
 
 def _recorded_fingerprints(target: Target) -> Evidence:
     from fp8ops.data import build_data
+    from fp8ops.data.tokenizer import tokenizer_for
 
     ev, info, m = Evidence(), target.run_info, target.manifest
     model, tokenizer, data = (info.get(k) or {} for k in ("model", "tokenizer", "data"))
@@ -258,8 +259,17 @@ def _recorded_fingerprints(target: Target) -> Evidence:
         ev.check(found is not None, f"model: initial weights {str(found)[:12]} (from seeds.model)",
                  "model: run.json records no initial weights fingerprint")  # fmt: skip
     token = tokenizer.get("fingerprint")
-    ev.check(token is not None, f"tokenizer: run.json records {str(token)[:12]}",
-             "tokenizer: run.json records no fingerprint")  # fmt: skip
+    if ev.check(token is not None, f"tokenizer: run.json records {str(token)[:12]}",
+                "tokenizer: run.json records no fingerprint"):  # fmt: skip
+        try:
+            unpinned = m.tokenizer.model_copy(update={"fingerprint": None})
+            token_now = tokenizer_for(unpinned).fingerprint()
+        except Fp8opsError as exc:
+            ev.fail(f"tokenizer: cannot be read now from the run's manifest: {exc}")
+        else:
+            ev.check(token_now == token, "tokenizer: read now, it hashes the same",
+                     f"tokenizer: read now from the run's manifest it hashes to {token_now}, not "
+                     f"{token}: a resume would encode and decode otherwise")  # fmt: skip
     recorded = data.get("fingerprint")
     if not ev.check(recorded is not None, f"data: run.json records {str(recorded)[:12]}",
                     "data: run.json records no fingerprint"):  # fmt: skip

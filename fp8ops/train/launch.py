@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from fp8ops.errors import Fp8opsError, ManifestError
 from fp8ops.manifest import ManifestStore, derive, load_manifest, manifest_hash
 from fp8ops.manifest.schema import Manifest
-from fp8ops.train.run_dir import RunAlreadyComplete, RunDir, read_status
+from fp8ops.train.run_dir import RunAlreadyComplete, RunDir, check_unedited, read_status
 
 # torch, Megatron and the trainer are imported inside _run: a resume that is refused for drift
 # (fp8ops.checkpoint.plan_resume, from one JSON file) answers in well under two seconds, before
@@ -44,6 +44,7 @@ def run_training(
         if ManifestStore(Path(run_dir) / "manifests").path_for(manifest_hash(requested)).exists():
             _refuse_if_complete(Path(run_dir))  # the run's own manifest: a rerun after the end
     if resume and CheckpointDir(run_dir).complete():
+        check_unedited(Path(run_dir))
         plan = plan_resume(
             Path(run_dir), manifest_path=Path(manifest_path), assignments=assignments,
             accept_drift=accept_drift,
@@ -70,6 +71,7 @@ def resume_training(
 
     if checkpoint is None and not assignments and accept_drift is None:
         _refuse_if_complete(Path(run_dir))
+    check_unedited(Path(run_dir))
     plan = plan_resume(
         Path(run_dir), checkpoint=checkpoint, assignments=assignments, accept_drift=accept_drift
     )

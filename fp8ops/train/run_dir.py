@@ -277,6 +277,40 @@ def locked_manifest(path: Path) -> Manifest:
     return manifest
 
 
+def check_unedited(path: Path) -> None:
+    """Before a resume: ``manifest.yaml`` is still one of the run's stored revisions. A resume
+    runs its checkpoint's revision and writes that back to the file, so an edit there would be
+    dropped without a word; it is refused (exit 4), with the fields it changed."""
+    from fp8ops.checkpoint.drift import DriftRefused, manifest_drift
+    from fp8ops.errors import ManifestError
+    from fp8ops.manifest import load_manifest
+
+    file = Path(path) / MANIFEST
+    if not file.is_file():
+        return
+    store = ManifestStore(Path(path) / "manifests")
+    locked = (read_status(path) or {}).get("manifest")
+    known = locked is not None and store.path_for(locked).exists()
+    restore = f"cp {store.path_for(locked)} {file}" if known else "restore it from a copy"
+    try:
+        manifest = load_manifest(file)
+    except ManifestError as exc:
+        raise DriftRefused(
+            f"refusing to resume: {file} was edited after the run wrote it and no longer "
+            f"loads ({exc}); restore it: {restore}"
+        ) from None
+    if store.path_for(manifest_hash(manifest)).exists():
+        return
+    changes = manifest_drift(store.get(locked), manifest) if known else []
+    listed = "".join(f"\n{change.line()}" for change in changes)
+    raise DriftRefused(
+        f"refusing to resume: {file} was edited after the run wrote it{':' if listed else ''}"
+        f"{listed}\nA resume runs its checkpoint's revision and would write over the edit. To "
+        "change the run, resume with --set FIELD=VALUE --accept-drift REASON (a new revision); "
+        f"to go on unchanged, restore the file: {restore}"
+    )
+
+
 def read_status(path: Path) -> dict[str, Any] | None:
     """A run directory's status, or None if it has none."""
     file = Path(path) / STATUS

@@ -67,24 +67,60 @@ class TrainResult:
     capability_accuracy: float | None = None  # the segment's last capability evaluation
 
 
-def _check_same_data(fingerprint: str, run_dir: Path, plan) -> None:
+def _run_record(run_dir: Path) -> dict:
+    """``run.json``, or {} when it cannot be read (the run's files say so elsewhere)."""
+    try:
+        record = json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _check_same_tokenizer(tokenizer, config, run_dir: Path, plan) -> None:
+    """A resume encodes and decodes with the tokenizer the run started with. Its manifest
+    section is locked, but the file it names can be edited: compared here, before the data is
+    built with it, so the refusal names the tokenizer and not what it changed downstream."""
+    from fp8ops.checkpoint.drift import DriftRefused
+
+    recorded = (_run_record(run_dir).get("tokenizer") or {}).get("fingerprint")
+    now = tokenizer.fingerprint()
+    if recorded is None or recorded == now:
+        return
+    what = (f"tokenizer.path {config.path} (its bytes or the end-of-document token "
+            f"{tokenizer.eod_token!r})" if tokenizer.kind != "byte"
+            else "fp8ops' byte tokenizer (another fp8ops version)")  # fmt: skip
+    raise DriftRefused(
+        f"refusing to resume from {plan.checkpoint}: {what} changed since the run started "
+        f"(run.json records tokenizer fingerprint {recorded[:12]}, it now hashes to {now[:12]}); "
+        "the data and the capability answers would be encoded and decoded otherwise than the "
+        "checkpoint was trained on. Restore the tokenizer the run started with, or train with "
+        "the new one in a new run (another --run-dir)"
+    )
+
+
+def _check_same_data(data, run_dir: Path, plan) -> None:
     """A resume reads the data the run started on: the sampler's position means nothing in
     other data. ``data.fingerprint: null`` checks nothing when a run starts, so the data are
     checked here against what the run recorded in ``run.json``."""
     from fp8ops.checkpoint.drift import DriftRefused
 
-    try:
-        recorded = json.loads((run_dir / "run.json").read_text())["data"]["fingerprint"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # no record to hold the data to (the run's files say so elsewhere)
-    if recorded is not None and recorded != fingerprint:
-        raise DriftRefused(
-            f"refusing to resume from {plan.checkpoint}: the training data changed since the run "
-            f"started (run.json records data fingerprint {recorded[:12]}, the data now hash to "
-            f"{fingerprint[:12]}), and the sampler's position means nothing in other data. "
-            "Restore the data the run started on, or start a new run from this checkpoint's "
-            "weights"
-        )
+    recorded = _run_record(run_dir).get("data") or {}
+    if recorded.get("fingerprint") in (None, data.fingerprint):
+        return
+    # What the record says the data came from, against now: the file's sha256, the corpus.
+    before, after = recorded.get("source") or {}, data.source
+    changed = [f"{key} {str(before.get(key))[:12]} -> {str(after.get(key))[:12]}"
+               for key in sorted(before.keys() | after.keys())
+               if key != "path" and before.get(key) != after.get(key)]  # fmt: skip
+    origin = f"data.path {after['path']}" if "path" in after else f"data.kind {data.kind}"
+    hashes = (f"run.json records data fingerprint {recorded['fingerprint'][:12]}, the data now "
+              f"hash to {data.fingerprint[:12]}")  # fmt: skip
+    raise DriftRefused(
+        f"refusing to resume from {plan.checkpoint}: the training data changed since the run "
+        f"started ({origin}: {'; '.join([*changed, hashes])}), and the sampler's position means "
+        "nothing in other data. Restore the data the run started on, or train on the new data "
+        "in a new run (another --run-dir)"
+    )
 
 
 class Trainer:
@@ -121,9 +157,11 @@ class Trainer:
         # Built once: the data and every capability evaluation encode with this one, so an edit
         # of a tokenizer.json mid-run changes nothing.
         self.tokenizer = tokenizer_for(manifest.tokenizer)
+        if resume is not None:
+            _check_same_tokenizer(self.tokenizer, manifest.tokenizer, Path(run_dir), resume)
         self.data = build_data(manifest, self.tokenizer)
         if resume is not None:
-            _check_same_data(self.data.fingerprint, Path(run_dir), resume)
+            _check_same_data(self.data, Path(run_dir), resume)
         self.capability_examples = capability_examples(
             self.data, manifest.capability, self.tokenizer
         )

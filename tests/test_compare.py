@@ -378,6 +378,23 @@ def test_a_drop_the_paired_items_explain_as_noise_passes_and_a_real_one_fails(tm
     assert verdict.worst_bucket["p_value"] == pytest.approx(23 / 2**22)
 
 
+def test_a_reference_that_answered_nothing_right_measures_no_accuracy_drop(tmp_path):
+    everything = set(range(ITEMS))
+    reference = make_run(tmp_path / "bf16", fp8=False, wrong=everything)
+    verdict = verdict_of(reference, make_run(tmp_path / "fp8", wrong=everything))
+    bucket = gate(verdict, "bucket_accuracy_gap")
+    assert bucket.passed and bucket.value is None  # not gated: nothing was measured
+    assert bucket.detail.startswith(
+        f"not measured: the reference answered none of its {ITEMS} items right at step "
+    )
+    assert verdict.capability["overall"]["reference_accuracy"] == 0  # still reported
+    # One item right is a measurement: losing it is a drop (1/ITEMS overall, more in its bucket).
+    one = make_run(tmp_path / "bf16-one", fp8=False, wrong=everything - {4})
+    bucket = gate(verdict_of(one, make_run(tmp_path / "fp8-one", wrong=everything)),
+                  "bucket_accuracy_gap")  # fmt: skip
+    assert bucket.value > 0 and "accuracy drop" in bucket.detail
+
+
 def test_small_buckets_are_reported_but_not_gated(tmp_path):
     # Item 0 is the only format=odd item the candidate misses: a 1/6 drop, under 20 items.
     reference, candidate = pair(tmp_path, wrong={0}, changes={"gates.bucket_accuracy_gap": 0.05})

@@ -13,7 +13,8 @@ not gated. In order:
 ``bucket_accuracy_gap`` capability accuracy, reference minus candidate, in every bucket with
                         enough items and overall, at the last capability step both reached;
                         a drop over the gap fails when the paired sign test says it is not
-                        noise (``bucket_significance``, Holm over the gated rows)
+                        noise (``bucket_significance``, Holm over the gated rows); not
+                        measured (passes, saying so) when the reference got no item right
 ``finite``              no NaN/Inf loss, gradient norm, cast (telemetry) or nonfinite alert
 ``skipped_steps``       no optimizer step skipped
 ``resume_continuity``   a resumed run continued where it left off
@@ -258,7 +259,15 @@ def _buckets(
             "data's eval split)",
         ), None, None  # fmt: skip
     comparison = compare_capability(reference, candidate, step, gates)
-    rows = [comparison["overall"], *comparison["buckets"]]
+    overall = comparison["overall"]
+    if overall["reference_accuracy"] == 0:  # nothing right to lose: any candidate would pass
+        return GateResult(
+            name, True, None, gap,
+            f"not measured: the reference answered none of its {overall['items']} items right at "
+            f"step {step}, so no drop can show; evaluate items it can answer (a trained base "
+            "checkpoint, more steps, an easier capability set)",
+        ), comparison, None  # fmt: skip
+    rows = [overall, *comparison["buckets"]]
     gated = [row for row in rows if row["gated"]]
     failing = _failing_rows(gated, gap, gates.bucket_significance)
     buckets = [row for row in comparison["buckets"] if row["gated"]]

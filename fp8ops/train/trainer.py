@@ -779,7 +779,7 @@ class Trainer:
         return chain[::-1]
 
     def _resume_summary(self) -> list[str] | None:
-        """What the resume changed, and tokens/s over the 20 steps before and after it."""
+        """What the resume changed, and tokens/s over (up to) 20 steps before and after it."""
         plan = self.resume
         if plan is None or not self.ranks.is_main:
             return None
@@ -797,8 +797,10 @@ class Trainer:
         after = [m["tokens_per_s"] for m in metrics if plan.step < m["step"] <= plan.step + 20]
         if before and after:
             b, a = float(np.median(before)), float(np.median(after))
-            lines.append(f"tokens/s (median of 20 steps): {b:,.0f} before, {a:,.0f} after "
-                         f"({a / b - 1:+.1%})")  # fmt: skip
+            # Each process's first steps warm up: a median of a handful of steps is mostly them.
+            change = f" ({a / b - 1:+.1%})" if min(len(before), len(after)) >= 5 else ""
+            lines.append(f"tokens/s: median {b:,.0f} over the {len(before)} steps before, "
+                         f"{a:,.0f} over the {len(after)} after{change}")  # fmt: skip
         return lines
 
     def check_fp8_agreement(self, step: int) -> str | None:

@@ -101,7 +101,7 @@ def test_saturation_fires_after_patience_with_a_sentence_naming_everything():
     assert (alert.value, alert.threshold) == (0.004, 0.001)
     assert alert.message == (
         f"Step 4: {MODULES[FC1_0]} input.saturation was 0.004, above the degrade level 0.001 "
-        "for 3 consecutive steps."
+        "for 3 consecutive measured steps."
     )
 
 

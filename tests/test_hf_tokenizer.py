@@ -96,6 +96,8 @@ def test_bad_tokenizer_paths_and_tokens_are_named(tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "broken.json").write_text('{"version": "1.0", "model": 3}')
     no_config = make_tokenizer(tmp_path / "bare", config=False)
+    other_eos = make_tokenizer(tmp_path / "other", config=False)
+    (other_eos / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
     cases = [
         (config(tmp_path / "missing.json"), (f"tokenizer.path: {tmp_path / 'missing.json'}: no "
          "such file; give a tokenizer.json or the directory holding it")),
@@ -104,8 +106,12 @@ def test_bad_tokenizer_paths_and_tokens_are_named(tmp_path):
          "a tokenizer.json the tokenizers library reads")),
         (config(directory, eod_token="</s>"), ("tokenizer.eod_token: '</s>' is not a token of "
          f"{directory / 'tokenizer.json'}")),
-        (config(no_config), (f"tokenizer.eod_token: not set, and "
-         f"{no_config / 'tokenizer_config.json'} does not name an eos_token")),
+        (config(no_config), (f"tokenizer.eod_token: not set, and there is no "
+         f"{no_config / 'tokenizer_config.json'} to take an eos_token from")),
+        (config(directory, eod_token="A"), ("tokenizer.eod_token: 'A' is an ordinary token of "
+         f"{directory / 'tokenizer.json'}, one that text encodes to, not a special token")),
+        (config(other_eos), (f"tokenizer.eod_token: '</s>' (the eos_token of "
+         f"{other_eos / 'tokenizer_config.json'}) is not a token of ")),
     ]  # fmt: skip
     for given, message in cases:
         with pytest.raises(ManifestError) as err:

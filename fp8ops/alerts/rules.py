@@ -484,7 +484,8 @@ class AlertEngine:
         patience = self.config.patience_steps
         for rule, (columns, leveled) in self._leveled.items():
             values = rows[:, columns]
-            unit = "samples" if rule == "fp8_error" else "steps"
+            # Cast statistics are measured every telemetry.every_steps: patience counts those.
+            unit = {"fp8_error": "samples", "scale_jitter": "steps"}.get(rule, "measured steps")
             for level, fired in leveled.update(values, self.fp8[:, None]).items():
                 threshold = float(leveled.latches[level][0])
                 for i, j in np.argwhere(fired):

@@ -209,10 +209,20 @@ def _huggingface(config: TokenizerConfig) -> HuggingFaceTokenizer:
             f"({str(exc).strip() or type(exc).__name__})"
         ) from None
     eod_token = config.eod_token or _eos_from_config(file)
+    given = (f"{eod_token!r}" if config.eod_token
+             else f"{eod_token!r} (the eos_token of {file.parent / 'tokenizer_config.json'})")  # fmt: skip
     if tokenizer.token_to_id(eod_token) is None:
         raise ManifestError(
-            f"tokenizer.eod_token: {eod_token!r} is not a token of {file}; name the token that "
+            f"tokenizer.eod_token: {given} is not a token of {file}; name the token that "
             "ends a document (Llama 3: <|end_of_text|>)"
+        )
+    # An ordinary token would end documents wherever text happens to encode to it.
+    special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+    if eod_token not in special:
+        raise ManifestError(
+            f"tokenizer.eod_token: {given} is an ordinary token of {file}, one that text encodes "
+            "to, not a special token; name the special token that ends a document (Llama 3: "
+            "<|end_of_text|>)"
         )
     return HuggingFaceTokenizer(file, eod_token, tokenizer)
 
@@ -227,7 +237,10 @@ def _eos_from_config(file: Path) -> str:
     try:
         eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
     except FileNotFoundError:
-        raise ManifestError(missing) from None
+        raise ManifestError(
+            f"tokenizer.eod_token: not set, and there is no {config} to take an eos_token from; "
+            "set it to the token that ends a document (Llama 3: <|end_of_text|>)"
+        ) from None
     except (OSError, ValueError, AttributeError) as exc:
         raise ManifestError(f"tokenizer.eod_token: not set, and {config} is unreadable ({exc})")
     if isinstance(eos, dict):  # {"content": "<|end_of_text|>", ...} in older files

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fp8ops.compare.cli import compare_command
-from fp8ops.errors import Fp8opsError, RevisionError
+from fp8ops.errors import Fp8opsError, ManifestError, RevisionError
 from fp8ops.launch.cli import launch_app
 from fp8ops.manifest import (
     ManifestStore,
@@ -88,17 +88,41 @@ ManifestFile = Annotated[
 
 
 @manifest_app.command()
-def validate(file: ManifestFile) -> None:
+def validate(
+    file: ManifestFile,
+    inputs: Annotated[bool, typer.Option(
+        "--inputs", help="Also read the files it names, as train does before it starts: the "
+        "tokenizer, and the data built and tokenized (model.vocab_size and model.seq_length "
+        "checked against them). Without it only the manifest itself is checked, so a "
+        "cluster's manifest validates anywhere.")] = False,
+) -> None:  # fmt: skip
     """Check a manifest and summarise it."""
     m = load_manifest(file)
+    rows = summary_rows(m)
+    if inputs:
+        rows.append(("inputs", _check_inputs(m, file)))
     table = Table.grid(padding=(0, 2))
     table.add_column(style="bold", no_wrap=True)
     table.add_column(overflow="fold")
-    for label, text in summary_rows(m):
+    for label, text in rows:
         table.add_row(label, text)
     out = _console()
-    out.print(f"{file}: valid")
+    out.print(f"{file}: valid" + (", and its inputs read" if inputs else ""))
     out.print(table)
+
+
+def _check_inputs(m, file: Path) -> str:
+    """What ``validate --inputs`` reads: the tokenizer and the data, built as a run builds them."""
+    from fp8ops.data import build_data, tokenizer_for
+
+    try:
+        tokenizer = tokenizer_for(m.tokenizer)
+        data = build_data(m, tokenizer)
+    except ManifestError as exc:
+        raise ManifestError(f"{file}: {exc}") from None
+    return (f"tokenizer {tokenizer.kind}, {tokenizer.vocab_size:,} ids, end-of-document id "
+            f"{tokenizer.eod}; data {len(data.train):,} train and {len(data.eval):,} eval "
+            f"sequences, fingerprint {data.fingerprint[:12]}")  # fmt: skip
 
 
 @manifest_app.command("hash")

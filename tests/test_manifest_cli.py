@@ -372,6 +372,29 @@ def test_validate_prints_a_summary(cli):
     assert "off (every included module runs FP8)" in result.out
 
 
+def test_validate_reads_the_inputs_only_when_asked(cli, tmp_path):
+    result = cli("manifest", "validate", TINY, "--inputs")
+    assert result.code == 0, result.err
+    assert f"{TINY}: valid, and its inputs read" in result.out
+    assert "data            built-in tasks, 6,000 examples; eval_fraction 0.1" in result.out
+    words = " ".join(result.out.split())  # the table folds long rows
+    assert "5,416 train and 584 eval sequences, fingerprint c80632b74fe5" in words
+    # A manifest for another machine validates as a manifest; its inputs are refused by name.
+    elsewhere = tmp_path / "elsewhere.yaml"
+    elsewhere.write_text(TINY.read_text().replace(
+        "tokenizer:\n  kind: byte", f"tokenizer:\n  kind: huggingface\n  path: {tmp_path / 'no'}"
+    ))  # fmt: skip
+    assert cli("manifest", "validate", elsewhere).code == 0
+    refused = cli("manifest", "validate", elsewhere, "--inputs")
+    assert refused.code == 2 and refused.err.startswith(
+        f"{elsewhere}: tokenizer.path: {tmp_path / 'no'}: no such file"
+    ), refused.err
+    short = tmp_path / "short.yaml"
+    short.write_text(TINY.read_text().replace("seq_length: 128", "seq_length: 8"))
+    refused = cli("manifest", "validate", short, "--inputs")
+    assert refused.code == 2 and f"{short}: model.seq_length: 8 is too short" in refused.err
+
+
 def test_hash_prints_only_the_hash(cli):
     result = cli("manifest", "hash", TINY)
     assert (result.code, result.out) == (0, manifest_hash(load_manifest(TINY)) + "\n")

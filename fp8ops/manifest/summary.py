@@ -55,6 +55,8 @@ def summary_rows(m: Manifest) -> list[tuple[str, str]]:
                 f"seq {model.seq_length}"
             ),
         ),
+        ("tokenizer", _tokenizer(m)),
+        ("data", _data(m)),
         (
             "topology",
             (
@@ -63,3 +65,19 @@ def summary_rows(m: Manifest) -> list[tuple[str, str]]:
             ),
         ),
     ]
+
+
+def _tokenizer(m: Manifest) -> str:
+    t = m.tokenizer
+    if t.kind == "byte":
+        return "byte (UTF-8 bytes, ids 0-255)"
+    eod = f"eod_token {t.eod_token!r}" if t.eod_token else "eod from tokenizer_config.json"
+    return f"{t.kind}: {t.path} ({eod})"
+
+
+def _data(m: Manifest) -> str:
+    d = m.data
+    source = {"corpus": "built-in corpus (Python's docstrings)",
+              "tasks": f"built-in tasks, {d.num_examples:,} examples",
+              "jsonl": f"jsonl: {d.path}"}[d.kind]  # fmt: skip
+    return f"{source}; eval_fraction {d.eval_fraction:g}, split version {d.split_version}"

@@ -7,6 +7,14 @@ alert), 4 (a resume refused for drift) and 75 (stopped on request: requeue). Und
 ranks, errors marked ``collective`` (every rank raises them alike) are printed by rank 0 only.
 """
 
+from pathlib import Path
+
+
+def relative(path: Path) -> str:
+    """For a message about a path: where a relative one was looked for (a resume started in
+    another directory reads the manifest's relative paths from there)."""
+    return "" if path.is_absolute() else f" (relative to the current directory, {Path.cwd()})"
+
 
 class Fp8opsError(ValueError):
     """Root of all user-facing fp8ops errors."""

@@ -593,16 +593,29 @@ def test_sft_data_that_holds_out_nothing_is_refused(tmp_path):
     )
 
 
+def test_a_missing_relative_path_says_where_it_was_looked_for(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ManifestError) as err:
+        read_jsonl("data/sft.jsonl")
+    assert str(err.value).startswith(
+        f"data.path: data/sft.jsonl: no such file (relative to the current directory, {tmp_path})"
+    )
+    with pytest.raises(ManifestError) as err:
+        read_jsonl(tmp_path / "sft.jsonl")
+    assert "relative to" not in str(err.value)
+
+
 def test_too_long_jsonl_examples_are_named_by_file_and_line(tmp_path):
-    rows = [{"prompt": f"p{i}: ", "answer": "a" * (80 if i in (3, 7, 8, 9, 11) else 2)}
+    rows = [{"prompt": f"p{i}: ", "answer": "a" * {11: 90, 3: 80, 7: 80, 8: 80, 9: 80}.get(i, 2)}
             for i in range(20)]  # fmt: skip
     path = _write(tmp_path, [json.dumps(row) for row in rows])
     with pytest.raises(ManifestError) as err:
         build_data(_jsonl_manifest(path, seq_length=32))
     message = str(err.value)
-    named = re.search(r"5 of 20 examples do not fit \((.*) and 2 more\); the longest is 86 tokens",
+    named = re.search(r"5 of 20 examples do not fit \((.*) and 2 more\); the longest is 96 tokens",
                       message)  # fmt: skip
     assert named, message
+    assert f"(prompt + answer + end-of-document, {path}: line 12)" in message
     lines = [int(part.removeprefix(f"{path}: line ")) for part in named.group(1).split("; ")]
     assert len(lines) == 3 and set(lines) <= {4, 8, 9, 10, 12}, message
 

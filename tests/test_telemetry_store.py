@@ -561,6 +561,8 @@ def test_unknown_names_and_steps(tmp_path):
         run.metric_window("input.amx")
     with pytest.raises(TelemetryError, match="no metric"):
         run.module_history(MODULES[0], ["input.amax", "loss"])  # a step metric
+    with pytest.raises(TelemetryError, match=r"no metric 'bogus' .*; the metrics are input\.amax, "):
+        run.metric_window("bogus")  # nothing close: every name
     with pytest.raises(TelemetryError, match="step 0 is not committed"):
         run.step_snapshot(0)
 

@@ -60,14 +60,15 @@ class Sequences:
     """One split (train or eval): ``len(self)`` sequences of ``seq_length`` positions.
 
     Held ragged: the windows' ids back to back in ``ids`` (in :func:`id_dtype`: one byte per
-    token for the byte tokenizer), and ``starts``, where each window begins. Window ``i`` is ``ids[starts[i]:starts[i + 1]]``; one
-    shorter than ``seq_length + 1`` (an SFT example) is right-padded with ``pad`` only when a
-    batch is cut. Its loss counts from label position ``scored_from[i]`` to the window's end.
+    token for the byte tokenizer), and ``starts``, where each window begins. Window ``i`` is
+    ``ids[starts[i]:starts[i + 1]]``; one shorter than ``seq_length + 1`` (an SFT example) is
+    right-padded with ``pad`` only when a batch is cut. Its loss counts from label position
+    ``scored_from[i]`` to the window's end.
     Held padded ([n, seq_length] tokens, labels and mask: 20 bytes a position), a 3.8 MB SFT
     file of 20,000 short examples at seq_length 4096 took 1.6 GB per rank (``ci/bench_data.py``).
     """
 
-    ids: np.ndarray  # 1-D, any integer dtype
+    ids: np.ndarray  # 1-D, any integer dtype (id_dtype's when built here)
     starts: np.ndarray  # [n + 1] int64, offsets into ids
     scored_from: np.ndarray  # [n] int64, the first label position in the loss
     seq_length: int
@@ -193,6 +194,7 @@ def sft_sequences(examples: Sequence[Example], seq_length: int, tokenizer: Token
     except TextRefused as exc:
         raise refused(examples[exc.index // 2].origin, exc) from None
     parts, lengths, prompts, longest, too_long = [], [], [], 0, []
+    longest_example: Example | None = None
     dtype = id_dtype(tokenizer.vocab_size)
     for row, example in enumerate(examples):
         prompt, answer = encoded[2 * row], encoded[2 * row + 1]
@@ -201,7 +203,8 @@ def sft_sequences(examples: Sequence[Example], seq_length: int, tokenizer: Token
                 "an SFT prompt must not be empty: no position would predict the answer"
             )
         ids = prompt + answer + [tokenizer.eod]
-        longest = max(longest, len(ids))
+        if len(ids) > longest:
+            longest, longest_example = len(ids), example
         if len(ids) > width:
             too_long.append(example)  # reported below with the longest: one fix covers them all
             continue
@@ -212,12 +215,13 @@ def sft_sequences(examples: Sequence[Example], seq_length: int, tokenizer: Token
         where = [example.origin for example in too_long[:3] if example.origin]
         more = f" and {len(too_long) - len(where)} more" if where and len(too_long) > 3 else ""
         at = f" ({'; '.join(where)}{more})" if where else ""
+        found = f", {longest_example.origin}" if longest_example and longest_example.origin else ""
         raise ManifestError(
             f"model.seq_length: {seq_length} is too short for the data: {len(too_long)} of "
             f"{len(examples)} examples do not fit{at}; the longest is {longest} tokens (prompt + "
-            f"answer + end-of-document), and a sequence holds seq_length + 1 = {width}. Raise "
-            f"model.seq_length to at least {longest - 1} or shorten the examples; fp8ops does "
-            "not truncate them."
+            f"answer + end-of-document{found}), and a sequence holds seq_length + 1 = {width}. "
+            f"Raise model.seq_length to at least {longest - 1} or shorten the examples; fp8ops "
+            "does not truncate them."
         )
     return Sequences(
         ids=np.concatenate(parts) if parts else np.zeros(0, dtype=dtype),

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fp8ops.data.tasks import Example
-from fp8ops.errors import ManifestError
+from fp8ops.errors import ManifestError, relative
 
 _TEXT_KEYS = {"text"}
 _SFT_KEYS = {"prompt", "answer", "buckets"}
@@ -41,7 +41,7 @@ def read_jsonl(path: str | Path) -> JsonlData:
     path = Path(path)
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "no such file"
-        raise ManifestError(f"data.path: {path}: {what}; it must name a JSONL file")
+        raise ManifestError(f"data.path: {path}: {what}{relative(path)}; it must name a JSONL file")
     raw = path.read_bytes()
     texts: list[str] = []
     text_lines: list[int] = []

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from fp8ops.errors import ManifestError
+from fp8ops.errors import ManifestError, relative
 
 if TYPE_CHECKING:
     from fp8ops.manifest.schema import TokenizerConfig
@@ -199,7 +199,8 @@ def _huggingface(config: TokenizerConfig) -> HuggingFaceTokenizer:
     if not file.is_file():
         where = f"{path} has no tokenizer.json" if path.is_dir() else f"{path}: no such file"
         raise ManifestError(
-            f"tokenizer.path: {where}; give a tokenizer.json or the directory holding it"
+            f"tokenizer.path: {where}{relative(path)}; give a tokenizer.json or the directory "
+            "holding it"
         )
     try:
         tokenizer = HfTokenizer.from_file(str(file))

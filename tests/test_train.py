@@ -23,7 +23,7 @@ from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
 
 from fp8ops.errors import Fp8opsError
 from fp8ops.files import read_jsonl
-from fp8ops.manifest import derive, load_manifest, manifest_hash
+from fp8ops.manifest import ManifestStore, derive, load_manifest, manifest_hash
 from fp8ops.train import run_training
 from fp8ops.train.distributed import init_distributed, shutdown_distributed
 from fp8ops.train.run_dir import RunDir
@@ -163,6 +163,20 @@ def test_rerunning_a_completed_run_is_a_no_op(fp8_run, finetune_manifest, cli):
     assert result.code == 0
     assert "already holds a completed run" in result.err
     assert (fp8_run / "metrics.jsonl").read_text() == before
+
+
+def test_rerunning_a_run_that_completed_under_a_later_revision_is_a_no_op(
+    fp8_run, finetune_manifest, cli, tmp_path
+):
+    # As after a resume that applied an override: the run ends under a child revision.
+    run = Path(shutil.copytree(fp8_run, tmp_path / "run"))
+    child = derive(load_manifest(finetune_manifest), {"precision.margin": 1}, "test: later")
+    ManifestStore(run / "manifests").put(child)
+    status = json.loads((run / "status.json").read_text())
+    (run / "status.json").write_text(json.dumps({**status, "manifest": manifest_hash(child)}))
+    result = cli("train", finetune_manifest, "--run-dir", run)
+    assert result.code == 0, result.err
+    assert f"it ended under revision {manifest_hash(child)[:12]}); nothing to do" in result.err
 
 
 def test_a_run_directory_holding_another_run_is_refused(fp8_run, finetune_manifest, cli):

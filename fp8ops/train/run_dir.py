@@ -78,10 +78,16 @@ class RunDir:
             return
         status = read_status(path)
         digest = manifest_hash(manifest)
-        if status and status.get("state") == "completed" and status.get("manifest") == digest:
+        # The run's own manifest, or one of its revisions (it may have ended under a later one:
+        # overrides applied, drift accepted): rerunning the command that started it.
+        ended_under = (status or {}).get("manifest")
+        revisions = ManifestStore(path / "manifests")
+        own = ended_under == digest or revisions.path_for(digest).exists()
+        if status and status.get("state") == "completed" and own:
+            later = "" if ended_under == digest else f"; it ended under revision {ended_under[:12]}"
             raise RunAlreadyComplete(
-                f"{path} already holds a completed run of this manifest (sha256 {digest[:12]}); "
-                "nothing to do. Its results are in that directory."
+                f"{path} already holds a completed run of this manifest (sha256 {digest[:12]}"
+                f"{later}); nothing to do. Its results are in that directory."
             )
         if _trained_now(path):
             raise Fp8opsError(

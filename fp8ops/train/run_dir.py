@@ -292,9 +292,9 @@ def check_unedited(path: Path) -> None:
     from fp8ops.manifest import load_manifest
 
     file = Path(path) / MANIFEST
-    if not file.is_file():
-        return
     store = ManifestStore(Path(path) / "manifests")
+    if not file.is_file() or not store.directory.is_dir():  # nothing to hold it to
+        return
     locked = (read_status(path) or {}).get("manifest")
     known = locked is not None and store.path_for(locked).exists()
     restore = f"cp {store.path_for(locked)} {file}" if known else "restore it from a copy"

@@ -171,6 +171,7 @@ def test_scale_jitter():
     assert (alert.step, alert.level, alert.rule, alert.metric, alert.threshold) == (
         3, "observe", "scale_jitter", "input.scale_change", 4.0,
     )  # fmt: skip
+    assert alert.message.endswith("for 3 consecutive steps.")  # read every step, not sampled
     assert feed(engine(), [row({(QKV1, "input.scale_change"): 1.5})] * 6) == {}
 
 

@@ -36,10 +36,12 @@ from checkpoint_support import edit_meta, rehash, train_small_base, write_small_
 
 from fp8ops.checkpoint import CheckpointDir, read_meta
 from fp8ops.checkpoint.directory import META_FILE, checkpoint_name, checkpoint_step, verify_files
+from fp8ops.checkpoint.drift import DriftRefused
 from fp8ops.files import read_jsonl
-from fp8ops.manifest import derive, load_manifest, manifest_hash, write_manifest
+from fp8ops.manifest import ManifestStore, derive, load_manifest, manifest_hash, write_manifest
+from fp8ops.manifest.canonical import to_yaml
 from fp8ops.train import run_training
-from fp8ops.train.run_dir import RunDir, locked_manifest, read_metrics
+from fp8ops.train.run_dir import RunDir, check_unedited, locked_manifest, read_metrics
 from fp8ops.train.weights import META_FILE as WEIGHTS_META
 
 pytestmark = [
@@ -623,15 +625,22 @@ def test_a_resume_refuses_an_edited_run_manifest_instead_of_writing_over_it(run,
     assert "\n  lr: 0.002\n" in original
     file.write_text(original.replace("\n  lr: 0.002\n", "\n  lr: 0.001\n"))
     before = _files(run)
-    train = ["train", run / "manifest.yaml", "--run-dir", run, "--resume"]
-    for command in (["resume", run], train):
+    other = run.parent / "other.yaml"  # the SLURM way: the manifest file the run started from
+    shutil.copy(CheckpointDir(run).latest() / "manifest.yaml", other)
+    for command in (["resume", run], ["train", other, "--run-dir", run, "--resume"],
+                    ["resume", run, "--set", "optimizer.lr=0.003", "--accept-drift", "x"]):  # fmt: skip
         refused = cli(*command, "--no-progress")
         assert refused.code == 4, refused.err
         assert f"refusing to resume: {file} was edited after the run wrote it:" in refused.err
         assert "manifest    optimizer.lr: 0.002 -> 0.001" in refused.err
-        assert "resume with --set FIELD=VALUE --accept-drift REASON" in refused.err
+        assert "then resume; to change the run, add --set FIELD=VALUE" in refused.err
         assert _files(run) == before  # the edit is still there to restore or redo
-    restore = refused.err.split("restore the file: ")[1].split()
+    # The edited file given as the manifest is a request: diffed as drift, as any other file.
+    as_request = cli("train", file, "--run-dir", run, "--resume", "--no-progress")
+    assert as_request.code == 4 and "refusing to resume from " in as_request.err
+    assert "optimizer.lr: 0.002 -> 0.001" in as_request.err
+    assert _files(run) == before
+    restore = refused.err.split("Restore the file (")[1].split(")")[0].split()
     assert restore[0] == "cp" and restore[2] == str(file)
     shutil.copy(restore[1], restore[2])
     assert file.read_text() == original
@@ -640,6 +649,18 @@ def test_a_resume_refuses_an_edited_run_manifest_instead_of_writing_over_it(run,
     assert broken.code == 4 and "was edited after the run wrote it and no longer loads" in (
         broken.err
     )
+
+
+def test_a_run_manifest_holding_any_stored_revision_is_not_an_edit(run):
+    """A resume killed between writing manifest.yaml (its new revision, stored first) and
+    status.json leaves a file that is not the locked revision but is one of the run's."""
+    child = derive(load_manifest(run / "manifest.yaml"), {"optimizer.lr": 1e-3}, "test: next")
+    ManifestStore(run / "manifests").put(child)
+    (run / "manifest.yaml").write_text(to_yaml(child))
+    check_unedited(run)  # no refusal
+    (run / "manifest.yaml").write_text(to_yaml(child).replace("lr: 0.001", "lr: 0.0011"))
+    with pytest.raises(DriftRefused, match="was edited after the run wrote it"):
+        check_unedited(run)
 
 
 def test_a_rewind_to_an_earlier_revision_moves_the_lock_back(run, manifest, cli):

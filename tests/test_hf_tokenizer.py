@@ -91,6 +91,16 @@ def test_the_fingerprint_covers_the_file_and_the_end_of_text_token(tmp_path):
     )
 
 
+def test_a_missing_relative_tokenizer_path_says_where_it_was_looked_for(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ManifestError) as err:
+        tokenizer_for(config(Path("tok/tokenizer.json")))
+    assert str(err.value).startswith(
+        "tokenizer.path: tok/tokenizer.json: no such file (relative to the current directory, "
+        f"{tmp_path})"
+    )
+
+
 def test_bad_tokenizer_paths_and_tokens_are_named(tmp_path):
     directory = make_tokenizer(tmp_path / "tok")
     (tmp_path / "empty").mkdir()
@@ -108,8 +118,9 @@ def test_bad_tokenizer_paths_and_tokens_are_named(tmp_path):
          f"{directory / 'tokenizer.json'}")),
         (config(no_config), (f"tokenizer.eod_token: not set, and there is no "
          f"{no_config / 'tokenizer_config.json'} to take an eos_token from")),
-        (config(directory, eod_token="A"), ("tokenizer.eod_token: 'A' is an ordinary token of "
-         f"{directory / 'tokenizer.json'}, one that text encodes to, not a special token")),
+        (config(directory, eod_token="A"), (f"tokenizer.eod_token: 'A' is a token of "
+         f"{directory / 'tokenizer.json'}'s vocabulary, which ordinary text encodes to, not one "
+         "of its added tokens")),
         (config(other_eos), (f"tokenizer.eod_token: '</s>' (the eos_token of "
          f"{other_eos / 'tokenizer_config.json'}) is not a token of ")),
     ]  # fmt: skip
@@ -118,6 +129,13 @@ def test_bad_tokenizer_paths_and_tokens_are_named(tmp_path):
             tokenizer_for(given)
         assert str(err.value).startswith(message), (str(err.value), message)
     assert tokenizer_for(config(no_config, eod_token=EOT)).eod == 1
+    # An added token that is not marked special ends documents as well (fine-tuning adds them).
+    from tokenizers import AddedToken, Tokenizer
+
+    added = Tokenizer.from_file(str(no_config / "tokenizer.json"))
+    added.add_tokens([AddedToken("<eos>", special=False)])
+    added.save(str(no_config / "tokenizer.json"))
+    assert tokenizer_for(config(no_config, eod_token="<eos>")).eod == added.token_to_id("<eos>")
 
 
 @pytest.mark.parametrize(

@@ -177,6 +177,11 @@ def test_rerunning_a_run_that_completed_under_a_later_revision_is_a_no_op(
     result = cli("train", finetune_manifest, "--run-dir", run)
     assert result.code == 0, result.err
     assert f"it ended under revision {manifest_hash(child)[:12]}); nothing to do" in result.err
+    # Started with `--set`: the parent file is stored with the run, but never trained under.
+    info = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**info, "manifest": manifest_hash(child)}))
+    result = cli("train", finetune_manifest, "--run-dir", run)
+    assert result.code == 2 and "choose a new --run-dir" in result.err, result.err
 
 
 def test_a_run_directory_holding_another_run_is_refused(fp8_run, finetune_manifest, cli):

@@ -217,13 +217,14 @@ def _huggingface(config: TokenizerConfig) -> HuggingFaceTokenizer:
             f"tokenizer.eod_token: {given} is not a token of {file}; name the token that "
             "ends a document (Llama 3: <|end_of_text|>)"
         )
-    # An ordinary token would end documents wherever text happens to encode to it.
-    special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
-    if eod_token not in special:
+    # A token of the base vocabulary is what ordinary text encodes to ("A", "the"): every text
+    # holding it would be refused. An added token (special or not) is matched only whole.
+    added = {token.content for token in tokenizer.get_added_tokens_decoder().values()}
+    if eod_token not in added:
         raise ManifestError(
-            f"tokenizer.eod_token: {given} is an ordinary token of {file}, one that text encodes "
-            "to, not a special token; name the special token that ends a document (Llama 3: "
-            "<|end_of_text|>)"
+            f"tokenizer.eod_token: {given} is a token of {file}'s vocabulary, which ordinary "
+            "text encodes to, not one of its added tokens; name the token that ends a document "
+            "(Llama 3: <|end_of_text|>)"
         )
     return HuggingFaceTokenizer(file, eod_token, tokenizer)
 

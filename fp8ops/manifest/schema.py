@@ -492,8 +492,9 @@ class TokenizerConfig(_Section):
         None,
         added_in="0.1.0",
         description=(
-            "'huggingface' only: the token that ends every document and answer (Llama 3: "
-            "<|end_of_text|>); null: the eos_token of the tokenizer_config.json beside the file."
+            "'huggingface' only: the token that ends every document and answer, one of the "
+            "file's added tokens (Llama 3: <|end_of_text|>); null: the eos_token of the "
+            "tokenizer_config.json beside the file."
         ),
     )
 

@@ -324,8 +324,9 @@ class TelemetryRun:
     def _lookup(self, name: str, index: dict[str, int], what: str) -> int:
         if name not in index:
             close = difflib.get_close_matches(name, list(index), n=3)
-            hint = (f"; did you mean {', '.join(close)}?" if close
-                    else f"; the {what}s are {', '.join(index)}")  # fmt: skip
+            # Metrics are few enough to list (40); a model's modules are not (Llama 8B: 128).
+            every = f"; the {what}s are {', '.join(index)}" if what == "metric" else ""
+            hint = f"; did you mean {', '.join(close)}?" if close else every
             raise TelemetryError(f"no {what} {name!r} in {self.path}{hint}")
         return index[name]
 

@@ -44,7 +44,8 @@ def run_training(
         if ManifestStore(Path(run_dir) / "manifests").path_for(manifest_hash(requested)).exists():
             _refuse_if_complete(Path(run_dir))  # the run's own manifest: a rerun after the end
     if resume and CheckpointDir(run_dir).complete():
-        check_unedited(Path(run_dir))
+        if Path(manifest_path).resolve() != (Path(run_dir) / "manifest.yaml").resolve():
+            check_unedited(Path(run_dir))  # else the edit is the request, diffed as drift below
         plan = plan_resume(
             Path(run_dir), manifest_path=Path(manifest_path), assignments=assignments,
             accept_drift=accept_drift,

@@ -81,8 +81,7 @@ class RunDir:
         # The run's own manifest, or one of its revisions (it may have ended under a later one:
         # overrides applied, drift accepted): rerunning the command that started it.
         ended_under = (status or {}).get("manifest")
-        revisions = ManifestStore(path / "manifests")
-        own = ended_under == digest or revisions.path_for(digest).exists()
+        own = digest in _revisions_run(path, ended_under)
         if status and status.get("state") == "completed" and own:
             later = "" if ended_under == digest else f"; it ended under revision {ended_under[:12]}"
             raise RunAlreadyComplete(
@@ -283,6 +282,23 @@ def locked_manifest(path: Path) -> Manifest:
     return manifest
 
 
+def _revisions_run(path: Path, ended_under: str | None) -> set[str]:
+    """The revisions a run trained under: from the one it ended under back through each
+    parent to the one it started with (``run.json``). Not the parents of that one: a manifest
+    given with ``--set`` is stored with the run, but never trained."""
+    try:
+        started = json.loads((path / "run.json").read_text()).get("manifest")
+    except (OSError, ValueError, AttributeError):
+        started = None
+    store, found, digest = ManifestStore(path / "manifests"), set(), ended_under
+    while digest and digest not in found:
+        found.add(digest)
+        if digest == started or not store.path_for(digest).exists():
+            break
+        digest = store.get(digest).revision.parent
+    return found
+
+
 def check_unedited(path: Path) -> None:
     """Before a resume: ``manifest.yaml`` is still one of the run's stored revisions. A resume
     runs its checkpoint's revision and writes that back to the file, so an edit there would be
@@ -311,9 +327,10 @@ def check_unedited(path: Path) -> None:
     listed = "".join(f"\n{change.line()}" for change in changes)
     raise DriftRefused(
         f"refusing to resume: {file} was edited after the run wrote it{':' if listed else ''}"
-        f"{listed}\nA resume runs its checkpoint's revision and would write over the edit. To "
-        "change the run, resume with --set FIELD=VALUE --accept-drift REASON (a new revision); "
-        f"to go on unchanged, restore the file: {restore}"
+        f"{listed}\nA resume runs its checkpoint's revision and would write over the edit. "
+        f"Restore the file ({restore}), then resume; to change the run, add --set FIELD=VALUE "
+        f"--accept-drift REASON (a new revision), or resume with the edited file as the "
+        f"manifest: fp8ops train {file} --run-dir {Path(path)} --resume --accept-drift REASON"
     )
 
 

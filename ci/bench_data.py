@@ -87,8 +87,10 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=20_000)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    if args.documents < 100 or args.examples < 100 or args.repeats < 1:
-        parser.error("--documents and --examples must be at least 100 and --repeats at least 1")
+    for name, value, least in (("--documents", args.documents, 100),
+                               ("--examples", args.examples, 100), ("--repeats", args.repeats, 1)):
+        if value < least:
+            parser.error(f"{name} must be at least {least}")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         text, sft, tokenizer_json = write_inputs(Path(tmp), args.documents, args.examples)
         table = Table(title=f"build_data on JSONL files, {args.repeats} runs each")

@@ -604,6 +604,23 @@ def checkpoints_list(
         raise typer.Exit(1)  # scripts can gate on a damaged checkpoint
 
 
+@checkpoints_app.command("export")
+def checkpoints_export(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory.", show_default=False)],
+    out: Annotated[Path, typer.Option(
+        "--out", help="The weights checkpoint to write (a new directory).", show_default=False)],
+    checkpoint: Annotated[str | None, typer.Option(
+        help="A checkpoint's name or step (default: the latest).", metavar="NAME|STEP")] = None,
+) -> None:  # fmt: skip
+    """Write one checkpoint's weights as a weights checkpoint (what final/ holds at the end),
+    for model.init_checkpoint: the release of an earlier step, or a new run from a paused one."""
+    from fp8ops.train.export import export_weights
+
+    written = export_weights(run_dir, checkpoint, out)
+    print(f"{out}: the weights of {written['exported_from']} (step {written['steps']}), "
+          f"fingerprint {written['fingerprint'][:12]}; give it as model.init_checkpoint")  # fmt: skip
+
+
 # --------------------------------------------------------------------------------------
 # fp8ops console, fp8ops whatif (fp8ops.console; docs/console.md)
 # --------------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ def _check_same_tokenizer(tokenizer, config, run_dir: Path, plan) -> None:
         f"(run.json records tokenizer fingerprint {recorded[:12]}, it now hashes to {now[:12]}); "
         "the data and the capability answers would be encoded and decoded otherwise than the "
         "checkpoint was trained on. Restore the tokenizer the run started with, or train with "
-        "the new one in a new run (another --run-dir)"
+        f"the new one in a new run (another --run-dir){_from_these_weights(plan)}"
     )
 
 
@@ -119,8 +119,14 @@ def _check_same_data(data, run_dir: Path, plan) -> None:
         f"refusing to resume from {plan.checkpoint}: the training data changed since the run "
         f"started ({origin}: {'; '.join([*changed, hashes])}), and the sampler's position means "
         "nothing in other data. Restore the data the run started on, or train on the new data "
-        "in a new run (another --run-dir)"
+        f"in a new run (another --run-dir){_from_these_weights(plan)}"
     )
+
+
+def _from_these_weights(plan) -> str:
+    return (f", from this checkpoint's weights if you want them: fp8ops checkpoints export "
+            f"{plan.run_dir} --checkpoint {plan.step} --out DIR, then model.init_checkpoint: "
+            "DIR")  # fmt: skip
 
 
 class Trainer:

@@ -264,6 +264,18 @@ def test_items_are_the_first_of_the_eval_split(manifest):
     assert capability_examples(build_data(no_eval), no_eval.capability, ByteTokenizer()) == []
 
 
+def test_more_items_than_the_eval_split_holds_are_said_not_silently_cut(manifest, tmp_path,
+                                                                        capsys):  # fmt: skip
+    with _trainer(manifest, tmp_path / "run", {"capability.items": 100_000}) as trainer:
+        held_out = len(trainer.data.eval)
+        assert len(trainer.capability_examples) == held_out
+    assert (f"warning: capability.items is 100000, but the eval split holds {held_out} items; "
+            "all of them are evaluated") in capsys.readouterr().err  # fmt: skip
+    with _trainer(manifest, tmp_path / "run2"):
+        pass
+    assert "capability.items" not in capsys.readouterr().err
+
+
 def test_answers_longer_than_max_new_tokens_are_refused(manifest):
     """An answer longer than generation may run can never be right: with every answer that
     long both runs of a comparison would score 0 and pass the accuracy gate. Refused, named."""

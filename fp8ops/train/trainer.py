@@ -171,12 +171,10 @@ class Trainer:
         self.capability_examples = capability_examples(
             self.data, manifest.capability, self.tokenizer
         )
-        asked = manifest.capability.items
-        if self.capability_examples and asked is not None and asked > len(self.capability_examples):
-            if ranks.is_main:  # fewer than asked: said, not silently evaluated
-                print(f"warning: capability.items is {asked}, but the eval split holds "
-                      f"{len(self.capability_examples)} items; all of them are evaluated",
-                      file=sys.stderr)  # fmt: skip
+        asked, held = manifest.capability.items, len(self.capability_examples)
+        if ranks.is_main and held and asked is not None and asked > held:  # said, not silent
+            print(f"warning: capability.items is {asked}, but the eval split holds {held} items; "
+                  "all of them are evaluated", file=sys.stderr)  # fmt: skip
         self.capability_accuracy: float | None = None
         schedule = manifest.schedule
         self.sampler = TrainSampler(

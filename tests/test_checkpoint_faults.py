@@ -651,6 +651,28 @@ def test_a_resume_refuses_an_edited_run_manifest_instead_of_writing_over_it(run,
     )
 
 
+def test_a_resume_refuses_a_run_another_job_moved_on_while_it_loaded(run, cli, monkeypatch):
+    """Two SLURM jobs on one run directory: this one planned from the paused checkpoint, and
+    while it loaded the other finished the run. Taking the lock after loading, it would rewind
+    that work (the SLURM review's race); it refuses instead, having written nothing."""
+    from fp8ops.train.trainer import Trainer
+
+    load, after_the_other_job = Trainer._load_checkpoint, {}
+
+    def meanwhile(self, plan):
+        load(self, plan)
+        status = json.loads((run / "status.json").read_text())
+        (run / "status.json").write_text(json.dumps({**status, "state": "completed"}))
+        after_the_other_job.update(_files(run))
+
+    monkeypatch.setattr(Trainer, "_load_checkpoint", meanwhile)
+    refused = cli("resume", run, "--no-progress")
+    assert refused.code == 4, refused.err
+    assert (f"refusing to resume {run}: it moved on while this resume loaded {LATEST} (latest "
+            f"checkpoint {LATEST} -> {LATEST}, status paused -> completed)") in refused.err
+    assert _files(run) == after_the_other_job  # nothing written by the refused resume
+
+
 def test_a_run_manifest_holding_any_stored_revision_is_not_an_edit(run):
     """A resume killed between writing manifest.yaml (its new revision, stored first) and
     status.json leaves a file that is not the locked revision but is one of the run's."""

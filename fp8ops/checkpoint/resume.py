@@ -50,6 +50,7 @@ class ResumePlan:
     lifted_overrides: list = field(default_factory=list)  # ledger Overrides revoked after use
     fp8_read: str = "own"  # "own": each state group reads its slice; "group0": all read slice 0
     accept_drift: str | None = None  # the operator's reason, for drift found after the plan
+    seen: tuple[str | None, str | None] = (None, None)  # (latest checkpoint, state) when planned
 
     @property
     def step(self) -> int:
@@ -111,10 +112,33 @@ def plan_resume(
             new.append(manifest)
     plan = ResumePlan(
         run_dir, directory, meta, saved, manifest, new, drift, accept_drift if drift else None,
-        fp8_read=fp8_read, accept_drift=accept_drift,
+        fp8_read=fp8_read, accept_drift=accept_drift, seen=where_the_run_is(run_dir),
     )  # fmt: skip
     _apply_ledger(plan)
     return plan
+
+
+def where_the_run_is(run_dir: Path) -> tuple[str | None, str | None]:
+    """(the latest checkpoint's name, the status's state): what a resume planned from."""
+    from fp8ops.train.run_dir import read_status
+
+    latest = CheckpointDir(run_dir).latest()
+    return (latest.name if latest else None), (read_status(run_dir) or {}).get("state")
+
+
+def check_not_moved_on(plan: ResumePlan) -> None:
+    """Refuse a resume whose run moved on while it loaded: another job on the same run directory
+    (a resubmission beside a requeued attempt) saved checkpoints or finished the run. Taking the
+    run lock only after loading, this resume would otherwise rewind that work. Called on every
+    rank after loading, before the lock: every rank reads the same files and refuses alike."""
+    now = where_the_run_is(plan.run_dir)
+    if now != plan.seen:
+        raise DriftRefused(
+            f"refusing to resume {plan.run_dir}: it moved on while this resume loaded "
+            f"{plan.checkpoint.name} (latest checkpoint {plan.seen[0]} -> {now[0]}, status "
+            f"{plan.seen[1]} -> {now[1]}): another job trains or trained it. Resume again to "
+            "continue from where it is now (or stop the other job first)"
+        )
 
 
 def _check_is_run(run_dir: Path) -> None:

@@ -142,6 +142,7 @@ class Trainer:
         # Imported here: Megatron takes seconds to import, and `fp8ops --help` should not.
         from fp8ops.admission import apply_admission, decide_admission, write_layers_json
         from fp8ops.alerts import AlertEngine
+        from fp8ops.checkpoint.resume import check_not_moved_on
         from fp8ops.checkpoint.state import Fp8Layout
         from fp8ops.data import TrainSampler, build_data, tokenizer_for
         from fp8ops.evaluate.capability import capability_examples
@@ -219,6 +220,7 @@ class Trainer:
         if resume is not None:
             self._check_admission(resume)
             self._load_checkpoint(resume)  # loaded and verified before anything is written
+            check_not_moved_on(resume)  # loading took a while: nobody trained the run meanwhile
 
         dist.barrier()  # every rank has passed every check
         if not ranks.is_main:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fp8ops.checkpoint.directory import CheckpointDir, CheckpointError
+from fp8ops.checkpoint.directory import LATEST, CheckpointDir, CheckpointError
 from fp8ops.checkpoint.drift import (
     Drift,
     DriftRefused,
@@ -122,8 +122,13 @@ def where_the_run_is(run_dir: Path) -> tuple[str | None, str | None]:
     """(the latest checkpoint's name, the status's state): what a resume planned from."""
     from fp8ops.train.run_dir import read_status
 
-    latest = CheckpointDir(run_dir).latest()
-    return (latest.name if latest else None), (read_status(run_dir) or {}).get("state")
+    store = CheckpointDir(run_dir)
+    try:
+        latest = store.latest()
+        name = latest.name if latest else None
+    except CheckpointError:  # `latest` names what is not there (resumed with --checkpoint)
+        name = (store.path / LATEST).read_text(errors="replace").strip()
+    return name, (read_status(run_dir) or {}).get("state")
 
 
 def check_not_moved_on(plan: ResumePlan) -> None:

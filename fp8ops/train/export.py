@@ -20,7 +20,6 @@ def export_weights(run_dir: Path, checkpoint: str | None, out: Path) -> dict:
     the latest) to ``out``, which must not exist. Returns the written metadata."""
     from fp8ops.checkpoint import CheckpointDir, CheckpointError, read_meta
     from fp8ops.checkpoint.directory import verify_files
-    from fp8ops.checkpoint.state import weights_state
     from fp8ops.manifest import load_manifest, manifest_hash
     from fp8ops.megatron import build_gpt
     from fp8ops.megatron.compat import parallel_state
@@ -52,14 +51,7 @@ def export_weights(run_dir: Path, checkpoint: str | None, out: Path) -> dict:
     try:
         recipe = DelayedScalingRecipe.from_precision(precision) if precision.enabled else None
         model = build_gpt(alone, recipe, device=ranks.device)
-        # Imported once fp8ops.megatron has imported Megatron (hiding TE's CPU-less package).
-        from megatron.core import dist_checkpointing
-
-        sharded = weights_state(model)
-        with weights._quiet_dcp():
-            loaded = dist_checkpointing.load(sharded, str(source))
-        missing, unexpected = model.load_state_dict({k: loaded[k] for k in sharded}, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
+        missing, unexpected = weights.read_weights_into(model, source)
         if missing or unexpected:
             raise CheckpointError(f"{source}: checkpoint and model disagree (missing "
                                   f"{missing[:5]}, unexpected {unexpected[:5]})")  # fmt: skip

@@ -171,7 +171,6 @@ def load_weights(model: nn.Module, directory: Path, model_cfg, *, tp_group, fiel
     a directory that is not an fp8ops weights checkpoint, an architecture other than the
     manifest's, or weights whose fingerprint no longer matches.
     """
-    from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
     directory = Path(directory)
@@ -193,10 +192,8 @@ def load_weights(model: nn.Module, directory: Path, model_cfg, *, tp_group, fiel
             f"this run pads the vocabulary to {model.vocab_size} (model.vocab_size at this "
             "topology.tensor_parallel); train at a tensor-parallel size that pads alike"
         )
-    sharded = _weights_only(model.sharded_state_dict())
     try:
-        with _quiet_dcp():
-            loaded = dist_checkpointing.load(sharded, str(directory))
+        missing, unexpected = read_weights_into(model, directory)
     except (CheckpointException, OSError, EOFError, pickle.UnpicklingError, ValueError,
             KeyError) as exc:  # fmt: skip
         # (CheckpointException, torch's collective read error, is a BaseException that holds
@@ -210,8 +207,6 @@ def load_weights(model: nn.Module, directory: Path, model_cfg, *, tp_group, fiel
             f"{': ' + detail if detail else ''}); the checkpoint is damaged or incomplete: point "
             f"{field} at a whole one"
         ) from None
-    missing, unexpected = model.load_state_dict(loaded, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise ManifestError(
             f"{field} {str(directory)!r}: checkpoint and model disagree (missing {missing[:5]}, "
@@ -240,6 +235,20 @@ def load_weights(model: nn.Module, directory: Path, model_cfg, *, tp_group, fiel
             f"{meta['fingerprint']}; its files changed or are damaged, so rebuild it{older}"
         )
     return meta
+
+
+def read_weights_into(model: nn.Module, directory: Path) -> tuple[list[str], list[str]]:
+    """Read ``model``'s weights from the checkpoint ``directory`` into it (collective): a
+    weights checkpoint, or a training checkpoint, which holds them under the same keys.
+    Returns the keys the checkpoint lacked and those the model lacks (``_extra_state`` aside);
+    a read error is raised as torch's checkpoint raises it, for the caller to word."""
+    from megatron.core import dist_checkpointing
+
+    sharded = _weights_only(model.sharded_state_dict())
+    with _quiet_dcp():
+        loaded = dist_checkpointing.load(sharded, str(directory))
+    missing, unexpected = model.load_state_dict({k: loaded[k] for k in sharded}, strict=False)
+    return [k for k in missing if not k.endswith("_extra_state")], list(unexpected)
 
 
 def read_weights_meta(directory: Path, *, field: str) -> dict:

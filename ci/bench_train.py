@@ -2,7 +2,7 @@
 
     .venv/bin/python ci/bench_train.py [--steps 40] [--warmup 5] [--repeats 1]
         [--configs bf16-tp1,fp8-tp1,bf16-tp2,fp8-tp2] [--threads N] [--json PATH]
-        [--build-base]
+        [--build-base] [--set KEY=VALUE ...]
 
 Runs the real command (``python -m fp8ops train manifests/tiny-gpt-cpu.yaml``, the CPU default's
 FP8 fine-tuning) once per configuration and repeat, each in its own process and temporary run
@@ -57,8 +57,9 @@ from rich.console import Console
 from rich.table import Table
 
 from fp8ops.errors import Fp8opsError
+from fp8ops.files import read_jsonl
 from fp8ops.manifest import load_manifest
-from fp8ops.train.run_dir import read_jsonl
+from fp8ops.train.cpu_gemm import CHOICE_VARIABLE, cpu_bf16_gemm
 from fp8ops.train.weights import read_weights_meta
 
 REPO = Path(__file__).resolve().parent.parent
@@ -115,7 +116,9 @@ def python() -> str:
     return str(venv) if venv.exists() else sys.executable
 
 
-def train_command(config: Config, run_dir: Path, steps: int, lr_warmup: int) -> list[str]:
+def train_command(
+    config: Config, run_dir: Path, steps: int, lr_warmup: int, extra: list[str] = ()
+) -> list[str]:
     launcher = [python()]
     if config.tp > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone"]
@@ -130,6 +133,7 @@ def train_command(config: Config, run_dir: Path, steps: int, lr_warmup: int) -> 
         overrides.append("precision.enabled=false")
     if config.tp > 1:
         overrides.append(f"topology.tensor_parallel={config.tp}")
+    overrides += extra
     command = launcher + ["-m", "fp8ops", "train", MANIFEST, "--run-dir", str(run_dir)]
     command.append("--no-progress")
     for assignment in overrides:
@@ -139,9 +143,9 @@ def train_command(config: Config, run_dir: Path, steps: int, lr_warmup: int) -> 
 
 def run_once(
     config: Config, run_dir: Path, *, steps: int, warmup: int, lr_warmup: int, threads: int,
-    console: Console,
+    console: Console, extra: list[str] = (),
 ) -> Measurement:  # fmt: skip
-    command = train_command(config, run_dir, steps, lr_warmup)
+    command = train_command(config, run_dir, steps, lr_warmup, extra)
     env = dict(os.environ)
     # Explicit, so TP=1 and TP=2 use the same cores in total (torchrun would set 1 per rank).
     env["OMP_NUM_THREADS"] = str(max(1, threads // config.tp))
@@ -220,9 +224,11 @@ def machine_line(threads: int, load_at_start: float) -> str:
         pass
     cpus = os.cpu_count()
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
+    gemm = cpu_bf16_gemm(torch.device("cpu"))
     return (
         f"{model}, {cpus} CPUs ({usable} usable), load avg {load_at_start:.2f} at start, "
-        f"{load_average():.2f} at end; "
+        f"{load_average():.2f} at end; bf16 GEMMs {gemm} ({CHOICE_VARIABLE}: "
+        f"{os.environ.get(CHOICE_VARIABLE) or 'unset, the CPU decides'}); "
         f"torch {torch.__version__}, {threads} threads in all: TP=1 one process x {threads}, "
         f"TP=2 two processes x {max(1, threads // 2)}"
     )
@@ -248,7 +254,8 @@ def slowdowns(results: dict[str, Result], config: Config) -> list[float] | None:
 def results_table(results: dict[str, Result], args) -> Table:
     repeats = "" if args.repeats == 1 else f", min..max over {args.repeats} repeats"
     table = Table(
-        title=f"fp8ops train {MANIFEST}: {args.steps} steps, first {args.warmup} dropped, "
+        title=f"fp8ops train {MANIFEST}{''.join(f' --set {a}' for a in args.extra)}: "
+        f"{args.steps} steps, first {args.warmup} dropped, "
         f"medians per run{repeats}"
     )
     for column in (
@@ -304,6 +311,11 @@ def main() -> None:
         "--threads", type=int, default=torch.get_num_threads(),
         help="CPU threads in all, split over the ranks (default: torch's, %(default)s here)",
     )  # fmt: skip
+    parser.add_argument(
+        "--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
+        help="a manifest override for every run, after the benchmark's own (e.g. "
+        "data.pad_to=longest); repeatable",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results here")
     parser.add_argument(
         "--build-base", action="store_true", help="train the base checkpoint first if missing"
@@ -336,6 +348,7 @@ def main() -> None:
                 measurement = run_once(
                     config, Path(tmp) / f"{config.name}-r{repeat}", steps=args.steps,
                     warmup=args.warmup, lr_warmup=lr_warmup, threads=args.threads, console=log,
+                    extra=args.extra,
                 )  # fmt: skip
                 results[config.name].runs.append(measurement)
                 log.print(
@@ -351,6 +364,7 @@ def main() -> None:
             "cpus": os.cpu_count(),
             "threads": args.threads,
             "manifest": MANIFEST,
+            "set": args.extra,
             "steps": args.steps,
             "warmup": args.warmup,
             "repeats": args.repeats,

@@ -233,6 +233,14 @@ AcceptDrift = Annotated[
         show_default=False,
     ),
 ]
+AfterStop = Annotated[
+    str | None,
+    typer.Option(
+        help="Resume a run a Stop alert halted as it is (no override approved, no manifest "
+        "change since); the reason is recorded in the run's events.",
+        show_default=False,
+    ),
+]
 StopAt = Annotated[
     int | None,
     typer.Option(help="Checkpoint after this step and stop (resumable).", show_default=False),
@@ -267,6 +275,7 @@ def train(
         ),
     ] = False,
     accept_drift: AcceptDrift = None,
+    after_stop: AfterStop = None,
     stop_at: StopAt = None,
 ) -> None:
     """Train MANIFEST's model (fine-tune from model.init_checkpoint, or pre-train from scratch).
@@ -279,7 +288,7 @@ def train(
     run_dir = run_dir or Path("runs") / load_manifest(file).name
     result = run_training(
         file, run_dir, assignments=parse_assignments(set_ or []), progress=progress,
-        resume=resume, accept_drift=accept_drift, stop_at=stop_at,
+        resume=resume, accept_drift=accept_drift, after_stop=after_stop, stop_at=stop_at,
     )  # fmt: skip
     _report_training(result)
 
@@ -296,6 +305,7 @@ def resume(
         typer.Option("--set", help="PATH=VALUE changes to the manifest (needs --accept-drift)."),
     ] = None,
     accept_drift: AcceptDrift = None,
+    after_stop: AfterStop = None,
     stop_at: StopAt = None,
     progress: Annotated[bool, typer.Option(help=PROGRESS_HELP)] = True,
 ) -> None:
@@ -303,13 +313,14 @@ def resume(
 
     Drift (another manifest, torch, megatron-core, TE, CUDA or GPU) is refused with exit code 4
     before any model is built, unless accepted with a reason. Approved overrides from the
-    run's ledger are applied as a new manifest revision.
+    run's ledger are applied as a new manifest revision. A run a Stop alert halted resumes only
+    with an override applied or lifted, accepted drift, or --after-stop (exit 3 otherwise).
     """
     from fp8ops.train import resume_training
 
     result = resume_training(
         run_dir, checkpoint=checkpoint, assignments=parse_assignments(set_ or []),
-        accept_drift=accept_drift, progress=progress, stop_at=stop_at,
+        accept_drift=accept_drift, after_stop=after_stop, progress=progress, stop_at=stop_at,
     )  # fmt: skip
     _report_training(result)
 

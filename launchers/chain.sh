@@ -50,6 +50,7 @@ for _ in $(seq "$N"); do
   echo "$id"
   previous=$id
   # An accepted drift's reason is for the drift seen now, which the first link records as a
-  # revision; the later links resume locked to it and refuse new drift.
-  unset FP8OPS_ACCEPT_DRIFT
+  # revision; the later links resume locked to it and refuse new drift. Going on after a Stop
+  # alert is likewise for the Stop seen now.
+  unset FP8OPS_ACCEPT_DRIFT FP8OPS_AFTER_STOP
 done

@@ -589,7 +589,12 @@ def test_a_stop_alert_at_the_last_step_is_finished_with_its_evaluations(referenc
     status = json.loads((run / "status.json").read_text())
     (run / "status.json").write_text(json.dumps({**status, "state": "stopped"}))
 
-    finished = cli("resume", run, "--no-progress")
+    before = _files(run)
+    refused = cli("resume", run, "--no-progress")  # nothing answers the Stop (next test)
+    assert refused.code == 3, refused.err
+    assert "it would write the final weights of a run whose last step stopped" in refused.err
+    assert _files(run) == before
+    finished = cli("resume", run, "--after-stop", "the last step: keep it", "--no-progress")
     assert finished.code == 0, finished.err
     straight_eval = json.loads(evals[-1])
     assert json.loads((run / "eval.jsonl").read_text().splitlines()[-1]) == straight_eval
@@ -597,6 +602,70 @@ def test_a_stop_alert_at_the_last_step_is_finished_with_its_evaluations(referenc
     assert json.loads((run / "status.json").read_text())["state"] == "completed"
     written = json.loads((run / "final" / WEIGHTS_META).read_text())
     assert written == json.loads((reference / "final" / WEIGHTS_META).read_text())
+
+
+def _stop(run: Path, step: int = PAUSED_AT) -> None:
+    """Mark ``run`` as a Stop alert halts it: a checkpoint of the step, status ``stopped``."""
+    alert = {"step": step, "level": "stop", "rule": "saturation",
+             "module": "decoder.layers.0.mlp.linear_fc1", "metric": "input.saturation",
+             "message": "input.saturation 0.05 > 0.01 for 3 consecutive measured steps"}  # fmt: skip
+    last = run / "checkpoints" / checkpoint_name(step)
+    edit_meta(last, lambda meta: meta.update(reason="alert-stop: saturation"))
+    status = json.loads((run / "status.json").read_text())
+    (run / "status.json").write_text(json.dumps(
+        {**status, "state": "stopped", "step": step, "alert": alert, "checkpoint": last.name}))
+
+
+def test_a_stopped_run_resumes_only_when_something_answers_the_stop(run, manifest, cli):
+    """A chain's next job or a requeue would otherwise train up to the same Stop again."""
+    from fp8ops.checkpoint.resume import StopUnanswered, plan_resume
+    from fp8ops.overrides import Ledger
+
+    _stop(run)
+    before = _files(run)
+    for command in (("resume", run), ("train", manifest, "--resume", "--run-dir", run)):
+        refused = cli(*command, "--no-progress")
+        assert refused.code == 3, refused.err
+        assert (f"a Stop alert halted it at step {PAUSED_AT} (input.saturation 0.05 > 0.01"
+                in refused.err and "--after-stop" in refused.err), refused.err
+    assert cli("resume", run, "--after-stop", " ", "--no-progress").code == 2
+    assert _files(run) == before
+    # From an older checkpoint too: it would train up to the same Stop.
+    with pytest.raises(StopUnanswered):
+        plan_resume(run, checkpoint=PREVIOUS)
+    # Another node (environment drift, accepted) changes nothing the Stop was about.
+    elsewhere = {**read_meta(run / "checkpoints" / LATEST).environment, "torch": "9.9.9"}
+    with pytest.raises(StopUnanswered, match="the resume would change nothing"):
+        plan_resume(run, accept_drift="another node", environment=elsewhere)
+    # What answers it: a reason to go on as it is, a manifest change, an approved override.
+    assert plan_resume(run, after_stop="a transient spike").after_stop == "a transient spike"
+    drifted = plan_resume(run, assignments={"optimizer.weight_decay": 0.05}, accept_drift="why")
+    assert drifted.new_revisions and drifted.after_stop is None
+    ledger = Ledger(run)
+    staged = ledger.stage("decoder.layers.0.mlp.linear_fc1", "saturates", who="ana")
+    with pytest.raises(StopUnanswered):  # staged is not approved
+        plan_resume(run)
+    ledger.approve(staged.id, who="ben")
+    assert [o.module for o in plan_resume(run).applied_overrides] == [staged.module]
+    # Resumed with a reason, the run records it and trains on.
+    resumed = cli("resume", run, "--after-stop", "a transient spike", "--stop-at", PAUSED_AT + 1,
+                  "--no-progress")  # fmt: skip
+    assert resumed.code == 0, resumed.err
+    (event,) = [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "resumed"]
+    assert event["after_stop"] == "a transient spike"
+    assert event["overrides_applied"] == [staged.module]
+
+
+def test_data_pad_to_may_change_on_a_resume(run):
+    """How far batches are padded changes neither the rows nor their order (docs/data.md)."""
+    from fp8ops.checkpoint.resume import plan_resume
+
+    with pytest.raises(DriftRefused, match=r"data\.pad_to: 'seq_length' -> 'longest'"):
+        plan_resume(run, assignments={"data.pad_to": "longest"})
+    plan = plan_resume(run, assignments={"data.pad_to": "longest"}, accept_drift="narrower")
+    assert plan.manifest.data.pad_to == "longest"
+    with pytest.raises(DriftRefused, match="would change the training set"):  # other data fields
+        plan_resume(run, assignments={"data.eval_fraction": 0.2}, accept_drift="more held out")
 
 
 def test_a_resume_past_a_shortened_schedule_trains_and_overwrites_nothing(run, cli):

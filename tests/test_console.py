@@ -277,6 +277,20 @@ def test_the_resume_preview_shows_a_refusal_as_text(run_copy):
     assert app.message.value == ""
 
 
+def test_a_stopped_run_previews_its_refusal_until_an_override_is_approved(run_copy):
+    status = json.loads((run_copy / "status.json").read_text())
+    (run_copy / "status.json").write_text(json.dumps({**status, "state": "stopped"}))
+    app = console(run_copy, user="ana")
+    assert "no resume possible now" in app.resume_preview.value
+    assert "a Stop alert halted it" in app.resume_preview.value
+    app.stage_reason.value = "saturates"
+    app.stage_button.click()
+    assert "no resume possible now" in app.resume_preview.value  # staged is not approved
+    app.user.value = "ben"
+    app.approve_button.click()
+    assert "new revision 2" in app.resume_preview.value
+
+
 # -- data behind the views ----------------------------------------------------------------------
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import json
@@ -398,6 +399,34 @@ def test_sft_loss_mask_is_exactly_the_answer_and_eod(tasks_data):
                 example.prompt.encode()
             )
             assert batch.labels[row][:-1].tolist() == batch.tokens[row][1:].tolist()
+
+
+def test_pad_to_longest_cuts_each_batch_to_its_longest_row_rounded_to_16(tasks_data):
+    longest = build_data(make_manifest("kind: tasks\npad_to: longest"))
+    assert longest.fingerprint == tasks_data.fingerprint  # the same data, batched narrower
+    lengths = np.diff(longest.train.starts) - 1  # label positions a row fills
+    widths = set()
+    for rows in (range(8), range(8, 11), [5], range(len(longest.train))):
+        full, narrow = tasks_data.train.batch(rows), longest.train.batch(rows)
+        width = narrow.tokens.shape[1]
+        need = int(lengths[list(rows)].max())
+        assert width % 16 == 0 and need <= width < need + 16, (need, width)
+        widths.add(width)
+        for name in ("tokens", "labels", "loss_mask"):  # the seq_length batch, cut short
+            assert torch.equal(getattr(narrow, name), getattr(full, name)[:, :width]), name
+        assert full.loss_mask[:, width:].sum() == 0  # nothing scored was cut
+        assert narrow.position_ids[0].tolist() == list(range(width))
+    assert len(widths) > 1  # the width follows the rows
+    # Never wider than seq_length, when the longest row rounds up past it.
+    data = build_data(make_manifest("kind: tasks\npad_to: longest", seq_length=44))
+    rows = [int(np.argmax(np.diff(data.train.starts)))]
+    assert np.diff(data.train.starts)[rows[0]] - 1 > 32  # rounds up to 48 > 44
+    assert data.train.batch(rows).tokens.shape[1] == 44
+    # Pre-training windows are full: no narrower batch.
+    text = build_data(make_manifest("kind: corpus\npad_to: longest"))
+    assert text.train.batch(range(4)).tokens.shape == (4, 64)
+    with pytest.raises(ValueError, match="pad_to must be"):
+        dataclasses.replace(tasks_data.train, pad_to="shortest")
 
 
 def test_too_long_example_names_model_seq_length():

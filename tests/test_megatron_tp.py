@@ -14,8 +14,11 @@ What was measured (tiny-gpt-cpu, 4 steps of 2 micro-batches, AdamW lr 1e-3, this
 * Scales: after the first step every weight scale is identical to TP=1's (the MAX-reduced amax of
   the shards is exactly the full weight's amax); activation and gradient scales differ where the
   values themselves did: up to 1.6e-3 relative in fp32, 2.6e-2 in bf16 (a few bf16 ulps of amax).
+* On a 2-core AMD EPYC (AVX2, no AVX512; other float32 kernels), 2026-11-30: fp32 losses equal
+  for 2 steps, then 2e-7 and 2.2e-4 apart (a value in step 3 crossed an FP8 rounding boundary on
+  one layout), scales up to 6.2e-3 relative; bf16 losses up to 2.5e-4, scales 2.5e-2.
 
-The tolerances below are about 3x to 5x these.
+The tolerances below are about 3x to 5x the larger of these.
 """
 
 import json
@@ -31,8 +34,8 @@ if importlib.util.find_spec("megatron") is None:  # not importorskip: fp8ops.meg
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
 
 WORKER = Path(__file__).parent / "workers" / "megatron_tp.py"
-LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 1e-3}
-SCALE_TOLERANCE = {"fp32": 5e-3, "bf16": 1e-1}  # relative
+LOSS_TOLERANCE = {"fp32": 1e-3, "bf16": 1e-3}
+SCALE_TOLERANCE = {"fp32": 2e-2, "bf16": 1e-1}  # relative
 WEIGHT_SLOT = 1
 
 

@@ -17,6 +17,7 @@ small model of test_resume.py, at TP=2 over gloo (two ranks per job), 60 steps:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -202,16 +203,18 @@ def _fake_commands(tmp_path: Path, **scripts: str) -> dict[str, str]:
     return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
 
 
-# Records each call (its arguments, and the drift reason it would hand the job) and prints an id.
+# Records each call (its arguments, and the drift and after-Stop reasons it would hand the job) and
+# prints an id.
 FAKE_SBATCH = """n=$(( $(cat "$CALLS" 2>/dev/null | wc -l) + 1 ))
-echo "$* | drift=${FP8OPS_ACCEPT_DRIFT:-}" >> "$CALLS"
+echo "$* | drift=${FP8OPS_ACCEPT_DRIFT:-}${FP8OPS_AFTER_STOP:+ | stop=$FP8OPS_AFTER_STOP}" >> "$CALLS"
 echo "$(( 100 + n ));cluster"
 """
 
 
 def test_a_chain_waits_link_by_link_and_accepts_drift_in_its_first_link_only(tmp_path):
     env = _fake_commands(tmp_path, sbatch=FAKE_SBATCH)
-    env.update(CALLS=str(tmp_path / "calls"), FP8OPS_ACCEPT_DRIFT="lr lowered")
+    env.update(CALLS=str(tmp_path / "calls"), FP8OPS_ACCEPT_DRIFT="lr lowered",
+               FP8OPS_AFTER_STOP="a spike")  # fmt: skip
     done = subprocess.run(
         ["bash", str(LAUNCHERS / "chain.sh"), "3", "--dependency=afterok:77", "--time=10",
          "train.sbatch"], env=env, capture_output=True, text=True, check=False,
@@ -219,7 +222,7 @@ def test_a_chain_waits_link_by_link_and_accepts_drift_in_its_first_link_only(tmp
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["101", "102", "103"]
     assert (tmp_path / "calls").read_text().splitlines() == [
-        "--parsable --dependency=afterok:77 --time=10 train.sbatch | drift=lr lowered",
+        "--parsable --dependency=afterok:77 --time=10 train.sbatch | drift=lr lowered | stop=a spike",
         "--parsable --dependency=afterany:101 --time=10 train.sbatch | drift=",
         "--parsable --dependency=afterany:102 --time=10 train.sbatch | drift=",
     ]
@@ -242,11 +245,12 @@ def test_launch_slurm_chain_hands_the_drift_reason_to_its_first_job_only(eight_r
         monkeypatch.setenv(key, env[key])
     monkeypatch.setenv("CALLS", str(tmp_path / "calls"))
     monkeypatch.setenv("FP8OPS_ACCEPT_DRIFT", "lr lowered")
+    monkeypatch.setenv("FP8OPS_AFTER_STOP", "a spike")
     job = plan_job(eight_rank_manifest, nodes=2, gpus_per_node=4, time="1:00:00",
                    workdir=tmp_path)  # fmt: skip
     assert submit(job, chain=2) == ["101", "102"]
-    drift = [line.split("| ")[1] for line in (tmp_path / "calls").read_text().splitlines()]
-    assert drift == ["drift=lr lowered", "drift="]
+    given = [line.split("| ", 1)[1] for line in (tmp_path / "calls").read_text().splitlines()]
+    assert given == ["drift=lr lowered | stop=a spike", "drift="]
 
 
 def test_a_requeued_attempt_does_not_accept_drift_again(tmp_path):
@@ -257,15 +261,33 @@ def test_a_requeued_attempt_does_not_accept_drift_again(tmp_path):
     )  # fmt: skip
     env.update(CALLS=str(tmp_path / "calls"), FP8OPS_MANIFEST="m.yaml",
                FP8OPS_RUN_DIR=str(tmp_path / "run"), FP8OPS_LAUNCHER="srun",
-               FP8OPS_ACCEPT_DRIFT="lr lowered", SLURM_JOB_ID="7")  # fmt: skip
+               FP8OPS_ACCEPT_DRIFT="lr lowered", FP8OPS_AFTER_STOP="a spike",
+               SLURM_JOB_ID="7")  # fmt: skip
     for attempt in ("0", "1"):
         done = subprocess.run(["bash", str(LAUNCHERS / "train.sbatch")], capture_output=True,
                               text=True, check=False, env={**env, "SLURM_RESTART_COUNT": attempt},
                               cwd=tmp_path)  # fmt: skip
         assert done.returncode == 0, done.stdout + done.stderr
     first, requeue = (tmp_path / "calls").read_text().splitlines()
-    assert first.rstrip().endswith("--no-progress --accept-drift lr lowered")
-    assert requeue.rstrip().endswith("--no-progress") and "accept-drift" not in requeue
+    assert first.rstrip().endswith("--no-progress --accept-drift lr lowered --after-stop a spike")
+    assert requeue.rstrip().endswith("--no-progress")  # no --accept-drift, no --after-stop
+
+
+def test_a_job_that_does_not_resume_a_stopped_run_says_it_is_still_halted(tmp_path):
+    """train.sbatch with a fake srun whose ranks refuse the resume (exit 3, no status written),
+    as they do for a run a Stop alert halted that nothing answers: a chain's next job."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "status.json").write_text(json.dumps({"state": "stopped", "step": 6}, indent=2))
+    env = _fake_commands(tmp_path, srun="exit 3\n", scontrol="echo localhost\n")
+    env.update(FP8OPS_MANIFEST="m.yaml", FP8OPS_RUN_DIR=str(run), FP8OPS_LAUNCHER="srun",
+               SLURM_JOB_ID="7", SLURM_RESTART_COUNT="0")  # fmt: skip
+    done = subprocess.run(["bash", str(LAUNCHERS / "train.sbatch")], capture_output=True,
+                          text=True, check=False, env=env, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "the run is still halted by its Stop alert" in done.stdout, done.stdout
+    assert 'FP8OPS_AFTER_STOP="why"' in done.stdout
+    assert "training failed (exit 3)" in done.stdout  # and the drift hint, for a drift refusal
 
 
 # -- a real SLURM -------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ The model is the CPU default's shape, shrunk (2 layers, hidden 64) so a run take
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 if importlib.util.find_spec("megatron") is None:
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
@@ -25,6 +27,7 @@ from fp8ops.errors import Fp8opsError
 from fp8ops.files import read_jsonl
 from fp8ops.manifest import ManifestStore, derive, load_manifest, manifest_hash
 from fp8ops.train import run_training
+from fp8ops.train.cpu_gemm import CHOICE_VARIABLE, cpu_has_bf16_gemm
 from fp8ops.train.distributed import init_distributed, shutdown_distributed
 from fp8ops.train.run_dir import RunDir
 from fp8ops.train.trainer import Trainer
@@ -125,6 +128,8 @@ def test_finetune_run_records_everything(fp8_run, base, finetune_manifest):
     assert info["data"]["kind"] == "tasks" and len(info["data"]["fingerprint"]) == 64
     assert info["environment"]["torch"] == torch.__version__
     assert info["fp8_casts"] == "eager"  # compiled casts are for CUDA tensors unless asked
+    if not os.environ.get(CHOICE_VARIABLE):  # bf16 GEMMs: the CPU decides (docs/training.md)
+        assert info["cpu_bf16_gemm"] == ("native" if cpu_has_bf16_gemm() else "float32")
     assert set(info["data"]["train"]["buckets"]) == {"task", "length", "difficulty", "format"}
     sampler = info["data"]["sampler"]
     assert sampler["position"] == {"epoch": 0, "cursor": 0, "seed": manifest.seeds.data}
@@ -241,6 +246,41 @@ def test_excluded_module_keeps_its_state_frozen(trainer):
     assert any(not torch.equal(v, moving[k]) for k, v in qkv.fp8_meta.state_dict().items())
 
 
+class _GemmLog(TorchDispatchMode):
+    """Entered before the trainer's own mode, so below it: the dtypes of the GEMMs that reach
+    torch's kernels."""
+
+    GEMMS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
+             torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default})  # fmt: skip
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes: list[set[torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.GEMMS:
+            self.dtypes.append({a.dtype for a in args if isinstance(a, torch.Tensor)})
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("choice", ["float32", "native"])
+def test_bf16_gemms_run_as_the_cpu_choice_says(finetune_manifest, tmp_path, monkeypatch, choice):
+    """Training and evaluation GEMMs, backward included (docs/training.md, bf16 on CPUs)."""
+    monkeypatch.setenv(CHOICE_VARIABLE, choice)
+    manifest = load_manifest(finetune_manifest)
+    ranks = init_distributed(manifest.topology, source="test")
+    try:
+        trainer = Trainer(manifest, [manifest], tmp_path / "run", ranks, progress=False)
+        with _GemmLog() as log:
+            trainer.train_step(0)
+            trainer.evaluate(1)
+    finally:
+        shutdown_distributed()
+    assert trainer.cpu_bf16_gemm == choice
+    bf16 = [dtypes for dtypes in log.dtypes if torch.bfloat16 in dtypes]
+    assert len(log.dtypes) > 20 and (bf16 == [] if choice == "float32" else len(bf16) > 10)
+
+
 def test_evaluation_leaves_fp8_state_untouched(trainer):
     trainer.train_step(0)
     before = trainer._fp8_state()
@@ -336,6 +376,28 @@ def test_dp2_matches_one_rank(finetune_manifest, tmp_path):
     for key in ("loss", "grad_norm"):
         assert [m[key] for m in dp2] == pytest.approx([m[key] for m in dp1], rel=1e-5), key
     assert [m["tokens"] for m in dp2] == [m["tokens"] for m in dp1]
+
+
+def test_pad_to_longest_trains_as_padding_to_seq_length_does(finetune_manifest, tmp_path):
+    """Padding sits after each row's tokens, where causal attention keeps it from the scored
+    positions: batches padded to their longest row give the same losses, gradients and eval
+    losses as batches padded to seq_length, over fewer positions. FP8 off, fp32: with FP8 the
+    amaxes would see fewer padding positions, a legitimate difference."""
+    plain = {**FP32, "precision.enabled": False}
+    run_training(finetune_manifest, tmp_path / "full", assignments=plain, progress=False)
+    run_training(
+        finetune_manifest, tmp_path / "longest",
+        assignments={**plain, "data.pad_to": "longest"}, progress=False,
+    )  # fmt: skip
+    full = read_jsonl(tmp_path / "full" / "metrics.jsonl")
+    longest = read_jsonl(tmp_path / "longest" / "metrics.jsonl")
+    # Measured: within 1e-7 relative (other GEMM shapes, other summation blocks).
+    for key in ("loss", "grad_norm"):
+        assert [m[key] for m in longest] == pytest.approx([m[key] for m in full], rel=1e-6), key
+    assert [m["loss_tokens"] for m in longest] == [m["loss_tokens"] for m in full]
+    assert sum(m["tokens"] for m in longest) < sum(m["tokens"] for m in full)
+    evals = [read_jsonl(tmp_path / name / "eval.jsonl") for name in ("full", "longest")]
+    assert [e["loss"] for e in evals[1]] == pytest.approx([e["loss"] for e in evals[0]], rel=1e-6)
 
 
 def test_without_a_held_out_split_evaluation_is_skipped(finetune_manifest, tmp_path):

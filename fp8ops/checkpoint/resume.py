@@ -11,7 +11,12 @@ the resumed run will be locked to, and refuses drift:
    manifest and whose reason names the reason and the changed fields;
 3. approved overrides in the run's ledger become one more revision on top
    (``precision.overrides``), and overrides revoked after they were applied come off. These are
-   not drift: they were reviewed in the ledger.
+   not drift: they were reviewed in the ledger;
+4. a run a Stop alert halted resumes only when something answers the alert: a manifest other
+   than the one it stopped under (an override applied or lifted, a manifest change accepted),
+   or ``after_stop`` (an operator's reason to go on as it is). Otherwise
+   :class:`StopUnanswered` (exit 3): a chain's next job, or a requeue, would train up to the
+   same Stop again.
 """
 
 from __future__ import annotations
@@ -28,10 +33,17 @@ from fp8ops.checkpoint.drift import (
     refuse,
 )
 from fp8ops.checkpoint.meta import CheckpointMeta, read_meta
-from fp8ops.errors import ManifestError
+from fp8ops.errors import Fp8opsError, ManifestError
 from fp8ops.manifest import ManifestStore, derive, load_manifest, manifest_hash
 from fp8ops.manifest.canonical import content_dict
 from fp8ops.manifest.schema import Manifest
+
+
+class StopUnanswered(Fp8opsError):
+    """A resume of a run a Stop alert halted, with nothing that answers the alert."""
+
+    exit_code = 3  # the Stop's own: the run is still stopped
+    collective = True  # every rank raises it; rank 0 says so
 
 
 @dataclass
@@ -50,6 +62,7 @@ class ResumePlan:
     lifted_overrides: list = field(default_factory=list)  # ledger Overrides revoked after use
     fp8_read: str = "own"  # "own": each state group reads its slice; "group0": all read slice 0
     accept_drift: str | None = None  # the operator's reason, for drift found after the plan
+    after_stop: str | None = None  # the operator's reason to resume a stopped run as it is
     seen: tuple[str | None, str | None] = (None, None)  # (latest checkpoint, state) when planned
 
     @property
@@ -64,9 +77,11 @@ def plan_resume(
     manifest_path: Path | None = None,
     assignments: dict | None = None,
     accept_drift: str | None = None,
+    after_stop: str | None = None,
     environment: dict | None = None,
 ) -> ResumePlan:
-    """Decide how to resume ``run_dir``; raises :class:`DriftRefused` on unaccepted drift."""
+    """Decide how to resume ``run_dir``; raises :class:`DriftRefused` on unaccepted drift and
+    :class:`StopUnanswered` for a stopped run that nothing answers."""
     from fp8ops.train.environment import environment_fingerprint
 
     run_dir = Path(run_dir)
@@ -87,6 +102,11 @@ def plan_resume(
         raise ManifestError(
             "--accept-drift: give the reason the drift is acceptable; it is recorded in the "
             "new revision and the run's events (an empty reason was given)"
+        )
+    if after_stop is not None and not after_stop.strip():
+        raise ManifestError(
+            "--after-stop: give the reason the run may go on after its Stop alert; it is "
+            "recorded in the run's events (an empty reason was given)"
         )
     requested = saved
     if manifest_path is not None:
@@ -115,7 +135,38 @@ def plan_resume(
         fp8_read=fp8_read, accept_drift=accept_drift, seen=where_the_run_is(run_dir),
     )  # fmt: skip
     _apply_ledger(plan)
+    _check_stop_answered(plan, after_stop)
     return plan
+
+
+def _check_stop_answered(plan: ResumePlan, after_stop: str | None) -> None:
+    """A run a Stop alert halted goes on only when something answers the alert (module 4.):
+    the resumed manifest differs from the one the Stop fired under (an override applied or
+    lifted, a manifest change accepted), or ``after_stop`` gives a reason. Accepted drift of
+    the environment alone (another node) changes nothing the Stop was about, and an override
+    applied again after a rewind to an older checkpoint is what the run stopped under."""
+    from fp8ops.train.run_dir import read_status
+
+    status = read_status(plan.run_dir) or {}
+    if status.get("state") != "stopped":
+        return
+    plan.after_stop = after_stop  # recorded in the resumed event, whatever else answers
+    stopped_under = status.get("manifest", manifest_hash(plan.saved_manifest))
+    if manifest_hash(plan.manifest) != stopped_under or after_stop is not None:
+        return
+    alert = status.get("alert") or {}
+    what = alert.get("message") or alert.get("rule") or "an alert"
+    last = plan.step >= plan.manifest.schedule.train_steps
+    would = ("write the final weights of a run whose last step stopped" if last
+             else "train up to the same Stop again")  # fmt: skip
+    raise StopUnanswered(
+        f"refusing to resume {plan.run_dir}: a Stop alert halted it at step "
+        f"{status.get('step', '?')} ({what}), and the resume would change nothing: no override "
+        "to apply or lift, no manifest change. Resumed as it is, it would "
+        f"{would}. See `fp8ops alerts {plan.run_dir} --level stop`; then approve an override "
+        '(`fp8ops overrides`), change the manifest (--set ... --accept-drift "why"), or go on '
+        'as it is: --after-stop "why"'
+    )
 
 
 def where_the_run_is(run_dir: Path) -> tuple[str | None, str | None]:
@@ -206,6 +257,8 @@ def _unloadable(drift: Drift) -> str | None:
         path = change.path
         if path == "precision.enabled" and change.new is False:
             continue  # FP8 off: the saved FP8 state is simply not used
+        if path == "data.pad_to":
+            continue  # how far batches are padded: the same rows, in the same order
         if path.startswith(_ARCHITECTURE) and not path.startswith(_NOT_ARCHITECTURE):
             return (
                 f"{path} changed ({change.old!r} -> {change.new!r}): the checkpoint's weights "

@@ -376,8 +376,9 @@ def check_comparable(reference: RunRecords, candidates: list[RunRecords]) -> Non
                 raise Fp8opsError(
                     f"{run.path}: metrics.jsonl step {record['step']} has tokens "
                     f"{record['tokens']}, the reference {reference.path} has {theirs}; runs are "
-                    "comparable only with equal tokens per step (same global batch and "
-                    "sequence length)"
+                    "comparable only with equal tokens per step (same global batch, sequence "
+                    "length and data.pad_to; under pad_to longest also the same micro-batch "
+                    "size and data-parallel size, which group the rows)"
                 )
 
 

@@ -10,10 +10,15 @@ window[:-1]`` and predicts ``labels = window[1:]``, so position ``i`` is scored 
   default), and attention is plain causal across document boundaries.
 * SFT (``sft_sequences``): one example per window, ``prompt + answer + EOD`` right-padded with
   PAD; a position counts exactly when its label is an answer token or that final EOD.
+
+A micro-batch is ``seq_length`` positions wide, or (``data.pad_to: longest``) as wide as its
+longest row rounded up to ``LONGEST_MULTIPLE``. The data fingerprint hashes the rows padded to
+``seq_length`` either way: it names the data, not how batches are cut from it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections import Counter
@@ -31,6 +36,11 @@ from fp8ops.errors import ManifestError
 
 # How many positions the fingerprint pads and hashes at a time (about 20 MB of padded tensors).
 DIGEST_POSITIONS = 1 << 20
+
+# What ``pad_to: longest`` rounds a micro-batch's width up to: FP8 GEMMs take token counts in
+# multiples of 16 (cuBLASLt's K in the weight-gradient GEMM, whose K is the tokens; TE asks 8),
+# so no GEMM pads again; NeMo pads its FP8 SFT batches to the same multiple.
+LONGEST_MULTIPLE = 16
 
 
 @dataclass(frozen=True)
@@ -73,9 +83,15 @@ class Sequences:
     scored_from: np.ndarray  # [n] int64, the first label position in the loss
     seq_length: int
     pad: int
+    # data.pad_to: "seq_length" (every batch seq_length wide) or "longest" (batch_width).
+    pad_to: str = "seq_length"
     # SFT only (empty for pre-training): the example behind each row, for generation-based
     # evaluation, and its bucket labels.
     examples: tuple[Example, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.pad_to not in ("seq_length", "longest"):
+            raise ValueError(f"pad_to must be 'seq_length' or 'longest', not {self.pad_to!r}")
 
     def __len__(self) -> int:
         return len(self.starts) - 1
@@ -89,7 +105,9 @@ class Sequences:
         """(the first ``n`` rows, the rest), sharing ``ids``."""
 
         def part(starts: np.ndarray, scored_from: np.ndarray, examples: tuple) -> Sequences:
-            return Sequences(self.ids, starts, scored_from, self.seq_length, self.pad, examples)
+            return dataclasses.replace(
+                self, starts=starts, scored_from=scored_from, examples=examples
+            )
 
         return (part(self.starts[: n + 1], self.scored_from[:n], self.examples[:n]),
                 part(self.starts[n:], self.scored_from[n:], self.examples[n:]))  # fmt: skip
@@ -105,22 +123,32 @@ class Sequences:
             raise IndexError(f"row {bad} is not one of this split's {len(self)} rows")
         return rows
 
-    def windows(self, rows: np.ndarray) -> np.ndarray:
-        """The rows ``rows`` (from :meth:`rows`) as padded windows ``[b, seq_length + 1]``."""
+    def batch_width(self, rows: np.ndarray) -> int:
+        """How many positions a micro-batch of ``rows`` holds: ``seq_length``, or under
+        ``pad_to: longest`` its longest row's label positions rounded up to
+        ``LONGEST_MULTIPLE`` (at most ``seq_length``)."""
+        if self.pad_to == "seq_length" or not len(rows):
+            return self.seq_length
+        longest = int((self.starts[rows + 1] - self.starts[rows]).max()) - 1
+        return min(self.seq_length, -(-longest // LONGEST_MULTIPLE) * LONGEST_MULTIPLE)
+
+    def windows(self, rows: np.ndarray, width: int | None = None) -> np.ndarray:
+        """The rows ``rows`` (from :meth:`rows`) as padded windows ``[b, width + 1]``
+        (``width``: ``seq_length`` unless given; no row may be longer)."""
         start = self.starts[rows]
         length = self.starts[rows + 1] - start
-        position = np.arange(self.seq_length + 1)
-        if (length == len(position)).all():  # pre-training: every window full, nothing to pad
+        position = np.arange((self.seq_length if width is None else width) + 1)
+        if (length == len(position)).all():  # every window exactly full, nothing to pad
             return self.ids[start[:, None] + position].astype(np.int64)
         inside = position < length[:, None]
         # Positions past a window's end read ids[0] (any valid index) and are then replaced.
         gathered = self.ids[np.where(inside, start[:, None] + position, 0)] if self.ids.size else 0
         return np.where(inside, gathered, self.pad).astype(np.int64)
 
-    def loss_mask(self, rows: np.ndarray) -> np.ndarray:
-        """The rows' loss masks ``[b, seq_length]`` (float32): 1 from ``scored_from`` up to
-        the window's last label position."""
-        position = np.arange(self.seq_length)
+    def loss_mask(self, rows: np.ndarray, width: int | None = None) -> np.ndarray:
+        """The rows' loss masks ``[b, width]`` (float32; ``width``: ``seq_length`` unless
+        given): 1 from ``scored_from`` up to the window's last label position."""
+        position = np.arange(self.seq_length if width is None else width)
         last = self.starts[rows + 1] - self.starts[rows] - 1
         scored = (position >= self.scored_from[rows, None]) & (position < last[:, None])
         return scored.astype(np.float32)
@@ -129,12 +157,12 @@ class Sequences:
         """The rows ``indices``, in that order."""
         indices = torch.as_tensor(indices, dtype=torch.int64)
         rows = self.rows(indices.numpy())
-        windows = self.windows(rows)
-        b, s = len(rows), self.seq_length
+        b, s = len(rows), self.batch_width(rows)
+        windows = self.windows(rows, s)
         return MicroBatch(
             tokens=torch.from_numpy(np.ascontiguousarray(windows[:, :-1])),
             labels=torch.from_numpy(np.ascontiguousarray(windows[:, 1:])),
-            loss_mask=torch.from_numpy(self.loss_mask(rows)),
+            loss_mask=torch.from_numpy(self.loss_mask(rows, s)),
             position_ids=torch.arange(s, dtype=torch.int64).expand(b, s).contiguous(),
             indices=indices,
         )
@@ -185,9 +213,11 @@ def text_sequences(stream: bytes | np.ndarray, seq_length: int) -> Sequences:
     )
 
 
-def sft_sequences(examples: Sequence[Example], seq_length: int, tokenizer: Tokenizer) -> Sequences:
+def sft_sequences(
+    examples: Sequence[Example], seq_length: int, tokenizer: Tokenizer, pad_to: str = "seq_length"
+) -> Sequences:
     """One sequence per example, ``prompt + answer + EOD``; the loss only on the answer and
-    its EOD. Padded with ``tokenizer.pad`` when batched."""
+    its EOD. Padded with ``tokenizer.pad`` when batched, as far as ``pad_to`` says."""
     width = seq_length + 1
     try:  # prompt, answer, prompt, answer, ...: one batch (a tokenizer.json encodes in threads)
         encoded = tokenizer.encode_many([t for e in examples for t in (e.prompt, e.answer)])
@@ -231,6 +261,7 @@ def sft_sequences(examples: Sequence[Example], seq_length: int, tokenizer: Token
         scored_from=np.asarray(prompts, dtype=np.int64) - 1,
         seq_length=seq_length,
         pad=tokenizer.pad,
+        pad_to=pad_to,
         examples=tuple(examples),
     )
 

@@ -1,6 +1,6 @@
 """``build_data(manifest)``: the manifest's ``data`` section as train and eval sequences.
 
-Reads ``data`` (kind, path, num_examples, eval_fraction, fingerprint), ``tokenizer``,
+Reads ``data`` (kind, path, num_examples, eval_fraction, fingerprint, pad_to), ``tokenizer``,
 ``model.seq_length``, ``model.vocab_size`` (it must hold the tokenizer's ids) and ``seeds.data``,
 and checks ``data.fingerprint`` when set.
 """
@@ -134,6 +134,6 @@ def _sft(
             "evaluation"
         )
     # Tokenized together, so a length error reports the longest example of either split.
-    both = sft_sequences([*train, *evaluation], seq_length, tokenizer)
+    both = sft_sequences([*train, *evaluation], seq_length, tokenizer, config.pad_to)
     train_sequences, eval_sequences = both.split_at(len(train))
     return TokenizedData(config.kind, "sft", train_sequences, eval_sequences, source)

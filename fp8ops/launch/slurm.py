@@ -269,6 +269,10 @@ def _script_body() -> str:
     return "".join(line for line in lines[1:] if not line.startswith("#SBATCH"))
 
 
+# Reasons an operator gave for what they saw at submission, for the chain's first job only.
+FIRST_LINK_ONLY = ("FP8OPS_ACCEPT_DRIFT", "FP8OPS_AFTER_STOP")
+
+
 def submit(job: SlurmJob, *, chain: int = 1, dependency: str | None = None) -> list[str]:
     """Submit ``job`` (``chain`` > 1: that many jobs, each starting when the one before it ends,
     whatever its state, and resuming its run). Returns the job ids."""
@@ -287,8 +291,8 @@ def submit(job: SlurmJob, *, chain: int = 1, dependency: str | None = None) -> l
         command = [sbatch, "--parsable", *([f"--dependency={after}"] if after else [])]
         # sbatch hands its environment to the job: an accepted drift's reason is for the drift
         # seen at submission, which the first link records as a revision; later links resume
-        # locked to it, and refuse new drift.
-        env = {k: v for k, v in os.environ.items() if not (ids and k == "FP8OPS_ACCEPT_DRIFT")}
+        # locked to it, and refuse new drift. Going on after a Stop is for the Stop seen now.
+        env = {k: v for k, v in os.environ.items() if not (ids and k in FIRST_LINK_ONLY)}
         done = subprocess.run(command, input=script, capture_output=True, text=True, check=False,
                               env=env)  # fmt: skip
         if done.returncode != 0:

@@ -563,6 +563,19 @@ class DataConfig(_Section):
             "existed (kept so that they resume on the same data); new manifests should use 2."
         ),
     )
+    pad_to: Literal["seq_length", "longest"] = added_field(
+        "seq_length",
+        added_in="0.1.0",
+        description=(
+            "How far each micro-batch is padded. 'seq_length': every row to model.seq_length. "
+            "'longest': to the micro-batch's longest row, rounded up to a multiple of 16 (FP8 "
+            "GEMMs' alignment), at most seq_length: SFT examples much shorter than seq_length "
+            "then cost their own length, not seq_length. The loss is the same (padding sits "
+            "after a row's tokens, which causal attention never lets them see), but FP8 amaxes "
+            "see fewer padding positions, so the runs are not bit-identical. No effect on "
+            "pre-training windows, which are full."
+        ),
+    )
 
     @model_validator(mode="after")
     def _path_matches_kind(self) -> DataConfig:

@@ -31,12 +31,14 @@ def run_training(
     progress: bool = True,
     resume: bool = False,
     accept_drift: str | None = None,
+    after_stop: str | None = None,
     stop_at: int | None = None,
 ) -> TrainResult:
     """Everything ``fp8ops train`` does. ``assignments`` (``--set``) derive a new revision of
     the manifest first; the run is locked to that revision. ``resume``: continue ``run_dir``
     from its latest checkpoint if it has one (locked: see :mod:`fp8ops.checkpoint.resume`),
-    start it otherwise. ``stop_at``: checkpoint after that step and stop (resumable)."""
+    start it otherwise; ``after_stop``: the reason a run a Stop alert halted may go on as it is.
+    ``stop_at``: checkpoint after that step and stop (resumable)."""
     from fp8ops.checkpoint import CheckpointDir, plan_resume
 
     if resume and accept_drift is None:
@@ -48,7 +50,7 @@ def run_training(
             check_unedited(Path(run_dir))  # else the edit is the request, diffed as drift below
         plan = plan_resume(
             Path(run_dir), manifest_path=Path(manifest_path), assignments=assignments,
-            accept_drift=accept_drift,
+            accept_drift=accept_drift, after_stop=after_stop,
         )  # fmt: skip
         return _resume(plan, str(manifest_path), progress, stop_at)
     manifest, lineage = _locked_manifest(Path(manifest_path), assignments or {})
@@ -63,6 +65,7 @@ def resume_training(
     checkpoint: str | None = None,
     assignments: dict | None = None,
     accept_drift: str | None = None,
+    after_stop: str | None = None,
     progress: bool = True,
     stop_at: int | None = None,
 ) -> TrainResult:
@@ -74,8 +77,9 @@ def resume_training(
         _refuse_if_complete(Path(run_dir))
     check_unedited(Path(run_dir))
     plan = plan_resume(
-        Path(run_dir), checkpoint=checkpoint, assignments=assignments, accept_drift=accept_drift
-    )
+        Path(run_dir), checkpoint=checkpoint, assignments=assignments, accept_drift=accept_drift,
+        after_stop=after_stop,
+    )  # fmt: skip
     return _resume(plan, str(plan.checkpoint / "manifest.yaml"), progress, stop_at)
 
 

@@ -32,6 +32,7 @@ from fp8ops.manifest import manifest_hash
 from fp8ops.manifest.schema import Manifest
 from fp8ops.telemetry.catalogue import STEP_METRIC_NAMES
 from fp8ops.train import weights
+from fp8ops.train.cpu_gemm import Fp32Gemm, check_compiled_casts, cpu_bf16_gemm
 from fp8ops.train.distributed import Ranks
 from fp8ops.train.environment import environment_fingerprint
 from fp8ops.train.optimizer import MainParamsOptimizer, learning_rate
@@ -153,6 +154,11 @@ class Trainer:
 
         self.manifest, self.ranks, self.resume = manifest, ranks, resume
         self.device = ranks.device  # the model, its FP8 state and each micro-batch live there
+        # "float32" for a bf16 model on a CPU without bf16 GEMMs (cpu_gemm.py); None: no bf16.
+        bf16 = manifest.precision.base_dtype == "bf16"
+        self.cpu_bf16_gemm = cpu_bf16_gemm(self.device) if bf16 else None
+        if manifest.precision.enabled and manifest.precision.backend != "te":
+            check_compiled_casts(self.device, self.cpu_bf16_gemm)
         self.stop_request = stop_request
         self.start_step = resume.step if resume is not None else 0
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -390,13 +396,14 @@ class Trainer:
         # Accumulated where the losses are (no host sync per micro-batch); summed over DP on the
         # host by _dp_sum.
         step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        for mb in micro_batches:
-            mb = mb.to(self.device)
-            with self._fp8():
-                per_token = self.model(mb.tokens, mb.position_ids, None, labels=mb.labels)
-            loss = (per_token.float() * mb.loss_mask).sum() / loss_tokens
-            loss.backward()
-            step_loss += loss.detach().double()
+        with self._gemms():
+            for mb in micro_batches:
+                mb = mb.to(self.device)
+                with self._fp8():
+                    per_token = self.model(mb.tokens, mb.position_ids, None, labels=mb.labels)
+                loss = (per_token.float() * mb.loss_mask).sum() / loss_tokens
+                loss.backward()
+                step_loss += loss.detach().double()
         step_loss = self._dp_sum(step_loss)
         # Read before the optimizer step: it zeroes the gradients the row reports. The row's
         # copies to the host run on; the loss below syncs anyway, so observe() does not wait.
@@ -510,7 +517,7 @@ class Trainer:
 
         saved = self._fp8_state()
         try:
-            with torch.no_grad(), self.collector.paused():
+            with torch.no_grad(), self.collector.paused(), self._gemms():
                 self.model.eval()
                 mark_first_microbatch(self.model)  # cast the current weights once, reuse them
                 yield
@@ -720,7 +727,8 @@ class Trainer:
         self.run.event(
             "resumed", step=plan.step, checkpoint=plan.checkpoint.name, manifest=digest,
             new_revisions=[manifest_hash(m) for m in plan.new_revisions],
-            drift=plan.drift.to_json(), accepted=plan.accepted_reason,
+            drift=plan.drift.to_json(), accepted=plan.accepted_reason, after_stop=plan.after_stop,
+            cpu_bf16_gemm=self.cpu_bf16_gemm,
             overrides_applied=[o.module for o in plan.applied_overrides],
             overrides_lifted=[o.module for o in plan.lifted_overrides],
             superseded=[p.name for p in superseded],
@@ -858,6 +866,10 @@ class Trainer:
     def _fp8(self):
         return self.scope() if self.scope is not None else contextlib.nullcontext()
 
+    def _gemms(self):
+        # bf16 GEMMs in float32 where the CPU has no bf16 GEMM instructions (cpu_gemm.py).
+        return Fp32Gemm() if self.cpu_bf16_gemm == "float32" else contextlib.nullcontext()
+
     def _fp8_state(self) -> dict[str, dict[str, torch.Tensor]]:
         # state_dict() copies, on both backends.
         return {name: m.fp8_meta.state_dict() for name, m in self.collector.modules.items()}
@@ -908,6 +920,7 @@ class Trainer:
             "revision": manifest.revision.number,
             "command": sys.argv,
             "environment": environment_fingerprint(),
+            "cpu_bf16_gemm": self.cpu_bf16_gemm,
             "topology": {
                 "tensor_parallel": topology.tensor_parallel,
                 "pipeline_parallel": topology.pipeline_parallel,

@@ -1,0 +1,109 @@
+"""bf16 GEMMs on CPUs without bf16 GEMM instructions: computed in float32, rounded once
+(``fp8ops.train.cpu_gemm``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fp8ops.errors import Fp8opsError
+from fp8ops.train.cpu_gemm import CHOICE_VARIABLE, Fp32Gemm, cpu_bf16_gemm, cpu_has_bf16_gemm
+
+_aten = torch.ops.aten
+GEMMS = {_aten.mm.default, _aten.bmm.default, _aten.addmm.default, _aten.baddbmm.default}
+
+
+class _Kernels(TorchDispatchMode):
+    """Entered before Fp32Gemm, so below it: records the GEMMs that reach torch's kernels, with
+    their operands' dtypes."""
+
+    def __init__(self):
+        super().__init__()
+        self.gemms: list[tuple[str, set[torch.dtype]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in GEMMS:
+            dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor)}
+            self.gemms.append((func.__name__, dtypes))
+        return func(*args, **(kwargs or {}))
+
+
+class _Linear(torch.autograd.Function):
+    """A linear with its own backward, as Megatron's layers have: its GEMMs run in backward()."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return torch.matmul(x, w.t())
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad.matmul(w), grad.t().matmul(x)
+
+
+def _operands(*shape):
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(*shape, generator=generator).to(torch.bfloat16).requires_grad_()
+
+
+def test_every_bf16_gemm_is_the_float32_product_rounded_once_backward_included():
+    x, w = _operands(64, 96), _operands(80, 96)
+    q, k = _operands(3, 16, 32), _operands(3, 32, 16)
+    bias = _operands(80)
+    grad = _operands(64, 80).detach()
+    with _Kernels() as kernels, Fp32Gemm():
+        y = _Linear.apply(x, w)
+        y.backward(grad)
+        scores = torch.baddbmm(torch.zeros(3, 16, 16, dtype=torch.bfloat16), q, k, beta=0.0,
+                               alpha=0.5)  # fmt: skip
+        attended = torch.bmm(scores, q)
+        projected = torch.nn.functional.linear(x, w, bias)  # addmm
+    xf, wf, gf = x.detach().float(), w.detach().float(), grad.float()
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, (xf @ wf.t()).bfloat16())
+    assert torch.equal(x.grad, (gf @ wf).bfloat16())  # the custom backward's GEMMs too
+    assert torch.equal(w.grad, (gf.t() @ xf).bfloat16())
+    expected_scores = (0.5 * (q.detach().float() @ k.detach().float())).bfloat16()
+    assert torch.equal(scores, expected_scores)
+    assert torch.equal(attended, (expected_scores.float() @ q.detach().float()).bfloat16())
+    assert torch.equal(projected, (xf @ wf.t() + bias.detach().float()).bfloat16())
+    # torch's own bf16 kernel gives the same bits at these sizes here, so the values alone do
+    # not show the float32 path: the kernels that ran do. The backward's two GEMMs included.
+    assert kernels.gemms == [("mm.default", {torch.float32})] * 3 + [
+        ("baddbmm.default", {torch.float32}), ("bmm.default", {torch.float32}),
+        ("addmm.default", {torch.float32})]  # fmt: skip
+    # Mixed dtypes go to torch, which refuses them as it does without the mode.
+    with Fp32Gemm(), pytest.raises(RuntimeError):
+        torch.mm(x.detach(), wf.t())
+
+
+def test_compiled_casts_are_refused_under_the_mode(monkeypatch):
+    """torch.compile does not run under a dispatch mode: the casts would run eager while the
+    run recorded them as compiled."""
+    from fp8ops.precision.compiled import set_compiled_casts
+    from fp8ops.train.cpu_gemm import check_compiled_casts
+
+    cpu = torch.device("cpu")
+    check_compiled_casts(cpu, "float32")  # eager casts (the CPU's default): fine
+    previous = set_compiled_casts("all")
+    try:
+        check_compiled_casts(cpu, "native")
+        with pytest.raises(Fp8opsError, match="FP8OPS_CPU_BF16_GEMM=native"):
+            check_compiled_casts(cpu, "float32")
+    finally:
+        set_compiled_casts(previous)
+
+
+def test_the_choice_follows_the_cpu_unless_set(monkeypatch):
+    monkeypatch.delenv(CHOICE_VARIABLE, raising=False)
+    cpu = torch.device("cpu")
+    assert cpu_bf16_gemm(cpu) == ("native" if cpu_has_bf16_gemm() else "float32")
+    assert cpu_bf16_gemm(torch.device("cuda", 0)) is None  # a GPU has its own bf16 GEMMs
+    for choice in ("native", "float32"):
+        monkeypatch.setenv(CHOICE_VARIABLE, choice)
+        assert cpu_bf16_gemm(cpu) == choice
+    monkeypatch.setenv(CHOICE_VARIABLE, "fp32")
+    with pytest.raises(Fp8opsError, match=f"{CHOICE_VARIABLE}='fp32': choose native or float32"):
+        cpu_bf16_gemm(cpu)

@@ -314,7 +314,8 @@ def resume(
     Drift (another manifest, torch, megatron-core, TE, CUDA or GPU) is refused with exit code 4
     before any model is built, unless accepted with a reason. Approved overrides from the
     run's ledger are applied as a new manifest revision. A run a Stop alert halted resumes only
-    with an override applied or lifted, accepted drift, or --after-stop (exit 3 otherwise).
+    under another manifest than it stopped under (an override applied or lifted, an accepted
+    manifest change) or with --after-stop (exit 3 otherwise).
     """
     from fp8ops.train import resume_training
 

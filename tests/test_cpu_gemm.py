@@ -5,28 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from gemm_support import GemmLog
 
 from fp8ops.errors import Fp8opsError
 from fp8ops.train.cpu_gemm import CHOICE_VARIABLE, Fp32Gemm, cpu_bf16_gemm, cpu_has_bf16_gemm
-
-_aten = torch.ops.aten
-GEMMS = {_aten.mm.default, _aten.bmm.default, _aten.addmm.default, _aten.baddbmm.default}
-
-
-class _Kernels(TorchDispatchMode):
-    """Entered before Fp32Gemm, so below it: records the GEMMs that reach torch's kernels, with
-    their operands' dtypes."""
-
-    def __init__(self):
-        super().__init__()
-        self.gemms: list[tuple[str, set[torch.dtype]]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in GEMMS:
-            dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor)}
-            self.gemms.append((func.__name__, dtypes))
-        return func(*args, **(kwargs or {}))
 
 
 class _Linear(torch.autograd.Function):
@@ -53,7 +35,7 @@ def test_every_bf16_gemm_is_the_float32_product_rounded_once_backward_included()
     q, k = _operands(3, 16, 32), _operands(3, 32, 16)
     bias = _operands(80)
     grad = _operands(64, 80).detach()
-    with _Kernels() as kernels, Fp32Gemm():
+    with GemmLog() as kernels, Fp32Gemm():
         y = _Linear.apply(x, w)
         y.backward(grad)
         scores = torch.baddbmm(torch.zeros(3, 16, 16, dtype=torch.bfloat16), q, k, beta=0.0,
@@ -69,8 +51,7 @@ def test_every_bf16_gemm_is_the_float32_product_rounded_once_backward_included()
     assert torch.equal(scores, expected_scores)
     assert torch.equal(attended, (expected_scores.float() @ q.detach().float()).bfloat16())
     assert torch.equal(projected, (xf @ wf.t() + bias.detach().float()).bfloat16())
-    # torch's own bf16 kernel gives the same bits at these sizes here, so the values alone do
-    # not show the float32 path: the kernels that ran do. The backward's two GEMMs included.
+    # The kernels that ran show the float32 path (GemmLog), the backward's two GEMMs included.
     assert kernels.gemms == [("mm.default", {torch.float32})] * 3 + [
         ("baddbmm.default", {torch.float32}), ("bmm.default", {torch.float32}),
         ("addmm.default", {torch.float32})]  # fmt: skip

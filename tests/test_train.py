@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 if importlib.util.find_spec("megatron") is None:
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
 
+from gemm_support import GemmLog
 from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
 
 from fp8ops.errors import Fp8opsError
@@ -246,23 +246,6 @@ def test_excluded_module_keeps_its_state_frozen(trainer):
     assert any(not torch.equal(v, moving[k]) for k, v in qkv.fp8_meta.state_dict().items())
 
 
-class _GemmLog(TorchDispatchMode):
-    """Entered before the trainer's own mode, so below it: the dtypes of the GEMMs that reach
-    torch's kernels."""
-
-    GEMMS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
-             torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default})  # fmt: skip
-
-    def __init__(self):
-        super().__init__()
-        self.dtypes: list[set[torch.dtype]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.GEMMS:
-            self.dtypes.append({a.dtype for a in args if isinstance(a, torch.Tensor)})
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("choice", ["float32", "native"])
 def test_bf16_gemms_run_as_the_cpu_choice_says(finetune_manifest, tmp_path, monkeypatch, choice):
     """Training and evaluation GEMMs, backward included (docs/training.md, bf16 on CPUs)."""
@@ -271,14 +254,14 @@ def test_bf16_gemms_run_as_the_cpu_choice_says(finetune_manifest, tmp_path, monk
     ranks = init_distributed(manifest.topology, source="test")
     try:
         trainer = Trainer(manifest, [manifest], tmp_path / "run", ranks, progress=False)
-        with _GemmLog() as log:
+        with GemmLog() as log:
             trainer.train_step(0)
             trainer.evaluate(1)
     finally:
         shutdown_distributed()
     assert trainer.cpu_bf16_gemm == choice
-    bf16 = [dtypes for dtypes in log.dtypes if torch.bfloat16 in dtypes]
-    assert len(log.dtypes) > 20 and (bf16 == [] if choice == "float32" else len(bf16) > 10)
+    bf16 = [dtypes for _, dtypes in log.gemms if torch.bfloat16 in dtypes]
+    assert len(log.gemms) > 20 and (bf16 == [] if choice == "float32" else len(bf16) > 10)
 
 
 def test_evaluation_leaves_fp8_state_untouched(trainer):

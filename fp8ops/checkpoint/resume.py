@@ -132,17 +132,18 @@ def plan_resume(
             new.append(manifest)
     plan = ResumePlan(
         run_dir, directory, meta, saved, manifest, new, drift, accept_drift if drift else None,
-        fp8_read=fp8_read, accept_drift=accept_drift, seen=where_the_run_is(run_dir),
+        fp8_read=fp8_read, accept_drift=accept_drift, after_stop=after_stop,
+        seen=where_the_run_is(run_dir),
     )  # fmt: skip
     _apply_ledger(plan)
-    _check_stop_answered(plan, after_stop)
+    _check_stop_answered(plan)
     return plan
 
 
-def _check_stop_answered(plan: ResumePlan, after_stop: str | None) -> None:
+def _check_stop_answered(plan: ResumePlan) -> None:
     """A run a Stop alert halted goes on only when something answers the alert (module 4.):
     the resumed manifest differs from the one the Stop fired under (an override applied or
-    lifted, a manifest change accepted), or ``after_stop`` gives a reason. Accepted drift of
+    lifted, a manifest change accepted), or ``plan.after_stop`` gives a reason. Accepted drift of
     the environment alone (another node) changes nothing the Stop was about, and an override
     applied again after a rewind to an older checkpoint is what the run stopped under."""
     from fp8ops.train.run_dir import read_status
@@ -150,9 +151,8 @@ def _check_stop_answered(plan: ResumePlan, after_stop: str | None) -> None:
     status = read_status(plan.run_dir) or {}
     if status.get("state") != "stopped":
         return
-    plan.after_stop = after_stop  # recorded in the resumed event, whatever else answers
     stopped_under = status.get("manifest", manifest_hash(plan.saved_manifest))
-    if manifest_hash(plan.manifest) != stopped_under or after_stop is not None:
+    if manifest_hash(plan.manifest) != stopped_under or plan.after_stop is not None:
         return
     alert = status.get("alert") or {}
     what = alert.get("message") or alert.get("rule") or "an alert"

@@ -2,9 +2,10 @@
 
 torch multiplies bf16 matrices fast on a CPU only where oneDNN takes them (its test asks for
 AVX512; AVX512-BF16 and AMX are faster still). Elsewhere (AVX2 only: AMD EPYC before Zen 4, many
-laptops) it falls back to a scalar loop. Measured on a 2-core AVX2 machine: a [2048, 512] x [512, 512] matmul took
-857 ms in bf16 and 25 ms in float32, and the CPU default's bf16 base trained at about 3.5 s a
-step, where an AVX512 machine had taken 0.13 s (``docs/training.md``, "bf16 on CPUs").
+laptops) it falls back to a scalar loop. Measured on a 2-core AVX2 machine: a [2048, 512] x
+[512, 512] matmul took 857 ms in bf16 and 25 ms in float32, and the CPU default's bf16 base
+trained at about 3.6 s a step, where an AVX512 machine had taken 0.13 s (``docs/training.md``,
+"bf16 on CPUs without bf16 GEMMs").
 
 On such a CPU the trainer of a bf16 model runs its forward and backward passes under
 :class:`Fp32Gemm`: each ``mm``, ``bmm``, ``addmm`` and ``baddbmm`` whose operands are all bf16
@@ -16,7 +17,8 @@ autograd functions included; a function mode would miss those.
 
 Where the CPU has bf16 GEMMs, or on a GPU, nothing changes. ``run.json`` records which
 (``cpu_bf16_gemm``). ``FP8OPS_CPU_BF16_GEMM=native`` or ``=float32`` chooses on a CPU instead
-(``ci/bench_cpu_gemm.py`` times both; ``native`` reproduces runs made before this existed).
+(``ci/bench_train.py`` run under each times both; ``native`` is torch's own kernel, which runs
+made before this existed used).
 """
 
 from __future__ import annotations

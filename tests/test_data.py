@@ -427,6 +427,8 @@ def test_pad_to_longest_cuts_each_batch_to_its_longest_row_rounded_to_16(tasks_d
     assert text.train.batch(range(4)).tokens.shape == (4, 64)
     with pytest.raises(ValueError, match="pad_to must be"):
         dataclasses.replace(tasks_data.train, pad_to="shortest")
+    with pytest.raises(ManifestError, match=r"data\.pad_to: must be 'seq_length' or 'longest'"):
+        make_manifest("kind: tasks\npad_to: shortest")
 
 
 def test_too_long_example_names_model_seq_length():

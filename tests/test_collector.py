@@ -22,6 +22,10 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
 ]
 MICRO_BATCHES = 2
+# On a GPU machine the model is built on the GPU, as the trainer builds it there: Megatron's
+# local attention makes its default causal mask on the current CUDA device, so a CPU model on
+# a machine with CUDA cannot run (the CPU shims only apply where there is none).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -43,7 +47,7 @@ def make_setup():
         "collector test",
     )  # fmt: skip
     recipe = DelayedScalingRecipe.from_precision(manifest.precision)
-    model = build_gpt(manifest, recipe)
+    model = build_gpt(manifest, recipe, device=DEVICE)
     modules = fp8_modules(model)
     modules["decoder.layers.0.mlp.linear_fc1"].fp8_enabled = False  # held in bf16
     collector = TelemetryCollector(modules, manifest.telemetry)
@@ -69,8 +73,8 @@ def forward_backward(model, scope, collector, step, seed):
     collector.begin_step(step)
     generator = torch.Generator().manual_seed(seed)
     for _ in range(MICRO_BATCHES):
-        tokens = torch.randint(0, 256, (2, 33), generator=generator)
-        positions = torch.arange(32).expand(2, 32)
+        tokens = torch.randint(0, 256, (2, 33), generator=generator).to(DEVICE)
+        positions = torch.arange(32, device=DEVICE).expand(2, 32)
         with scope():
             loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).mean()
         loss.backward()

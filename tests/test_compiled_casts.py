@@ -317,6 +317,10 @@ def test_the_cast_path_a_run_records_follows_both_switches():
         assert linear_module.cast_path("cpu") == "compiled: triton"
         set_compiled_casts("off")
         assert linear_module.cast_path("cuda") == "eager"
+        set_compiled_casts("all")  # auto: the hand-written kernel where it runs, a GPU
+        linear_module.set_cast_kernel("auto")
+        assert linear_module.cast_path("cuda:0") == "compiled: triton"
+        assert linear_module.cast_path("cpu") == "compiled: inductor"
     finally:
         set_compiled_casts(old_mode)
         linear_module.set_cast_kernel(old_kernel)
@@ -324,7 +328,7 @@ def test_the_cast_path_a_run_records_follows_both_switches():
 
 @pytest.mark.parametrize(("variable", "module", "attribute", "default", "choices"), [
     ("FP8OPS_COMPILED_CASTS", "compiled", "_mode", "auto", "['all', 'auto', 'off']"),
-    ("FP8OPS_CAST_KERNEL", "linear", "_cast_kernel", "inductor", "['inductor', 'triton']"),
+    ("FP8OPS_CAST_KERNEL", "linear", "_cast_kernel", "auto", "['auto', 'inductor', 'triton']"),
 ])  # fmt: skip
 def test_an_unknown_choice_in_the_environment_falls_back_with_a_warning(
     variable, module, attribute, default, choices

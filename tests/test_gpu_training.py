@@ -290,7 +290,7 @@ def test_everything_trains_on_the_gpu(gpu_manifest, tmp_path):
                 assert math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])
                 assert record["peak_memory_mib"] > 0
                 trainer.observe(record)
-                row = trainer._telemetry_row
+                row = trainer._telemetry_row.result()  # the row is finished after the step
                 assert np.isfinite(row[:, COLUMN["input.scale"]]).all()
                 assert np.isfinite(row[:, COLUMN["weight.amax"]]).all()
             optimizer_state = trainer.optimizer.inner.state
@@ -300,6 +300,12 @@ def test_everything_trains_on_the_gpu(gpu_manifest, tmp_path):
             )
             assert math.isfinite(trainer.evaluate(2))
             assert trainer.check_fp8_agreement(2) is not None
+            if on_gpu:  # the default there: the hand-written kernel, verified before use
+                from fp8ops.precision.linear import cast_and_record_status
+
+                gpu = {key: status for key, status in cast_and_record_status()["triton"].items()
+                       if str(ranks.device) in key}  # fmt: skip
+                assert gpu and set(gpu.values()) == {"compiled"}, gpu
         finally:
             trainer.telemetry.close()
             trainer.run.release()
@@ -320,6 +326,8 @@ def test_a_gpu_run_completes_with_finite_losses(gpu_straight):
     assert all(e["agree"] for e in read_jsonl(gpu_straight / "events.jsonl")
                if e["event"] == "fp8_state_checked")  # fmt: skip
     assert (gpu_straight / "capability.jsonl").exists()
+    run = json.loads((gpu_straight / "run.json").read_text())
+    assert run["fp8_casts"] == "compiled: triton"  # FP8OPS_CAST_KERNEL's default on a GPU
 
 
 @needs_gpu

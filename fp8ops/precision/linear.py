@@ -95,24 +95,33 @@ _CAST_AND_RECORD = {  # the fast versions of the ordinary step's cast, both veri
     ),
 }
 CAST_KERNEL_ENV = "FP8OPS_CAST_KERNEL"
-_cast_kernel = env_choice(CAST_KERNEL_ENV, _CAST_AND_RECORD, "inductor")
+CAST_KERNELS = ("auto", *_CAST_AND_RECORD)
+_cast_kernel = env_choice(CAST_KERNEL_ENV, CAST_KERNELS, "auto")
 
 
 def set_cast_kernel(name: str) -> str:
     """Which fast version casts on ordinary steps where the casts are compiled
-    (``compiled.py``): ``inductor`` (torch.compile of ``_cast_and_record``) or ``triton`` (the
-    hand-written kernel of ``cast_kernel.py``). Returns the old choice."""
+    (``compiled.py``): ``inductor`` (torch.compile of ``_cast_and_record``), ``triton`` (the
+    hand-written kernel of ``cast_kernel.py``), or ``auto``: ``triton`` for CUDA tensors, where
+    it was measured faster (docs/gpu.md), ``inductor`` elsewhere (Triton's kernels need a GPU).
+    Returns the old choice."""
     global _cast_kernel
-    if name not in _CAST_AND_RECORD:
-        raise ValueError(f"cast kernel {name!r}: use one of {sorted(_CAST_AND_RECORD)}")
+    if name not in CAST_KERNELS:
+        raise ValueError(f"cast kernel {name!r}: use one of {sorted(CAST_KERNELS)}")
     old, _cast_kernel = _cast_kernel, name
     return old
+
+
+def _kernel_for(device: torch.device | str) -> str:
+    if _cast_kernel != "auto":
+        return _cast_kernel
+    return "triton" if torch.device(device).type == "cuda" else "inductor"
 
 
 def cast_path(device: torch.device | str) -> str:
     """What runs the ordinary step's casts on ``device``: ``eager``, or ``compiled: inductor``
     / ``compiled: triton`` (each specialisation verified first; one that fails runs eager)."""
-    return f"compiled: {_cast_kernel}" if compiles_for(device) else "eager"
+    return f"compiled: {_kernel_for(device)}" if compiles_for(device) else "eager"
 
 
 def cast_and_record_status() -> dict[str, dict]:
@@ -139,7 +148,7 @@ def cast_and_record(
         fp8 = state.fp8
         # The scale this cast uses, before anything could change it.
         scale_inv = torch.reciprocal(state.scale[slot])
-        data, *data_t = _CAST_AND_RECORD[_cast_kernel](
+        data, *data_t = _CAST_AND_RECORD[_kernel_for(x.device)](
             x.detach(), state.amax_history, state.scale, slot, fp8.max, fp8.torch_dtype, transposed
         )
         return QuantizedTensor(data, scale_inv, fp8, data_t[0] if transposed else None)

@@ -15,10 +15,11 @@ lines while it runs, then one table, last, and the same rows as JSON (``--out``)
 (c) throughput: a stack of Megatron GPT layers at 8B shapes (hidden 4096, FFN 14336, 32 heads in
     8 query groups, sequence 4096, micro-batch 1 or ``--micro-batch N``, bf16), forward and
     backward, in BF16 and in FP8 through ``torch._scaled_mm``, each with and without fp8ops
-    telemetry, FP8 also with the hand-written Triton cast kernel, and BF16 and FP8 again as
-    CUDA graphs (the step captured once and replayed: the GPU's time without the host's):
-    tokens/s, step time, peak memory. Goals: FP8 >= 1.3x the BF16 tokens/s; telemetry <= 1%
-    of the step time.
+    telemetry, FP8 also with the hand-written Triton cast kernel (the GPU's default), with and
+    without telemetry, and BF16 and FP8 again as CUDA graphs (the step captured once and
+    replayed: the GPU's time without the host's): tokens/s, step time, peak memory. Goals:
+    FP8 >= 1.3x the BF16 tokens/s; telemetry <= 1% of the step time. ``--runs`` times only the
+    configurations it names (``THROUGHPUT_RUNS``).
 
 What (c) runs, precisely: fp8ops' FP8 layer spec (``get_gpt_layer_fp8_emulated_spec`` with
 ``ScaledMmGemm``) in a Megatron ``TransformerBlock`` built from ``transformer_config`` (the
@@ -75,6 +76,12 @@ from fp8ops.precision.linear import cast_and_record_status, set_cast_kernel
 from fp8ops.precision.quantize import amax_of, cast, cast_and_amax, quantize
 
 SPEEDUP_GOAL = 1.3  # FP8 tokens/s over BF16 tokens/s
+# The configurations (c) times, in order (check_throughput); --runs picks some of them.
+THROUGHPUT_RUNS = (
+    "bf16", "bf16+telemetry", "fp8-eager-casts", "fp8", "fp8+telemetry", "fp8-triton",
+    "fp8-triton+telemetry", "bf16-graph", "fp8-graph", "fp8-triton-graph",
+    "bf16-graph+telemetry", "fp8-graph+telemetry",
+)  # fmt: skip
 TELEMETRY_GOAL = 0.01  # telemetry's share of the step time
 # Normwise |native - emulated| / |emulated| that (a) accepts. bf16: both round float32 results
 # that differ only by summation order, so an element differs by one bf16 ulp (2**-8) at most and
@@ -540,6 +547,8 @@ def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
         ("fp8+telemetry", f"{fp8_name} (compiled casts) + telemetry", True, compiled, "inductor",
          True),
         ("fp8-triton", f"{fp8_name} ({triton})", True, compiled, "triton", False),
+        ("fp8-triton+telemetry", f"{fp8_name} ({triton}) + telemetry", True, compiled, "triton",
+         True),  # the GPU's default cast kernel (FP8OPS_CAST_KERNEL=auto) with telemetry
         # Last: a failed capture is the likeliest thing here to upset the device for what follows.
         ("bf16-graph", "BF16, CUDA graph", False, compiled, "inductor", False),
         ("fp8-graph", f"{fp8_name} (compiled casts), CUDA graph", True, compiled, "inductor",
@@ -549,6 +558,8 @@ def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
         ("fp8-graph+telemetry", f"{fp8_name} (compiled casts), CUDA graph + telemetry", True,
          compiled, "inductor", True),
     )  # fmt: skip
+    assert tuple(c[0] for c in configurations) == THROUGHPUT_RUNS
+    configurations = tuple(c for c in configurations if not args.runs or c[0] in args.runs)
     measured: dict[str, dict] = {}
     rows = cast_speeds(device, shape, compiled)
     for key, label, fp8, casts, kernel, telemetry in configurations:
@@ -903,8 +914,8 @@ def goals(measured: dict, judged: bool) -> list[Row]:
             rows.append(Row("goal", name, f"{speedup:.2f}x", f">= {SPEEDUP_GOAL}x" if goal else "",
                             speedup >= SPEEDUP_GOAL if judged and goal else None,
                             {"speedup": speedup}))  # fmt: skip
-    for key, name in (("bf16", "BF16"), ("fp8", "FP8"), ("bf16-graph", "BF16 graph"),
-                      ("fp8-graph", "FP8 graph")):  # fmt: skip
+    for key, name in (("bf16", "BF16"), ("fp8", "FP8"), ("fp8-triton", "FP8 (Triton cast kernel)"),
+                      ("bf16-graph", "BF16 graph"), ("fp8-graph", "FP8 graph")):  # fmt: skip
         off, on = measured.get(key), measured.get(f"{key}+telemetry")
         if off and on:
             overhead = on["step_ms"] / off["step_ms"] - 1
@@ -1035,6 +1046,18 @@ def positive(text: str) -> int:
     return value
 
 
+def run_keys(text: str) -> tuple[str, ...]:
+    """``--runs``: configuration keys of (c), each one of ``THROUGHPUT_RUNS``."""
+    keys = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in keys if k not in THROUGHPUT_RUNS]
+    if unknown or not keys:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(unknown) or 'nothing'}: not a configuration; use some of "
+            + ", ".join(THROUGHPUT_RUNS)
+        )
+    return keys
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -1077,6 +1100,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="also profile BF16 and FP8 steps; kernel tables beside --out")  # fmt: skip
     parser.add_argument("--skip", choices=("gemm", "scaling", "throughput"), action="append",
                         default=[], help="leave a part out (repeatable)")  # fmt: skip
+    parser.add_argument(
+        "--runs",
+        type=run_keys,
+        default=(),
+        help="time only these configurations of (c), comma-separated: "
+        + ", ".join(THROUGHPUT_RUNS),
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() and not args.smoke:
         print("gpu_check: no CUDA device here; --smoke runs the check's code on the CPU",

@@ -44,6 +44,7 @@ def test_the_smoke_run_passes_every_check_and_prints_the_table_last(tmp_path):
     ("--micro-batch", "0", "0 is not at least 1"),
     ("--steps", "-3", "-3 is not at least 1"),
     ("--telemetry-every", "ten", "'ten' is not a whole number"),
+    ("--runs", "fp8,fp9", "fp9: not a configuration; use some of bf16, bf16+telemetry"),
 ])  # fmt: skip
 def test_a_count_that_is_not_a_positive_number_is_refused(tmp_path, option, value, message):
     result = subprocess.run(
@@ -53,3 +54,19 @@ def test_a_count_that_is_not_a_positive_number_is_refused(tmp_path, option, valu
     )  # fmt: skip
     assert result.returncode == 2 and option in result.stderr and message in result.stderr
     assert not (tmp_path / "r.json").exists()
+
+
+def test_runs_times_only_the_configurations_named(tmp_path):
+    out = tmp_path / "r.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "ci" / "gpu_check.py"), "--smoke", "--skip", "gemm",
+         "--skip", "scaling", "--runs", "bf16,fp8+telemetry,fp8", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    timed = [row["check"] for row in report["rows"] if "tokens/s" in row["result"]]
+    assert timed == ["BF16", "FP8 scaled_mm (compiled casts)",
+                     "FP8 scaled_mm (compiled casts) + telemetry"]  # fmt: skip
+    goals = {row["check"] for row in report["rows"] if row["part"] == "goal"}
+    assert goals == {"FP8 tokens/s over BF16", "telemetry share of the FP8 step"}

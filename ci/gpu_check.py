@@ -76,13 +76,16 @@ from fp8ops.precision.linear import cast_and_record_status, set_cast_kernel
 from fp8ops.precision.quantize import amax_of, cast, cast_and_amax, quantize
 
 SPEEDUP_GOAL = 1.3  # FP8 tokens/s over BF16 tokens/s
-# The configurations (c) times, in order (check_throughput); --runs picks some of them.
+TELEMETRY_GOAL = 0.01  # telemetry's share of the step time
+# The configurations (c) times, in this order (check_throughput builds them, checked against
+# this); --runs picks some of them. "fp8" runs Inductor's casts, "fp8-triton" the hand-written
+# kernel, the default on GPUs.
 THROUGHPUT_RUNS = (
     "bf16", "bf16+telemetry", "fp8-eager-casts", "fp8", "fp8+telemetry", "fp8-triton",
     "fp8-triton+telemetry", "bf16-graph", "fp8-graph", "fp8-triton-graph",
     "bf16-graph+telemetry", "fp8-graph+telemetry",
 )  # fmt: skip
-TELEMETRY_GOAL = 0.01  # telemetry's share of the step time
+PROFILED = ("bf16", "fp8", "fp8-triton")  # --profile: three steps of each, kernel tables
 # Normwise |native - emulated| / |emulated| that (a) accepts. bf16: both round float32 results
 # that differ only by summation order, so an element differs by one bf16 ulp (2**-8) at most and
 # only where the two straddle a rounding boundary. float32: Hopper's FP8 tensor cores keep fewer
@@ -538,27 +541,26 @@ def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
 
     fp8_name = "FP8 " + ("scaled_mm" if native else "emulated")
     compiled = "all" if args.smoke else "auto"  # --smoke compiles on the CPU too
-    triton = "compiled casts, Triton cast kernel"
+    inductor, triton = "Inductor casts", "Triton casts"
     configurations = (  # (key, label, FP8?, compiled casts mode, cast kernel, telemetry?)
         ("bf16", "BF16", False, compiled, "inductor", False),
         ("bf16+telemetry", "BF16 + telemetry", False, compiled, "inductor", True),
         ("fp8-eager-casts", f"{fp8_name}, eager casts", True, "off", "inductor", False),
-        ("fp8", f"{fp8_name} (compiled casts)", True, compiled, "inductor", False),
-        ("fp8+telemetry", f"{fp8_name} (compiled casts) + telemetry", True, compiled, "inductor",
+        ("fp8", f"{fp8_name}, {inductor}", True, compiled, "inductor", False),
+        ("fp8+telemetry", f"{fp8_name}, {inductor} + telemetry", True, compiled, "inductor", True),
+        ("fp8-triton", f"{fp8_name}, {triton}", True, compiled, "triton", False),
+        ("fp8-triton+telemetry", f"{fp8_name}, {triton} + telemetry", True, compiled, "triton",
          True),
-        ("fp8-triton", f"{fp8_name} ({triton})", True, compiled, "triton", False),
-        ("fp8-triton+telemetry", f"{fp8_name} ({triton}) + telemetry", True, compiled, "triton",
-         True),  # the GPU's default cast kernel (FP8OPS_CAST_KERNEL=auto) with telemetry
         # Last: a failed capture is the likeliest thing here to upset the device for what follows.
         ("bf16-graph", "BF16, CUDA graph", False, compiled, "inductor", False),
-        ("fp8-graph", f"{fp8_name} (compiled casts), CUDA graph", True, compiled, "inductor",
-         False),
-        ("fp8-triton-graph", f"{fp8_name} ({triton}), CUDA graph", True, compiled, "triton", False),
+        ("fp8-graph", f"{fp8_name}, {inductor}, CUDA graph", True, compiled, "inductor", False),
+        ("fp8-triton-graph", f"{fp8_name}, {triton}, CUDA graph", True, compiled, "triton", False),
         ("bf16-graph+telemetry", "BF16, CUDA graph + telemetry", False, compiled, "inductor", True),
-        ("fp8-graph+telemetry", f"{fp8_name} (compiled casts), CUDA graph + telemetry", True,
+        ("fp8-graph+telemetry", f"{fp8_name}, {inductor}, CUDA graph + telemetry", True,
          compiled, "inductor", True),
     )  # fmt: skip
-    assert tuple(c[0] for c in configurations) == THROUGHPUT_RUNS
+    if tuple(c[0] for c in configurations) != THROUGHPUT_RUNS:
+        raise AssertionError("THROUGHPUT_RUNS must list check_throughput's configurations")
     configurations = tuple(c for c in configurations if not args.runs or c[0] in args.runs)
     measured: dict[str, dict] = {}
     rows = cast_speeds(device, shape, compiled)
@@ -621,11 +623,10 @@ def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
     if collector is not None:
         collector.set_active(False)
     if args.profile:
-        for key, label, fp8, casts, _, _ in configurations:
-            if key in ("bf16", "fp8"):
-                rows.append(
-                    profiled(lambda n, f=fp8: stack.step(n, f, False), label, casts, device, args)
-                )
+        for key, label, fp8, casts, kernel, _ in configurations:
+            if key in PROFILED and (kernel != "triton" or device.type == "cuda"):
+                step = lambda n, f=fp8: stack.step(n, f, False)
+                rows.append(profiled(step, key, label, casts, kernel, device, args))
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return rows + goals(measured, judged=native and not args.smoke)
@@ -837,14 +838,15 @@ def capture(body, clear_grads, device) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def profiled(step, label: str, casts: str, device, args) -> Row:
+def profiled(step, key: str, label: str, casts: str, kernel: str, device, args) -> Row:
     """Three steps under torch.profiler: the kernel table goes to a text file beside the JSON
-    report, the row says how much of the wall time the GPU spent in kernels."""
+    report (``<out>.profile-<key>.txt``), the row says how much of the wall time the GPU spent
+    in kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    path = args.out.with_name(f"{args.out.stem}.profile-{label.split()[0].lower()}.txt")
-    old = set_compiled_casts(casts)
+    path = args.out.with_name(f"{args.out.stem}.profile-{key}.txt")
+    old, old_kernel = set_compiled_casts(casts), set_cast_kernel(kernel)
     try:
         step(0)
         synchronize(device)
@@ -867,6 +869,7 @@ def profiled(step, label: str, casts: str, device, args) -> Row:
         return Row("throughput", f"profile {label}", f"error: {type(exc).__name__}: {exc}"[:200])
     finally:
         set_compiled_casts(old)
+        set_cast_kernel(old_kernel)
     return Row("throughput", f"profile {label}",
                f"kernels {kernel_ms:.1f} of {wall_ms:.1f} ms/step; table: {path.name}",
                values={"kernel_ms": kernel_ms, "wall_ms": wall_ms, "table": path.name})  # fmt: skip
@@ -903,10 +906,10 @@ def goals(measured: dict, judged: bool) -> list[Row]:
     """The two goals, PASS/FAIL where ``judged`` (full shapes, FP8 on tensor cores)."""
     rows = []
     for key, base, name, goal in (
-        ("fp8", "bf16", "FP8 tokens/s over BF16", True),
-        ("fp8-triton", "bf16", "FP8 (Triton cast kernel) over BF16", True),
-        ("fp8-graph", "bf16-graph", "FP8 over BF16, both as CUDA graphs", True),
-        ("fp8-triton-graph", "bf16-graph", "FP8 (Triton cast kernel) over BF16, CUDA graphs", True),
+        ("fp8-triton", "bf16", "FP8 (Triton casts, the default) tokens/s over BF16", True),
+        ("fp8", "bf16", "FP8 (Inductor casts) over BF16", True),
+        ("fp8-triton-graph", "bf16-graph", "FP8 (Triton casts) over BF16, CUDA graphs", True),
+        ("fp8-graph", "bf16-graph", "FP8 (Inductor casts) over BF16, CUDA graphs", True),
         ("fp8-eager-casts", "bf16", "FP8 with eager casts over BF16", False),
     ):
         if base in measured and key in measured:
@@ -914,8 +917,9 @@ def goals(measured: dict, judged: bool) -> list[Row]:
             rows.append(Row("goal", name, f"{speedup:.2f}x", f">= {SPEEDUP_GOAL}x" if goal else "",
                             speedup >= SPEEDUP_GOAL if judged and goal else None,
                             {"speedup": speedup}))  # fmt: skip
-    for key, name in (("bf16", "BF16"), ("fp8", "FP8"), ("fp8-triton", "FP8 (Triton cast kernel)"),
-                      ("bf16-graph", "BF16 graph"), ("fp8-graph", "FP8 graph")):  # fmt: skip
+    for key, name in (("bf16", "BF16"), ("fp8-triton", "FP8 (Triton casts)"),
+                      ("fp8", "FP8 (Inductor casts)"), ("bf16-graph", "BF16 graph"),
+                      ("fp8-graph", "FP8 (Inductor casts) graph")):  # fmt: skip
         off, on = measured.get(key), measured.get(f"{key}+telemetry")
         if off and on:
             overhead = on["step_ms"] / off["step_ms"] - 1
@@ -1051,10 +1055,8 @@ def run_keys(text: str) -> tuple[str, ...]:
     keys = tuple(k.strip() for k in text.split(",") if k.strip())
     unknown = [k for k in keys if k not in THROUGHPUT_RUNS]
     if unknown or not keys:
-        raise argparse.ArgumentTypeError(
-            f"{', '.join(unknown) or 'nothing'}: not a configuration; use some of "
-            + ", ".join(THROUGHPUT_RUNS)
-        )
+        named = f"{', '.join(unknown)}: not a configuration" if unknown else "no configuration"
+        raise argparse.ArgumentTypeError(f"{named}; use some of " + ", ".join(THROUGHPUT_RUNS))
     return keys
 
 

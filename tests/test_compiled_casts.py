@@ -317,13 +317,35 @@ def test_the_cast_path_a_run_records_follows_both_switches():
         assert linear_module.cast_path("cpu") == "compiled: triton"
         set_compiled_casts("off")
         assert linear_module.cast_path("cuda") == "eager"
-        set_compiled_casts("all")  # auto: the hand-written kernel where it runs, a GPU
-        linear_module.set_cast_kernel("auto")
+        set_compiled_casts("all")
+        linear_module.set_cast_kernel("auto")  # Triton's kernel needs a GPU; Inductor's not
         assert linear_module.cast_path("cuda:0") == "compiled: triton"
         assert linear_module.cast_path("cpu") == "compiled: inductor"
     finally:
         set_compiled_casts(old_mode)
         linear_module.set_cast_kernel(old_kernel)
+
+
+def test_under_auto_a_cpu_tensor_is_cast_by_inductors_kernel(compile_everywhere, monkeypatch):
+    """``auto`` picks per tensor, not per process: on the CPU the cast goes to the Inductor
+    version, never to the Triton kernel's (which needs a GPU)."""
+    from fp8ops.precision.state import Fp8Meta
+
+    called = []
+    versions = {
+        name: lambda *args, name=name, version=version: called.append(name) or version(*args)
+        for name, version in linear_module._CAST_AND_RECORD.items()
+    }
+    monkeypatch.setattr(linear_module, "_CAST_AND_RECORD", versions)
+    old_kernel = linear_module.set_cast_kernel("auto")
+    try:
+        x = sample(torch.bfloat16)[:64].reshape(32, -1)
+        state = Fp8Meta.fresh(DelayedScalingRecipe(amax_history_len=4)).forward
+        quantized = linear_module.cast_and_record(x, state, 0, None, "input", transposed=True)
+    finally:
+        linear_module.set_cast_kernel(old_kernel)
+    assert called == ["inductor"]
+    assert same_bits(quantized.data, cast(x, torch.tensor(1.0), E4M3).data)
 
 
 @pytest.mark.parametrize(("variable", "module", "attribute", "default", "choices"), [

@@ -34,7 +34,7 @@ def test_the_smoke_run_passes_every_check_and_prints_the_table_last(tmp_path):
     assert all(row["status"] in ("PASS", "info") for row in checks)
     assert any("inductor cast+record" in row["check"] and row["status"] == "PASS" for row in checks)
     throughput = {row["check"]: row for row in report["rows"] if row["part"] == "throughput"}
-    assert "tokens/s" in throughput["FP8 scaled_mm (compiled casts) + telemetry"]["result"]
+    assert "tokens/s" in throughput["FP8 scaled_mm, Inductor casts + telemetry"]["result"]
     for kind in ("bf16", "fp8"):
         assert (out.parent / f"gpu_check.profile-{kind}.txt").read_text().strip()
     assert result.stdout.rstrip().splitlines()[-1].startswith("-")  # the table closes the output
@@ -45,6 +45,7 @@ def test_the_smoke_run_passes_every_check_and_prints_the_table_last(tmp_path):
     ("--steps", "-3", "-3 is not at least 1"),
     ("--telemetry-every", "ten", "'ten' is not a whole number"),
     ("--runs", "fp8,fp9", "fp9: not a configuration; use some of bf16, bf16+telemetry"),
+    ("--runs", ",", "no configuration; use some of bf16"),
 ])  # fmt: skip
 def test_a_count_that_is_not_a_positive_number_is_refused(tmp_path, option, value, message):
     result = subprocess.run(
@@ -66,7 +67,8 @@ def test_runs_times_only_the_configurations_named(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
     timed = [row["check"] for row in report["rows"] if "tokens/s" in row["result"]]
-    assert timed == ["BF16", "FP8 scaled_mm (compiled casts)",
-                     "FP8 scaled_mm (compiled casts) + telemetry"]  # fmt: skip
+    assert timed == ["BF16", "FP8 scaled_mm, Inductor casts",
+                     "FP8 scaled_mm, Inductor casts + telemetry"]  # fmt: skip
     goals = {row["check"] for row in report["rows"] if row["part"] == "goal"}
-    assert goals == {"FP8 tokens/s over BF16", "telemetry share of the FP8 step"}
+    assert goals == {"FP8 (Inductor casts) over BF16",
+                     "telemetry share of the FP8 (Inductor casts) step"}  # fmt: skip

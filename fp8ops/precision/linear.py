@@ -112,16 +112,22 @@ def set_cast_kernel(name: str) -> str:
     return old
 
 
-def _kernel_for(device: torch.device | str) -> str:
+def _kernel_for(device_type: str) -> str:
+    """The fast version (a key of ``_CAST_AND_RECORD``) that casts tensors on a device of this
+    type. Under ``auto``: the hand-written kernel on GPUs, where the H200 ran the 8B layer
+    stack's FP8 step in 35.5 ms against 38.5 ms with Inductor's; Inductor's elsewhere, since
+    Triton's kernels need a GPU. A specialisation that fails its verification runs eager
+    either way (``Compiled``), not the other fast version."""
     if _cast_kernel != "auto":
         return _cast_kernel
-    return "triton" if torch.device(device).type == "cuda" else "inductor"
+    return "triton" if device_type == "cuda" else "inductor"
 
 
 def cast_path(device: torch.device | str) -> str:
     """What runs the ordinary step's casts on ``device``: ``eager``, or ``compiled: inductor``
     / ``compiled: triton`` (each specialisation verified first; one that fails runs eager)."""
-    return f"compiled: {_kernel_for(device)}" if compiles_for(device) else "eager"
+    kernel = _kernel_for(torch.device(device).type)
+    return f"compiled: {kernel}" if compiles_for(device) else "eager"
 
 
 def cast_and_record_status() -> dict[str, dict]:
@@ -148,7 +154,7 @@ def cast_and_record(
         fp8 = state.fp8
         # The scale this cast uses, before anything could change it.
         scale_inv = torch.reciprocal(state.scale[slot])
-        data, *data_t = _CAST_AND_RECORD[_kernel_for(x.device)](
+        data, *data_t = _CAST_AND_RECORD[_kernel_for(x.device.type)](
             x.detach(), state.amax_history, state.scale, slot, fp8.max, fp8.torch_dtype, transposed
         )
         return QuantizedTensor(data, scale_inv, fp8, data_t[0] if transposed else None)

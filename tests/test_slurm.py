@@ -494,7 +494,9 @@ def test_preemption_requeues_and_a_manifest_edited_meanwhile_fails_the_job(clust
     # Edited while the job runs: the next attempt reads the file again.
     _write(tmp_path / "edited.yaml", manifest, {"optimizer.lr": 1e-3}).replace(manifest)
     # A job that needs every CPU of the node, in the partition that may preempt: SLURM sends
-    # SIGTERM to our ranks, which checkpoint; the batch script then requeues the job itself.
+    # SIGTERM to our ranks, which checkpoint; the batch script then requeues the job itself, or,
+    # if the checkpoint outlasts the partition's GraceTime (10 s; on a loaded machine it can),
+    # SLURM requeues it at the end of the grace (PreemptMode=REQUEUE). Either way it runs again.
     cpus = subprocess.run(
         ["sinfo", "-h", "-N", "-o", "%c"], capture_output=True, text=True, check=True
     )
@@ -511,7 +513,8 @@ def test_preemption_requeues_and_a_manifest_edited_meanwhile_fails_the_job(clust
     status = read_status(run)  # the refused attempt left the run as the preemption did
     assert (status["state"], status["reason"]) == ("interrupted", "SIGTERM")
     assert f"checkpoint {status['checkpoint']} at step {status['step']} (SIGTERM)" in log
-    assert f"requeued job {job}" in log and "SLURM_RESTART_COUNT=1" in log
+    assert f"requeued job {job}" in log or "not requeued by this script" in log, log
+    assert "SLURM_RESTART_COUNT=1" in log
     assert "refusing to resume" in log
     assert re.search(r"manifest +optimizer\.lr: 0\.002 -> 0\.001", log), log[-3000:]
     assert "training failed (exit 4)" in log

@@ -77,14 +77,6 @@ from fp8ops.precision.quantize import amax_of, cast, cast_and_amax, quantize
 
 SPEEDUP_GOAL = 1.3  # FP8 tokens/s over BF16 tokens/s
 TELEMETRY_GOAL = 0.01  # telemetry's share of the step time
-# The configurations (c) times, in this order (check_throughput builds them, checked against
-# this); --runs picks some of them. "fp8" runs Inductor's casts, "fp8-triton" the hand-written
-# kernel, the default on GPUs.
-THROUGHPUT_RUNS = (
-    "bf16", "bf16+telemetry", "fp8-eager-casts", "fp8", "fp8+telemetry", "fp8-triton",
-    "fp8-triton+telemetry", "bf16-graph", "fp8-graph", "fp8-triton-graph",
-    "bf16-graph+telemetry", "fp8-graph+telemetry",
-)  # fmt: skip
 PROFILED = ("bf16", "fp8", "fp8-triton")  # --profile: three steps of each, kernel tables
 # Normwise |native - emulated| / |emulated| that (a) accepts. bf16: both round float32 results
 # that differ only by summation order, so an element differs by one bf16 ulp (2**-8) at most and
@@ -500,6 +492,33 @@ def build_stack(shape: dict, recipe, gemm, device, attention: str):
     return block.to(device=device, dtype=torch.bfloat16)
 
 
+def throughput_runs(fp8_name: str, compiled: str) -> tuple[tuple, ...]:
+    """The configurations (c) times, in order: ``fp8`` runs Inductor's casts, ``fp8-triton``
+    the hand-written kernel (the default on GPUs); ``--runs`` picks some by key."""
+    inductor, triton = "Inductor casts", "Triton casts"
+    return (  # (key, label, FP8?, compiled casts mode, cast kernel, telemetry?)
+        ("bf16", "BF16", False, compiled, "inductor", False),
+        ("bf16+telemetry", "BF16 + telemetry", False, compiled, "inductor", True),
+        ("fp8-eager-casts", f"{fp8_name}, eager casts", True, "off", "inductor", False),
+        ("fp8", f"{fp8_name}, {inductor}", True, compiled, "inductor", False),
+        ("fp8+telemetry", f"{fp8_name}, {inductor} + telemetry", True, compiled, "inductor", True),
+        ("fp8-triton", f"{fp8_name}, {triton}", True, compiled, "triton", False),
+        ("fp8-triton+telemetry", f"{fp8_name}, {triton} + telemetry", True, compiled, "triton",
+         True),
+        # Last: a failed capture is the likeliest thing here to upset the device for what follows.
+        ("bf16-graph", "BF16, CUDA graph", False, compiled, "inductor", False),
+        ("fp8-graph", f"{fp8_name}, {inductor}, CUDA graph", True, compiled, "inductor", False),
+        ("fp8-triton-graph", f"{fp8_name}, {triton}, CUDA graph", True, compiled, "triton", False),
+        ("bf16-graph+telemetry", "BF16, CUDA graph + telemetry", False, compiled, "inductor", True),
+        ("fp8-graph+telemetry", f"{fp8_name}, {inductor}, CUDA graph + telemetry", True,
+         compiled, "inductor", True),
+    )  # fmt: skip
+
+
+# Their keys, for --runs (the labels and modes do not matter here).
+THROUGHPUT_RUNS = tuple(run[0] for run in throughput_runs("", "auto"))
+
+
 def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
     try:
         from fp8ops.megatron import apply_cpu_shims, fp8_modules
@@ -541,26 +560,7 @@ def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
 
     fp8_name = "FP8 " + ("scaled_mm" if native else "emulated")
     compiled = "all" if args.smoke else "auto"  # --smoke compiles on the CPU too
-    inductor, triton = "Inductor casts", "Triton casts"
-    configurations = (  # (key, label, FP8?, compiled casts mode, cast kernel, telemetry?)
-        ("bf16", "BF16", False, compiled, "inductor", False),
-        ("bf16+telemetry", "BF16 + telemetry", False, compiled, "inductor", True),
-        ("fp8-eager-casts", f"{fp8_name}, eager casts", True, "off", "inductor", False),
-        ("fp8", f"{fp8_name}, {inductor}", True, compiled, "inductor", False),
-        ("fp8+telemetry", f"{fp8_name}, {inductor} + telemetry", True, compiled, "inductor", True),
-        ("fp8-triton", f"{fp8_name}, {triton}", True, compiled, "triton", False),
-        ("fp8-triton+telemetry", f"{fp8_name}, {triton} + telemetry", True, compiled, "triton",
-         True),
-        # Last: a failed capture is the likeliest thing here to upset the device for what follows.
-        ("bf16-graph", "BF16, CUDA graph", False, compiled, "inductor", False),
-        ("fp8-graph", f"{fp8_name}, {inductor}, CUDA graph", True, compiled, "inductor", False),
-        ("fp8-triton-graph", f"{fp8_name}, {triton}, CUDA graph", True, compiled, "triton", False),
-        ("bf16-graph+telemetry", "BF16, CUDA graph + telemetry", False, compiled, "inductor", True),
-        ("fp8-graph+telemetry", f"{fp8_name}, {inductor}, CUDA graph + telemetry", True,
-         compiled, "inductor", True),
-    )  # fmt: skip
-    if tuple(c[0] for c in configurations) != THROUGHPUT_RUNS:
-        raise AssertionError("THROUGHPUT_RUNS must list check_throughput's configurations")
+    configurations = throughput_runs(fp8_name, compiled)
     configurations = tuple(c for c in configurations if not args.runs or c[0] in args.runs)
     measured: dict[str, dict] = {}
     rows = cast_speeds(device, shape, compiled)

@@ -308,8 +308,8 @@ def test_on_a_gpu_the_kernel_equals_the_eager_cast_bit_for_bit(fp8, dtype, shape
     shapes'. Two inputs: one with NaN and infinities, and a finite one whose largest value
     sits in the last tile, so a fold that missed a tile would record a smaller amax."""
     generator = torch.Generator().manual_seed(3)
-    magnitudes = torch.exp(torch.randn(shape, generator=generator) * 4)  # 1e-7 .. 1e4 below
-    finite = magnitudes.clamp(max=1e4) * torch.randn(shape, generator=generator).sign()
+    magnitudes = torch.exp(torch.randn(shape, generator=generator) * 4)  # about 1e-7 .. 1e7
+    finite = magnitudes.clamp(max=1e4) * torch.randn(shape, generator=generator).sign()  # <= 1e4
     finite[-1, -1] = -(2.0**15)  # the largest magnitude, in the last tile (exact in bf16)
     special = finite.clone()
     flat = special.view(-1)

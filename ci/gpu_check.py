@@ -393,21 +393,25 @@ def check_compiled_casts(x: torch.Tensor, device: torch.device) -> list[Row]:
                 + ("compiled" if compiled else "eager: " + "; ".join(sorted(statuses))),
                 "all", all(equal), {"statuses": sorted(statuses)},
             ))  # fmt: skip
-        rows.append(check_cast_and_record(x, device, "inductor"))
-        if device.type == "cuda":  # Triton's kernels need a GPU (the CPU tests interpret it)
-            rows.append(check_cast_and_record(x, device, "triton"))
-        else:
-            rows.append(Row("scaling", "triton cast+record (the ordinary step) = CPU eager",
+        for counting in (False, True):
+            rows.append(check_cast_and_record(x, device, "inductor", counting))
+            if device.type == "cuda":  # Triton's kernels need a GPU (the CPU tests interpret it)
+                rows.append(check_cast_and_record(x, device, "triton", counting))
+        if device.type != "cuda":
+            rows.append(Row("scaling", "triton cast+record(+count) = CPU eager",
                             "skipped: needs a GPU"))  # fmt: skip
     finally:
         set_compiled_casts(old)
     return rows
 
 
-def check_cast_and_record(x: torch.Tensor, device: torch.device, kernel: str) -> Row:
+def check_cast_and_record(
+    x: torch.Tensor, device: torch.device, kernel: str, counting: bool = False
+) -> Row:
     """The ordinary step's cast (``linear.cast_and_record``: cast, transposed copy, amax folded
     into the history, scale_inv) by ``kernel`` (Inductor's compilation, or the hand-written
-    Triton kernel) on ``device`` against eager on the CPU."""
+    Triton kernel) on ``device`` against eager on the CPU; ``counting``: a measuring step's
+    (the same, plus the cast's amax and its four counts)."""
     from fp8ops.precision.linear import cast_and_record, set_cast_kernel
     from fp8ops.precision.state import ScalingState
 
@@ -425,17 +429,20 @@ def check_cast_and_record(x: torch.Tensor, device: torch.device, kernel: str) ->
                 state.amax_history = state.amax_history.to(where)
                 state.scale = state.scale.to(where)
                 set_compiled_casts(mode)
-                q = cast_and_record(source.to(where), state, slot, None, "input", transposed=True)
+                track = {} if counting else None
+                q = cast_and_record(source.to(where), state, slot, track, "input", transposed=True)
+                stats = (track["input"].amax, track["input"].counts) if counting else ()
                 results[mode] = [t.cpu() for t in (q.data, q.data_t, q.scale_inv,
-                                                   state.amax_history)]  # fmt: skip
+                                                   state.amax_history, *stats)]  # fmt: skip
             set_compiled_casts("all")
             pairs = zip(results["all"], results["off"], strict=True)
             equal.append(all(same_bits(a, b) for a, b in pairs))
     finally:
         set_cast_kernel(old_kernel)
-    record = linear_module._CAST_AND_RECORD[kernel]
-    statuses = sorted(record.statuses(str(source.to(device).device)))
-    return Row("scaling", f"{kernel} cast+record (the ordinary step) = CPU eager",
+    versions = linear_module._CAST_RECORD_AND_COUNT if counting else linear_module._CAST_AND_RECORD
+    statuses = sorted(versions[kernel].statuses(str(source.to(device).device)))
+    what = "cast+record+count (a measuring step)" if counting else "cast+record (the ordinary step)"
+    return Row("scaling", f"{kernel} {what} = CPU eager",
                f"{sum(equal)}/{len(equal)} equal; " + ", ".join(statuses),
                "all", all(equal) and statuses == ["compiled"], {"statuses": statuses})  # fmt: skip
 
@@ -934,8 +941,9 @@ def cast_speeds(device: torch.device, shape: dict, compiled: str) -> list[Row]:
     in milliseconds and in bytes moved per element of the input (2 read + 1 written at best).
     Then what bounds it: a bf16 copy and torch's own conversion kernel (no scale, no amax), the
     ordinary step's call (``cast_and_record``: with the transposed copy, the amax folded into the
-    history), and the same function compiled for this one shape (timing only: the compiled
-    casts are compiled for any shape, which may cost speed)."""
+    history), the same function compiled for this one shape (timing only: the compiled
+    casts are compiled for any shape, which may cost speed), and the call a measuring step
+    makes instead (it also counts saturated, underflowed, NaN and Inf elements)."""
     from fp8ops.precision.compiled import RECOMPILE_LIMIT, _recompile_limit
     from fp8ops.precision.linear import _cast_and_record, cast_and_record
     from fp8ops.precision.state import ScalingState
@@ -946,11 +954,14 @@ def cast_speeds(device: torch.device, shape: dict, compiled: str) -> list[Row]:
     state = ScalingState.fresh(16, 3, E4M3, device=device)
     static = torch.compile(_cast_and_record, dynamic=False, fullgraph=True)
 
-    def record(mode: str, kernel: str = "inductor"):
+    def record(mode: str, kernel: str = "inductor", counting: bool = False):
         old, old_kernel = set_compiled_casts(mode), set_cast_kernel(kernel)
         try:
             return seconds_per_call(
-                lambda: cast_and_record(x, state, 0, None, "input", transposed=True), device
+                lambda: cast_and_record(
+                    x, state, 0, {} if counting else None, "input", transposed=True
+                ),
+                device,
             )
         finally:
             set_compiled_casts(old)
@@ -989,6 +1000,13 @@ def cast_speeds(device: torch.device, shape: dict, compiled: str) -> list[Row]:
     ]  # fmt: skip
     if device.type == "cuda":
         timings.append(("cast_and_record, Triton cast kernel", record(compiled, "triton")))
+    # A step telemetry measures casts with statistics: the counting versions of the same call.
+    timings += [
+        ("cast_and_record counting (a measuring step), eager", record("off", counting=True)),
+        ("... counting, Inductor", record(compiled, counting=True)),
+    ]
+    if device.type == "cuda":
+        timings.append(("... counting, Triton cast kernel", record(compiled, "triton", True)))
     rows = []
     for label, seconds in timings:
         moved = f", ~{seconds * bandwidth / x.numel():.0f} B/element" if bandwidth else ""

@@ -23,7 +23,7 @@ import torch
 from fp8ops.precision import cast_kernel
 from fp8ops.precision.compiled import same_bits
 from fp8ops.precision.formats import E4M3, E5M2
-from fp8ops.precision.linear import _cast_and_record
+from fp8ops.precision.linear import _cast_and_record, _cast_record_and_count
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="needs triton (its interpreter)"
@@ -56,7 +56,9 @@ def _interpreter_broken() -> str | None:
 
     _, fold = cast_kernel._kernels()
     try:
-        fold[(1,)](torch.ones(3), 3, torch.zeros(2), 0, BLOCK=4)
+        unused = torch.ones(3)  # the count buffers, which COUNT=False leaves alone
+        fold[(1,)](torch.ones(3), 3, torch.zeros(2), 0, unused, unused, unused, BLOCK=4,
+                   COUNT=False)  # fmt: skip
     except triton.runtime.errors.InterpreterError as exc:
         # Only that known failure skips; any other error is the kernel's, for the tests to show.
         if not (isinstance(exc.__cause__, TypeError) and "0-dimensional" in str(exc)):
@@ -68,22 +70,33 @@ def _interpreter_broken() -> str | None:
 
 def exact_inputs(fp8, scale: float, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
     """Every finite FP8 value of ``fp8`` divided by ``scale`` (a power of two, so the kernel's
-    product is that FP8 value again), then the special values, tiled to ``shape``."""
+    product is that FP8 value again), then the special values, tiled to ``shape``: zeros,
+    infinities, NaN, values past the maximum, and values too small for the format (they
+    underflow to zero however the conversion rounds)."""
     values = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(fp8.torch_dtype).float()
-    values = values[torch.isfinite(values)] / scale
+    values = values[torch.isfinite(values)]
+    tiny = values[values > 0].min() / 4  # a quarter of the smallest subnormal: casts to zero
+    values = values / scale
     specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"),
-                             2 * fp8.max / scale, -3 * fp8.max / scale, 3e38])  # fmt: skip
+                             2 * fp8.max / scale, -3 * fp8.max / scale, 3e38,
+                             tiny / scale, -tiny / scale, tiny / 2 / scale])  # fmt: skip
     pattern = torch.cat([values, specials])
     count = shape[0] * shape[1]
     tiled = pattern.repeat(-(-count // pattern.numel()))[:count]
     return tiled.reshape(shape).to(dtype)
 
 
-def both(x, history, scales, slot, fp8, transposed):
-    """The kernel's and the eager function's results, each on its own copies of the state."""
+def both(x, history, scales, slot, fp8, transposed, count=False):
+    """The kernel's and the eager function's results, each on its own copies of the state;
+    ``count``: the measuring step's cast (data, amax, counts[, data_t])."""
+    kernel, eager = (
+        (cast_kernel.cast_record_and_count, _cast_record_and_count)
+        if count
+        else (cast_kernel.cast_and_record, _cast_and_record)
+    )
     kernel_state, eager_state = (history.clone(), scales.clone()), (history.clone(), scales.clone())
-    got = cast_kernel.cast_and_record(x, *kernel_state, slot, fp8.max, fp8.torch_dtype, transposed)
-    want = _cast_and_record(x, *eager_state, slot, fp8.max, fp8.torch_dtype, transposed)
+    got = kernel(x, *kernel_state, slot, fp8.max, fp8.torch_dtype, transposed)
+    want = eager(x, *eager_state, slot, fp8.max, fp8.torch_dtype, transposed)
     return got, want, kernel_state[0], eager_state[0]
 
 
@@ -108,6 +121,46 @@ def test_the_kernel_casts_transposes_and_records_as_the_eager_cast(interpreted, 
     assert torch.equal(got[1].view(torch.uint8), got[0].view(torch.uint8).t())
     assert same_bits(got_history, want_history)  # NaN in row 0 replaced by an inf amax (fmax)
     assert got_history[0, 1] == float("inf") and torch.equal(got_history[1], history[1])
+
+
+@pytest.mark.parametrize(
+    ("fp8", "dtype", "scale", "transposed"),
+    [(E4M3, torch.bfloat16, 1.0, True), (E4M3, torch.float32, 2.0**-6, False),
+     (E5M2, torch.bfloat16, 16.0, False), (E5M2, torch.float32, 1.0, True)],
+    ids=["e4m3-bf16-transposed", "e4m3-fp32-plain", "e5m2-bf16-plain", "e5m2-fp32-transposed"],
+)  # fmt: skip
+def test_the_counting_kernel_counts_what_the_eager_cast_counts(
+    interpreted, fp8, dtype, scale, transposed
+):
+    """The measuring step's cast: the same FP8 bytes and history, plus the cast's own amax and
+    its saturated, underflowed, NaN and Inf counts, each of which the inputs make non-zero.
+    (Four cases, not every combination: the interpreter takes seconds per counting call.)"""
+    x = exact_inputs(fp8, scale, dtype, (70, 150))
+    history = torch.tensor([[0.0, float("nan"), 5.0], [1.0, 2.0, 3.0]])
+    scales = torch.tensor([0.5, scale, 2.0])
+    got, want, got_history, want_history = both(x, history, scales, 1, fp8, transposed, True)
+    assert len(got) == len(want) == (4 if transposed else 3)
+    assert same_bytes_but_at_nan(got[0], want[0], x)
+    if transposed:
+        assert same_bytes_but_at_nan(got[3], want[3], x.t())
+    assert same_bits(got[1], want[1]) and got[1] == float("inf")  # the cast's amax
+    assert got[2].dtype == torch.int64 and torch.equal(got[2], want[2])
+    # Saturated, underflow, NaN and Inf all occur, each a different number of times, so a
+    # count in the wrong place fails too.
+    assert (got[2] > 0).all() and len(set(got[2].tolist())) == 4, got[2]
+    assert same_bits(got_history, want_history)
+
+
+def test_the_fold_adds_up_counts_over_several_loops(interpreted, monkeypatch):
+    """With a fold block of 8 tiles, 12 tiles take two loops, the second part-masked; the
+    largest value and every counted element sit in the last tile."""
+    monkeypatch.setattr(cast_kernel, "FOLD_BLOCK", 8)
+    x = torch.ones(130, 200)  # 3 x 4 tiles of 64 x 64
+    x[129, 199], x[128, 198], x[129, 198], x[128, 197] = -900.0, float("nan"), 1e-12, -float("inf")
+    got, want, got_history, want_history = both(x, torch.zeros(2, 3), torch.ones(3), 0, E4M3,
+                                                False, True)  # fmt: skip
+    assert got[1] == float("inf") and same_bits(got_history, want_history)
+    assert got[2].tolist() == want[2].tolist() == [2, 1, 1, 1]  # -900 and -inf saturate
 
 
 @pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
@@ -179,19 +232,24 @@ def test_a_history_not_aligned_to_16_bytes_is_folded_by_torch(interpreted, monke
             return launch
 
     monkeypatch.setattr(cast_kernel, "_kernels", lambda: (cast, Spy()))
-    x = torch.linspace(-300.0, 200.0, 64 * 64).reshape(64, 64)  # amax 300
-    buffer = torch.zeros(1 + 2 * 3)
-    history = buffer[1:].view(2, 3)  # 4 bytes into its storage
-    history[0] = torch.tensor([1.0, float("nan"), 1e30])
-    assert history.data_ptr() % 16
-    want_history = history.clone()
-    _cast_and_record(x, want_history, torch.ones(3), 1, E4M3.max, E4M3.torch_dtype, False)
-    cast_kernel.cast_and_record(x, history, torch.ones(3), 1, E4M3.max, E4M3.torch_dtype, False)
-    assert same_bits(history, want_history) and history[0, 1] == 300.0  # NaN replaced, in place
-    assert not folds
-    aligned = torch.zeros(2, 3)
-    cast_kernel.cast_and_record(x, aligned, torch.ones(3), 1, E4M3.max, E4M3.torch_dtype, False)
-    assert len(folds) == 1 and aligned[0, 1] == 300.0
+    x = torch.linspace(-600.0, 200.0, 64 * 64).reshape(64, 64)  # amax 600
+    args = (torch.ones(3), 1, E4M3.max, E4M3.torch_dtype, False)
+    for kernel, eager in ((cast_kernel.cast_and_record, _cast_and_record),
+                          (cast_kernel.cast_record_and_count, _cast_record_and_count)):  # fmt: skip
+        buffer = torch.zeros(1 + 2 * 3)
+        history = buffer[1:].view(2, 3)  # 4 bytes into its storage
+        history[0] = torch.tensor([1.0, float("nan"), 1e30])
+        assert history.data_ptr() % 16
+        want_history = history.clone()
+        want = eager(x, want_history, *args)
+        got = kernel(x, history, *args)
+        assert same_bits(history, want_history) and history[0, 1] == 600.0  # NaN replaced
+        assert all(same_bits(g, w) for g, w in zip(got[1:], want[1:], strict=True))
+        assert not folds
+        aligned = torch.zeros(2, 3)
+        kernel(x, aligned, *args)
+        assert len(folds) == 1 and aligned[0, 1] == 600.0
+        folds.clear()
 
 
 @pytest.mark.parametrize("shape", [(4096, 14336), (4095, 14336), (4096, 100), (1, 4096), (17, 1)])
@@ -252,11 +310,13 @@ def test_an_unknown_cast_kernel_is_refused_by_name():
 
 
 @pytest.mark.parametrize("fp8", ["fp8e4nv", "fp8e5"])
-def test_for_hopper_the_kernel_compiles_to_one_conversion_vector_access_and_no_flush(fp8):
+@pytest.mark.parametrize("count", [False, True], ids=["ordinary", "counting"])
+def test_for_hopper_the_kernel_compiles_to_one_conversion_vector_access_and_no_flush(fp8, count):
     """What the interpreter cannot show, read from the PTX Triton generates for sm_90 (no GPU
     needed): the conversion is one round-to-nearest-even, saturating instruction from float32
     (no double rounding through float16), subnormals are not flushed, and with sizes that
-    divide by 16 the loads and both stores are 16-byte vectors (the transposed store too)."""
+    divide by 16 the loads and both stores are 16-byte vectors (the transposed store too),
+    counting or not."""
     import re
 
     import triton
@@ -269,12 +329,13 @@ def test_for_hopper_the_kernel_compiles_to_one_conversion_vector_access_and_no_f
     source = ASTSource(
         fn=cast,
         signature={"x_ptr": "*bf16", "scale_ptr": "*fp32", "slot": "i32", "data_ptr": f"*{fp8}",
-                   "data_t_ptr": f"*{fp8}", "partial_ptr": "*fp32", "rows": "i32", "cols": "i32",
-                   "fp8_max": "fp32", "FP8": "constexpr", "TRANSPOSED": "constexpr",
-                   "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"},
+                   "data_t_ptr": f"*{fp8}", "partial_ptr": "*fp32", "counts_ptr": "*i32",
+                   "rows": "i32", "cols": "i32", "fp8_max": "fp32", "FP8": "constexpr",
+                   "TRANSPOSED": "constexpr", "COUNT": "constexpr", "BLOCK_R": "constexpr",
+                   "BLOCK_C": "constexpr"},
         constexprs={"FP8": getattr(tl, "float8e4nv" if fp8 == "fp8e4nv" else "float8e5"),
-                    "TRANSPOSED": True, "BLOCK_R": 64, "BLOCK_C": 64},
-        attrs={(i,): aligned for i in (0, 1, 3, 4, 5, 6, 7)},
+                    "TRANSPOSED": True, "COUNT": count, "BLOCK_R": 64, "BLOCK_C": 64},
+        attrs={(i,): aligned for i in (0, 1, 3, 4, 5, 6, 7, 8)},
     )  # fmt: skip
     try:
         ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
@@ -286,10 +347,12 @@ def test_for_hopper_the_kernel_compiles_to_one_conversion_vector_access_and_no_f
     assert not re.findall(rf"cvt\.\S*{name}\S*f16", ptx)  # no conversion through float16
     assert ".ftz" not in ptx
     # The input in 16-byte loads (without the sizes' divisibility: 32 two-byte loads), both
-    # tiles in 16-byte stores (else 64 one-byte stores); the one scalar store is the tile amax.
+    # tiles in 16-byte stores (else 64 one-byte stores); the other stores are scalars: the
+    # tile's amax and, counting, its four counts packed in one int64.
     assert re.findall(r"ld\.global\S*", ptx).count("ld.global.v4.b32") == 4
     stores = re.findall(r"st\.global\S*", ptx)
     assert stores.count("st.global.v4.b32") == 4 and not [s for s in stores if ".b8" in s]
+    assert len(stores) == 4 + (2 if count else 1), stores
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -303,8 +366,8 @@ def test_for_hopper_the_kernel_compiles_to_one_conversion_vector_access_and_no_f
 def test_on_a_gpu_the_kernel_equals_the_eager_cast_bit_for_bit(fp8, dtype, shape):
     """Compiled for the GPU, the conversion is the GPU's: every byte equals torch's eager cast
     on the same GPU (a NaN's byte only needs to be a NaN), rounding, saturation, subnormals,
-    signed zeros and the amax folded into the history included. Over 1,024 tiles the fold
-    loops more than once; 4096 x 1152 is the variant whose sizes divide by 16, as the 8B
+    signed zeros and the amax folded into the history included, and the measuring step's
+    counts. Over 512 tiles the fold loops more than once; 4096 x 1152 is the variant whose sizes divide by 16, as the 8B
     shapes'. Two inputs: one with NaN and infinities, and a finite one whose largest value
     sits in the last tile, so a fold that missed a tile would record a smaller amax."""
     generator = torch.Generator().manual_seed(3)
@@ -325,3 +388,7 @@ def test_on_a_gpu_the_kernel_equals_the_eager_cast_bit_for_bit(fp8, dtype, shape
             assert same_bits(got_history, want_history), slot
             # Over 0.5 and NaN the tensor's amax is recorded; 2e30 stays.
             assert got_history[0, slot] == (amax if slot < 2 else max(amax, 2e30)), slot
+            # The measuring step's cast: the same, plus the amax and the counts.
+            got, want, got_history, want_history = both(x, history, scales, slot, fp8, True, True)
+            assert len(got) == 4 and all(same_bits(g, w) for g, w in zip(got, want, strict=True))
+            assert same_bits(got_history, want_history) and got[1] == amax, slot

@@ -206,9 +206,47 @@ def test_an_fp8_linear_trains_bit_identically_with_compiled_casts():
         assert same_bits(compiled_state[key], eager_state[key]), key
     # Every cast of the ordinary steps, with the transposed copies the backward takes, ran
     # compiled: input (slot 0) and weight (slot 1) in E4M3, the gradient (slot 0) in E5M2.
-    record = linear_module._CAST_AND_RECORD["inductor"]
-    for slot, fp8 in (("0", "float8_e4m3fn"), ("1", "float8_e4m3fn"), ("0", "float8_e5m2")):
-        assert record.statuses("cpu", "bfloat16", slot, fp8, "True") == {"compiled"}, (slot, fp8)
+    # So did the telemetry step's, which count what they did in the same call.
+    for versions in (linear_module._CAST_AND_RECORD, linear_module._CAST_RECORD_AND_COUNT):
+        record = versions["inductor"]
+        for slot, fp8 in (("0", "float8_e4m3fn"), ("1", "float8_e4m3fn"), ("0", "float8_e5m2")):
+            statuses = record.statuses("cpu", "bfloat16", slot, fp8, "True")
+            assert statuses == {"compiled"}, (record.fn.__name__, slot, fp8)
+
+
+@pytest.mark.parametrize("mode", ["all", "off"])
+@pytest.mark.parametrize("transposed", [True, False])
+def test_a_measuring_steps_cast_gives_quantizes_statistics_and_records_its_amax(mode, transposed):
+    """``cast_and_record`` with ``track``, compiled or eager, gives what ``quantize`` gives
+    (bytes, transposed copy, amax, the four counts) and folds the amax into row 0 as
+    ``ScalingState.record_amax`` does."""
+    from fp8ops.precision.state import ScalingState
+
+    x = sample(torch.bfloat16) * 300  # saturates at scale 1
+    x[5, :3] = torch.tensor([1e-30, -1e-30, 2.0])  # underflow
+    states = [ScalingState.fresh(4, 3, E4M3) for _ in range(2)]
+    for state in states:
+        state.amax_history[0] = torch.tensor([1.0, float("nan"), 0.0])
+    old = set_compiled_casts(mode)
+    try:
+        track = {}
+        got = linear_module.cast_and_record(x, states[0], 1, track, "input", transposed=transposed)
+    finally:
+        set_compiled_casts(old)
+    want, want_stats = quantize(x, states[1].scale[1], E4M3, transposed=transposed)
+    states[1].record_amax(1, want_stats.amax)
+    assert same_bits(got.data, want.data)
+    assert (got.data_t is None) != transposed
+    if transposed:
+        assert same_bits(got.data_t, want.data_t)
+    stats = track["input"]
+    assert same_bits(stats.amax, want_stats.amax) and math.isinf(stats.amax)
+    assert torch.equal(stats.counts, want_stats.counts) and stats.numel == x.numel()
+    assert (stats.counts > 0).all(), stats.counts  # each of the four occurs
+    assert same_bits(states[0].amax_history, states[1].amax_history)
+    if mode == "all":
+        record = linear_module._CAST_RECORD_AND_COUNT["inductor"]
+        assert record.statuses("cpu", "bfloat16", "1", str(transposed)) == {"compiled"}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

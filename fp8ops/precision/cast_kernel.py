@@ -9,9 +9,15 @@ Each tile's amax goes to its own slot of a partial buffer, and a second, one-pro
 folds their max into history row 0: no atomics, and the same value in any order (a max). The
 kernels are in ``cast_kernel_triton.py``.
 
-:func:`cast_and_record` computes exactly what ``linear._cast_and_record`` computes and is used
-through :class:`~fp8ops.precision.compiled.Compiled` with that function as the reference, so
-each specialisation is checked bit for bit against the eager code at its first call and runs
+On the steps telemetry measures, the same pass also counts what the cast did (saturated,
+underflowed, NaN and Inf elements: ``quantize.CastStats``), each tile into its own slot of a
+second partial buffer that the fold sums: statistics at the price of the ordinary cast, where
+Inductor's compilation of the counting cast makes several more passes.
+
+:func:`cast_and_record` and :func:`cast_record_and_count` compute exactly what
+``linear._cast_and_record`` and ``linear._cast_record_and_count`` compute and are used through
+:class:`~fp8ops.precision.compiled.Compiled` with those functions as the reference, so each
+specialisation is checked bit for bit against the eager code at its first call and runs
 eager where it differs. The arithmetic is the eager code's: one float32 multiply, a clamp that
 keeps NaN, a round-to-nearest-even conversion, NaN ignored and +inf kept in the amax.
 
@@ -29,6 +35,7 @@ import torch
 KERNELS_MODULE = "fp8ops.precision.cast_kernel_triton"
 BLOCK = (64, 64)  # rows x columns of the input per program
 NUM_WARPS = 4
+FOLD_BLOCK = 512  # tiles per loop of the fold (4096 x 14336 is 14,336 tiles)
 
 
 def _kernels():
@@ -70,6 +77,17 @@ def cast_and_record(x, history, scales, slot: int, fp8_max: float, dtype, transp
     """``linear._cast_and_record`` through the kernels: ``x`` (2-D, contiguous) cast with
     ``scales[slot]``, its amax folded into ``history[0, slot]`` in place; returns ``(data,)``
     or ``(data, data_t)``."""
+    return _cast(x, history, scales, slot, fp8_max, dtype, transposed, count=False)
+
+
+def cast_record_and_count(x, history, scales, slot: int, fp8_max: float, dtype, transposed):
+    """``linear._cast_record_and_count`` through the kernels: :func:`cast_and_record`, also
+    counting what the cast did in the same pass; returns ``(data, amax, counts)`` or
+    ``(data, amax, counts, data_t)``, ``counts`` as ``quantize.CastStats.counts``."""
+    return _cast(x, history, scales, slot, fp8_max, dtype, transposed, count=True)
+
+
+def _cast(x, history, scales, slot, fp8_max, dtype, transposed: bool, count: bool):
     rows, cols = x.shape
     # Triton specialises on 16-byte alignment too; the probes are aligned, so the kernels are
     # verified for aligned tensors only. A copy is cheap next to running an unchecked variant.
@@ -82,14 +100,25 @@ def cast_and_record(x, history, scales, slot: int, fp8_max: float, dtype, transp
     data_t = torch.empty((cols, rows), dtype=dtype, device=x.device) if transposed else data
     tiles = -(-rows // BLOCK[0]) * -(-cols // BLOCK[1])
     partial = torch.empty(tiles, dtype=torch.float32, device=x.device)
+    # Without ``count`` the kernels ignore the count buffers; ``partial`` stands in for them.
+    # Each tile's four counts packed in 16 bits apiece (cast_kernel_triton.py).
+    counts = torch.empty(tiles, dtype=torch.int64, device=x.device) if count else partial
+    amax = torch.empty((), dtype=torch.float32, device=x.device) if count else partial
+    totals = torch.empty(4, dtype=torch.int64, device=x.device) if count else partial
     cast_transpose_amax, fold_amax = _kernels()
     cast_transpose_amax[(tiles,)](
-        x, scales, slot, data, data_t, partial, rows, cols, fp8_max,
-        FP8=_triton_dtype(dtype), TRANSPOSED=transposed,
+        x, scales, slot, data, data_t, partial, counts, rows, cols, fp8_max,
+        FP8=_triton_dtype(dtype), TRANSPOSED=transposed, COUNT=count,
         BLOCK_R=BLOCK[0], BLOCK_C=BLOCK[1], num_warps=NUM_WARPS,
     )  # fmt: skip
     if row0.data_ptr() % 16 == 0 and row0.stride(0) == 1:
-        fold_amax[(1,)](partial, tiles, row0, slot, BLOCK=1024)
+        fold_amax[(1,)](partial, tiles, row0, slot, counts, amax, totals, BLOCK=FOLD_BLOCK,
+                        COUNT=count)  # fmt: skip
     else:  # a history the kernel was not verified for (a view into a larger buffer, say)
-        history[0, slot] = torch.fmax(history[0, slot], partial.amax())  # as _cast_and_record
-    return (data, data_t) if transposed else (data,)
+        amax = partial.amax()
+        history[0, slot] = torch.fmax(history[0, slot], amax)  # as _cast_and_record
+        if count:
+            shifts = torch.arange(0, 64, 16, device=x.device)
+            totals = ((counts[:, None] >> shifts) & 0xFFFF).sum(dim=0)
+    outputs = (data, amax, totals) if count else (data,)
+    return (*outputs, data_t) if transposed else outputs

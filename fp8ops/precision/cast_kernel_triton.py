@@ -3,9 +3,9 @@ checked). A module of its own, imported at first use: Triton decides when a kern
 whether it is compiled or interpreted (``TRITON_INTERPRET``), and the CPU tests set that first.
 
 Only Triton's built-ins and this module's own jit functions are used, none of
-``triton.language.standard``'s (``tl.cdiv``, ``tl.max``, ``tl.zeros``): those were defined when
-Triton was first imported, and in a process that imported Triton before asking for the
-interpreter (Megatron imports it), the interpreter cannot run them.
+``triton.language.standard``'s (``tl.cdiv``, ``tl.max``, ``tl.sum``, ``tl.zeros``): those were
+defined when Triton was first imported, and in a process that imported Triton before asking for
+the interpreter (Megatron imports it), the interpreter cannot run them.
 """
 
 import triton
@@ -17,13 +17,18 @@ def larger(a, b):
     return tl.maximum(a, b)
 
 
+@triton.jit
+def plus(a, b):
+    return a + b
+
+
 # The slot is not specialised on (Triton would compile slot 1 apart). Sizes are: Triton
 # vectorises loads and stores only for sizes it knows divide by 16, so that is part of the
 # verification key and the probes come in the same class (cast_kernel.probes).
 @triton.jit(do_not_specialize=["slot"])
 def cast_transpose_amax(
-    x_ptr, scale_ptr, slot, data_ptr, data_t_ptr, partial_ptr, rows, cols, fp8_max,
-    FP8: tl.constexpr, TRANSPOSED: tl.constexpr,
+    x_ptr, scale_ptr, slot, data_ptr, data_t_ptr, partial_ptr, counts_ptr, rows, cols, fp8_max,
+    FP8: tl.constexpr, TRANSPOSED: tl.constexpr, COUNT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     # One flat grid (a second grid dimension is capped at 65535 programs).
@@ -52,16 +57,46 @@ def cast_transpose_amax(
     tile_amax = tl.reduce(tl.reduce(magnitude, 1, larger), 0, larger)
     tl.store(partial_ptr + tl.program_id(0), tile_amax)
 
+    if COUNT:
+        # The tile's CastStats.counts (quantize.COUNTS), as quantize._cast_with_stats counts
+        # them; masked lanes are 0, which none of the four counts. Each flag goes into its own
+        # 16 bits of an int64 (a tile holds fewer than 2**16 elements), so one sum counts all
+        # four: one reduction instead of four (and one store). The fold takes them apart.
+        tl.static_assert(BLOCK_R * BLOCK_C < 65536)
+        fp8_zero = (data.to(tl.uint8, bitcast=True) & 0x7F) == 0  # +0 or -0
+        saturated = tl.abs(scaled) > fp8_max  # inf included
+        underflow = (x != 0) & fp8_zero
+        nan = x != x  # noqa: PLR0124 - NaN test
+        inf = tl.abs(x) == float("inf")
+        flags = (
+            saturated.to(tl.int64)
+            | (underflow.to(tl.int64) << 16)
+            | (nan.to(tl.int64) << 32)
+            | (inf.to(tl.int64) << 48)
+        )
+        tl.store(counts_ptr + tl.program_id(0), tl.reduce(tl.reduce(flags, 1, plus), 0, plus))
 
-@triton.jit(do_not_specialize=["slot", "count"])
-def fold_amax(partial_ptr, count, history_ptr, slot, BLOCK: tl.constexpr):
+
+@triton.jit(do_not_specialize=["tiles", "slot"])
+def fold_amax(
+    partial_ptr, tiles, history_ptr, slot, counts_ptr, amax_ptr, totals_ptr,
+    BLOCK: tl.constexpr, COUNT: tl.constexpr,
+):  # fmt: skip
     # history[0, slot] = fmax(history[0, slot], max(partial)) in one program: one launch
-    # where torch takes three (amax, fmax, the write back).
+    # where torch takes three (amax, fmax, the write back). With COUNT also the cast's own
+    # amax and its four counts summed over the tiles (int64, as torch sums them).
     amax = tl.full((BLOCK,), 0.0, tl.float32)
-    for start in range(0, count, BLOCK):
+    totals = tl.full((BLOCK, 4), 0, tl.int64)
+    for start in range(0, tiles, BLOCK):
         index = start + tl.arange(0, BLOCK)
-        amax = tl.maximum(amax, tl.load(partial_ptr + index, mask=index < count, other=0.0))
+        amax = tl.maximum(amax, tl.load(partial_ptr + index, mask=index < tiles, other=0.0))
+        if COUNT:
+            packed = tl.load(counts_ptr + index, mask=index < tiles, other=0)
+            totals += (packed[:, None] >> (16 * tl.arange(0, 4)[None, :])) & 0xFFFF
     amax = tl.reduce(amax, 0, larger)
     old = tl.load(history_ptr + slot)
     new = tl.where(old != old, amax, tl.maximum(old, amax))  # noqa: PLR0124 - fmax
     tl.store(history_ptr + slot, new)
+    if COUNT:
+        tl.store(amax_ptr, amax)
+        tl.store(totals_ptr + tl.arange(0, 4), tl.reduce(totals, 0, plus))

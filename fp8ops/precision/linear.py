@@ -25,7 +25,15 @@ from torch import nn
 
 from fp8ops.precision import cast_kernel
 from fp8ops.precision.compiled import Compiled, cast_probes, compiles_for, env_choice
-from fp8ops.precision.quantize import QuantizedTensor, _cast_and_amax, cast_and_amax, quantize
+from fp8ops.precision.quantize import (
+    COUNTS,
+    CastStats,
+    QuantizedTensor,
+    _cast_and_amax,
+    _cast_with_stats,
+    cast_and_amax,
+    quantize,
+)
 from fp8ops.precision.recipe import DelayedScalingRecipe
 from fp8ops.precision.scaling import BWD_GRAD_OUTPUT, FWD_INPUT, FWD_WEIGHT
 from fp8ops.precision.scope import Fp8Scope, active_scope
@@ -85,24 +93,38 @@ def _record_probes(x, history, scales, slot, fp8_max, dtype, transposed):
     return rows
 
 
-_CAST_AND_RECORD = {  # the fast versions of the ordinary step's cast, both verified against it
-    "inductor": Compiled(_cast_and_record, probes=_record_probes),
-    "triton": Compiled(
-        _cast_and_record,
-        probes=cast_kernel.probes,
-        build=lambda fn: cast_kernel.cast_and_record,
-        key=cast_kernel.key,
-    ),
-}
+def _cast_record_and_count(x, history, scales, slot, fp8_max, dtype, transposed: bool):
+    """:func:`_cast_and_record` on a step that telemetry measures: the same cast, which also
+    returns its amax and what it did (``CastStats.counts``), from the same call."""
+    data, row_amax, *per_row = _cast_with_stats(x, scales[slot], fp8_max, dtype, transposed)
+    amax = row_amax.amax()
+    history[0, slot] = torch.fmax(history[0, slot], amax)  # = ScalingState.record_amax
+    counts = torch.stack(per_row[: len(COUNTS)]).sum(dim=1)
+    return (data, amax, counts, *per_row[len(COUNTS) :])  # the transposed copy last, if made
+
+
+def _fast_versions(fn, kernel) -> dict[str, Compiled]:
+    """``fn``'s two fast versions, each verified against ``fn`` itself: Inductor's compilation of
+    it, and the hand-written Triton kernel ``kernel`` of the same function (``cast_kernel.py``)."""
+    return {
+        "inductor": Compiled(fn, probes=_record_probes),
+        "triton": Compiled(
+            fn, probes=cast_kernel.probes, build=lambda _: kernel, key=cast_kernel.key
+        ),
+    }
+
+
+_CAST_AND_RECORD = _fast_versions(_cast_and_record, cast_kernel.cast_and_record)
+_CAST_RECORD_AND_COUNT = _fast_versions(_cast_record_and_count, cast_kernel.cast_record_and_count)
 CAST_KERNEL_ENV = "FP8OPS_CAST_KERNEL"
 CAST_KERNELS = ("auto", *_CAST_AND_RECORD)
 _cast_kernel = env_choice(CAST_KERNEL_ENV, CAST_KERNELS, "auto")
 
 
 def set_cast_kernel(name: str) -> str:
-    """Which fast version casts on ordinary steps where the casts are compiled
-    (``compiled.py``): ``inductor`` (torch.compile of ``_cast_and_record``), ``triton`` (the
-    hand-written kernel of ``cast_kernel.py``), or ``auto``: ``triton`` for CUDA tensors, where
+    """Which fast version casts where the casts are compiled (``compiled.py``): ``inductor``
+    (torch.compile of ``_cast_and_record``, and of ``_cast_record_and_count`` on the steps
+    telemetry measures), ``triton`` (the hand-written kernels of ``cast_kernel.py``), or ``auto``: ``triton`` for CUDA tensors, where
     it was measured faster (docs/gpu.md), ``inductor`` elsewhere (Triton's kernels need a GPU).
     Returns the old choice."""
     global _cast_kernel
@@ -131,8 +153,16 @@ def cast_path(device: torch.device | str) -> str:
 
 
 def cast_and_record_status() -> dict[str, dict]:
-    """Each fast version's verification status per specialisation (the GPU check's report)."""
-    return {name: dict(compiled.status) for name, compiled in _CAST_AND_RECORD.items()}
+    """Each fast version's verification status per specialisation (the GPU check's report), of
+    the ordinary step's cast and the measuring step's: each key starts with the function's name."""
+    return {
+        name: {
+            (versions[name].fn.__name__, *key): status
+            for versions in (_CAST_AND_RECORD, _CAST_RECORD_AND_COUNT)
+            for key, status in versions[name].status.items()
+        }
+        for name in _CAST_AND_RECORD
+    }
 
 
 def cast_and_record(
@@ -150,22 +180,25 @@ def cast_and_record(
     without it only the amax pass runs, which is all delayed scaling needs. ``transposed``: the
     cast also makes the transposed copy a backward GEMM will take (``QuantizedTensor.data_t``).
     """
-    if track is None and x.numel():
-        fp8 = state.fp8
-        # The scale this cast uses, before anything could change it.
-        scale_inv = torch.reciprocal(state.scale[slot])
-        data, *data_t = _CAST_AND_RECORD[_kernel_for(x.device.type)](
-            x.detach(), state.amax_history, state.scale, slot, fp8.max, fp8.torch_dtype, transposed
-        )
-        return QuantizedTensor(data, scale_inv, fp8, data_t[0] if transposed else None)
-    scale = state.scale[slot]
-    if track is None:  # an empty tensor
-        quantized, amax = cast_and_amax(x, scale, state.fp8, transposed=transposed)
-    else:
-        quantized, stats = quantize(x, scale, state.fp8, transposed=transposed)
-        amax, track[role] = stats.amax, stats
-    state.record_amax(slot, amax)
-    return quantized
+    if not x.numel():  # an empty tensor: nothing for a kernel to do
+        if track is None:
+            quantized, amax = cast_and_amax(x, state.scale[slot], state.fp8, transposed=transposed)
+        else:
+            quantized, stats = quantize(x, state.scale[slot], state.fp8, transposed=transposed)
+            amax, track[role] = stats.amax, stats
+        state.record_amax(slot, amax)
+        return quantized
+    fp8 = state.fp8
+    # The scale this cast uses, before anything could change it.
+    scale_inv = torch.reciprocal(state.scale[slot])
+    versions = _CAST_AND_RECORD if track is None else _CAST_RECORD_AND_COUNT
+    data, *rest = versions[_kernel_for(x.device.type)](
+        x.detach(), state.amax_history, state.scale, slot, fp8.max, fp8.torch_dtype, transposed
+    )
+    if track is not None:
+        amax, counts, *rest = rest
+        track[role] = CastStats(amax=amax, counts=counts, numel=x.numel())
+    return QuantizedTensor(data, scale_inv, fp8, rest[0] if transposed else None)
 
 
 class Fp8LinearFunction(torch.autograd.Function):

@@ -45,18 +45,17 @@ class Probe:
         ``x @ weight.T + bias`` (a TE LayerNormLinear normalises ``x`` first)."""
         self.fp8_gemms += _gemms(x, weight)
         if self.measure:
-            self.input_norm = x.detach().float().norm()
+            self.input_norm = _norm(x)
         if self.sample_error and error:
             with torch.no_grad():
-                reference = F.linear(x.detach(), weight.detach(), bias)
-                difference = (out.detach().float() - reference.float()).norm()
-                self.rel_error = difference / reference.float().norm()
+                reference = F.linear(x.detach(), weight.detach(), bias).float()
+                self.rel_error = _norm(out.detach().float() - reference) / _norm(reference)
 
     def fallback_call(self, x: torch.Tensor, weight) -> None:
         """After a forward in the base dtype (the module is held out of FP8, or no scope)."""
         self.fallback_gemms += _gemms(x, weight)
         if self.measure:
-            self.input_norm = x.detach().float().norm()
+            self.input_norm = _norm(x)
 
     def take(self) -> Probe:
         """This step's record; the probe starts the next step empty (same cadence flags)."""
@@ -74,3 +73,8 @@ def _gemms(x: torch.Tensor, weight) -> int:
     # fprop, plus dgrad and wgrad when this call will run a backward.
     builds_graph = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     return 3 if builds_graph else 1
+
+
+def _norm(x: torch.Tensor) -> torch.Tensor:
+    # The 2-norm accumulated in float32 in one kernel, without a float32 copy of x.
+    return torch.linalg.vector_norm(x.detach(), dtype=torch.float32)

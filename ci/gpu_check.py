@@ -533,8 +533,9 @@ def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
     except Exception as exc:  # noqa: BLE001 - any import failure means: no Megatron here
         return [Row("throughput", "layer stack", f"skipped: megatron-core not importable: {exc}")]
     try:
+        from fp8ops.manifest.schema import Telemetry
         from fp8ops.telemetry.collector import TelemetryCollector
-    except Exception as exc:  # noqa: BLE001 - zarr, pandas or xarray missing
+    except Exception as exc:  # noqa: BLE001 - zarr, pandas, xarray or pydantic missing
         TelemetryCollector, telemetry_missing = None, f"{type(exc).__name__}: {exc}"
 
     import torch.distributed as dist
@@ -555,8 +556,9 @@ def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
     scope = Fp8Scope(recipe)
     collector = None
     if TelemetryCollector is not None:
-        cadence = SimpleNamespace(every_steps=args.telemetry_every,
-                                  error_sample_every=args.error_sample_every)  # fmt: skip
+        cadence = Telemetry(every_steps=args.telemetry_every,
+                            error_sample_every=args.error_sample_every,
+                            error_sample_tokens=args.error_sample_tokens)  # fmt: skip
         collector = TelemetryCollector(fp8_modules(block), cadence)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(shape["seq"], shape["batch"], shape["hidden"], generator=generator)  # [s, b, h]
@@ -1109,6 +1111,11 @@ def main(argv: list[str] | None = None) -> int:
         type=positive,
         default=50,
         help="telemetry.error_sample_every (the 8B manifest's: 50)",
+    )
+    parser.add_argument(
+        "--error-sample-tokens",
+        type=positive,
+        help="telemetry.error_sample_tokens: tokens the error sample compares (default: all)",
     )
     parser.add_argument(
         "--time-limit",

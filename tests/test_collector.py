@@ -12,10 +12,12 @@ if importlib.util.find_spec("megatron") is None:
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
 
 from fp8ops.manifest import derive, load_manifest
+from fp8ops.manifest.schema import Telemetry
 from fp8ops.megatron import build_gpt, fp8_modules, mark_first_microbatch
 from fp8ops.precision import DelayedScalingRecipe, Fp8Scope
 from fp8ops.telemetry.catalogue import COLUMN, MODULE_METRIC_NAMES
 from fp8ops.telemetry.collector import TelemetryCollector
+from fp8ops.telemetry.probe import Probe
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
@@ -114,6 +116,43 @@ def test_a_measured_step_reports_state_casts_norms_and_error(setup):
     assert 0 < error < 0.2  # E4M3 operands: a few percent
 
 
+def test_the_error_sample_compares_every_kth_token_up_to_the_limit():
+    """``error_sample_tokens``: at most that many tokens, every k-th of the flattened
+    ``[tokens, features]`` rows; the others do not enter the error."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(10, 3, 16, generator=generator)  # [s, b, h]: 30 tokens
+    weight, bias = torch.randn(8, 16, generator=generator), torch.randn(8, generator=generator)
+    exact = torch.nn.functional.linear(x, weight, bias)
+    out = exact.clone()
+    rows = out.view(-1, 8)
+    rows[1::4] += 1.0  # damage tokens a limit of 8 skips (it takes every 4th: 0, 4, ..., 28)
+
+    def error(limit):
+        probe = Probe(sample_error=True, error_tokens=limit)
+        probe.fp8_call(x, out, weight, bias)
+        return probe.rel_error.item()
+
+    full = ((rows - exact.view(-1, 8)).norm() / exact.norm()).item()
+    assert error(None) == pytest.approx(full, rel=1e-5) and full > 0.1
+    assert error(30) == pytest.approx(full, rel=1e-5)  # a limit of every token: all of them
+    assert error(8) < 1e-6  # only undamaged tokens compared
+    rows[4] += 1.0  # a sampled token: the error of those 8 tokens
+    sampled = exact.view(-1, 8)[::4]
+    assert error(8) == pytest.approx(((rows[::4] - sampled).norm() / sampled.norm()).item(), 1e-5)
+    assert error(8) > 0.01
+
+
+def test_the_collector_gives_its_probes_the_manifests_token_limit():
+    manifest, model, scope, _ = make_setup()
+    telemetry = manifest.telemetry.model_copy(update={"error_sample_tokens": 16})
+    collector = TelemetryCollector(fp8_modules(model), telemetry)
+    assert {module.probe.error_tokens for module in collector.modules.values()} == {16}
+    run_step(model, scope, collector, 1, seed=0)
+    row = run_step(model, scope, collector, 2, seed=1)
+    error = value(row, collector, "decoder.layers.1.self_attention.linear_qkv", "fp8_rel_error")
+    assert 0 < error < 0.2  # 16 of the micro-batch's 64 tokens, still E4M3's few percent
+
+
 def test_an_unmeasured_step_reports_only_the_state(setup):
     _, model, scope, collector = setup
     row = run_step(model, scope, collector, 1, seed=0)
@@ -185,7 +224,7 @@ def test_the_state_metrics_of_all_modules_equal_those_computed_one_by_one():
     metas = [Fp8Meta.fresh(recipe) for _ in range(6)]
     modules = {f"m{i}": SimpleNamespace(fp8_meta=m, fp8_enabled=True, probe=None)
                for i, m in enumerate(metas)}  # fmt: skip
-    collector = TelemetryCollector(modules, SimpleNamespace(every_steps=1, error_sample_every=1))
+    collector = TelemetryCollector(modules, Telemetry(every_steps=1, error_sample_every=1))
     previous = None
     for _ in range(3):
         for meta in metas:
@@ -261,7 +300,7 @@ def test_modules_of_different_history_lengths_are_refused():
         for name, n in (("a", 8), ("b", 16))
     }
     with pytest.raises(ValueError, match=r"amax histories of \[8, 16\] entries"):
-        TelemetryCollector(modules, SimpleNamespace(every_steps=1, error_sample_every=1))
+        TelemetryCollector(modules, Telemetry(every_steps=1, error_sample_every=1))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -281,7 +320,7 @@ def test_on_a_gpu_end_step_does_not_stop_the_host():
         for state in (module.fp8_meta.forward, module.fp8_meta.backward):
             state.amax_history = state.amax_history.cuda().uniform_()
             state.scale = state.scale.cuda() * 2
-    collector = TelemetryCollector(modules, SimpleNamespace(every_steps=1, error_sample_every=1))
+    collector = TelemetryCollector(modules, Telemetry(every_steps=1, error_sample_every=1))
     collector.begin_step(1)
     x = torch.tensor([[1.0, 1e6, float("nan"), 0.0]], device="cuda")
     _, stats = quantize(x, torch.tensor(1.0, device="cuda"), recipe.fp8_format.forward)
@@ -315,7 +354,7 @@ def test_a_history_of_one_entry_has_no_window_but_its_scale():
     meta = Fp8Meta.fresh(DelayedScalingRecipe(amax_history_len=1))
     meta.forward.scale[0] = 3.0
     modules = {"m": SimpleNamespace(fp8_meta=meta, fp8_enabled=True, weight=torch.ones(2, 2))}
-    collector = TelemetryCollector(modules, SimpleNamespace(every_steps=1, error_sample_every=1))
+    collector = TelemetryCollector(modules, Telemetry(every_steps=1, error_sample_every=1))
     collector.begin_step(1)
     row = collector.end_step().result()
     assert row[0, COLUMN["input.scale"]] == 3.0

@@ -396,6 +396,16 @@ def test_derive_links_to_its_parent(tiny):
         ({"capability.items": 0}, "r", "capability.items: must be >= 1 (got 0)"),
         ({"capability.interval": 0}, "r", "capability.interval: must be >= 1 (got 0)"),
         (
+            {"telemetry.error_sample_tokens": 0},
+            "r",
+            "telemetry.error_sample_tokens: must be >= 1 (got 0)",
+        ),
+        (
+            {"telemetry.error_sample_tokens": "512"},
+            "r",
+            "telemetry.error_sample_tokens: must be an integer or null",
+        ),
+        (
             {"gates.bucket_significance": 1.5},
             "r",
             "gates.bucket_significance: must be < 1 (got 1.5)",

@@ -10,6 +10,7 @@ if importlib.util.find_spec("megatron") is None:
 
 from fp8ops.errors import Fp8opsError
 from fp8ops.manifest import derive, load_manifest
+from fp8ops.manifest.schema import Telemetry
 from fp8ops.megatron.te_backend import (
     build_gpt_te,
     te_available,
@@ -203,7 +204,6 @@ def test_telemetry_reads_a_te_model(manifest):  # pragma: no cover - GPU with TE
     """What tests/test_te_telemetry.py checks against a stand-in, against TE itself: the row's
     state is TE's fp8_meta, the GEMMs are counted, and a statistics step recounts the casts."""
     import math
-    from types import SimpleNamespace
 
     import torch
     import torch.distributed as dist
@@ -222,7 +222,7 @@ def test_telemetry_reads_a_te_model(manifest):  # pragma: no cover - GPU with TE
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     model = build_gpt_te(manifest)
     modules = te_telemetry_modules(model, DelayedScalingRecipe.from_precision(manifest.precision))
-    collector = TelemetryCollector(modules, SimpleNamespace(every_steps=2, error_sample_every=2))
+    collector = TelemetryCollector(modules, Telemetry(every_steps=2, error_sample_every=2))
     s = manifest.model.seq_length
     tokens = torch.randint(0, 256, (2, s), device="cuda")
     positions = torch.arange(s, device="cuda").expand(2, s)

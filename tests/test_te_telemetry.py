@@ -19,6 +19,7 @@ if importlib.util.find_spec("megatron") is None:
 
 from te_stand_in import TeLikeLinear, decoder
 
+from fp8ops.manifest.schema import Telemetry
 from fp8ops.megatron import mark_first_microbatch
 from fp8ops.megatron.te_telemetry import TeTelemetryModule, te_telemetry_modules
 from fp8ops.precision import DelayedScalingRecipe
@@ -26,7 +27,7 @@ from fp8ops.telemetry.catalogue import COLUMN
 from fp8ops.telemetry.collector import TelemetryCollector
 
 RECIPE = DelayedScalingRecipe(amax_history_len=4)
-CADENCE = SimpleNamespace(every_steps=2, error_sample_every=2)
+CADENCE = Telemetry(every_steps=2, error_sample_every=2)
 
 
 def te_update(model, forward: bool) -> None:

@@ -1066,6 +1066,16 @@ class Telemetry(_Section):
             "per sampled layer)."
         ),
     )
+    error_sample_tokens: int | None = added_field(
+        None,
+        added_in="0.1.0",
+        ge=1,
+        description=(
+            "Compare at most this many tokens of each micro-batch in the FP8-vs-reference error "
+            "(evenly spaced rows of the layer's [tokens, features] input), so the reference "
+            "GEMM costs that many tokens, not the whole micro-batch. null: every token."
+        ),
+    )
     flush_steps: int = Field(
         256,
         ge=1,

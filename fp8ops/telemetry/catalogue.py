@@ -72,7 +72,8 @@ MODULE_OWN_METRICS = (
     Metric(
         "fp8_rel_error", "ratio",
         "||y_fp8 - y_ref|| / ||y_ref|| of the forward output against the base-dtype GEMM on the "
-        "same input; measured every telemetry.error_sample_every steps, NaN otherwise.",
+        "same input (at most telemetry.error_sample_tokens of its tokens, evenly spaced); "
+        "measured every telemetry.error_sample_every steps, NaN otherwise.",
     ),
     Metric("fp8_enabled", "0/1", "1 if the module ran FP8 (admitted), 0 if held in the base dtype."),
 )  # fmt: skip

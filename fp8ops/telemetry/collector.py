@@ -9,7 +9,8 @@ been updated for this step, so the row holds the scales the next step will use.
 Cadence (``telemetry`` section of the manifest): the scaling state is read every step (it is
 there anyway); full cast statistics and norms every ``every_steps`` steps, because they cost
 extra passes over every cast tensor; the FP8-vs-reference error every ``error_sample_every``
-steps, because it costs one more GEMM per module. Unmeasured values are NaN.
+steps, because it costs one more GEMM per module (over at most ``error_sample_tokens`` tokens).
+Unmeasured values are NaN.
 
 On a GPU a row costs one device-to-host copy for the FP8 state of every module, and on
 measuring steps one more for the cast counts and one for the norms (tensors on the device until
@@ -40,7 +41,8 @@ class TelemetryCollector:
     """Per-step telemetry rows for a model's FP8-capable modules (in module order)."""
 
     def __init__(self, modules: dict, telemetry_cfg):
-        """``modules``: FQN -> FP8 linear (``fp8ops.megatron.fp8_modules(model)``)."""
+        """``modules``: FQN -> FP8 linear (``fp8ops.megatron.fp8_modules(model)``);
+        ``telemetry_cfg``: the manifest's ``telemetry`` section (``schema.Telemetry``)."""
         self.modules = modules
         self.names = list(modules)
         self.cfg = telemetry_cfg
@@ -56,7 +58,7 @@ class TelemetryCollector:
         (False: :meth:`end_step` then returns an all-NaN row). Benchmarks toggle this."""
         if active != self.active:
             for module in self.modules.values():
-                module.probe = Probe() if active else None
+                module.probe = Probe(error_tokens=self.cfg.error_sample_tokens) if active else None
             self.active = active
 
     @contextlib.contextmanager

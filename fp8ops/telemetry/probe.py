@@ -30,6 +30,8 @@ class Probe:
     cast_logs: list[dict] = field(default_factory=list)  # role -> CastStats, per micro-batch
     input_norm: torch.Tensor | float = float("nan")  # a 0-dim tensor once measured
     rel_error: torch.Tensor | float = float("nan")
+    # The error sample compares at most this many tokens (telemetry.error_sample_tokens).
+    error_tokens: int | None = None
 
     def track(self) -> dict | None:
         """The dict to pass to ``fp8_linear`` as ``track`` (None when not measuring)."""
@@ -47,9 +49,10 @@ class Probe:
         if self.measure:
             self.input_norm = _norm(x)
         if self.sample_error and error:
+            x_rows, out_rows = _token_sample(x, out, self.error_tokens)
             with torch.no_grad():
-                reference = F.linear(x.detach(), weight.detach(), bias).float()
-                self.rel_error = _norm(out.detach().float() - reference) / _norm(reference)
+                reference = F.linear(x_rows, weight.detach(), bias).float()
+                self.rel_error = _norm(out_rows.float() - reference) / _norm(reference)
 
     def fallback_call(self, x: torch.Tensor, weight) -> None:
         """After a forward in the base dtype (the module is held out of FP8, or no scope)."""
@@ -78,3 +81,15 @@ def _gemms(x: torch.Tensor, weight) -> int:
 def _norm(x: torch.Tensor) -> torch.Tensor:
     # The 2-norm accumulated in float32 in one kernel, without a float32 copy of x.
     return torch.linalg.vector_norm(x.detach(), dtype=torch.float32)
+
+
+def _token_sample(x: torch.Tensor, out: torch.Tensor, limit: int | None):
+    """``x`` and ``out`` as ``[tokens, features]`` rows, every k-th token so that at most
+    ``limit`` remain (all of them for ``None``): views, so the reference GEMM is the only cost
+    that grows with the sample."""
+    x_rows = x.detach().reshape(-1, x.shape[-1])
+    out_rows = out.detach().reshape(-1, out.shape[-1])
+    if limit is None or x_rows.shape[0] <= limit:
+        return x_rows, out_rows
+    stride = -(-x_rows.shape[0] // limit)
+    return x_rows[::stride], out_rows[::stride]

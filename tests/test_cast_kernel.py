@@ -58,7 +58,7 @@ def _interpreter_broken() -> str | None:
     try:
         unused = torch.ones(3)  # the count buffers, which COUNT=False leaves alone
         fold[(1,)](torch.ones(3), 3, torch.zeros(2), 0, unused, unused, unused, BLOCK=4,
-                   COUNT=False)  # fmt: skip
+                   COUNT=False, COUNT_BITS=16)  # fmt: skip
     except triton.runtime.errors.InterpreterError as exc:
         # Only that known failure skips; any other error is the kernel's, for the tests to show.
         if not (isinstance(exc.__cause__, TypeError) and "0-dimensional" in str(exc)):
@@ -329,12 +329,13 @@ def test_for_hopper_the_kernel_compiles_to_one_conversion_vector_access_and_no_f
     source = ASTSource(
         fn=cast,
         signature={"x_ptr": "*bf16", "scale_ptr": "*fp32", "slot": "i32", "data_ptr": f"*{fp8}",
-                   "data_t_ptr": f"*{fp8}", "partial_ptr": "*fp32", "counts_ptr": "*i32",
+                   "data_t_ptr": f"*{fp8}", "partial_ptr": "*fp32", "counts_ptr": "*i64",
                    "rows": "i32", "cols": "i32", "fp8_max": "fp32", "FP8": "constexpr",
-                   "TRANSPOSED": "constexpr", "COUNT": "constexpr", "BLOCK_R": "constexpr",
-                   "BLOCK_C": "constexpr"},
+                   "TRANSPOSED": "constexpr", "COUNT": "constexpr", "COUNT_BITS": "constexpr",
+                   "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"},
         constexprs={"FP8": getattr(tl, "float8e4nv" if fp8 == "fp8e4nv" else "float8e5"),
-                    "TRANSPOSED": True, "COUNT": count, "BLOCK_R": 64, "BLOCK_C": 64},
+                    "TRANSPOSED": True, "COUNT": count, "COUNT_BITS": cast_kernel.COUNT_BITS,
+                    "BLOCK_R": 64, "BLOCK_C": 64},
         attrs={(i,): aligned for i in (0, 1, 3, 4, 5, 6, 7, 8)},
     )  # fmt: skip
     try:
@@ -353,6 +354,7 @@ def test_for_hopper_the_kernel_compiles_to_one_conversion_vector_access_and_no_f
     stores = re.findall(r"st\.global\S*", ptx)
     assert stores.count("st.global.v4.b32") == 4 and not [s for s in stores if ".b8" in s]
     assert len(stores) == 4 + (2 if count else 1), stores
+    assert ("st.global.b64" in stores) == count  # the packed counts, one int64
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -367,8 +369,8 @@ def test_on_a_gpu_the_kernel_equals_the_eager_cast_bit_for_bit(fp8, dtype, shape
     """Compiled for the GPU, the conversion is the GPU's: every byte equals torch's eager cast
     on the same GPU (a NaN's byte only needs to be a NaN), rounding, saturation, subnormals,
     signed zeros and the amax folded into the history included, and the measuring step's
-    counts. Over 512 tiles the fold loops more than once; 4096 x 1152 is the variant whose sizes divide by 16, as the 8B
-    shapes'. Two inputs: one with NaN and infinities, and a finite one whose largest value
+    counts. Over 1,024 tiles the fold loops more than once; 4096 x 1152 is the variant whose
+    sizes divide by 16, as the 8B shapes'. Two inputs: one with NaN and infinities, and a finite one whose largest value
     sits in the last tile, so a fold that missed a tile would record a smaller amax."""
     generator = torch.Generator().manual_seed(3)
     magnitudes = torch.exp(torch.randn(shape, generator=generator) * 4)  # about 1e-7 .. 1e7

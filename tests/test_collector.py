@@ -116,41 +116,57 @@ def test_a_measured_step_reports_state_casts_norms_and_error(setup):
     assert 0 < error < 0.2  # E4M3 operands: a few percent
 
 
-def test_the_error_sample_compares_every_kth_token_up_to_the_limit():
-    """``error_sample_tokens``: at most that many tokens, every k-th of the flattened
-    ``[tokens, features]`` rows; the others do not enter the error."""
+def test_the_error_sample_compares_every_kth_position_up_to_the_limit():
+    """``error_sample_tokens``: at most that many tokens, those of every sequence at every k-th
+    position of ``[s, b, h]``; the other tokens do not enter the error."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(10, 3, 16, generator=generator)  # [s, b, h]: 30 tokens
     weight, bias = torch.randn(8, 16, generator=generator), torch.randn(8, generator=generator)
     exact = torch.nn.functional.linear(x, weight, bias)
     out = exact.clone()
-    rows = out.view(-1, 8)
-    rows[1::4] += 1.0  # damage tokens a limit of 8 skips (it takes every 4th: 0, 4, ..., 28)
+    # A limit of 8 takes 2 positions of 3 tokens: every 5th, 0 and 5. Damage the others.
+    out[1:5] += 1.0
+    out[6:] += 1.0
 
     def error(limit):
         probe = Probe(sample_error=True, error_tokens=limit)
         probe.fp8_call(x, out, weight, bias)
         return probe.rel_error.item()
 
-    full = ((rows - exact.view(-1, 8)).norm() / exact.norm()).item()
-    assert error(None) == pytest.approx(full, rel=1e-5) and full > 0.1
-    assert error(30) == pytest.approx(full, rel=1e-5)  # a limit of every token: all of them
+    def expected(rows):
+        return ((out[rows] - exact[rows]).norm() / exact[rows].norm()).item()
+
+    assert error(None) == pytest.approx(expected(slice(None)), rel=1e-5)
+    assert error(None) > 0.1
+    assert error(30) == pytest.approx(expected(slice(None)), rel=1e-5)  # every token
     assert error(8) < 1e-6  # only undamaged tokens compared
-    rows[4] += 1.0  # a sampled token: the error of those 8 tokens
-    sampled = exact.view(-1, 8)[::4]
-    assert error(8) == pytest.approx(((rows[::4] - sampled).norm() / sampled.norm()).item(), 1e-5)
+    out[5, 1] += 1.0  # a sampled token, of the second sequence
+    assert error(8) == pytest.approx(expected(slice(None, None, 5)), rel=1e-5)
     assert error(8) > 0.01
+    assert error(2) == pytest.approx(expected(slice(0, 1)), abs=1e-6)  # under b: one position
 
 
-def test_the_collector_gives_its_probes_the_manifests_token_limit():
+def test_the_collector_gives_its_probes_the_manifests_token_limit(monkeypatch):
+    from fp8ops.telemetry import probe
+
+    compared = []
+
+    def spy(x, out, limit):
+        rows = sample(x, out, limit)
+        compared.append(rows[0].shape[0])
+        return rows
+
+    sample = probe._token_sample
+    monkeypatch.setattr(probe, "_token_sample", spy)
     manifest, model, scope, _ = make_setup()
     telemetry = manifest.telemetry.model_copy(update={"error_sample_tokens": 16})
     collector = TelemetryCollector(fp8_modules(model), telemetry)
-    assert {module.probe.error_tokens for module in collector.modules.values()} == {16}
     run_step(model, scope, collector, 1, seed=0)
     row = run_step(model, scope, collector, 2, seed=1)
+    # Step 2 samples: each FP8 module compared 16 of each micro-batch's 2 x 32 tokens.
+    assert compared and set(compared) == {16}
     error = value(row, collector, "decoder.layers.1.self_attention.linear_qkv", "fp8_rel_error")
-    assert 0 < error < 0.2  # 16 of the micro-batch's 64 tokens, still E4M3's few percent
+    assert 0 < error < 0.2
 
 
 def test_an_unmeasured_step_reports_only_the_state(setup):

@@ -216,7 +216,7 @@ def test_an_fp8_linear_trains_bit_identically_with_compiled_casts():
 
 @pytest.mark.parametrize("mode", ["all", "off"])
 @pytest.mark.parametrize("transposed", [True, False])
-def test_a_measuring_steps_cast_gives_quantizes_statistics_and_records_its_amax(mode, transposed):
+def test_a_measuring_steps_cast_matches_quantize_and_records_its_amax(mode, transposed):
     """``cast_and_record`` with ``track``, compiled or eager, gives what ``quantize`` gives
     (bytes, transposed copy, amax, the four counts) and folds the amax into row 0 as
     ``ScalingState.record_amax`` does."""

@@ -33,8 +33,12 @@ def test_the_smoke_run_passes_every_check_and_prints_the_table_last(tmp_path):
     checks = [row for row in report["rows"] if row["part"] in ("gemm", "scaling")]
     assert all(row["status"] in ("PASS", "info") for row in checks)
     assert any("inductor cast+record" in row["check"] and row["status"] == "PASS" for row in checks)
+    assert any(
+        "inductor cast+record+count" in row["check"] and row["status"] == "PASS" for row in checks
+    )
     throughput = {row["check"]: row for row in report["rows"] if row["part"] == "throughput"}
     assert "tokens/s" in throughput["FP8 scaled_mm, Inductor casts + telemetry"]["result"]
+    assert throughput["... counting, Inductor"]["values"]["ms"] > 0  # the cast timings ran
     for kind in ("bf16", "fp8"):
         assert (out.parent / f"gpu_check.profile-{kind}.txt").read_text().strip()
     assert result.stdout.rstrip().splitlines()[-1].startswith("-")  # the table closes the output
@@ -57,11 +61,12 @@ def test_a_count_that_is_not_a_positive_number_is_refused(tmp_path, option, valu
     assert not (tmp_path / "r.json").exists()
 
 
-def test_runs_times_only_the_configurations_named(tmp_path):
+def test_runs_times_only_the_configurations_named_and_casts_can_be_skipped(tmp_path):
     out = tmp_path / "r.json"
     result = subprocess.run(
         [sys.executable, str(ROOT / "ci" / "gpu_check.py"), "--smoke", "--skip", "gemm",
-         "--skip", "scaling", "--runs", "bf16,fp8+telemetry,fp8", "--out", str(out)],
+         "--skip", "scaling", "--skip", "casts", "--runs", "bf16,fp8+telemetry,fp8",
+         "--out", str(out)],
         capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -69,6 +74,7 @@ def test_runs_times_only_the_configurations_named(tmp_path):
     timed = [row["check"] for row in report["rows"] if "tokens/s" in row["result"]]
     assert timed == ["BF16", "FP8 scaled_mm, Inductor casts",
                      "FP8 scaled_mm, Inductor casts + telemetry"]  # fmt: skip
+    assert not [row for row in report["rows"] if "ms" in row["values"]]  # --skip casts
     goals = {row["check"] for row in report["rows"] if row["part"] == "goal"}
     assert goals == {"FP8 (Inductor casts) over BF16",
                      "telemetry share of the FP8 (Inductor casts) step"}  # fmt: skip

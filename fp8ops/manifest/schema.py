@@ -1072,8 +1072,9 @@ class Telemetry(_Section):
         ge=1,
         description=(
             "Compare at most this many tokens of each micro-batch in the FP8-vs-reference error "
-            "(evenly spaced rows of the layer's [tokens, features] input), so the reference "
-            "GEMM costs that many tokens, not the whole micro-batch. null: every token."
+            "(every sequence's tokens at evenly spaced positions; at least one position), so "
+            "the reference GEMM costs that many tokens, not the whole micro-batch. null: every "
+            "token."
         ),
     )
     flush_steps: int = Field(

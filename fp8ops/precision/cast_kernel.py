@@ -1,5 +1,5 @@
-"""The ordinary step's cast as hand-written Triton kernels: FP8 data, its transposed copy and
-the amax in one pass over the input, as Transformer Engine's fused cast-transpose does.
+"""The FP8 linear's cast as hand-written Triton kernels: FP8 data, its transposed copy and the
+amax in one pass over the input, as Transformer Engine's fused cast-transpose does.
 
 The compiled casts (``compiled.py``) leave this to Inductor, which on an H200 moved about 16
 bytes per input element for the cast with its transposed copy (docs/gpu.md), where the pass
@@ -11,8 +11,8 @@ kernels are in ``cast_kernel_triton.py``.
 
 On the steps telemetry measures, the same pass also counts what the cast did (saturated,
 underflowed, NaN and Inf elements: ``quantize.CastStats``), each tile into its own slot of a
-second partial buffer that the fold sums: statistics at the price of the ordinary cast, where
-Inductor's compilation of the counting cast makes several more passes.
+second partial buffer that the fold sums: no pass over the data beyond the ordinary cast's
+(what that costs on a GPU is not measured yet: docs/gpu.md, "The next run").
 
 :func:`cast_and_record` and :func:`cast_record_and_count` compute exactly what
 ``linear._cast_and_record`` and ``linear._cast_record_and_count`` compute and are used through
@@ -35,7 +35,10 @@ import torch
 KERNELS_MODULE = "fp8ops.precision.cast_kernel_triton"
 BLOCK = (64, 64)  # rows x columns of the input per program
 NUM_WARPS = 4
-FOLD_BLOCK = 512  # tiles per loop of the fold (4096 x 14336 is 14,336 tiles)
+FOLD_BLOCK = 1024  # tiles per loop of the fold (4096 x 14336 is 14,336 tiles)
+# Counting, a tile's four counts are packed into one int64, this many bits apiece: a tile has
+# fewer than 2**16 elements, so no count can carry into the next.
+COUNT_BITS = 16
 
 
 def _kernels():
@@ -99,26 +102,40 @@ def _cast(x, history, scales, slot, fp8_max, dtype, transposed: bool, count: boo
     data = torch.empty((rows, cols), dtype=dtype, device=x.device)
     data_t = torch.empty((cols, rows), dtype=dtype, device=x.device) if transposed else data
     tiles = -(-rows // BLOCK[0]) * -(-cols // BLOCK[1])
-    partial = torch.empty(tiles, dtype=torch.float32, device=x.device)
-    # Without ``count`` the kernels ignore the count buffers; ``partial`` stands in for them.
-    # Each tile's four counts packed in 16 bits apiece (cast_kernel_triton.py).
-    counts = torch.empty(tiles, dtype=torch.int64, device=x.device) if count else partial
-    amax = torch.empty((), dtype=torch.float32, device=x.device) if count else partial
-    totals = torch.empty(4, dtype=torch.int64, device=x.device) if count else partial
+    tile_amax = torch.empty(tiles, dtype=torch.float32, device=x.device)
+    # Counting: each tile's packed counts, and what the fold makes of them, the cast's amax and
+    # the four totals. Not counting, the kernels never touch these (any tensor will do).
+    tile_counts, cast_amax, totals = (
+        (
+            torch.empty(tiles, dtype=torch.int64, device=x.device),
+            torch.empty((), dtype=torch.float32, device=x.device),
+            torch.empty(4, dtype=torch.int64, device=x.device),
+        )
+        if count
+        else (tile_amax, tile_amax, tile_amax)
+    )
     cast_transpose_amax, fold_amax = _kernels()
     cast_transpose_amax[(tiles,)](
-        x, scales, slot, data, data_t, partial, counts, rows, cols, fp8_max,
-        FP8=_triton_dtype(dtype), TRANSPOSED=transposed, COUNT=count,
+        x, scales, slot, data, data_t, tile_amax, tile_counts, rows, cols, fp8_max,
+        FP8=_triton_dtype(dtype), TRANSPOSED=transposed, COUNT=count, COUNT_BITS=COUNT_BITS,
         BLOCK_R=BLOCK[0], BLOCK_C=BLOCK[1], num_warps=NUM_WARPS,
     )  # fmt: skip
     if row0.data_ptr() % 16 == 0 and row0.stride(0) == 1:
-        fold_amax[(1,)](partial, tiles, row0, slot, counts, amax, totals, BLOCK=FOLD_BLOCK,
-                        COUNT=count)  # fmt: skip
+        fold_amax[(1,)](
+            tile_amax, tiles, row0, slot, tile_counts, cast_amax, totals,
+            BLOCK=FOLD_BLOCK, COUNT=count, COUNT_BITS=COUNT_BITS,
+        )  # fmt: skip
     else:  # a history the kernel was not verified for (a view into a larger buffer, say)
-        amax = partial.amax()
-        history[0, slot] = torch.fmax(history[0, slot], amax)  # as _cast_and_record
+        cast_amax = tile_amax.amax()
+        history[0, slot] = torch.fmax(history[0, slot], cast_amax)  # as _cast_and_record
         if count:
-            shifts = torch.arange(0, 64, 16, device=x.device)
-            totals = ((counts[:, None] >> shifts) & 0xFFFF).sum(dim=0)
-    outputs = (data, amax, totals) if count else (data,)
+            totals = _unpacked(tile_counts).sum(dim=0)
+    outputs = (data, cast_amax, totals) if count else (data,)
     return (*outputs, data_t) if transposed else outputs
+
+
+def _unpacked(tile_counts: torch.Tensor) -> torch.Tensor:
+    """``[tiles]`` packed counts (``COUNT_BITS`` apiece) as ``[tiles, 4]`` int64, as the fold
+    kernel unpacks them."""
+    shifts = COUNT_BITS * torch.arange(4, device=tile_counts.device)
+    return (tile_counts[:, None] >> shifts) & ((1 << COUNT_BITS) - 1)

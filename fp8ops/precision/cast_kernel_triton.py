@@ -28,7 +28,7 @@ def plus(a, b):
 @triton.jit(do_not_specialize=["slot"])
 def cast_transpose_amax(
     x_ptr, scale_ptr, slot, data_ptr, data_t_ptr, partial_ptr, counts_ptr, rows, cols, fp8_max,
-    FP8: tl.constexpr, TRANSPOSED: tl.constexpr, COUNT: tl.constexpr,
+    FP8: tl.constexpr, TRANSPOSED: tl.constexpr, COUNT: tl.constexpr, COUNT_BITS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     # One flat grid (a second grid dimension is capped at 65535 programs).
@@ -59,10 +59,10 @@ def cast_transpose_amax(
 
     if COUNT:
         # The tile's CastStats.counts (quantize.COUNTS), as quantize._cast_with_stats counts
-        # them; masked lanes are 0, which none of the four counts. Each flag goes into its own
-        # 16 bits of an int64 (a tile holds fewer than 2**16 elements), so one sum counts all
-        # four: one reduction instead of four (and one store). The fold takes them apart.
-        tl.static_assert(BLOCK_R * BLOCK_C < 65536)
+        # them (masked lanes hold 0, which is none of the four). Each flag goes into its own
+        # COUNT_BITS of an int64, wide enough for a tile's elements, so one sum counts all
+        # four: one reduction instead of four, and one store. The fold takes them apart.
+        tl.static_assert(BLOCK_R * BLOCK_C < (1 << COUNT_BITS))
         fp8_zero = (data.to(tl.uint8, bitcast=True) & 0x7F) == 0  # +0 or -0
         saturated = tl.abs(scaled) > fp8_max  # inf included
         underflow = (x != 0) & fp8_zero
@@ -70,9 +70,9 @@ def cast_transpose_amax(
         inf = tl.abs(x) == float("inf")
         flags = (
             saturated.to(tl.int64)
-            | (underflow.to(tl.int64) << 16)
-            | (nan.to(tl.int64) << 32)
-            | (inf.to(tl.int64) << 48)
+            | (underflow.to(tl.int64) << COUNT_BITS)
+            | (nan.to(tl.int64) << (2 * COUNT_BITS))
+            | (inf.to(tl.int64) << (3 * COUNT_BITS))
         )
         tl.store(counts_ptr + tl.program_id(0), tl.reduce(tl.reduce(flags, 1, plus), 0, plus))
 
@@ -80,7 +80,7 @@ def cast_transpose_amax(
 @triton.jit(do_not_specialize=["tiles", "slot"])
 def fold_amax(
     partial_ptr, tiles, history_ptr, slot, counts_ptr, amax_ptr, totals_ptr,
-    BLOCK: tl.constexpr, COUNT: tl.constexpr,
+    BLOCK: tl.constexpr, COUNT: tl.constexpr, COUNT_BITS: tl.constexpr,
 ):  # fmt: skip
     # history[0, slot] = fmax(history[0, slot], max(partial)) in one program: one launch
     # where torch takes three (amax, fmax, the write back). With COUNT also the cast's own
@@ -92,7 +92,8 @@ def fold_amax(
         amax = tl.maximum(amax, tl.load(partial_ptr + index, mask=index < tiles, other=0.0))
         if COUNT:
             packed = tl.load(counts_ptr + index, mask=index < tiles, other=0)
-            totals += (packed[:, None] >> (16 * tl.arange(0, 4)[None, :])) & 0xFFFF
+            fields = packed[:, None] >> (COUNT_BITS * tl.arange(0, 4)[None, :])
+            totals += fields & ((1 << COUNT_BITS) - 1)
     amax = tl.reduce(amax, 0, larger)
     old = tl.load(history_ptr + slot)
     new = tl.where(old != old, amax, tl.maximum(old, amax))  # noqa: PLR0124 - fmax

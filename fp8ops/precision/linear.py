@@ -124,9 +124,9 @@ _cast_kernel = env_choice(CAST_KERNEL_ENV, CAST_KERNELS, "auto")
 def set_cast_kernel(name: str) -> str:
     """Which fast version casts where the casts are compiled (``compiled.py``): ``inductor``
     (torch.compile of ``_cast_and_record``, and of ``_cast_record_and_count`` on the steps
-    telemetry measures), ``triton`` (the hand-written kernels of ``cast_kernel.py``), or ``auto``: ``triton`` for CUDA tensors, where
-    it was measured faster (docs/gpu.md), ``inductor`` elsewhere (Triton's kernels need a GPU).
-    Returns the old choice."""
+    telemetry measures), ``triton`` (the hand-written kernels of ``cast_kernel.py``), or
+    ``auto``: ``triton`` for CUDA tensors, where it was measured faster (docs/gpu.md),
+    ``inductor`` elsewhere (Triton's kernels need a GPU). Returns the old choice."""
     global _cast_kernel
     if name not in CAST_KERNELS:
         raise ValueError(f"cast kernel {name!r}: use one of {sorted(CAST_KERNELS)}")

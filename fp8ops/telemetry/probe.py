@@ -84,12 +84,15 @@ def _norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def _token_sample(x: torch.Tensor, out: torch.Tensor, limit: int | None):
-    """``x`` and ``out`` as ``[tokens, features]`` rows, every k-th token so that at most
-    ``limit`` remain (all of them for ``None``): views, so the reference GEMM is the only cost
-    that grows with the sample."""
-    x_rows = x.detach().reshape(-1, x.shape[-1])
-    out_rows = out.detach().reshape(-1, out.shape[-1])
-    if limit is None or x_rows.shape[0] <= limit:
-        return x_rows, out_rows
-    stride = -(-x_rows.shape[0] // limit)
-    return x_rows[::stride], out_rows[::stride]
+    """``x`` and ``out`` as ``[tokens, features]`` rows: all of them, or with a ``limit``, the
+    tokens at every k-th position of the first dimension, so at most ``limit`` (at least one
+    position's). That dimension is the sequence in Megatron's ``[s, b, h]``, so every sequence
+    of the micro-batch is compared at the same positions; the reference GEMM costs that many
+    tokens."""
+    if limit is not None:
+        per_position = x[0].numel() // x.shape[-1]  # b in [s, b, h]; 1 in [tokens, h]
+        positions = max(1, limit // per_position)
+        if positions < x.shape[0]:
+            stride = -(-x.shape[0] // positions)
+            x, out = x[::stride], out[::stride]
+    return x.detach().reshape(-1, x.shape[-1]), out.detach().reshape(-1, out.shape[-1])

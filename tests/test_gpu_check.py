@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_support import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,13 +52,13 @@ def test_the_smoke_run_passes_every_check_and_prints_the_table_last(tmp_path):
     ("--runs", "fp8,fp9", "fp9: not a configuration; use some of bf16, bf16+telemetry"),
     ("--runs", ",", "no configuration; use some of bf16"),
 ])  # fmt: skip
-def test_a_count_that_is_not_a_positive_number_is_refused(tmp_path, option, value, message):
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "ci" / "gpu_check.py"), "--smoke", option, value,
-         "--out", str(tmp_path / "r.json")],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert result.returncode == 2 and option in result.stderr and message in result.stderr
+def test_a_count_that_is_not_a_positive_number_is_refused(tmp_path, option, value, message,
+                                                           monkeypatch, capsys):  # fmt: skip
+    gpu_check = load_script(ROOT / "ci" / "gpu_check.py", monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_check.main(["--smoke", option, value, "--out", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and option in err and message in err
     assert not (tmp_path / "r.json").exists()
 
 

@@ -3,9 +3,10 @@
 #
 # Two pytest-xdist workers, each test file on one worker (--dist loadfile: a module's fixtures,
 # such as a trained base model, are built once). Much of the suite is process start-ups and
-# waits (torchrun launchers, SLURM, a browser), which two workers overlap on two cores:
-# 26.6 minutes on one worker, 20.7 on two, on this 2-core machine. FP8OPS_TEST_WORKERS=0 runs
-# it in this one process (as `-n 0` among the arguments does).
+# waits (torchrun launchers, SLURM, a browser), which two workers overlap on two cores. On a
+# 2-core machine, in CI: 26.6 minutes in one process, 18.2 on two workers (the whole CI run
+# kept the CPUs 80% busy).
+# FP8OPS_TEST_WORKERS=0 runs it in this one process (as `-n 0` among the arguments does).
 #
 # The launcher tests (tests/test_slurm.py) submit jobs to a real one-node SLURM: where this
 # machine can run one (root and apt), ci/slurm_start.sh starts it first (about 7 s the first time,

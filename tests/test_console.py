@@ -347,6 +347,27 @@ def test_a_bare_store_shows_what_is_missing(tmp_path):
     assert np.asarray(app.heatmap_fig.data[0].z).shape == (MODULES, 300)
 
 
+def test_a_run_unreadable_when_opened_is_read_once_it_can_be(trained, tmp_path):
+    """A console opened as a run starts can find its telemetry store half made (the directory,
+    no arrays yet): it says so, and following reads the run as soon as it can. (It once kept
+    the error for good: a live console test failed so when its run started slowly.)"""
+    run = tmp_path / "runs" / "live"
+    run.mkdir(parents=True)
+    for name in ("status.json", "manifest.yaml", "run.json"):
+        shutil.copy(trained[1] / name, run / name)
+    (run / "telemetry.zarr").mkdir()
+    app = ConsoleApp(run.parent, user="ana", follow=False)
+    assert app.run is None and "no telemetry store" in app.message.value
+    assert app.poll()  # still unreadable: it tried again, and says so again
+    assert app.run is None and "no telemetry store" in app.message.value
+
+    shutil.rmtree(run / "telemetry.zarr")
+    shutil.copytree(trained[1] / "telemetry.zarr", run / "telemetry.zarr")
+    app.poll()
+    assert app.run is not None and app.run.run_dir == run and app.message.value == ""
+    assert app.run.header.last_step == console(trained[1]).run.header.last_step
+
+
 def test_the_picker_switches_between_runs(run_copy):
     bare = run_copy.parent / "bare"
     _synthetic_store(bare / "telemetry.zarr", 300).close()

@@ -588,7 +588,8 @@ class ConsoleApp:
         touches no widget."""
         run = self.run
         if run is None:
-            return {}
+            # The picked run could not be read (a run starting: its store half made): again.
+            return {"retry": True} if self.picker.value is not None else {}
         if run.telemetry is not None:
             run.telemetry.refresh()
         stamps = _stamps(run.run_dir, run.telemetry)
@@ -624,6 +625,9 @@ class ConsoleApp:
     def _apply(self, changes: dict[str, Any]) -> None:
         """Redraw what ``_look`` found changed (on the event loop)."""
         run = self.run
+        if changes.get("retry"):
+            self.select_run(self.picker.value)
+            return
         if not changes or run is None:
             return
         if changes.get("reload"):

@@ -360,12 +360,33 @@ def test_a_run_unreadable_when_opened_is_read_once_it_can_be(trained, tmp_path):
     assert app.run is None and "no telemetry store" in app.message.value
     assert app.poll()  # still unreadable: it tried again, and says so again
     assert app.run is None and "no telemetry store" in app.message.value
-
-    shutil.rmtree(run / "telemetry.zarr")
-    shutil.copytree(trained[1] / "telemetry.zarr", run / "telemetry.zarr")
-    app.poll()
+    _complete_the_store(trained[1], run)
+    assert app.poll()
     assert app.run is not None and app.run.run_dir == run and app.message.value == ""
     assert app.run.header.last_step == console(trained[1]).run.header.last_step
+
+
+def test_a_store_half_made_after_the_run_was_opened_is_read_once_it_can_be(trained, tmp_path):
+    """The same, when the run was read before its store existed: the store's directory appears
+    first, and the run is read again until the store is whole."""
+    run = tmp_path / "runs" / "live"
+    run.mkdir(parents=True)
+    for name in ("status.json", "manifest.yaml", "run.json"):
+        shutil.copy(trained[1] / name, run / name)
+    app = ConsoleApp(run.parent, user="ana", follow=False)
+    assert app.run is not None and app.run.telemetry is None  # no store yet: nothing wrong
+    (run / "telemetry.zarr").mkdir()
+    assert app.poll()
+    assert app.run is None and "no telemetry store" in app.message.value
+    assert app.poll()  # nothing else changed on disk: it still tries again
+    _complete_the_store(trained[1], run)
+    assert app.poll()
+    assert app.run is not None and app.run.telemetry is not None and app.message.value == ""
+
+
+def _complete_the_store(trained_run: Path, run: Path) -> None:
+    shutil.rmtree(run / "telemetry.zarr")
+    shutil.copytree(trained_run / "telemetry.zarr", run / "telemetry.zarr")
 
 
 def test_the_picker_switches_between_runs(run_copy):

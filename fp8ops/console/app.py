@@ -578,7 +578,8 @@ class ConsoleApp:
                 self._say(f"following: {type(exc).__name__}: {exc}", error=True)
 
     def poll(self) -> bool:
-        """Look for what the run wrote since and redraw what changed, now. True if anything did."""
+        """Look for what the run wrote since and redraw what changed, now. True if anything did,
+        or if the picked run, unreadable so far, was read again."""
         changes = self._look()
         self._apply(changes)
         return bool(changes)
@@ -631,7 +632,7 @@ class ConsoleApp:
         if not changes or run is None:
             return
         if changes.get("reload"):
-            self._guard(lambda: self._load(run.run_dir))
+            self.select_run(run.run_dir)  # a failed read leaves no run: the next poll retries
             return
         run.alerts = changes.get("alerts", run.alerts)
         run.manifest = changes.get("manifest", run.manifest)

@@ -1,6 +1,8 @@
 """A script under ci/ loaded as a module in the test's process: its ``main()`` can then be called
 with arguments, with torch and Megatron already imported (a fresh interpreter spends seconds
-importing them)."""
+importing them). A test of its argument checks replaces the script's first real work with
+:func:`past_the_check`, so a check that stops refusing fails the test instead of running a
+benchmark inside the test process."""
 
 from __future__ import annotations
 
@@ -17,3 +19,7 @@ def load_script(path: Path, monkeypatch):
     monkeypatch.setattr(sys, "path", list(sys.path))  # some add their folder to it
     spec.loader.exec_module(module)
     return module
+
+
+def past_the_check(*args, **kwargs):
+    raise AssertionError("the script went past its argument checks")

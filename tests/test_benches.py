@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from script_support import load_script
+from script_support import load_script, past_the_check
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,10 +35,9 @@ pytestmark = pytest.mark.skipif(
 )
 def test_a_count_too_small_is_refused(script, args, message, monkeypatch, capsys):
     module = load_script(ROOT / "ci" / script, monkeypatch)
-    # The scripts' first work after their checks: refused here, so that a check that stops
-    # refusing fails this test instead of running a benchmark inside the test process.
-    monkeypatch.setattr(torch, "set_num_threads", _past_the_check)
-    monkeypatch.setattr(tempfile, "TemporaryDirectory", _past_the_check)
+    # The scripts' first work after their checks (script_support).
+    monkeypatch.setattr(torch, "set_num_threads", past_the_check)
+    monkeypatch.setattr(tempfile, "TemporaryDirectory", past_the_check)
     monkeypatch.setattr(sys, "argv", [script, *args])
     with pytest.raises(SystemExit) as exit_info:
         module.main()
@@ -52,7 +51,3 @@ def test_every_benchmark_script_imports(path, monkeypatch):
     that had moved; nothing ran it until it was needed). Loaded as a module: its main() does
     not run."""
     assert callable(getattr(load_script(path, monkeypatch), "main", None))
-
-
-def _past_the_check(*args, **kwargs):
-    raise AssertionError("the script went past its argument check")

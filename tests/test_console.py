@@ -351,10 +351,7 @@ def test_a_run_unreadable_when_opened_is_read_once_it_can_be(trained, tmp_path):
     """A console opened as a run starts can find its telemetry store half made (the directory,
     no arrays yet): it says so, and following reads the run as soon as it can. (It once kept
     the error for good: a live console test failed so when its run started slowly.)"""
-    run = tmp_path / "runs" / "live"
-    run.mkdir(parents=True)
-    for name in ("status.json", "manifest.yaml", "run.json"):
-        shutil.copy(trained[1] / name, run / name)
+    run = _starting_run(trained[1], tmp_path)
     (run / "telemetry.zarr").mkdir()
     app = ConsoleApp(run.parent, user="ana", follow=False)
     assert app.run is None and "no telemetry store" in app.message.value
@@ -369,10 +366,7 @@ def test_a_run_unreadable_when_opened_is_read_once_it_can_be(trained, tmp_path):
 def test_a_store_half_made_after_the_run_was_opened_is_read_once_it_can_be(trained, tmp_path):
     """The same, when the run was read before its store existed: the store's directory appears
     first, and the run is read again until the store is whole."""
-    run = tmp_path / "runs" / "live"
-    run.mkdir(parents=True)
-    for name in ("status.json", "manifest.yaml", "run.json"):
-        shutil.copy(trained[1] / name, run / name)
+    run = _starting_run(trained[1], tmp_path)
     app = ConsoleApp(run.parent, user="ana", follow=False)
     assert app.run is not None and app.run.telemetry is None  # no store yet: nothing wrong
     (run / "telemetry.zarr").mkdir()
@@ -382,6 +376,15 @@ def test_a_store_half_made_after_the_run_was_opened_is_read_once_it_can_be(train
     _complete_the_store(trained[1], run)
     assert app.poll()
     assert app.run is not None and app.run.telemetry is not None and app.message.value == ""
+
+
+def _starting_run(trained_run: Path, tmp_path: Path) -> Path:
+    """A run directory as a run starts: its status, manifest and run.json, no store yet."""
+    run = tmp_path / "runs" / "live"
+    run.mkdir(parents=True)
+    for name in ("status.json", "manifest.yaml", "run.json"):
+        shutil.copy(trained_run / name, run / name)
+    return run
 
 
 def _complete_the_store(trained_run: Path, run: Path) -> None:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from script_support import load_script
+from script_support import load_script, past_the_check
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,18 +55,13 @@ def test_the_smoke_run_passes_every_check_and_prints_the_table_last(tmp_path):
 def test_a_count_that_is_not_a_positive_number_is_refused(tmp_path, option, value, message,
                                                            monkeypatch, capsys):  # fmt: skip
     gpu_check = load_script(ROOT / "ci" / "gpu_check.py", monkeypatch)
-    # Its first work after the checks, refused: a check that stops refusing fails here
-    # instead of running the whole check inside the test process.
-    monkeypatch.setattr(gpu_check, "environment", _past_the_check)
+    # Its first work after the checks (script_support).
+    monkeypatch.setattr(gpu_check, "environment", past_the_check)
     with pytest.raises(SystemExit) as exit_info:
         gpu_check.main(["--smoke", option, value, "--out", str(tmp_path / "r.json")])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and option in err and message in err
     assert not (tmp_path / "r.json").exists()
-
-
-def _past_the_check(*args, **kwargs):
-    raise AssertionError("gpu_check went past its argument checks")
 
 
 def test_runs_times_only_the_configurations_named_and_casts_can_be_skipped(tmp_path):

@@ -589,7 +589,7 @@ class ConsoleApp:
         touches no widget."""
         run = self.run
         if run is None:
-            # The picked run could not be read (a run starting: its store half made): again.
+            # The picked run could not be read (a run starting, its store half made): try again.
             return {"retry": True} if self.picker.value is not None else {}
         if run.telemetry is not None:
             run.telemetry.refresh()

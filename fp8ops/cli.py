@@ -374,29 +374,29 @@ def dualtrack(
 def _report_training(result) -> None:
     if os.environ.get("RANK", "0") != "0":
         return
-    out = _console()
+    # Plain prints, not rich's: a job log is a file, where rich would wrap long paths.
     for line in result.resume_summary or []:
-        out.print(line)
+        print(line)
     eval_text = "" if result.last_eval_loss is None else f", eval loss {result.last_eval_loss:.4f}"
     if result.capability_accuracy is not None:
         eval_text += f", capability accuracy {result.capability_accuracy:.1%}"
     if result.first_step > result.steps:  # Trainer.finish: nothing left to train
-        out.print(f"finished the run: final weights written from its step {result.steps} "
-                  f"checkpoint in {result.seconds:.0f} s{eval_text}")  # fmt: skip
+        print(f"finished the run: final weights written from its step {result.steps} "
+              f"checkpoint in {result.seconds:.0f} s{eval_text}")  # fmt: skip
     else:
-        out.print(
+        print(
             f"trained steps {result.first_step}-{result.steps} in {result.seconds:.0f} s: loss "
             f"{result.first_loss:.4f} -> {result.last_loss:.4f}{eval_text}"
         )
     if result.paused:
-        out.print(f"paused at step {result.steps}; continue with: fp8ops resume {result.run_dir}")
+        print(f"paused at step {result.steps}; continue with: fp8ops resume {result.run_dir}")
         return
     answers = "" if result.capability_accuracy is None else ", capability.jsonl + capability/"
-    out.print(
+    print(
         f"results in {result.run_dir}/: metrics.jsonl (per step), eval.jsonl{answers}, "
         "events.jsonl, layers.json, run.json, manifest.yaml, checkpoints/, final/ (weights)"
     )
-    out.print(f"per-layer precision: fp8ops inspect {result.run_dir} --layers")
+    print(f"per-layer precision: fp8ops inspect {result.run_dir} --layers")
 
 
 # --------------------------------------------------------------------------------------

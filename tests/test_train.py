@@ -189,6 +189,31 @@ def test_rerunning_a_run_that_completed_under_a_later_revision_is_a_no_op(
     assert result.code == 2 and "choose a new --run-dir" in result.err, result.err
 
 
+def test_a_run_without_a_terminal_logs_whole_lines_at_the_log_interval(
+    finetune_manifest, cli, tmp_path, monkeypatch
+):
+    """As in a SLURM job's log: no bar, one unwrapped line per log_interval steps and the last,
+    and the summary's lines unwrapped too."""
+    monkeypatch.setenv("COLUMNS", "40")  # a narrow console must not wrap them
+    result = cli("train", finetune_manifest, "--run-dir", tmp_path / "run",
+                 "--set", "schedule.train_steps=5", "--set", "schedule.log_interval=2")  # fmt: skip
+    assert result.code == 0, result.err
+    lines = [line for line in result.err.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["2/5", "4/5", "5/5"], result.err
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    for line, step in zip(lines, (2, 4, 5), strict=True):
+        loss = f"{metrics[step - 1]['loss']:.4f}"
+        assert re.fullmatch(rf"step {step}/5  loss {loss}  grad_norm [0-9.]+  lr \S+  [0-9,]+ tok/s",
+                            line), line  # fmt: skip
+    results = [line for line in result.out.splitlines() if line.startswith("results in ")]
+    assert len(results) == 1 and results[0].endswith("final/ (weights)"), result.out
+
+    quiet = cli("train", finetune_manifest, "--run-dir", tmp_path / "quiet", "--no-progress",
+                "--set", "schedule.train_steps=2", "--set", "schedule.log_interval=1")  # fmt: skip
+    assert quiet.code == 0, quiet.err
+    assert not [line for line in quiet.err.splitlines() if line.startswith("step ")], quiet.err
+
+
 def test_a_run_directory_holding_another_run_is_refused(fp8_run, finetune_manifest, cli):
     result = cli("train", finetune_manifest, "--run-dir", fp8_run, "--set", "optimizer.lr=3e-3")
     assert result.code == 2

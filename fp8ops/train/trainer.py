@@ -1021,10 +1021,13 @@ class Trainer:
                 and not live
                 and (step % schedule.log_interval == 0 or step == schedule.train_steps)
             ):
-                console.print(
+                # A plain print: rich would wrap the line at its 80-column default for a
+                # file, and a job log is grepped line by line.
+                print(
                     f"step {step}/{schedule.train_steps}  loss {loss}  grad_norm {norm}  "
-                    f"lr {record['lr']:.2e}  {tps} tok/s"
-                )
+                    f"lr {record['lr']:.2e}  {tps} tok/s",
+                    file=sys.stderr, flush=True,
+                )  # fmt: skip
 
         with bar:
             yield advance

@@ -1,8 +1,10 @@
 """The FP8 Megatron GPT on one process (TP=1): structure, FP8 state, equivalence with Megatron's
 local GPT outside a scope, and the CPU shims. The TP=2 checks are in test_megatron_tp.py."""
 
+import functools
 import importlib.util
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -26,6 +28,7 @@ from fp8ops.megatron import (
 from fp8ops.megatron.compat import (
     ColumnParallelLinear,
     filesystem_async,
+    get_gpt_layer_local_spec,
     megatron_random,
 )
 from fp8ops.precision import DelayedScalingRecipe, Fp8Scope
@@ -113,6 +116,38 @@ def test_spec_transform_refuses_a_spec_it_does_not_know(recipe):
     already_fp8 = get_gpt_layer_fp8_emulated_spec(recipe)
     with pytest.raises(ValueError, match="self_attention.linear_qkv"):
         with_fp8_projections(already_fp8, recipe)
+
+
+def mlp_as_partial(layer_spec):
+    """``layer_spec`` with its MLP block shaped as megatron-core 0.18 and later make it:
+    ``functools.partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(...))`` (0.16.1 has no
+    ``as_mlp_submodule``; a stand-in function takes its place, which the transforms carry over)."""
+
+    def as_mlp_submodule(*args, **kwargs):
+        raise AssertionError("a stand-in: never built")
+
+    mlp = functools.partial(as_mlp_submodule, submodules=layer_spec.submodules.mlp.submodules)
+    return replace(layer_spec, submodules=replace(layer_spec.submodules, mlp=mlp))
+
+
+def test_spec_transform_swaps_an_mlp_given_as_megatron_018s_partial(recipe):
+    local = mlp_as_partial(get_gpt_layer_local_spec())
+    before = repr(local)
+    swapped = with_fp8_projections(local, recipe)
+    assert repr(local) == before  # the given spec is not modified
+
+    mlp = swapped.submodules.mlp
+    assert isinstance(mlp, functools.partial) and mlp.func is local.submodules.mlp.func
+    assert mlp.keywords.keys() == {"submodules"}
+    fc1, fc2 = mlp.keywords["submodules"].linear_fc1, mlp.keywords["submodules"].linear_fc2
+    assert (fc1.module, fc2.module) == (Fp8ColumnParallelLinear, Fp8RowParallelLinear)
+    assert fc1.params["recipe"] is recipe and fc2.params["recipe"] is recipe
+    assert swapped.submodules.self_attention.submodules.linear_qkv.module is Fp8ColumnParallelLinear
+
+    # An MLP already swapped is refused, in this shape too.
+    swapped_mlp_only = replace(local, submodules=replace(local.submodules, mlp=mlp))
+    with pytest.raises(ValueError, match="mlp.linear_fc1"):
+        with_fp8_projections(swapped_mlp_only, recipe)
 
 
 def test_build_checks_the_topology_against_megatrons_parallel_state(manifest, recipe):

@@ -70,6 +70,17 @@ def test_tes_unfused_scaling_update_is_refused(manifest, monkeypatch, value):
         assert te_transformer_config(manifest).fp8_recipe == "delayed"
 
 
+@pytest.mark.parametrize("value", ["dequantized", "high_precision", ""])
+def test_a_backward_override_in_the_environment_is_refused(manifest, monkeypatch, value):
+    """TE (>= 2.15) takes it as every recipe's default, and DelayedScaling asserts there is none:
+    refused by name before Megatron builds a recipe."""
+    monkeypatch.setenv("NVTE_BACKWARD_OVERRIDE", value)
+    with pytest.raises(Fp8opsError, match=f"^NVTE_BACKWARD_OVERRIDE='{value}': TE makes it"):
+        te_transformer_config(manifest)
+    monkeypatch.delenv("NVTE_BACKWARD_OVERRIDE")
+    assert te_transformer_config(manifest).fp8_recipe == "delayed"
+
+
 @pytest.mark.skipif(te_available(), reason="checks the machine without Transformer Engine")
 def test_without_te_the_path_refuses_and_names_the_fallback(manifest):
     with pytest.raises(Fp8opsError, match="emulated backend"):
@@ -109,7 +120,9 @@ def test_te_model_trains_under_delayed_scaling(manifest):  # pragma: no cover - 
 
 
 def test_the_four_projections_are_swapped_by_spec_and_nothing_else():
-    from fp8ops.megatron.compat import ModuleSpec, get_gpt_layer_local_spec
+    from test_megatron_layers import mlp_as_partial
+
+    from fp8ops.megatron.compat import ModuleSpec, block_submodules, get_gpt_layer_local_spec
     from fp8ops.megatron.spec import get_gpt_layer_fp8_emulated_spec
     from fp8ops.megatron.te_backend import PROJECTIONS, with_bf16_capable_projections
     from fp8ops.precision import DelayedScalingRecipe
@@ -119,12 +132,13 @@ def test_the_four_projections_are_swapped_by_spec_and_nothing_else():
 
     def projection(spec, path):
         block, slot = path.split(".")
-        value = getattr(getattr(spec.submodules, block).submodules, slot)
+        value = getattr(block_submodules(getattr(spec.submodules, block)), slot)
         return value.module if isinstance(value, ModuleSpec) else value
 
     for base in (  # projections as classes (local spec) and as ModuleSpecs (fp8ops' spec)
         get_gpt_layer_local_spec(normalization="RMSNorm"),
         get_gpt_layer_fp8_emulated_spec(DelayedScalingRecipe(amax_history_len=4)),
+        mlp_as_partial(get_gpt_layer_local_spec()),  # megatron-core 0.18's MLP block
     ):
         swapped = with_bf16_capable_projections(base, wrap=wrap)
         for path in PROJECTIONS:

@@ -1,6 +1,10 @@
 """Our recipe as Transformer Engine's real DelayedScaling (skipped where TE's recipe module
 cannot import)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -53,6 +57,29 @@ def test_window_statistic_becomes_a_callable():
     assert isinstance(theirs.amax_compute_algo, WindowStatistic)
     history = torch.arange(1.0, 21.0).reshape(20, 1)  # 1..20: the 0.9 quantile is not the max
     assert theirs.amax_compute_algo(history).tolist() == [19.0]
+
+
+@needs_te
+def test_the_recipe_ignores_a_backward_override_in_the_environment(tmp_path):
+    """TE reads NVTE_BACKWARD_OVERRIDE when it is imported, as the default of every recipe's
+    backward_override, and DelayedScaling asserts it is None; so in a fresh process."""
+    code = (
+        "from fp8ops.precision import DelayedScalingRecipe\n"
+        "from fp8ops.precision.te_recipe import load_te_recipe_module, to_te_recipe\n"
+        "te = load_te_recipe_module()\n"
+        "try:\n"
+        "    te.DelayedScaling()\n"
+        "except ValueError as exc:\n"  # pydantic's ValidationError of TE's assertion
+        "    print('TE refused its default:', ' '.join(str(exc).split()))\n"
+        "print('ours:', to_te_recipe(DelayedScalingRecipe(), te).backward_override)\n"
+    )
+    env = {**os.environ, "NVTE_BACKWARD_OVERRIDE": "dequantized"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    refused, ours = done.stdout.splitlines()
+    assert "Delayed scaling only supports backward_override=None" in refused, done.stdout
+    assert ours == "ours: None"
 
 
 def test_missing_te_gives_an_install_hint(monkeypatch):

@@ -13,21 +13,25 @@ Two reasons for one module:
    ``te_recipe`` keeps working. Megatron modules imported later, elsewhere, would not get this
    guard: import them here.
 2. **Version-sensitive calls.** The CPU shims replace Megatron's RNG tracker through private
-   module globals (:func:`set_rng_tracker` is the one place that knows their names), and the amax
+   module globals (:func:`set_rng_tracker` is the one place that knows their names), the amax
    reduction group comes from a getter whose arguments have grown across versions
-   (:func:`amax_reduction_group`).
+   (:func:`amax_reduction_group`), and a layer spec's MLP block changed shape in 0.18
+   (:func:`block_submodules`, :func:`with_block_submodules`).
 
 Supported: megatron-core 0.16.1, the newest release for Python 3.11 and the one tested. 0.17 to
-0.19 need Python >= 3.12 and are untested; by reading its source, Megatron-LM's main branch (0.20
-dev) still has every name and signature used here and in cpu_shims.py.
+0.19 need Python >= 3.12 and are untested; by reading their source (0.17.1, 0.18.2, 0.19.0) and
+Megatron-LM's main branch, they have every name and signature used here and in cpu_shims.py, and
+the one change in a structure fp8ops edits is the MLP block's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import warnings
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 
@@ -115,6 +119,28 @@ def amax_reduction_group(*, tp_only: bool) -> torch.distributed.ProcessGroup:
     )
 
 
+def block_submodules(block):
+    """The submodules of a GPT layer spec's attention or MLP block (None if it has none).
+
+    A block is a ``ModuleSpec`` with ``submodules``, except the dense MLP from megatron-core 0.18
+    on: ``functools.partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(...))``.
+    """
+    if isinstance(block, functools.partial):
+        return block.keywords.get("submodules")
+    return getattr(block, "submodules", None)
+
+
+def with_block_submodules(block, **slots):
+    """A copy of ``block`` (either shape, :func:`block_submodules`) whose submodules have
+    ``slots`` replaced; ``block`` itself is not modified."""
+    submodules = replace(block_submodules(block), **slots)
+    if isinstance(block, functools.partial):
+        return functools.partial(
+            block.func, *block.args, **{**block.keywords, "submodules": submodules}
+        )
+    return replace(block, submodules=submodules)
+
+
 def transformer_engine_pytorch():
     """``transformer_engine.pytorch``, or None where it cannot work (no CUDA, not installed).
 
@@ -146,6 +172,7 @@ __all__ = [
     "RowParallelLinear",
     "TransformerConfig",
     "amax_reduction_group",
+    "block_submodules",
     "copy_to_tensor_model_parallel_region",
     "filesystem_async",
     "fused_softmax",
@@ -156,8 +183,8 @@ __all__ = [
     "reduce_from_tensor_model_parallel_region",
     "scatter_to_tensor_model_parallel_region",
     "set_rng_tracker",
-    "te_fp8_context",
     "te_gpt_layer_spec",
     "tensor_parallel",
     "transformer_engine_pytorch",
+    "with_block_submodules",
 ]

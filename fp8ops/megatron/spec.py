@@ -21,7 +21,9 @@ from fp8ops.megatron.compat import (
     ColumnParallelLinear,
     ModuleSpec,
     RowParallelLinear,
+    block_submodules,
     get_gpt_layer_local_spec,
+    with_block_submodules,
 )
 from fp8ops.megatron.layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear
 from fp8ops.precision import DelayedScalingRecipe, Fp8Gemm
@@ -55,17 +57,15 @@ def with_fp8_projections(
     _expect(attention, "self_attention", linear_qkv=ColumnParallelLinear)
     _expect(attention, "self_attention", linear_proj=RowParallelLinear)
     _expect(mlp, "mlp", linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-    attention = replace(
-        attention, submodules=replace(attention.submodules, linear_qkv=column, linear_proj=row)
-    )
-    mlp = replace(mlp, submodules=replace(mlp.submodules, linear_fc1=column, linear_fc2=row))
+    attention = with_block_submodules(attention, linear_qkv=column, linear_proj=row)
+    mlp = with_block_submodules(mlp, linear_fc1=column, linear_fc2=row)
     return replace(layer_spec, submodules=replace(layer, self_attention=attention, mlp=mlp))
 
 
-def _expect(block: ModuleSpec, name: str, **slots: type) -> None:
+def _expect(block, name: str, **slots: type) -> None:
     # A TE spec, an MoE layer or an already swapped one is not what this transform knows.
     for slot, expected in slots.items():
-        current = getattr(block.submodules, slot, None)
+        current = getattr(block_submodules(block), slot, None)
         if current is not expected:
             raise ValueError(
                 f"layer spec slot {name}.{slot} holds {current!r}, expected Megatron's "

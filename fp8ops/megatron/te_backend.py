@@ -46,6 +46,9 @@ from fp8ops.megatron import compat
 from fp8ops.megatron.te_state import is_te_projection
 
 UNFUSED_UPDATE_ENV = "NVTE_UNFUSED_FP8_UPDATE"  # TE's switch to its Python scaling update
+# TE >= 2.15 makes it every recipe's default backward_override (read when TE is imported), and
+# DelayedScaling asserts that it is None: Megatron's recipe and TE's default one would fail.
+BACKWARD_OVERRIDE_ENV = "NVTE_BACKWARD_OVERRIDE"
 
 # TE's FP8 GEMMs take inputs whose leading dimensions (the tokens) multiply to a multiple of 8
 # (transformer_engine/pytorch/utils.py::assert_dim_for_fp8_exec).
@@ -91,6 +94,12 @@ def te_transformer_config(manifest):
             f"{UNFUSED_UPDATE_ENV}={unfused}: TE's unfused scaling update rolls the history of a "
             "module held in BF16 and computes scales in another order than the fused kernel "
             "fp8ops' update reproduces bit for bit; unset it for the TE backend"
+        )
+    if BACKWARD_OVERRIDE_ENV in os.environ:
+        raise Fp8opsError(
+            f"{BACKWARD_OVERRIDE_ENV}={os.environ[BACKWARD_OVERRIDE_ENV]!r}: TE makes it the "
+            "default backward_override of every recipe, and its DelayedScaling accepts none (an "
+            "assertion when Megatron builds the recipe); unset it for the TE backend"
         )
     return replace(
         transformer_config(manifest),
@@ -140,7 +149,8 @@ def bf16_capable(te_class: type) -> type:
 
 def _te_autocast_disabled():
     te = compat.transformer_engine_pytorch()
-    # TE 2.8 renamed fp8_autocast to autocast; both take enabled= and restore the outer state.
+    # TE 2.9 added autocast (fp8_autocast is deprecated); both take enabled= and restore the
+    # outer state.
     autocast = getattr(te, "autocast", None) or te.fp8_autocast
     return autocast(enabled=False)
 
@@ -153,12 +163,12 @@ def with_bf16_capable_projections(layer_spec, wrap=bf16_capable):
     for path in PROJECTIONS:
         block_name, slot = path.split(".")
         block = blocks[block_name]
-        current = getattr(block.submodules, slot)
+        current = getattr(compat.block_submodules(block), slot)
         if isinstance(current, compat.ModuleSpec):
             swapped = replace(current, module=wrap(current.module))
         else:
             swapped = wrap(current)
-        blocks[block_name] = replace(block, submodules=replace(block.submodules, **{slot: swapped}))
+        blocks[block_name] = compat.with_block_submodules(block, **{slot: swapped})
     return replace(layer_spec, submodules=replace(layer, **blocks))
 
 
@@ -195,9 +205,11 @@ def set_bf16_modules(model, names: Collection[str]) -> None:
 
 
 def build_gpt_te(manifest, bf16_modules: Iterable[str] = ()):
-    """The manifest's GPT from Megatron's TE spec, on the GPU; weights drawn from
-    ``seeds.model`` as :func:`~fp8ops.megatron.build_gpt` draws them. Megatron's parallel state
-    must be initialised. The projections in ``precision.overrides`` and ``bf16_modules`` run in
+    """The manifest's GPT from Megatron's TE spec, on the GPU. Its weights are drawn from
+    ``seeds.model`` by TE's own initialisation, each TP rank its shard from Megatron's per-rank
+    CUDA seed: not the weights :func:`~fp8ops.megatron.build_gpt` draws on the CPU, nor at TP=2
+    the TP=1 weights split. A run from ``model.init_checkpoint`` (fine-tuning) loads the same
+    weights on either backend. Megatron's parallel state must be initialised. The projections in ``precision.overrides`` and ``bf16_modules`` run in
     BF16 inside the delayed-scaling autocast (module docstring)."""
     if not te_available():
         raise Fp8opsError(

@@ -61,7 +61,7 @@ class WindowStatistic:
     def __call__(self, amax_history: torch.Tensor) -> torch.Tensor:
         return window_amax(self.algo, amax_history)
 
-    def __repr__(self) -> str:  # TE keys its global buffers on the recipe's repr
+    def __repr__(self) -> str:  # for logs and messages (TE keys nothing on it)
         return f"WindowStatistic({self.algo.name})"
 
 
@@ -75,10 +75,15 @@ def to_te_recipe(recipe: DelayedScalingRecipe, te_recipe: ModuleType | None = No
         )
     formats = {Fp8Format.HYBRID: te_recipe.Format.HYBRID, Fp8Format.E4M3: te_recipe.Format.E4M3}
     algo = recipe.amax_compute_algo
+    # TE >= 2.15 defaults backward_override to $NVTE_BACKWARD_OVERRIDE, which DelayedScaling
+    # refuses unless None: say None, so the recipe does not depend on the environment.
+    fields = getattr(te_recipe.DelayedScaling, "__dataclass_fields__", {})
+    no_override = {"backward_override": None} if "backward_override" in fields else {}
     return te_recipe.DelayedScaling(
         margin=recipe.margin,
         fp8_format=formats[recipe.fp8_format],
         amax_history_len=recipe.amax_history_len,
         amax_compute_algo=algo.name if algo.fused else WindowStatistic(algo),
         reduce_amax=recipe.reduce_amax,
+        **no_override,
     )

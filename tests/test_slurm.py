@@ -269,8 +269,9 @@ def test_a_requeued_attempt_does_not_accept_drift_again(tmp_path):
                               cwd=tmp_path)  # fmt: skip
         assert done.returncode == 0, done.stdout + done.stderr
     first, requeue = (tmp_path / "calls").read_text().splitlines()
-    assert first.rstrip().endswith("--no-progress --accept-drift lr lowered --after-stop a spike")
-    assert requeue.rstrip().endswith("--no-progress")  # no --accept-drift, no --after-stop
+    train = f"-m fp8ops train m.yaml --resume --run-dir {tmp_path / 'run'}"
+    assert first.rstrip().endswith(f"{train} --accept-drift lr lowered --after-stop a spike")
+    assert requeue.rstrip().endswith(train)  # no --accept-drift, no --after-stop
 
 
 def test_a_job_that_does_not_resume_a_stopped_run_says_it_is_still_halted(tmp_path):

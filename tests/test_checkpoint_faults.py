@@ -299,7 +299,7 @@ def _flip_bytes(path: Path) -> None:
     [
         ("*.distcp", _truncate, r"\d+ bytes, but it was saved with \d+ \(truncated or replaced\)"),
         ("*.distcp", _flip_bytes, r"its content changed since it was saved \(sha256 mismatch\)"),
-        ("common.pt", Path.unlink, "missing"),
+        ("metadata.json", Path.unlink, "missing"),  # Megatron's (0.19 writes no common.pt)
         ("stray.bin", lambda path: path.write_text("left by hand\n"),
          "not part of the checkpoint as saved"),
     ],
@@ -554,9 +554,10 @@ def test_an_unreadable_base_checkpoint_is_named_with_its_field(manifest, tmp_pat
     )
     refused = cli("train", edited, "--run-dir", tmp_path / "run", "--no-progress")
     assert refused.code == 2, refused.err
-    assert f"model.init_checkpoint '{damaged}': its weights cannot be read (EOFError)" in (
-        refused.err
-    ), refused.err
+    # What torch's reader raises for a cut shard depends on the megatron-core version.
+    unreadable = r"(EOFError|RuntimeError: PytorchStreamReader failed reading zip archive)"
+    assert re.search(f"model.init_checkpoint '{re.escape(str(damaged))}': its weights cannot be "
+                     f"read \\({unreadable}", refused.err), refused.err  # fmt: skip
     assert "Traceback" not in refused.err
 
 

@@ -126,6 +126,8 @@ def mlp_as_partial(layer_spec):
     def as_mlp_submodule(*args, **kwargs):
         raise AssertionError("a stand-in: never built")
 
+    if isinstance(layer_spec.submodules.mlp, functools.partial):
+        return layer_spec  # megatron-core 0.18 or later: already so
     mlp = functools.partial(as_mlp_submodule, submodules=layer_spec.submodules.mlp.submodules)
     return replace(layer_spec, submodules=replace(layer_spec.submodules, mlp=mlp))
 

@@ -69,6 +69,31 @@ def test_te_itself_unpickles_the_payload_into_its_own_recipe():
 
 
 @needs_te_recipe
+def test_a_payload_pickled_where_megatron_replaced_torchs_storage_loader_is_read(monkeypatch):
+    """megatron-core 0.17 and later set torch.storage._load_from_bytes to their own
+    megatron.core.safe_globals.safe_load_from_bytes when imported, so the tensors of a payload
+    pickled in a training process name that function. Read with fp8ops' loader, not it."""
+    module = types.ModuleType("megatron.core.safe_globals")
+
+    def safe_load_from_bytes(data):
+        raise AssertionError("the payload's loader ran")
+
+    safe_load_from_bytes.__module__ = module.__name__
+    safe_load_from_bytes.__qualname__ = "safe_load_from_bytes"
+    module.safe_load_from_bytes = safe_load_from_bytes
+    meta = trained_meta()
+    with monkeypatch.context() as patched:  # as Megatron's __init__ does
+        patched.setitem(sys.modules, module.__name__, module)
+        patched.setattr(torch.storage, "_load_from_bytes", safe_load_from_bytes)
+        payload = te_extra_state(meta.state_dict(), RECIPE)
+    data = payload.numpy().tobytes()
+    assert b"megatron.core.safe_globals" in data and b"torch.storage" not in data
+    loaded = read_extra_state(payload)
+    for key in FP8_KEYS:
+        assert torch.equal(loaded.tensors[key], meta.state_dict()[key]), key
+
+
+@needs_te_recipe
 def test_a_payload_megatron_wrote_with_its_own_recipe_class_is_read(monkeypatch):
     """Megatron's TE layers hold its TEDelayedScaling (a DelayedScaling subclass defined in
     megatron.core.extensions.transformer_engine), so a Megatron-LM checkpoint's payload names

@@ -201,6 +201,9 @@ def _storage_from_bytes(data: bytes):
 _ALLOWED = {
     ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
     ("torch.storage", "_load_from_bytes"): _storage_from_bytes,
+    # megatron-core 0.17 and later replace torch.storage._load_from_bytes with this loader of
+    # theirs when imported, so tensors pickled in a training process (TE's payloads) name it.
+    ("megatron.core.safe_globals", "safe_load_from_bytes"): _storage_from_bytes,
     ("collections", "OrderedDict"): dict,
     (_TE_RECIPE_MODULE, "DelayedScaling"): _TeRecipe,
     # Megatron's subclass, which its TE layers keep in fp8_meta["recipe"] and so pickle.

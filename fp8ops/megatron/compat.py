@@ -15,8 +15,9 @@ Two reasons for one module:
 2. **Version-sensitive calls.** The CPU shims replace Megatron's RNG tracker through private
    module globals (:func:`set_rng_tracker` is the one place that knows their names), the amax
    reduction group comes from a getter whose arguments have grown across versions
-   (:func:`amax_reduction_group`), and a layer spec's MLP block changed shape in 0.18
-   (:func:`block_submodules`, :func:`with_block_submodules`).
+   (:func:`amax_reduction_group`), a layer spec's MLP block changed shape in 0.18
+   (:func:`block_submodules`, :func:`with_block_submodules`), and a config field was renamed in
+   0.19 (:data:`WHOLE_LAYER_CUDA_GRAPHS`).
 
 Supported: megatron-core 0.16.1, the newest release for Python 3.11 and the one tested. 0.17 to
 0.19 need Python >= 3.12 and are untested; by reading their source (0.17.1, 0.18.2, 0.19.0) and
@@ -74,7 +75,10 @@ def _import_guard() -> Iterator[None]:
 with _import_guard():
     import megatron.core
     from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    # fully_parallel tries TE, and from 0.19 on dist_checkpointing.save imports it only when
+    # first called: imported here, under the guard.
+    from megatron.core.dist_checkpointing.strategies import filesystem_async, fully_parallel
     from megatron.core.fusions import fused_softmax
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -90,6 +94,14 @@ with _import_guard():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
 MEGATRON_CORE_VERSION: str = megatron.core.__version__
+
+# TransformerConfig's CUDA graph coverage: its default, "full", is deprecated in favour of [] (the
+# same: the whole layer) and warns; 0.19 renamed the field cuda_graph_scope to cuda_graph_modules
+# and warns for the old name too.
+WHOLE_LAYER_CUDA_GRAPHS = {
+    "cuda_graph_modules" if "cuda_graph_modules" in TransformerConfig.__dataclass_fields__
+    else "cuda_graph_scope": []
+}  # fmt: skip
 
 
 def set_rng_tracker(tracker: megatron_random.CudaRNGStatesTracker) -> None:
@@ -166,6 +178,7 @@ def te_gpt_layer_spec() -> ModuleSpec:
 
 __all__ = [
     "MEGATRON_CORE_VERSION",
+    "WHOLE_LAYER_CUDA_GRAPHS",
     "ColumnParallelLinear",
     "GPTModel",
     "ModuleSpec",
@@ -175,6 +188,7 @@ __all__ = [
     "block_submodules",
     "copy_to_tensor_model_parallel_region",
     "filesystem_async",
+    "fully_parallel",
     "fused_softmax",
     "gather_from_tensor_model_parallel_region",
     "get_gpt_layer_local_spec",

@@ -192,8 +192,7 @@ def transformer_config(manifest) -> TransformerConfig:
         # Every rank draws the full weight from one CPU stream and keeps its shard, so a TP=2
         # model is exactly the TP=1 model split (reference: megatron-core-cpu.md).
         use_cpu_initialization=True,
-        # The default, "full", is deprecated in favour of [] (same meaning) and warns.
-        cuda_graph_scope=[],
+        **compat.WHOLE_LAYER_CUDA_GRAPHS,
     )
 
 

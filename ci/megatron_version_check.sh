@@ -8,8 +8,8 @@
 # venv is Python 3.11. Their code is Python but for a compiled dataset helper fp8ops never loads,
 # so the release's wheel is unpacked into a scratch directory and put first on PYTHONPATH, ahead
 # of the venv's megatron-core, for pytest and every process it starts (torchrun's ranks).
-# Needs network (pip download, 2.5 MB) and the venv of ci/setup.sh. The SLURM and browser tests
-# are left out: they need their services, which ci/test.sh starts.
+# Needs network (pip download, 2.5 MB) and the venv of ci/setup.sh. The SLURM tests (a local
+# cluster, which ci/test.sh starts) and the browser tests are left out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,7 +19,7 @@ PYTHON=.venv/bin/python
 SCRATCH=$(mktemp -d)
 trap 'rm -rf "$SCRATCH"' EXIT
 
-# The wheel for the venv's Python, or for 3.12 where the release has none older.
+# A wheel for Python 3.12 (0.17 and later publish none older), or the venv's own if newer.
 WHEEL_PYTHON=$("$PYTHON" -c 'import sys; print(f"3.{max(sys.version_info.minor, 12)}")')
 "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version "$WHEEL_PYTHON" \
   --platform "manylinux_2_28_$(uname -m)" --platform any -d "$SCRATCH" "megatron-core==$VERSION"

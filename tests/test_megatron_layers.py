@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 from manifest_support import TINY
+from spec_support import mlp_as_partial
 
 if importlib.util.find_spec("megatron") is None:  # not importorskip: fp8ops.megatron imports it
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
@@ -116,20 +117,6 @@ def test_spec_transform_refuses_a_spec_it_does_not_know(recipe):
     already_fp8 = get_gpt_layer_fp8_emulated_spec(recipe)
     with pytest.raises(ValueError, match="self_attention.linear_qkv"):
         with_fp8_projections(already_fp8, recipe)
-
-
-def mlp_as_partial(layer_spec):
-    """``layer_spec`` with its MLP block shaped as megatron-core 0.18 and later make it:
-    ``functools.partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(...))`` (0.16.1 has no
-    ``as_mlp_submodule``; a stand-in function takes its place, which the transforms carry over)."""
-
-    def as_mlp_submodule(*args, **kwargs):
-        raise AssertionError("a stand-in: never built")
-
-    if isinstance(layer_spec.submodules.mlp, functools.partial):
-        return layer_spec  # megatron-core 0.18 or later: already so
-    mlp = functools.partial(as_mlp_submodule, submodules=layer_spec.submodules.mlp.submodules)
-    return replace(layer_spec, submodules=replace(layer_spec.submodules, mlp=mlp))
 
 
 def test_spec_transform_swaps_an_mlp_given_as_megatron_018s_partial(recipe):

@@ -456,6 +456,7 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_result(clust
     )
     assert "SIGUSR1: asked the run to checkpoint" in log and f"requeued job {job}" in log
     assert "SLURM_RESTART_COUNT=1" in log
+    assert re.search(r"exitcode\s*: 75 ", log)  # torchrun's report of the stop, then ours:
     assert "(exitcode 75) is the ranks stopping after that checkpoint, as asked" in log
     # Rank 0's line for every step (log_interval 1), the first attempt's then the requeued one's.
     logged = [int(s) for s in re.findall(r"^step (\d+)/60  loss \d", log, re.MULTILINE)]

@@ -120,7 +120,7 @@ def test_te_model_trains_under_delayed_scaling(manifest):  # pragma: no cover - 
 
 
 def test_the_four_projections_are_swapped_by_spec_and_nothing_else():
-    from test_megatron_layers import mlp_as_partial
+    from spec_support import mlp_as_partial
 
     from fp8ops.megatron.compat import ModuleSpec, block_submodules, get_gpt_layer_local_spec
     from fp8ops.megatron.spec import get_gpt_layer_fp8_emulated_spec

@@ -17,7 +17,7 @@ Two reasons for one module:
    reduction group comes from a getter whose arguments have grown across versions
    (:func:`amax_reduction_group`), a layer spec's MLP block changed shape in 0.18
    (:func:`block_submodules`, :func:`with_block_submodules`), and a config field was renamed in
-   0.19 (:data:`WHOLE_LAYER_CUDA_GRAPHS`).
+   0.18 (:func:`whole_layer_cuda_graphs`).
 
 Supported: megatron-core 0.16.1 (the newest release for Python 3.11; CI tests it) to 0.19, which
 need Python >= 3.12. The CPU suite passed against 0.18.2 and 0.19.2 too, their wheels' code run
@@ -75,7 +75,7 @@ with _import_guard():
     import megatron.core
     from megatron.core import parallel_state, tensor_parallel
 
-    # fully_parallel tries TE, and from 0.19 on dist_checkpointing.save imports it only when
+    # fully_parallel tries TE, and from 0.17 on dist_checkpointing.save imports it only when
     # first called: imported here, under the guard.
     from megatron.core.dist_checkpointing.strategies import filesystem_async, fully_parallel
     from megatron.core.fusions import fused_softmax
@@ -94,13 +94,13 @@ with _import_guard():
 
 MEGATRON_CORE_VERSION: str = megatron.core.__version__
 
-# TransformerConfig's CUDA graph coverage: its default, "full", is deprecated in favour of [] (the
-# same: the whole layer) and warns; 0.19 renamed the field cuda_graph_scope to cuda_graph_modules
-# and warns for the old name too.
-WHOLE_LAYER_CUDA_GRAPHS = {
-    "cuda_graph_modules" if "cuda_graph_modules" in TransformerConfig.__dataclass_fields__
-    else "cuda_graph_scope": []
-}  # fmt: skip
+
+def whole_layer_cuda_graphs() -> dict:
+    """TransformerConfig's keyword for CUDA graphs over whole layers. The default, "full", is
+    deprecated in favour of [] (the same) and warns; 0.18 renamed the field cuda_graph_scope to
+    cuda_graph_modules and warns for the old name too."""
+    renamed = "cuda_graph_modules" in TransformerConfig.__dataclass_fields__
+    return {"cuda_graph_modules" if renamed else "cuda_graph_scope": []}
 
 
 def set_rng_tracker(tracker: megatron_random.CudaRNGStatesTracker) -> None:
@@ -177,7 +177,6 @@ def te_gpt_layer_spec() -> ModuleSpec:
 
 __all__ = [
     "MEGATRON_CORE_VERSION",
-    "WHOLE_LAYER_CUDA_GRAPHS",
     "ColumnParallelLinear",
     "GPTModel",
     "ModuleSpec",
@@ -199,5 +198,6 @@ __all__ = [
     "te_gpt_layer_spec",
     "tensor_parallel",
     "transformer_engine_pytorch",
+    "whole_layer_cuda_graphs",
     "with_block_submodules",
 ]

@@ -192,7 +192,7 @@ def transformer_config(manifest) -> TransformerConfig:
         # Every rank draws the full weight from one CPU stream and keeps its shard, so a TP=2
         # model is exactly the TP=1 model split (reference: megatron-core-cpu.md).
         use_cpu_initialization=True,
-        **compat.WHOLE_LAYER_CUDA_GRAPHS,
+        **compat.whole_layer_cuda_graphs(),
     )
 
 

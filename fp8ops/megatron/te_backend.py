@@ -209,8 +209,9 @@ def build_gpt_te(manifest, bf16_modules: Iterable[str] = ()):
     ``seeds.model`` by TE's own initialisation, each TP rank its shard from Megatron's per-rank
     CUDA seed: not the weights :func:`~fp8ops.megatron.build_gpt` draws on the CPU, nor at TP=2
     the TP=1 weights split. A run from ``model.init_checkpoint`` (fine-tuning) loads the same
-    weights on either backend. Megatron's parallel state must be initialised. The projections in ``precision.overrides`` and ``bf16_modules`` run in
-    BF16 inside the delayed-scaling autocast (module docstring)."""
+    weights on either backend. Megatron's parallel state must be initialised. The projections
+    in ``precision.overrides`` and ``bf16_modules`` run in BF16 inside the delayed-scaling
+    autocast (module docstring)."""
     if not te_available():
         raise Fp8opsError(
             "the Transformer Engine backend needs a CUDA GPU and transformer_engine.pytorch; "

@@ -20,8 +20,9 @@ Two reasons for one module:
    0.18 (:func:`whole_layer_cuda_graphs`).
 
 Supported: megatron-core 0.16.1 (the newest release for Python 3.11; CI tests it) to 0.19, which
-need Python >= 3.12. The CPU suite passed against 0.18.2 and 0.19.2 too, their wheels' code run
-on Python 3.11 (``ci/megatron_version_check.sh``).
+need Python >= 3.12. The CPU suite passed against 0.18.2 and 0.19.2 too, and its Megatron, TE,
+checkpoint and training test files against 0.17.1, their wheels' code run on Python 3.11
+(``ci/megatron_version_check.sh``).
 """
 
 from __future__ import annotations

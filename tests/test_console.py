@@ -14,6 +14,7 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,6 +31,7 @@ for _package in ("ipywidgets", "plotly"):
 from small_model import SCHEDULE, SMALL_MODEL
 
 from fp8ops.console import ConsoleApp
+from fp8ops.console import app as console_app
 from fp8ops.console.data import Overview, pool, window_heatmap
 from fp8ops.console.notebook import notebook
 from fp8ops.console.whatif import (
@@ -405,6 +407,103 @@ def test_the_picker_switches_between_runs(run_copy):
     assert "manifest.yaml" in app.header.value
 
 
+# -- in a kernel: reads off the event loop ---------------------------------------------------------
+
+
+def _wait_until(condition, timeout_s: float = 60):
+    """An awaitable that ticks the event loop (as a kernel's) until ``condition()``."""
+
+    async def wait():
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert time.monotonic() < deadline, "timed out"
+            await asyncio.sleep(0.02)
+
+    return wait()
+
+
+def _record_threads(monkeypatch, *names: str) -> list[tuple[str, str]]:
+    """Have the app module's functions ``names`` record the thread that calls them."""
+    calls = []
+
+    def recording(name: str, real):
+        def call(*args):
+            calls.append((name, threading.current_thread().name))
+            return real(*args)
+
+        return call
+
+    for name in names:
+        monkeypatch.setattr(console_app, name, recording(name, getattr(console_app, name)))
+    return calls
+
+
+def _figure_data(app: ConsoleApp) -> tuple:
+    return (np.asarray(app.heatmap_fig.data[0].z).tolist(),
+            [list(trace.y) for trace in app.detail_fig.data])  # fmt: skip
+
+
+def test_in_an_event_loop_a_run_is_read_in_the_worker_thread_and_shown_as_without_one(
+    trained, monkeypatch
+):
+    """In a kernel (an event loop runs) the app reads the picked run in its worker thread, so
+    the page keeps answering meanwhile, and draws what the same app draws without a loop."""
+    _, run = trained
+    readers = _record_threads(monkeypatch, "read_run")
+
+    async def open_in_a_loop() -> ConsoleApp:
+        app = ConsoleApp(run.parent, user="ana", follow=False)
+        assert app.run is None  # being read: the loop has not run the result in yet
+        await _wait_until(lambda: app.run is not None)
+        return app
+
+    live = asyncio.run(open_in_a_loop())
+    assert len(readers) == 1 and readers[0][1].startswith("fp8ops-console")
+    inline = console(run)
+    assert readers[1][1] == threading.main_thread().name
+    assert live.header.value == inline.header.value and live.message.value == ""
+    assert _figure_data(live) == _figure_data(inline)
+    assert live.module.options == inline.module.options
+    assert live.ledger_table.value == inline.ledger_table.value
+    assert live.resume_preview.value == inline.resume_preview.value
+
+
+def test_a_run_picked_while_another_is_read_is_the_only_one_shown(run_copy, monkeypatch):
+    """The operator picks a second run while the first is still being read: the first one's
+    result, arriving late, is dropped instead of flashing onto the page."""
+    bare = run_copy.parent / "bare"
+    _synthetic_store(bare / "telemetry.zarr", 300).close()
+    first_read_may_finish = threading.Event()
+    shown = []
+
+    def read_run(run_dir, *args):
+        if not shown and run_dir == first:
+            assert first_read_may_finish.wait(60)
+        return real_read_run(run_dir, *args)
+
+    def show_run(self, read):
+        shown.append(read.run.run_dir)
+        real_show_run(self, read)
+
+    real_read_run, real_show_run = console_app.read_run, ConsoleApp._show_run
+    monkeypatch.setattr(console_app, "read_run", read_run)
+    monkeypatch.setattr(ConsoleApp, "_show_run", show_run)
+
+    async def pick_twice() -> ConsoleApp:
+        app = ConsoleApp(run_copy.parent, user="ana", follow=False)  # reads the first run
+        app.picker.value = str(second)  # meanwhile, the operator picks the other
+        first_read_may_finish.set()
+        await _wait_until(lambda: app.run is not None)
+        await asyncio.sleep(0.3)  # room for anything late
+        return app
+
+    first = bare  # the picker lists runs by name, so the app opens on "bare"
+    second = run_copy
+    app = asyncio.run(pick_twice())
+    assert shown == [second] and app.run.run_dir == second
+    assert "tiny-gpt-cpu" in app.header.value and len(app.module.options) == 8
+
+
 # -- the window what-if --------------------------------------------------------------------------
 
 
@@ -500,7 +599,13 @@ def test_the_notebook_is_the_package_s_and_executes_under_nbclient(trained, monk
     _, run = trained
     monkeypatch.setenv("FP8OPS_CONSOLE_RUNS", str(run.parent))
     monkeypatch.setenv("FP8OPS_USER", "nbclient")
+    # In a kernel the run is read in the app's worker thread: it is on screen a moment later.
     on_disk.cells.append(nbformat.v4.new_code_cell(
+        "import asyncio\n"
+        "for _ in range(600):\n"
+        "    if app.run is not None:\n"
+        "        break\n"
+        "    await asyncio.sleep(0.1)\n"
         "print(app.run.run_dir.name, app.user.value, app._follower is not None, "
         "repr(app.message.value))"))  # fmt: skip
     nbclient.NotebookClient(
@@ -519,10 +624,14 @@ def test_the_notebook_is_the_package_s_and_executes_under_nbclient(trained, monk
 # -- live -------------------------------------------------------------------------------------------
 
 
-def test_the_console_follows_a_training_run_without_blocking_the_event_loop(trained, tmp_path):
+def test_the_console_follows_a_training_run_without_blocking_the_event_loop(
+    trained, tmp_path, monkeypatch
+):
     """A run trains in another process while the app polls it from an event loop, as in a
-    kernel: the committed steps are followed to the end, and a ticker on the same loop is never
-    held up for long."""
+    kernel: the committed steps are followed to the end, the run and its ledger are read in the
+    worker thread (when the store appears, and at each checkpoint), and a ticker on the same
+    loop is never held up for long."""
+    readers = _record_threads(monkeypatch, "read_run", "read_ledger")
     manifest, _ = trained
     run = tmp_path / "live"
     trainer = subprocess.Popen(
@@ -564,3 +673,5 @@ def test_the_console_follows_a_training_run_without_blocking_the_event_loop(trai
     assert len([s for s in seen if s]) >= 3, seen  # followed while it trained, block by block
     assert np.asarray(app.heatmap_fig.data[0].z).shape[1] == 24
     assert worst_gap < 1.0, f"the event loop was held up for {worst_gap:.2f} s"
+    assert {name for name, _ in readers} == {"read_run", "read_ledger"}
+    assert all(thread.startswith("fp8ops-console") for _, thread in readers), readers

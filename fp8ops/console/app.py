@@ -13,11 +13,11 @@ Sections, top to bottom: run picker and operator; the run's header; a modules x 
 of one metric; one module's history; the alerts; the overrides (stage, approve, reject, revoke,
 the ledger's state per module, what the next resume would apply); the window what-if.
 
-Keeping the kernel responsive: reads that can take seconds (pooling a long run's whole history,
-a what-if replay, the follower's poll) run in a worker thread, and only the widget updates
-happen on the kernel's event loop. Widget callbacks that read little (a module's history:
-tens of milliseconds) run directly. Without a running event loop (tests, scripts) the same work
-runs synchronously, so a test sees its result at once.
+Keeping the kernel responsive: reads that can take a while (a run to show, pooling a long run's
+whole history, a what-if replay, the follower's poll) run in a worker thread, and only the
+widget updates happen on the kernel's event loop. Widget callbacks that read little (a module's
+history: tens of milliseconds) and the ledger actions run directly. Without a running event
+loop (tests, scripts) the same work runs synchronously, so a test sees its result at once.
 """
 
 from __future__ import annotations
@@ -78,6 +78,65 @@ class LoadedRun:
     overviews: dict[str, Overview] = field(default_factory=dict)  # metric -> whole-run pool
 
 
+@dataclass
+class LedgerView:
+    """The overrides section as read from the run directory."""
+
+    states: list[ModuleState]
+    stageable: list[str]  # the FP8 modules an operator may stage
+    open: list[Override]
+    preview: ResumePreview
+    problem: str | None = None  # no layers.json yet, a damaged ledger
+
+
+def read_ledger(run_dir: Path) -> LedgerView:
+    try:
+        states, stageable, open_ = (module_states(run_dir), fp8_modules(run_dir),
+                                    open_overrides(run_dir))  # fmt: skip
+    except Fp8opsError as exc:
+        return LedgerView([], [], [], preview_resume(run_dir), problem=str(exc))
+    return LedgerView(states, stageable, open_, preview_resume(run_dir))
+
+
+@dataclass
+class RunRead:
+    """All a run's first drawing needs, read in one go: in the worker thread when an event loop
+    runs. ``heatmap`` and ``detail`` are for the metric, window and slot on screen when the read
+    began (None: nothing committed yet, or the whole run, which is pooled afterwards)."""
+
+    run: LoadedRun
+    ledger: LedgerView
+    metric: str
+    window: int
+    slot: str
+    heatmap: Heatmap | None
+    detail: dict[str, Series] | None  # the first module's history
+
+
+def read_run(run_dir: Path, metric: str, window: int, slot: str) -> RunRead:
+    telemetry = open_telemetry(run_dir)
+    try:
+        manifest = load_manifest(run_dir / "manifest.yaml")
+    except Fp8opsError:
+        manifest = None  # the header names the problem
+    alerts = read_alerts(run_dir)
+    header = read_header(run_dir, telemetry, alerts, manifest)
+    run = LoadedRun(run_dir, telemetry, manifest, alerts, header, _stamps(run_dir, telemetry))
+    heatmap = detail = None
+    if telemetry is not None and telemetry.modules:
+        if window and telemetry.last_step() is not None:
+            heatmap = _window_heatmap(telemetry, metric, window)
+        detail = module_history(telemetry, telemetry.modules[0], slot)
+    return RunRead(run, read_ledger(run_dir), metric, window, slot, heatmap, detail)
+
+
+def _window_heatmap(telemetry: TelemetryRun, metric: str, window: int) -> Heatmap:
+    """The last ``window`` committed steps of ``metric``."""
+    last = telemetry.last_step()
+    return window_heatmap(telemetry, metric, max(telemetry.first_step, last - window + 1),
+                          last + 1)  # fmt: skip
+
+
 def _stamps(run_dir: Path, telemetry: TelemetryRun | None) -> dict[str, Any]:
     """What changes when a run writes something: watched files' size and mtime, and the
     telemetry's committed steps."""
@@ -104,6 +163,7 @@ class ConsoleApp:
         self._generation = 0  # bumped on every run switch: late background results are dropped
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp8ops-console")
         self._follower: asyncio.Task | None = None
+        self._reading = False  # a run's files are being read for select_run
         self._quiet = False
         self._build(user or default_user())
         self.refresh_runs()
@@ -251,43 +311,59 @@ class ConsoleApp:
             self.select_run(self.picker.value)
 
     def select_run(self, run_dir: str | Path | None) -> None:
-        """Show ``run_dir``: header, heatmap, module, alerts, overrides, preview."""
+        """Show ``run_dir``: header, heatmap, module, alerts, overrides, preview. Its files are
+        read in the worker thread when an event loop runs (the page stays live meanwhile), else
+        at once."""
         self._generation += 1
         self.run = None
         if run_dir is None:
             return
         with self._quietly():
             self.picker.value = str(run_dir)  # one of the picker's options
-        self._guard(lambda: self._load(Path(run_dir)))
+        generation, path = self._generation, Path(run_dir)
+        metric, window, slot = self.metric.value, self.window.value, self.slot.value
+        self._reading = True
 
-    def _load(self, run_dir: Path) -> None:
-        telemetry = open_telemetry(run_dir)
-        try:
-            manifest = load_manifest(run_dir / "manifest.yaml")
-        except Fp8opsError:
-            manifest = None  # the header names the problem
-        alerts = read_alerts(run_dir)
-        header = read_header(run_dir, telemetry, alerts, manifest)
-        self.run = LoadedRun(run_dir, telemetry, manifest, alerts, header,
-                             _stamps(run_dir, telemetry))  # fmt: skip
+        def show(read: RunRead) -> None:
+            if generation == self._generation:  # unless another run was picked meanwhile
+                self._reading = False
+                self._show_run(read)
+
+        def failed(exc: Exception) -> None:  # no run on screen: the follower reads it again
+            if generation == self._generation:
+                self._reading = False
+                self._say(_describe(exc), error=True)
+
+        self._in_background(lambda: read_run(path, metric, window, slot), show, failed)
+
+    def _show_run(self, read: RunRead) -> None:
+        self.run = run = read.run
         self._say("")
         for view in (self.heatmap_view, self.detail_view, self.whatif_view):
             view.clear()  # nothing of the previous run stays on screen
         with self._quietly():
             self.hottest.options = []
         self._show_header()
-        modules = list(telemetry.modules) if telemetry is not None else []
+        modules = list(run.telemetry.modules) if run.telemetry is not None else []
         with self._quietly():
             self.module.options = modules
             self.module.value = modules[0] if modules else None
-        if manifest is not None and manifest.precision.enabled:
-            p = manifest.precision
+        if run.manifest is not None and run.manifest.precision.enabled:
+            p = run.manifest.precision
             self.whatif_len.value, self.whatif_margin.value = p.amax_history_len, p.margin
             self.whatif_algo.value = p.amax_compute_algo
-        self.draw_heatmap()
-        self.draw_detail()
+        # What was read is for the choices on screen then; the operator may have changed them.
+        on_screen = (self.metric.value, self.window.value)
+        if read.heatmap is not None and (read.metric, read.window) == on_screen:
+            self._show_heatmap(read.heatmap)
+        else:
+            self.draw_heatmap()
+        if read.detail is not None and read.slot == self.slot.value:
+            self._show_detail(self.module.value, read.slot, read.detail)
+        else:
+            self.draw_detail()
         self._show_alerts()
-        self._show_ledger()
+        self._show_ledger_view(read.ledger)
         self.whatif_summary.value = ""
 
     # ----------------------------------------------------------------------------------
@@ -330,7 +406,7 @@ class ConsoleApp:
             return
         metric, window = self.metric.value, self.window.value
         if window:
-            self._show_heatmap(self._window_heatmap(run, metric, window))
+            self._show_heatmap(_window_heatmap(run.telemetry, metric, window))
             return
         overview = run.overviews.setdefault(metric, Overview(run.telemetry, metric))
         self.heatmap_note.value = f"pooling the whole run for {metric} ..."
@@ -346,12 +422,6 @@ class ConsoleApp:
                 self._show_heatmap(hm)
 
         self._in_background(pooled, show)
-
-    @staticmethod
-    def _window_heatmap(run: LoadedRun, metric: str, window: int) -> Heatmap:
-        last = run.telemetry.last_step()
-        return window_heatmap(run.telemetry, metric, max(run.telemetry.first_step,
-                                                         last - window + 1), last + 1)  # fmt: skip
 
     def _show_heatmap(self, hm: Heatmap) -> None:
         if hm.empty:
@@ -475,23 +545,22 @@ class ConsoleApp:
         self._guard(self._show_ledger)
 
     def _show_ledger(self) -> None:
-        run_dir = self.run.run_dir
-        try:
-            states, stageable, open_ = module_states(run_dir), fp8_modules(run_dir), (
-                open_overrides(run_dir))  # fmt: skip
-        except Fp8opsError as exc:  # no layers.json yet, a damaged ledger: say so
-            states, stageable, open_ = [], [], []
-            self.ledger_table.value = f"<span style='color:#b00'>{html.escape(str(exc))}</span>"
+        self._show_ledger_view(read_ledger(self.run.run_dir))
+
+    def _show_ledger_view(self, ledger: LedgerView) -> None:
+        if ledger.problem is not None:
+            self.ledger_table.value = (f"<span style='color:#b00'>"
+                                       f"{html.escape(ledger.problem)}</span>")  # fmt: skip
         else:
-            self.ledger_table.value = _ledger_table(states)
-        keep = [m for m in self.stage_modules.value if m in stageable]
+            self.ledger_table.value = _ledger_table(ledger.states)
+        keep = [m for m in self.stage_modules.value if m in ledger.stageable]
         with self._quietly():
-            self.stage_modules.options = stageable
+            self.stage_modules.options = ledger.stageable
             self.stage_modules.value = tuple(keep) or (
-                (self.module.value,) if self.module.value in stageable else ())  # fmt: skip
-            self.override_pick.options = [(_override_line(o), o.id) for o in open_]
-            self.override_pick.value = open_[-1].id if open_ else None
-        self._show_preview(preview_resume(run_dir))
+                (self.module.value,) if self.module.value in ledger.stageable else ())  # fmt: skip
+            self.override_pick.options = [(_override_line(o), o.id) for o in ledger.open]
+            self.override_pick.value = ledger.open[-1].id if ledger.open else None
+        self._show_preview(ledger.preview)
 
     def _show_preview(self, preview: ResumePreview) -> None:
         text = "\n".join(preview.lines())
@@ -594,13 +663,12 @@ class ConsoleApp:
         if run.telemetry is not None:
             run.telemetry.refresh()
         stamps = _stamps(run.run_dir, run.telemetry)
-        if stamps == run.stamps:
+        before = run.stamps
+        if stamps == before:
             return {}
-        before, run.stamps = run.stamps, stamps
-        changes: dict[str, Any] = {"stamps": stamps}
         if stamps["store"] and run.telemetry is None:
-            changes["reload"] = True  # the store appeared: everything needs drawing
-            return changes
+            return {"reload": True}  # the store appeared: everything needs drawing
+        changes: dict[str, Any] = {}
         if stamps["alerts.jsonl"] != before["alerts.jsonl"]:
             changes["alerts"] = read_alerts(run.run_dir)
         if stamps["manifest.yaml"] != before["manifest.yaml"]:
@@ -612,7 +680,7 @@ class ConsoleApp:
             metric, window, module, slot = (self.metric.value, self.window.value,
                                             self.module.value, self.slot.value)  # fmt: skip
             if window:
-                changes["heatmap"] = self._window_heatmap(run, metric, window)
+                changes["heatmap"] = _window_heatmap(run.telemetry, metric, window)
             elif metric in run.overviews:
                 run.overviews[metric].update()
                 changes["heatmap"] = run.overviews[metric].heatmap()
@@ -620,14 +688,17 @@ class ConsoleApp:
                 changes["detail"] = (module, slot, module_history(run.telemetry, module, slot))
         if any(stamps[n] != before[n] for n in ("overrides.jsonl", "layers.json",
                                                 "checkpoints/latest", "manifest.yaml")):  # fmt: skip
-            changes["ledger"] = True
+            changes["ledger"] = read_ledger(run.run_dir)
+        # Only now: a read that failed above leaves the old stamps, so the next poll tries again.
+        run.stamps = stamps
         return changes
 
     def _apply(self, changes: dict[str, Any]) -> None:
         """Redraw what ``_look`` found changed (on the event loop)."""
         run = self.run
         if changes.get("retry"):
-            self.select_run(self.picker.value)
+            if run is None and not self._reading:  # (a read may have finished meanwhile)
+                self.select_run(self.picker.value)
             return
         if not changes or run is None:
             return
@@ -646,8 +717,8 @@ class ConsoleApp:
         detail = changes.get("detail")
         if detail is not None and detail[:2] == (self.module.value, self.slot.value):
             self._show_detail(*detail)
-        if changes.get("ledger"):
-            self._guard(self._show_ledger)
+        if "ledger" in changes:
+            self._guard(lambda: self._show_ledger_view(changes["ledger"]))
         self.live.value = (f"<span class='fp8ops-live'>followed: step "
                            f"{run.header.last_step} at {datetime.now():%H:%M:%S}</span>")  # fmt: skip
 
@@ -669,20 +740,32 @@ class ConsoleApp:
         finally:
             self._quiet = before
 
-    def _in_background(self, work: Callable[[], Any], then: Callable[[Any], None]) -> None:
+    def _in_background(
+        self,
+        work: Callable[[], Any],
+        then: Callable[[Any], None],
+        failed: Callable[[Exception], None] | None = None,
+    ) -> None:
         """``work()`` in the worker thread, then ``then(result)`` on the event loop; both at
-        once when no loop runs (tests, scripts)."""
+        once when no loop runs (tests, scripts). An error in ``work`` goes to ``failed`` (by
+        default, the message line)."""
+        failed = failed or (lambda exc: self._say(_describe(exc), error=True))
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            self._guard(lambda: then(work()))
+            try:
+                result = work()
+            except Exception as exc:  # noqa: BLE001 - as below
+                failed(exc)
+                return
+            self._guard(lambda: then(result))
             return
 
         def done(future) -> None:
             try:
                 result = future.result()
             except Exception as exc:  # noqa: BLE001 - shown on the page, as _guard does
-                self._say(_describe(exc), error=True)
+                failed(exc)
                 return
             self._guard(lambda: then(result))
 

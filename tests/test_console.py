@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import itertools
 import json
 import shutil
 import subprocess
@@ -624,6 +625,24 @@ def test_the_notebook_is_the_package_s_and_executes_under_nbclient(trained, monk
 # -- live -------------------------------------------------------------------------------------------
 
 
+TICK_S = 0.05
+
+
+def _tick_until(stop: threading.Event, ticks: list[float]) -> None:
+    ticks.append(time.monotonic())
+    while not stop.wait(TICK_S):
+        ticks.append(time.monotonic())
+
+
+def _worst_hold(loop_ticks: list[float], thread_ticks: list[float]) -> tuple[float, float]:
+    """The event loop's longest hold-up (a tick late by that much), and the thread ticker's
+    longest hold-up within that same time."""
+    holds = [(b - a - TICK_S, a, b) for a, b in itertools.pairwise(loop_ticks)]
+    held, start, end = max(holds)
+    beside = [d - c - TICK_S for c, d in itertools.pairwise(thread_ticks) if c < end and d > start]
+    return held, max([0.0, *beside])
+
+
 def test_the_console_follows_a_training_run_without_blocking_the_event_loop(
     trained, tmp_path, monkeypatch
 ):
@@ -641,30 +660,36 @@ def test_the_console_follows_a_training_run_without_blocking_the_event_loop(
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
 
-    async def follow() -> tuple[list[int | None], float, ConsoleApp]:
+    # A busy machine can hold the whole process up for a second (two workers, torchrun ranks and
+    # this trainer on two cores): a ticker in a thread of its own measures that, and only what
+    # held the event loop beyond it counts against the app.
+    loop_ticks, thread_ticks, stop = [], [], threading.Event()
+    ticker = threading.Thread(target=lambda: _tick_until(stop, thread_ticks), daemon=True)
+
+    async def follow() -> tuple[list[int | None], ConsoleApp]:
         deadline = time.monotonic() + 240
         while not (run / "status.json").exists():  # the app needs a run directory to show
             assert trainer.poll() is None, trainer.stdout.read()
             assert time.monotonic() < deadline
             await asyncio.sleep(0.1)
         app = ConsoleApp(run, user="ana", follow_every_s=0.2)
-        seen, gaps, last_tick = [], [0.0], time.monotonic()
+        seen = []
+        ticker.start()
         while time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-            now = time.monotonic()
-            gaps.append(now - last_tick - 0.05)
-            last_tick = now
+            loop_ticks.append(time.monotonic())
+            await asyncio.sleep(TICK_S)
             step = app.run.header.last_step if app.run else None
             if not seen or seen[-1] != step:
                 seen.append(step)
             if trainer.poll() is not None and step == 24 and "completed" in app.header.value:
                 break
         app.close()
-        return seen, max(gaps), app
+        return seen, app
 
     try:
-        seen, worst_gap, app = asyncio.run(follow())
+        seen, app = asyncio.run(follow())
     finally:
+        stop.set()
         if trainer.poll() is None:
             trainer.kill()
         output = trainer.communicate()[0]
@@ -672,6 +697,9 @@ def test_the_console_follows_a_training_run_without_blocking_the_event_loop(
     assert seen[-1] == 24 and "completed" in app.header.value
     assert len([s for s in seen if s]) >= 3, seen  # followed while it trained, block by block
     assert np.asarray(app.heatmap_fig.data[0].z).shape[1] == 24
-    assert worst_gap < 1.0, f"the event loop was held up for {worst_gap:.2f} s"
+    held, by_the_machine = _worst_hold(loop_ticks, thread_ticks)
+    assert held - by_the_machine < 1.0, (
+        f"the event loop was held up for {held:.2f} s, the process for {by_the_machine:.2f} s"
+    )
     assert {name for name, _ in readers} == {"read_run", "read_ledger"}
     assert all(thread.startswith("fp8ops-console") for _, thread in readers), readers

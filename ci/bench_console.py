@@ -10,6 +10,8 @@ the whole wait):
 
 * the app built on the run, until the first heatmap (the last 10,000 steps) and the first
   module's history are drawn: goal 2 s; the import of the app's modules is timed apart;
+* the same in an event loop, as in a kernel: the longest the loop goes without a turn (the
+  page answers no click meanwhile), the run being read in the app's worker thread;
 * switching modules (median and worst of ``--reps`` modules): goal 300 ms; switching slot,
   heatmap metric;
 * the whole-run heatmap: pooling every step once (cold), then again from memory (warm);
@@ -22,6 +24,8 @@ the whole wait):
 from __future__ import annotations
 
 import argparse
+import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -87,6 +91,30 @@ def append_steps(run: Path, count: int) -> None:
     writer.close()
 
 
+def loop_held_while_shown(run: Path) -> float:
+    """The longest an event loop goes without a turn while an app built in it shows ``run``."""
+    from fp8ops.console.app import ConsoleApp
+
+    async def measure() -> float:
+        turns = [time.monotonic()]
+
+        async def turn() -> None:
+            while True:
+                await asyncio.sleep(0.005)
+                turns.append(time.monotonic())
+
+        ticker = asyncio.create_task(turn())
+        app = ConsoleApp(run, follow=False)  # the loop's first turn comes after this returns
+        while app.run is None:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)
+        ticker.cancel()
+        app.close()
+        return max(b - a for a, b in itertools.pairwise(turns)) - 0.005
+
+    return asyncio.run(measure())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=100_000)
@@ -119,6 +147,9 @@ def main() -> None:
         statistics.median(firsts), GOALS_S["first"],
         f"median of 3, worst {max(firsts):.2f} s; {columns} columns x {modules} modules")  # fmt: skip
     add("  of which the heatmap", timed(app.draw_heatmap))
+    held = [loop_held_while_shown(run) for _ in range(3)]
+    add("the same in a kernel: the event loop held up", statistics.median(held),
+        notes=f"median of 3, worst {max(held) * 1e3:.0f} ms; the reads in the worker thread")  # fmt: skip
 
     rng = np.random.default_rng(0)
     switches = []

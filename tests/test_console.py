@@ -381,6 +381,46 @@ def test_a_store_half_made_after_the_run_was_opened_is_read_once_it_can_be(train
     assert app.run is not None and app.run.telemetry is not None and app.message.value == ""
 
 
+def test_a_run_whose_figures_cannot_be_read_is_shown_with_the_reason(run_copy):
+    """Damaged telemetry chunks: the header, modules, alerts and ledger are shown all the same
+    (staging an override on such a run is the point), and the message line says why the
+    figures are missing."""
+    damaged = [c for c in (run_copy / "telemetry.zarr").rglob("*")
+               if c.is_file() and "/module_metrics/c/" in c.as_posix()]  # fmt: skip
+    assert damaged
+    for chunk in damaged:
+        chunk.write_bytes(b"not a zarr chunk")
+    app = ConsoleApp(run_copy.parent, user="ana", follow=False)
+    assert app.run is not None and app.run.run_dir == run_copy
+    assert "tiny-gpt-cpu" in app.header.value and len(app.module.options) == 8
+    assert "color:#b00" in app.message.value and app.message.value.count("Error") >= 1
+    assert app.stage_modules.options and "fp8" in app.ledger_table.value
+    app.close()
+
+
+def test_an_unreadable_manifest_while_following_is_named_and_following_goes_on(run_copy):
+    app = console(run_copy)
+    (run_copy / "manifest.yaml").write_text("precision: [not yaml\n")
+    assert app.poll()
+    assert "unreadable" in app.header.value and app.message.value == ""
+    alerts = (run_copy / "alerts.jsonl").read_text().splitlines()
+    (run_copy / "alerts.jsonl").write_text("\n".join(alerts[:-1]) + "\n")
+    assert app.poll() and len(app.run.alerts) == len(alerts) - 1  # the next change is drawn
+    app.close()
+
+
+def test_a_pick_that_cannot_be_read_leaves_nothing_of_the_previous_run(trained, run_copy):
+    app = console(run_copy)
+    live = _starting_run(trained[1], run_copy.parent.parent)
+    (live / "telemetry.zarr").mkdir()  # its store half made
+    app.refresh_runs()
+    app.picker.value = str(live)
+    assert app.run is None and "no telemetry store" in app.message.value
+    assert app.header.value == "" and app.module.options == () and app.ledger_table.value == ""
+    assert not app.heatmap_view.output.outputs and not app.detail_view.output.outputs
+    app.close()
+
+
 def _starting_run(trained_run: Path, tmp_path: Path) -> Path:
     """A run directory as a run starts: its status, manifest and run.json, no store yet."""
     run = tmp_path / "runs" / "live"
@@ -467,6 +507,8 @@ def test_in_an_event_loop_a_run_is_read_in_the_worker_thread_and_shown_as_withou
     assert live.module.options == inline.module.options
     assert live.ledger_table.value == inline.ledger_table.value
     assert live.resume_preview.value == inline.resume_preview.value
+    live.close()
+    inline.close()
 
 
 def test_a_run_picked_while_another_is_read_is_the_only_one_shown(run_copy, monkeypatch):
@@ -503,6 +545,7 @@ def test_a_run_picked_while_another_is_read_is_the_only_one_shown(run_copy, monk
     app = asyncio.run(pick_twice())
     assert shown == [second] and app.run.run_dir == second
     assert "tiny-gpt-cpu" in app.header.value and len(app.module.options) == 8
+    app.close()
 
 
 # -- the window what-if --------------------------------------------------------------------------
@@ -634,13 +677,21 @@ def _tick_until(stop: threading.Event, ticks: list[float]) -> None:
         ticks.append(time.monotonic())
 
 
+def _holds(ticks: list[float]) -> list[tuple[float, float, float]]:
+    """(how late, from, to) of each tick of a ticker that sleeps ``TICK_S`` at a time."""
+    return [(b - a - TICK_S, a, b) for a, b in itertools.pairwise(ticks)]
+
+
 def _worst_hold(loop_ticks: list[float], thread_ticks: list[float]) -> tuple[float, float]:
-    """The event loop's longest hold-up (a tick late by that much), and the thread ticker's
-    longest hold-up within that same time."""
-    holds = [(b - a - TICK_S, a, b) for a, b in itertools.pairwise(loop_ticks)]
-    held, start, end = max(holds)
-    beside = [d - c - TICK_S for c, d in itertools.pairwise(thread_ticks) if c < end and d > start]
-    return held, max([0.0, *beside])
+    """The event loop's longest hold-up, and its longest hold-up beyond what held the thread
+    ticker up at the same time (no more than the two overlapped)."""
+    thread_holds = _holds(thread_ticks)
+    beyond = []
+    for held, start, end in _holds(loop_ticks):
+        beside = [min(h, min(d, end) - max(c, start)) for h, c, d in thread_holds
+                  if c < end and d > start]  # fmt: skip
+        beyond.append(held - max([0.0, *beside]))
+    return max(h for h, _, _ in _holds(loop_ticks)), max(beyond)
 
 
 def test_the_console_follows_a_training_run_without_blocking_the_event_loop(
@@ -697,9 +748,10 @@ def test_the_console_follows_a_training_run_without_blocking_the_event_loop(
     assert seen[-1] == 24 and "completed" in app.header.value
     assert len([s for s in seen if s]) >= 3, seen  # followed while it trained, block by block
     assert np.asarray(app.heatmap_fig.data[0].z).shape[1] == 24
-    held, by_the_machine = _worst_hold(loop_ticks, thread_ticks)
-    assert held - by_the_machine < 1.0, (
-        f"the event loop was held up for {held:.2f} s, the process for {by_the_machine:.2f} s"
+    held, beyond_the_process = _worst_hold(loop_ticks, thread_ticks)
+    assert beyond_the_process < 1.0 and held < 5.0, (
+        f"the event loop was held up for {held:.2f} s at most, and for {beyond_the_process:.2f} s "
+        "more than the whole process"
     )
     assert {name for name, _ in readers} == {"read_run", "read_ledger"}
     assert all(thread.startswith("fp8ops-console") for _, thread in readers), readers

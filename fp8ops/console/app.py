@@ -60,6 +60,7 @@ WINDOWS = [("last 1,000 steps", 1_000), ("last 10,000 steps", 10_000),
 HOTTEST = 10  # modules listed under the heatmap, worst first
 DEFAULT_WINDOW = 10_000  # read in < 0.5 s at 256 modules; "whole run" pools in the background
 FOLLOW_EVERY_S = 2.0
+_STALE = object()  # what background work queued for a run no longer on screen returns
 # Files whose change means a view must be redrawn (size and mtime are compared).
 WATCHED = ("status.json", "manifest.yaml", "alerts.jsonl", "overrides.jsonl", "layers.json",
            "checkpoints/latest")  # fmt: skip
@@ -102,7 +103,8 @@ def read_ledger(run_dir: Path) -> LedgerView:
 class RunRead:
     """All a run's first drawing needs, read in one go: in the worker thread when an event loop
     runs. ``heatmap`` and ``detail`` are for the metric, window and slot on screen when the read
-    began (None: nothing committed yet, or the whole run, which is pooled afterwards)."""
+    began (None: nothing committed yet, the whole run, which is pooled afterwards, or
+    ``problem``: they could not be read, and the rest of the run is shown all the same)."""
 
     run: LoadedRun
     ledger: LedgerView
@@ -111,6 +113,7 @@ class RunRead:
     slot: str
     heatmap: Heatmap | None
     detail: dict[str, Series] | None  # the first module's history
+    problem: str | None = None
 
 
 def read_run(run_dir: Path, metric: str, window: int, slot: str) -> RunRead:
@@ -122,12 +125,15 @@ def read_run(run_dir: Path, metric: str, window: int, slot: str) -> RunRead:
     alerts = read_alerts(run_dir)
     header = read_header(run_dir, telemetry, alerts, manifest)
     run = LoadedRun(run_dir, telemetry, manifest, alerts, header, _stamps(run_dir, telemetry))
-    heatmap = detail = None
+    heatmap = detail = problem = None
     if telemetry is not None and telemetry.modules:
-        if window and telemetry.last_step() is not None:
-            heatmap = _window_heatmap(telemetry, metric, window)
-        detail = module_history(telemetry, telemetry.modules[0], slot)
-    return RunRead(run, read_ledger(run_dir), metric, window, slot, heatmap, detail)
+        try:  # a damaged chunk, say: the header, alerts and ledger still help the operator
+            if window and telemetry.last_step() is not None:
+                heatmap = _window_heatmap(telemetry, metric, window)
+            detail = module_history(telemetry, telemetry.modules[0], slot)
+        except Exception as exc:  # noqa: BLE001 - shown on the message line
+            problem = _describe(exc)
+    return RunRead(run, read_ledger(run_dir), metric, window, slot, heatmap, detail, problem)
 
 
 def _window_heatmap(telemetry: TelemetryRun, metric: str, window: int) -> Heatmap:
@@ -135,6 +141,18 @@ def _window_heatmap(telemetry: TelemetryRun, metric: str, window: int) -> Heatma
     last = telemetry.last_step()
     return window_heatmap(telemetry, metric, max(telemetry.first_step, last - window + 1),
                           last + 1)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class OnScreen:
+    """What the page shows, taken on the event loop for a follower's poll in the worker thread."""
+
+    run: LoadedRun | None
+    picked: str | None
+    metric: str
+    window: int
+    module: str | None
+    slot: str
 
 
 def _stamps(run_dir: Path, telemetry: TelemetryRun | None) -> dict[str, Any]:
@@ -315,11 +333,13 @@ class ConsoleApp:
         read in the worker thread when an event loop runs (the page stays live meanwhile), else
         at once."""
         self._generation += 1
-        self.run = None
+        self.run, self._reading = None, False
+        self._clear()  # nothing of the previous run stays on screen under the new pick
         if run_dir is None:
             return
         with self._quietly():
             self.picker.value = str(run_dir)  # one of the picker's options
+        self.header.value = f"<i>reading {html.escape(str(run_dir))} ...</i>"
         generation, path = self._generation, Path(run_dir)
         metric, window, slot = self.metric.value, self.window.value, self.slot.value
         self._reading = True
@@ -332,18 +352,25 @@ class ConsoleApp:
         def failed(exc: Exception) -> None:  # no run on screen: the follower reads it again
             if generation == self._generation:
                 self._reading = False
+                self.header.value = ""
                 self._say(_describe(exc), error=True)
 
         self._in_background(lambda: read_run(path, metric, window, slot), show, failed)
 
+    def _clear(self) -> None:
+        self.header.value = self.heatmap_note.value = self.whatif_summary.value = ""
+        self.ledger_table.value = self.resume_preview.value = ""
+        for view in (self.heatmap_view, self.detail_view, self.whatif_view):
+            view.clear()
+        with self._quietly():
+            for choice in (self.hottest, self.module, self.alerts_list, self.override_pick):
+                choice.options = []
+            self.stage_modules.options = []
+
     def _show_run(self, read: RunRead) -> None:
         self.run = run = read.run
         self._say("")
-        for view in (self.heatmap_view, self.detail_view, self.whatif_view):
-            view.clear()  # nothing of the previous run stays on screen
-        with self._quietly():
-            self.hottest.options = []
-        self._show_header()
+        self._guard(self._show_header)
         modules = list(run.telemetry.modules) if run.telemetry is not None else []
         with self._quietly():
             self.module.options = modules
@@ -355,16 +382,17 @@ class ConsoleApp:
         # What was read is for the choices on screen then; the operator may have changed them.
         on_screen = (self.metric.value, self.window.value)
         if read.heatmap is not None and (read.metric, read.window) == on_screen:
-            self._show_heatmap(read.heatmap)
-        else:
-            self.draw_heatmap()
+            self._guard(lambda: self._show_heatmap(read.heatmap))
+        elif read.problem is None:
+            self._guard(self.draw_heatmap)
         if read.detail is not None and read.slot == self.slot.value:
-            self._show_detail(self.module.value, read.slot, read.detail)
-        else:
-            self.draw_detail()
-        self._show_alerts()
-        self._show_ledger_view(read.ledger)
-        self.whatif_summary.value = ""
+            self._guard(lambda: self._show_detail(self.module.value, read.slot, read.detail))
+        elif read.problem is None:
+            self._guard(self.draw_detail)
+        self._guard(self._show_alerts)
+        self._guard(lambda: self._show_ledger_view(read.ledger))
+        if read.problem is not None:
+            self._say(read.problem, error=True)
 
     # ----------------------------------------------------------------------------------
     # Header
@@ -638,66 +666,74 @@ class ConsoleApp:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(every_s)
-            generation = self._generation
+            generation, screen = self._generation, self._on_screen()
             try:
-                changes = await loop.run_in_executor(self._worker, self._look)
+                changes = await loop.run_in_executor(self._worker, self._look, screen)
                 if generation == self._generation:
                     self._apply(changes)
-            except Exception as exc:  # noqa: BLE001 - keep following; a torn read reads again
+            except Exception as exc:  # noqa: BLE001 - keep following; the next change reads anew
                 self._say(f"following: {type(exc).__name__}: {exc}", error=True)
 
     def poll(self) -> bool:
         """Look for what the run wrote since and redraw what changed, now. True if anything did,
         or if the picked run, unreadable so far, was read again."""
-        changes = self._look()
+        changes = self._look(self._on_screen())
         self._apply(changes)
         return bool(changes)
 
-    def _look(self) -> dict[str, Any]:
-        """What changed on disk, with the data to redraw it; runs in the worker thread and
-        touches no widget."""
-        run = self.run
+    def _on_screen(self) -> OnScreen:
+        return OnScreen(self.run, self.picker.value, self.metric.value, self.window.value,
+                        self.module.value, self.slot.value)  # fmt: skip
+
+    @staticmethod
+    def _look(screen: OnScreen) -> dict[str, Any]:
+        """What changed on disk since ``screen`` was drawn, with the data to redraw it; runs in
+        the worker thread, so it reads no widget (the event loop may be changing them)."""
+        run = screen.run
         if run is None:
             # The picked run could not be read (a run starting, its store half made): try again.
-            return {"retry": True} if self.picker.value is not None else {}
+            return {"retry": True} if screen.picked is not None else {}
         if run.telemetry is not None:
             run.telemetry.refresh()
         stamps = _stamps(run.run_dir, run.telemetry)
-        before = run.stamps
-        if stamps == before:
+        if stamps == run.stamps:
             return {}
+        # A read below that fails is tried again when its file next changes (a live run's do);
+        # a damaged file of a finished run is reported once, not at every poll.
+        before, run.stamps = run.stamps, stamps
         if stamps["store"] and run.telemetry is None:
             return {"reload": True}  # the store appeared: everything needs drawing
         changes: dict[str, Any] = {}
         if stamps["alerts.jsonl"] != before["alerts.jsonl"]:
             changes["alerts"] = read_alerts(run.run_dir)
         if stamps["manifest.yaml"] != before["manifest.yaml"]:
-            changes["manifest"] = load_manifest(run.run_dir / "manifest.yaml")
+            try:
+                changes["manifest"] = load_manifest(run.run_dir / "manifest.yaml")
+            except Fp8opsError:
+                changes["manifest"] = None  # the header names the problem
         changes["header"] = read_header(run.run_dir, run.telemetry,
                                         changes.get("alerts", run.alerts),
                                         changes.get("manifest", run.manifest))  # fmt: skip
         if stamps["telemetry"] != before["telemetry"] and run.telemetry is not None:
-            metric, window, module, slot = (self.metric.value, self.window.value,
-                                            self.module.value, self.slot.value)  # fmt: skip
-            if window:
-                changes["heatmap"] = _window_heatmap(run.telemetry, metric, window)
-            elif metric in run.overviews:
-                run.overviews[metric].update()
-                changes["heatmap"] = run.overviews[metric].heatmap()
-            if module is not None:
-                changes["detail"] = (module, slot, module_history(run.telemetry, module, slot))
+            if screen.window:
+                changes["heatmap"] = _window_heatmap(run.telemetry, screen.metric, screen.window)
+            elif screen.metric in run.overviews:
+                run.overviews[screen.metric].update()
+                changes["heatmap"] = run.overviews[screen.metric].heatmap()
+            if screen.module is not None:
+                changes["detail"] = (screen.module, screen.slot,
+                                     module_history(run.telemetry, screen.module, screen.slot))  # fmt: skip
         if any(stamps[n] != before[n] for n in ("overrides.jsonl", "layers.json",
                                                 "checkpoints/latest", "manifest.yaml")):  # fmt: skip
             changes["ledger"] = read_ledger(run.run_dir)
-        # Only now: a read that failed above leaves the old stamps, so the next poll tries again.
-        run.stamps = stamps
         return changes
 
     def _apply(self, changes: dict[str, Any]) -> None:
         """Redraw what ``_look`` found changed (on the event loop)."""
         run = self.run
         if changes.get("retry"):
-            if run is None and not self._reading:  # (a read may have finished meanwhile)
+            # Not while a read is under way, nor when one came back since the poll began.
+            if run is None and not self._reading:
                 self.select_run(self.picker.value)
             return
         if not changes or run is None:
@@ -748,7 +784,8 @@ class ConsoleApp:
     ) -> None:
         """``work()`` in the worker thread, then ``then(result)`` on the event loop; both at
         once when no loop runs (tests, scripts). An error in ``work`` goes to ``failed`` (by
-        default, the message line)."""
+        default, the message line). Work still queued when another run is picked is skipped:
+        the new pick should not wait behind it."""
         failed = failed or (lambda exc: self._say(_describe(exc), error=True))
         try:
             loop = asyncio.get_running_loop()
@@ -760,16 +797,23 @@ class ConsoleApp:
                 return
             self._guard(lambda: then(result))
             return
+        generation = self._generation
+
+        def unless_stale() -> Any:
+            return _STALE if generation != self._generation else work()
 
         def done(future) -> None:
+            if future.cancelled():  # close() dropped it
+                return
             try:
                 result = future.result()
             except Exception as exc:  # noqa: BLE001 - shown on the page, as _guard does
                 failed(exc)
                 return
-            self._guard(lambda: then(result))
+            if result is not _STALE:
+                self._guard(lambda: then(result))
 
-        loop.run_in_executor(self._worker, work).add_done_callback(done)
+        loop.run_in_executor(self._worker, unless_stale).add_done_callback(done)
 
     def _guard(self, show: Callable[[], Any]) -> None:
         """Run a view update; an error becomes the message line instead of a dead console."""

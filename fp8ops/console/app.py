@@ -787,15 +787,20 @@ class ConsoleApp:
         default, the message line). Work still queued when another run is picked is skipped:
         the new pick should not wait behind it."""
         failed = failed or (lambda exc: self._say(_describe(exc), error=True))
+
+        def finish(result_of: Callable[[], Any]) -> None:
+            try:
+                result = result_of()
+            except Exception as exc:  # noqa: BLE001 - shown on the page, as _guard does
+                failed(exc)
+                return
+            if result is not _STALE:
+                self._guard(lambda: then(result))
+
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            try:
-                result = work()
-            except Exception as exc:  # noqa: BLE001 - as below
-                failed(exc)
-                return
-            self._guard(lambda: then(result))
+            finish(work)
             return
         generation = self._generation
 
@@ -803,15 +808,8 @@ class ConsoleApp:
             return _STALE if generation != self._generation else work()
 
         def done(future) -> None:
-            if future.cancelled():  # close() dropped it
-                return
-            try:
-                result = future.result()
-            except Exception as exc:  # noqa: BLE001 - shown on the page, as _guard does
-                failed(exc)
-                return
-            if result is not _STALE:
-                self._guard(lambda: then(result))
+            if not future.cancelled():  # close() dropped it
+                finish(future.result)
 
         loop.run_in_executor(self._worker, unless_stale).add_done_callback(done)
 

@@ -75,9 +75,15 @@ class Row:
     note: str = ""
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "unit": self.unit, "values": self.values,
-                "median": statistics.median(self.values), "max": max(self.values),
-                "goal": self.goal, "note": self.note}  # fmt: skip
+        return {
+            "name": self.name,
+            "unit": self.unit,
+            "values": self.values,
+            "median": statistics.median(self.values),
+            "max": max(self.values),
+            "goal": self.goal,
+            "note": self.note,
+        }
 
 
 def python() -> str:
@@ -117,12 +123,21 @@ def resolve_base(args, tmp: Path, log: Console) -> Path:
     log.print(f"pre-training a short base ({SHORT_BASE_STEPS} steps of {BASE_MANIFEST}) ...")
     run_dir = tmp / "base"
     run(
-        fp8ops("train", BASE_MANIFEST, "--run-dir", run_dir, "--no-progress",
-               "--set", f"schedule.train_steps={SHORT_BASE_STEPS}",
-               "--set", f"schedule.warmup_steps={SHORT_BASE_STEPS // 2}",
-               "--set", f"schedule.eval_interval={SHORT_BASE_STEPS}"),
+        fp8ops(
+            "train",
+            BASE_MANIFEST,
+            "--run-dir",
+            run_dir,
+            "--no-progress",
+            "--set",
+            f"schedule.train_steps={SHORT_BASE_STEPS}",
+            "--set",
+            f"schedule.warmup_steps={SHORT_BASE_STEPS // 2}",
+            "--set",
+            f"schedule.eval_interval={SHORT_BASE_STEPS}",
+        ),
         tmp / "base.log",
-    )  # fmt: skip
+    )
     return run_dir / "final"
 
 
@@ -132,11 +147,23 @@ def events(run_dir: Path, kind: str) -> list[dict]:
 
 def measure_saves(run_dir: Path, base: Path, steps: int, tmp: Path) -> tuple[Row, Row, Row]:
     run(
-        fp8ops("train", MANIFEST, "--run-dir", run_dir, "--no-progress", "--stop-at", steps,
-               "--set", f"model.init_checkpoint={base}",
-               "--set", "schedule.checkpoint_interval=1", "--set", "schedule.keep_checkpoints=2"),
+        fp8ops(
+            "train",
+            MANIFEST,
+            "--run-dir",
+            run_dir,
+            "--no-progress",
+            "--stop-at",
+            steps,
+            "--set",
+            f"model.init_checkpoint={base}",
+            "--set",
+            "schedule.checkpoint_interval=1",
+            "--set",
+            "schedule.keep_checkpoints=2",
+        ),
         tmp / "train.log",
-    )  # fmt: skip
+    )
     seconds = [e["seconds"] for e in events(run_dir, "checkpoint_saved")]
     latest = CheckpointDir(run_dir).latest()
     files = [f for f in latest.rglob("*") if f.is_file()]
@@ -149,20 +176,29 @@ def measure_saves(run_dir: Path, base: Path, steps: int, tmp: Path) -> tuple[Row
         f"{(latest / META_FILE).stat().st_size / 2**10:.1f} KiB"
     )
     return (
-        Row("save, first of a process", "s", seconds[:1],
-            note="includes starting Megatron's writer manager (a new interpreter)"),
-        Row("save, later ones", "s", seconds[1:],
-            note="shards, sha256 of every file, fsync, rename, `latest`, oldest deleted"),
+        Row(
+            "save, first of a process",
+            "s",
+            seconds[:1],
+            note="includes starting Megatron's writer manager (a new interpreter)",
+        ),
+        Row(
+            "save, later ones",
+            "s",
+            seconds[1:],
+            note="shards, sha256 of every file, fsync, rename, `latest`, oldest deleted",
+        ),
         Row("checkpoint size", "MiB", [mib], note=note),
-    )  # fmt: skip
+    )
 
 
 def measure_resumes(run_dir: Path, steps: int, repeats: int, tmp: Path) -> tuple[Row, Row]:
     """``fp8ops resume --stop-at N+1``, each from the checkpoint the one before saved."""
     load = Row(
-        "load (in the resumed process)", "s",
+        "load (in the resumed process)",
+        "s",
         note="verify files and pickles, read shards, re-verify weights and FP8 state",
-    )  # fmt: skip
+    )
     first_step = Row(
         "resume: start to first step", "s", note="interpreter, imports, model build, load, one step"
     )
@@ -197,14 +233,27 @@ def measure_refusals(run_dir: Path, repeats: int, tmp: Path) -> tuple[Row, Row, 
         tmp / "edited.yaml",
     )
     refusals = [
-        (Row("refusal: environment drift", "s", goal=GOAL_S,
-             note="fp8ops resume, torch version rewritten in the JSON"),
-         fp8ops("resume", drifted, "--no-progress"), "environment torch: '0.0.0+bench'"),
-        (Row("refusal: manifest drift", "s", goal=GOAL_S,
-             note="fp8ops train EDITED --resume, optimizer.lr changed"),
-         fp8ops("train", edited, "--resume", "--run-dir", run_dir, "--no-progress"),
-         "optimizer.lr: 0.0005 -> 0.0001"),
-    ]  # fmt: skip
+        (
+            Row(
+                "refusal: environment drift",
+                "s",
+                goal=GOAL_S,
+                note="fp8ops resume, torch version rewritten in the JSON",
+            ),
+            fp8ops("resume", drifted, "--no-progress"),
+            "environment torch: '0.0.0+bench'",
+        ),
+        (
+            Row(
+                "refusal: manifest drift",
+                "s",
+                goal=GOAL_S,
+                note="fp8ops train EDITED --resume, optimizer.lr changed",
+            ),
+            fp8ops("train", edited, "--resume", "--run-dir", run_dir, "--no-progress"),
+            "optimizer.lr: 0.0005 -> 0.0001",
+        ),
+    ]
     floor = Row("start-up floor", "s", note="python -m fp8ops --help")
     log = tmp / "refusal.log"
     for _ in range(repeats):  # interleaved, so a slow patch of the machine hits every row
@@ -231,9 +280,13 @@ def results_table(rows: list[Row], args) -> Table:
             verdict = "met" if max(row.values) <= row.goal else "MISSED"
             goal = f"<= {row.goal:g} s: {verdict}"
         table.add_row(
-            row.name, f"{statistics.median(row.values):.3f}{unit}", f"{max(row.values):.3f}{unit}",
-            str(len(row.values)), goal, row.note,
-        )  # fmt: skip
+            row.name,
+            f"{statistics.median(row.values):.3f}{unit}",
+            f"{max(row.values):.3f}{unit}",
+            str(len(row.values)),
+            goal,
+            row.note,
+        )
     return table
 
 
@@ -258,9 +311,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="resumes and refusals of each kind")
     parser.add_argument("--base", type=Path, metavar="PATH", help="base weights to fine-tune from")
     parser.add_argument(
-        "--short-base", action="store_true",
+        "--short-base",
+        action="store_true",
         help=f"pre-train a {SHORT_BASE_STEPS}-step base here even if the manifest's exists",
-    )  # fmt: skip
+    )
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results here")
     args = parser.parse_args()
     if args.steps < 2 or args.repeats < 1:
@@ -288,9 +342,16 @@ def main() -> None:
 
     machine = machine_line(load_at_start)
     if args.json:
-        document = {"machine": machine, "torch": torch.__version__, "manifest": MANIFEST,
-                    "base": str(base), "steps": args.steps, "repeats": args.repeats,
-                    "goal_s": GOAL_S, "results": [row.as_dict() for row in rows]}  # fmt: skip
+        document = {
+            "machine": machine,
+            "torch": torch.__version__,
+            "manifest": MANIFEST,
+            "base": str(base),
+            "steps": args.steps,
+            "repeats": args.repeats,
+            "goal_s": GOAL_S,
+            "results": [row.as_dict() for row in rows],
+        }
         args.json.write_text(json.dumps(document, indent=2) + "\n")
         log.print(f"wrote {args.json}")
     console.print(machine, markup=False, highlight=False)

@@ -143,13 +143,19 @@ def main() -> None:
     store = app.run.telemetry
     assert app.message.value == "", app.message.value
     columns, modules = len(app.heatmap_fig.data[0].x), len(store.modules)
-    add("app built: header, first heatmap (last 10,000 steps), module view",
-        statistics.median(firsts), GOALS_S["first"],
-        f"median of 3, worst {max(firsts):.2f} s; {columns} columns x {modules} modules")  # fmt: skip
+    add(
+        "app built: header, first heatmap (last 10,000 steps), module view",
+        statistics.median(firsts),
+        GOALS_S["first"],
+        f"median of 3, worst {max(firsts):.2f} s; {columns} columns x {modules} modules",
+    )
     add("  of which the heatmap", timed(app.draw_heatmap))
     held = [loop_held_while_shown(run) for _ in range(3)]
-    add("the same in a kernel: the event loop held up", statistics.median(held),
-        notes=f"median of 3, worst {max(held) * 1e3:.0f} ms; the reads in the worker thread")  # fmt: skip
+    add(
+        "the same in a kernel: the event loop held up",
+        statistics.median(held),
+        notes=f"median of 3, worst {max(held) * 1e3:.0f} ms; the reads in the worker thread",
+    )
 
     rng = np.random.default_rng(0)
     switches = []
@@ -157,37 +163,60 @@ def main() -> None:
         switches.append(timed(lambda m=store.modules[i]: setattr(app.module, "value", m)))
         assert app.detail_fig.layout.title.text.startswith(store.modules[i])
     points = len(app.detail_fig.data[0].x)
-    add("switch module (its history, 7 lines, drawn)", statistics.median(switches),
-        GOALS_S["switch"], f"median of {args.reps}, worst {max(switches) * 1e3:.0f} ms; "
-        f"{points} points per line for {store.last_step():,} steps")  # fmt: skip
-    slots = [timed(lambda s=s: setattr(app.slot, "value", s))
-             for s in ("weight", "grad_output", "input")]  # fmt: skip
+    add(
+        "switch module (its history, 7 lines, drawn)",
+        statistics.median(switches),
+        GOALS_S["switch"],
+        f"median of {args.reps}, worst {max(switches) * 1e3:.0f} ms; "
+        f"{points} points per line for {store.last_step():,} steps",
+    )
+    slots = [
+        timed(lambda s=s: setattr(app.slot, "value", s)) for s in ("weight", "grad_output", "input")
+    ]
     add("switch slot", statistics.median(slots), notes="median of 3")
-    metrics = [timed(lambda m=m: setattr(app.metric, "value", m))
-               for m in ("weight.saturation", "grad_output.underflow", "input.amax")]  # fmt: skip
-    add("switch heatmap metric (last 10,000 steps)", statistics.median(metrics),
-        notes="median of 3")  # fmt: skip
+    metrics = [
+        timed(lambda m=m: setattr(app.metric, "value", m))
+        for m in ("weight.saturation", "grad_output.underflow", "input.amax")
+    ]
+    add(
+        "switch heatmap metric (last 10,000 steps)", statistics.median(metrics), notes="median of 3"
+    )
 
     cold = timed(lambda: setattr(app.window, "value", 0))
-    add("whole-run heatmap, cold (pools every step once)", cold,
+    add(
+        "whole-run heatmap, cold (pools every step once)",
+        cold,
         notes=f"{len(app.heatmap_fig.data[0].x)} columns of 256 steps; in a kernel this runs "
-              "in the worker thread")  # fmt: skip
+        "in the worker thread",
+    )
     app.metric.value = "weight.saturation"  # pooled cold too
-    add("whole-run heatmap, warm (its blocks in memory)",
-        timed(lambda: setattr(app.metric, "value", "input.amax")), notes="a metric switch")  # fmt: skip
+    add(
+        "whole-run heatmap, warm (its blocks in memory)",
+        timed(lambda: setattr(app.metric, "value", "input.amax")),
+        notes="a metric switch",
+    )
     app.window.value = 10_000
 
-    add("follower poll, nothing new", statistics.median([timed(app.poll) for _ in range(5)]),
-        notes="median of 5")  # fmt: skip
+    add(
+        "follower poll, nothing new",
+        statistics.median([timed(app.poll) for _ in range(5)]),
+        notes="median of 5",
+    )
     append_steps(run, 256)
-    add("follower poll after 256 more steps", timed(app.poll),
+    add(
+        "follower poll after 256 more steps",
+        timed(app.poll),
         notes=f"heatmap window and module re-read (worker thread in a kernel); "
-              f"{store.last_step():,} steps now")  # fmt: skip
+        f"{store.last_step():,} steps now",
+    )
 
     app.whatif_len.value = 64
     replayed = min(10_000 + 64, store.last_step())  # the last 10,000 steps and a warm-up
-    add("what-if: one module slot, last 10,000 steps", timed(app.whatif_button.click),
-        notes=f"two windows: {2 * replayed:,} update_delayed_scaling calls")  # fmt: skip
+    add(
+        "what-if: one module slot, last 10,000 steps",
+        timed(app.whatif_button.click),
+        notes=f"two windows: {2 * replayed:,} update_delayed_scaling calls",
+    )
     assert "overflowed" in app.whatif_summary.value, app.message.value
 
     for view, what in ((app.heatmap_view, "heatmap"), (app.detail_view, "module view")):
@@ -196,14 +225,19 @@ def main() -> None:
     for a in apps:
         a.close()
 
-    table = Table(title=f"ops console, {store.last_step():,} steps x {modules} modules, "
-                        f"{os.cpu_count()} CPUs (import of the app: {import_s:.2f} s, once per "
-                        f"kernel)")  # fmt: skip
+    table = Table(
+        title=f"ops console, {store.last_step():,} steps x {modules} modules, "
+        f"{os.cpu_count()} CPUs (import of the app: {import_s:.2f} s, once per "
+        f"kernel)"
+    )
     for column in ("what", "time", "goal", "notes"):
         table.add_column(column, justify="right" if column == "time" else "left")
     for what, seconds, goal, notes in rows:
-        verdict = "" if goal is None else (
-            f"<= {goal * 1e3:.0f} ms " + ("ok" if seconds <= goal else "MISSED"))  # fmt: skip
+        verdict = (
+            ""
+            if goal is None
+            else (f"<= {goal * 1e3:.0f} ms " + ("ok" if seconds <= goal else "MISSED"))
+        )
         table.add_row(what, _duration(seconds), verdict, notes)
     console.print(table)
     if args.dir is None:

@@ -46,22 +46,28 @@ def write_inputs(directory: Path, documents: int, examples: int) -> tuple[Path, 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     rng, words = random.Random(0), WORDS.split()
-    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(50, 300)))
-             for _ in range(documents)]  # fmt: skip
+    texts = [
+        " ".join(rng.choice(words) for _ in range(rng.randint(50, 300))) for _ in range(documents)
+    ]
     data = directory / "text.jsonl"
     data.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
     sft = directory / "sft.jsonl"
-    rows = ({"prompt": " ".join(rng.choice(words) for _ in range(rng.randint(5, 60))) + ": ",
-             "answer": " ".join(rng.choice(words) for _ in range(rng.randint(1, 20)))}
-            for _ in range(examples))  # fmt: skip
+    rows = (
+        {
+            "prompt": " ".join(rng.choice(words) for _ in range(rng.randint(5, 60))) + ": ",
+            "answer": " ".join(rng.choice(words) for _ in range(rng.randint(1, 20))),
+        }
+        for _ in range(examples)
+    )
     sft.write_text("".join(json.dumps(row) + "\n" for row in rows))
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=500, special_tokens=["<|end_of_text|>"],
+        vocab_size=500,
+        special_tokens=["<|end_of_text|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
+    )
     tokenizer.train_from_iterator(texts, trainer)
     tokenizer.save(str(directory / "tokenizer.json"))
     return data, sft, directory / "tokenizer.json"
@@ -69,9 +75,10 @@ def write_inputs(directory: Path, documents: int, examples: int) -> tuple[Path, 
 
 def manifest(data: Path, tokenizer: Path | None, seq_length: int) -> str:
     section = (
-        "" if tokenizer is None
+        ""
+        if tokenizer is None
         else f"tokenizer: {{kind: huggingface, path: '{tokenizer}', eod_token: '<|end_of_text|>'}}\n"
-    )  # fmt: skip
+    )
     return (
         "schema_version: 1\nname: bench\n"
         "model: {num_layers: 2, hidden_size: 64, ffn_hidden_size: 256, num_attention_heads: 4, "
@@ -87,35 +94,51 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=20_000)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    for name, value, least in (("--documents", args.documents, 100),
-                               ("--examples", args.examples, 100), ("--repeats", args.repeats, 1)):
+    for name, value, least in (
+        ("--documents", args.documents, 100),
+        ("--examples", args.examples, 100),
+        ("--repeats", args.repeats, 1),
+    ):
         if value < least:
-            parser.error(f"{name} must be at least {least}")  # fmt: skip
+            parser.error(f"{name} must be at least {least}")
     with tempfile.TemporaryDirectory() as tmp:
         text, sft, tokenizer_json = write_inputs(Path(tmp), args.documents, args.examples)
         table = Table(title=f"build_data on JSONL files, {args.repeats} runs each")
-        columns = ("data", "tokenizer", "seq_length", "seconds (median)",
-                   "peak RSS (MiB, largest)", "sequences")  # fmt: skip
+        columns = (
+            "data",
+            "tokenizer",
+            "seq_length",
+            "seconds (median)",
+            "peak RSS (MiB, largest)",
+            "sequences",
+        )
         for column in columns:
             table.add_column(column, justify="left" if column in columns[:2] else "right")
         text_label = f"text, {args.documents:,} docs ({text.stat().st_size / 1e6:.1f} MB)"
         sft_label = f"SFT, {args.examples:,} examples ({sft.stat().st_size / 1e6:.1f} MB)"
-        cases = ((text_label, text, "byte", None, 1024),
-                 (text_label, text, "tokenizer.json (BPE)", tokenizer_json, 1024),
-                 (sft_label, sft, "byte", None, 4096))  # fmt: skip
+        cases = (
+            (text_label, text, "byte", None, 1024),
+            (text_label, text, "tokenizer.json (BPE)", tokenizer_json, 1024),
+            (sft_label, sft, "byte", None, 4096),
+        )
         for label, data, tokenizer_label, tokenizer, seq_length in cases:
             runs = []
             for _ in range(args.repeats):
                 out = subprocess.run(
                     [sys.executable, "-c", CHILD, manifest(data, tokenizer, seq_length)],
-                    capture_output=True, text=True, check=True,
-                )  # fmt: skip
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
                 runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
             table.add_row(
-                label, tokenizer_label, str(seq_length),
+                label,
+                tokenizer_label,
+                str(seq_length),
                 f"{statistics.median(r['seconds'] for r in runs):.2f}",
-                f"{max(r['peak_kib'] for r in runs) / 1024:.0f}", f"{runs[0]['windows']:,}",
-            )  # fmt: skip
+                f"{max(r['peak_kib'] for r in runs) / 1024:.0f}",
+                f"{runs[0]['windows']:,}",
+            )
         Console(width=120).print(table)
 
 

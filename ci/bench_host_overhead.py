@@ -103,8 +103,10 @@ def main() -> None:
         finally:
             set_compiled_casts(old)
 
-    table = Table(title=f"Host time per linear, forward + backward ({args.linears} chained, "
-                  f"[{TOKENS}, {WIDTH}] bf16, {args.steps} steps, 1 thread)")  # fmt: skip
+    table = Table(
+        title=f"Host time per linear, forward + backward ({args.linears} chained, "
+        f"[{TOKENS}, {WIDTH}] bf16, {args.steps} steps, 1 thread)"
+    )
     table.add_column("linear")
     table.add_column("µs per linear (median)", justify="right")
     table.add_column("quartiles", justify="right")

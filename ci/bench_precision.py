@@ -44,11 +44,13 @@ def bench_quantize(min_time: float) -> Table:
             n / median_seconds(stmt, min_time, x=x, scale=scale, **helpers) / 1e6
             for stmt, helpers in (
                 ("quantize(x, scale, E4M3)", {"quantize": quantize, "E4M3": E4M3}),
-                ("amax_of(x); saturating_cast(x, scale, E4M3)",
-                 {"amax_of": amax_of, "saturating_cast": saturating_cast, "E4M3": E4M3}),
+                (
+                    "amax_of(x); saturating_cast(x, scale, E4M3)",
+                    {"amax_of": amax_of, "saturating_cast": saturating_cast, "E4M3": E4M3},
+                ),
                 ("(x * scale).to(torch.float8_e4m3fn)", {"torch": torch}),
             )
-        ]  # fmt: skip
+        ]
         table.add_row(f"{n:,}", *(f"{r:,.0f}" for r in rates))
     return table
 

@@ -116,8 +116,14 @@ def bench_append(workdir: Path, modules: list[str], steps: int, step_ms: float) 
     writer.close()
     stats = writer.stats
     table = Table(title=f"append: {steps:,} steps x {len(modules)} modules, {step_ms:g} ms/step")
-    for column in ("caller median", "caller p99", "caller max", "blocked (total)",
-                   "background write / step", "flush blocks"):  # fmt: skip
+    for column in (
+        "caller median",
+        "caller p99",
+        "caller max",
+        "blocked (total)",
+        "background write / step",
+        "flush blocks",
+    ):
         table.add_column(column, justify="right")
     table.add_row(
         f"{np.median(calls) / 1e3:.1f} us",
@@ -163,10 +169,16 @@ def bench_gil(workdir: Path, modules: list[str], steps: int, step_ms: float) -> 
         on.append(loop(writer))
         writer.close()
     ratios = sorted(b / a - 1 for a, b in zip(off, on, strict=True))
-    table = Table(title=f"GIL-bound step: pure Python work, {len(modules)} modules, "
-                        f"3 rounds of {steps:,} steps off then on")  # fmt: skip
-    for column in ("step, telemetry off", "step, telemetry on", "overhead (median)",
-                   "overhead, min..max of rounds"):  # fmt: skip
+    table = Table(
+        title=f"GIL-bound step: pure Python work, {len(modules)} modules, "
+        f"3 rounds of {steps:,} steps off then on"
+    )
+    for column in (
+        "step, telemetry off",
+        "step, telemetry on",
+        "overhead (median)",
+        "overhead, min..max of rounds",
+    ):
         table.add_column(column, justify="right")
     table.add_row(
         f"{statistics.median(off) * 1e3:.2f} ms",
@@ -233,8 +245,14 @@ def bench_store(workdir: Path, modules: list[str], steps: int, reps: int, consol
     worst = median_ms(lambda: open_run(run_dir).module_history(module), reps)
 
     size_table = Table(title=f"store: {steps:,} steps x {len(modules)} modules, rank 0")
-    for column in ("build wall", "of which data generation", "background write / step",
-                   "size on disk", "raw float32", "files"):  # fmt: skip
+    for column in (
+        "build wall",
+        "of which data generation",
+        "background write / step",
+        "size on disk",
+        "raw float32",
+        "files",
+    ):
         size_table.add_column(column, justify="right")
     raw = steps * len(modules) * N_METRICS * 4
     size_table.add_row(
@@ -250,15 +268,21 @@ def bench_store(workdir: Path, modules: list[str], steps: int, reps: int, consol
         read_table.add_column(column, justify="left" if column == "query" else "right")
     tail = steps % STEPS_PER_SHARD
     rows = [
-        (f"one module, full history, all metrics ({tail} tail steps)", reads["history"],
-         GOALS_MS["history"]),
-        (f"  same, longest tail ({STEPS_PER_SHARD - 1} steps, {steps + extra:,} steps)", worst,
-         GOALS_MS["history"]),
+        (
+            f"one module, full history, all metrics ({tail} tail steps)",
+            reads["history"],
+            GOALS_MS["history"],
+        ),
+        (
+            f"  same, longest tail ({STEPS_PER_SHARD - 1} steps, {steps + extra:,} steps)",
+            worst,
+            GOALS_MS["history"],
+        ),
         ("one step, all modules (latest)", reads["snapshot"], GOALS_MS["snapshot"]),
         ("one metric, all modules, last 1000 steps", reads["window"], GOALS_MS["window"]),
         ("open_run alone", reads["open"], None),
         ("refresh() alone", reads["refresh"], None),
-    ]  # fmt: skip
+    ]
     for query, ms, goal in rows:
         verdict = "" if goal is None else f"<= {goal:.0f} ms " + ("ok" if ms <= goal else "MISSED")
         read_table.add_row(query, f"{ms:.1f} ms", verdict)
@@ -273,17 +297,37 @@ METRIC_MAJOR = [TransposeCodec(order=(2, 1, 0))]
 LAYOUTS = {  # name: (chunks, shards, filters, steps per write), for L modules and M metrics
     "A  chunks 256xLxM": (lambda L: (256, L, N_METRICS), None, None, 256),
     "A' chunks 256xLxM, T": (lambda L: (256, L, N_METRICS), None, METRIC_MAJOR, 256),
-    "A\" chunks 256x64xM, T (module_metrics)": (
-        lambda L: (256, min(64, L), N_METRICS), None, METRIC_MAJOR, 256),
+    'A" chunks 256x64xM, T (module_metrics)': (
+        lambda L: (256, min(64, L), N_METRICS),
+        None,
+        METRIC_MAJOR,
+        256,
+    ),
     "B  shards 2048xLxM of 2048x1xM": (
-        lambda L: (2048, 1, N_METRICS), lambda L: (2048, L, N_METRICS), None, 2048),
+        lambda L: (2048, 1, N_METRICS),
+        lambda L: (2048, L, N_METRICS),
+        None,
+        2048,
+    ),
     "B' shards 2048xLxM of 2048x1xM, T (module_history)": (
-        lambda L: (2048, 1, N_METRICS), lambda L: (2048, L, N_METRICS), METRIC_MAJOR, 2048),
+        lambda L: (2048, 1, N_METRICS),
+        lambda L: (2048, L, N_METRICS),
+        METRIC_MAJOR,
+        2048,
+    ),
     "C  shards 4096xLxM of 4096x1xM": (
-        lambda L: (4096, 1, N_METRICS), lambda L: (4096, L, N_METRICS), None, 4096),
+        lambda L: (4096, 1, N_METRICS),
+        lambda L: (4096, L, N_METRICS),
+        None,
+        4096,
+    ),
     "D  shards 4096xLxM of 256x1xM": (
-        lambda L: (256, 1, N_METRICS), lambda L: (4096, L, N_METRICS), None, 256),
-}  # fmt: skip
+        lambda L: (256, 1, N_METRICS),
+        lambda L: (4096, L, N_METRICS),
+        None,
+        256,
+    ),
+}
 
 
 def bench_layouts(workdir: Path, n_modules: int, steps: int, reps: int, console: Console):
@@ -291,10 +335,14 @@ def bench_layouts(workdir: Path, n_modules: int, steps: int, reps: int, console:
     arrays, write_s = {}, {}
     for i, (name, (chunks, shards, filters, _)) in enumerate(LAYOUTS.items()):
         arrays[name] = group.create_array(
-            f"a{i}", shape=(0, n_modules, N_METRICS), dtype="float32", fill_value=np.nan,
-            chunks=chunks(n_modules), shards=shards(n_modules) if shards else None,
+            f"a{i}",
+            shape=(0, n_modules, N_METRICS),
+            dtype="float32",
+            fill_value=np.nan,
+            chunks=chunks(n_modules),
+            shards=shards(n_modules) if shards else None,
             **({"filters": filters} if filters else {}),
-        )  # fmt: skip
+        )
         write_s[name] = 0.0
     console.print(f"writing {len(LAYOUTS)} layouts x {steps:,} steps ...")
     for first in range(0, steps, GEN_BLOCK):
@@ -308,12 +356,21 @@ def bench_layouts(workdir: Path, n_modules: int, steps: int, reps: int, console:
                 array.resize((start + len(rows), n_modules, N_METRICS))
                 array[start : start + len(rows)] = rows
                 write_s[name] += time.perf_counter() - t
-    table = Table(title=f"layouts: {steps:,} steps x {n_modules} modules x {N_METRICS} metrics, "
-                        f"one array each, reads median of {reps} incl. open; T = metric-major "
-                        f"inside chunks")  # fmt: skip
+    table = Table(
+        title=f"layouts: {steps:,} steps x {n_modules} modules x {N_METRICS} metrics, "
+        f"one array each, reads median of {reps} incl. open; T = metric-major "
+        f"inside chunks"
+    )
     table.add_column("layout", no_wrap=True)
-    for column in ("write/step", "size", "files", "module history", "last 2047 steps",
-                   "step snapshot", "metric x 1000"):  # fmt: skip
+    for column in (
+        "write/step",
+        "size",
+        "files",
+        "module history",
+        "last 2047 steps",
+        "step snapshot",
+        "metric x 1000",
+    ):
         table.add_column(column, justify="right")
     module = 137 % n_modules
     for i, name in enumerate(LAYOUTS):
@@ -328,11 +385,14 @@ def bench_layouts(workdir: Path, n_modules: int, steps: int, reps: int, console:
             median_ms(lambda: opened()[steps - 2047 :, module, :], reps),
             median_ms(lambda: opened()[steps - 1], reps),
             median_ms(lambda: opened()[steps - 1000 :, :, 0], reps),
-        ]  # fmt: skip
+        ]
         table.add_row(
-            name, f"{1e3 * write_s[name] / steps:.3f} ms", f"{size / 1e9:.2f} GB", f"{files:,}",
+            name,
+            f"{1e3 * write_s[name] / steps:.3f} ms",
+            f"{size / 1e9:.2f} GB",
+            f"{files:,}",
             *(f"{ms:.0f} ms" for ms in cells),
-        )  # fmt: skip
+        )
     return table
 
 
@@ -340,8 +400,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=100_000)
     parser.add_argument("--modules", type=int, default=256)
-    parser.add_argument("--append-steps", type=int, default=4 * 2048,
-                        help="steps of the paced append measurement")  # fmt: skip
+    parser.add_argument(
+        "--append-steps", type=int, default=4 * 2048, help="steps of the paced append measurement"
+    )
     parser.add_argument("--step-ms", type=float, default=2.0, help="simulated step time")
     parser.add_argument("--gil-steps", type=int, default=1024, help="steps of a GIL round")
     parser.add_argument("--gil-step-ms", type=float, default=10.0, help="its step time")

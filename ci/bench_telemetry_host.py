@@ -48,12 +48,17 @@ def build(layers: int):
     """A small GPT at the 8B revision's telemetry cadence, its collector and its FP8 scope."""
     manifest = derive(
         load_manifest(MANIFESTS / "tiny-gpt-cpu.yaml"),
-        {"model.num_layers": layers, "model.hidden_size": 64, "model.ffn_hidden_size": 256,
-         "model.seq_length": 32, "model.init_checkpoint": None,
-         "telemetry.every_steps": CADENCE.every_steps,
-         "telemetry.error_sample_every": CADENCE.error_sample_every},
+        {
+            "model.num_layers": layers,
+            "model.hidden_size": 64,
+            "model.ffn_hidden_size": 256,
+            "model.seq_length": 32,
+            "model.init_checkpoint": None,
+            "telemetry.every_steps": CADENCE.every_steps,
+            "telemetry.error_sample_every": CADENCE.error_sample_every,
+        },
         "bench_telemetry_host",
-    )  # fmt: skip
+    )
     recipe = DelayedScalingRecipe.from_precision(manifest.precision)
     model = build_gpt(manifest, recipe)
     return model, TelemetryCollector(fp8_modules(model), manifest.telemetry), Fp8Scope(recipe)
@@ -108,8 +113,10 @@ def main() -> None:
 
     ordinary, measuring = (statistics.median(times[kind]) for kind in (False, True))
     mean = (ordinary * (every - 1) + measuring) / every
-    table = Table(title=f"Telemetry host time per step: {len(collector.names)} FP8 linears, "
-                  f"statistics every {every} steps, {args.steps} steps, 1 thread")  # fmt: skip
+    table = Table(
+        title=f"Telemetry host time per step: {len(collector.names)} FP8 linears, "
+        f"statistics every {every} steps, {args.steps} steps, 1 thread"
+    )
     table.add_column("step")
     table.add_column("steps", justify="right")
     table.add_column("µs (median)", justify="right")

@@ -80,15 +80,21 @@ def report(manifest, seconds: dict[str, list[float]], stats) -> None:
     table = Table(title=f"telemetry overhead, {MANIFEST.name}, one run, steps alternating")
     for column in ("steps", "count", "mean ms/step", "median ms/step", "vs off"):
         table.add_column(column, justify="right")
-    for kind, label in (("off", "telemetry off"), ("ordinary", "on, ordinary"),
-                        ("measuring", "on, measuring")):  # fmt: skip
+    for kind, label in (
+        ("off", "telemetry off"),
+        ("ordinary", "on, ordinary"),
+        ("measuring", "on, measuring"),
+    ):
         values = seconds[kind]
         if not values:
             continue
         table.add_row(
-            label, str(len(values)), f"{1e3 * mean[kind]:.1f}",
-            f"{1e3 * statistics.median(values):.1f}", f"{mean[kind] / mean['off']:.3f}x",
-        )  # fmt: skip
+            label,
+            str(len(values)),
+            f"{1e3 * mean[kind]:.1f}",
+            f"{1e3 * statistics.median(values):.1f}",
+            f"{mean[kind] / mean['off']:.3f}x",
+        )
     every = min(telemetry.every_steps, telemetry.error_sample_every)
     average = mean["ordinary"]
     if "measuring" in mean:

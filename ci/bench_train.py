@@ -142,9 +142,16 @@ def train_command(
 
 
 def run_once(
-    config: Config, run_dir: Path, *, steps: int, warmup: int, lr_warmup: int, threads: int,
-    console: Console, extra: list[str] = (),
-) -> Measurement:  # fmt: skip
+    config: Config,
+    run_dir: Path,
+    *,
+    steps: int,
+    warmup: int,
+    lr_warmup: int,
+    threads: int,
+    console: Console,
+    extra: list[str] = (),
+) -> Measurement:
     command = train_command(config, run_dir, steps, lr_warmup, extra)
     env = dict(os.environ)
     # Explicit, so TP=1 and TP=2 use the same cores in total (torchrun would set 1 per rank).
@@ -259,9 +266,16 @@ def results_table(results: dict[str, Result], args) -> Table:
         f"medians per run{repeats}"
     )
     for column in (
-        "config", "precision", "TP", "steps/s", "tokens/s", "ms/step",
-        "peak RSS MiB (rank 0)", "wall s", "FP8/BF16 slowdown",
-    ):  # fmt: skip
+        "config",
+        "precision",
+        "TP",
+        "steps/s",
+        "tokens/s",
+        "ms/step",
+        "peak RSS MiB (rank 0)",
+        "wall s",
+        "FP8/BF16 slowdown",
+    ):
         table.add_column(column, justify="left" if column in ("config", "precision") else "right")
     for result in results.values():
         runs, config = result.runs, result.config
@@ -304,18 +318,27 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="first steps of a run not measured")
     parser.add_argument("--repeats", type=int, default=1, help="runs per configuration")
     parser.add_argument(
-        "--configs", nargs="+", default=[",".join(c.name for c in CONFIGS)], metavar="NAME",
+        "--configs",
+        nargs="+",
+        default=[",".join(c.name for c in CONFIGS)],
+        metavar="NAME",
         help=f"subset to run, comma- or space-separated: {', '.join(c.name for c in CONFIGS)}",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--threads", type=int, default=torch.get_num_threads(),
+        "--threads",
+        type=int,
+        default=torch.get_num_threads(),
         help="CPU threads in all, split over the ranks (default: torch's, %(default)s here)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
+        "--set",
+        dest="extra",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="a manifest override for every run, after the benchmark's own (e.g. "
         "data.pad_to=longest); repeatable",
-    )  # fmt: skip
+    )
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results here")
     parser.add_argument(
         "--build-base", action="store_true", help="train the base checkpoint first if missing"
@@ -346,10 +369,15 @@ def main() -> None:
                     label += f" (repeat {repeat + 1}/{args.repeats})"
                 log.print(f"running {label} ...", end=" ")
                 measurement = run_once(
-                    config, Path(tmp) / f"{config.name}-r{repeat}", steps=args.steps,
-                    warmup=args.warmup, lr_warmup=lr_warmup, threads=args.threads, console=log,
+                    config,
+                    Path(tmp) / f"{config.name}-r{repeat}",
+                    steps=args.steps,
+                    warmup=args.warmup,
+                    lr_warmup=lr_warmup,
+                    threads=args.threads,
+                    console=log,
                     extra=args.extra,
-                )  # fmt: skip
+                )
                 results[config.name].runs.append(measurement)
                 log.print(
                     f"{measurement.seconds_per_step * 1e3:.1f} ms/step, "

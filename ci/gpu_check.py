@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -164,19 +165,25 @@ def check_gemms(device: torch.device, smoke: bool) -> list[Row]:
         if bias is not None:
             exact = exact + bias.double()
         values = {
-            "shape": [m, k, n], "formats": [fmt_a.name, fmt_b.name], "out": str(out_dtype),
+            "shape": [m, k, n],
+            "formats": [fmt_a.name, fmt_b.name],
+            "out": str(out_dtype),
             "native_vs_emulated": relative(native, emulated),
             "native_vs_exact": relative(native, exact),
             "emulated_vs_exact": relative(emulated, exact),
-        }  # fmt: skip
+        }
         bound = GEMM_BOUND[out_dtype]
-        rows.append(Row(
-            "gemm", f"{name} [{m}x{k}x{n}]",
-            f"diff {values['native_vs_emulated']:.2e} (vs exact: native "
-            f"{values['native_vs_exact']:.2e}, emulated {values['emulated_vs_exact']:.2e})",
-            f"diff <= {bound:.1e}" if not fast else "(TE's fprop setting; informative)",
-            None if fast else values["native_vs_emulated"] <= bound, values,
-        ))  # fmt: skip
+        rows.append(
+            Row(
+                "gemm",
+                f"{name} [{m}x{k}x{n}]",
+                f"diff {values['native_vs_emulated']:.2e} (vs exact: native "
+                f"{values['native_vs_exact']:.2e}, emulated {values['emulated_vs_exact']:.2e})",
+                f"diff <= {bound:.1e}" if not fast else "(TE's fprop setting; informative)",
+                None if fast else values["native_vs_emulated"] <= bound,
+                values,
+            )
+        )
         del a, b, native, emulated, exact
     return rows + gemm_speeds(device, smoke)
 
@@ -185,8 +192,12 @@ def gemm_speeds(device: torch.device, smoke: bool) -> list[Row]:
     """TFLOP/s of the FP8 GEMM (with and without fast accumulation) and of BF16 ``torch.mm``
     at the four GEMM shapes of an 8B layer's MLP and QKV: the ceiling of what (c) can gain."""
     t, h, qkv, ffn = (128, 64, 128, 224) if smoke else (4096, 4096, 6144, 14336)
-    cases = (("fprop qkv", t, h, qkv, E4M3), ("fprop fc1", t, h, 2 * ffn, E4M3),
-             ("dgrad fc2", t, h, ffn, E5M2), ("wgrad fc1", 2 * ffn, t, h, E5M2))  # fmt: skip
+    cases = (
+        ("fprop qkv", t, h, qkv, E4M3),
+        ("fprop fc1", t, h, 2 * ffn, E4M3),
+        ("dgrad fc2", t, h, ffn, E5M2),
+        ("wgrad fc1", 2 * ffn, t, h, E5M2),
+    )
     plain, fast = ScaledMmGemm(), ScaledMmGemm(use_fast_accum=True)
     rows = []
     for name, m, k, n, fmt_a in cases:
@@ -200,12 +211,15 @@ def gemm_speeds(device: torch.device, smoke: bool) -> list[Row]:
             "bf16": lambda a=a16, b=b16: a @ b.t(),
         }
         speeds = {name: tflops(run, flops, device) for name, run in runs.items()}
-        rows.append(Row(
-            "gemm", f"speed {name} [{m}x{k}x{n}]",
-            f"FP8 {speeds['fp8']:.0f}, fast accum {speeds['fp8_fast_accum']:.0f}, BF16 "
-            f"{speeds['bf16']:.0f} TFLOP/s ({speeds['fp8'] / speeds['bf16']:.2f}x)",
-            values={"shape": [m, k, n], "tflops": speeds},
-        ))  # fmt: skip
+        rows.append(
+            Row(
+                "gemm",
+                f"speed {name} [{m}x{k}x{n}]",
+                f"FP8 {speeds['fp8']:.0f}, fast accum {speeds['fp8_fast_accum']:.0f}, BF16 "
+                f"{speeds['bf16']:.0f} TFLOP/s ({speeds['fp8'] / speeds['bf16']:.2f}x)",
+                values={"shape": [m, k, n], "tflops": speeds},
+            )
+        )
         del a, b, a16, b16, runs
     return rows
 
@@ -235,8 +249,22 @@ def synchronize(device: torch.device) -> None:
 FLT_MAX = float(np.finfo(np.float32).max)
 # Amaxes the kernel treats specially: zero (no roll), NaN (ignored by the window max), +inf (scale
 # kept), denormals (the quotient overflows to inf, clamped to FLT_MAX), the formats' maxima.
-SPECIAL_AMAX = [0.0, math.nan, math.inf, 1.4e-45, 1e-40, 1.1754944e-38, 1e-30, 2.5e-3, 1.0, 3.5,
-                448.0, 57344.0, 3.0e38, FLT_MAX]  # fmt: skip
+SPECIAL_AMAX = [
+    0.0,
+    math.nan,
+    math.inf,
+    1.4e-45,
+    1e-40,
+    1.1754944e-38,
+    1e-30,
+    2.5e-3,
+    1.0,
+    3.5,
+    448.0,
+    57344.0,
+    3.0e38,
+    FLT_MAX,
+]
 
 
 def bits_equal(x: np.ndarray, y: np.ndarray) -> bool:
@@ -258,8 +286,9 @@ FUSED = ("max", "most_recent")  # TE's fused kernel; the others take TE's callab
 
 def scaling_cases():
     """(history length, margin, fp8 max, algorithm): every combination the update branches on."""
-    for case in itertools.product((1, 4, 16), (0, 1), (448.0, 57344.0),
-                                  (*FUSED, "quantile:0.9", "trimmed_max:1")):  # fmt: skip
+    for case in itertools.product(
+        (1, 4, 16), (0, 1), (448.0, 57344.0), (*FUSED, "quantile:0.9", "trimmed_max:1")
+    ):
         if not (case[3] == "trimmed_max:1" and case[0] == 1):  # trimmed_max:K needs K < L
             yield case
 
@@ -292,14 +321,15 @@ def run_updates(device, history_len, margin, fp8_max, algo, rng) -> list[tuple[b
                 continue
             target = device if which == "device" else torch.device("cpu")
             new = update_delayed_scaling(
-                torch.from_numpy(h).to(target), torch.from_numpy(s).to(target),
-                torch.from_numpy(reduced).to(target), fp8_max=fp8_max, margin=margin, algo=algo,
-            )  # fmt: skip
+                torch.from_numpy(h).to(target),
+                torch.from_numpy(s).to(target),
+                torch.from_numpy(reduced).to(target),
+                fp8_max=fp8_max,
+                margin=margin,
+                algo=algo,
+            )
             results[which] = tuple(t.cpu().numpy() for t in new)
-        same = {
-            which: all(map(bits_equal, results[which], results["device"]))
-            for which in results
-        }  # fmt: skip
+        same = {which: all(map(bits_equal, results[which], results["device"])) for which in results}
         outcomes.append((same["cpu"], same.get("oracle", True)))
         states.update(results)
     return outcomes
@@ -316,16 +346,25 @@ def check_scaling(device: torch.device) -> list[Row]:
             if kind == "fused":
                 tally["oracle"].append(same_oracle)
             if not (same_cpu and same_oracle):
-                mismatches.append(f"L={case[0]} margin={case[1]} max={case[2]:g} {case[3]} "
-                                  f"update {update}")  # fmt: skip
-    checks = (("fused", "update max/most_recent: device = CPU, bit for bit"),
-              ("oracle", "update max/most_recent: device = oracle (te_reference)"),
-              ("window", "update quantile/trimmed_max: device = CPU"))  # fmt: skip
+                mismatches.append(
+                    f"L={case[0]} margin={case[1]} max={case[2]:g} {case[3]} update {update}"
+                )
+    checks = (
+        ("fused", "update max/most_recent: device = CPU, bit for bit"),
+        ("oracle", "update max/most_recent: device = oracle (te_reference)"),
+        ("window", "update quantile/trimmed_max: device = CPU"),
+    )
     rows = [
-        Row("scaling", name, f"{sum(tally[key])}/{len(tally[key])} updates", "all",
-            all(tally[key]), {"mismatches": mismatches[:20]} if mismatches else None)
+        Row(
+            "scaling",
+            name,
+            f"{sum(tally[key])}/{len(tally[key])} updates",
+            "all",
+            all(tally[key]),
+            {"mismatches": mismatches[:20]} if mismatches else None,
+        )
         for key, name in checks
-    ]  # fmt: skip
+    ]
     return rows + check_cast(device)
 
 
@@ -344,17 +383,38 @@ def check_cast(device: torch.device) -> list[Row]:
             here = saturating_cast(x, s, fmt).view(torch.uint8)
             there = saturating_cast(x.to(device), s.to(device), fmt).view(torch.uint8).cpu()
             equal.append(torch.equal(here, there))
-        rows.append(Row("scaling", f"saturating cast {fmt.name.upper()}: device = CPU",
-                        f"{sum(equal)}/{len(equal)} scales", "all", all(equal)))  # fmt: skip
+        rows.append(
+            Row(
+                "scaling",
+                f"saturating cast {fmt.name.upper()}: device = CPU",
+                f"{sum(equal)}/{len(equal)} scales",
+                "all",
+                all(equal),
+            )
+        )
     # scale_inv: TE's __frcp_rn is the correctly rounded reciprocal; so is torch's on the CPU.
     scales = torch.exp2(torch.rand(1 << 20, generator=generator) * 260 - 130)  # 2^-130..2^130
     inverse = torch.reciprocal(scales.to(device)).cpu()
     same_inverse = bits_equal(inverse.numpy(), torch.reciprocal(scales).numpy())
-    rows.append(Row("scaling", "scale_inv = 1/scale: device = CPU (2^20 scales)",
-                    "equal" if same_inverse else "differs", "equal", same_inverse))  # fmt: skip
+    rows.append(
+        Row(
+            "scaling",
+            "scale_inv = 1/scale: device = CPU (2^20 scales)",
+            "equal" if same_inverse else "differs",
+            "equal",
+            same_inverse,
+        )
+    )
     amax_same = bits_equal(amax_of(x).numpy(), amax_of(x.to(device)).cpu().numpy())
-    rows.append(Row("scaling", "amax (NaN ignored, inf kept): device = CPU",
-                    "equal" if amax_same else "differs", "equal", amax_same))  # fmt: skip
+    rows.append(
+        Row(
+            "scaling",
+            "amax (NaN ignored, inf kept): device = CPU",
+            "equal" if amax_same else "differs",
+            "equal",
+            amax_same,
+        )
+    )
     return rows + check_compiled_casts(x, device)
 
 
@@ -378,28 +438,39 @@ def check_compiled_casts(x: torch.Tensor, device: torch.device) -> list[Row]:
                     want, want_stats = quantize(source, s, fmt)
                     set_compiled_casts("all")
                     equal.append(
-                        same_bits(q.data.cpu(), want.data) and same_bits(q_stats.data.cpu(), want.data)
+                        same_bits(q.data.cpu(), want.data)
+                        and same_bits(q_stats.data.cpu(), want.data)
                         and same_bits(amax.cpu(), want_stats.amax)
                         and stats.as_dict() == want_stats.as_dict()
-                    )  # fmt: skip
+                    )
                 for cast_fn in (quantize_module._CAST_AND_AMAX, quantize_module._CAST_WITH_STATS):
-                    key = (str(source.to(device).device), str(dtype).removeprefix("torch."),
-                           str(fmt.torch_dtype).removeprefix("torch."), "False")  # fmt: skip
+                    key = (
+                        str(source.to(device).device),
+                        str(dtype).removeprefix("torch."),
+                        str(fmt.torch_dtype).removeprefix("torch."),
+                        "False",
+                    )
                     statuses |= cast_fn.statuses(*key) or {"not called"}
             compiled = statuses == {"compiled"}
-            rows.append(Row(
-                "scaling", f"compiled cast, amax, statistics {fmt.name.upper()} = CPU eager",
-                f"{sum(equal)}/{len(equal)} equal; "
-                + ("compiled" if compiled else "eager: " + "; ".join(sorted(statuses))),
-                "all", all(equal), {"statuses": sorted(statuses)},
-            ))  # fmt: skip
+            rows.append(
+                Row(
+                    "scaling",
+                    f"compiled cast, amax, statistics {fmt.name.upper()} = CPU eager",
+                    f"{sum(equal)}/{len(equal)} equal; "
+                    + ("compiled" if compiled else "eager: " + "; ".join(sorted(statuses))),
+                    "all",
+                    all(equal),
+                    {"statuses": sorted(statuses)},
+                )
+            )
         for counting in (False, True):
             rows.append(check_cast_and_record(x, device, "inductor", counting))
             if device.type == "cuda":  # Triton's kernels need a GPU (the CPU tests interpret it)
                 rows.append(check_cast_and_record(x, device, "triton", counting))
         if device.type != "cuda":
-            rows.append(Row("scaling", "triton cast+record(+count) = CPU eager",
-                            "skipped: needs a GPU"))  # fmt: skip
+            rows.append(
+                Row("scaling", "triton cast+record(+count) = CPU eager", "skipped: needs a GPU")
+            )
     finally:
         set_compiled_casts(old)
     return rows
@@ -432,8 +503,9 @@ def check_cast_and_record(
                 track = {} if counting else None
                 q = cast_and_record(source.to(where), state, slot, track, "input", transposed=True)
                 stats = (track["input"].amax, track["input"].counts) if counting else ()
-                results[mode] = [t.cpu() for t in (q.data, q.data_t, q.scale_inv,
-                                                   state.amax_history, *stats)]  # fmt: skip
+                results[mode] = [
+                    t.cpu() for t in (q.data, q.data_t, q.scale_inv, state.amax_history, *stats)
+                ]
             set_compiled_casts("all")
             pairs = zip(results["all"], results["off"], strict=True)
             equal.append(all(same_bits(a, b) for a, b in pairs))
@@ -442,9 +514,14 @@ def check_cast_and_record(
     versions = linear_module._CAST_RECORD_AND_COUNT if counting else linear_module._CAST_AND_RECORD
     statuses = sorted(versions[kernel].statuses(str(source.to(device).device)))
     what = "cast+record+count (a measuring step)" if counting else "cast+record (the ordinary step)"
-    return Row("scaling", f"{kernel} {what} = CPU eager",
-               f"{sum(equal)}/{len(equal)} equal; " + ", ".join(statuses),
-               "all", all(equal) and statuses == ["compiled"], {"statuses": statuses})  # fmt: skip
+    return Row(
+        "scaling",
+        f"{kernel} {what} = CPU eager",
+        f"{sum(equal)}/{len(equal)} equal; " + ", ".join(statuses),
+        "all",
+        all(equal) and statuses == ["compiled"],
+        {"statuses": statuses},
+    )
 
 
 # -- (c) throughput of a layer stack ---------------------------------------------------------------
@@ -460,8 +537,16 @@ class SdpaAttention(torch.nn.Module):
         self.repeats = config.num_attention_heads // config.num_query_groups
         self.softmax_scale = config.softmax_scale  # None: 1/sqrt(d), Megatron's default too
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None):  # fmt: skip
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         if self.repeats > 1:  # grouped-query attention: each K/V head serves `repeats` heads
             k = k.repeat_interleave(self.repeats, dim=1)
@@ -481,13 +566,17 @@ def build_stack(shape: dict, recipe, gemm, device, attention: str):
 
     manifest = SimpleNamespace(  # what transformer_config reads of a manifest
         model=SimpleNamespace(
-            num_layers=shape["layers"], hidden_size=shape["hidden"],
-            ffn_hidden_size=shape["ffn"], num_attention_heads=shape["heads"],
-            num_query_groups=shape["groups"], normalization="RMSNorm", activation="swiglu",
+            num_layers=shape["layers"],
+            hidden_size=shape["hidden"],
+            ffn_hidden_size=shape["ffn"],
+            num_attention_heads=shape["heads"],
+            num_query_groups=shape["groups"],
+            normalization="RMSNorm",
+            activation="swiglu",
         ),
         topology=SimpleNamespace(tensor_parallel=1),
         precision=SimpleNamespace(base_dtype="bf16"),
-    )  # fmt: skip
+    )
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     spec = get_gpt_layer_fp8_emulated_spec(recipe, gemm=gemm, normalization="RMSNorm")
@@ -510,16 +599,28 @@ def throughput_runs(fp8_name: str, compiled: str) -> tuple[tuple, ...]:
         ("fp8", f"{fp8_name}, {inductor}", True, compiled, "inductor", False),
         ("fp8+telemetry", f"{fp8_name}, {inductor} + telemetry", True, compiled, "inductor", True),
         ("fp8-triton", f"{fp8_name}, {triton}", True, compiled, "triton", False),
-        ("fp8-triton+telemetry", f"{fp8_name}, {triton} + telemetry", True, compiled, "triton",
-         True),
+        (
+            "fp8-triton+telemetry",
+            f"{fp8_name}, {triton} + telemetry",
+            True,
+            compiled,
+            "triton",
+            True,
+        ),
         # Last: a failed capture is the likeliest thing here to upset the device for what follows.
         ("bf16-graph", "BF16, CUDA graph", False, compiled, "inductor", False),
         ("fp8-graph", f"{fp8_name}, {inductor}, CUDA graph", True, compiled, "inductor", False),
         ("fp8-triton-graph", f"{fp8_name}, {triton}, CUDA graph", True, compiled, "triton", False),
         ("bf16-graph+telemetry", "BF16, CUDA graph + telemetry", False, compiled, "inductor", True),
-        ("fp8-graph+telemetry", f"{fp8_name}, {inductor}, CUDA graph + telemetry", True,
-         compiled, "inductor", True),
-    )  # fmt: skip
+        (
+            "fp8-graph+telemetry",
+            f"{fp8_name}, {inductor}, CUDA graph + telemetry",
+            True,
+            compiled,
+            "inductor",
+            True,
+        ),
+    )
 
 
 # Their keys, for --runs (the labels and modes do not matter here).
@@ -544,21 +645,28 @@ def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
     if not dist.is_initialized():
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",
-            init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
-        )  # fmt: skip
+            init_method=f"tcp://127.0.0.1:{_free_port()}",
+            rank=0,
+            world_size=1,
+        )
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     native = scaled_mm_unsupported(device) is None
     recipe = DelayedScalingRecipe(amax_history_len=16)  # the 8B manifest's recipe
     gemm = ScaledMmGemm() if native else EmulatedGemm()
-    print(f"  building {shape['layers']} layers (hidden {shape['hidden']}, FFN {shape['ffn']}) "
-          f"with the {'scaled_mm' if native else 'emulated'} FP8 GEMM ...", flush=True)  # fmt: skip
+    print(
+        f"  building {shape['layers']} layers (hidden {shape['hidden']}, FFN {shape['ffn']}) "
+        f"with the {'scaled_mm' if native else 'emulated'} FP8 GEMM ...",
+        flush=True,
+    )
     block = build_stack(shape, recipe, gemm, device, args.attention)
     scope = Fp8Scope(recipe)
     collector = None
     if TelemetryCollector is not None:
-        cadence = Telemetry(every_steps=args.telemetry_every,
-                            error_sample_every=args.error_sample_every,
-                            error_sample_tokens=args.error_sample_tokens)  # fmt: skip
+        cadence = Telemetry(
+            every_steps=args.telemetry_every,
+            error_sample_every=args.error_sample_every,
+            error_sample_tokens=args.error_sample_tokens,
+        )
         collector = TelemetryCollector(fp8_modules(block), cadence)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(shape["seq"], shape["batch"], shape["hidden"], generator=generator)  # [s, b, h]
@@ -615,20 +723,34 @@ def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
             # Rows timed with a kernel that failed its verification timed eager casts instead.
             # Telemetry's statistics steps also ran the counting variant; the others did not.
             functions = ("_cast_and_record",) + (("_cast_record_and_count",) if telemetry else ())
-            statuses = sorted({v for k, v in cast_and_record_status()["triton"].items()
-                               if str(device) in k and k[0] in functions})  # fmt: skip
+            statuses = sorted(
+                {
+                    v
+                    for k, v in cast_and_record_status()["triton"].items()
+                    if str(device) in k and k[0] in functions
+                }
+            )
             if statuses != ["compiled"]:
-                rows.append(Row("throughput", label,
-                                "not the Triton kernel (eager): " + "; ".join(statuses)[:150],
-                                values=result))  # fmt: skip
+                rows.append(
+                    Row(
+                        "throughput",
+                        label,
+                        "not the Triton kernel (eager): " + "; ".join(statuses)[:150],
+                        values=result,
+                    )
+                )
                 continue
         measured[key] = result
         print(f"  {label}: {result['tokens_per_s']:,.0f} tokens/s", flush=True)
-        rows.append(Row(
-            "throughput", label,
-            f"{result['tokens_per_s']:,.0f} tokens/s, {result['step_ms']:.1f} ms/step, "
-            f"peak {result['peak_mib']:,.0f} MiB", values=result,
-        ))  # fmt: skip
+        rows.append(
+            Row(
+                "throughput",
+                label,
+                f"{result['tokens_per_s']:,.0f} tokens/s, {result['step_ms']:.1f} ms/step, "
+                f"peak {result['peak_mib']:,.0f} MiB",
+                values=result,
+            )
+        )
         if checked is not None:
             rows.append(checked)
     if collector is not None:
@@ -636,8 +758,17 @@ def check_throughput(device, args, shape: dict, started: float) -> list[Row]:
     if args.profile:
         for key, label, fp8, casts, kernel, _ in configurations:
             if key in PROFILED and (kernel != "triton" or device.type == "cuda"):
-                step = lambda n, f=fp8: stack.step(n, f, False)
-                rows.append(profiled(step, key, label, casts, kernel, device, args))
+                rows.append(
+                    profiled(
+                        functools.partial(stack.step, fp8=fp8, telemetry=False),
+                        key,
+                        label,
+                        casts,
+                        kernel,
+                        device,
+                        args,
+                    )
+                )
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return rows + goals(measured, judged=native and not args.smoke)
@@ -817,9 +948,13 @@ class StepGraphs:
         finally:
             with torch.no_grad():
                 x.copy_(saved)
-        return Row("throughput", f"rows of replayed steps ({key})",
-                   "; ".join(problems)[:200] or f"{len(numbers)} steps as expected",
-                   "as eager rows", not problems)  # fmt: skip
+        return Row(
+            "throughput",
+            f"rows of replayed steps ({key})",
+            "; ".join(problems)[:200] or f"{len(numbers)} steps as expected",
+            "as eager rows",
+            not problems,
+        )
 
     def release(self) -> None:
         """The graphs go; their pools with them once ``LayerStack.release`` drops the FP8
@@ -881,9 +1016,12 @@ def profiled(step, key: str, label: str, casts: str, kernel: str, device, args) 
     finally:
         set_compiled_casts(old)
         set_cast_kernel(old_kernel)
-    return Row("throughput", f"profile {label}",
-               f"kernels {kernel_ms:.1f} of {wall_ms:.1f} ms/step; table: {path.name}",
-               values={"kernel_ms": kernel_ms, "wall_ms": wall_ms, "table": path.name})  # fmt: skip
+    return Row(
+        "throughput",
+        f"profile {label}",
+        f"kernels {kernel_ms:.1f} of {wall_ms:.1f} ms/step; table: {path.name}",
+        values={"kernel_ms": kernel_ms, "wall_ms": wall_ms, "table": path.name},
+    )
 
 
 def timed(step, args, device, shape) -> dict:
@@ -925,18 +1063,37 @@ def goals(measured: dict, judged: bool) -> list[Row]:
     ):
         if base in measured and key in measured:
             speedup = measured[key]["tokens_per_s"] / measured[base]["tokens_per_s"]
-            rows.append(Row("goal", name, f"{speedup:.2f}x", f">= {SPEEDUP_GOAL}x" if goal else "",
-                            speedup >= SPEEDUP_GOAL if judged and goal else None,
-                            {"speedup": speedup}))  # fmt: skip
-    for key, name in (("bf16", "BF16"), ("fp8-triton", "FP8 (Triton casts)"),
-                      ("fp8", "FP8 (Inductor casts)"), ("bf16-graph", "BF16 graph"),
-                      ("fp8-graph", "FP8 (Inductor casts) graph")):  # fmt: skip
+            rows.append(
+                Row(
+                    "goal",
+                    name,
+                    f"{speedup:.2f}x",
+                    f">= {SPEEDUP_GOAL}x" if goal else "",
+                    speedup >= SPEEDUP_GOAL if judged and goal else None,
+                    {"speedup": speedup},
+                )
+            )
+    for key, name in (
+        ("bf16", "BF16"),
+        ("fp8-triton", "FP8 (Triton casts)"),
+        ("fp8", "FP8 (Inductor casts)"),
+        ("bf16-graph", "BF16 graph"),
+        ("fp8-graph", "FP8 (Inductor casts) graph"),
+    ):
         off, on = measured.get(key), measured.get(f"{key}+telemetry")
         if off and on:
             overhead = on["step_ms"] / off["step_ms"] - 1
             ok = overhead <= TELEMETRY_GOAL if judged else None
-            rows.append(Row("goal", f"telemetry share of the {name} step", f"{overhead:+.1%}",
-                            f"<= {TELEMETRY_GOAL:.0%}", ok, {"overhead": overhead}))  # fmt: skip
+            rows.append(
+                Row(
+                    "goal",
+                    f"telemetry share of the {name} step",
+                    f"{overhead:+.1%}",
+                    f"<= {TELEMETRY_GOAL:.0%}",
+                    ok,
+                    {"overhead": overhead},
+                )
+            )
     return rows
 
 
@@ -973,8 +1130,12 @@ def cast_speeds(device: torch.device, shape: dict, compiled: str) -> list[Row]:
 
     def record_static():
         with torch.no_grad(), _recompile_limit(RECOMPILE_LIMIT):  # shares fn with the casts
-            return seconds_per_call(lambda: static(x, state.amax_history, state.scale, 0,
-                                                   E4M3.max, E4M3.torch_dtype, True), device)  # fmt: skip
+            return seconds_per_call(
+                lambda: static(
+                    x, state.amax_history, state.scale, 0, E4M3.max, E4M3.torch_dtype, True
+                ),
+                device,
+            )
 
     def eager_and_compiled(transposed: bool):
         for mode, label in (("off", "eager"), (compiled, "compiled")):
@@ -988,20 +1149,26 @@ def cast_speeds(device: torch.device, shape: dict, compiled: str) -> list[Row]:
             yield label, seconds
 
     what = f"[{shape['seq']}x{shape['ffn']}] bf16"
-    timings = [
-        (f"cast {what} -> E4M3 + amax, {label}", seconds)
-        for label, seconds in eager_and_compiled(transposed=False)
-    ] + [
-        (f"... and the transposed copy too, {label}", seconds)
-        for label, seconds in eager_and_compiled(transposed=True)
-    ] + [
-        (f"reference: copy {what}", seconds_per_call(lambda: x.clone(), device)),
-        (f"reference: torch's {what} -> E4M3 (no scale, no amax)",
-         seconds_per_call(lambda: x.to(torch.float8_e4m3fn), device)),
-        ("cast_and_record (+ transposed copy), eager", record("off")),
-        ("cast_and_record (+ transposed copy), compiled", record(compiled)),
-        ("cast_and_record, compiled for this shape only (timing)", record_static()),
-    ]  # fmt: skip
+    timings = (
+        [
+            (f"cast {what} -> E4M3 + amax, {label}", seconds)
+            for label, seconds in eager_and_compiled(transposed=False)
+        ]
+        + [
+            (f"... and the transposed copy too, {label}", seconds)
+            for label, seconds in eager_and_compiled(transposed=True)
+        ]
+        + [
+            (f"reference: copy {what}", seconds_per_call(lambda: x.clone(), device)),
+            (
+                f"reference: torch's {what} -> E4M3 (no scale, no amax)",
+                seconds_per_call(lambda: x.to(torch.float8_e4m3fn), device),
+            ),
+            ("cast_and_record (+ transposed copy), eager", record("off")),
+            ("cast_and_record (+ transposed copy), compiled", record(compiled)),
+            ("cast_and_record, compiled for this shape only (timing)", record_static()),
+        ]
+    )
     if device.type == "cuda":
         timings.append(("cast_and_record, Triton cast kernel", record(compiled, "triton")))
     # A step telemetry measures casts with statistics: the counting versions of the same call.
@@ -1014,8 +1181,9 @@ def cast_speeds(device: torch.device, shape: dict, compiled: str) -> list[Row]:
     rows = []
     for label, seconds in timings:
         moved = f", ~{seconds * bandwidth / x.numel():.0f} B/element" if bandwidth else ""
-        rows.append(Row("throughput", label, f"{seconds * 1e3:.3f} ms{moved}",
-                        values={"ms": seconds * 1e3}))  # fmt: skip
+        rows.append(
+            Row("throughput", label, f"{seconds * 1e3:.3f} ms{moved}", values={"ms": seconds * 1e3})
+        )
     return rows
 
 
@@ -1031,8 +1199,7 @@ def _free_port() -> int:
 
 
 def environment(device: torch.device) -> dict:
-    info = {"python": platform.python_version(), "torch": torch.__version__,
-            "device": str(device)}  # fmt: skip
+    info = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device)}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
         info["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
@@ -1125,8 +1292,11 @@ def main(argv: list[str] | None = None) -> int:
         default=420.0,
         help="seconds after which remaining throughput runs are skipped",
     )
-    parser.add_argument("--profile", action="store_true",
-                        help="also profile BF16 and FP8 steps; kernel tables beside --out")  # fmt: skip
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile BF16 and FP8 steps; kernel tables beside --out",
+    )
     parser.add_argument(
         "--skip",
         choices=("gemm", "scaling", "throughput", "casts"),
@@ -1143,8 +1313,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() and not args.smoke:
-        print("gpu_check: no CUDA device here; --smoke runs the check's code on the CPU",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "gpu_check: no CUDA device here; --smoke runs the check's code on the CPU",
+            file=sys.stderr,
+        )
         return 2
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
@@ -1162,9 +1334,11 @@ def main(argv: list[str] | None = None) -> int:
     info = environment(device)
     print("gpu_check: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
     rows: list[Row] = []
-    parts = (("gemm", lambda: check_gemms(device, args.smoke)),
-             ("scaling", lambda: check_scaling(device)),
-             ("throughput", lambda: check_throughput(device, args, shape, started)))  # fmt: skip
+    parts = (
+        ("gemm", lambda: check_gemms(device, args.smoke)),
+        ("scaling", lambda: check_scaling(device)),
+        ("throughput", lambda: check_throughput(device, args, shape, started)),
+    )
     for part, run in parts:
         if part in args.skip:
             continue
@@ -1174,17 +1348,26 @@ def main(argv: list[str] | None = None) -> int:
             rows += run()
         except Exception as exc:  # noqa: BLE001 - one broken part must not hide the others
             traceback.print_exc()
-            rows.append(Row(part, "(the whole part)", f"error: {type(exc).__name__}: {exc}"[:300],
-                            ok=False if part != "throughput" else None))  # fmt: skip
+            rows.append(
+                Row(
+                    part,
+                    "(the whole part)",
+                    f"error: {type(exc).__name__}: {exc}"[:300],
+                    ok=False if part != "throughput" else None,
+                )
+            )
         print(f"({part}) {time.perf_counter() - part_started:.1f} s", flush=True)
 
     correct = all(r.ok is not False for r in rows if r.part in ("gemm", "scaling"))
     report = {
-        "environment": info, "smoke": args.smoke, "shape": shape,
+        "environment": info,
+        "smoke": args.smoke,
+        "shape": shape,
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "skip")},
-        "seconds": time.perf_counter() - started, "correct": correct,
+        "seconds": time.perf_counter() - started,
+        "correct": correct,
         "rows": [asdict(r) | {"status": r.status} for r in rows],
-    }  # fmt: skip
+    }
     args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
     print()
     if args.smoke:

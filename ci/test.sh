@@ -28,4 +28,7 @@ if [ "${FP8OPS_SLURM:-1}" != 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/d
   fi
 fi
 
+# Lint and format first: a second, not minutes of tests, to learn the tree is unformatted.
+.venv/bin/ruff check --quiet . && .venv/bin/ruff format --check --quiet .
+
 .venv/bin/python -m pytest -q -n "${FP8OPS_TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -66,9 +66,17 @@ Kind = Literal[
 ]
 Parallel = Literal["column", "row", "vocab", "replicated"]
 ReasonCode = Literal[
-    "fp8", "excluded", "not_included", "small_gemm", "fp8_disabled", "not_fp8_capable",
-    "embedding", "lm_head", "norm", "override",
-]  # fmt: skip
+    "fp8",
+    "excluded",
+    "not_included",
+    "small_gemm",
+    "fp8_disabled",
+    "not_fp8_capable",
+    "embedding",
+    "lm_head",
+    "norm",
+    "override",
+]
 
 
 class _Record(BaseModel):
@@ -188,8 +196,12 @@ def per_rank_shape(parallel: str, global_shape: GemmShape, tensor_parallel: int)
     modules run whole on every rank.
     """
     k, n = global_shape.k, global_shape.n
-    split = {"column": (1, tensor_parallel), "row": (tensor_parallel, 1),
-             "vocab": (tensor_parallel, 1), "replicated": (1, 1)}[parallel]  # fmt: skip
+    split = {
+        "column": (1, tensor_parallel),
+        "row": (tensor_parallel, 1),
+        "vocab": (tensor_parallel, 1),
+        "replicated": (1, 1),
+    }[parallel]
     if k % split[0] or n % split[1]:
         raise ValueError(
             f"a {parallel}-parallel GEMM of {global_shape} does not split evenly over "
@@ -218,8 +230,12 @@ def small_gemm_verdict(rule: SmallGemmRule, rank_shape: GemmShape) -> str | None
 # Deciding
 # --------------------------------------------------------------------------------------
 
-_PROJECTION_KINDS = {"linear_qkv": "qkv", "linear_proj": "proj", "linear_fc1": "fc1",
-                     "linear_fc2": "fc2"}  # fmt: skip
+_PROJECTION_KINDS = {
+    "linear_qkv": "qkv",
+    "linear_proj": "proj",
+    "linear_fc1": "fc1",
+    "linear_fc2": "fc2",
+}
 _DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
@@ -257,12 +273,17 @@ def decide_admission(
         reason = _decide(f, rank_shape, precision)
         rows.append(
             AdmissionRow(
-                fqn=f.fqn, kind=f.kind, parallel=f.parallel, global_shape=f.global_shape,
-                rank_shape=rank_shape, params_dtype=_params_dtype(f.module),
+                fqn=f.fqn,
+                kind=f.kind,
+                parallel=f.parallel,
+                global_shape=f.global_shape,
+                rank_shape=rank_shape,
+                params_dtype=_params_dtype(f.module),
                 precision="fp8" if reason.code == "fp8" else precision.base_dtype,
-                formats=formats if reason.code == "fp8" else None, reason=reason,
+                formats=formats if reason.code == "fp8" else None,
+                reason=reason,
             )
-        )  # fmt: skip
+        )
     return AdmissionTable(rows=tuple(rows), tensor_parallel=tensor_parallel)
 
 
@@ -275,9 +296,15 @@ def admitted_under(rows: Sequence[AdmissionRow], precision: PrecisionPolicy) -> 
     admitted = []
     for row in rows:
         code = row.reason.code
-        found = _Found(row.fqn, None, row.kind, row.parallel, row.global_shape,
-                       fp8_capable=code != "not_fp8_capable",
-                       always_base=code if code in always_base else None)  # fmt: skip
+        found = _Found(
+            row.fqn,
+            None,
+            row.kind,
+            row.parallel,
+            row.global_shape,
+            fp8_capable=code != "not_fp8_capable",
+            always_base=code if code in always_base else None,
+        )
         if _decide(found, row.rank_shape, precision).code == "fp8":
             admitted.append(row.fqn)
     return admitted
@@ -305,12 +332,12 @@ def _decide(f: _Found, rank_shape: GemmShape, precision: PrecisionPolicy) -> Rea
         return Reason(code="excluded", text=f"excluded by {exclude}")
     override = next((o for o in precision.overrides if o.module == f.fqn), None)
     if override is not None:
-        approval = f"approved in the ledger as {override.approval[:12]}" if override.approval else (
-            "written in the manifest"
+        approval = (
+            f"approved in the ledger as {override.approval[:12]}"
+            if override.approval
+            else ("written in the manifest")
         )
-        return Reason(
-            code="override", text=f"BF16 override ({approval}): {override.reason}"
-        )
+        return Reason(code="override", text=f"BF16 override ({approval}): {override.reason}")
     text = f"included by {include}"
     if precision.small_gemm.enabled:
         too_small = small_gemm_verdict(precision.small_gemm, rank_shape)
@@ -460,8 +487,10 @@ def _check_globs(precision: PrecisionPolicy, fqns: list[str]) -> None:
     for index, override in enumerate(precision.overrides):
         if override.module not in fqns:
             close = difflib.get_close_matches(override.module, fqns, n=1)
-            hint = f"no module has that name; did you mean '{close[0]}'?" if close else (
-                "no module has that name"
+            hint = (
+                f"no module has that name; did you mean '{close[0]}'?"
+                if close
+                else ("no module has that name")
             )
             problems.append(f"  precision.overrides[{index}].module '{override.module}': {hint}")
     if problems:
@@ -491,14 +520,25 @@ def _hint(glob: str, fqns: list[str]) -> str:
 # Names other stacks give the same modules (Hugging Face, torchtitan): a manifest written
 # with them matches nothing in a Megatron model.
 _OTHER_NAMES = {
-    "lm_head": "output_layer", "output": "output_layer",
-    "embed_tokens": "word_embeddings", "tok_embeddings": "word_embeddings",
-    "q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv",
-    "wq": "linear_qkv", "wk": "linear_qkv", "wv": "linear_qkv",
-    "o_proj": "linear_proj", "wo": "linear_proj",
-    "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "w1": "linear_fc1", "w3": "linear_fc1",
-    "down_proj": "linear_fc2", "w2": "linear_fc2",
-}  # fmt: skip
+    "lm_head": "output_layer",
+    "output": "output_layer",
+    "embed_tokens": "word_embeddings",
+    "tok_embeddings": "word_embeddings",
+    "q_proj": "linear_qkv",
+    "k_proj": "linear_qkv",
+    "v_proj": "linear_qkv",
+    "wq": "linear_qkv",
+    "wk": "linear_qkv",
+    "wv": "linear_qkv",
+    "o_proj": "linear_proj",
+    "wo": "linear_proj",
+    "gate_proj": "linear_fc1",
+    "up_proj": "linear_fc1",
+    "w1": "linear_fc1",
+    "w3": "linear_fc1",
+    "down_proj": "linear_fc2",
+    "w2": "linear_fc2",
+}
 
 
 def _suggest(glob: str, fqns: list[str]) -> str | None:

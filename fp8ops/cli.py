@@ -64,8 +64,10 @@ def main(argv: list[str] | None = None) -> None:
             raise
         # A path given (or the disk under it) failed: say which, as for every user error.
         paths = [str(p) for p in (exc.filename, exc.filename2) if p is not None]
-        print(f"[rank {rank}] " * (rank != 0) + f"{' -> '.join(paths)}: {exc.strerror or exc}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"[rank {rank}] " * (rank != 0) + f"{' -> '.join(paths)}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
         raise SystemExit(2) from None
 
 
@@ -90,12 +92,17 @@ ManifestFile = Annotated[
 @manifest_app.command()
 def validate(
     file: ManifestFile,
-    inputs: Annotated[bool, typer.Option(
-        "--inputs", help="Also read the files it names, as train does before it starts: the "
-        "tokenizer, and the data built and tokenized (model.vocab_size and model.seq_length "
-        "checked against them). Without it only the manifest itself is checked, so a "
-        "cluster's manifest validates anywhere.")] = False,
-) -> None:  # fmt: skip
+    inputs: Annotated[
+        bool,
+        typer.Option(
+            "--inputs",
+            help="Also read the files it names, as train does before it starts: the "
+            "tokenizer, and the data built and tokenized (model.vocab_size and model.seq_length "
+            "checked against them). Without it only the manifest itself is checked, so a "
+            "cluster's manifest validates anywhere.",
+        ),
+    ] = False,
+) -> None:
     """Check a manifest and summarise it."""
     m = load_manifest(file)
     rows = summary_rows(m)
@@ -120,9 +127,11 @@ def _check_inputs(m, file: Path) -> str:
         data = build_data(m, tokenizer)
     except ManifestError as exc:
         raise ManifestError(f"{file}: {exc}") from None
-    return (f"tokenizer {tokenizer.kind}, {tokenizer.vocab_size:,} ids, end-of-document id "
-            f"{tokenizer.eod}; data {len(data.train):,} train and {len(data.eval):,} eval "
-            f"sequences, fingerprint {data.fingerprint[:12]}")  # fmt: skip
+    return (
+        f"tokenizer {tokenizer.kind}, {tokenizer.vocab_size:,} ids, end-of-document id "
+        f"{tokenizer.eod}; data {len(data.train):,} train and {len(data.eval):,} eval "
+        f"sequences, fingerprint {data.fingerprint[:12]}"
+    )
 
 
 @manifest_app.command("hash")
@@ -287,9 +296,15 @@ def train(
 
     run_dir = run_dir or Path("runs") / load_manifest(file).name
     result = run_training(
-        file, run_dir, assignments=parse_assignments(set_ or []), progress=progress,
-        resume=resume, accept_drift=accept_drift, after_stop=after_stop, stop_at=stop_at,
-    )  # fmt: skip
+        file,
+        run_dir,
+        assignments=parse_assignments(set_ or []),
+        progress=progress,
+        resume=resume,
+        accept_drift=accept_drift,
+        after_stop=after_stop,
+        stop_at=stop_at,
+    )
     _report_training(result)
 
 
@@ -320,9 +335,14 @@ def resume(
     from fp8ops.train import resume_training
 
     result = resume_training(
-        run_dir, checkpoint=checkpoint, assignments=parse_assignments(set_ or []),
-        accept_drift=accept_drift, after_stop=after_stop, progress=progress, stop_at=stop_at,
-    )  # fmt: skip
+        run_dir,
+        checkpoint=checkpoint,
+        assignments=parse_assignments(set_ or []),
+        accept_drift=accept_drift,
+        after_stop=after_stop,
+        progress=progress,
+        stop_at=stop_at,
+    )
     _report_training(result)
 
 
@@ -363,8 +383,10 @@ def dualtrack(
     console = _console()
     for outcome in outcomes:
         note = f" ({outcome.note})" if outcome.note else ""
-        console.print(f"{outcome.track.label}: {outcome.status} in {outcome.seconds:.0f} s "
-                      f"-> {outcome.track.run_dir}{note}")  # fmt: skip
+        console.print(
+            f"{outcome.track.label}: {outcome.status} in {outcome.seconds:.0f} s "
+            f"-> {outcome.track.run_dir}{note}"
+        )
     if compare:
         compare_command([out], out=None, png=png)
     else:
@@ -381,8 +403,10 @@ def _report_training(result) -> None:
     if result.capability_accuracy is not None:
         eval_text += f", capability accuracy {result.capability_accuracy:.1%}"
     if result.first_step > result.steps:  # Trainer.finish: nothing left to train
-        print(f"finished the run: final weights written from its step {result.steps} "
-              f"checkpoint in {result.seconds:.0f} s{eval_text}")  # fmt: skip
+        print(
+            f"finished the run: final weights written from its step {result.steps} "
+            f"checkpoint in {result.seconds:.0f} s{eval_text}"
+        )
     else:
         print(
             f"trained steps {result.first_step}-{result.steps} in {result.seconds:.0f} s: loss "
@@ -443,14 +467,26 @@ def inspect_run(
     if layers:
         # Every column folds rather than crops: a narrow terminal loses no text.
         grid = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
-        for name in ("module", "kind", "parallel", "global K x N", "per-rank K x N",
-                     "precision", "reason"):  # fmt: skip
+        for name in (
+            "module",
+            "kind",
+            "parallel",
+            "global K x N",
+            "per-rank K x N",
+            "precision",
+            "reason",
+        ):
             grid.add_column(name, overflow="fold")
         for row in table.rows:
             grid.add_row(
-                row.fqn, row.kind, row.parallel, str(row.global_shape), str(row.rank_shape),
-                row.precision, row.reason.text,
-            )  # fmt: skip
+                row.fqn,
+                row.kind,
+                row.parallel,
+                str(row.global_shape),
+                str(row.rank_shape),
+                row.precision,
+                row.reason.text,
+            )
         out.print(grid)
     out.print(table.summary())
     if not layers:
@@ -476,17 +512,22 @@ def _print_worst(out: Console, run_dir: Path, metric: str, top: int, rank: int) 
     ).sort_values("max", ascending=False)  # NaN (never measured) last
     measured = window.notna().sum()
     grid = Table(
-        box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False,
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        show_edge=False,
         title=f"worst {min(top, len(summary))} modules by {metric}, steps "
         f"{window.index[0]}-{window.index[-1]}, rank {rank}",
-    )  # fmt: skip
+    )
     for name in ("module", "max", "mean", "last", "measured steps"):
         grid.add_column(name, overflow="fold", justify="left" if name == "module" else "right")
     for module, row in summary.head(top).iterrows():
         grid.add_row(
-            str(module), f"{row['max']:.4g}", f"{row['mean']:.4g}", f"{row['last']:.4g}",
+            str(module),
+            f"{row['max']:.4g}",
+            f"{row['mean']:.4g}",
+            f"{row['last']:.4g}",
             str(int(measured[module])),
-        )  # fmt: skip
+        )
     out.print(grid)
 
 
@@ -533,18 +574,31 @@ def alerts_(
         return
     ranks = any(a.rank is not None for a in shown)  # gathered from several ranks
     grid = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
-    for name in ("step", "level", *(["rank"] if ranks else []), "module", "metric", "value",
-                 "threshold", "message"):  # fmt: skip
+    for name in (
+        "step",
+        "level",
+        *(["rank"] if ranks else []),
+        "module",
+        "metric",
+        "value",
+        "threshold",
+        "message",
+    ):
         grid.add_column(
             name, overflow="fold", justify="right" if name in ("step", "rank") else "left"
         )
     for a in shown:
         rank = [] if not ranks else ["" if a.rank is None else str(a.rank)]
         grid.add_row(
-            str(a.step), a.level, *rank, a.module or "(run)", a.metric or "",
-            format_value(a.value), "" if a.threshold is None else format_value(a.threshold),
+            str(a.step),
+            a.level,
+            *rank,
+            a.module or "(run)",
+            a.metric or "",
+            format_value(a.value),
+            "" if a.threshold is None else format_value(a.threshold),
             a.message,
-        )  # fmt: skip
+        )
     out.print(grid)
     counts = ", ".join(f"{sum(a.level == name for a in shown)} {name}" for name in LEVELS)
     out.print(f"{run_dir}: {len(shown)} alert(s){scope}: {counts}")
@@ -585,8 +639,9 @@ def checkpoints_list(
     columns = ["", "checkpoint", "step", "reason", "saved", "manifest", "TP x DP", "MiB"]
     for name in columns + (["files"] if verify else []):
         # Folded, not cropped: a damaged checkpoint's row names the file to look at.
-        grid.add_column(name, justify="right" if name in ("step", "MiB") else "left",
-                        overflow="fold")  # fmt: skip
+        grid.add_column(
+            name, justify="right" if name in ("step", "MiB") else "left", overflow="fold"
+        )
     for path in found:
         try:
             meta = read_meta(path)
@@ -597,10 +652,15 @@ def checkpoints_list(
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
         topo = meta.topology
         row = [
-            "*" if path == latest else "", path.name, str(meta.step), meta.reason,
-            meta.saved_at, meta.manifest[:12], f"{topo.tensor_parallel} x {topo.data_parallel}",
+            "*" if path == latest else "",
+            path.name,
+            str(meta.step),
+            meta.reason,
+            meta.saved_at,
+            meta.manifest[:12],
+            f"{topo.tensor_parallel} x {topo.data_parallel}",
             f"{size:.1f}",
-        ]  # fmt: skip
+        ]
         if verify:
             try:
                 verify_files(path, meta.files)
@@ -619,18 +679,28 @@ def checkpoints_list(
 @checkpoints_app.command("export")
 def checkpoints_export(
     run_dir: Annotated[Path, typer.Argument(help="A run directory.", show_default=False)],
-    out: Annotated[Path, typer.Option(
-        "--out", help="The weights checkpoint to write (a new directory).", show_default=False)],
-    checkpoint: Annotated[str | None, typer.Option(
-        help="A checkpoint's name or step (default: the latest).", metavar="NAME|STEP")] = None,
-) -> None:  # fmt: skip
+    out: Annotated[
+        Path,
+        typer.Option(
+            "--out", help="The weights checkpoint to write (a new directory).", show_default=False
+        ),
+    ],
+    checkpoint: Annotated[
+        str | None,
+        typer.Option(
+            help="A checkpoint's name or step (default: the latest).", metavar="NAME|STEP"
+        ),
+    ] = None,
+) -> None:
     """Write one checkpoint's weights as a weights checkpoint (what final/ holds at the end),
     for model.init_checkpoint: the release of an earlier step, or a new run from a paused one."""
     from fp8ops.train.export import export_weights
 
     written = export_weights(run_dir, checkpoint, out)
-    print(f"{out}: the weights of {written['exported_from']} (step {written['steps']}), "
-          f"fingerprint {written['fingerprint'][:12]}; give it as model.init_checkpoint")  # fmt: skip
+    print(
+        f"{out}: the weights of {written['exported_from']} (step {written['steps']}), "
+        f"fingerprint {written['fingerprint'][:12]}; give it as model.init_checkpoint"
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -694,33 +764,59 @@ def whatif_(
 
     from fp8ops.console.whatif import SLOTS, report
 
-    result = report(run_dir, history_len=history_len, algo=algo, margin=margin, module=module,
-                    slots=slot or SLOTS, steps=steps, rank=rank)  # fmt: skip
+    result = report(
+        run_dir,
+        history_len=history_len,
+        algo=algo,
+        margin=margin,
+        module=module,
+        slots=slot or SLOTS,
+        steps=steps,
+        rank=rank,
+    )
     if as_json:
         print(json.dumps(result.to_json(), indent=1))
         return
     out = _console()
     if not out.is_terminal:
         out.width = 200
-    out.print(f"{run_dir}: steps {result.first_step}-{result.last_step}, rank {rank}; run's "
-              f"window: {result.own}; what-if: {result.other}")  # fmt: skip
+    out.print(
+        f"{run_dir}: steps {result.first_step}-{result.last_step}, rank {rank}; run's "
+        f"window: {result.own}; what-if: {result.other}"
+    )
     grid = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
-    for name in ("module", "slot", "overflow steps: run", "what-if", "median headroom bits: run",
-                 "what-if", "p10: run", "what-if", "first what-if overflows"):  # fmt: skip
+    for name in (
+        "module",
+        "slot",
+        "overflow steps: run",
+        "what-if",
+        "median headroom bits: run",
+        "what-if",
+        "p10: run",
+        "what-if",
+        "first what-if overflows",
+    ):
         grid.add_column(name, overflow="fold", justify="left" if name == "module" else "right")
     for r in result.rows[:top]:
         grid.add_row(
-            r.module, r.slot, str(r.run.overflow_steps), str(r.what_if.overflow_steps),
-            f"{r.run.headroom_median:.2f}", f"{r.what_if.headroom_median:.2f}",
-            f"{r.run.headroom_p10:.2f}", f"{r.what_if.headroom_p10:.2f}",
+            r.module,
+            r.slot,
+            str(r.run.overflow_steps),
+            str(r.what_if.overflow_steps),
+            f"{r.run.headroom_median:.2f}",
+            f"{r.what_if.headroom_median:.2f}",
+            f"{r.run.headroom_p10:.2f}",
+            f"{r.what_if.headroom_p10:.2f}",
             ", ".join(map(str, r.what_if.first_overflows)),
-        )  # fmt: skip
+        )
     out.print(grid)
     run_total = sum(r.run.overflow_steps for r in result.rows)
     what_if_total = sum(r.what_if.overflow_steps for r in result.rows)
-    out.print(f"{len(result.rows)} module slots; overflowing steps in all: run {run_total}, "
-              f"what-if {what_if_total} (headroom: log2(fp8_max / (amax x scale)) per step; "
-              "docs/console.md says what the replay approximates)")  # fmt: skip
+    out.print(
+        f"{len(result.rows)} module slots; overflowing steps in all: run {run_total}, "
+        f"what-if {what_if_total} (headroom: log2(fp8_max / (amax x scale)) per step; "
+        "docs/console.md says what the replay approximates)"
+    )
 
 
 # Further command groups (console, dualtrack, ...) go here, each a thin function over its

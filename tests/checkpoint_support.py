@@ -28,9 +28,11 @@ def train_small_base(tmp: Path) -> Path:
     from fp8ops.train import run_training
 
     manifest = write_derived(
-        tmp, "base", MANIFESTS / "tiny-gpt-cpu-base.yaml",
+        tmp,
+        "base",
+        MANIFESTS / "tiny-gpt-cpu-base.yaml",
         {**SMALL_MODEL, **SCHEDULE, "schedule.train_steps": 4, "schedule.eval_interval": 4},
-    )  # fmt: skip
+    )
     run_training(manifest, tmp / "base-run", progress=False)
     return tmp / "base-run"
 
@@ -39,9 +41,12 @@ def write_small_finetune(tmp: Path, base: Path, changes: dict | None = None) -> 
     """The CPU default's FP8 fine-tuning on the small model from ``base``, checkpointing at every
     step and keeping two, with ``changes`` on top."""
     return write_derived(
-        tmp, "finetune", MANIFESTS / "tiny-gpt-cpu.yaml",
+        tmp,
+        "finetune",
+        MANIFESTS / "tiny-gpt-cpu.yaml",
         {
-            **SMALL_MODEL, **SCHEDULE,
+            **SMALL_MODEL,
+            **SCHEDULE,
             "model.init_checkpoint": str(base / "final"),
             "data.num_examples": 800,
             "optimizer.lr": 2e-3,
@@ -49,7 +54,7 @@ def write_small_finetune(tmp: Path, base: Path, changes: dict | None = None) -> 
             "schedule.keep_checkpoints": 2,
             **(changes or {}),
         },
-    )  # fmt: skip
+    )
 
 
 # -- surgery on a checkpoint ------------------------------------------------------------------

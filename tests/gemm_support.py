@@ -6,8 +6,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _aten = torch.ops.aten
-GEMMS = frozenset({_aten.mm.default, _aten.bmm.default, _aten.addmm.default,
-                   _aten.baddbmm.default})  # fmt: skip
+GEMMS = frozenset({_aten.mm.default, _aten.bmm.default, _aten.addmm.default, _aten.baddbmm.default})
 
 
 class GemmLog(TorchDispatchMode):

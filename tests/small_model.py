@@ -9,13 +9,19 @@ from fp8ops.manifest import derive, load_manifest, write_manifest
 
 MANIFESTS = Path(__file__).resolve().parents[1] / "manifests"
 SMALL_MODEL = {
-    "model.num_layers": 2, "model.hidden_size": 64, "model.ffn_hidden_size": 256,
-    "model.num_attention_heads": 4, "model.seq_length": 64,
-}  # fmt: skip
+    "model.num_layers": 2,
+    "model.hidden_size": 64,
+    "model.ffn_hidden_size": 256,
+    "model.num_attention_heads": 4,
+    "model.seq_length": 64,
+}
 SCHEDULE = {
-    "schedule.warmup_steps": 1, "schedule.micro_batch_size": 4, "schedule.global_batch_size": 8,
-    "schedule.log_interval": 1, "schedule.eval_iters": 4,
-}  # fmt: skip
+    "schedule.warmup_steps": 1,
+    "schedule.micro_batch_size": 4,
+    "schedule.global_batch_size": 8,
+    "schedule.log_interval": 1,
+    "schedule.eval_iters": 4,
+}
 
 
 def write_derived(path: Path, parent_file: Path, changes: dict) -> Path:

@@ -35,7 +35,7 @@ import numpy as np
 FLT_MAX = np.float32(np.finfo(np.float32).max)  # 3.4028234663852886e38
 _ZERO = np.float32(0.0)
 
-__all__ = ["FLT_MAX", "fmaxf", "scaled_max_f32", "reference_update"]
+__all__ = ["FLT_MAX", "fmaxf", "reference_update", "scaled_max_f32"]
 
 
 def fmaxf(a: np.float32, b: np.float32) -> np.float32:
@@ -71,7 +71,11 @@ def reference_update(
     history_in = np.asarray(amax_history)
     scale_in = np.asarray(scale)
     reduced_in = np.asarray(amax)
-    if history_in.dtype != np.float32 or scale_in.dtype != np.float32 or reduced_in.dtype != np.float32:
+    if (
+        history_in.dtype != np.float32
+        or scale_in.dtype != np.float32
+        or reduced_in.dtype != np.float32
+    ):
         raise TypeError("reference_update expects float32 arrays")
     if history_in.ndim != 2:
         raise ValueError("amax_history must be [L, n]")
@@ -126,8 +130,12 @@ def _self_check() -> None:
     s = scaled_max_f32(448.0, 0) / np.float32(4.9626e-07)
     assert s.dtype == np.float32 and float(s) == 902752640.0, float(s)
     _, sc = reference_update(
-        np.array([[4.9626e-07]], np.float32), np.ones(1, np.float32),
-        np.array([4.9626e-07], np.float32), 448.0, 0, "max",
+        np.array([[4.9626e-07]], np.float32),
+        np.ones(1, np.float32),
+        np.array([4.9626e-07], np.float32),
+        448.0,
+        0,
+        "max",
     )
     assert float(sc[0]) == 902752640.0, float(sc[0])
 

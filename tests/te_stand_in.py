@@ -58,8 +58,16 @@ class TeLikeLinear(nn.Linear):
 
     autocast = False
 
-    def __init__(self, features: int, gemms: int = 1, *, out_features: int | None = None,
-                 history_len: int = 4, parallel_mode: str = "column", tp_size: int = 1):  # fmt: skip
+    def __init__(
+        self,
+        features: int,
+        gemms: int = 1,
+        *,
+        out_features: int | None = None,
+        history_len: int = 4,
+        parallel_mode: str = "column",
+        tp_size: int = 1,
+    ):
         super().__init__(features, out_features or features, bias=False)
         self.fp8_meta: dict = {}
         self.fp8_enabled = True  # te_backend.bf16_capable's flag

@@ -56,8 +56,12 @@ schedule:
   global_batch_size: 2
 """
 LAYERS = range(2)
-PROJECTIONS = {"self_attention.linear_qkv": "qkv", "self_attention.linear_proj": "proj",
-               "mlp.linear_fc1": "fc1", "mlp.linear_fc2": "fc2"}  # fmt: skip
+PROJECTIONS = {
+    "self_attention.linear_qkv": "qkv",
+    "self_attention.linear_proj": "proj",
+    "mlp.linear_fc1": "fc1",
+    "mlp.linear_fc2": "fc2",
+}
 GLOBAL_SHAPES = {"qkv": (64, 192), "proj": (64, 64), "fc1": (64, 256), "fc2": (256, 64)}
 NORMS = [
     f"decoder.layers.{i}.{n}" for i in LAYERS for n in ("input_layernorm", "pre_mlp_layernorm")
@@ -112,9 +116,12 @@ def codes(table):
 
 def test_default_globs_admit_the_four_projections_of_every_layer(model, manifest):
     table = decide(model, manifest)
-    expected = {fqn: "fp8" for fqn in projections()}
-    expected |= {"embedding.word_embeddings": "embedding", "embedding.position_embeddings":
-                 "embedding", "output_layer": "lm_head"} | dict.fromkeys(NORMS, "norm")  # fmt: skip
+    expected = dict.fromkeys(projections(), "fp8")
+    expected |= {
+        "embedding.word_embeddings": "embedding",
+        "embedding.position_embeddings": "embedding",
+        "output_layer": "lm_head",
+    } | dict.fromkeys(NORMS, "norm")
     assert codes(table) == expected
     assert table.fp8_fqns == tuple(fqn for fqn in codes(table) if fqn in projections())
 
@@ -166,10 +173,12 @@ def test_an_override_is_its_own_reason_and_counted_in_the_summary(model, manifes
 def test_a_bf16_twins_table_decided_again_admits_what_the_fp8_model_admits(model, manifest):
     """``admitted_under``: a dual-track control's layers.json (the plain model, FP8 off) says
     which modules the FP8 candidate will run in FP8, under each kind of rule."""
-    control = decide_admission(build_gpt(manifest, None), revised(manifest, enabled=False).precision,
-                               tensor_parallel=1)  # fmt: skip
-    assert all(row.reason.code in ("fp8_disabled", "embedding", "lm_head", "norm")
-               for row in control.rows)  # fmt: skip
+    control = decide_admission(
+        build_gpt(manifest, None), revised(manifest, enabled=False).precision, tensor_parallel=1
+    )
+    assert all(
+        row.reason.code in ("fp8_disabled", "embedding", "lm_head", "norm") for row in control.rows
+    )
     for changes in (
         {},
         {"exclude_modules": ["decoder.layers.0.*"]},
@@ -195,8 +204,9 @@ def test_a_narrower_include_admits_only_what_it_names(model, manifest):
 
 def test_small_gemm_rule_decides_on_the_per_rank_shape(model, manifest):
     # 2*K*N: qkv 24576, proj 8192, fc1 and fc2 32768; min(K, N) is 64 everywhere.
-    table = decide(model, manifest, small_gemm={"enabled": True, "min_dim": 64,
-                                                "min_flops_per_token": 20000})  # fmt: skip
+    table = decide(
+        model, manifest, small_gemm={"enabled": True, "min_dim": 64, "min_flops_per_token": 20000}
+    )
     for fqn, kind in projections().items():
         assert codes(table)[fqn] == ("small_gemm" if kind == "proj" else "fp8"), fqn
     assert table.row("decoder.layers.1.self_attention.linear_proj").reason.text == (
@@ -205,8 +215,9 @@ def test_small_gemm_rule_decides_on_the_per_rank_shape(model, manifest):
     )
     assert "passes precision.small_gemm" in table.row("decoder.layers.1.mlp.linear_fc2").reason.text
 
-    table = decide(model, manifest, small_gemm={"enabled": True, "min_dim": 128,
-                                                "min_flops_per_token": 0})  # fmt: skip
+    table = decide(
+        model, manifest, small_gemm={"enabled": True, "min_dim": 128, "min_flops_per_token": 0}
+    )
     assert all(codes(table)[fqn] == "small_gemm" for fqn in projections())
     assert table.row("decoder.layers.0.self_attention.linear_qkv").reason.text == (
         "small GEMM: K=64, N=192 per rank; min(K,N) 64 < precision.small_gemm.min_dim 128"
@@ -256,8 +267,12 @@ def test_the_plain_spec_has_no_fp8_capable_module(manifest):
 
 def test_globs_that_match_nothing_are_reported_together(model, manifest):
     with pytest.raises(AdmissionError) as info:
-        decide(model, manifest, include_modules=["*.linear_qkv", "linear_fc1"],
-               exclude_modules=["lm_head"])  # fmt: skip
+        decide(
+            model,
+            manifest,
+            include_modules=["*.linear_qkv", "linear_fc1"],
+            exclude_modules=["lm_head"],
+        )
     message = str(info.value)
     assert message.startswith("2 module glob(s) in the manifest match no module of this model")
     bare = (
@@ -328,9 +343,12 @@ def test_layers_json_round_trip(run_dir, model, manifest, recipe):
     assert document.table == table
     assert (document.manifest_hash, document.tensor_parallel) == (manifest_hash(m), 1)
     assert document.recipe.model_dump() == {
-        "fp8_format": "hybrid", "amax_history_len": 8, "amax_compute_algo": "max", "margin": 0,
+        "fp8_format": "hybrid",
+        "amax_history_len": 8,
+        "amax_compute_algo": "max",
+        "margin": 0,
         "reduce_amax": True,
-    }  # fmt: skip
+    }
     raw = json.loads((run_dir / "layers.json").read_text())
     assert raw["schema_version"] == 1 and raw["tensor_parallel"] == 1
     assert raw["rows"][0]["global_shape"] == {"in": 256, "out": 64}
@@ -342,8 +360,9 @@ def test_layers_json_round_trip(run_dir, model, manifest, recipe):
     assert os.listdir(run_dir) == ["layers.json"]  # no temporary file left behind
 
 
-def test_a_failed_write_leaves_the_old_file_and_no_temporary(run_dir, model, manifest, recipe,
-                                                             monkeypatch):  # fmt: skip
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(
+    run_dir, model, manifest, recipe, monkeypatch
+):
     before = (run_dir / "layers.json").read_bytes()
 
     def fail(*args):
@@ -351,8 +370,9 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(run_dir, model, man
 
     monkeypatch.setattr(os, "replace", fail)
     with pytest.raises(OSError, match="disk full"):
-        write_layers_json(run_dir, decide(model, manifest), recipe, tensor_parallel=1,
-                          manifest_hash="0" * 64)  # fmt: skip
+        write_layers_json(
+            run_dir, decide(model, manifest), recipe, tensor_parallel=1, manifest_hash="0" * 64
+        )
     assert os.listdir(run_dir) == ["layers.json"]
     assert (run_dir / "layers.json").read_bytes() == before
 

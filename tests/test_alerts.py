@@ -45,15 +45,27 @@ def healthy_row(modules: int = len(MODULES)) -> np.ndarray:
     row = np.full((modules, len(MODULE_METRIC_NAMES)), np.nan, np.float32)
     for slot in SLOTS:
         for metric, value in {
-            "amax": 1.0, "scale": 448.0, "scale_inv": 1 / 448, "window_max": 1.0,
-            "window_p50": 0.8, "window_p90": 0.95, "scale_change": 1.0, "saturation": 0.0,
-            "underflow": 1e-4, "nan": 0.0, "inf": 0.0,
-        }.items():  # fmt: skip
+            "amax": 1.0,
+            "scale": 448.0,
+            "scale_inv": 1 / 448,
+            "window_max": 1.0,
+            "window_p50": 0.8,
+            "window_p90": 0.95,
+            "scale_change": 1.0,
+            "saturation": 0.0,
+            "underflow": 1e-4,
+            "nan": 0.0,
+            "inf": 0.0,
+        }.items():
             row[:, COLUMN[f"{slot}.{metric}"]] = value
     for metric, value in {
-        "input_norm": 10.0, "weight_norm": 5.0, "grad_norm": 1.0, "fp8_gemms": 3.0,
-        "fallback_gemms": 0.0, "fp8_enabled": 1.0,
-    }.items():  # fmt: skip
+        "input_norm": 10.0,
+        "weight_norm": 5.0,
+        "grad_norm": 1.0,
+        "fp8_gemms": 3.0,
+        "fallback_gemms": 0.0,
+        "fp8_enabled": 1.0,
+    }.items():
         row[:, COLUMN[metric]] = value
     return row
 
@@ -137,24 +149,30 @@ def test_several_levels_reached_at_once_report_only_the_highest_and_escalation_r
     rising = [row({(FC1_1, "input.saturation"): v}) for v in [2e-4] * 3 + [4e-3] * 3 + [0.05] * 3]
     found = feed(engine(), rising)
     assert [(s, a.level) for s, alerts in found.items() for a in alerts] == [
-        (3, "observe"), (6, "degrade"), (9, "stop"),
-    ]  # fmt: skip
+        (3, "observe"),
+        (6, "degrade"),
+        (9, "stop"),
+    ]
 
 
 def test_each_slot_and_module_is_its_own_condition():
     cells = {(QKV0, "input.saturation"): 0.004, (FC1_1, "grad_output.saturation"): 0.004}
     alerts = feed(engine(), [row(cells)] * 3)[3]
     assert [(a.module, a.metric) for a in alerts] == [
-        (MODULES[QKV0], "input.saturation"), (MODULES[FC1_1], "grad_output.saturation"),
-    ]  # fmt: skip
+        (MODULES[QKV0], "input.saturation"),
+        (MODULES[FC1_1], "grad_output.saturation"),
+    ]
 
 
 def test_underflow_levels_and_stop_off_by_default():
     over = row({(QKV0, "weight.underflow"): 0.5})  # above degrade (0.05); stop is null
     alert = only(feed(engine(), [over] * 8))
     assert (alert.step, alert.level, alert.rule, alert.metric) == (
-        3, "degrade", "underflow", "weight.underflow",
-    )  # fmt: skip
+        3,
+        "degrade",
+        "underflow",
+        "weight.underflow",
+    )
     assert feed(engine(), [row({(QKV0, "weight.underflow"): 0.005})] * 8) == {}  # below observe
     stop_on = engine(underflow={"stop": 0.2})
     assert only(feed(stop_on, [over] * 3)).level == "stop"
@@ -169,8 +187,12 @@ def test_scale_jitter():
     jitter = row({(QKV1, "input.scale_change"): 5.0})  # above observe (4)
     alert = only(feed(engine(), [jitter] * 4))
     assert (alert.step, alert.level, alert.rule, alert.metric, alert.threshold) == (
-        3, "observe", "scale_jitter", "input.scale_change", 4.0,
-    )  # fmt: skip
+        3,
+        "observe",
+        "scale_jitter",
+        "input.scale_change",
+        4.0,
+    )
     assert alert.message.endswith("for 3 consecutive steps.")  # read every step, not sampled
     assert feed(engine(), [row({(QKV1, "input.scale_change"): 1.5})] * 6) == {}
 
@@ -181,8 +203,12 @@ def test_sampled_error_counts_patience_in_samples_and_ignores_unsampled_steps():
     rows = [sample, unsampled, unsampled, sample, unsampled, unsampled, sample, unsampled]
     alert = only(feed(engine(), rows))
     assert (alert.step, alert.level, alert.rule, alert.metric, alert.value) == (
-        7, "degrade", "fp8_error", "fp8_rel_error", 0.12,
-    )  # fmt: skip
+        7,
+        "degrade",
+        "fp8_error",
+        "fp8_rel_error",
+        0.12,
+    )
     assert "for 3 consecutive samples" in alert.message
     assert feed(engine(), [sample, unsampled, sample, unsampled]) == {}  # two samples
     assert feed(engine(), [row({(FC1_0, "fp8_rel_error"): 0.03})] * 6) == {}  # below observe
@@ -194,8 +220,12 @@ def test_growing_error_degrades_and_flat_noisy_or_tiny_errors_do_not():
 
     alert = only(feed(engine(), samples([0.045, 0.048, 0.052, 0.055, 0.057])))
     assert (alert.step, alert.level, alert.rule, alert.value, alert.threshold) == (
-        4, "degrade", "fp8_error_growing", 0.055, 0.04,
-    )  # fmt: skip
+        4,
+        "degrade",
+        "fp8_error_growing",
+        0.055,
+        0.04,
+    )
     assert "0.045 -> 0.048 -> 0.052 -> 0.055" in alert.message
     assert feed(engine(), samples([0.045, 0.05, 0.048, 0.052, 0.05, 0.055])) == {}  # not monotone
     assert feed(engine(), samples([0.01, 0.015, 0.02, 0.025, 0.03])) == {}  # under the floor
@@ -214,8 +244,12 @@ def test_grad_spike_against_the_window_median():
     eng = engine(window_steps=8)
     alert = only(feed(eng, calm + [spike] * 4))
     assert (alert.step, alert.level, alert.rule, alert.module, alert.metric) == (
-        15, "degrade", "grad_spike", MODULES[FC1_0], "grad_norm",
-    )  # fmt: skip
+        15,
+        "degrade",
+        "grad_spike",
+        MODULES[FC1_0],
+        "grad_norm",
+    )
     # The window (steps 7-14) holds the two spiked steps already: median 1.1, not 1.05.
     assert alert.threshold == pytest.approx(5 * 1.1, rel=1e-6)
     assert "above 5x its median 1.1 over the last 8 measured steps" in alert.message
@@ -239,8 +273,11 @@ def test_rising_underflow_observes_and_flat_or_negligible_underflow_does_not():
 
     alert = only(feed(engine(window_steps=8), series([0.002] * 4 + [0.005] * 4 + [0.005] * 3)))
     assert (alert.step, alert.level, alert.rule, alert.metric) == (
-        8, "observe", "underflow_rising", "input.underflow",
-    )  # fmt: skip
+        8,
+        "observe",
+        "underflow_rising",
+        "input.underflow",
+    )
     assert (alert.value, alert.threshold) == (0.005, 0.004)
     assert feed(engine(window_steps=8), series([0.004] * 16)) == {}  # flat
     assert feed(engine(window_steps=8), series([1e-5] * 4 + [1e-4] * 4)) == {}  # under the floor
@@ -254,8 +291,12 @@ def test_amax_jump_observes_at_once():
     jump = row({(QKV1, "input.amax"): 5.0, (QKV1, "input.window_max"): 5.0})
     alert = only(feed(engine(), [row(), row(), jump]))
     assert (alert.step, alert.level, alert.rule, alert.module, alert.metric) == (
-        3, "observe", "amax_jump", MODULES[QKV1], "input.amax",
-    )  # fmt: skip
+        3,
+        "observe",
+        "amax_jump",
+        MODULES[QKV1],
+        "input.amax",
+    )
     assert (alert.value, alert.threshold) == (5.0, 4.0)
     assert "above 4x the previous step's window max 1" in alert.message
     small = row({(QKV1, "input.amax"): 3.0, (QKV1, "input.window_max"): 3.0})
@@ -294,8 +335,11 @@ def test_nan_stops_at_once_naming_the_module_where_it_entered():
     alert = only(found)
     assert (alert.step, alert.level, alert.rule) == (5, "stop", "nonfinite")
     assert (alert.module, alert.metric, alert.value, alert.threshold) == (
-        MODULES[QKV1], "input.nan", 128.0, 0.0,
-    )  # fmt: skip
+        MODULES[QKV1],
+        "input.nan",
+        128.0,
+        0.0,
+    )
     assert alert.message.startswith(
         f"Step 5: {MODULES[QKV1]} input.nan was 128, above 0: the first non-finite value of the "
         "step in forward order (4 of 4 modules affected; the step's loss is nan"
@@ -315,8 +359,11 @@ def test_infinite_module_grad_norm_and_infinite_scale_stop():
     assert (alert.level, alert.module, alert.metric) == ("stop", MODULES[FC1_1], "grad_norm")
     alert = only(feed(engine(), [row({(QKV0, "weight.scale"): math.inf})]))
     assert (alert.level, alert.module, alert.metric, alert.threshold) == (
-        "stop", MODULES[QKV0], "weight.scale", None,
-    )  # fmt: skip
+        "stop",
+        MODULES[QKV0],
+        "weight.scale",
+        None,
+    )
 
 
 def test_unmeasured_module_grad_norms_are_not_nan():
@@ -332,8 +379,12 @@ def test_unmeasured_module_grad_norms_are_not_nan():
 def test_a_nonfinite_loss_without_module_evidence_is_a_run_level_stop():
     alert = only(feed(engine(), [row(), row()], [GOOD_STEP, {"loss": math.inf, "grad_norm": 1.0}]))
     assert (alert.step, alert.level, alert.module, alert.metric, alert.value) == (
-        2, "stop", None, "loss", math.inf,
-    )  # fmt: skip
+        2,
+        "stop",
+        None,
+        "loss",
+        math.inf,
+    )
     assert alert.message.startswith("Step 2: the run's loss was inf, not finite")
 
 
@@ -362,8 +413,12 @@ def test_divergence_stops_after_patience_against_the_lowest_loss_after_warmup():
     found = feed(engine(divergence_warmup_steps=2), [row()] * len(values), losses(values))
     alert = only(found)
     assert (alert.step, alert.level, alert.rule, alert.module, alert.metric) == (
-        9, "stop", "divergence", None, "loss",
-    )  # fmt: skip
+        9,
+        "stop",
+        "divergence",
+        None,
+        "loss",
+    )
     assert (alert.value, alert.threshold) == (3.0, 2.0)
     assert "above 2x its lowest 1" in alert.message
 
@@ -387,10 +442,13 @@ def test_divergence_ignores_warmup_and_noise_below_the_factor():
 def test_bf16_modules_are_skipped_by_the_fp8_rules():
     bf16 = (True, False, True, True)
     cells = {
-        (FC1_0, "input.saturation"): 0.5, (FC1_0, "input.underflow"): 0.5,
-        (FC1_0, "input.scale_change"): 2000.0, (FC1_0, "fp8_rel_error"): 0.9,
-        (FC1_0, "input.amax"): 100.0, (FC1_0, "input.nan"): 7.0,
-    }  # fmt: skip
+        (FC1_0, "input.saturation"): 0.5,
+        (FC1_0, "input.underflow"): 0.5,
+        (FC1_0, "input.scale_change"): 2000.0,
+        (FC1_0, "fp8_rel_error"): 0.9,
+        (FC1_0, "input.amax"): 100.0,
+        (FC1_0, "input.nan"): 7.0,
+    }
     assert feed(engine(fp8=bf16), [row(cells)] * 6) == {}
     # ... but not by the gradient rules, which hold for any module.
     spike = row({(FC1_0, "grad_norm"): 50.0})
@@ -407,8 +465,9 @@ def test_engine_checks_its_inputs():
 
 def test_report_makes_a_trainer_detected_alert():
     alert = engine().report(7, "ranks_disagree", "stop", "Step 7: scales differ across ranks.")
-    assert alert == Alert(7, "stop", "ranks_disagree", None, None, None, None,
-                          "Step 7: scales differ across ranks.")  # fmt: skip
+    assert alert == Alert(
+        7, "stop", "ranks_disagree", None, None, None, None, "Step 7: scales differ across ranks."
+    )
     with pytest.raises(ValueError, match="alert level 'fatal'"):
         engine().report(7, "x", "fatal", "m")
 
@@ -419,8 +478,10 @@ def test_alerts_of_one_step_come_stop_first():
     steps = [GOOD_STEP, GOOD_STEP, {"loss": math.nan, "grad_norm": 1.0}]
     alerts = feed(engine(patience_steps=2), rows, steps)[3]
     assert [(a.level, a.rule) for a in alerts] == [
-        ("stop", "nonfinite"), ("degrade", "saturation"), ("observe", "amax_jump"),
-    ]  # fmt: skip
+        ("stop", "nonfinite"),
+        ("degrade", "saturation"),
+        ("observe", "amax_jump"),
+    ]
 
 
 # -- proposals -----------------------------------------------------------------------------------
@@ -433,9 +494,11 @@ def test_degrade_proposes_one_override_per_module():
     assert len(alerts) == 2
     (proposal,) = eng.proposals(alerts)
     assert proposal == Proposal(
-        3, MODULES[FC1_0], alerts[0].message,
+        3,
+        MODULES[FC1_0],
+        alerts[0].message,
         {"input.saturation": 0.004, "weight.underflow": 0.06},
-    )  # fmt: skip
+    )
     # Cleared and fired again: proposed again (the ledger, not the engine, refuses a second
     # open override for a module, and takes one after the first was rejected or revoked).
     again = feed(eng, [row()] * 3 + [both] * 3, first=4)
@@ -478,7 +541,8 @@ def test_a_resume_continues_open_alerts_but_a_stop_that_holds_on_stops_again():
     again = resumed(eng)
     found = feed(again, [saturated] * 3, first=4)
     assert [(step, a.level, a.rule) for step, alerts in found.items() for a in alerts] == [
-        (6, "stop", "saturation")]  # fmt: skip
+        (6, "stop", "saturation")
+    ]
     assert only(feed(again, [nan], first=7)).rule == "nonfinite"
     assert only(feed(resumed(again), [nan], first=8)).rule == "nonfinite"
     # Below Stop, a resume continues the straight run: an open Observe does not fire again.
@@ -502,11 +566,15 @@ def test_a_module_held_in_bf16_and_lifted_back_starts_its_alerts_afresh():
 def test_a_run_level_alert_every_rank_raises_is_recorded_once():
     eng = engine()
     divergence = eng.report(9, "divergence", "stop", "loss 4 > 2 x 1.9", metric="loss").to_json()
-    saturation = eng.report(9, "saturation", "degrade", "m", module=MODULES[FC1_0],
-                            metric="input.saturation").to_json()  # fmt: skip
+    saturation = eng.report(
+        9, "saturation", "degrade", "m", module=MODULES[FC1_0], metric="input.saturation"
+    ).to_json()
     merged = merge_rank_alerts([[divergence, saturation], [divergence, saturation]])
     assert [(a["rule"], a["rank"]) for a in merged] == [
-        ("divergence", 0), ("saturation", 0), ("saturation", 1)]  # fmt: skip
+        ("divergence", 0),
+        ("saturation", 0),
+        ("saturation", 1),
+    ]
 
 
 # -- files ---------------------------------------------------------------------------------------
@@ -568,8 +636,17 @@ def test_cli_lists_alerts_with_counts(cli, run_dir):
     assert result.code == 0, result.err
     header = result.out.splitlines()[0].split()
     assert header == ["step", "level", "module", "metric", "value", "threshold", "message"]
-    for text in (MODULES[QKV0], "input.scale_change", MODULES[FC1_0], "input.saturation",
-                 MODULES[QKV1], "input.nan", "0.004", "0.001", "above the degrade level"):  # fmt: skip
+    for text in (
+        MODULES[QKV0],
+        "input.scale_change",
+        MODULES[FC1_0],
+        "input.saturation",
+        MODULES[QKV1],
+        "input.nan",
+        "0.004",
+        "0.001",
+        "above the degrade level",
+    ):
         assert text in result.out
     assert result.out.splitlines()[-1] == f"{run_dir}: 3 alert(s): 1 observe, 1 degrade, 1 stop"
 
@@ -581,8 +658,9 @@ def test_cli_filters_by_level_and_module(cli, run_dir):
         f"{run_dir}: 2 alert(s) (level degrade or above; 3 in all): 0 observe, 1 degrade, 1 stop"
     )
     result = cli("alerts", run_dir, "--module", "*.linear_qkv")
-    assert result.out.splitlines()[-1].endswith("2 alert(s) (module *.linear_qkv; 3 in all): "
-                                                "1 observe, 0 degrade, 1 stop")  # fmt: skip
+    assert result.out.splitlines()[-1].endswith(
+        "2 alert(s) (module *.linear_qkv; 3 in all): 1 observe, 0 degrade, 1 stop"
+    )
     result = cli("alerts", run_dir, "--module", "*.linear_proj")
     assert (result.code, result.out) == (
         0,
@@ -601,8 +679,9 @@ def test_cli_shows_ranks_when_recorded(cli, tmp_path):
 def test_cli_run_without_alerts(cli, tmp_path):
     (tmp_path / "status.json").write_text('{"state": "completed"}\n')
     assert (cli("alerts", tmp_path).code, cli("alerts", tmp_path).out) == (
-        0, f"{tmp_path}: no alerts\n",
-    )  # fmt: skip
+        0,
+        f"{tmp_path}: no alerts\n",
+    )
 
 
 def test_cli_errors(cli, tmp_path):
@@ -640,17 +719,26 @@ def test_cli_errors(cli, tmp_path):
 def test_new_alert_fields_have_defaults_and_validate():
     defaults = Alerts()
     assert (defaults.window_steps, defaults.grad_spike_factor, defaults.amax_jump_factor) == (
-        20, 5.0, 4.0,
-    )  # fmt: skip
+        20,
+        5.0,
+        4.0,
+    )
     assert (defaults.divergence_factor, defaults.divergence_warmup_steps) == (2.0, 10)
     assert (defaults.underflow_rise_factor, defaults.underflow_rise_floor) == (2.0, 1e-3)
     assert (defaults.error_growth_samples, defaults.error_growth_floor) == (4, 0.04)
     for name, field in Alerts.model_fields.items():
         assert field.description, name
-    for bad in ({"window_steps": 3}, {"grad_spike_factor": 1.0}, {"amax_jump_factor": 0.5},
-                {"divergence_factor": 1}, {"divergence_warmup_steps": -1},
-                {"underflow_rise_floor": 2.0}, {"error_growth_samples": 2},
-                {"error_growth_floor": -0.1}, {"window_steps": "20"}):  # fmt: skip
+    for bad in (
+        {"window_steps": 3},
+        {"grad_spike_factor": 1.0},
+        {"amax_jump_factor": 0.5},
+        {"divergence_factor": 1},
+        {"divergence_warmup_steps": -1},
+        {"underflow_rise_floor": 2.0},
+        {"error_growth_samples": 2},
+        {"error_growth_floor": -0.1},
+        {"window_steps": "20"},
+    ):
         with pytest.raises(ValidationError):
             Alerts.model_validate(bad)
 

@@ -53,8 +53,16 @@ N = 4  # steps between evaluations (loss, capability, checkpoint); the run is 2N
 ITEMS, MAX_NEW = 16, 8  # the run's capability.items and max_new_tokens
 GENERATE = 16  # max_new_tokens in the generator's tests
 SEQ_LENGTH, VOCAB = SMALL_MODEL["model.seq_length"], 256
-RECORD_KEYS = {"step", "items", "correct", "accuracy", "buckets", "seconds", "predictions",
-               "predictions_sha256"}  # fmt: skip
+RECORD_KEYS = {
+    "step",
+    "items",
+    "correct",
+    "accuracy",
+    "buckets",
+    "seconds",
+    "predictions",
+    "predictions_sha256",
+}
 ITEM_KEYS = {"index", "key", "prompt", "answer", "generated", "correct", "buckets"}
 
 
@@ -71,17 +79,26 @@ def one_thread():
 @pytest.fixture(scope="module")
 def manifest(tmp_path_factory) -> Path:
     return write_derived(
-        tmp_path_factory.mktemp("capability") / "finetune.yaml", MANIFESTS / "tiny-gpt-cpu.yaml",
+        tmp_path_factory.mktemp("capability") / "finetune.yaml",
+        MANIFESTS / "tiny-gpt-cpu.yaml",
         {
-            **SMALL_MODEL, **SCHEDULE, "schedule.eval_iters": 2, "model.init_checkpoint": None,
-            "data.num_examples": 400, "optimizer.lr": 1e-4, "optimizer.min_lr": 1e-5,
+            **SMALL_MODEL,
+            **SCHEDULE,
+            "schedule.eval_iters": 2,
+            "model.init_checkpoint": None,
+            "data.num_examples": 400,
+            "optimizer.lr": 1e-4,
+            "optimizer.min_lr": 1e-5,
             "schedule.train_steps": 2 * N,
-            "schedule.eval_interval": N, "schedule.checkpoint_interval": N,
-            "telemetry.every_steps": 1, "telemetry.error_sample_every": 2,
-            "capability.interval": N, "capability.items": ITEMS,
+            "schedule.eval_interval": N,
+            "schedule.checkpoint_interval": N,
+            "telemetry.every_steps": 1,
+            "telemetry.error_sample_every": 2,
+            "capability.interval": N,
+            "capability.items": ITEMS,
             "capability.max_new_tokens": MAX_NEW,
         },
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(scope="module")
@@ -125,9 +142,15 @@ def _generate(
 ) -> list[list[int]]:
     with trainer._held_out():
         return generate(
-            trainer.model, prompts, max_new_tokens=max_new_tokens, seq_length=SEQ_LENGTH,
-            vocab_size=vocab_size, eod=EOD, fp8=trainer._fp8, length_multiple=length_multiple,
-        )  # fmt: skip
+            trainer.model,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            seq_length=SEQ_LENGTH,
+            vocab_size=vocab_size,
+            eod=EOD,
+            fp8=trainer._fp8,
+            length_multiple=length_multiple,
+        )
 
 
 def _reference(trainer, prompt: list[int], max_new_tokens: int = GENERATE) -> list[int]:
@@ -182,13 +205,22 @@ def test_batching_and_order_do_not_change_answers(trainer):
     # The same through the evaluation itself, at micro-batch sizes 4 (the manifest's) and 3.
     texts = [ByteTokenizer().decode(c) for c in together]
     for size in (4, 3):
-        manifest = derive(trainer.manifest, {
-            "schedule.micro_batch_size": size, "schedule.global_batch_size": 2 * size,
-            "capability.max_new_tokens": GENERATE,
-        }, "test")  # fmt: skip
+        manifest = derive(
+            trainer.manifest,
+            {
+                "schedule.micro_batch_size": size,
+                "schedule.global_batch_size": 2 * size,
+                "capability.max_new_tokens": GENERATE,
+            },
+            "test",
+        )
         with trainer._held_out():
             predictions = evaluate_capability(
-                trainer.model, trainer.capability_examples, manifest, trainer.tokenizer, fp8=trainer._fp8
+                trainer.model,
+                trainer.capability_examples,
+                manifest,
+                trainer.tokenizer,
+                fp8=trainer._fp8,
             )
         assert [p["generated"] for p in predictions] == texts
         assert [p["index"] for p in predictions] == list(range(ITEMS))
@@ -230,7 +262,10 @@ def test_padded_vocabulary_ids_are_never_produced(manifest, tmp_path):
         def answers():
             with trainer._held_out():
                 return evaluate_capability(
-                    trainer.model, trainer.capability_examples, trainer.manifest, trainer.tokenizer,
+                    trainer.model,
+                    trainer.capability_examples,
+                    trainer.manifest,
+                    trainer.tokenizer,
                     fp8=trainer._fp8,
                 )
 
@@ -264,13 +299,14 @@ def test_items_are_the_first_of_the_eval_split(manifest):
     assert capability_examples(build_data(no_eval), no_eval.capability, ByteTokenizer()) == []
 
 
-def test_more_items_than_the_eval_split_holds_are_said_not_silently_cut(manifest, tmp_path,
-                                                                        capsys):  # fmt: skip
+def test_more_items_than_the_eval_split_holds_are_said_not_silently_cut(manifest, tmp_path, capsys):
     with _trainer(manifest, tmp_path / "run", {"capability.items": 100_000}) as trainer:
         held_out = len(trainer.data.eval)
         assert len(trainer.capability_examples) == held_out
-    assert (f"warning: capability.items is 100000, but the eval split holds {held_out} items; "
-            "all of them are evaluated") in capsys.readouterr().err  # fmt: skip
+    assert (
+        f"warning: capability.items is 100000, but the eval split holds {held_out} items; "
+        "all of them are evaluated"
+    ) in capsys.readouterr().err
     with _trainer(manifest, tmp_path / "run2"):
         pass
     assert "capability.items" not in capsys.readouterr().err
@@ -299,10 +335,16 @@ def test_answers_longer_than_max_new_tokens_are_refused(manifest):
 
 def test_text_data_has_no_capability_evaluation(tmp_path):
     manifest = write_derived(
-        tmp_path / "base.yaml", MANIFESTS / "tiny-gpt-cpu-base.yaml",
-        {**SMALL_MODEL, **SCHEDULE, "schedule.train_steps": 1, "schedule.eval_iters": 1,
-         "capability.interval": 1},
-    )  # fmt: skip
+        tmp_path / "base.yaml",
+        MANIFESTS / "tiny-gpt-cpu-base.yaml",
+        {
+            **SMALL_MODEL,
+            **SCHEDULE,
+            "schedule.train_steps": 1,
+            "schedule.eval_iters": 1,
+            "capability.interval": 1,
+        },
+    )
     result = run_training(manifest, tmp_path / "run", progress=False)
     assert result.capability_accuracy is None
     assert not (tmp_path / "run" / "capability.jsonl").exists()
@@ -335,9 +377,10 @@ def test_records_have_the_schema_and_add_up(straight):
             name, value = bucket.split("=")
             mine = [p for p in predictions if p["buckets"][name] == value]
             assert cell == {
-                "items": len(mine), "correct": sum(p["correct"] for p in mine),
+                "items": len(mine),
+                "correct": sum(p["correct"] for p in mine),
                 "accuracy": sum(p["correct"] for p in mine) / len(mine),
-            }  # fmt: skip
+            }
     events = [
         e for e in read_jsonl(straight / "events.jsonl") if e["event"] == "capability_evaluated"
     ]
@@ -353,14 +396,16 @@ def test_score_counts_per_bucket():
         {"correct": True, "buckets": {"task": "sort", "format": "terse"}},
     ]
     assert score(predictions) == {
-        "items": 3, "correct": 2, "accuracy": 2 / 3,
+        "items": 3,
+        "correct": 2,
+        "accuracy": 2 / 3,
         "buckets": {
             "format=terse": {"items": 2, "correct": 2, "accuracy": 1.0},
             "format=verbose": {"items": 1, "correct": 0, "accuracy": 0.0},
             "task=add": {"items": 2, "correct": 1, "accuracy": 0.5},
             "task=sort": {"items": 1, "correct": 1, "accuracy": 1.0},
         },
-    }  # fmt: skip
+    }
 
 
 def test_read_capability_takes_the_latest_line_per_step_and_skips_a_torn_one(tmp_path):
@@ -412,8 +457,9 @@ def test_capability_evaluation_does_not_change_training(manifest, straight, tmp_
         ma, mb = (read_meta(run / "checkpoints" / checkpoint_name(step)) for run in (straight, off))
         assert ma.fp8.digests == mb.fp8.digests
         assert ma.weights_fingerprint == mb.weights_fingerprint
-        files = [{k: f["sha256"] for k, f in m.files.items() if k.endswith(".distcp")}
-                 for m in (ma, mb)]  # fmt: skip
+        files = [
+            {k: f["sha256"] for k, f in m.files.items() if k.endswith(".distcp")} for m in (ma, mb)
+        ]
         assert files[0] == files[1]
     ta, tb = _telemetry(straight), _telemetry(off)  # the evaluation's casts are not recorded
     for module in ta:
@@ -441,10 +487,21 @@ def test_stop_and_resume_gives_the_straight_runs_records(manifest, straight, tmp
 @pytest.mark.slow
 def test_tp2_ranks_produce_the_same_answers(manifest, straight, tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         __file__, str(manifest), str(tmp_path)],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            __file__,
+            str(manifest),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert rank0 == rank1
@@ -473,7 +530,11 @@ def _tp2_worker(manifest_file: Path, out: Path) -> None:
         trainer.train()
         with trainer._held_out():
             predictions = evaluate_capability(
-                trainer.model, trainer.capability_examples, manifest, trainer.tokenizer, fp8=trainer._fp8
+                trainer.model,
+                trainer.capability_examples,
+                manifest,
+                trainer.tokenizer,
+                fp8=trainer._fp8,
             )
         (out / f"rank{ranks.rank}.json").write_text(json.dumps(predictions))
     finally:

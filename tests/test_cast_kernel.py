@@ -57,14 +57,26 @@ def _interpreter_broken() -> str | None:
     _, fold = cast_kernel._kernels()
     try:
         unused = torch.ones(3)  # the count buffers, which COUNT=False leaves alone
-        fold[(1,)](torch.ones(3), 3, torch.zeros(2), 0, unused, unused, unused, BLOCK=4,
-                   COUNT=False, COUNT_BITS=16)  # fmt: skip
+        fold[(1,)](
+            torch.ones(3),
+            3,
+            torch.zeros(2),
+            0,
+            unused,
+            unused,
+            unused,
+            BLOCK=4,
+            COUNT=False,
+            COUNT_BITS=16,
+        )
     except triton.runtime.errors.InterpreterError as exc:
         # Only that known failure skips; any other error is the kernel's, for the tests to show.
         if not (isinstance(exc.__cause__, TypeError) and "0-dimensional" in str(exc)):
             raise
-        return (f"Triton {triton.__version__}'s interpreter cannot run the kernels with numpy "
-                f"{np.__version__}: {exc}"[:300])  # fmt: skip
+        return (
+            f"Triton {triton.__version__}'s interpreter cannot run the kernels with numpy "
+            f"{np.__version__}: {exc}"[:300]
+        )
     return None
 
 
@@ -77,9 +89,21 @@ def exact_inputs(fp8, scale: float, dtype: torch.dtype, shape: tuple[int, int]) 
     values = values[torch.isfinite(values)]
     tiny = values[values > 0].min() / 4  # a quarter of the smallest subnormal: casts to zero
     values = values / scale
-    specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"),
-                             2 * fp8.max / scale, -3 * fp8.max / scale, 3e38,
-                             tiny / scale, -tiny / scale, tiny / 2 / scale])  # fmt: skip
+    specials = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            float("inf"),
+            -float("inf"),
+            float("nan"),
+            2 * fp8.max / scale,
+            -3 * fp8.max / scale,
+            3e38,
+            tiny / scale,
+            -tiny / scale,
+            tiny / 2 / scale,
+        ]
+    )
     pattern = torch.cat([values, specials])
     count = shape[0] * shape[1]
     tiled = pattern.repeat(-(-count // pattern.numel()))[:count]
@@ -125,10 +149,14 @@ def test_the_kernel_casts_transposes_and_records_as_the_eager_cast(interpreted, 
 
 @pytest.mark.parametrize(
     ("fp8", "dtype", "scale", "transposed"),
-    [(E4M3, torch.bfloat16, 1.0, True), (E4M3, torch.float32, 2.0**-6, False),
-     (E5M2, torch.bfloat16, 16.0, False), (E5M2, torch.float32, 1.0, True)],
+    [
+        (E4M3, torch.bfloat16, 1.0, True),
+        (E4M3, torch.float32, 2.0**-6, False),
+        (E5M2, torch.bfloat16, 16.0, False),
+        (E5M2, torch.float32, 1.0, True),
+    ],
     ids=["e4m3-bf16-transposed", "e4m3-fp32-plain", "e5m2-bf16-plain", "e5m2-fp32-transposed"],
-)  # fmt: skip
+)
 def test_the_counting_kernel_counts_what_the_eager_cast_counts(
     interpreted, fp8, dtype, scale, transposed
 ):
@@ -157,8 +185,9 @@ def test_the_fold_adds_up_counts_over_several_loops(interpreted, monkeypatch):
     monkeypatch.setattr(cast_kernel, "FOLD_BLOCK", 8)
     x = torch.ones(130, 200)  # 3 x 4 tiles of 64 x 64
     x[129, 199], x[128, 198], x[129, 198], x[128, 197] = -900.0, float("nan"), 1e-12, -float("inf")
-    got, want, got_history, want_history = both(x, torch.zeros(2, 3), torch.ones(3), 0, E4M3,
-                                                False, True)  # fmt: skip
+    got, want, got_history, want_history = both(
+        x, torch.zeros(2, 3), torch.ones(3), 0, E4M3, False, True
+    )
     assert got[1] == float("inf") and same_bits(got_history, want_history)
     assert got[2].tolist() == want[2].tolist() == [2, 1, 1, 1]  # -900 and -inf saturate
 
@@ -234,8 +263,10 @@ def test_a_history_not_aligned_to_16_bytes_is_folded_by_torch(interpreted, monke
     monkeypatch.setattr(cast_kernel, "_kernels", lambda: (cast, Spy()))
     x = torch.linspace(-600.0, 200.0, 64 * 64).reshape(64, 64)  # amax 600
     args = (torch.ones(3), 1, E4M3.max, E4M3.torch_dtype, False)
-    for kernel, eager in ((cast_kernel.cast_and_record, _cast_and_record),
-                          (cast_kernel.cast_record_and_count, _cast_record_and_count)):  # fmt: skip
+    for kernel, eager in (
+        (cast_kernel.cast_and_record, _cast_and_record),
+        (cast_kernel.cast_record_and_count, _cast_record_and_count),
+    ):
         buffer = torch.zeros(1 + 2 * 3)
         history = buffer[1:].view(2, 3)  # 4 bytes into its storage
         history[0] = torch.tensor([1.0, float("nan"), 1e30])
@@ -328,19 +359,38 @@ def test_for_hopper_the_kernel_compiles_to_one_conversion_vector_access_and_no_f
     aligned = [["tt.divisibility", 16]]
     source = ASTSource(
         fn=cast,
-        signature={"x_ptr": "*bf16", "scale_ptr": "*fp32", "slot": "i32", "data_ptr": f"*{fp8}",
-                   "data_t_ptr": f"*{fp8}", "partial_ptr": "*fp32", "counts_ptr": "*i64",
-                   "rows": "i32", "cols": "i32", "fp8_max": "fp32", "FP8": "constexpr",
-                   "TRANSPOSED": "constexpr", "COUNT": "constexpr", "COUNT_BITS": "constexpr",
-                   "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"},
-        constexprs={"FP8": getattr(tl, "float8e4nv" if fp8 == "fp8e4nv" else "float8e5"),
-                    "TRANSPOSED": True, "COUNT": count, "COUNT_BITS": cast_kernel.COUNT_BITS,
-                    "BLOCK_R": 64, "BLOCK_C": 64},
+        signature={
+            "x_ptr": "*bf16",
+            "scale_ptr": "*fp32",
+            "slot": "i32",
+            "data_ptr": f"*{fp8}",
+            "data_t_ptr": f"*{fp8}",
+            "partial_ptr": "*fp32",
+            "counts_ptr": "*i64",
+            "rows": "i32",
+            "cols": "i32",
+            "fp8_max": "fp32",
+            "FP8": "constexpr",
+            "TRANSPOSED": "constexpr",
+            "COUNT": "constexpr",
+            "COUNT_BITS": "constexpr",
+            "BLOCK_R": "constexpr",
+            "BLOCK_C": "constexpr",
+        },
+        constexprs={
+            "FP8": getattr(tl, "float8e4nv" if fp8 == "fp8e4nv" else "float8e5"),
+            "TRANSPOSED": True,
+            "COUNT": count,
+            "COUNT_BITS": cast_kernel.COUNT_BITS,
+            "BLOCK_R": 64,
+            "BLOCK_C": 64,
+        },
         attrs={(i,): aligned for i in (0, 1, 3, 4, 5, 6, 7, 8)},
-    )  # fmt: skip
+    )
     try:
-        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                             options={"num_warps": cast_kernel.NUM_WARPS}).asm["ptx"]  # fmt: skip
+        ptx = triton.compile(
+            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": cast_kernel.NUM_WARPS}
+        ).asm["ptx"]
     except Exception as exc:  # noqa: BLE001 - a Triton without its NVIDIA toolchain
         pytest.skip(f"Triton cannot compile for sm_90 here: {type(exc).__name__}: {exc}"[:200])
     name = "e4m3" if fp8 == "fp8e4nv" else "e5m2"

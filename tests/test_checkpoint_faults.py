@@ -9,6 +9,7 @@ model is tests/test_train.py's small one (tests/checkpoint_support.py); its fine
 checkpoints after every step and keeps two, so a run spends about half its time saving.
 """
 
+import contextlib
 import gc
 import importlib.util
 import json
@@ -144,8 +145,9 @@ def test_kill_9_during_saves_leaves_a_whole_latest_and_the_resumed_run_is_bit_id
         _assert_every_checkpoint_whole(run, cli)
         hidden = sorted(p.name for p in store.path.iterdir() if p.name.startswith("."))
         newest = store.complete()[-1].name
-        after_kills.append((f"step {target} {trigger} +{delay:.3f} s", store.latest().name,
-                            newest, hidden))  # fmt: skip
+        after_kills.append(
+            (f"step {target} {trigger} +{delay:.3f} s", store.latest().name, newest, hidden)
+        )
 
     print("\nkilled at: latest, newest complete, hidden leftovers")
     for when, latest, newest, hidden in after_kills:
@@ -189,8 +191,9 @@ def _inode(path: Path) -> int | None:
         return None
 
 
-def _wait_until(pid: int, log: Path, run: Path, trigger: str, step: int, *, logged: int,
-                stale: int | None) -> None:  # fmt: skip
+def _wait_until(
+    pid: int, log: Path, run: Path, trigger: str, step: int, *, logged: int, stale: int | None
+) -> None:
     """Poll every millisecond, while the process ``pid`` runs (up to 120 s), until it has
     logged ``step`` (a metrics line after the first ``logged``) or saved it (a checkpoint
     directory other than ``stale``)."""
@@ -202,8 +205,10 @@ def _wait_until(pid: int, log: Path, run: Path, trigger: str, step: int, *, logg
         else _inode(checkpoint) not in (None, stale)
     ):
         if not _running(pid):
-            pytest.fail(f"the training process ended before step {step} was {trigger}:\n"
-                        f"{log.read_text()[-3000:]}")  # fmt: skip
+            pytest.fail(
+                f"the training process ended before step {step} was {trigger}:\n"
+                f"{log.read_text()[-3000:]}"
+            )
         if time.monotonic() > deadline:
             pytest.fail(f"step {step} not {trigger} within 120 s:\n{log.read_text()[-3000:]}")
         time.sleep(0.001)
@@ -236,9 +241,11 @@ class Saver:
 
     def __init__(self):
         self.server = subprocess.Popen(
-            [sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, str(WORKER)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         self.children: set[int] = set()
 
     def start(self, log: Path, *args) -> int:
@@ -260,10 +267,8 @@ class Saver:
 
     def close(self) -> None:
         for pid in self.children:  # left running by a failed test
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self.server.stdin.close()
         try:
             self.server.wait(timeout=30)
@@ -300,11 +305,14 @@ def _flip_bytes(path: Path) -> None:
         ("*.distcp", _truncate, r"\d+ bytes, but it was saved with \d+ \(truncated or replaced\)"),
         ("*.distcp", _flip_bytes, r"its content changed since it was saved \(sha256 mismatch\)"),
         ("metadata.json", Path.unlink, "missing"),  # Megatron's (0.19 writes no common.pt)
-        ("stray.bin", lambda path: path.write_text("left by hand\n"),
-         "not part of the checkpoint as saved"),
+        (
+            "stray.bin",
+            lambda path: path.write_text("left by hand\n"),
+            "not part of the checkpoint as saved",
+        ),
     ],
     ids=["truncated", "changed-bytes", "missing", "extra"],
-)  # fmt: skip
+)
 def test_a_damaged_file_is_named_with_the_previous_checkpoint_to_resume_from(
     run, reference, cli, pattern, damage, problem
 ):
@@ -335,11 +343,13 @@ def test_a_damaged_file_is_named_with_the_previous_checkpoint_to_resume_from(
     ("damage", "problem"),
     [
         (lambda path: path.write_text(path.read_text()[:200]), "not valid JSON"),
-        (lambda path: edit_meta(path.parent, lambda meta: meta.pop("sampler")),
-         "sampler: Field required"),
+        (
+            lambda path: edit_meta(path.parent, lambda meta: meta.pop("sampler")),
+            "sampler: Field required",
+        ),
     ],
     ids=["not-json", "missing-field"],
-)  # fmt: skip
+)
 def test_a_damaged_checkpoint_record_is_named(run, cli, damage, problem):
     record = run / "checkpoints" / LATEST / META_FILE
     damage(record)
@@ -394,10 +404,17 @@ def test_a_metadata_pickle_naming_a_class_a_metadata_module_only_imports_is_refu
     # it: a class, found in an allowed module, and no checkpoint metadata.
     path = b"/tmp"
     index.write_bytes(
-        pickle.PROTO + b"\x03" + pickle.GLOBAL + b"torch.distributed.checkpoint.filesystem\nPath\n"
-        + pickle.BINUNICODE + struct.pack("<I", len(path)) + path + pickle.TUPLE1 + pickle.REDUCE
+        pickle.PROTO
+        + b"\x03"
+        + pickle.GLOBAL
+        + b"torch.distributed.checkpoint.filesystem\nPath\n"
+        + pickle.BINUNICODE
+        + struct.pack("<I", len(path))
+        + path
+        + pickle.TUPLE1
+        + pickle.REDUCE
         + pickle.STOP
-    )  # fmt: skip
+    )
     rehash(latest, ".metadata")
     listed = cli("checkpoints", "list", run, "--verify")
     assert re.search(rf"^\*\s+{LATEST}\s.*DAMAGED", listed.out, re.MULTILINE), listed.out
@@ -440,7 +457,9 @@ def test_a_second_rewind_past_a_step_keeps_both_abandoned_checkpoints(tmp_path):
     superseded = store.path / "superseded"
     assert moved == [superseded / f"{checkpoint_name(2)}.2"]
     assert sorted((p.name, (p / "what").read_text()) for p in superseded.iterdir()) == [
-        (checkpoint_name(2), "abandoned once"), (f"{checkpoint_name(2)}.2", "abandoned twice")]
+        (checkpoint_name(2), "abandoned once"),
+        (f"{checkpoint_name(2)}.2", "abandoned twice"),
+    ]
     assert store.latest() == store.path / checkpoint_name(1)
 
 
@@ -457,8 +476,7 @@ def test_a_save_cut_between_its_two_renames_keeps_the_previous_copy(run, referen
     ), refused.err
     # Resumed from the one before instead, the next save keeps the copy in superseded/.
     gc.collect()
-    resumed = cli("resume", run, "--checkpoint", PREVIOUS, "--stop-at", PAUSED_AT,
-                  "--no-progress")  # fmt: skip
+    resumed = cli("resume", run, "--checkpoint", PREVIOUS, "--stop-at", PAUSED_AT, "--no-progress")
     assert resumed.code == 0, resumed.err
     kept = checkpoints / "superseded" / LATEST
     assert not aside.exists() and kept.is_dir()
@@ -545,8 +563,10 @@ def test_train_into_a_run_being_trained_now_is_refused_as_such(run, manifest, cl
 def test_an_unreadable_base_checkpoint_is_named_with_its_field(manifest, tmp_path, cli):
     base = Path(load_manifest(manifest).model.init_checkpoint)
     damaged = Path(shutil.copytree(base, tmp_path / "base"))
-    shard = max((p for p in damaged.rglob("*") if p.is_file() and p.suffix == ".distcp"),
-                key=lambda p: p.stat().st_size)  # fmt: skip
+    shard = max(
+        (p for p in damaged.rglob("*") if p.is_file() and p.suffix == ".distcp"),
+        key=lambda p: p.stat().st_size,
+    )
     shard.write_bytes(shard.read_bytes()[:100])
     edited = write_manifest(
         derive(load_manifest(manifest), {"model.init_checkpoint": str(damaged)}, "test"),
@@ -556,8 +576,11 @@ def test_an_unreadable_base_checkpoint_is_named_with_its_field(manifest, tmp_pat
     assert refused.code == 2, refused.err
     # What torch's reader raises for a cut shard depends on the megatron-core version.
     unreadable = r"(EOFError|RuntimeError: PytorchStreamReader failed reading zip archive)"
-    assert re.search(f"model.init_checkpoint '{re.escape(str(damaged))}': its weights cannot be "
-                     f"read \\({unreadable}", refused.err), refused.err  # fmt: skip
+    assert re.search(
+        f"model.init_checkpoint '{re.escape(str(damaged))}': its weights cannot be "
+        f"read \\({unreadable}",
+        refused.err,
+    ), refused.err
     assert "Traceback" not in refused.err
 
 
@@ -570,9 +593,12 @@ def test_resume_of_what_is_not_a_resumable_run_says_what_it_is(tmp_path, cli):
     for path, says in [
         (tmp_path / "typo", "does not exist: give the run directory to resume"),
         (file, "is a file: give the run directory to resume"),
-        (early, f"stopped before its first one. Start it over with `fp8ops train MANIFEST "
-                f"--resume --run-dir {early}`"),
-    ]:  # fmt: skip
+        (
+            early,
+            f"stopped before its first one. Start it over with `fp8ops train MANIFEST "
+            f"--resume --run-dir {early}`",
+        ),
+    ]:
         refused = cli("resume", path, "--no-progress")
         assert refused.code == 2 and says in refused.err, refused.err
 
@@ -607,14 +633,22 @@ def test_a_stop_alert_at_the_last_step_is_finished_with_its_evaluations(referenc
 
 def _stop(run: Path, step: int = PAUSED_AT) -> None:
     """Mark ``run`` as a Stop alert halts it: a checkpoint of the step, status ``stopped``."""
-    alert = {"step": step, "level": "stop", "rule": "saturation",
-             "module": "decoder.layers.0.mlp.linear_fc1", "metric": "input.saturation",
-             "message": "input.saturation 0.05 > 0.01 for 3 consecutive measured steps"}  # fmt: skip
+    alert = {
+        "step": step,
+        "level": "stop",
+        "rule": "saturation",
+        "module": "decoder.layers.0.mlp.linear_fc1",
+        "metric": "input.saturation",
+        "message": "input.saturation 0.05 > 0.01 for 3 consecutive measured steps",
+    }
     last = run / "checkpoints" / checkpoint_name(step)
     edit_meta(last, lambda meta: meta.update(reason="alert-stop: saturation"))
     status = json.loads((run / "status.json").read_text())
-    (run / "status.json").write_text(json.dumps(
-        {**status, "state": "stopped", "step": step, "alert": alert, "checkpoint": last.name}))
+    (run / "status.json").write_text(
+        json.dumps(
+            {**status, "state": "stopped", "step": step, "alert": alert, "checkpoint": last.name}
+        )
+    )
 
 
 def test_a_stopped_run_resumes_only_when_something_answers_the_stop(run, manifest, cli):
@@ -627,8 +661,11 @@ def test_a_stopped_run_resumes_only_when_something_answers_the_stop(run, manifes
     for command in (("resume", run), ("train", manifest, "--resume", "--run-dir", run)):
         refused = cli(*command, "--no-progress")
         assert refused.code == 3, refused.err
-        assert (f"a Stop alert halted it at step {PAUSED_AT} (input.saturation 0.05 > 0.01"
-                in refused.err and "--after-stop" in refused.err), refused.err
+        assert (
+            f"a Stop alert halted it at step {PAUSED_AT} (input.saturation 0.05 > 0.01"
+            in refused.err
+            and "--after-stop" in refused.err
+        ), refused.err
     assert cli("resume", run, "--after-stop", " ", "--no-progress").code == 2
     assert _files(run) == before
     # From an older checkpoint too: it would train up to the same Stop.
@@ -649,8 +686,15 @@ def test_a_stopped_run_resumes_only_when_something_answers_the_stop(run, manifes
     ledger.approve(staged.id, who="ben")
     assert [o.module for o in plan_resume(run).applied_overrides] == [staged.module]
     # Resumed with a reason, the run records it and trains on.
-    resumed = cli("resume", run, "--after-stop", "a transient spike", "--stop-at", PAUSED_AT + 1,
-                  "--no-progress")  # fmt: skip
+    resumed = cli(
+        "resume",
+        run,
+        "--after-stop",
+        "a transient spike",
+        "--stop-at",
+        PAUSED_AT + 1,
+        "--no-progress",
+    )
     assert resumed.code == 0, resumed.err
     (event,) = [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "resumed"]
     assert event["after_stop"] == "a transient spike"
@@ -671,8 +715,15 @@ def test_data_pad_to_may_change_on_a_resume(run):
 
 def test_a_resume_past_a_shortened_schedule_trains_and_overwrites_nothing(run, cli):
     before = _files(run)
-    result = cli("resume", run, "--set", "schedule.train_steps=1", "--accept-drift", "shorter",
-                 "--no-progress")  # fmt: skip
+    result = cli(
+        "resume",
+        run,
+        "--set",
+        "schedule.train_steps=1",
+        "--accept-drift",
+        "shorter",
+        "--no-progress",
+    )
     assert result.code == 0 and "nothing to train" in result.err, result.err
     assert _files(run) == before
 
@@ -684,8 +735,10 @@ def test_a_resume_on_other_data_is_refused(run, cli):
     before = _files(run)
     refused = cli("resume", run, "--no-progress")
     assert refused.code == 4
-    assert ("the training data changed since the run started (data.kind tasks: run.json "
-            "records data fingerprint 000000000000, the data now hash to ") in refused.err
+    assert (
+        "the training data changed since the run started (data.kind tasks: run.json "
+        "records data fingerprint 000000000000, the data now hash to "
+    ) in refused.err
     assert _files(run) == before
 
 
@@ -697,8 +750,11 @@ def test_a_resume_refuses_an_edited_run_manifest_instead_of_writing_over_it(run,
     before = _files(run)
     other = run.parent / "other.yaml"  # the SLURM way: the manifest file the run started from
     shutil.copy(CheckpointDir(run).latest() / "manifest.yaml", other)
-    for command in (["resume", run], ["train", other, "--run-dir", run, "--resume"],
-                    ["resume", run, "--set", "optimizer.lr=0.003", "--accept-drift", "x"]):  # fmt: skip
+    for command in (
+        ["resume", run],
+        ["train", other, "--run-dir", run, "--resume"],
+        ["resume", run, "--set", "optimizer.lr=0.003", "--accept-drift", "x"],
+    ):
         refused = cli(*command, "--no-progress")
         assert refused.code == 4, refused.err
         assert f"refusing to resume: {file} was edited after the run wrote it:" in refused.err
@@ -738,8 +794,10 @@ def test_a_resume_refuses_a_run_another_job_moved_on_while_it_loaded(run, cli, m
     monkeypatch.setattr(Trainer, "_load_checkpoint", meanwhile)
     refused = cli("resume", run, "--no-progress")
     assert refused.code == 4, refused.err
-    assert (f"refusing to resume {run}: it moved on while this resume loaded {LATEST} (latest "
-            f"checkpoint {LATEST} -> {LATEST}, status paused -> completed)") in refused.err
+    assert (
+        f"refusing to resume {run}: it moved on while this resume loaded {LATEST} (latest "
+        f"checkpoint {LATEST} -> {LATEST}, status paused -> completed)"
+    ) in refused.err
     assert _files(run) == after_the_other_job  # nothing written by the refused resume
 
 
@@ -757,12 +815,22 @@ def test_a_run_manifest_holding_any_stored_revision_is_not_an_edit(run):
 
 def test_a_rewind_to_an_earlier_revision_moves_the_lock_back(run, manifest, cli):
     first = manifest_hash(load_manifest(run / "manifest.yaml"))
-    drifted = cli("resume", run, "--set", "optimizer.lr=0.001", "--accept-drift", "lower lr",
-                  "--stop-at", PAUSED_AT + 1, "--no-progress")  # fmt: skip
+    drifted = cli(
+        "resume",
+        run,
+        "--set",
+        "optimizer.lr=0.001",
+        "--accept-drift",
+        "lower lr",
+        "--stop-at",
+        PAUSED_AT + 1,
+        "--no-progress",
+    )
     assert drifted.code == 0, drifted.err
     assert manifest_hash(locked_manifest(run)) != first
-    back = cli("resume", run, "--checkpoint", PAUSED_AT, "--stop-at", PAUSED_AT + 1,
-               "--no-progress")  # fmt: skip
+    back = cli(
+        "resume", run, "--checkpoint", PAUSED_AT, "--stop-at", PAUSED_AT + 1, "--no-progress"
+    )
     assert back.code == 0, back.err
     assert manifest_hash(locked_manifest(run)) == first  # the file moved back with the lock
 
@@ -800,8 +868,15 @@ def test_an_edited_revision_is_refused_before_training(run, cli):
 def test_a_new_telemetry_block_size_needs_a_new_store(run, cli):
     blocks = load_manifest(run / "manifest.yaml").telemetry.flush_steps
     other = 1 if blocks != 1 else 2
-    args = ("--set", f"telemetry.flush_steps={other}", "--accept-drift", "fresher reads",
-            "--stop-at", PAUSED_AT + 1, "--no-progress")  # fmt: skip
+    args = (
+        "--set",
+        f"telemetry.flush_steps={other}",
+        "--accept-drift",
+        "fresher reads",
+        "--stop-at",
+        PAUSED_AT + 1,
+        "--no-progress",
+    )
     refused = cli("resume", run, *args)
     assert refused.code == 4
     store = run / "telemetry.zarr"
@@ -823,8 +898,9 @@ def zarr_chunk_steps(store: Path) -> int:
 
 
 def test_an_empty_drift_reason_is_refused(run, cli):
-    refused = cli("resume", run, "--set", "optimizer.lr=0.001", "--accept-drift", " ",
-                  "--no-progress")  # fmt: skip
+    refused = cli(
+        "resume", run, "--set", "optimizer.lr=0.001", "--accept-drift", " ", "--no-progress"
+    )
     assert refused.code == 2
     assert "--accept-drift: give the reason" in refused.err
 
@@ -840,10 +916,24 @@ def test_manifest_drift_is_refused_before_any_model_is_built(run, manifest, tmp_
     before = _files(run)
     started = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "fp8ops", "train", str(edited), "--resume",
-         "--run-dir", str(run), "--no-progress"],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-m",
+            "fp8ops",
+            "train",
+            str(edited),
+            "--resume",
+            "--run-dir",
+            str(run),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     seconds = time.perf_counter() - started
     print(f"refused in {seconds:.2f} s (with -X importtime)")
     assert done.returncode == 4, done.stderr[-3000:]
@@ -864,8 +954,9 @@ def test_environment_drift_is_refused_and_recorded_when_accepted(run, cli):
     assert _files(run) == before
 
     reason = "test: the same numerics on this torch"
-    accepted = cli("resume", run, "--accept-drift", reason, "--stop-at", PAUSED_AT + 1,
-                   "--no-progress")  # fmt: skip
+    accepted = cli(
+        "resume", run, "--accept-drift", reason, "--stop-at", PAUSED_AT + 1, "--no-progress"
+    )
     assert accepted.code == 0, accepted.err
     assert f"accepted drift: environment torch ({reason})" in accepted.out
     resumed = [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "resumed"]

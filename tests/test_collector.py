@@ -43,11 +43,17 @@ def setup():
 def make_setup():
     manifest = derive(
         load_manifest(TINY),
-        {"model.num_layers": 2, "model.hidden_size": 64, "model.ffn_hidden_size": 256,
-         "model.seq_length": 32, "model.init_checkpoint": None,
-         "telemetry.every_steps": 2, "telemetry.error_sample_every": 2},
+        {
+            "model.num_layers": 2,
+            "model.hidden_size": 64,
+            "model.ffn_hidden_size": 256,
+            "model.seq_length": 32,
+            "model.init_checkpoint": None,
+            "telemetry.every_steps": 2,
+            "telemetry.error_sample_every": 2,
+        },
         "collector test",
-    )  # fmt: skip
+    )
     recipe = DelayedScalingRecipe.from_precision(manifest.precision)
     model = build_gpt(manifest, recipe, device=DEVICE)
     modules = fp8_modules(model)
@@ -174,8 +180,13 @@ def test_an_unmeasured_step_reports_only_the_state(setup):
     row = run_step(model, scope, collector, 1, seed=0)
     qkv = "decoder.layers.1.self_attention.linear_qkv"
     assert math.isfinite(value(row, collector, qkv, "input.scale"))
-    for metric in ("input.saturation", "grad_output.nan", "input_norm", "grad_norm",
-                   "fp8_rel_error"):  # fmt: skip
+    for metric in (
+        "input.saturation",
+        "grad_output.nan",
+        "input_norm",
+        "grad_norm",
+        "fp8_rel_error",
+    ):
         assert math.isnan(value(row, collector, qkv, metric)), metric
     assert value(row, collector, qkv, "fp8_gemms") == 3 * MICRO_BATCHES  # counted every step
 
@@ -217,8 +228,12 @@ def previous_quantile(ordered: np.ndarray, q: float) -> float:
 def scalar_state_metrics(history: np.ndarray, scale: float, previous: float | None) -> dict:
     """One module slot's state metrics as the collector computed them before it was vectorised
     (its loop body, verbatim but for the names). ``history``: the float32 window, no row 0."""
-    values = {"amax": history[-1], "scale": scale, "scale_inv": 1.0 / scale,
-              "window_max": history.max()}  # fmt: skip
+    values = {
+        "amax": history[-1],
+        "scale": scale,
+        "scale_inv": 1.0 / scale,
+        "window_max": history.max(),
+    }
     seen = np.sort(history[history > 0])
     if seen.size:
         values["window_p50"] = previous_quantile(seen, 0.5)
@@ -238,8 +253,10 @@ def test_the_state_metrics_of_all_modules_equal_those_computed_one_by_one():
     recipe = DelayedScalingRecipe(amax_history_len=8)
     rng = np.random.default_rng(5)
     metas = [Fp8Meta.fresh(recipe) for _ in range(6)]
-    modules = {f"m{i}": SimpleNamespace(fp8_meta=m, fp8_enabled=True, probe=None)
-               for i, m in enumerate(metas)}  # fmt: skip
+    modules = {
+        f"m{i}": SimpleNamespace(fp8_meta=m, fp8_enabled=True, probe=None)
+        for i, m in enumerate(metas)
+    }
     collector = TelemetryCollector(modules, Telemetry(every_steps=1, error_sample_every=1))
     previous = None
     for _ in range(3):
@@ -259,11 +276,19 @@ def test_the_state_metrics_of_all_modules_equal_those_computed_one_by_one():
                 scale = float(state.scale[index])
                 current[(i, slot)] = scale
                 want = scalar_state_metrics(
-                    state.amax_history[1:, index].numpy(), scale,
+                    state.amax_history[1:, index].numpy(),
+                    scale,
                     None if previous is None else previous[(i, slot)],
-                )  # fmt: skip
-                for metric in ("amax", "scale", "scale_inv", "window_max", "window_p50",
-                               "window_p90", "scale_change"):  # fmt: skip
+                )
+                for metric in (
+                    "amax",
+                    "scale",
+                    "scale_inv",
+                    "window_max",
+                    "window_p50",
+                    "window_p90",
+                    "scale_change",
+                ):
                     got = row[i, COLUMN[f"{slot}.{metric}"]]
                     expected = np.float32(want.get(metric, np.nan))
                     assert got.tobytes() == expected.tobytes() or (
@@ -329,9 +354,12 @@ def test_on_a_gpu_end_step_does_not_stop_the_host():
     from fp8ops.precision.quantize import quantize
 
     recipe = DelayedScalingRecipe(amax_history_len=8)
-    modules = {f"m{i}": SimpleNamespace(fp8_meta=Fp8Meta.fresh(recipe), fp8_enabled=True,
-                                        weight=torch.ones(4, 4, device="cuda"))
-               for i in range(4)}  # fmt: skip
+    modules = {
+        f"m{i}": SimpleNamespace(
+            fp8_meta=Fp8Meta.fresh(recipe), fp8_enabled=True, weight=torch.ones(4, 4, device="cuda")
+        )
+        for i in range(4)
+    }
     for module in modules.values():
         for state in (module.fp8_meta.forward, module.fp8_meta.backward):
             state.amax_history = state.amax_history.cuda().uniform_()

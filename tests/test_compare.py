@@ -37,15 +37,26 @@ STEPS, EVAL_EVERY, CAPABILITY_EVERY, TOKENS = 40, 10, 20, 512
 MODULES = [
     f"decoder.layers.{layer}.{name}"
     for layer in (0, 1)
-    for name in ("self_attention.linear_qkv", "self_attention.linear_proj",
-                 "mlp.linear_fc1", "mlp.linear_fc2")
-]  # fmt: skip
+    for name in (
+        "self_attention.linear_qkv",
+        "self_attention.linear_proj",
+        "mlp.linear_fc1",
+        "mlp.linear_fc2",
+    )
+]
 WORST = "decoder.layers.1.mlp.linear_fc2"
 EARLY_WORST = "decoder.layers.0.self_attention.linear_qkv"  # bad early, fine in the last quarter
 COLUMN = {name: i for i, name in enumerate(MODULE_METRIC_NAMES)}
 ITEMS = 66  # task=add/reverse/sort: 22 each (gated); format=odd: 6 (under min_bucket_items)
-GATE_NAMES = ["reference", "completed", "loss_gap", "bucket_accuracy_gap", "finite",
-              "skipped_steps", "resume_continuity"]  # fmt: skip
+GATE_NAMES = [
+    "reference",
+    "completed",
+    "loss_gap",
+    "bucket_accuracy_gap",
+    "finite",
+    "skipped_steps",
+    "resume_continuity",
+]
 
 
 # --------------------------------------------------------------------------------------
@@ -60,10 +71,13 @@ def run_manifest(fp8: bool, changes: dict):
     key = (fp8, tuple(sorted(changes.items())))
     if key not in _manifests:
         all_changes = {
-            "schedule.train_steps": STEPS, "schedule.eval_interval": EVAL_EVERY,
-            "precision.enabled": fp8, "capability.interval": CAPABILITY_EVERY,
-            "gates.loss_gap": 0.01, **changes,
-        }  # fmt: skip
+            "schedule.train_steps": STEPS,
+            "schedule.eval_interval": EVAL_EVERY,
+            "precision.enabled": fp8,
+            "capability.interval": CAPABILITY_EVERY,
+            "gates.loss_gap": 0.01,
+            **changes,
+        }
         _manifests[key] = derive(load_manifest(BASE_MANIFEST), all_changes, "test: compare")
     return _manifests[key]
 
@@ -103,12 +117,16 @@ def make_run(
     digest = manifest_hash(manifest)
     write_manifest(manifest, path / "manifest.yaml")
     ManifestStore(path / "manifests").put(manifest)
-    write_json(path / "run.json", {
-        "manifest": digest, "seeds": {"data": data_seed, "model": 1234},
-        "data": {"fingerprint": fingerprint, "kind": "tasks", "objective": "sft"},
-        "model": {"initial_weights_fingerprint": initial_weights},
-        "topology": {"world_size": 1},
-    })  # fmt: skip
+    write_json(
+        path / "run.json",
+        {
+            "manifest": digest,
+            "seeds": {"data": data_seed, "model": 1234},
+            "data": {"fingerprint": fingerprint, "kind": "tasks", "objective": "sft"},
+            "model": {"initial_weights_fingerprint": initial_weights},
+            "topology": {"world_size": 1},
+        },
+    )
     status = {"state": state, "step": last_step, "manifest": digest, "updated": "now"}
     if state == "stopped":
         status["alert"] = {"message": f"step {last_step}: {WORST} weight.saturation 0.02 > 0.01"}
@@ -119,13 +137,22 @@ def make_run(
     metrics = []
     for step in range(1, last_step + 1):
         loss = 3.0 - 0.02 * step + (loss_jump if resume_at and step > resume_at else 0.0)
-        metrics.append({
-            "step": step, "loss": loss, "grad_norm": 1.0 + 0.01 * step,
-            "update_norm": 0.01 + 0.0001 * step, "lr": 1e-4, "skipped": False, "tokens": TOKENS,
-            "loss_tokens": 50, "seconds": 0.05, "tokens_per_s": 10240.0 + step,
-            "peak_memory_mib": 400.0 + (50 if fp8 else 0),
-            **(edits or {}).get(step, {}),
-        })  # fmt: skip
+        metrics.append(
+            {
+                "step": step,
+                "loss": loss,
+                "grad_norm": 1.0 + 0.01 * step,
+                "update_norm": 0.01 + 0.0001 * step,
+                "lr": 1e-4,
+                "skipped": False,
+                "tokens": TOKENS,
+                "loss_tokens": 50,
+                "seconds": 0.05,
+                "tokens_per_s": 10240.0 + step,
+                "peak_memory_mib": 400.0 + (50 if fp8 else 0),
+                **(edits or {}).get(step, {}),
+            }
+        )
     write_jsonl(path / "metrics.jsonl", metrics)
     evals = [
         {"step": s, "loss": 2.9 - 0.02 * s + eval_shift, "tokens": 76, "buckets": {}}
@@ -147,11 +174,17 @@ def make_run(
     if capability:
         for step in range(CAPABILITY_EVERY, last_step + 1, CAPABILITY_EVERY):
             predictions = [
-                {"index": i, "key": f"item-{i}", "prompt": f"q{i}", "answer": "a",
-                 "generated": "b" if i in wrong else "a", "correct": i not in wrong,
-                 "buckets": item_buckets(i)}
+                {
+                    "index": i,
+                    "key": f"item-{i}",
+                    "prompt": f"q{i}",
+                    "answer": "a",
+                    "generated": "b" if i in wrong else "a",
+                    "correct": i not in wrong,
+                    "buckets": item_buckets(i),
+                }
                 for i in range(ITEMS)
-            ]  # fmt: skip
+            ]
             write_capability(path, step, predictions, seconds=1.0)
     if telemetry if telemetry is not None else fp8:
         write_telemetry(path, last_step, kept_bf16, nan_at, digest)
@@ -176,27 +209,50 @@ def write_layers(path: Path, digest: str, fp8: bool, kept_bf16: tuple[str, ...])
     rows = []
     for fqn in MODULES:
         on = fp8 and fqn not in kept_bf16
-        rows.append(AdmissionRow.model_validate({
-            "fqn": fqn, "kind": fqn.rsplit("_", 1)[-1], "parallel": "column",
-            "global_shape": {"in": 64, "out": 64}, "rank_shape": {"in": 64, "out": 64},
-            "params_dtype": "bf16", "precision": "fp8" if on else "bf16",
-            "formats": {"forward": "E4M3", "backward": "E5M2"} if on else None,
-            "reason": {"code": "fp8" if on else "fp8_disabled", "text": "test"},
-        }))  # fmt: skip
-    recipe = RecipeRecord(fp8_format="hybrid", amax_history_len=16, amax_compute_algo="max",
-                          margin=0, reduce_amax=True)  # fmt: skip
+        rows.append(
+            AdmissionRow.model_validate(
+                {
+                    "fqn": fqn,
+                    "kind": fqn.rsplit("_", 1)[-1],
+                    "parallel": "column",
+                    "global_shape": {"in": 64, "out": 64},
+                    "rank_shape": {"in": 64, "out": 64},
+                    "params_dtype": "bf16",
+                    "precision": "fp8" if on else "bf16",
+                    "formats": {"forward": "E4M3", "backward": "E5M2"} if on else None,
+                    "reason": {"code": "fp8" if on else "fp8_disabled", "text": "test"},
+                }
+            )
+        )
+    recipe = RecipeRecord(
+        fp8_format="hybrid",
+        amax_history_len=16,
+        amax_compute_algo="max",
+        margin=0,
+        reduce_amax=True,
+    )
     document = LayersDocument(
-        schema_version=1, manifest_hash=digest, tensor_parallel=1,
-        table_hash=table_hash(tuple(rows), recipe), recipe=recipe, rows=tuple(rows),
-    )  # fmt: skip
+        schema_version=1,
+        manifest_hash=digest,
+        tensor_parallel=1,
+        table_hash=table_hash(tuple(rows), recipe),
+        recipe=recipe,
+        rows=tuple(rows),
+    )
     (path / "layers.json").write_text(document.model_dump_json(by_alias=True, indent=2))
 
 
 def write_telemetry(path, last_step, kept_bf16, nan_at, digest) -> None:
     """Errors sampled every 5 steps: WORST is worst over the last quarter (0.3), EARLY_WORST
     only before it (0.5); a BF16-kept module reports a large "error" it never ran with."""
-    with TelemetryWriter(path / "telemetry.zarr", rank=0, modules=MODULES, flush_every=8,
-                         steps_per_shard=16, attrs={"manifest": digest}) as writer:  # fmt: skip
+    with TelemetryWriter(
+        path / "telemetry.zarr",
+        rank=0,
+        modules=MODULES,
+        flush_every=8,
+        steps_per_shard=16,
+        attrs={"manifest": digest},
+    ) as writer:
         for step in range(1, last_step + 1):
             row = np.full((len(MODULES), len(MODULE_METRIC_NAMES)), np.nan, np.float32)
             for m, module in enumerate(MODULES):
@@ -220,8 +276,16 @@ def write_telemetry(path, last_step, kept_bf16, nan_at, digest) -> None:
 
 
 def underflow_alert(step: int = 35) -> Alert:
-    return Alert(step, "degrade", "underflow", WORST, "weight.underflow", 0.63, 0.05,
-                 f"{WORST} weight.underflow 0.63 above degrade 0.05")  # fmt: skip
+    return Alert(
+        step,
+        "degrade",
+        "underflow",
+        WORST,
+        "weight.underflow",
+        0.63,
+        0.05,
+        f"{WORST} weight.underflow 0.63 above degrade 0.05",
+    )
 
 
 def pair(tmp_path: Path, **candidate) -> tuple[Path, Path]:
@@ -273,13 +337,26 @@ def test_matching_runs_pass_every_gate_through_the_command(tmp_path, cli):
     }
     assert "gates: the runs' manifests" in result.out
     assert document["reference"] == {
-        "label": "bf16", "run_dir": str(reference), "status": "completed", "step": STEPS,
-        "clean": True, "problems": [], "manifest": manifest_hash(run_manifest(False, {})),
+        "label": "bf16",
+        "run_dir": str(reference),
+        "status": "completed",
+        "step": STEPS,
+        "clean": True,
+        "problems": [],
+        "manifest": manifest_hash(run_manifest(False, {})),
         "fp8_modules": 0,
-    }  # fmt: skip
+    }
     [entry] = document["candidates"]
-    assert {"label", "run_dir", "manifest", "verdict", "cause", "gates", "worst_bucket",
-            "worst_layer"} <= set(entry)  # fmt: skip
+    assert {
+        "label",
+        "run_dir",
+        "manifest",
+        "verdict",
+        "cause",
+        "gates",
+        "worst_bucket",
+        "worst_layer",
+    } <= set(entry)
     assert entry["label"] == "fp8" and entry["verdict"] == "pass" and entry["cause"] is None
     assert entry["fp8_modules"] == len(MODULES)
     assert [g["name"] for g in entry["gates"]] == GATE_NAMES
@@ -390,8 +467,9 @@ def test_a_reference_that_answered_nothing_right_measures_no_accuracy_drop(tmp_p
     assert verdict.capability["overall"]["reference_accuracy"] == 0  # still reported
     # One item right is a measurement: losing it is a drop (1/ITEMS overall, more in its bucket).
     one = make_run(tmp_path / "bf16-one", fp8=False, wrong=everything - {4})
-    bucket = gate(verdict_of(one, make_run(tmp_path / "fp8-one", wrong=everything)),
-                  "bucket_accuracy_gap")  # fmt: skip
+    bucket = gate(
+        verdict_of(one, make_run(tmp_path / "fp8-one", wrong=everything)), "bucket_accuracy_gap"
+    )
     assert bucket.value > 0 and "accuracy drop" in bucket.detail
 
 
@@ -428,8 +506,11 @@ def test_nonfinite_metrics_fail_unless_allowed(tmp_path):
     finite = gate(verdict_of(reference, candidate), "finite")
     assert not finite.passed and finite.value == 1 and finite.threshold is False
     assert finite.detail == "fp8 non-finite: loss or grad_norm at step 17"
-    allowed = make_run(tmp_path / "allowed", edits={17: {"grad_norm": None}},
-                       changes={"gates.allow_nonfinite": True})  # fmt: skip
+    allowed = make_run(
+        tmp_path / "allowed",
+        edits={17: {"grad_norm": None}},
+        changes={"gates.allow_nonfinite": True},
+    )
     finite = gate(verdict_of(reference, allowed, gates_from=allowed), "finite")
     assert finite.passed and "(allowed by gates.allow_nonfinite)" in finite.detail
 
@@ -452,8 +533,11 @@ def test_skipped_steps_fail_unless_allowed(tmp_path):
     assert skipped.detail == "2 optimizer steps skipped (steps 5, 6)"
     # As the trainer writes a skipped step: its gradient norm was not finite (JSON null). That is
     # the skipped_steps gate's to judge, so allowing skipped steps passes the run.
-    allowed = make_run(tmp_path / "allowed", edits={5: {"skipped": True, "grad_norm": None}},
-                       changes={"gates.allow_skipped_steps": True})  # fmt: skip
+    allowed = make_run(
+        tmp_path / "allowed",
+        edits={5: {"skipped": True, "grad_norm": None}},
+        changes={"gates.allow_skipped_steps": True},
+    )
     verdict = verdict_of(reference, allowed, gates_from=allowed)
     assert gate(verdict, "skipped_steps").passed and gate(verdict, "finite").passed
     assert verdict.passed
@@ -487,7 +571,9 @@ def test_a_missing_metrics_step_fails_instead_of_judging_an_earlier_evaluation(t
     lines = (candidate / "metrics.jsonl").read_text().splitlines()
     (candidate / "metrics.jsonl").write_text("\n".join(lines[:34] + lines[35:]) + "\n")
     verdict = verdict_of(reference, candidate)
-    assert gate(verdict, "completed").detail == "fp8 metrics.jsonl lacks step 35; the log is damaged"
+    assert (
+        gate(verdict, "completed").detail == "fp8 metrics.jsonl lacks step 35; the log is damaged"
+    )
     loss = gate(verdict, "loss_gap")
     assert not loss.passed and loss.detail == (
         "the candidate's last evaluation (step 40) has no reference evaluation after equal "
@@ -499,10 +585,17 @@ def test_a_missing_metrics_step_fails_instead_of_judging_an_earlier_evaluation(t
 def answer_other_items(run: Path, shift: int) -> None:
     """Re-record the run's capability at step 40 with the held-out items' indices shifted."""
     predictions = [
-        {"index": i + shift, "key": f"item-{i}", "prompt": f"q{i}", "answer": "a",
-         "generated": "b" if i < 30 else "a", "correct": i >= 30, "buckets": item_buckets(i)}
+        {
+            "index": i + shift,
+            "key": f"item-{i}",
+            "prompt": f"q{i}",
+            "answer": "a",
+            "generated": "b" if i < 30 else "a",
+            "correct": i >= 30,
+            "buckets": item_buckets(i),
+        }
         for i in range(ITEMS)
-    ]  # fmt: skip
+    ]
     write_capability(run, STEPS, predictions, seconds=1.0)
 
 
@@ -539,22 +632,27 @@ def test_a_reference_whose_held_out_loss_is_not_finite_is_not_clean(tmp_path):
 
 def test_resume_continuity(tmp_path):
     reference = make_run(tmp_path / "bf16", fp8=False)
-    smooth = gate(verdict_of(reference, make_run(tmp_path / "a", resume_at=20)),
-                  "resume_continuity")  # fmt: skip
+    smooth = gate(
+        verdict_of(reference, make_run(tmp_path / "a", resume_at=20)), "resume_continuity"
+    )
     # The loss keeps falling across the resume (-0.2 over the windows), as the reference's does.
     assert smooth.passed and smooth.value == pytest.approx(0.0, abs=1e-9)
     assert smooth.detail == "resumed at step 20, steps contiguous; largest loss change 0 <= 0.1"
 
     # The whole jump counts, not the jump less the fall the loss would have made anyway (0.3).
-    jump = gate(verdict_of(reference, make_run(tmp_path / "b", resume_at=20, loss_jump=0.5)),
-                "resume_continuity")  # fmt: skip
+    jump = gate(
+        verdict_of(reference, make_run(tmp_path / "b", resume_at=20, loss_jump=0.5)),
+        "resume_continuity",
+    )
     assert not jump.passed and jump.value == pytest.approx(0.5) and jump.threshold == 0.1
     assert jump.detail == (
         "resume: mean loss rose 0.5 > 0.1 more than the reference's over the 10 steps after the "
         "resume at step 20 (step_00000020)"
     )
-    small = gate(verdict_of(reference, make_run(tmp_path / "s", resume_at=20, loss_jump=0.25)),
-                 "resume_continuity")  # fmt: skip
+    small = gate(
+        verdict_of(reference, make_run(tmp_path / "s", resume_at=20, loss_jump=0.25)),
+        "resume_continuity",
+    )
     assert not small.passed  # under the fall of the loss (0.2 over the windows), once hidden
 
     unrecorded = make_run(tmp_path / "c", resume_at=20, resume_event=False)
@@ -567,8 +665,12 @@ def test_resume_continuity(tmp_path):
     detail = gate(verdict_of(reference, holes), "resume_continuity").detail
     assert detail == "resume: metrics.jsonl lacks steps 21, 22, 23"
 
-    off = make_run(tmp_path / "e", resume_at=20, loss_jump=0.5,
-                   changes={"gates.require_resume_continuity": False})  # fmt: skip
+    off = make_run(
+        tmp_path / "e",
+        resume_at=20,
+        loss_jump=0.5,
+        changes={"gates.require_resume_continuity": False},
+    )
     assert gate(verdict_of(reference, off, gates_from=off), "resume_continuity").passed
 
 
@@ -576,8 +678,10 @@ def test_a_reference_that_resumed_at_the_same_step_is_no_baseline_for_the_jump(t
     """Both resumed at step 20 with the same jump: the reference's change would cancel the
     candidate's, so the candidate's own change is judged."""
     reference = make_run(tmp_path / "bf16", fp8=False, resume_at=20, loss_jump=0.5)
-    resume = gate(verdict_of(reference, make_run(tmp_path / "fp8", resume_at=20, loss_jump=0.5)),
-                  "resume_continuity")  # fmt: skip
+    resume = gate(
+        verdict_of(reference, make_run(tmp_path / "fp8", resume_at=20, loss_jump=0.5)),
+        "resume_continuity",
+    )
     assert not resume.passed and resume.value == pytest.approx(0.3)
 
 
@@ -594,8 +698,9 @@ def test_a_completed_candidate_is_judged_on_its_last_capability_evaluation(tmp_p
 
 
 def test_a_broken_reference_fails_every_candidate(tmp_path, cli):
-    reference = make_run(tmp_path / "bf16", fp8=False, state="failed", last_step=30,
-                         edits={12: {"loss": math.inf}})  # fmt: skip
+    reference = make_run(
+        tmp_path / "bf16", fp8=False, state="failed", last_step=30, edits={12: {"loss": math.inf}}
+    )
     a, b = make_run(tmp_path / "a"), make_run(tmp_path / "b")
     result = cli("compare", reference, a, b, "--no-png")
     assert result.code == 1, result.out + result.err
@@ -622,8 +727,11 @@ def test_worst_layer_is_the_fp8_module_worst_over_the_last_quarter(tmp_path):
     assert layer["module"] == WORST
     assert layer["fp8_error"] == pytest.approx(0.3) and layer["error_samples"] == 2
     assert layer["steps"] == [31, 40] and layer["error_steps"] == [31, 40]
-    assert layer["underflow"] == {"input": pytest.approx(0.01), "weight": pytest.approx(0.63),
-                                  "grad_output": pytest.approx(0.01)}  # fmt: skip
+    assert layer["underflow"] == {
+        "input": pytest.approx(0.01),
+        "weight": pytest.approx(0.63),
+        "grad_output": pytest.approx(0.01),
+    }
     assert layer["saturation"]["input"] == pytest.approx(0.001)
     assert [a["step"] for a in layer["alerts"]] == [35]
 
@@ -657,33 +765,54 @@ def tamper_predictions(run: Path) -> None:
 
 BAD_INPUTS = {
     "missing": (lambda fp8: shutil.rmtree(fp8), "{fp8}: no such directory; give run directories"),
-    "not a run": (lambda fp8: [p.unlink() for p in fp8.glob("*.json*") if p.is_file()],
-                  "{fp8}: not an fp8ops run directory (no status.json)"),
-    "damaged metrics": (damage_metrics,
-                        "{fp8}/metrics.jsonl:5: not valid JSON; the file is damaged"),
-    "metrics field": (lambda fp8: drop_field(fp8, "metrics.jsonl", "tokens"),
-                      "{fp8}/metrics.jsonl: record 3: no 'tokens' field; the file is damaged"),
-    "damaged run.json": (lambda fp8: (fp8 / "run.json").write_text("{"),
-                         "{fp8}/run.json: cannot be read"),
+    "not a run": (
+        lambda fp8: [p.unlink() for p in fp8.glob("*.json*") if p.is_file()],
+        "{fp8}: not an fp8ops run directory (no status.json)",
+    ),
+    "damaged metrics": (
+        damage_metrics,
+        "{fp8}/metrics.jsonl:5: not valid JSON; the file is damaged",
+    ),
+    "metrics field": (
+        lambda fp8: drop_field(fp8, "metrics.jsonl", "tokens"),
+        "{fp8}/metrics.jsonl: record 3: no 'tokens' field; the file is damaged",
+    ),
+    "damaged run.json": (
+        lambda fp8: (fp8 / "run.json").write_text("{"),
+        "{fp8}/run.json: cannot be read",
+    ),
     "another run's run.json": (
-        lambda fp8: shutil.copy(make_run(fp8.parent / "other", changes={"optimizer.lr": 1e-3})
-                                / "run.json", fp8 / "run.json"),
-        "{fp8}/run.json: manifest is "),
-    "edited manifest": (lambda fp8: (fp8 / "manifest.yaml").write_text(
-                            (fp8 / "manifest.yaml").read_text().replace("margin: 0", "margin: 1")),
-                        "{fp8}/manifest.yaml hashes to "),
-    "no layers.json": (lambda fp8: (fp8 / "layers.json").unlink(),
-                       "{fp8}/layers.json: no such file"),
-    "damaged manifest": (lambda fp8: (fp8 / "manifest.yaml").write_text("name: [\n"),
-                         "{fp8}/manifest.yaml"),
-    "no evaluation": (lambda fp8: (fp8 / "eval.jsonl").unlink(),
-                      "{fp8}/eval.jsonl: no evaluation recorded (status completed at step 40); "
-                      + "compare judges held-out loss, so train with data.eval_fraction > 0"),
-    "tampered predictions": (tamper_predictions,
-                             "{fp8}/capability/step_00000040.jsonl: sha256"),
-    "damaged telemetry": (lambda fp8: (fp8 / "telemetry.zarr" / "zarr.json").write_text("{"),
-                          "{fp8}/telemetry.zarr/zarr.json cannot be read"),
-}  # fmt: skip
+        lambda fp8: shutil.copy(
+            make_run(fp8.parent / "other", changes={"optimizer.lr": 1e-3}) / "run.json",
+            fp8 / "run.json",
+        ),
+        "{fp8}/run.json: manifest is ",
+    ),
+    "edited manifest": (
+        lambda fp8: (fp8 / "manifest.yaml").write_text(
+            (fp8 / "manifest.yaml").read_text().replace("margin: 0", "margin: 1")
+        ),
+        "{fp8}/manifest.yaml hashes to ",
+    ),
+    "no layers.json": (
+        lambda fp8: (fp8 / "layers.json").unlink(),
+        "{fp8}/layers.json: no such file",
+    ),
+    "damaged manifest": (
+        lambda fp8: (fp8 / "manifest.yaml").write_text("name: [\n"),
+        "{fp8}/manifest.yaml",
+    ),
+    "no evaluation": (
+        lambda fp8: (fp8 / "eval.jsonl").unlink(),
+        "{fp8}/eval.jsonl: no evaluation recorded (status completed at step 40); "
+        + "compare judges held-out loss, so train with data.eval_fraction > 0",
+    ),
+    "tampered predictions": (tamper_predictions, "{fp8}/capability/step_00000040.jsonl: sha256"),
+    "damaged telemetry": (
+        lambda fp8: (fp8 / "telemetry.zarr" / "zarr.json").write_text("{"),
+        "{fp8}/telemetry.zarr/zarr.json cannot be read",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
@@ -711,19 +840,31 @@ def test_one_run_or_a_mixed_input_is_refused(tmp_path, cli):
 
 
 NOT_COMPARABLE = {
-    "data": ({"fingerprint": "ab" * 32},
-             "run.json data.fingerprint is abababababab..., the reference {ref} has c8c8c8c8c8c8..."),
+    "data": (
+        {"fingerprint": "ab" * 32},
+        "run.json data.fingerprint is abababababab..., the reference {ref} has c8c8c8c8c8c8...",
+    ),
     "seed": ({"data_seed": 7}, "run.json seeds.data is 7, the reference {ref} has 1234"),
-    "batch": ({"changes": {"schedule.global_batch_size": 32}},
-              "manifest.yaml schedule.global_batch_size is 32, the reference {ref} has 16"),
-    "tokens": ({"edits": {7: {"tokens": 1024}}},
-               "metrics.jsonl step 7 has tokens 1024, the reference {ref} has 512"),
-    "length": ({"changes": {"schedule.train_steps": 20}, "last_step": 20},
-               "manifest.yaml schedule.train_steps is 20, the reference {ref} has 40"),
-    "weights": ({"initial_weights": "0f" * 32},
-                ("run.json model.initial_weights_fingerprint is 0f0f0f0f0f0f..., the "
-                 "reference {ref} started from 1e1e1e1e1e1e...")),
-}  # fmt: skip
+    "batch": (
+        {"changes": {"schedule.global_batch_size": 32}},
+        "manifest.yaml schedule.global_batch_size is 32, the reference {ref} has 16",
+    ),
+    "tokens": (
+        {"edits": {7: {"tokens": 1024}}},
+        "metrics.jsonl step 7 has tokens 1024, the reference {ref} has 512",
+    ),
+    "length": (
+        {"changes": {"schedule.train_steps": 20}, "last_step": 20},
+        "manifest.yaml schedule.train_steps is 20, the reference {ref} has 40",
+    ),
+    "weights": (
+        {"initial_weights": "0f" * 32},
+        (
+            "run.json model.initial_weights_fingerprint is 0f0f0f0f0f0f..., the "
+            "reference {ref} started from 1e1e1e1e1e1e..."
+        ),
+    ),
+}
 
 
 def test_a_candidate_is_judged_by_the_references_bar_not_a_looser_one_of_its_own(tmp_path, cli):
@@ -734,13 +875,23 @@ def test_a_candidate_is_judged_by_the_references_bar_not_a_looser_one_of_its_own
     out = tmp_path / "out"
     result = cli("compare", reference, candidate, "--out", out, "--no-png")
     assert result.code == 2, result.out + result.err
-    assert (f"{candidate}: manifest.yaml gates.loss_gap is 0.05, the reference has 0.01 "
-            f"({reference}); every candidate is judged by one bar: give it with --gates "
-            "MANIFEST") in result.err  # fmt: skip
+    assert (
+        f"{candidate}: manifest.yaml gates.loss_gap is 0.05, the reference has 0.01 "
+        f"({reference}); every candidate is judged by one bar: give it with --gates "
+        "MANIFEST"
+    ) in result.err
     assert not out.exists()
 
-    result = cli("compare", reference, candidate, "--out", out, "--no-png",
-                 "--gates", reference / "manifest.yaml")  # fmt: skip
+    result = cli(
+        "compare",
+        reference,
+        candidate,
+        "--out",
+        out,
+        "--no-png",
+        "--gates",
+        reference / "manifest.yaml",
+    )
     assert result.code == 1, result.out + result.err
     assert "loss gap 0.034 > 0.01" in result.out
     document = json.loads((out / "verdict.json").read_text())
@@ -749,8 +900,16 @@ def test_a_candidate_is_judged_by_the_references_bar_not_a_looser_one_of_its_own
     assert document["gates"]["file_sha256"] == digest
     assert document["gates"]["loss_gap"] == 0.01
 
-    result = cli("compare", reference, candidate, "--out", out, "--no-png",
-                 "--gates", candidate / "manifest.yaml")  # fmt: skip
+    result = cli(
+        "compare",
+        reference,
+        candidate,
+        "--out",
+        out,
+        "--no-png",
+        "--gates",
+        candidate / "manifest.yaml",
+    )
     assert result.code == 0, result.out + result.err  # the bar given decides, and is recorded
     assert json.loads((out / "verdict.json").read_text())["gates"]["loss_gap"] == 0.05
 
@@ -765,10 +924,17 @@ def test_a_gates_manifest_that_cannot_be_read_is_refused_by_name(tmp_path, cli):
     no_gates = tmp_path / "no-gates.yaml"
     no_gates.write_text(re.sub(r"(?ms)^gates:\n(  .*?\n|\n)*(?=^\S)", "", text))
     assert "gates:" not in no_gates.read_text()
-    for given, message in ((tmp_path / "missing.yaml", "missing.yaml: no such file"),
-                           (bad, f"{bad}: gates.loss_gap"),
-                           (no_gates, (f"{no_gates}: --gates: the manifest writes no gates "
-                            "section, so fp8ops' defaults would judge"))):  # fmt: skip
+    for given, message in (
+        (tmp_path / "missing.yaml", "missing.yaml: no such file"),
+        (bad, f"{bad}: gates.loss_gap"),
+        (
+            no_gates,
+            (
+                f"{no_gates}: --gates: the manifest writes no gates "
+                "section, so fp8ops' defaults would judge"
+            ),
+        ),
+    ):
         result = cli("compare", reference, candidate, "--out", out, "--no-png", "--gates", given)
         assert result.code == 2 and message in result.err, result.out + result.err
         assert not out.exists()
@@ -788,17 +954,22 @@ def test_runs_that_saw_other_data_are_not_compared(tmp_path, cli, case):
 # --------------------------------------------------------------------------------------
 
 
-def test_a_dualtrack_directory_whose_candidate_failed_is_judged_without_its_fallback(tmp_path,
-                                                                                     cli):  # fmt: skip
+def test_a_dualtrack_directory_whose_candidate_failed_is_judged_without_its_fallback(tmp_path, cli):
     """The candidate failed (an error, retried by the next invocation), so the fallback track
     never started: the candidate is judged, and fails, instead of the directory being refused."""
     dual = tmp_path / "dual"
     make_run(dual / "bf16", fp8=False)
     make_run(dual / "fp8", state="failed", last_step=15)
-    write_json(dual / "dualtrack.json", {"manifest": "ab" * 32, "tracks": [
-        {"label": "bf16", "run_dir": "bf16", "role": "control", "status": "completed"},
-        {"label": "fp8", "run_dir": "fp8", "role": "candidate", "status": "failed"},
-    ]})  # fmt: skip
+    write_json(
+        dual / "dualtrack.json",
+        {
+            "manifest": "ab" * 32,
+            "tracks": [
+                {"label": "bf16", "run_dir": "bf16", "role": "control", "status": "completed"},
+                {"label": "fp8", "run_dir": "fp8", "role": "candidate", "status": "failed"},
+            ],
+        },
+    )
     result = cli("compare", dual, "--no-png")
     assert result.code == 1, result.out + result.err
     assert "fp8 status failed at step 15" in result.out + result.err
@@ -810,12 +981,22 @@ def test_a_dualtrack_directory_compares_its_tracks(tmp_path, cli):
     make_run(dual / "fp8", eval_shift=0.05)
     fallback = {WORST: "high underflow in the candidate track"}
     make_run(dual / "fp8-fallback", kept_bf16=(WORST,))
-    write_json(dual / "dualtrack.json", {"manifest": "ab" * 32, "tracks": [
-        {"label": "fp8", "run_dir": "fp8", "role": "candidate"},
-        {"label": "bf16", "run_dir": "bf16", "role": "control"},
-        {"label": "fp8-fallback", "run_dir": "fp8-fallback", "role": "candidate",
-         "fallback_modules": fallback},
-    ]})  # fmt: skip
+    write_json(
+        dual / "dualtrack.json",
+        {
+            "manifest": "ab" * 32,
+            "tracks": [
+                {"label": "fp8", "run_dir": "fp8", "role": "candidate"},
+                {"label": "bf16", "run_dir": "bf16", "role": "control"},
+                {
+                    "label": "fp8-fallback",
+                    "run_dir": "fp8-fallback",
+                    "role": "candidate",
+                    "fallback_modules": fallback,
+                },
+            ],
+        },
+    )
     result = cli("compare", dual, "--no-png")
     assert result.code == 1, result.out + result.err
     assert "reference: bf16" in result.out
@@ -833,12 +1014,22 @@ def test_a_skipped_dualtrack_track_is_left_out(tmp_path):
     dual = tmp_path / "dual"
     make_run(dual / "bf16", fp8=False)
     make_run(dual / "fp8")
-    write_json(dual / "dualtrack.json", {"tracks": [
-        {"label": "bf16", "run_dir": "bf16", "role": "control", "status": "completed"},
-        {"label": "fp8", "run_dir": "fp8", "role": "candidate", "status": "completed"},
-        {"label": "fp8-fallback", "run_dir": "fp8-fallback", "role": "candidate",
-         "status": "skipped", "note": "no high-risk modules"},
-    ]})  # fmt: skip
+    write_json(
+        dual / "dualtrack.json",
+        {
+            "tracks": [
+                {"label": "bf16", "run_dir": "bf16", "role": "control", "status": "completed"},
+                {"label": "fp8", "run_dir": "fp8", "role": "candidate", "status": "completed"},
+                {
+                    "label": "fp8-fallback",
+                    "run_dir": "fp8-fallback",
+                    "role": "candidate",
+                    "status": "skipped",
+                    "note": "no high-risk modules",
+                },
+            ]
+        },
+    )
     tracks, found = resolve_tracks([dual])
     assert found == dual and [t.label for t in tracks] == ["bf16", "fp8"]
 
@@ -849,9 +1040,13 @@ def test_a_damaged_dualtrack_file_is_refused(tmp_path, cli):
     tracks = [
         {"label": "bf16", "run_dir": "bf16", "role": "control"},
         {"label": "fp8", "run_dir": "fp8", "role": "candidate"},
-        {"label": "fp8-fallback", "run_dir": "fp8-fallback", "role": "candidate",
-         "status": "skipped"},
-    ]  # fmt: skip
+        {
+            "label": "fp8-fallback",
+            "run_dir": "fp8-fallback",
+            "role": "candidate",
+            "status": "skipped",
+        },
+    ]
     write_json(dual / "dualtrack.json", {"tracks": tracks})
     result = cli("compare", dual)
     assert result.code == 2
@@ -918,8 +1113,9 @@ def test_compare_runs_without_torch_and_help_without_plotly(tmp_path):
     )
     help_only = "import sys, fp8ops.cli; print(sorted({'plotly', 'kaleido'} & set(sys.modules)))"
     for code in (compare_only, help_only):
-        found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                               check=True).stdout.strip()  # fmt: skip
+        found = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout.strip()
         assert found == "[]"
 
 

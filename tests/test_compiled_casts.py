@@ -153,8 +153,11 @@ def test_an_unknown_mode_is_refused():
     env = dict(os.environ, FP8OPS_COMPILED_CASTS="sometimes")
     result = subprocess.run(
         [sys.executable, "-W", "error", "-c", "import fp8ops.precision.compiled"],
-        env=env, capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert result.returncode != 0 and "FP8OPS_COMPILED_CASTS='sometimes'" in result.stderr
 
 
@@ -272,8 +275,12 @@ def test_more_variants_than_dynamos_default_limit_all_compile(compile_everywhere
             for transposed in (False, True):
                 x = sample(torch.float32).clamp(-6e4, 6e4).to(dtype)
                 cast_and_amax(x, torch.tensor(0.5), fp8, transposed=transposed)
-                key = ("cpu", str(dtype).removeprefix("torch."),
-                       str(fp8.torch_dtype).removeprefix("torch."), str(transposed))  # fmt: skip
+                key = (
+                    "cpu",
+                    str(dtype).removeprefix("torch."),
+                    str(fp8.torch_dtype).removeprefix("torch."),
+                    str(transposed),
+                )
                 assert quantize_module._CAST_AND_AMAX.statuses(*key) == {"compiled"}, key
 
 
@@ -386,18 +393,25 @@ def test_under_auto_a_cpu_tensor_is_cast_by_inductors_kernel(compile_everywhere,
     assert same_bits(quantized.data, cast(x, torch.tensor(1.0), E4M3).data)
 
 
-@pytest.mark.parametrize(("variable", "module", "attribute", "default", "choices"), [
-    ("FP8OPS_COMPILED_CASTS", "compiled", "_mode", "auto", "['all', 'auto', 'off']"),
-    ("FP8OPS_CAST_KERNEL", "linear", "_cast_kernel", "auto", "['auto', 'inductor', 'triton']"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("variable", "module", "attribute", "default", "choices"),
+    [
+        ("FP8OPS_COMPILED_CASTS", "compiled", "_mode", "auto", "['all', 'auto', 'off']"),
+        ("FP8OPS_CAST_KERNEL", "linear", "_cast_kernel", "auto", "['auto', 'inductor', 'triton']"),
+    ],
+)
 def test_an_unknown_choice_in_the_environment_falls_back_with_a_warning(
     variable, module, attribute, default, choices
 ):
     code = f"import fp8ops.precision.{module} as m; print(m.{attribute})"
     result = subprocess.run(
-        [sys.executable, "-W", "always", "-c", code], capture_output=True, text=True,
-        env={**os.environ, variable: "Cutlass"}, timeout=120, check=False,
-    )  # fmt: skip
+        [sys.executable, "-W", "always", "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, variable: "Cutlass"},
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == default
     assert f"{variable}='cutlass' is not one of {choices}; using '{default}'" in result.stderr

@@ -26,8 +26,10 @@ if importlib.util.find_spec("megatron") is None:
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
 for _package in ("ipywidgets", "plotly"):
     if importlib.util.find_spec(_package) is None:
-        pytest.skip(f"needs the console extra: pip install -e '.[console]' ({_package})",
-                    allow_module_level=True)  # fmt: skip
+        pytest.skip(
+            f"needs the console extra: pip install -e '.[console]' ({_package})",
+            allow_module_level=True,
+        )
 
 from small_model import SCHEDULE, SMALL_MODEL
 
@@ -66,19 +68,32 @@ def make_trained_run(tmp: Path) -> tuple[Path, Path]:
     def write(path: Path, parent: Path, changes: dict) -> Path:
         return write_manifest(derive(load_manifest(parent), changes, "test: small"), path)
 
-    base = write(tmp / "base.yaml", MANIFESTS / "tiny-gpt-cpu-base.yaml",
-                 {**SMALL_MODEL, **SCHEDULE, "schedule.train_steps": 2,
-                  "schedule.eval_interval": 2})  # fmt: skip
+    base = write(
+        tmp / "base.yaml",
+        MANIFESTS / "tiny-gpt-cpu-base.yaml",
+        {**SMALL_MODEL, **SCHEDULE, "schedule.train_steps": 2, "schedule.eval_interval": 2},
+    )
     run_training(base, tmp / "base", progress=False)
-    finetune = write(tmp / "finetune.yaml", MANIFESTS / "tiny-gpt-cpu.yaml", {
-        **SMALL_MODEL, **SCHEDULE, "model.init_checkpoint": str(tmp / "base" / "final"),
-        "data.num_examples": 400, "schedule.train_steps": STEPS, "schedule.eval_interval": 100,
-        "schedule.checkpoint_interval": 4, "optimizer.lr": 2e-3, "telemetry.every_steps": 1,
-        "telemetry.error_sample_every": 2,
-        # Observe alerts only: a Degrade would propose an override, and these tests write the
-        # ledger themselves. lr 2e-3 saturates a few inputs by up to 2% within 12 steps.
-        "alerts.saturation.degrade": 0.05, "alerts.saturation.stop": 0.5,
-    })  # fmt: skip
+    finetune = write(
+        tmp / "finetune.yaml",
+        MANIFESTS / "tiny-gpt-cpu.yaml",
+        {
+            **SMALL_MODEL,
+            **SCHEDULE,
+            "model.init_checkpoint": str(tmp / "base" / "final"),
+            "data.num_examples": 400,
+            "schedule.train_steps": STEPS,
+            "schedule.eval_interval": 100,
+            "schedule.checkpoint_interval": 4,
+            "optimizer.lr": 2e-3,
+            "telemetry.every_steps": 1,
+            "telemetry.error_sample_every": 2,
+            # Observe alerts only: a Degrade would propose an override, and these tests write the
+            # ledger themselves. lr 2e-3 saturates a few inputs by up to 2% within 12 steps.
+            "alerts.saturation.degrade": 0.05,
+            "alerts.saturation.stop": 0.5,
+        },
+    )
     run = tmp / "runs" / "finetune"
     run_training(finetune, run, progress=False)
     return finetune, run
@@ -235,8 +250,11 @@ def test_approval_by_the_same_operator_is_refused_and_another_one_approves(run_c
 
 
 def test_self_approval_when_the_manifest_allows_it(run_copy):
-    solo = derive(load_manifest(run_copy / "manifest.yaml"), {"review.allow_self_approval": True},
-                  "one-person team")  # fmt: skip
+    solo = derive(
+        load_manifest(run_copy / "manifest.yaml"),
+        {"review.allow_self_approval": True},
+        "one-person team",
+    )
     # As a resume with accepted drift locks the run to a new revision (RunDir.reopen).
     ManifestStore(run_copy / "manifests").put(solo)
     (run_copy / "manifest.yaml").unlink()  # (write_manifest never overwrites)
@@ -268,7 +286,12 @@ def test_reject_and_revoke_need_a_reason(run_copy):
     app.decision_reason.value = "the saturation went away"
     app.revoke_button.click()
     assert [r["kind"] for r in ledger_lines(run_copy)] == [
-        "staged", "rejected", "staged", "approved", "revoked"]  # fmt: skip
+        "staged",
+        "rejected",
+        "staged",
+        "approved",
+        "revoked",
+    ]
     assert "no new revision" in app.resume_preview.value
 
 
@@ -385,8 +408,11 @@ def test_a_run_whose_figures_cannot_be_read_is_shown_with_the_reason(run_copy):
     """Damaged telemetry chunks: the header, modules, alerts and ledger are shown all the same
     (staging an override on such a run is the point), and the message line says why the
     figures are missing."""
-    damaged = [c for c in (run_copy / "telemetry.zarr").rglob("*")
-               if c.is_file() and "/module_metrics/c/" in c.as_posix()]  # fmt: skip
+    damaged = [
+        c
+        for c in (run_copy / "telemetry.zarr").rglob("*")
+        if c.is_file() and "/module_metrics/c/" in c.as_posix()
+    ]
     assert damaged
     for chunk in damaged:
         chunk.write_bytes(b"not a zarr chunk")
@@ -480,8 +506,10 @@ def _record_threads(monkeypatch, *names: str) -> list[tuple[str, str]]:
 
 
 def _figure_data(app: ConsoleApp) -> tuple:
-    return (np.asarray(app.heatmap_fig.data[0].z).tolist(),
-            [list(trace.y) for trace in app.detail_fig.data])  # fmt: skip
+    return (
+        np.asarray(app.heatmap_fig.data[0].z).tolist(),
+        [list(trace.y) for trace in app.detail_fig.data],
+    )
 
 
 def test_in_an_event_loop_a_run_is_read_in_the_worker_thread_and_shown_as_without_one(
@@ -581,11 +609,13 @@ def test_the_replay_reproduces_the_recorded_weight_scales(trained):
     store = open_run(run)
     precision = load_manifest(run / "manifest.yaml").precision
     own = run_window(store, precision)
-    results = replay_slots(store, list(store.modules), ["weight"], own, Window(4, "max", 0),
-                           precision.fp8_format)  # fmt: skip
+    results = replay_slots(
+        store, list(store.modules), ["weight"], own, Window(4, "max", 0), precision.fp8_format
+    )
     assert [fidelity(w) for w in results] == [1.0] * len(store.modules)
-    later = replay_slots(store, list(store.modules), ["weight"], own, own, precision.fp8_format,
-                         start=9)  # fmt: skip
+    later = replay_slots(
+        store, list(store.modules), ["weight"], own, own, precision.fp8_format, start=9
+    )
     assert list(later[0].steps) == [9, 10, 11, 12] and fidelity(later[0]) == 1.0
 
 
@@ -626,8 +656,13 @@ def test_fp8ops_console_imports_neither_torch_nor_widgets(tmp_path):
         "heavy = [m for m in ('torch', 'megatron', 'ipywidgets', 'plotly') if m in sys.modules]\n"
         "print(code, heavy)\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "nowhere")],
-                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", probe, str(tmp_path / "nowhere")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.stdout.strip() == "2 []", done.stdout + done.stderr
     assert "no such runs directory" in done.stderr
 
@@ -644,22 +679,28 @@ def test_the_notebook_is_the_package_s_and_executes_under_nbclient(trained, monk
     monkeypatch.setenv("FP8OPS_CONSOLE_RUNS", str(run.parent))
     monkeypatch.setenv("FP8OPS_USER", "nbclient")
     # In a kernel the run is read in the app's worker thread: it is on screen a moment later.
-    on_disk.cells.append(nbformat.v4.new_code_cell(
-        "import asyncio\n"
-        "for _ in range(600):\n"
-        "    if app.run is not None:\n"
-        "        break\n"
-        "    await asyncio.sleep(0.1)\n"
-        "print(app.run.run_dir.name, app.user.value, app._follower is not None, "
-        "repr(app.message.value))"))  # fmt: skip
+    on_disk.cells.append(
+        nbformat.v4.new_code_cell(
+            "import asyncio\n"
+            "for _ in range(600):\n"
+            "    if app.run is not None:\n"
+            "        break\n"
+            "    await asyncio.sleep(0.1)\n"
+            "print(app.run.run_dir.name, app.user.value, app._follower is not None, "
+            "repr(app.message.value))"
+        )
+    )
     nbclient.NotebookClient(
         on_disk,
         timeout=180,
         kernel_name="python3",
         resources={"metadata": {"path": str(ROOT / "notebooks")}},
     ).execute()
-    views = [o for o in on_disk.cells[0].outputs
-             if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]  # fmt: skip
+    views = [
+        o
+        for o in on_disk.cells[0].outputs
+        if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+    ]
     assert views, on_disk.cells[0].outputs
     # In a kernel the app follows the run on the kernel's event loop.
     assert on_disk.cells[1].outputs[0]["text"].strip() == "finetune nbclient True ''"
@@ -688,8 +729,9 @@ def _worst_hold(loop_ticks: list[float], thread_ticks: list[float]) -> tuple[flo
     thread_holds = _holds(thread_ticks)
     beyond = []
     for held, start, end in _holds(loop_ticks):
-        beside = [min(h, min(d, end) - max(c, start)) for h, c, d in thread_holds
-                  if c < end and d > start]  # fmt: skip
+        beside = [
+            min(h, min(d, end) - max(c, start)) for h, c, d in thread_holds if c < end and d > start
+        ]
         beyond.append(held - max([0.0, *beside]))
     return max(h for h, _, _ in _holds(loop_ticks)), max(beyond)
 
@@ -705,11 +747,26 @@ def test_the_console_follows_a_training_run_without_blocking_the_event_loop(
     manifest, _ = trained
     run = tmp_path / "live"
     trainer = subprocess.Popen(
-        [sys.executable, "-m", "fp8ops", "train", str(manifest), "--run-dir", str(run),
-         "--set", "schedule.train_steps=24", "--set", "telemetry.flush_steps=4",
-         "--set", "schedule.checkpoint_interval=100", "--no-progress"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "fp8ops",
+            "train",
+            str(manifest),
+            "--run-dir",
+            str(run),
+            "--set",
+            "schedule.train_steps=24",
+            "--set",
+            "telemetry.flush_steps=4",
+            "--set",
+            "schedule.checkpoint_interval=100",
+            "--no-progress",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
     # A busy machine can hold the whole process up for a second (two workers, torchrun ranks and
     # this trainer on two cores): a ticker in a thread of its own measures that, and only what

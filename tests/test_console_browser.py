@@ -25,12 +25,15 @@ import pytest
 
 CHROMIUM = os.environ.get("FP8OPS_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 if not Path(CHROMIUM).exists():
-    pytest.skip("no Chromium (Debian: apt-get install chromium; ci/setup.sh does it as root)",
-                allow_module_level=True)  # fmt: skip
+    pytest.skip(
+        "no Chromium (Debian: apt-get install chromium; ci/setup.sh does it as root)",
+        allow_module_level=True,
+    )
 for _package in ("playwright", "voila", "megatron"):
     if importlib.util.find_spec(_package) is None:
-        pytest.skip(f"needs {_package}: pip install -e '.[console,megatron]'",
-                    allow_module_level=True)  # fmt: skip
+        pytest.skip(
+            f"needs {_package}: pip install -e '.[console,megatron]'", allow_module_level=True
+        )
 
 from playwright.sync_api import expect, sync_playwright
 from test_console import STEPS, make_trained_run
@@ -46,8 +49,14 @@ pytestmark = [
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = Path(os.environ.get("FP8OPS_TEST_ARTIFACTS", ROOT / "test-artifacts"))
-CHROME_ARGS = ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-sync",
-               "--disable-background-networking", "--disable-component-update"]  # fmt: skip
+CHROME_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-sync",
+    "--disable-background-networking",
+    "--disable-component-update",
+]
 URL = re.compile(r"fp8ops console: (http://127\.0\.0\.1:\d+/\?token=\S+)")
 
 
@@ -56,13 +65,20 @@ def served(tmp_path):
     """A trained run, and ``fp8ops console RUNS --user ana`` serving it: (run, url)."""
     _, run = make_trained_run(tmp_path)
     jupyter = tmp_path / "jupyter"  # Jupyter's own files kept apart (kernels come from the venv)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", JUPYTER_CONFIG_DIR=str(jupyter / "config"),
-               JUPYTER_DATA_DIR=str(jupyter / "data"),
-               JUPYTER_RUNTIME_DIR=str(jupyter / "runtime"))  # fmt: skip
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        JUPYTER_CONFIG_DIR=str(jupyter / "config"),
+        JUPYTER_DATA_DIR=str(jupyter / "data"),
+        JUPYTER_RUNTIME_DIR=str(jupyter / "runtime"),
+    )
     server = subprocess.Popen(
         [sys.executable, "-m", "fp8ops", "console", str(run.parent), "--user", "ana"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     try:
         line = server.stdout.readline()  # the command prints the URL once Voila listens
         found = URL.search(line)
@@ -92,9 +108,12 @@ def test_pick_a_module_stage_and_approve_in_the_browser(served, tmp_path):
     module = store.modules[3]
     with sync_playwright() as pw:
         browser = pw.chromium.launch_persistent_context(
-            user_data_dir=str(tmp_path / "chromium-profile"), executable_path=CHROMIUM,
-            headless=True, args=CHROME_ARGS, viewport={"width": 1400, "height": 3800},
-        )  # fmt: skip
+            user_data_dir=str(tmp_path / "chromium-profile"),
+            executable_path=CHROMIUM,
+            headless=True,
+            args=CHROME_ARGS,
+            viewport={"width": 1400, "height": 3800},
+        )
         page = browser.pages[0] if browser.pages else browser.new_page()
         # The page load starts a kernel and the app: tens of seconds on a busy 2-core machine.
         page.set_default_timeout(120_000)

@@ -38,8 +38,9 @@ def test_every_bf16_gemm_is_the_float32_product_rounded_once_backward_included()
     with GemmLog() as kernels, Fp32Gemm():
         y = _Linear.apply(x, w)
         y.backward(grad)
-        scores = torch.baddbmm(torch.zeros(3, 16, 16, dtype=torch.bfloat16), q, k, beta=0.0,
-                               alpha=0.5)  # fmt: skip
+        scores = torch.baddbmm(
+            torch.zeros(3, 16, 16, dtype=torch.bfloat16), q, k, beta=0.0, alpha=0.5
+        )
         attended = torch.bmm(scores, q)
         projected = torch.nn.functional.linear(x, w, bias)  # addmm
     xf, wf, gf = x.detach().float(), w.detach().float(), grad.float()
@@ -53,8 +54,10 @@ def test_every_bf16_gemm_is_the_float32_product_rounded_once_backward_included()
     assert torch.equal(projected, (xf @ wf.t() + bias.detach().float()).bfloat16())
     # The kernels that ran show the float32 path (GemmLog), the backward's two GEMMs included.
     assert kernels.gemms == [("mm.default", {torch.float32})] * 3 + [
-        ("baddbmm.default", {torch.float32}), ("bmm.default", {torch.float32}),
-        ("addmm.default", {torch.float32})]  # fmt: skip
+        ("baddbmm.default", {torch.float32}),
+        ("bmm.default", {torch.float32}),
+        ("addmm.default", {torch.float32}),
+    ]
     # Mixed dtypes go to torch, which refuses them as it does without the mode.
     with Fp32Gemm(), pytest.raises(RuntimeError):
         torch.mm(x.detach(), wf.t())

@@ -89,11 +89,13 @@ def problem_of(prompt: str) -> str:
         "sort": lambda digits: f"sort {''.join(sorted(digits))}",
     }
     patterns = [
-        (r"(add) (\d+) (\d+) = ", "add"), (r"(reverse) ([a-z]+) = ", "reverse"),
-        (r"(sort) (\d+) = ", "sort"), (r"Q: What is (\d+) plus (\d+)\?\nA: ", "add"),
+        (r"(add) (\d+) (\d+) = ", "add"),
+        (r"(reverse) ([a-z]+) = ", "reverse"),
+        (r"(sort) (\d+) = ", "sort"),
+        (r"Q: What is (\d+) plus (\d+)\?\nA: ", "add"),
         (r"Q: What is ([a-z]+) backwards\?\nA: ", "reverse"),
         (r"Q: Sort the digits (\d+)\.\nA: ", "sort"),
-    ]  # fmt: skip
+    ]
     for pattern, task in patterns:
         match = re.fullmatch(pattern, prompt)
         if match:
@@ -118,16 +120,24 @@ def test_no_problem_is_in_both_splits_in_any_format():
 # What split version 1 built before version 2 existed (fp8ops at 03a0c54): the CPU default's
 # tasks, and the two small JSONL files below. Runs made then resume on exactly this data.
 V1_TASKS = "c80632b74fe5a00a3af224ff0a7ad72d3bef9397683d21d141fb321540241d6e"
-V1_JSONL = {"sft": "d421ebff0d373878269cbc18309894ca58a71c97c1b0482caae8974652fe913e",
-            "text": "4a750fea01d78d0ccda6a65503984628d8fa03877bcfc43b6aeec59658cc10dd"}  # fmt: skip
+V1_JSONL = {
+    "sft": "d421ebff0d373878269cbc18309894ca58a71c97c1b0482caae8974652fe913e",
+    "text": "4a750fea01d78d0ccda6a65503984628d8fa03877bcfc43b6aeec59658cc10dd",
+}
 
 
 def test_split_version_1_builds_the_data_of_earlier_runs_bit_for_bit(tmp_path):
     tiny = load_manifest(Path(__file__).resolve().parents[1] / "manifests" / "tiny-gpt-cpu.yaml")
     assert tiny.data.split_version == 1
     assert build_data(tiny).fingerprint == V1_TASKS
-    sorted_rows = [{"prompt": f"Q{i % 7}: what is {i} plus 1? ", "answer": f" {i + 1}",
-                    "buckets": {"topic": ["math", "code"][i % 2]}} for i in range(300)]  # fmt: skip
+    sorted_rows = [
+        {
+            "prompt": f"Q{i % 7}: what is {i} plus 1? ",
+            "answer": f" {i + 1}",
+            "buckets": {"topic": ["math", "code"][i % 2]},
+        }
+        for i in range(300)
+    ]
     files = {
         "sft": sorted_rows,
         "text": [{"text": f"document {i}: " + "naïve words " * (i % 5 + 1)} for i in range(200)],
@@ -336,8 +346,11 @@ def test_eval_split_is_in_hash_order_so_its_first_items_sample_every_topic():
     """A file sorted by topic: the first capability items (and loss batches) of the held-out
     split must not all come from its first topic."""
     topics = ["math", "code", "chat", "safety"]
-    examples = [Example(f"{topic} question {i}?", "yes", {"topic": topic})
-                for topic in topics for i in range(1500)]  # fmt: skip
+    examples = [
+        Example(f"{topic} question {i}?", "yes", {"topic": topic})
+        for topic in topics
+        for i in range(1500)
+    ]
     _, evaluation = split_examples(examples, 0.1, 2)
     points = [split_point(split_key(e, 2)) for e in evaluation]
     assert points == sorted(points)
@@ -483,8 +496,12 @@ def test_a_batch_of_rows_outside_the_split_is_refused(tasks_data):
 def test_ids_are_held_in_the_smallest_dtype_of_the_vocabulary(tasks_data):
     assert tasks_data.train.ids.dtype == np.uint8  # bytes: one byte a token, SFT too
     assert [batches.id_dtype(n) for n in (256, 257, 65536, 65537, 128256)] == [
-        np.uint8, np.uint16, np.uint16, np.int32, np.int32,
-    ]  # fmt: skip
+        np.uint8,
+        np.uint16,
+        np.uint16,
+        np.int32,
+        np.int32,
+    ]
 
 
 def test_summary_is_json_and_counts(tasks_data):
@@ -572,8 +589,9 @@ def test_jsonl_text_file_is_pretraining(tmp_path):
     ordered = sorted(texts, key=split_point)
     assert ordered != texts
     for version, documents in ((2, ordered), (1, texts)):
-        manifest = make_manifest(f"kind: jsonl\npath: '{path}'\nsplit_version: {version}",
-                                 seq_length=32)  # fmt: skip
+        manifest = make_manifest(
+            f"kind: jsonl\npath: '{path}'\nsplit_version: {version}", seq_length=32
+        )
         data = build_data(manifest)
         assert data.objective == "pretrain" and data.kind == "jsonl"
         stream = b"".join(t.encode() + b"\x00" for t in documents)
@@ -637,14 +655,17 @@ def test_a_missing_relative_path_says_where_it_was_looked_for(tmp_path, monkeypa
 
 
 def test_too_long_jsonl_examples_are_named_by_file_and_line(tmp_path):
-    rows = [{"prompt": f"p{i}: ", "answer": "a" * {11: 90, 3: 80, 7: 80, 8: 80, 9: 80}.get(i, 2)}
-            for i in range(20)]  # fmt: skip
+    rows = [
+        {"prompt": f"p{i}: ", "answer": "a" * {11: 90, 3: 80, 7: 80, 8: 80, 9: 80}.get(i, 2)}
+        for i in range(20)
+    ]
     path = _write(tmp_path, [json.dumps(row) for row in rows])
     with pytest.raises(ManifestError) as err:
         build_data(_jsonl_manifest(path, seq_length=32))
     message = str(err.value)
-    named = re.search(r"5 of 20 examples do not fit \((.*) and 2 more\); the longest is 96 tokens",
-                      message)  # fmt: skip
+    named = re.search(
+        r"5 of 20 examples do not fit \((.*) and 2 more\); the longest is 96 tokens", message
+    )
     assert named, message
     assert f"(prompt + answer + end-of-document, {path}: line 12)" in message
     lines = [int(part.removeprefix(f"{path}: line ")) for part in named.group(1).split("; ")]
@@ -670,15 +691,21 @@ GOOD_SFT = '{"prompt": "p", "answer": "a", "buckets": {"k": "v"}}'
         (['{"text": "a\\u0000b"}'], 1, "contains NUL"),
         ([GOOD_SFT, '{"prompt": "p", "answer": "a", "buckets": {"j": "v"}}'], 2, "bucket names"),
         (['{"prompt": "p", "answer": "a", "buckets": {"k": 1}}'], 1, "bucket 'k' must be"),
-        ([GOOD_SFT, '{"prompt": "a\\ud800", "answer": "b", "buckets": {"k": "v"}}'], 2,
-         "'prompt' contains an unpaired surrogate (\\ud800)"),
+        (
+            [GOOD_SFT, '{"prompt": "a\\ud800", "answer": "b", "buckets": {"k": "v"}}'],
+            2,
+            "'prompt' contains an unpaired surrogate (\\ud800)",
+        ),
         (['{"text": "x\\udc80"}'], 1, "'text' contains an unpaired surrogate (\\udc80)"),
-        (['{"prompt": "a", "prompt": "zz", "answer": "b"}'], 1,
-         "key 'prompt' appears twice in one object"),
+        (
+            ['{"prompt": "a", "prompt": "zz", "answer": "b"}'],
+            1,
+            "key 'prompt' appears twice in one object",
+        ),
         (['{"text": "x", "n": ' + "1" * 5000 + "}"], 1, "not readable JSON (a number too long)"),
         (["[" * 100_000 + "]" * 100_000], 1, "not readable JSON (nested too deeply)"),
     ],
-)  # fmt: skip
+)
 def test_jsonl_bad_lines_name_file_and_line(tmp_path, lines, line, problem):
     path = _write(tmp_path, lines)
     with pytest.raises(ManifestError) as err:

@@ -32,10 +32,17 @@ pytestmark = [
 
 LAYERS = 3  # first and last fall back; the middle one stays FP8 in every FP8 track
 SHORT = {
-    **SMALL_MODEL, **SCHEDULE, "model.num_layers": LAYERS, "model.init_checkpoint": None,
-    "data.num_examples": 400, "schedule.train_steps": 12, "schedule.eval_interval": 6,
-    "schedule.checkpoint_interval": 6, "capability.items": 16, "capability.max_new_tokens": 8,
-}  # fmt: skip
+    **SMALL_MODEL,
+    **SCHEDULE,
+    "model.num_layers": LAYERS,
+    "model.init_checkpoint": None,
+    "data.num_examples": 400,
+    "schedule.train_steps": 12,
+    "schedule.eval_interval": 6,
+    "schedule.checkpoint_interval": 6,
+    "capability.items": 16,
+    "capability.max_new_tokens": 8,
+}
 TRACKS = ("bf16", "fp8", "fp8-fallback")
 
 
@@ -51,8 +58,17 @@ def short_dualtrack(short_manifest, tmp_path_factory) -> Path:
     """A dual-track evaluation preempted (SIGUSR1, as SLURM signals before a time limit) while
     training the candidate, which checkpoints and exits 75; then run again to the end."""
     out = tmp_path_factory.mktemp("short") / "dt"
-    command = [sys.executable, "-m", "fp8ops", "dualtrack", str(short_manifest), "--out",
-               str(out), "--no-compare", "--no-progress"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "fp8ops",
+        "dualtrack",
+        str(short_manifest),
+        "--out",
+        str(out),
+        "--no-compare",
+        "--no-progress",
+    ]
     first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
     while not (out / "fp8" / "metrics.jsonl").exists() and first.poll() is None:
@@ -90,12 +106,15 @@ def test_tracks_see_the_same_data_and_tokens(short_dualtrack):
     runs = [short_dualtrack / label for label in TRACKS]
     data = {json.loads((run / "run.json").read_text())["data"]["fingerprint"] for run in runs}
     assert len(data) == 1
-    tokens = [[(m["step"], m["tokens"], m["loss_tokens"]) for m in read_metrics(run)]
-              for run in runs]  # fmt: skip
+    tokens = [
+        [(m["step"], m["tokens"], m["loss_tokens"]) for m in read_metrics(run)] for run in runs
+    ]
     assert tokens[0] == tokens[1] == tokens[2]
     assert [t[0] for t in tokens[0]] == list(range(1, SHORT["schedule.train_steps"] + 1))
-    evaluated = [[e["step"] for e in map(json.loads, (run / "eval.jsonl").read_text().splitlines())]
-                 for run in runs]  # fmt: skip
+    evaluated = [
+        [e["step"] for e in map(json.loads, (run / "eval.jsonl").read_text().splitlines())]
+        for run in runs
+    ]
     assert evaluated[0] == evaluated[1] == evaluated[2] == [6, 12]
     # FP8 changes the numbers: the tracks are really different runs.
     losses = [read_metrics(run)[-1]["loss"] for run in runs]
@@ -124,8 +143,9 @@ def test_the_fallback_track_keeps_the_first_and_last_layers_in_bf16(short_dualtr
 
 def test_running_it_again_changes_nothing(cli, short_manifest, short_dualtrack):
     before = {label: (short_dualtrack / label / "metrics.jsonl").read_bytes() for label in TRACKS}
-    result = cli("dualtrack", short_manifest, "--out", short_dualtrack, "--no-compare",
-                 "--no-progress")  # fmt: skip
+    result = cli(
+        "dualtrack", short_manifest, "--out", short_dualtrack, "--no-compare", "--no-progress"
+    )
     assert result.code == 0, result.err
     for label in TRACKS:
         assert (short_dualtrack / label / "metrics.jsonl").read_bytes() == before[label]
@@ -135,13 +155,15 @@ def test_a_stop_request_between_tracks_ends_the_command_with_exit_75(
     cli, short_manifest, short_dualtrack
 ):
     (short_dualtrack / "stop.request").write_text("test\n")
-    result = cli("dualtrack", short_manifest, "--out", short_dualtrack, "--no-compare",
-                 "--no-progress")  # fmt: skip
+    result = cli(
+        "dualtrack", short_manifest, "--out", short_dualtrack, "--no-compare", "--no-progress"
+    )
     assert result.code == REQUEUE_EXIT
     assert "stopped between two tracks (stop.request in the run directory)" in result.err
     assert not (short_dualtrack / "stop.request").exists()  # answered
-    again = cli("dualtrack", short_manifest, "--out", short_dualtrack, "--no-compare",
-                "--no-progress")  # fmt: skip
+    again = cli(
+        "dualtrack", short_manifest, "--out", short_dualtrack, "--no-compare", "--no-progress"
+    )
     assert again.code == 0, again.err
 
 
@@ -179,8 +201,9 @@ def test_a_world_of_the_wrong_size_is_refused_before_anything_is_written(
 
 
 def test_a_fallback_glob_typo_is_refused_before_the_candidate_trains(cli, short_manifest, tmp_path):
-    typo = write_derived(tmp_path / "typo.yaml", short_manifest,
-                         {"dualtrack.fallback_modules": ["*.linear_fc3"]})  # fmt: skip
+    typo = write_derived(
+        tmp_path / "typo.yaml", short_manifest, {"dualtrack.fallback_modules": ["*.linear_fc3"]}
+    )
     result = cli("dualtrack", typo, "--out", tmp_path / "dt", "--no-progress")
     assert result.code == 2
     assert "dualtrack.fallback_modules: '*.linear_fc3' matches none of the" in result.err
@@ -192,11 +215,22 @@ def test_fallback_modules_come_from_alerts_and_globs(short_manifest, short_dualt
     candidate = tmp_path / "fp8"
     shutil.copytree(short_dualtrack / "fp8", candidate)
     fc1 = "decoder.layers.1.mlp.linear_fc1"
-    write_alerts(candidate, [
-        Alert(4, "degrade", "saturation", fc1, "input.saturation", 0.2, 0.01, "saturated"),
-        Alert(5, "observe", "scale_change", "decoder.layers.1.mlp.linear_fc2", "scale_change",
-              9.0, 4.0, "moved"),
-    ])  # fmt: skip
+    write_alerts(
+        candidate,
+        [
+            Alert(4, "degrade", "saturation", fc1, "input.saturation", 0.2, 0.01, "saturated"),
+            Alert(
+                5,
+                "observe",
+                "scale_change",
+                "decoder.layers.1.mlp.linear_fc2",
+                "scale_change",
+                9.0,
+                4.0,
+                "moved",
+            ),
+        ],
+    )
     source = load_manifest(short_manifest)
     only_alerts = _rule(source, fallback_first_last=False)
     assert fallback_modules(only_alerts, candidate) == {
@@ -204,14 +238,18 @@ def test_fallback_modules_come_from_alerts_and_globs(short_manifest, short_dualt
     }
     by_glob = _rule(only_alerts, fallback_alerted=False, fallback_modules=("*.1.self_attention.*",))
     assert sorted(fallback_modules(by_glob, candidate)) == [
-        "decoder.layers.1.self_attention.linear_proj", "decoder.layers.1.self_attention.linear_qkv"
-    ]  # fmt: skip
+        "decoder.layers.1.self_attention.linear_proj",
+        "decoder.layers.1.self_attention.linear_qkv",
+    ]
     # A module an approved override moved to BF16 during the candidate's run (its layers.json
     # is the latest resume's) still ran FP8 before that: it is still chosen.
     layers = json.loads((candidate / "layers.json").read_text())
     row = next(r for r in layers["rows"] if r["fqn"] == fc1)
-    row.update(precision="bf16", formats=None,
-               reason={"code": "override", "text": "approved override (ledger)"})  # fmt: skip
+    row.update(
+        precision="bf16",
+        formats=None,
+        reason={"code": "override", "text": "approved override (ledger)"},
+    )
     rows = tuple(AdmissionRow.model_validate(r) for r in layers["rows"])
     layers["table_hash"] = table_hash(rows, RecipeRecord.model_validate(layers["recipe"]))
     (candidate / "layers.json").write_text(json.dumps(layers))
@@ -228,17 +266,20 @@ def test_a_fallback_glob_naming_only_modules_the_candidate_keeps_in_bf16_is_refu
     fixing the glob changes the source manifest and costs the tracks already trained."""
     fc2 = "decoder.layers.1.mlp.linear_fc2"
     source = load_manifest(short_manifest)
-    excluded = source.model_copy(update={
-        "precision": source.precision.model_copy(update={"exclude_modules": (fc2,)}),
-        "dualtrack": source.dualtrack.model_copy(update={"fallback_modules": (fc2,)}),
-    })  # fmt: skip
+    excluded = source.model_copy(
+        update={
+            "precision": source.precision.model_copy(update={"exclude_modules": (fc2,)}),
+            "dualtrack": source.dualtrack.model_copy(update={"fallback_modules": (fc2,)}),
+        }
+    )
     with pytest.raises(ManifestError, match="matches none of the 11 modules the candidate will"):
         check_fallback_globs(excluded, short_dualtrack / "bf16")
     check_fallback_globs(_rule(source, fallback_modules=(fc2,)), short_dualtrack / "bf16")
 
 
-def test_a_fallback_that_would_hold_every_fp8_module_is_skipped(short_manifest, short_dualtrack,
-                                                                tmp_path):  # fmt: skip
+def test_a_fallback_that_would_hold_every_fp8_module_is_skipped(
+    short_manifest, short_dualtrack, tmp_path
+):
     out = tmp_path / "dt"
     shutil.copytree(short_dualtrack / "fp8", out / "fp8")
     (out / "tracks").mkdir()
@@ -251,8 +292,9 @@ def test_a_fallback_that_would_hold_every_fp8_module_is_skipped(short_manifest, 
     assert not (out / "fp8-fallback").exists()  # nothing trained
 
 
-def test_a_track_that_failed_is_recorded_failed_so_compare_judges_it(short_manifest, tmp_path,
-                                                                     monkeypatch):  # fmt: skip
+def test_a_track_that_failed_is_recorded_failed_so_compare_judges_it(
+    short_manifest, tmp_path, monkeypatch
+):
     """Recorded "interrupted", compare DIR refused it as unfinished for as long as the failure
     repeated; "failed" is judged (and fails). The next invocation still retries it."""
     import fp8ops.train
@@ -287,11 +329,18 @@ def _rule(manifest, **fields):
 # -- the release gate on real tracks ------------------------------------------------------------
 
 GATE = {
-    **SHORT, "data.num_examples": 800, "schedule.train_steps": 30, "schedule.eval_interval": 10,
-    "schedule.checkpoint_interval": 30, "schedule.eval_iters": 8, "optimizer.lr": 2e-3,
-    "capability.items": 40, "telemetry.every_steps": 5, "telemetry.error_sample_every": 5,
+    **SHORT,
+    "data.num_examples": 800,
+    "schedule.train_steps": 30,
+    "schedule.eval_interval": 10,
+    "schedule.checkpoint_interval": 30,
+    "schedule.eval_iters": 8,
+    "optimizer.lr": 2e-3,
+    "capability.items": 40,
+    "telemetry.every_steps": 5,
+    "telemetry.error_sample_every": 5,
     "gates.loss_gap": 0.01,  # the schema's default; the CPU default's 0.03 is for its lr 2e-3
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
@@ -328,12 +377,16 @@ def test_a_damaged_fp8_candidate_fails_the_gate_naming_the_cause(cli, gate_dualt
     FP8 tensor underflow and the held-out loss rises. With the FP8-error Stop rule off, the run
     completes and only the gate stands between it and a release."""
     out, _, manifest = gate_dualtrack
-    damaged = write_derived(tmp_path / "damaged.yaml", Path(manifest),
-                            {"precision.margin": 16, "alerts.fp8_rel_error.stop": None})  # fmt: skip
+    damaged = write_derived(
+        tmp_path / "damaged.yaml",
+        Path(manifest),
+        {"precision.margin": 16, "alerts.fp8_rel_error.stop": None},
+    )
     trained = cli("train", damaged, "--run-dir", tmp_path / "damaged", "--no-progress")
     assert trained.code == 0, trained.err
-    result = cli("compare", out / "bf16", tmp_path / "damaged", "--out", tmp_path / "cmp",
-                 "--no-png")  # fmt: skip
+    result = cli(
+        "compare", out / "bf16", tmp_path / "damaged", "--out", tmp_path / "cmp", "--no-png"
+    )
     assert result.code == 1, result.out + result.err
     (candidate,) = json.loads((tmp_path / "cmp" / "verdict.json").read_text())["candidates"]
     gates = {g["name"]: g for g in candidate["gates"]}
@@ -353,8 +406,9 @@ def test_a_candidate_stopped_by_an_alert_fails_the_gate(cli, gate_dualtrack, tmp
     damaged = write_derived(tmp_path / "damaged.yaml", Path(manifest), {"precision.margin": 16})
     trained = cli("train", damaged, "--run-dir", tmp_path / "damaged", "--no-progress")
     assert trained.code == 3 and "stopped by an alert" in trained.err
-    result = cli("compare", out / "bf16", tmp_path / "damaged", "--out", tmp_path / "cmp",
-                 "--no-png")  # fmt: skip
+    result = cli(
+        "compare", out / "bf16", tmp_path / "damaged", "--out", tmp_path / "cmp", "--no-png"
+    )
     assert result.code == 1, result.out + result.err
     (candidate,) = json.loads((tmp_path / "cmp" / "verdict.json").read_text())["candidates"]
     gates = {g["name"]: g for g in candidate["gates"]}
@@ -366,10 +420,25 @@ def test_a_candidate_stopped_by_an_alert_fails_the_gate(cli, gate_dualtrack, tmp
 
 def test_dualtrack_at_tensor_parallel_2(short_manifest, tmp_path):
     """Under torchrun the three tracks share one process group; they still see the same tokens."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
-               "fp8ops", "dualtrack", str(short_manifest), "--out", str(tmp_path / "dt"),
-               "--set", "topology.tensor_parallel=2", "--set", "schedule.train_steps=4",
-               "--no-png", "--no-progress"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "fp8ops",
+        "dualtrack",
+        str(short_manifest),
+        "--out",
+        str(tmp_path / "dt"),
+        "--set",
+        "topology.tensor_parallel=2",
+        "--set",
+        "schedule.train_steps=4",
+        "--no-png",
+        "--no-progress",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     plan = json.loads((tmp_path / "dt" / "dualtrack.json").read_text())

@@ -17,9 +17,14 @@ from fp8ops.train import run_training
 from fp8ops.train.weights import META_FILE
 
 RUN = {
-    **SMALL_MODEL, **SCHEDULE, "model.init_checkpoint": None, "schedule.train_steps": 4,
-    "schedule.checkpoint_interval": 2, "schedule.eval_interval": 4, "capability.enabled": False,
-}  # fmt: skip
+    **SMALL_MODEL,
+    **SCHEDULE,
+    "model.init_checkpoint": None,
+    "schedule.train_steps": 4,
+    "schedule.checkpoint_interval": 2,
+    "schedule.eval_interval": 4,
+    "capability.enabled": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +62,15 @@ def test_the_last_checkpoint_exports_the_final_weights_and_an_earlier_one_its_ow
 
 def test_a_new_run_starts_from_exported_weights_and_verifies_them(run, cli, tmp_path):
     assert cli("checkpoints", "export", run, "--checkpoint", "2", "--out", tmp_path / "w").code == 0
-    manifest = write_derived(tmp_path / "next.yaml", MANIFESTS / "tiny-gpt-cpu.yaml", {
-        **RUN, "model.init_checkpoint": str(tmp_path / "w"), "schedule.train_steps": 1,
-    })  # fmt: skip
+    manifest = write_derived(
+        tmp_path / "next.yaml",
+        MANIFESTS / "tiny-gpt-cpu.yaml",
+        {
+            **RUN,
+            "model.init_checkpoint": str(tmp_path / "w"),
+            "schedule.train_steps": 1,
+        },
+    )
     run_training(manifest, tmp_path / "next", progress=False)
     model = json.loads((tmp_path / "next" / "run.json").read_text())["model"]
     assert model["init_verified"] is True
@@ -94,13 +105,32 @@ def test_a_tensor_parallel_checkpoint_exports_in_one_process(tmp_path):
     them against the fingerprint the TP-2 checkpoint was saved with)."""
     tp2 = {**RUN, "topology.tensor_parallel": 2, "schedule.train_steps": 2}
     manifest = write_derived(tmp_path / "tp2.yaml", MANIFESTS / "tiny-gpt-cpu.yaml", tp2)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
-               "fp8ops", "train", str(manifest), "--run-dir", str(tmp_path / "run"),
-               "--no-progress"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "fp8ops",
+        "train",
+        str(manifest),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--no-progress",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    export = [sys.executable, "-m", "fp8ops", "checkpoints", "export", str(tmp_path / "run"),
-              "--out", str(tmp_path / "w")]  # fmt: skip
+    export = [
+        sys.executable,
+        "-m",
+        "fp8ops",
+        "checkpoints",
+        "export",
+        str(tmp_path / "run"),
+        "--out",
+        str(tmp_path / "w"),
+    ]
     done = subprocess.run(export, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     exported, final = weights_meta(tmp_path / "w"), weights_meta(tmp_path / "run" / "final")

@@ -61,14 +61,16 @@ def test_an_output_path_that_cannot_be_written_is_named_without_a_traceback(tmp_
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory\n")
     out = blocker / "child.yaml"
-    result = cli("manifest", "derive", TINY, "--set", "precision.margin=1", "--reason", "why",
-                 "--out", out)  # fmt: skip
+    result = cli(
+        "manifest", "derive", TINY, "--set", "precision.margin=1", "--reason", "why", "--out", out
+    )
     assert result.code == 2
     assert result.err.strip() == f"{out}: {blocker} is a file, not a directory; choose another path"
     # Any other OSError is named by its path too, not shown as a traceback.
     long = tmp_path / ("x" * 300 + ".yaml")
-    result = cli("manifest", "derive", TINY, "--set", "precision.margin=1", "--reason", "why",
-                 "--out", long)  # fmt: skip
+    result = cli(
+        "manifest", "derive", TINY, "--set", "precision.margin=1", "--reason", "why", "--out", long
+    )
     assert result.code == 2
     assert result.err.startswith(str(tmp_path)) and "File name too long" in result.err, result.err
 
@@ -76,7 +78,16 @@ def test_an_output_path_that_cannot_be_written_is_named_without_a_traceback(tmp_
 def test_a_manifest_written_to_a_directory_is_refused_as_such(tmp_path, cli):
     from manifest_support import TINY
 
-    result = cli("manifest", "derive", TINY, "--set", "precision.margin=1", "--reason", "why",
-                 "--out", tmp_path)  # fmt: skip
+    result = cli(
+        "manifest",
+        "derive",
+        TINY,
+        "--set",
+        "precision.margin=1",
+        "--reason",
+        "why",
+        "--out",
+        tmp_path,
+    )
     assert result.code == 2
     assert result.err.strip() == f"{tmp_path}: is a directory; give the manifest file's path"

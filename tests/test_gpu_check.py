@@ -22,10 +22,22 @@ pytestmark = pytest.mark.skipif(
 def test_the_smoke_run_passes_every_check_and_prints_the_table_last(tmp_path):
     out = tmp_path / "report" / "gpu_check.json"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "ci" / "gpu_check.py"), "--smoke", "--profile",
-         "--micro-batch", "2", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "ci" / "gpu_check.py"),
+            "--smoke",
+            "--profile",
+            "--micro-batch",
+            "2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["smoke"] and report["correct"] and report["shape"]["batch"] == 2
@@ -45,15 +57,19 @@ def test_the_smoke_run_passes_every_check_and_prints_the_table_last(tmp_path):
     assert result.stdout.rstrip().splitlines()[-1].startswith("-")  # the table closes the output
 
 
-@pytest.mark.parametrize(("option", "value", "message"), [
-    ("--micro-batch", "0", "0 is not at least 1"),
-    ("--steps", "-3", "-3 is not at least 1"),
-    ("--telemetry-every", "ten", "'ten' is not a whole number"),
-    ("--runs", "fp8,fp9", "fp9: not a configuration; use some of bf16, bf16+telemetry"),
-    ("--runs", ",", "no configuration; use some of bf16"),
-])  # fmt: skip
-def test_a_count_that_is_not_a_positive_number_is_refused(tmp_path, option, value, message,
-                                                           monkeypatch, capsys):  # fmt: skip
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--micro-batch", "0", "0 is not at least 1"),
+        ("--steps", "-3", "-3 is not at least 1"),
+        ("--telemetry-every", "ten", "'ten' is not a whole number"),
+        ("--runs", "fp8,fp9", "fp9: not a configuration; use some of bf16, bf16+telemetry"),
+        ("--runs", ",", "no configuration; use some of bf16"),
+    ],
+)
+def test_a_count_that_is_not_a_positive_number_is_refused(
+    tmp_path, option, value, message, monkeypatch, capsys
+):
     gpu_check = load_script(ROOT / "ci" / "gpu_check.py", monkeypatch)
     # Its first work after the checks (script_support).
     monkeypatch.setattr(gpu_check, "environment", past_the_check)
@@ -67,17 +83,38 @@ def test_a_count_that_is_not_a_positive_number_is_refused(tmp_path, option, valu
 def test_runs_times_only_the_configurations_named_and_casts_can_be_skipped(tmp_path):
     out = tmp_path / "r.json"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "ci" / "gpu_check.py"), "--smoke", "--skip", "gemm",
-         "--skip", "scaling", "--skip", "casts", "--runs", "bf16,fp8+telemetry,fp8",
-         "--out", str(out)],
-        capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "ci" / "gpu_check.py"),
+            "--smoke",
+            "--skip",
+            "gemm",
+            "--skip",
+            "scaling",
+            "--skip",
+            "casts",
+            "--runs",
+            "bf16,fp8+telemetry,fp8",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
     timed = [row["check"] for row in report["rows"] if "tokens/s" in row["result"]]
-    assert timed == ["BF16", "FP8 scaled_mm, Inductor casts",
-                     "FP8 scaled_mm, Inductor casts + telemetry"]  # fmt: skip
+    assert timed == [
+        "BF16",
+        "FP8 scaled_mm, Inductor casts",
+        "FP8 scaled_mm, Inductor casts + telemetry",
+    ]
     assert not [row for row in report["rows"] if "ms" in row["values"]]  # --skip casts
     goals = {row["check"] for row in report["rows"] if row["part"] == "goal"}
-    assert goals == {"FP8 (Inductor casts) over BF16",
-                     "telemetry share of the FP8 (Inductor casts) step"}  # fmt: skip
+    assert goals == {
+        "FP8 (Inductor casts) over BF16",
+        "telemetry share of the FP8 (Inductor casts) step",
+    }

@@ -210,20 +210,29 @@ def gpu_manifest(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("gpu")
     schedule = {**SCHEDULE, "schedule.eval_iters": 2}
     base = write_derived(
-        tmp / "base.yaml", MANIFESTS / "tiny-gpt-cpu-base.yaml",
+        tmp / "base.yaml",
+        MANIFESTS / "tiny-gpt-cpu-base.yaml",
         {**SMALL_MODEL, **schedule, "schedule.train_steps": 2, "schedule.eval_interval": 2},
-    )  # fmt: skip
+    )
     run_training(base, tmp / "base", progress=False)
     return write_derived(
-        tmp / "finetune.yaml", MANIFESTS / "tiny-gpt-cpu.yaml",
+        tmp / "finetune.yaml",
+        MANIFESTS / "tiny-gpt-cpu.yaml",
         {
-            **SMALL_MODEL, **schedule, "model.init_checkpoint": str(tmp / "base" / "final"),
-            "data.num_examples": 400, "schedule.train_steps": 2 * N,
-            "schedule.eval_interval": N, "schedule.checkpoint_interval": N,
-            "capability.items": 8, "capability.interval": N,
-            "optimizer.lr": 2e-3, "telemetry.every_steps": 1, "telemetry.error_sample_every": 2,
+            **SMALL_MODEL,
+            **schedule,
+            "model.init_checkpoint": str(tmp / "base" / "final"),
+            "data.num_examples": 400,
+            "schedule.train_steps": 2 * N,
+            "schedule.eval_interval": N,
+            "schedule.checkpoint_interval": N,
+            "capability.items": 8,
+            "capability.interval": N,
+            "optimizer.lr": 2e-3,
+            "telemetry.every_steps": 1,
+            "telemetry.error_sample_every": 2,
         },
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(scope="module")
@@ -249,9 +258,10 @@ def _assert_same_training(a: Path, b: Path) -> None:
     ta, tb = open_run(a), open_run(b)
     for module in ta.modules:
         assert np.array_equal(
-            ta.module_history(module).to_numpy(), tb.module_history(module).to_numpy(),
+            ta.module_history(module).to_numpy(),
+            tb.module_history(module).to_numpy(),
             equal_nan=True,
-        ), module  # fmt: skip
+        ), module
 
 
 @needs_gpu
@@ -307,8 +317,11 @@ def test_everything_trains_on_the_gpu(gpu_manifest, tmp_path):
             if on_gpu and DEFAULT_CASTS:  # the hand-written kernel, verified before use
                 from fp8ops.precision.linear import cast_and_record_status
 
-                gpu = {key: status for key, status in cast_and_record_status()["triton"].items()
-                       if str(ranks.device) in key}  # fmt: skip
+                gpu = {
+                    key: status
+                    for key, status in cast_and_record_status()["triton"].items()
+                    if str(ranks.device) in key
+                }
                 assert gpu and set(gpu.values()) == {"compiled"}, gpu
         finally:
             trainer.telemetry.close()
@@ -327,8 +340,11 @@ def test_a_gpu_run_completes_with_finite_losses(gpu_straight):
     assert not any(_losses(gpu_straight, "skipped"))
     events = [e["event"] for e in read_jsonl(gpu_straight / "events.jsonl")]
     assert "fp8_state_checked" in events and "weights_saved" in events
-    assert all(e["agree"] for e in read_jsonl(gpu_straight / "events.jsonl")
-               if e["event"] == "fp8_state_checked")  # fmt: skip
+    assert all(
+        e["agree"]
+        for e in read_jsonl(gpu_straight / "events.jsonl")
+        if e["event"] == "fp8_state_checked"
+    )
     assert (gpu_straight / "capability.jsonl").exists()
     if DEFAULT_CASTS:
         run = json.loads((gpu_straight / "run.json").read_text())
@@ -394,10 +410,25 @@ def test_the_first_gpu_loss_is_the_cpus_within_rounding(gpu_manifest, gpu_straig
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     env.pop("LOCAL_RANK", None)
     done = subprocess.run(
-        [sys.executable, "-m", "fp8ops", "train", str(gpu_manifest), "--run-dir",
-         str(tmp_path / "cpu"), "--set", "schedule.train_steps=1", "--no-progress"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "fp8ops",
+            "train",
+            str(gpu_manifest),
+            "--run-dir",
+            str(tmp_path / "cpu"),
+            "--set",
+            "schedule.train_steps=1",
+            "--no-progress",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     cpu, gpu = _losses(tmp_path / "cpu")[0], _losses(gpu_straight)[0]
     assert abs(cpu - gpu) <= 1e-2 * abs(cpu), (cpu, gpu)
@@ -462,11 +493,29 @@ def test_two_ranks_on_two_gpus(gpu_manifest, tmp_path, layout):
 
     run = tmp_path / "run"
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "fp8ops", "train", str(gpu_manifest), "--run-dir", str(run),
-         "--set", f"topology.{layout}=2", "--no-progress"],
-        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "fp8ops",
+            "train",
+            str(gpu_manifest),
+            "--run-dir",
+            str(run),
+            "--set",
+            f"topology.{layout}=2",
+            "--no-progress",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     assert all(math.isfinite(loss) for loss in _losses(run))
     checks = [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "fp8_state_checked"]

@@ -38,9 +38,10 @@ def make_tokenizer(directory: Path, *, config: bool = True, extra: str = "") -> 
     tokenizer.decoder = decoders.ByteLevel()
     # EOT is not id 0, as in real tokenizers (Llama 3: 128001): nothing may take 0 for it.
     trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|pad|>", EOT],
+        vocab_size=300,
+        special_tokens=["<|pad|>", EOT],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
+    )
     tokenizer.train_from_iterator([*TEXTS, extra] * 20, trainer)
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))
@@ -109,21 +110,48 @@ def test_bad_tokenizer_paths_and_tokens_are_named(tmp_path):
     other_eos = make_tokenizer(tmp_path / "other", config=False)
     (other_eos / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
     cases = [
-        (config(tmp_path / "missing.json"), (f"tokenizer.path: {tmp_path / 'missing.json'}: no "
-         "such file; give a tokenizer.json or the directory holding it")),
+        (
+            config(tmp_path / "missing.json"),
+            (
+                f"tokenizer.path: {tmp_path / 'missing.json'}: no "
+                "such file; give a tokenizer.json or the directory holding it"
+            ),
+        ),
         (config(tmp_path / "empty"), f"tokenizer.path: {tmp_path / 'empty'} has no tokenizer.json"),
-        (config(tmp_path / "broken.json"), (f"tokenizer.path: {tmp_path / 'broken.json'} is not "
-         "a tokenizer.json the tokenizers library reads")),
-        (config(directory, eod_token="</s>"), ("tokenizer.eod_token: '</s>' is not a token of "
-         f"{directory / 'tokenizer.json'}")),
-        (config(no_config), (f"tokenizer.eod_token: not set, and there is no "
-         f"{no_config / 'tokenizer_config.json'} to take an eos_token from")),
-        (config(directory, eod_token="A"), (f"tokenizer.eod_token: 'A' is a token of "
-         f"{directory / 'tokenizer.json'}'s vocabulary, which ordinary text encodes to, not one "
-         "of its added tokens")),
-        (config(other_eos), (f"tokenizer.eod_token: '</s>' (the eos_token of "
-         f"{other_eos / 'tokenizer_config.json'}) is not a token of ")),
-    ]  # fmt: skip
+        (
+            config(tmp_path / "broken.json"),
+            (
+                f"tokenizer.path: {tmp_path / 'broken.json'} is not "
+                "a tokenizer.json the tokenizers library reads"
+            ),
+        ),
+        (
+            config(directory, eod_token="</s>"),
+            (f"tokenizer.eod_token: '</s>' is not a token of {directory / 'tokenizer.json'}"),
+        ),
+        (
+            config(no_config),
+            (
+                f"tokenizer.eod_token: not set, and there is no "
+                f"{no_config / 'tokenizer_config.json'} to take an eos_token from"
+            ),
+        ),
+        (
+            config(directory, eod_token="A"),
+            (
+                f"tokenizer.eod_token: 'A' is a token of "
+                f"{directory / 'tokenizer.json'}'s vocabulary, which ordinary text encodes to, not one "
+                "of its added tokens"
+            ),
+        ),
+        (
+            config(other_eos),
+            (
+                f"tokenizer.eod_token: '</s>' (the eos_token of "
+                f"{other_eos / 'tokenizer_config.json'}) is not a token of "
+            ),
+        ),
+    ]
     for given, message in cases:
         with pytest.raises(ManifestError) as err:
             tokenizer_for(given)
@@ -160,11 +188,20 @@ def test_the_manifest_refuses_what_no_tokenizer_can_do(section, message):
 
 def _manifest(tmp_path: Path, data: Path, **changes):
     base = load_manifest(MANIFESTS / "tiny-gpt-cpu.yaml")
-    return derive(base, {
-        **SMALL_MODEL, "model.vocab_size": 300, "model.init_checkpoint": None,
-        "tokenizer.kind": "huggingface", "tokenizer.path": str(make_tokenizer(tmp_path / "tok")),
-        "data.kind": "jsonl", "data.path": str(data), **changes,
-    }, "test: hf tokenizer")  # fmt: skip
+    return derive(
+        base,
+        {
+            **SMALL_MODEL,
+            "model.vocab_size": 300,
+            "model.init_checkpoint": None,
+            "tokenizer.kind": "huggingface",
+            "tokenizer.path": str(make_tokenizer(tmp_path / "tok")),
+            "data.kind": "jsonl",
+            "data.path": str(data),
+            **changes,
+        },
+        "test: hf tokenizer",
+    )
 
 
 def _sft_file(tmp_path: Path, count: int = 300) -> Path:
@@ -293,8 +330,9 @@ def test_a_model_vocabulary_smaller_than_the_tokenizers_and_the_corpus_are_refus
     ):
         build_data(_manifest(tmp_path, _sft_file(tmp_path), **{"model.vocab_size": 256}))
     with pytest.raises(ManifestError, match="'corpus' is fp8ops' byte-level demo text"):
-        build_data(_manifest(tmp_path, _sft_file(tmp_path), **{
-            "data.kind": "corpus", "data.path": None}))  # fmt: skip
+        build_data(
+            _manifest(tmp_path, _sft_file(tmp_path), **{"data.kind": "corpus", "data.path": None})
+        )
 
 
 def test_a_run_trains_evaluates_and_records_the_tokenizer(tmp_path):
@@ -305,13 +343,26 @@ def test_a_run_trains_evaluates_and_records_the_tokenizer(tmp_path):
     from fp8ops.train.run_dir import read_metrics
 
     manifest_file = tmp_path / "hf.yaml"
-    write_derived(manifest_file, MANIFESTS / "tiny-gpt-cpu.yaml", {
-        **SMALL_MODEL, **SCHEDULE, "model.vocab_size": 300, "model.init_checkpoint": None,
-        "tokenizer.kind": "huggingface", "tokenizer.path": str(make_tokenizer(tmp_path / "tok")),
-        "data.kind": "jsonl", "data.path": str(_sft_file(tmp_path)),
-        "schedule.train_steps": 4, "schedule.eval_interval": 4, "schedule.checkpoint_interval": 4,
-        "capability.items": 8, "capability.max_new_tokens": 8, "optimizer.lr": 1e-3,
-    })  # fmt: skip
+    write_derived(
+        manifest_file,
+        MANIFESTS / "tiny-gpt-cpu.yaml",
+        {
+            **SMALL_MODEL,
+            **SCHEDULE,
+            "model.vocab_size": 300,
+            "model.init_checkpoint": None,
+            "tokenizer.kind": "huggingface",
+            "tokenizer.path": str(make_tokenizer(tmp_path / "tok")),
+            "data.kind": "jsonl",
+            "data.path": str(_sft_file(tmp_path)),
+            "schedule.train_steps": 4,
+            "schedule.eval_interval": 4,
+            "schedule.checkpoint_interval": 4,
+            "capability.items": 8,
+            "capability.max_new_tokens": 8,
+            "optimizer.lr": 1e-3,
+        },
+    )
     run = tmp_path / "run"
     run_training(manifest_file, run, progress=False)
     metrics = read_metrics(run)
@@ -335,13 +386,25 @@ def paused_run(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("paused")
     manifest_file = tmp / "hf.yaml"
-    write_derived(manifest_file, MANIFESTS / "tiny-gpt-cpu.yaml", {
-        **SMALL_MODEL, **SCHEDULE, "model.vocab_size": 300, "model.init_checkpoint": None,
-        "tokenizer.kind": "huggingface", "tokenizer.path": str(make_tokenizer(tmp / "tok")),
-        "data.kind": "jsonl", "data.path": str(_sft_file(tmp)), "schedule.train_steps": 6,
-        "schedule.eval_interval": 6, "schedule.checkpoint_interval": 6, "capability.items": 4,
-        "capability.max_new_tokens": 8,
-    })  # fmt: skip
+    write_derived(
+        manifest_file,
+        MANIFESTS / "tiny-gpt-cpu.yaml",
+        {
+            **SMALL_MODEL,
+            **SCHEDULE,
+            "model.vocab_size": 300,
+            "model.init_checkpoint": None,
+            "tokenizer.kind": "huggingface",
+            "tokenizer.path": str(make_tokenizer(tmp / "tok")),
+            "data.kind": "jsonl",
+            "data.path": str(_sft_file(tmp)),
+            "schedule.train_steps": 6,
+            "schedule.eval_interval": 6,
+            "schedule.checkpoint_interval": 6,
+            "capability.items": 4,
+            "capability.max_new_tokens": 8,
+        },
+    )
     run_training(manifest_file, tmp / "run", progress=False, stop_at=2)
     return tmp
 
@@ -370,14 +433,18 @@ def test_a_resume_refuses_a_tokenizer_or_data_file_edited_since_the_run_started(
         assert refused.code == 4, refused.err
         if edit == "data":
             recorded = json.loads((run / "run.json").read_text())["data"]["source"]
-            assert (f"the training data changed since the run started (data.path {data}: "
-                    f"file_sha256 {recorded['file_sha256'][:12]} -> ") in refused.err, refused.err
+            assert (
+                f"the training data changed since the run started (data.path {data}: "
+                f"file_sha256 {recorded['file_sha256'][:12]} -> "
+            ) in refused.err, refused.err
             assert "in a new run (another --run-dir)" in refused.err
         else:
             recorded = json.loads((run / "run.json").read_text())["tokenizer"]["fingerprint"]
-            assert (f"tokenizer.path {tok.parent} (its bytes or the end-of-document token "
-                    f"'{EOT}') changed since the run started (run.json records tokenizer "
-                    f"fingerprint {recorded[:12]}, it now hashes to ") in refused.err, refused.err
+            assert (
+                f"tokenizer.path {tok.parent} (its bytes or the end-of-document token "
+                f"'{EOT}') changed since the run started (run.json records tokenizer "
+                f"fingerprint {recorded[:12]}, it now hashes to "
+            ) in refused.err, refused.err
             assert "vocab_size" not in refused.err
         assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == files
     finally:

@@ -79,13 +79,22 @@ def make_run_dir(path, admitted, *, allow_self_approval=False):
         json.dumps({"state": "running", "step": 120, "manifest": manifest_hash(manifest)})
     )
     saturation = {"rule": "saturation", "metric": "input.saturation", "threshold": 0.02}
-    write_alerts(path, [
-        Alert(100, "observe", module=FC1, value=0.01, message="", **{**saturation,
-                                                                     "threshold": 0.005}),
-        Alert(110, "degrade", module=FC1, value=0.03, message="", **saturation),
-        Alert(110, "degrade", "underflow", FC1, "grad_output.underflow", math.nan, 0.1, ""),
-        Alert(115, "degrade", module=QKV, value=0.5, message="", **saturation),
-    ])  # fmt: skip
+    write_alerts(
+        path,
+        [
+            Alert(
+                100,
+                "observe",
+                module=FC1,
+                value=0.01,
+                message="",
+                **{**saturation, "threshold": 0.005},
+            ),
+            Alert(110, "degrade", module=FC1, value=0.03, message="", **saturation),
+            Alert(110, "degrade", "underflow", FC1, "grad_output.underflow", math.nan, 0.1, ""),
+            Alert(115, "degrade", module=QKV, value=0.5, message="", **saturation),
+        ],
+    )
     return path
 
 
@@ -105,8 +114,11 @@ def test_stage_then_approve(run_dir):
     ledger = Ledger(run_dir)
     staged = ledger.stage(FC1, "input saturation 3% at step 110", who="ana")
     assert (staged.status, staged.origin, staged.who, staged.module) == (
-        "staged", "staged", "ana", FC1,
-    )  # fmt: skip
+        "staged",
+        "staged",
+        "ana",
+        FC1,
+    )
     assert (staged.step, staged.data_version, staged.dtype) == (120, DATA, "bf16")
     # The latest alert per metric for the module, with what it saw and its threshold.
     (underflow, saturation) = staged.triggers
@@ -159,8 +171,11 @@ def test_self_approval_does_not_follow_an_edited_manifest_file(run_dir):
     file.write_text(locked.replace("allow_self_approval: false", "allow_self_approval: true"))
     ledger = Ledger(run_dir)
     o = ledger.stage(FC1, "saturation", who="ana")
-    with pytest.raises(OverrideError, match=r"manifest.yaml hashes to .* the run is locked to .* "
-                       r"edited after the run wrote it.*restore the file: cp "):  # fmt: skip
+    with pytest.raises(
+        OverrideError,
+        match=r"manifest.yaml hashes to .* the run is locked to .* "
+        r"edited after the run wrote it.*restore the file: cp ",
+    ):
         ledger.approve(o.id, who="ana")
     assert len(lines(run_dir)) == 1  # nothing written
     file.write_text(locked)
@@ -210,8 +225,10 @@ def test_revoking_an_approved_and_an_applied_override(run_dir):
 
     (applied,) = ledger.record_applied([b.id[:10]], step=150, revision=REVISION, who="resume")
     assert (applied.status, applied.applied_step, applied.applied_revision) == (
-        "applied", 150, REVISION,
-    )  # fmt: skip
+        "applied",
+        150,
+        REVISION,
+    )
     assert ledger.active_fallbacks() == [applied] and ledger.pending_for_resume() == []
 
     # Revoking an applied one: the next resume lifts the fallback (the module returns to FP8).
@@ -230,8 +247,16 @@ def _resume_ledger(run_dir, manifest):
     from fp8ops.checkpoint.drift import Drift
     from fp8ops.checkpoint.resume import ResumePlan, _apply_ledger
 
-    plan = ResumePlan(run_dir, run_dir / "checkpoints" / "step_00000120", None, manifest,
-                      manifest, [], Drift(), None)  # fmt: skip
+    plan = ResumePlan(
+        run_dir,
+        run_dir / "checkpoints" / "step_00000120",
+        None,
+        manifest,
+        manifest,
+        [],
+        Drift(),
+        None,
+    )
     _apply_ledger(plan)
     return plan
 
@@ -262,8 +287,10 @@ def test_a_deleted_ledger_refuses_a_resume_whose_manifest_names_its_approvals(ru
     ledger.approve(ledger.stage(FC1, "saturation", who="ana").id, who="ben")
     applied = _resume_ledger(run_dir, load_manifest(run_dir / "manifest.yaml")).manifest
     ledger.path.unlink()
-    with pytest.raises(LedgerError, match=f"runs {FC1} in BF16 under approval .* the ledger is "
-                                          "gone. Restore the file"):  # fmt: skip
+    with pytest.raises(
+        LedgerError,
+        match=f"runs {FC1} in BF16 under approval .* the ledger is gone. Restore the file",
+    ):
         _resume_ledger(run_dir, applied)
     assert _resume_ledger(run_dir, load_manifest(run_dir / "manifest.yaml")).new_revisions == []
 
@@ -351,7 +378,7 @@ def _tear(text):
         (_reorder, "line 2: the hash chain is broken (seq 2 where 1 belongs)"),
         (_tear, "line 4: incomplete last line (no newline at its end): a write was interrupted"),
     ],
-)  # fmt: skip
+)
 def test_tampering_is_detected_at_its_line_and_blocks_appends(run_dir, tamper, message):
     ledger = Ledger(run_dir)
     a = ledger.stage(FC1, "saturation", who="ana")
@@ -413,11 +440,14 @@ def test_two_processes_appending_at_once_lose_nothing(run_dir, admitted, tmp_pat
     go = tmp_path / "go"
     workers = [
         subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(run_dir), who, str(go), *modules], cwd=ROOT,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [sys.executable, "-c", WORKER, str(run_dir), who, str(go), *modules],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for who, modules in (("p0", fp8[0::2]), ("p1", fp8[1::2]))
-    ]  # fmt: skip
+    ]
     deadline = time.monotonic() + 60
     while not all((tmp_path / f"go.{who}").exists() for who in ("p0", "p1")):
         assert time.monotonic() < deadline and all(w.poll() is None for w in workers)
@@ -449,9 +479,13 @@ def test_ids_are_resolved_from_unique_prefixes(run_dir, admitted, monkeypatch):
     for ref, message in [
         (target.id[:5], "is not an override id: give its sha256 or a unique prefix of at least 6"),
         ("zzzzzzzz", "is not an override id"),
-        ("0123456789" if not any(o.id.startswith("0123456789") for o in staged) else "abcdef1234",
-         "has an id starting with"),
-    ]:  # fmt: skip
+        (
+            "0123456789"
+            if not any(o.id.startswith("0123456789") for o in staged)
+            else "abcdef1234",
+            "has an id starting with",
+        ),
+    ]:
         with pytest.raises(OverrideError, match=message):
             ledger.approve(ref, who="ben")
     # Ambiguity needs two ids sharing a prefix: among 14 ids, some share their first digit.
@@ -483,7 +517,7 @@ def test_te_debug_yaml_disables_fp8_in_exactly_the_overridden_layers(run_dir, ad
     applied, approved, _staged, revoked = (
         ledger.stage(m, "x", who="ana", triggers=[])
         for m in (FC1, QKV, "decoder.layers.2.mlp.linear_fc2", "decoder.layers.0.mlp.linear_fc2")
-    )  # fmt: skip
+    )
     for o in (applied, approved, revoked):
         ledger.approve(o.id, who="ben")
     ledger.record_applied([applied.id], step=150, revision=REVISION)

@@ -272,16 +272,18 @@ def test_three_dimensional_input_without_bias_matches_float64():
 def test_module_built_for_another_recipe_is_refused(field):
     _, scope = make()
     other = Fp8Linear(32, 8, DelayedScalingRecipe(**{"amax_history_len": 4, **field}))
-    with pytest.raises(ValueError, match="the scope runs"):
-        with scope():
-            other(torch.randn(2, 32))
+    with pytest.raises(ValueError, match="the scope runs"), scope():
+        other(torch.randn(2, 32))
 
 
 def test_a_second_scope_cannot_nest_inside_the_first():
     _, scope = make()
-    with pytest.raises(RuntimeError, match="another Fp8Scope is active"):
-        with scope(), Fp8Scope(RECIPE)():
-            pass
+    with (
+        pytest.raises(RuntimeError, match="another Fp8Scope is active"),
+        scope(),
+        Fp8Scope(RECIPE)(),
+    ):
+        pass
 
 
 def test_state_dict_round_trip():

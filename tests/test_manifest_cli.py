@@ -59,7 +59,9 @@ MALFORMED = [
     (
         "unknown-section",
         MINIMAL + "optimiser: {lr: 1}\n",
-        ["optimiser: unknown key (did you mean optimizer?); allowed here: alerts, capability, data,"],
+        [
+            "optimiser: unknown key (did you mean optimizer?); allowed here: alerts, capability, data,"
+        ],
     ),
     (
         "missing-section",
@@ -381,9 +383,12 @@ def test_validate_reads_the_inputs_only_when_asked(cli, tmp_path):
     assert "5,416 train and 584 eval sequences, fingerprint c80632b74fe5" in words
     # A manifest for another machine validates as a manifest; its inputs are refused by name.
     elsewhere = tmp_path / "elsewhere.yaml"
-    elsewhere.write_text(TINY.read_text().replace(
-        "tokenizer:\n  kind: byte", f"tokenizer:\n  kind: huggingface\n  path: {tmp_path / 'no'}"
-    ))  # fmt: skip
+    elsewhere.write_text(
+        TINY.read_text().replace(
+            "tokenizer:\n  kind: byte",
+            f"tokenizer:\n  kind: huggingface\n  path: {tmp_path / 'no'}",
+        )
+    )
     assert cli("manifest", "validate", elsewhere).code == 0
     refused = cli("manifest", "validate", elsewhere, "--inputs")
     assert refused.code == 2 and refused.err.startswith(

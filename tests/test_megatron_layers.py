@@ -175,8 +175,11 @@ def test_one_step_gives_finite_values_and_real_scales(model, scope, manifest):
         assert torch.isfinite(param.grad).all(), name
     for name, module in fp8_modules(model).items():
         forward, backward = module.fp8_meta.forward.scale, module.fp8_meta.backward.scale
-        for slot, scale in (("input", forward[INPUT]), ("weight", forward[WEIGHT]),
-                            ("grad_output", backward[GRAD_OUTPUT])):  # fmt: skip
+        for slot, scale in (
+            ("input", forward[INPUT]),
+            ("weight", forward[WEIGHT]),
+            ("grad_output", backward[GRAD_OUTPUT]),
+        ):
             assert torch.isfinite(scale) and scale != 1.0, f"{name} {slot}"
         # No FP8 output is requested, so those slots stay as TE leaves them.
         assert forward[OUTPUT] == 1.0 and backward[GRAD_INPUT] == 1.0
@@ -188,8 +191,10 @@ def test_amax_histories_roll_once_per_update(model, scope, manifest):
         fp8_step(model, scope, make_batch(manifest, seed))
     length = manifest.precision.amax_history_len
     for name, module in fp8_modules(model).items():
-        for history in (module.fp8_meta.forward.amax_history[:, [INPUT, WEIGHT]],
-                        module.fp8_meta.backward.amax_history[:, [GRAD_OUTPUT]]):  # fmt: skip
+        for history in (
+            module.fp8_meta.forward.amax_history[:, [INPUT, WEIGHT]],
+            module.fp8_meta.backward.amax_history[:, [GRAD_OUTPUT]],
+        ):
             assert history.shape[0] == length
             # [0 (accumulator, cleared), zeros not reached yet, one amax per update]
             assert (history[: length - steps] == 0).all(), name
@@ -272,11 +277,15 @@ def test_cpu_shims_are_idempotent_and_cover_what_megatron_needs(model, manifest)
 @pytest.mark.parametrize(
     "layer_cls, config_changes, layer_kwargs, message",
     [
-        (Fp8RowParallelLinear, {"recompute_granularity": "selective"},
-         {"input_is_parallel": True}, "activation recomputation"),
+        (
+            Fp8RowParallelLinear,
+            {"recompute_granularity": "selective"},
+            {"input_is_parallel": True},
+            "activation recomputation",
+        ),
         (Fp8ColumnParallelLinear, {}, {"disable_grad_reduce": True}, "disable_grad_reduce"),
     ],
-)  # fmt: skip
+)
 @pytest.mark.filterwarnings("ignore:If you are using transformer_engine:UserWarning")
 def test_unsupported_megatron_settings_fail_at_build_time(
     layer_cls, config_changes, layer_kwargs, message
@@ -288,9 +297,15 @@ def test_unsupported_megatron_settings_fail_at_build_time(
     config = dataclasses.replace(transformer_config(load_manifest(TINY)), **config_changes)
     with pytest.raises(NotImplementedError, match=message):
         layer_cls(
-            64, 64, recipe=DelayedScalingRecipe(amax_history_len=16), config=config,
-            init_method=torch.nn.init.zeros_, bias=True, skip_bias_add=False, **layer_kwargs,
-        )  # fmt: skip
+            64,
+            64,
+            recipe=DelayedScalingRecipe(amax_history_len=16),
+            config=config,
+            init_method=torch.nn.init.zeros_,
+            bias=True,
+            skip_bias_add=False,
+            **layer_kwargs,
+        )
 
 
 def test_vocabulary_padding_does_not_depend_on_tensor_parallel_size():

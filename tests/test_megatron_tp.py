@@ -21,8 +21,8 @@ What was measured (tiny-gpt-cpu, 4 steps of 2 micro-batches, AdamW lr 1e-3, this
 The tolerances below are about 3x to 5x the larger of these.
 """
 
-import json
 import importlib.util
+import json
 import math
 import subprocess
 import sys
@@ -45,10 +45,19 @@ def runs(tmp_path_factory) -> dict[int, list[dict]]:
     out = {tp: tmp_path_factory.mktemp(f"tp{tp}") for tp in (1, 2)}
     launches = {
         tp: subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone",
-             f"--nproc_per_node={tp}", str(WORKER), str(out[tp])],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={tp}",
+                str(WORKER),
+                str(out[tp]),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for tp in (1, 2)
     }
     for tp, launch in launches.items():

@@ -118,8 +118,9 @@ def test_a_bias_of_another_dtype_is_added_in_float32_as_the_emulation_does():
     bias = torch.randn(32, generator=torch.Generator().manual_seed(3))  # float32, bf16 output
     native = ScaledMmGemm()(a, b, torch.bfloat16, bias)
     assert native.dtype is torch.bfloat16
-    assert_gemms_agree(native, EmulatedGemm()(a, b, torch.bfloat16, bias), a, b, bias,
-                       torch.bfloat16)  # fmt: skip
+    assert_gemms_agree(
+        native, EmulatedGemm()(a, b, torch.bfloat16, bias), a, b, bias, torch.bfloat16
+    )
 
 
 @needs_scaled_mm
@@ -279,13 +280,19 @@ def test_megatron_gpt_trains_on_the_gpu_with_its_fp8_state_there(
 
 def write_manifest(tmp_path, name, changes):
     return write_derived(
-        tmp_path / f"{name}.yaml", MANIFESTS / "tiny-gpt-cpu.yaml",
+        tmp_path / f"{name}.yaml",
+        MANIFESTS / "tiny-gpt-cpu.yaml",
         {
-            **SMALL_MODEL, **SCHEDULE, "model.init_checkpoint": None, "data.num_examples": 200,
-            "schedule.train_steps": 4, "schedule.eval_interval": 4, "capability.enabled": False,
+            **SMALL_MODEL,
+            **SCHEDULE,
+            "model.init_checkpoint": None,
+            "data.num_examples": 200,
+            "schedule.train_steps": 4,
+            "schedule.eval_interval": 4,
+            "capability.enabled": False,
             **changes,
         },
-    )  # fmt: skip
+    )
 
 
 def losses(run_dir):
@@ -330,9 +337,14 @@ def test_a_module_scaled_mm_cannot_take_is_refused_by_name_before_the_run_starts
     from fp8ops.train import run_training
 
     # Hidden 72: QKV is 72 x 216 and the MLP 72 x 256, 256 x 72 per rank; none a multiple of 16.
-    manifest = write_manifest(tmp_path, "unaligned", {
-        "model.hidden_size": 72, "precision.backend": "scaled_mm",
-    })  # fmt: skip
+    manifest = write_manifest(
+        tmp_path,
+        "unaligned",
+        {
+            "model.hidden_size": 72,
+            "precision.backend": "scaled_mm",
+        },
+    )
     with pytest.raises(ManifestError) as refused:
         run_training(manifest, tmp_path / "run", progress=False)
     message = str(refused.value)

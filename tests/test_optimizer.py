@@ -1,5 +1,6 @@
 """The optimizer step: learning-rate schedule, float32 main weights, clipping."""
 
+import itertools
 import math
 
 import pytest
@@ -28,9 +29,10 @@ def test_schedule_warms_up_then_decays_to_min_lr():
     assert lrs[2] == pytest.approx(peak)  # decay starts from the peak ...
     assert lrs[-1] == pytest.approx(floor)  # ... and ends at min_lr on the last step
     assert lrs[6] == pytest.approx(floor + (peak - floor) * 0.5)  # cosine midpoint
-    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
-    linear = _manifest(**{"schedule.train_steps": 12, "schedule.warmup_steps": 1,
-                          "schedule.lr_decay": "linear"})  # fmt: skip
+    assert all(a >= b for a, b in itertools.pairwise(lrs[1:]))
+    linear = _manifest(
+        **{"schedule.train_steps": 12, "schedule.warmup_steps": 1, "schedule.lr_decay": "linear"}
+    )
     assert learning_rate(6, linear.optimizer, linear.schedule) == pytest.approx((peak + floor) / 2)
 
 
@@ -46,8 +48,14 @@ def test_updates_below_bf16_resolution_accumulate_in_float32_main_weights():
     # bf16 has 8 significant bits: 1 + 1e-3 rounds back to 1. SGD steps of 1e-3 each vanish in a
     # bf16 weight but add up in the float32 main copy, and reach the model once they exceed
     # half a bf16 ulp of 1 (2**-8).
-    cfg = _manifest(**{"optimizer.name": "sgd", "optimizer.beta1": 0.0,
-                       "optimizer.weight_decay": 0.0, "optimizer.clip_grad": None}).optimizer  # fmt: skip
+    cfg = _manifest(
+        **{
+            "optimizer.name": "sgd",
+            "optimizer.beta1": 0.0,
+            "optimizer.weight_decay": 0.0,
+            "optimizer.clip_grad": None,
+        }
+    ).optimizer
     layer = _bf16_layer()
     optimizer = MainParamsOptimizer(layer, cfg, tp_group=None, dp_group=None)
     update_norms = []
@@ -70,8 +78,14 @@ def test_updates_below_bf16_resolution_accumulate_in_float32_main_weights():
 
 
 def test_clipping_uses_the_global_norm_and_skips_non_finite_steps():
-    cfg = _manifest(**{"optimizer.name": "sgd", "optimizer.beta1": 0.0,
-                       "optimizer.weight_decay": 0.0, "optimizer.clip_grad": 1.0}).optimizer  # fmt: skip
+    cfg = _manifest(
+        **{
+            "optimizer.name": "sgd",
+            "optimizer.beta1": 0.0,
+            "optimizer.weight_decay": 0.0,
+            "optimizer.clip_grad": 1.0,
+        }
+    ).optimizer
     layer = _bf16_layer()
     optimizer = MainParamsOptimizer(layer, cfg, tp_group=None, dp_group=None)
     layer.weight.grad = torch.full_like(layer.weight, 0.5)  # norm 0.5 * 8 = 4

@@ -45,11 +45,15 @@ def test_stage_approve_list_verify(cli, run_dir):
     assert rows[0].split()[:5] == [fc1[:12], FC1, "approved", "ana", "ben"]
     assert rows[1].split()[2:4] == ["staged", "ana"] and rows[1].split()[-1] == "120"
 
-    records = [json.loads(line) for line in cli("overrides", "list", run_dir, "--json").out.split(
-        "\n") if line]  # fmt: skip
+    records = [
+        json.loads(line)
+        for line in cli("overrides", "list", run_dir, "--json").out.split("\n")
+        if line
+    ]
     assert [(r["module"], r["status"], r["decided_by"]) for r in records] == [
-        (FC1, "approved", "ben"), (QKV, "staged", None),
-    ]  # fmt: skip
+        (FC1, "approved", "ben"),
+        (QKV, "staged", None),
+    ]
     assert records[0]["triggers"][0]["value"] == "nan"  # JSON-safe, as alerts.jsonl writes it
 
     result = cli("overrides", "verify", run_dir)

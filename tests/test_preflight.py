@@ -50,9 +50,10 @@ def base(tmp_path_factory) -> Path:
     """The small model pre-trained for two steps: the weights the manifests fine-tune."""
     tmp = tmp_path_factory.mktemp("base")
     file = write_derived(
-        tmp / "base.yaml", MANIFESTS / "tiny-gpt-cpu-base.yaml",
+        tmp / "base.yaml",
+        MANIFESTS / "tiny-gpt-cpu-base.yaml",
         {**SMALL_MODEL, **SCHEDULE, "schedule.train_steps": 2, "schedule.eval_interval": 2},
-    )  # fmt: skip
+    )
     run_training(file, tmp / "run", progress=False)
     return tmp / "run" / "final"
 
@@ -62,19 +63,29 @@ def pinned(base):
     """The CPU default on the small model, every fingerprint pinned to what is there."""
     small = derive(
         load_manifest(MANIFESTS / "tiny-gpt-cpu.yaml"),
-        {**SMALL_MODEL, **SCHEDULE, "model.init_checkpoint": str(base), "data.num_examples": 400,
-         "optimizer.lr": 2e-3, "schedule.train_steps": 4, "schedule.eval_interval": 4,
-         "schedule.checkpoint_interval": 4, "telemetry.every_steps": 2,
-         "telemetry.error_sample_every": 2},
+        {
+            **SMALL_MODEL,
+            **SCHEDULE,
+            "model.init_checkpoint": str(base),
+            "data.num_examples": 400,
+            "optimizer.lr": 2e-3,
+            "schedule.train_steps": 4,
+            "schedule.eval_interval": 4,
+            "schedule.checkpoint_interval": 4,
+            "telemetry.every_steps": 2,
+            "telemetry.error_sample_every": 2,
+        },
         "test: small",
-    )  # fmt: skip
+    )
     return derive(
         small,
-        {"model.fingerprint": read_weights_meta(base, field="base")["fingerprint"],
-         "tokenizer.fingerprint": ByteTokenizer().fingerprint(),
-         "data.fingerprint": build_data(small).fingerprint},
+        {
+            "model.fingerprint": read_weights_meta(base, field="base")["fingerprint"],
+            "tokenizer.fingerprint": ByteTokenizer().fingerprint(),
+            "data.fingerprint": build_data(small).fingerprint,
+        },
         "test: pinned",
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture
@@ -86,8 +97,11 @@ def repo(tmp_path) -> Path:
 
 
 def _git(repo: Path, *args: str) -> None:
-    subprocess.run(["git", "-C", str(repo), "-c", "user.name=test", "-c", "user.email=t@example",
-                    *args], check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        ["git", "-C", str(repo), "-c", "user.name=test", "-c", "user.email=t@example", *args],
+        check=True,
+        capture_output=True,
+    )
 
 
 def _committed(repo: Path, manifest, name: str = "finetune.yaml") -> Path:
@@ -119,10 +133,16 @@ def test_a_clean_committed_manifest_passes_every_item(cli, pinned, repo, tmp_pat
     file = _committed(repo, pinned)
     code, results, out = _preflight(cli, file, tmp_path, "--steps", STEPS)
     assert {i["key"]: i["result"] for i in results["items"]} == {
-        "versions": "pass", "version-control": "pass", "fingerprints": "pass",
-        "fp8-state": "pass", "bf16-control": "pass", "telemetry": "pass", "gates": "pass",
-        "fallback": "pass", "topology": "pass",
-    }, out  # fmt: skip
+        "versions": "pass",
+        "version-control": "pass",
+        "fingerprints": "pass",
+        "fp8-state": "pass",
+        "bf16-control": "pass",
+        "telemetry": "pass",
+        "gates": "pass",
+        "fallback": "pass",
+        "topology": "pass",
+    }, out
     assert code == 0 and results["exit_code"] == 0 and "ready to launch" in out
     assert results["summary"] == {"pass": 9, "fail": 0, "n/a": 0, "skipped": 0}
     assert results["mode"] == "manifest" and results["manifest"] == manifest_hash(pinned)
@@ -159,8 +179,9 @@ def _without(manifest, section: str) -> str:
     return yaml.safe_dump(data, sort_keys=True)
 
 
-@pytest.mark.parametrize("case", ["untracked", "modified", "no gates", "unpinned data",
-                                  "wrong data"])  # fmt: skip
+@pytest.mark.parametrize(
+    "case", ["untracked", "modified", "no gates", "unpinned data", "wrong data"]
+)
 def test_each_record_item_fails_with_its_evidence(cli, pinned, repo, tmp_path, case):
     item, expected = {
         "untracked": ("version-control", "not tracked by git"),
@@ -168,7 +189,7 @@ def test_each_record_item_fails_with_its_evidence(cli, pinned, repo, tmp_path, c
         "no gates": ("gates", "writes no gates section"),
         "unpinned data": ("fingerprints", "data.fingerprint is not pinned"),
         "wrong data": ("fingerprints", f"data.fingerprint is pinned to {'0' * 64}"),
-    }[case]  # fmt: skip
+    }[case]
     if case == "untracked":
         file = write_manifest(pinned, repo / "finetune.yaml")
     elif case == "modified":

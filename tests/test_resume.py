@@ -54,19 +54,27 @@ def manifest(tmp_path_factory) -> Path:
     the small model pre-trained for a few steps."""
     tmp = tmp_path_factory.mktemp("resume")
     base = write_derived(
-        tmp / "base.yaml", MANIFESTS / "tiny-gpt-cpu-base.yaml",
+        tmp / "base.yaml",
+        MANIFESTS / "tiny-gpt-cpu-base.yaml",
         {**SMALL_MODEL, **SCHEDULE, "schedule.train_steps": 2, "schedule.eval_interval": 2},
-    )  # fmt: skip
+    )
     run_training(base, tmp / "base", progress=False)
     return write_derived(
-        tmp / "finetune.yaml", MANIFESTS / "tiny-gpt-cpu.yaml",
+        tmp / "finetune.yaml",
+        MANIFESTS / "tiny-gpt-cpu.yaml",
         {
-            **SMALL_MODEL, **SCHEDULE, "model.init_checkpoint": str(tmp / "base" / "final"),
-            "data.num_examples": 400, "schedule.train_steps": 2 * N,
-            "schedule.eval_interval": N, "schedule.checkpoint_interval": N,
-            "optimizer.lr": 2e-3, "telemetry.every_steps": 1, "telemetry.error_sample_every": 2,
+            **SMALL_MODEL,
+            **SCHEDULE,
+            "model.init_checkpoint": str(tmp / "base" / "final"),
+            "data.num_examples": 400,
+            "schedule.train_steps": 2 * N,
+            "schedule.eval_interval": N,
+            "schedule.checkpoint_interval": N,
+            "optimizer.lr": 2e-3,
+            "telemetry.every_steps": 1,
+            "telemetry.error_sample_every": 2,
         },
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(scope="module")
@@ -129,9 +137,9 @@ def test_a_completed_run_has_nothing_to_resume(straight, cli):
     assert result.code == 0 and "nothing to train" in result.err
 
 
-def test_a_rerun_of_a_completed_run_on_another_machine_has_nothing_to_train(manifest, straight,
-                                                                           cli, tmp_path,
-                                                                           monkeypatch):  # fmt: skip
+def test_a_rerun_of_a_completed_run_on_another_machine_has_nothing_to_train(
+    manifest, straight, cli, tmp_path, monkeypatch
+):
     """A requeue or a chain's next link after the end, on a node with another environment:
     nothing to train, not a drift refusal. A manifest edited in place for the next experiment is
     still refused with its diff (it is not this run), and training longer is a resume."""
@@ -142,14 +150,15 @@ def test_a_rerun_of_a_completed_run_on_another_machine_has_nothing_to_train(mani
     monkeypatch.setattr(environment, "environment_fingerprint", lambda: elsewhere)
     done = cli("train", manifest, "--resume", "--run-dir", straight, "--no-progress")
     assert done.code == 0 and f"completed at step {2 * N}: nothing to train" in done.err
-    edited = write_manifest(derive(load_manifest(manifest), {"optimizer.lr": 1e-3}, "next"),
-                            tmp_path / "edited.yaml")  # fmt: skip
+    edited = write_manifest(
+        derive(load_manifest(manifest), {"optimizer.lr": 1e-3}, "next"), tmp_path / "edited.yaml"
+    )
     refused = cli("train", edited, "--resume", "--run-dir", straight, "--no-progress")
     assert refused.code == 4 and "optimizer.lr" in refused.err
     longer = write_manifest(
         derive(load_manifest(manifest), {"schedule.train_steps": 2 * N + 2}, "longer"),
         tmp_path / "longer.yaml",
-    )  # fmt: skip
+    )
     refused = cli("train", longer, "--resume", "--run-dir", straight, "--no-progress")
     assert refused.code == 4 and "schedule.train_steps" in refused.err
     assert (straight / "events.jsonl").read_text() == before
@@ -157,10 +166,22 @@ def test_a_rerun_of_a_completed_run_on_another_machine_has_nothing_to_train(mani
 
 def _torchrun(*args: object) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "-m", "fp8ops", *map(str, args), "--no-progress"],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "fp8ops",
+            *map(str, args),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
 
 
 def _ok(done: subprocess.CompletedProcess) -> None:
@@ -177,8 +198,18 @@ def tp2_straight(manifest, tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_tp2_stop_and_resume_equals_the_straight_tp2_run(manifest, tp2_straight, tmp_path):
     run = tmp_path / "run"
-    _ok(_torchrun("train", manifest, "--run-dir", run, "--set", "topology.tensor_parallel=2",
-                  "--stop-at", N))  # fmt: skip
+    _ok(
+        _torchrun(
+            "train",
+            manifest,
+            "--run-dir",
+            run,
+            "--set",
+            "topology.tensor_parallel=2",
+            "--stop-at",
+            N,
+        )
+    )
     _ok(_torchrun("resume", run))
     assert_same_training(tp2_straight, run)
     assert _telemetry(run, rank=1).keys() == _telemetry(tp2_straight, rank=1).keys()
@@ -190,16 +221,26 @@ def test_tp2_stop_and_resume_equals_the_straight_tp2_run(manifest, tp2_straight,
 
 
 @pytest.mark.slow
-def test_tp2_checkpoint_resumes_at_tp1_and_tp1_at_tp2(manifest, straight, tp2_straight, tmp_path,
-                                                      cli):  # fmt: skip
+def test_tp2_checkpoint_resumes_at_tp1_and_tp1_at_tp2(
+    manifest, straight, tp2_straight, tmp_path, cli
+):
     # TP=2 -> TP=1: from the TP=2 run's step-N checkpoint, in a copy of its directory.
     down = tmp_path / "down"
     shutil.copytree(tp2_straight, down)
     refused = cli("resume", down, "--checkpoint", N, "--set", "topology.tensor_parallel=1")
     assert refused.code == DriftRefused.exit_code
     assert "topology.tensor_parallel: 2 -> 1" in refused.err
-    result = cli("resume", down, "--checkpoint", N, "--set", "topology.tensor_parallel=1",
-                 "--accept-drift", "one rank left", "--no-progress")  # fmt: skip
+    result = cli(
+        "resume",
+        down,
+        "--checkpoint",
+        N,
+        "--set",
+        "topology.tensor_parallel=1",
+        "--accept-drift",
+        "one rank left",
+        "--no-progress",
+    )
     assert result.code == 0, result.err
     event = [e for e in read_jsonl(down / "events.jsonl") if e["event"] == "resumed"][-1]
     # The saved state was one shared group (amaxes reduced over TP): every rank reads it, and
@@ -217,8 +258,18 @@ def test_tp2_checkpoint_resumes_at_tp1_and_tp1_at_tp2(manifest, straight, tp2_st
     # TP=1 -> TP=2: the one-rank run's step-N checkpoint continued by two ranks.
     up = tmp_path / "up"
     shutil.copytree(straight, up)
-    _ok(_torchrun("resume", up, "--checkpoint", N, "--set", "topology.tensor_parallel=2",
-                  "--accept-drift", "a second rank"))  # fmt: skip
+    _ok(
+        _torchrun(
+            "resume",
+            up,
+            "--checkpoint",
+            N,
+            "--set",
+            "topology.tensor_parallel=2",
+            "--accept-drift",
+            "a second rank",
+        )
+    )
     assert read_meta(up / "checkpoints" / checkpoint_name(2 * N)).topology.tensor_parallel == 2
     # Rank 1 joined the telemetry store at step N+1: nothing before, rows after.
     joined = open_run(up).module_history(FC2, rank=1)
@@ -228,8 +279,20 @@ def test_tp2_checkpoint_resumes_at_tp1_and_tp1_at_tp2(manifest, straight, tp2_st
 @pytest.mark.slow
 def test_per_rank_fp8_state_refuses_a_topology_change(manifest, tmp_path, cli):
     run = tmp_path / "run"
-    _ok(_torchrun("train", manifest, "--run-dir", run, "--set", "topology.tensor_parallel=2",
-                  "--set", "precision.reduce_amax=false", "--stop-at", N))  # fmt: skip
+    _ok(
+        _torchrun(
+            "train",
+            manifest,
+            "--run-dir",
+            run,
+            "--set",
+            "topology.tensor_parallel=2",
+            "--set",
+            "precision.reduce_amax=false",
+            "--stop-at",
+            N,
+        )
+    )
     meta = read_meta(run / "checkpoints" / checkpoint_name(N))
     assert (meta.fp8.layout, meta.fp8.groups) == ("per_rank", 2)
     result = cli("resume", run, "--set", "topology.tensor_parallel=1", "--accept-drift", "try")
@@ -249,8 +312,7 @@ def paused(manifest, tmp_path) -> Path:
     return run
 
 
-def test_a_changed_manifest_is_refused_then_accepted_as_a_revision(manifest, paused, tmp_path,
-                                                                   cli):  # fmt: skip
+def test_a_changed_manifest_is_refused_then_accepted_as_a_revision(manifest, paused, tmp_path, cli):
     edited = write_manifest(
         derive(load_manifest(manifest), {"optimizer.lr": 1e-3}, "edited"), tmp_path / "e.yaml"
     )
@@ -262,8 +324,9 @@ def test_a_changed_manifest_is_refused_then_accepted_as_a_revision(manifest, pau
     assert (paused / "events.jsonl").read_text() == events_before  # refused before building
 
     reason = "lower lr after the spike"
-    done = cli("train", edited, "--resume", "--run-dir", paused, "--accept-drift", reason,
-               "--no-progress")  # fmt: skip
+    done = cli(
+        "train", edited, "--resume", "--run-dir", paused, "--accept-drift", reason, "--no-progress"
+    )
     assert done.code == 0, done.err
     locked = load_manifest(paused / "manifest.yaml")
     saved = read_meta(paused / "checkpoints" / checkpoint_name(N)).manifest
@@ -280,8 +343,16 @@ def test_set_on_resume_needs_a_reason(paused, cli):
 
 
 def test_train_resume_without_a_checkpoint_starts_the_run(manifest, tmp_path, cli):
-    result = cli("train", manifest, "--resume", "--run-dir", tmp_path / "new", "--stop-at", 1,
-                 "--no-progress")  # fmt: skip
+    result = cli(
+        "train",
+        manifest,
+        "--resume",
+        "--run-dir",
+        tmp_path / "new",
+        "--stop-at",
+        1,
+        "--no-progress",
+    )
     assert result.code == 0, result.err
     assert read_status(tmp_path / "new")["state"] == "paused"
 
@@ -303,8 +374,11 @@ def test_an_approved_override_is_applied_on_resume_and_a_revoke_lifts_it(paused,
     result = cli("resume", paused, "--no-progress")
     assert result.code == 0, result.err
     assert f"fallback: {FC2} -> bf16 (saturates after the lr spike)" in result.out
-    speed = re.search(r"tokens/s: median [\d,]+ over the (\d+) steps before, [\d,]+ over the "
-                      r"(\d+) after( \([+-][\d.]+%\))?\n", result.out)  # fmt: skip
+    speed = re.search(
+        r"tokens/s: median [\d,]+ over the (\d+) steps before, [\d,]+ over the "
+        r"(\d+) after( \([+-][\d.]+%\))?\n",
+        result.out,
+    )
     assert speed, result.out
     # The change only when both medians hold 5 steps or more (first steps warm up).
     assert bool(speed.group(3)) == (min(int(speed.group(1)), int(speed.group(2))) >= 5)
@@ -326,8 +400,15 @@ def test_an_approved_override_is_applied_on_resume_and_a_revoke_lifts_it(paused,
 
     # Revoked: the next resume (here from the final checkpoint, with more steps) lifts it.
     ledger.revoke(staged.id, "fixed upstream", who="carol")
-    longer = cli("resume", paused, "--set", f"schedule.train_steps={2 * N + 2}",
-                 "--accept-drift", "two more steps", "--no-progress")  # fmt: skip
+    longer = cli(
+        "resume",
+        paused,
+        "--set",
+        f"schedule.train_steps={2 * N + 2}",
+        "--accept-drift",
+        "two more steps",
+        "--no-progress",
+    )
     assert longer.code == 0, longer.err
     assert f"lifted: {FC2} -> fp8" in longer.out
     assert load_manifest(paused / "manifest.yaml").precision.overrides == ()
@@ -362,8 +443,9 @@ def test_the_weights_are_verified_under_the_scheme_their_checkpoint_names(paused
         resume_training(paused, progress=False)
 
 
-def test_a_checkpoint_written_before_schemes_were_named_resumes(manifest, straight, tmp_path,
-                                                                monkeypatch):  # fmt: skip
+def test_a_checkpoint_written_before_schemes_were_named_resumes(
+    manifest, straight, tmp_path, monkeypatch
+):
     """As an older fp8ops wrote it: the fingerprint by module path, and no scheme named."""
     from checkpoint_support import edit_meta
 
@@ -402,15 +484,34 @@ def test_sigusr1_to_one_rank_stops_both_at_one_step_and_resume_finishes(manifest
 
     run = tmp_path / "run"
     process = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "-m", "fp8ops", "train", str(manifest), "--run-dir", str(run), "--no-progress",
-         "--set", "topology.tensor_parallel=2", "--set", "schedule.train_steps=40",
-         "--set", "schedule.checkpoint_interval=100",
-         # This is about stopping on a signal: at lr 2e-3 over 40 steps a layer's input can
-         # saturate past the Stop level, which would end the resumed run first.
-         "--set", "alerts.saturation.stop=0.5"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "fp8ops",
+            "train",
+            str(manifest),
+            "--run-dir",
+            str(run),
+            "--no-progress",
+            "--set",
+            "topology.tensor_parallel=2",
+            "--set",
+            "schedule.train_steps=40",
+            "--set",
+            "schedule.checkpoint_interval=100",
+            # This is about stopping on a signal: at lr 2e-3 over 40 steps a layer's input can
+            # saturate past the Stop level, which would end the resumed run first.
+            "--set",
+            "alerts.saturation.stop=0.5",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (
         (run / "metrics.jsonl").exists() and len(read_jsonl(run / "metrics.jsonl")) >= 2
@@ -444,8 +545,9 @@ def test_train_resume_sets_aside_an_attempt_that_never_checkpointed(manifest, pa
     shutil.rmtree(paused / "checkpoints")  # as if killed before the first save
     status = json.loads((paused / "status.json").read_text())
     (paused / "status.json").write_text(json.dumps({**status, "state": "running"}))
-    result = cli("train", manifest, "--resume", "--run-dir", paused, "--stop-at", 1,
-                 "--no-progress")  # fmt: skip
+    result = cli(
+        "train", manifest, "--resume", "--run-dir", paused, "--stop-at", 1, "--no-progress"
+    )
     assert result.code == 0, result.err
     assert "moved to" in result.err and "starts over" in result.err
     assert (paused / "attempts" / "1" / "metrics.jsonl").exists()
@@ -455,8 +557,10 @@ def test_train_resume_sets_aside_an_attempt_that_never_checkpointed(manifest, pa
 
 def test_a_missing_latest_pointer_falls_back_to_the_newest_complete_checkpoint(paused, cli):
     (paused / "checkpoints" / "latest").unlink()  # killed between the rename and the pointer
-    leftovers = [paused / "checkpoints" / ".step_00000009.partial",
-                 paused / "checkpoints" / ".step_00000001.deleting"]  # fmt: skip
+    leftovers = [
+        paused / "checkpoints" / ".step_00000009.partial",
+        paused / "checkpoints" / ".step_00000001.deleting",
+    ]
     for leftover in leftovers:
         leftover.mkdir()
     result = cli("resume", paused, "--stop-at", N + 1, "--no-progress")
@@ -465,8 +569,9 @@ def test_a_missing_latest_pointer_falls_back_to_the_newest_complete_checkpoint(p
     assert not any(leftover.exists() for leftover in leftovers)  # cleared by the next save
 
 
-def test_overrides_survive_requeues_and_a_resume_from_before_they_were_applied(manifest, paused,
-                                                                              cli):  # fmt: skip
+def test_overrides_survive_requeues_and_a_resume_from_before_they_were_applied(
+    manifest, paused, cli
+):
     ledger = Ledger(paused)
     staged = ledger.stage(FC2, "saturates", who="alice")
     ledger.approve(staged.id, who="bob")
@@ -485,18 +590,31 @@ def test_overrides_survive_requeues_and_a_resume_from_before_they_were_applied(m
     assert event["overrides_applied"] == [FC2] and event["superseded"] == [checkpoint_name(N + 1)]
 
     # A requeue runs the manifest file, which lists no overrides: not drift, and they stay.
-    requeued = cli("train", manifest, "--resume", "--run-dir", paused, "--stop-at", N + 2,
-                   "--no-progress")  # fmt: skip
+    requeued = cli(
+        "train", manifest, "--resume", "--run-dir", paused, "--stop-at", N + 2, "--no-progress"
+    )
     assert requeued.code == 0, requeued.err
     assert [o.module for o in load_manifest(paused / "manifest.yaml").precision.overrides] == [FC2]
     assert CheckpointDir(paused).latest().name == checkpoint_name(N + 2)
 
 
 def test_changes_a_checkpoint_cannot_be_loaded_into_are_refused_even_when_accepted(paused, cli):
-    for change, why in (("model.hidden_size=128", "shapes"), ("seeds.data=7", "data order"),
-                        ("precision.enabled=false", None)):  # fmt: skip
-        result = cli("resume", paused, "--set", change, "--accept-drift", "try", "--stop-at",
-                     N + 1, "--no-progress")  # fmt: skip
+    for change, why in (
+        ("model.hidden_size=128", "shapes"),
+        ("seeds.data=7", "data order"),
+        ("precision.enabled=false", None),
+    ):
+        result = cli(
+            "resume",
+            paused,
+            "--set",
+            change,
+            "--accept-drift",
+            "try",
+            "--stop-at",
+            N + 1,
+            "--no-progress",
+        )
         if why is None:  # FP8 off is loadable: the saved FP8 state is just not used
             assert result.code == 0, result.err
             continue
@@ -504,8 +622,17 @@ def test_changes_a_checkpoint_cannot_be_loaded_into_are_refused_even_when_accept
 
 
 def test_other_alert_thresholds_resume_with_fresh_windows(paused, cli):
-    result = cli("resume", paused, "--set", "alerts.window_steps=7", "--accept-drift",
-                 "wider windows", "--stop-at", N + 1, "--no-progress")  # fmt: skip
+    result = cli(
+        "resume",
+        paused,
+        "--set",
+        "alerts.window_steps=7",
+        "--accept-drift",
+        "wider windows",
+        "--stop-at",
+        N + 1,
+        "--no-progress",
+    )
     assert result.code == 0, result.err
 
 
@@ -525,8 +652,11 @@ def test_a_requeue_keeps_hand_written_and_ledger_overrides_in_the_saved_order():
 
     hand = {"module": "decoder.layers.0.mlp.linear_fc1", "reason": "hand-written"}
     approved = {"module": FC2, "reason": "saturates", "approval": "a" * 64}
-    requested = derive(load_manifest(MANIFESTS / "tiny-gpt-cpu.yaml"),
-                       {"precision.overrides": [hand]}, "own override")  # fmt: skip
+    requested = derive(
+        load_manifest(MANIFESTS / "tiny-gpt-cpu.yaml"),
+        {"precision.overrides": [hand]},
+        "own override",
+    )
     saved = derive(requested, {"precision.overrides": [hand, approved]}, "from the ledger")
     merged = _with_ledger_overrides(requested, saved)
     assert [o.module for o in merged.precision.overrides] == [hand["module"], FC2]
@@ -536,8 +666,17 @@ def test_a_requeue_keeps_hand_written_and_ledger_overrides_in_the_saved_order():
 def test_a_format_change_on_resume_carries_the_scales_to_the_new_maximum(paused, cli):
     """hybrid -> e4m3 gradients: the saved backward scales were computed for E5M2's 57344 and
     would saturate E4M3 (448) on the first step; they are carried by 448 / 57344 at load."""
-    result = cli("resume", paused, "--set", "precision.fp8_format=e4m3", "--accept-drift",
-                 "gradients fit E4M3", "--stop-at", N + 1, "--no-progress")  # fmt: skip
+    result = cli(
+        "resume",
+        paused,
+        "--set",
+        "precision.fp8_format=e4m3",
+        "--accept-drift",
+        "gradients fit E4M3",
+        "--stop-at",
+        N + 1,
+        "--no-progress",
+    )
     assert result.code == 0, result.err
     event = [e for e in read_jsonl(paused / "events.jsonl") if e["event"] == "resumed"][-1]
     assert event["scales_carried"] == {"backward": 2.0**-7}

@@ -281,8 +281,12 @@ def test_a_kept_infinite_scale_is_clamped_like_a_new_one():
 
 
 def _recipe(fmt: str, margin: int, algo: str = "max") -> DelayedScalingRecipe:
-    return DelayedScalingRecipe(fp8_format=Fp8Format.parse(fmt), amax_history_len=4,
-                                amax_compute_algo=parse_amax_algo(algo), margin=margin)  # fmt: skip
+    return DelayedScalingRecipe(
+        fp8_format=Fp8Format.parse(fmt),
+        amax_history_len=4,
+        amax_compute_algo=parse_amax_algo(algo),
+        margin=margin,
+    )
 
 
 def test_scale_factors_are_the_ratio_of_the_scaled_maxima():
@@ -295,8 +299,9 @@ def test_scale_factors_are_the_ratio_of_the_scaled_maxima():
 
 
 def test_carrying_leaves_initial_scales_and_clamps_like_the_update():
-    state = ScalingState(amax_history=torch.zeros(4, 3), fp8=E4M3,
-                         scale=torch.tensor([1.0, FLT_MAX, 3.0]))  # fmt: skip
+    state = ScalingState(
+        amax_history=torch.zeros(4, 3), fp8=E4M3, scale=torch.tensor([1.0, FLT_MAX, 3.0])
+    )
     state.carry_scales(2.0**7)
     assert state.scale.tolist() == [1.0, FLT_MAX, 384.0]  # never set; inf -> FLT_MAX; exact
     state.carry_scales(2.0**-7)
@@ -310,9 +315,9 @@ def test_a_scale_an_update_set_to_exactly_one_is_carried():
     meta = Fp8Meta.fresh(_recipe("hybrid", 0))
     state = meta.forward
     state.amax_history[0] = torch.tensor([448.0, 3.0, 0.0])
-    history, scale = update_delayed_scaling(state.amax_history, state.scale,
-                                            state.amax_history[0], fp8_max=448.0, margin=0,
-                                            algo="max")  # fmt: skip
+    history, scale = update_delayed_scaling(
+        state.amax_history, state.scale, state.amax_history[0], fp8_max=448.0, margin=0, algo="max"
+    )
     state.amax_history.copy_(history)
     state.scale.copy_(scale)
     assert state.scale[0] == 1.0
@@ -328,14 +333,21 @@ SCALE_ONE = {math.ldexp(top, -m) for top in (448.0, 57344.0) for m in range(5)}
 @settings(max_examples=60, deadline=None)
 @given(
     amaxes=st.lists(
-        st.lists(st.one_of(st.floats(1e-6, 1e6).filter(lambda x: x not in SCALE_ONE),
-                           st.sampled_from([0.0, NAN])), min_size=2, max_size=2),
-        min_size=1, max_size=7,
+        st.lists(
+            st.one_of(
+                st.floats(1e-6, 1e6).filter(lambda x: x not in SCALE_ONE),
+                st.sampled_from([0.0, NAN]),
+            ),
+            min_size=2,
+            max_size=2,
+        ),
+        min_size=1,
+        max_size=7,
     ),
     old=st.tuples(st.sampled_from(["hybrid", "e4m3"]), st.integers(0, 4)),
     new=st.tuples(st.sampled_from(["hybrid", "e4m3"]), st.integers(0, 4)),
     algo=st.sampled_from(["max", "most_recent", "quantile:0.9"]),
-)  # fmt: skip
+)
 def test_carried_scales_are_the_new_recipes_bit_for_bit(amaxes, old, new, algo):
     """Updates under the old recipe, then the carry, give the scales the same updates give under
     the new recipe: the resumed first step casts with the new recipe's scales."""
@@ -346,9 +358,13 @@ def test_carried_scales_are_the_new_recipes_bit_for_bit(amaxes, old, new, algo):
         for amax, state in ((a, s) for a in amaxes for s in (meta.forward, meta.backward)):
             state.amax_history[0, :2] = torch.tensor(amax, dtype=torch.float32)  # output slot: 0
             history, scale = update_delayed_scaling(
-                state.amax_history, state.scale, state.amax_history[0], algo=algo,
-                fp8_max=state.fp8.max, margin=recipe.margin,
-            )  # fmt: skip
+                state.amax_history,
+                state.scale,
+                state.amax_history[0],
+                algo=algo,
+                fp8_max=state.fp8.max,
+                margin=recipe.margin,
+            )
             state.amax_history.copy_(history)
             state.scale.copy_(scale)
         runs[recipe] = meta
@@ -359,5 +375,7 @@ def test_carried_scales_are_the_new_recipes_bit_for_bit(amaxes, old, new, algo):
         got, expected = carried.direction(forward).scale, wanted.direction(forward).scale
         # Never-set slots included: the new recipe leaves them at 1, and so must the carry.
         assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), (got, expected)
-        assert torch.equal(carried.direction(forward).amax_history.nan_to_num(-1),
-                           wanted.direction(forward).amax_history.nan_to_num(-1))  # fmt: skip
+        assert torch.equal(
+            carried.direction(forward).amax_history.nan_to_num(-1),
+            wanted.direction(forward).amax_history.nan_to_num(-1),
+        )

@@ -12,8 +12,16 @@ WORKER = Path(__file__).parent / "workers" / "reduce_amax.py"
 
 
 def run_two_ranks(tmp_path: Path, mode: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(WORKER), str(tmp_path), mode]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(WORKER),
+        str(tmp_path),
+        mode,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

@@ -53,10 +53,14 @@ def _write(path: Path, parent: Path, changes: dict) -> Path:
 def eight_rank_manifest(tmp_path) -> Path:
     """The CPU default at TP=2 x DP=4: eight ranks, e.g. 2 nodes x 4 GPUs."""
     return _write(
-        tmp_path / "eight.yaml", MANIFESTS / "tiny-gpt-cpu.yaml",
-        {"topology.tensor_parallel": 2, "topology.data_parallel": 4,
-         "schedule.micro_batch_size": 2},
-    )  # fmt: skip
+        tmp_path / "eight.yaml",
+        MANIFESTS / "tiny-gpt-cpu.yaml",
+        {
+            "topology.tensor_parallel": 2,
+            "topology.data_parallel": 4,
+            "schedule.micro_batch_size": 2,
+        },
+    )
 
 
 def _directives(script: str) -> list[str]:
@@ -65,20 +69,47 @@ def _directives(script: str) -> list[str]:
     ]
 
 
-def test_dry_run_renders_the_directives_and_inputs_from_the_manifest(eight_rank_manifest, cli,
-                                                                      tmp_path):  # fmt: skip
-    result = cli("launch", "slurm", eight_rank_manifest, "--nodes", 2, "--gpus-per-node", 4,
-                 "--time", "04:00:00", "--partition", "gpu", "--account", "proj",
-                 "--signal-seconds", 600, "--run-dir", tmp_path / "run",
-                 "--sbatch-arg=--qos=high", "--dry-run")  # fmt: skip
+def test_dry_run_renders_the_directives_and_inputs_from_the_manifest(
+    eight_rank_manifest, cli, tmp_path
+):
+    result = cli(
+        "launch",
+        "slurm",
+        eight_rank_manifest,
+        "--nodes",
+        2,
+        "--gpus-per-node",
+        4,
+        "--time",
+        "04:00:00",
+        "--partition",
+        "gpu",
+        "--account",
+        "proj",
+        "--signal-seconds",
+        600,
+        "--run-dir",
+        tmp_path / "run",
+        "--sbatch-arg=--qos=high",
+        "--dry-run",
+    )
     assert result.code == 0, result.err
     script = result.out
     assert _directives(script) == [
-        "--job-name=tiny-gpt-cpu", "--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=4",
-        "--time=04:00:00", "--partition=gpu", "--account=proj", "--requeue",
-        "--signal=B:USR1@600", "--open-mode=append",
-        f'--output="{tmp_path / "run"}.slurm-%j.out"', f'--chdir="{Path.cwd()}"', '--qos="high"',
-    ]  # fmt: skip
+        "--job-name=tiny-gpt-cpu",
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--gpus-per-node=4",
+        "--time=04:00:00",
+        "--partition=gpu",
+        "--account=proj",
+        "--requeue",
+        "--signal=B:USR1@600",
+        "--open-mode=append",
+        f'--output="{tmp_path / "run"}.slurm-%j.out"',
+        f'--chdir="{Path.cwd()}"',
+        '--qos="high"',
+    ]
     assert f"export FP8OPS_MANIFEST={eight_rank_manifest}\n" in script
     assert f"export FP8OPS_RUN_DIR={tmp_path / 'run'}\n" in script
     assert "export FP8OPS_PROCS_PER_NODE=4\n" in script
@@ -95,8 +126,21 @@ def test_dry_run_renders_the_directives_and_inputs_from_the_manifest(eight_rank_
 
 
 def test_dry_run_for_the_srun_launcher_on_cpus(eight_rank_manifest, cli):
-    result = cli("launch", "slurm", eight_rank_manifest, "--nodes", 2, "--time", "30",
-                 "--launcher", "srun", "--cpu", "--chain", 3, "--dry-run")  # fmt: skip
+    result = cli(
+        "launch",
+        "slurm",
+        eight_rank_manifest,
+        "--nodes",
+        2,
+        "--time",
+        "30",
+        "--launcher",
+        "srun",
+        "--cpu",
+        "--chain",
+        3,
+        "--dry-run",
+    )
     assert result.code == 0, result.err
     directives = _directives(result.out)
     # 8 ranks over 2 nodes: 4 tasks per node, one CPU each; no GPUs requested
@@ -106,16 +150,36 @@ def test_dry_run_for_the_srun_launcher_on_cpus(eight_rank_manifest, cli):
 
 
 def test_a_world_size_that_differs_from_the_topology_is_refused(eight_rank_manifest, cli):
-    result = cli("launch", "slurm", eight_rank_manifest, "--nodes", 1, "--gpus-per-node", 4,
-                 "--time", "1:00:00", "--dry-run")  # fmt: skip
+    result = cli(
+        "launch",
+        "slurm",
+        eight_rank_manifest,
+        "--nodes",
+        1,
+        "--gpus-per-node",
+        4,
+        "--time",
+        "1:00:00",
+        "--dry-run",
+    )
     assert result.code == LaunchError.exit_code == 2
     assert "topology asks for 8 rank(s)" in result.err and "starts 4" in result.err
     assert "--set topology.data_parallel=2" in result.err  # how to make one that fits
 
 
 def test_a_tensor_parallel_group_wider_than_a_node_is_warned_about(eight_rank_manifest, cli):
-    result = cli("launch", "slurm", eight_rank_manifest, "--nodes", 8, "--gpus-per-node", 1,
-                 "--time", "1:00:00", "--dry-run")  # fmt: skip
+    result = cli(
+        "launch",
+        "slurm",
+        eight_rank_manifest,
+        "--nodes",
+        8,
+        "--gpus-per-node",
+        1,
+        "--time",
+        "1:00:00",
+        "--dry-run",
+    )
     assert result.code == 0, result.err
     assert "warning: topology.tensor_parallel 2 spans more than one node" in result.err
 
@@ -127,9 +191,16 @@ def test_a_signal_that_would_come_before_the_job_starts_is_refused(eight_rank_ma
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("30", 1800), ("30:15", 1815), ("04:00:00", 14400), ("2-00", 172800), ("1-02:03", 93780),
-     ("1-00:00:05", 86405), ("UNLIMITED", None)],
-)  # fmt: skip
+    [
+        ("30", 1800),
+        ("30:15", 1815),
+        ("04:00:00", 14400),
+        ("2-00", 172800),
+        ("1-02:03", 93780),
+        ("1-00:00:05", 86405),
+        ("UNLIMITED", None),
+    ],
+)
 def test_slurm_time_limits(text, seconds):
     assert parse_time_limit(text) == seconds
 
@@ -147,48 +218,104 @@ def test_the_launchers_are_valid_bash(script):
     assert done.returncode == 0, done.stderr
 
 
-def test_paths_and_options_with_spaces_are_quoted_in_the_directives(eight_rank_manifest, cli,
-                                                                    tmp_path, monkeypatch):  # fmt: skip
+def test_paths_and_options_with_spaces_are_quoted_in_the_directives(
+    eight_rank_manifest, cli, tmp_path, monkeypatch
+):
     """sbatch splits an #SBATCH line at whitespace unless the value is in double quotes."""
     work = tmp_path / "my work"
     work.mkdir()
     monkeypatch.chdir(work)  # the job's working directory is where it is launched from
-    result = cli("launch", "slurm", eight_rank_manifest, "--nodes", 2, "--gpus-per-node", 4,
-                 "--time", "1:00:00", "--run-dir", "my runs/r1 50%",
-                 "--sbatch-arg=--comment=two words", "--dry-run")  # fmt: skip
+    result = cli(
+        "launch",
+        "slurm",
+        eight_rank_manifest,
+        "--nodes",
+        2,
+        "--gpus-per-node",
+        4,
+        "--time",
+        "1:00:00",
+        "--run-dir",
+        "my runs/r1 50%",
+        "--sbatch-arg=--comment=two words",
+        "--dry-run",
+    )
     assert result.code == 0, result.err
     directives = _directives(result.out)
     assert f'--chdir="{work}"' in directives
     assert f'--output="{work}/my runs/r1 50%%.slurm-%j.out"' in directives  # % is a pattern
     assert '--comment="two words"' in directives
-    quoted = cli("launch", "slurm", eight_rank_manifest, "--nodes", 2, "--gpus-per-node", 4,
-                 "--time", "1:00:00", '--sbatch-arg=--comment=say "hi" #1 \\ it\'s', "--dry-run")  # fmt: skip
+    quoted = cli(
+        "launch",
+        "slurm",
+        eight_rank_manifest,
+        "--nodes",
+        2,
+        "--gpus-per-node",
+        4,
+        "--time",
+        "1:00:00",
+        '--sbatch-arg=--comment=say "hi" #1 \\ it\'s',
+        "--dry-run",
+    )
     assert quoted.code == 0, quoted.err
     assert '--comment="say \\"hi\\" #1 \\\\ it\'s"' in _directives(quoted.out)
 
 
 def test_cpus_per_gpu_sizes_each_task(eight_rank_manifest, cli):
     """A torchrun task is a node's agent with all its ranks; an srun task is one rank."""
-    common = ("launch", "slurm", eight_rank_manifest, "--nodes", 2, "--gpus-per-node", 4,
-              "--time", "1:00:00", "--cpus-per-gpu", 8, "--dry-run")  # fmt: skip
+    common = (
+        "launch",
+        "slurm",
+        eight_rank_manifest,
+        "--nodes",
+        2,
+        "--gpus-per-node",
+        4,
+        "--time",
+        "1:00:00",
+        "--cpus-per-gpu",
+        8,
+        "--dry-run",
+    )
     torchrun = _directives(cli(*common).out)
     assert "--gpus-per-node=4" in torchrun and "--cpus-per-task=32" in torchrun
     srun = _directives(cli(*common, "--launcher", "srun").out)
     assert "--ntasks-per-node=4" in srun and "--cpus-per-task=8" in srun
-    assert not any(d.startswith("--cpus-per-task") for d in _directives(cli(*common[:-3],
-                   "--dry-run").out))  # fmt: skip
+    assert not any(
+        d.startswith("--cpus-per-task") for d in _directives(cli(*common[:-3], "--dry-run").out)
+    )
     refused = cli(*common, "--cpu")
-    assert refused.code == 2 and "--cpus-per-gpu 8: give a count of at least 1, for a job on " \
-        "GPUs" in refused.err
+    assert (
+        refused.code == 2
+        and "--cpus-per-gpu 8: give a count of at least 1, for a job on GPUs" in refused.err
+    )
 
 
 def test_a_tensor_parallel_group_across_a_node_boundary_is_warned_about(tmp_path, cli):
     """TP 4 on nodes of 6 ranks: the second group (ranks 4-7) has a foot on each node."""
-    manifest = _write(tmp_path / "twelve.yaml", MANIFESTS / "tiny-gpt-cpu.yaml",
-                      {"topology.tensor_parallel": 4, "topology.data_parallel": 3,
-                       "schedule.micro_batch_size": 2, "schedule.global_batch_size": 24})  # fmt: skip
-    result = cli("launch", "slurm", manifest, "--nodes", 2, "--gpus-per-node", 6, "--time",
-                 "1:00:00", "--dry-run")  # fmt: skip
+    manifest = _write(
+        tmp_path / "twelve.yaml",
+        MANIFESTS / "tiny-gpt-cpu.yaml",
+        {
+            "topology.tensor_parallel": 4,
+            "topology.data_parallel": 3,
+            "schedule.micro_batch_size": 2,
+            "schedule.global_batch_size": 24,
+        },
+    )
+    result = cli(
+        "launch",
+        "slurm",
+        manifest,
+        "--nodes",
+        2,
+        "--gpus-per-node",
+        6,
+        "--time",
+        "1:00:00",
+        "--dry-run",
+    )
     assert result.code == 0, result.err
     assert "warning: topology.tensor_parallel 4 spans more than one node" in result.err
 
@@ -213,12 +340,23 @@ echo "$(( 100 + n ));cluster"
 
 def test_a_chain_waits_link_by_link_and_accepts_drift_in_its_first_link_only(tmp_path):
     env = _fake_commands(tmp_path, sbatch=FAKE_SBATCH)
-    env.update(CALLS=str(tmp_path / "calls"), FP8OPS_ACCEPT_DRIFT="lr lowered",
-               FP8OPS_AFTER_STOP="a spike")  # fmt: skip
+    env.update(
+        CALLS=str(tmp_path / "calls"), FP8OPS_ACCEPT_DRIFT="lr lowered", FP8OPS_AFTER_STOP="a spike"
+    )
     done = subprocess.run(
-        ["bash", str(LAUNCHERS / "chain.sh"), "3", "--dependency=afterok:77", "--time=10",
-         "train.sbatch"], env=env, capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        [
+            "bash",
+            str(LAUNCHERS / "chain.sh"),
+            "3",
+            "--dependency=afterok:77",
+            "--time=10",
+            "train.sbatch",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["101", "102", "103"]
     assert (tmp_path / "calls").read_text().splitlines() == [
@@ -227,17 +365,28 @@ def test_a_chain_waits_link_by_link_and_accepts_drift_in_its_first_link_only(tmp
         "--parsable --dependency=afterany:102 --time=10 train.sbatch | drift=",
     ]
     # sbatch takes it abbreviated too, and as a separate word or -d: the first link only.
-    for given in (["--depend=afterok:5"], ["--dep", "afterok:5"], ["-d", "afterok:5"],
-                  ["-dafterok:5"]):  # fmt: skip
+    for given in (
+        ["--depend=afterok:5"],
+        ["--dep", "afterok:5"],
+        ["-d", "afterok:5"],
+        ["-dafterok:5"],
+    ):
         (tmp_path / "calls").unlink()
-        subprocess.run(["bash", str(LAUNCHERS / "chain.sh"), "2", *given, "--time=10",
-                        "train.sbatch"], env=env, capture_output=True, check=True)  # fmt: skip
+        subprocess.run(
+            ["bash", str(LAUNCHERS / "chain.sh"), "2", *given, "--time=10", "train.sbatch"],
+            env=env,
+            capture_output=True,
+            check=True,
+        )
         second = (tmp_path / "calls").read_text().splitlines()[1]
-        assert second == "--parsable --dependency=afterany:101 --time=10 train.sbatch | drift=", given
+        assert second == "--parsable --dependency=afterany:101 --time=10 train.sbatch | drift=", (
+            given
+        )
 
 
-def test_launch_slurm_chain_hands_the_drift_reason_to_its_first_job_only(eight_rank_manifest,
-                                                                       tmp_path, monkeypatch):  # fmt: skip
+def test_launch_slurm_chain_hands_the_drift_reason_to_its_first_job_only(
+    eight_rank_manifest, tmp_path, monkeypatch
+):
     from fp8ops.launch.slurm import plan_job, submit
 
     env = _fake_commands(tmp_path, sbatch=FAKE_SBATCH)
@@ -246,8 +395,7 @@ def test_launch_slurm_chain_hands_the_drift_reason_to_its_first_job_only(eight_r
     monkeypatch.setenv("CALLS", str(tmp_path / "calls"))
     monkeypatch.setenv("FP8OPS_ACCEPT_DRIFT", "lr lowered")
     monkeypatch.setenv("FP8OPS_AFTER_STOP", "a spike")
-    job = plan_job(eight_rank_manifest, nodes=2, gpus_per_node=4, time="1:00:00",
-                   workdir=tmp_path)  # fmt: skip
+    job = plan_job(eight_rank_manifest, nodes=2, gpus_per_node=4, time="1:00:00", workdir=tmp_path)
     assert submit(job, chain=2) == ["101", "102"]
     given = [line.split("| ", 1)[1] for line in (tmp_path / "calls").read_text().splitlines()]
     assert given == ["drift=lr lowered | stop=a spike", "drift="]
@@ -256,17 +404,28 @@ def test_launch_slurm_chain_hands_the_drift_reason_to_its_first_job_only(eight_r
 def test_a_requeued_attempt_does_not_accept_drift_again(tmp_path):
     """train.sbatch with fake srun and scontrol: the training step's command line, per attempt."""
     env = _fake_commands(
-        tmp_path, srun='echo "$*" | tr "\\n" " " >> "$CALLS"; echo >> "$CALLS"\n',
+        tmp_path,
+        srun='echo "$*" | tr "\\n" " " >> "$CALLS"; echo >> "$CALLS"\n',
         scontrol="echo localhost\n",
-    )  # fmt: skip
-    env.update(CALLS=str(tmp_path / "calls"), FP8OPS_MANIFEST="m.yaml",
-               FP8OPS_RUN_DIR=str(tmp_path / "run"), FP8OPS_LAUNCHER="srun",
-               FP8OPS_ACCEPT_DRIFT="lr lowered", FP8OPS_AFTER_STOP="a spike",
-               SLURM_JOB_ID="7")  # fmt: skip
+    )
+    env.update(
+        CALLS=str(tmp_path / "calls"),
+        FP8OPS_MANIFEST="m.yaml",
+        FP8OPS_RUN_DIR=str(tmp_path / "run"),
+        FP8OPS_LAUNCHER="srun",
+        FP8OPS_ACCEPT_DRIFT="lr lowered",
+        FP8OPS_AFTER_STOP="a spike",
+        SLURM_JOB_ID="7",
+    )
     for attempt in ("0", "1"):
-        done = subprocess.run(["bash", str(LAUNCHERS / "train.sbatch")], capture_output=True,
-                              text=True, check=False, env={**env, "SLURM_RESTART_COUNT": attempt},
-                              cwd=tmp_path)  # fmt: skip
+        done = subprocess.run(
+            ["bash", str(LAUNCHERS / "train.sbatch")],
+            capture_output=True,
+            text=True,
+            check=False,
+            env={**env, "SLURM_RESTART_COUNT": attempt},
+            cwd=tmp_path,
+        )
         assert done.returncode == 0, done.stdout + done.stderr
     first, requeue = (tmp_path / "calls").read_text().splitlines()
     train = f"-m fp8ops train m.yaml --resume --run-dir {tmp_path / 'run'}"
@@ -281,10 +440,21 @@ def test_a_job_that_does_not_resume_a_stopped_run_says_it_is_still_halted(tmp_pa
     run.mkdir()
     (run / "status.json").write_text(json.dumps({"state": "stopped", "step": 6}, indent=2))
     env = _fake_commands(tmp_path, srun="exit 3\n", scontrol="echo localhost\n")
-    env.update(FP8OPS_MANIFEST="m.yaml", FP8OPS_RUN_DIR=str(run), FP8OPS_LAUNCHER="srun",
-               SLURM_JOB_ID="7", SLURM_RESTART_COUNT="0")  # fmt: skip
-    done = subprocess.run(["bash", str(LAUNCHERS / "train.sbatch")], capture_output=True,
-                          text=True, check=False, env=env, cwd=tmp_path)  # fmt: skip
+    env.update(
+        FP8OPS_MANIFEST="m.yaml",
+        FP8OPS_RUN_DIR=str(run),
+        FP8OPS_LAUNCHER="srun",
+        SLURM_JOB_ID="7",
+        SLURM_RESTART_COUNT="0",
+    )
+    done = subprocess.run(
+        ["bash", str(LAUNCHERS / "train.sbatch")],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
+        cwd=tmp_path,
+    )
     assert done.returncode == 3, done.stdout + done.stderr
     assert "the run is still halted by its Stop alert" in done.stdout, done.stdout
     assert 'FP8OPS_AFTER_STOP="why"' in done.stdout
@@ -293,8 +463,16 @@ def test_a_job_that_does_not_resume_a_stopped_run_says_it_is_still_halted(tmp_pa
 
 # -- a real SLURM -------------------------------------------------------------------------------------
 
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-            "BOOT_FAIL", "DEADLINE"}  # fmt: skip
+TERMINAL = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 JOB_TIMEOUT = 240  # seconds; a job here takes about a minute
 
 
@@ -315,8 +493,10 @@ def cluster():
     )
     name = re.search(r"^ClusterName\s*=\s*(\S+)", config.stdout, re.MULTILINE)
     if (name and name.group(1)) != "localci" and os.environ.get("FP8OPS_SLURM_TESTS") != "1":
-        pytest.skip(f"SLURM cluster {name and name.group(1)!r} is not ci/slurm_start.sh's local "
-                    "one; FP8OPS_SLURM_TESTS=1 submits the test jobs to it anyway")  # fmt: skip
+        pytest.skip(
+            f"SLURM cluster {name and name.group(1)!r} is not ci/slurm_start.sh's local "
+            "one; FP8OPS_SLURM_TESTS=1 submits the test jobs to it anyway"
+        )
     submitted: list[str] = []
     yield submitted
     if submitted:  # whatever a failed test left behind
@@ -331,29 +511,60 @@ def finetune(cluster, tmp_path_factory) -> Path:
 
     tmp = tmp_path_factory.mktemp("slurm")
     small = {
-        "model.num_layers": 2, "model.hidden_size": 64, "model.ffn_hidden_size": 256,
-        "model.num_attention_heads": 4, "model.seq_length": 64, "schedule.warmup_steps": 1,
-        "schedule.micro_batch_size": 4, "schedule.global_batch_size": 8,
-        "schedule.log_interval": 1, "schedule.eval_iters": 2,
-    }  # fmt: skip
-    base = _write(tmp / "base.yaml", MANIFESTS / "tiny-gpt-cpu-base.yaml",
-                  {**small, "schedule.train_steps": 2, "schedule.eval_interval": 2})  # fmt: skip
+        "model.num_layers": 2,
+        "model.hidden_size": 64,
+        "model.ffn_hidden_size": 256,
+        "model.num_attention_heads": 4,
+        "model.seq_length": 64,
+        "schedule.warmup_steps": 1,
+        "schedule.micro_batch_size": 4,
+        "schedule.global_batch_size": 8,
+        "schedule.log_interval": 1,
+        "schedule.eval_iters": 2,
+    }
+    base = _write(
+        tmp / "base.yaml",
+        MANIFESTS / "tiny-gpt-cpu-base.yaml",
+        {**small, "schedule.train_steps": 2, "schedule.eval_interval": 2},
+    )
     run_training(base, tmp / "base", progress=False)
     return _write(
-        tmp / "finetune.yaml", MANIFESTS / "tiny-gpt-cpu.yaml",
-        {**small, "model.init_checkpoint": str(tmp / "base" / "final"), "data.num_examples": 400,
-         "topology.tensor_parallel": 2, "schedule.train_steps": 60, "schedule.eval_interval": 30,
-         "schedule.checkpoint_interval": 100},
-    )  # fmt: skip
+        tmp / "finetune.yaml",
+        MANIFESTS / "tiny-gpt-cpu.yaml",
+        {
+            **small,
+            "model.init_checkpoint": str(tmp / "base" / "final"),
+            "data.num_examples": 400,
+            "topology.tensor_parallel": 2,
+            "schedule.train_steps": 60,
+            "schedule.eval_interval": 30,
+            "schedule.checkpoint_interval": 100,
+        },
+    )
 
 
 def _launch(cluster: list[str], manifest: Path, run_dir: Path, *args: object) -> list[str]:
     """``fp8ops launch slurm`` as a user runs it; the job ids it prints."""
     done = subprocess.run(
-        [sys.executable, "-m", "fp8ops", "launch", "slurm", str(manifest), "--cpu", "--time", "10",
-         "--run-dir", str(run_dir), *map(str, args)],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "fp8ops",
+            "launch",
+            "slurm",
+            str(manifest),
+            "--cpu",
+            "--time",
+            "10",
+            "--run-dir",
+            str(run_dir),
+            *map(str, args),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     ids = done.stdout.split()
     assert ids and all(i.isdigit() for i in ids), done.stdout
@@ -362,8 +573,9 @@ def _launch(cluster: list[str], manifest: Path, run_dir: Path, *args: object) ->
 
 
 def _job(job_id: str) -> dict[str, str]:
-    shown = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True,
-                           text=True, check=True)  # fmt: skip
+    shown = subprocess.run(
+        ["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, check=True
+    )
     return dict(re.findall(r"(\w+)=(\S*)", shown.stdout))
 
 
@@ -379,8 +591,10 @@ def _wait_for_end(job_id: str, run_dir: Path) -> dict[str, str]:
         if job["JobState"] in TERMINAL:
             return job
         time.sleep(0.5)
-    pytest.fail(f"job {job_id} still {job['JobState']} after {JOB_TIMEOUT} s; its log ends:\n"
-                + _log(run_dir, job_id)[-3000:])  # fmt: skip
+    pytest.fail(
+        f"job {job_id} still {job['JobState']} after {JOB_TIMEOUT} s; its log ends:\n"
+        + _log(run_dir, job_id)[-3000:]
+    )
 
 
 def _wait_for_steps(run_dir: Path, steps: int, job_id: str) -> None:
@@ -392,8 +606,10 @@ def _wait_for_steps(run_dir: Path, steps: int, job_id: str) -> None:
         if _job(job_id)["JobState"] in TERMINAL:
             break
         time.sleep(0.2)
-    pytest.fail(f"{run_dir} did not log {steps} steps; job {job_id}'s log ends:\n"
-                + _log(run_dir, job_id)[-3000:])  # fmt: skip
+    pytest.fail(
+        f"{run_dir} did not log {steps} steps; job {job_id}'s log ends:\n"
+        + _log(run_dir, job_id)[-3000:]
+    )
 
 
 def test_sbatch_accepts_a_script_whose_paths_hold_spaces(cluster, tmp_path, monkeypatch):
@@ -402,13 +618,35 @@ def test_sbatch_accepts_a_script_whose_paths_hold_spaces(cluster, tmp_path, monk
     work.mkdir()
     monkeypatch.chdir(work)
     done = subprocess.run(
-        [sys.executable, "-m", "fp8ops", "launch", "slurm", str(MANIFESTS / "tiny-gpt-cpu.yaml"),
-         "--cpu", "--time", "10", "--run-dir", "my runs/r1", "--sbatch-arg=--comment=two words",
-         "--dry-run"], capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "fp8ops",
+            "launch",
+            "slurm",
+            str(MANIFESTS / "tiny-gpt-cpu.yaml"),
+            "--cpu",
+            "--time",
+            "10",
+            "--run-dir",
+            "my runs/r1",
+            "--sbatch-arg=--comment=two words",
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
-    test = subprocess.run(["sbatch", "--test-only"], input=done.stdout, capture_output=True,
-                          text=True, timeout=60, check=False)  # fmt: skip
+    test = subprocess.run(
+        ["sbatch", "--test-only"],
+        input=done.stdout,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert test.returncode == 0 and "to start at" in test.stderr, test.stderr
 
 
@@ -421,15 +659,23 @@ def test_sbatch_reads_paths_with_hashes_quotes_and_backslashes_as_written(cluste
 
     work = tmp_path / "a#b it's \\ c"
     work.mkdir()
-    job = plan_job(MANIFESTS / "tiny-gpt-cpu.yaml", time="10", gpus=False, workdir=work,
-                   run_dir=Path("r#1"))  # fmt: skip
-    held = subprocess.run(["sbatch", "--parsable", "--hold"], input=render(job),
-                          capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    job = plan_job(
+        MANIFESTS / "tiny-gpt-cpu.yaml", time="10", gpus=False, workdir=work, run_dir=Path("r#1")
+    )
+    held = subprocess.run(
+        ["sbatch", "--parsable", "--hold"],
+        input=render(job),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     job_id = held.stdout.strip().split(";")[0]
     cluster.append(job_id)
     try:
-        shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True,
-                               text=True, check=True).stdout  # fmt: skip
+        shown = subprocess.run(
+            ["scontrol", "show", "job", job_id], capture_output=True, text=True, check=True
+        ).stdout
     finally:
         subprocess.run(["scancel", job_id], capture_output=True, check=False)
     assert f"WorkDir={work}\n" in shown, shown
@@ -437,8 +683,9 @@ def test_sbatch_reads_paths_with_hashes_quotes_and_backslashes_as_written(cluste
 
 
 @pytest.mark.slow
-def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_result(cluster, finetune,
-                                                                           tmp_path):  # fmt: skip
+def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_result(
+    cluster, finetune, tmp_path
+):
     from fp8ops.checkpoint import CheckpointDir, read_meta
     from fp8ops.files import read_jsonl
     from fp8ops.train.run_dir import read_metrics, read_status
@@ -489,8 +736,9 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_result(clust
 
 
 @pytest.mark.slow
-def test_preemption_requeues_and_a_manifest_edited_meanwhile_fails_the_job(cluster, finetune,
-                                                                           tmp_path):  # fmt: skip
+def test_preemption_requeues_and_a_manifest_edited_meanwhile_fails_the_job(
+    cluster, finetune, tmp_path
+):
     from fp8ops.train.run_dir import read_status
 
     manifest = shutil.copy(finetune, tmp_path / "finetune.yaml")
@@ -507,10 +755,19 @@ def test_preemption_requeues_and_a_manifest_edited_meanwhile_fails_the_job(clust
         ["sinfo", "-h", "-N", "-o", "%c"], capture_output=True, text=True, check=True
     )
     urgent = subprocess.run(
-        ["sbatch", "--parsable", "--partition=urgent", f"--cpus-per-task={cpus.stdout.split()[0]}",
-         f"--output={tmp_path / 'urgent.out'}", "--wrap", "sleep 1"],
-        capture_output=True, text=True, check=True,
-    ).stdout.strip()  # fmt: skip
+        [
+            "sbatch",
+            "--parsable",
+            "--partition=urgent",
+            f"--cpus-per-task={cpus.stdout.split()[0]}",
+            f"--output={tmp_path / 'urgent.out'}",
+            "--wrap",
+            "sleep 1",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     cluster.append(urgent)
 
     ended = _wait_for_end(job, run)

@@ -171,8 +171,9 @@ def test_bf16_modules_come_from_the_overrides_and_must_be_projections(manifest):
         "a fallback",
     )
     assert bf16_module_names(overridden, ["decoder.layers.0.self_attention.linear_qkv"]) == {
-        "decoder.layers.1.mlp.linear_fc2", "decoder.layers.0.self_attention.linear_qkv",
-    }  # fmt: skip
+        "decoder.layers.1.mlp.linear_fc2",
+        "decoder.layers.0.self_attention.linear_qkv",
+    }
     layers = manifest.model.num_layers
     with pytest.raises(
         Fp8opsError, match=rf"decoder.layers.{layers}.mlp.linear_fc1, which are not"

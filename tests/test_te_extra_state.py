@@ -30,9 +30,12 @@ from fp8ops.precision.te_recipe import load_te_recipe_module
 TE_RECIPE = load_te_recipe_module()
 needs_te_recipe = pytest.mark.skipif(TE_RECIPE is None, reason="needs TE's recipe module")
 RECIPE = DelayedScalingRecipe(
-    fp8_format=Fp8Format.HYBRID, amax_history_len=16, amax_compute_algo=parse_amax_algo("max"),
-    margin=1, reduce_amax=True,
-)  # fmt: skip
+    fp8_format=Fp8Format.HYBRID,
+    amax_history_len=16,
+    amax_compute_algo=parse_amax_algo("max"),
+    margin=1,
+    reduce_amax=True,
+)
 
 
 def trained_meta(seed: int = 0) -> Fp8Meta:
@@ -190,9 +193,14 @@ def test_a_megatron_fp8_layer_loads_a_te_payload_and_refuses_another_recipe(mega
 
     def layer(recipe):
         return Fp8ColumnParallelLinear(
-            32, 64, recipe=recipe, config=config, init_method=torch.nn.init.zeros_, bias=False,
+            32,
+            64,
+            recipe=recipe,
+            config=config,
+            init_method=torch.nn.init.zeros_,
+            bias=False,
             skip_bias_add=False,
-        )  # fmt: skip
+        )
 
     meta = trained_meta(seed=3)
     target = layer(RECIPE)
@@ -235,8 +243,14 @@ def test_a_payload_cannot_dodge_the_recipe_check():
 @needs_te_recipe
 def test_loaded_tensors_are_float32_detached_and_on_the_host():
     tensors = {k: v.clone().requires_grad_() for k, v in trained_meta().state_dict().items()}
-    loaded = read_extra_state(payload_of({"recipe": load_te_recipe_module().DelayedScaling(
-        margin=1, amax_history_len=16), **tensors}))  # fmt: skip
+    loaded = read_extra_state(
+        payload_of(
+            {
+                "recipe": load_te_recipe_module().DelayedScaling(margin=1, amax_history_len=16),
+                **tensors,
+            }
+        )
+    )
     assert all(not t.requires_grad and t.device.type == "cpu" for t in loaded.tensors.values())
     meta = Fp8Meta.fresh(RECIPE)
     meta.load_state_dict(tensors)  # a state that requires grad must not pass it on

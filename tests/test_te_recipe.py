@@ -79,8 +79,14 @@ def test_the_recipe_ignores_a_backward_override_in_the_environment(tmp_path):
         "print('ours:', to_te_recipe(DelayedScalingRecipe(), te).backward_override)\n"
     )
     env = {**os.environ, "NVTE_BACKWARD_OVERRIDE": "dequantized"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=120, check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     refused, ours = done.stdout.splitlines()
     assert "Delayed scaling only supports backward_override=None" in refused, done.stdout

@@ -130,9 +130,11 @@ def test_a_state_of_another_shape_is_refused_naming_the_module_and_nothing_is_lo
 def test_the_trainer_reads_a_te_model_through_the_views():
     modules = fp8_state_modules(decoder(), RECIPE)
     assert list(modules) == [
-        "decoder.layers.0.linear_qkv", "decoder.layers.0.linear_proj",
-        "decoder.layers.1.linear_qkv", "decoder.layers.1.linear_proj",
-    ]  # fmt: skip
+        "decoder.layers.0.linear_qkv",
+        "decoder.layers.0.linear_proj",
+        "decoder.layers.1.linear_qkv",
+        "decoder.layers.1.linear_proj",
+    ]
     assert all(isinstance(m, TeTelemetryModule) for m in modules.values())
     assert all(isinstance(m.fp8_meta, TeFp8MetaView) for m in modules.values())
 
@@ -182,12 +184,22 @@ def te_gpt(layers: int = 2, hidden: int = 16, tp_size: int = 1) -> nn.Module:
     for _ in range(layers):
         layer = nn.Module()
         layer.self_attention, layer.mlp = nn.Module(), nn.Module()
-        for block, column, row, wide in ((layer.self_attention, "linear_qkv", "linear_proj", 3),
-                                         (layer.mlp, "linear_fc1", "linear_fc2", 4)):  # fmt: skip
+        for block, column, row, wide in (
+            (layer.self_attention, "linear_qkv", "linear_proj", 3),
+            (layer.mlp, "linear_fc1", "linear_fc2", 4),
+        ):
             split = wide * shard
             setattr(block, column, TeLikeLinear(hidden, out_features=split, tp_size=tp_size))
-            setattr(block, row, TeLikeLinear(split if row == "linear_fc2" else shard,
-                    out_features=hidden, parallel_mode="row", tp_size=tp_size))  # fmt: skip
+            setattr(
+                block,
+                row,
+                TeLikeLinear(
+                    split if row == "linear_fc2" else shard,
+                    out_features=hidden,
+                    parallel_mode="row",
+                    tp_size=tp_size,
+                ),
+            )
         model.decoder.layers.append(layer)
     model.decoder.final_layernorm = nn.LayerNorm(hidden)
     return model
@@ -209,11 +221,17 @@ def test_admission_lists_and_switches_a_te_models_projections():
     assert len(rows) == 2 * 4 + 1  # eight projections and the final norm
     # (kind, split, global K x N, per-rank K x N): from this rank's weight and tp_size
     shapes = {
-        row.fqn.rsplit(".", 1)[-1]: (row.kind, row.parallel, row.global_shape.k,
-                                     row.global_shape.n, row.rank_shape.k, row.rank_shape.n)
+        row.fqn.rsplit(".", 1)[-1]: (
+            row.kind,
+            row.parallel,
+            row.global_shape.k,
+            row.global_shape.n,
+            row.rank_shape.k,
+            row.rank_shape.n,
+        )
         for row in table.rows
         if row.fqn.startswith("decoder.layers.0.")
-    }  # fmt: skip
+    }
     assert shapes == {
         "linear_qkv": ("qkv", "column", 16, 48, 16, 24),
         "linear_proj": ("proj", "row", 16, 16, 8, 16),
@@ -259,10 +277,13 @@ def test_a_state_of_another_format_is_not_copied_into_tes_state_made_for_this_on
     assert module.fp8_meta["scaling_bwd"].recipe.fp8_format.name == "HYBRID"
     before = TeFp8MetaView(module, RECIPE, "m").state_dict()
     e4m3 = DelayedScalingRecipe(amax_history_len=4, fp8_format=Fp8Format.E4M3)
-    with pytest.raises(Fp8opsError, match=(
-        r"^m: Transformer Engine made this module's FP8 state for fp8_format HYBRID and keeps "
-        r"its casts' dtypes when loading; a state for E4M3 loads only into a model built afresh"
-    )):  # fmt: skip
+    with pytest.raises(
+        Fp8opsError,
+        match=(
+            r"^m: Transformer Engine made this module's FP8 state for fp8_format HYBRID and keeps "
+            r"its casts' dtypes when loading; a state for E4M3 loads only into a model built afresh"
+        ),
+    ):
         TeFp8MetaView(module, e4m3, "m").load_state_dict(trained(TeLikeLinear(8), seed=4))
     after = TeFp8MetaView(module, RECIPE, "m").state_dict()
     assert all(torch.equal(before[key], after[key]) for key in before)  # nothing copied

@@ -74,9 +74,11 @@ QKV0 = "decoder.layers.0.linear_qkv"
 def test_the_decoder_projections_are_observed_in_module_order():
     modules = te_telemetry_modules(decoder(), RECIPE)
     assert list(modules) == [
-        "decoder.layers.0.linear_qkv", "decoder.layers.0.linear_proj",
-        "decoder.layers.1.linear_qkv", "decoder.layers.1.linear_proj",
-    ]  # fmt: skip
+        "decoder.layers.0.linear_qkv",
+        "decoder.layers.0.linear_proj",
+        "decoder.layers.1.linear_qkv",
+        "decoder.layers.1.linear_proj",
+    ]
 
 
 def test_the_row_holds_tes_own_state_read_afresh_every_row():

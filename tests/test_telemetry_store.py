@@ -74,8 +74,14 @@ def test_round_trip_is_exact_for_every_reader(tmp_path):
     rng = np.random.default_rng(0)
     steps = range(5, 5 + 23)  # first_step 5; 2 whole shards + a 7-step tail, a partial block
     written = {}
-    with TelemetryWriter(tmp_path / STORE_NAME, rank=0, modules=MODULES, first_step=5,
-                         attrs={"manifest_sha256": "ab12"}, **SMALL) as writer:  # fmt: skip
+    with TelemetryWriter(
+        tmp_path / STORE_NAME,
+        rank=0,
+        modules=MODULES,
+        first_step=5,
+        attrs={"manifest_sha256": "ab12"},
+        **SMALL,
+    ) as writer:
         for step in steps:
             values = rng.standard_normal((N_MOD, N_MET)).astype(np.float32) * 1e3
             values[0, 0], values[1, 1], values[2, 2] = np.nan, -np.inf, -0.0
@@ -102,8 +108,7 @@ def test_round_trip_is_exact_for_every_reader(tmp_path):
     cols = [MODULE_METRIC_NAMES.index("weight.scale"), MODULE_METRIC_NAMES.index("grad_norm")]
     assert list(part.index) == list(range(10, 22))
     assert same_bits(part.to_numpy(), module[5:17, 1][:, cols])
-    assert same_bits(run.module_history(MODULES[0], "input.amax").to_numpy()[:, 0],
-                     module[:, 0, 0])  # fmt: skip
+    assert same_bits(run.module_history(MODULES[0], "input.amax").to_numpy()[:, 0], module[:, 0, 0])
 
     latest = run.step_snapshot()
     assert list(latest.index) == MODULES and latest.index.name == "module"
@@ -168,16 +173,21 @@ def test_appended_but_unflushed_steps_are_invisible(tmp_path):
         writer.append(step, module_values(step), step_values(step))
     writer.close()
     run.refresh()
-    assert same_bits(run.module_history(MODULES[2]).to_numpy(),
-                     np.stack([module_values(s)[2] for s in range(1, 10)]))  # fmt: skip
+    assert same_bits(
+        run.module_history(MODULES[2]).to_numpy(),
+        np.stack([module_values(s)[2] for s in range(1, 10)]),
+    )
 
 
 def test_ranks_write_only_their_own_groups(tmp_path):
     path = tmp_path / STORE_NAME
     # Rank 1 starts first and waits for rank 0 to create the store.
     ranks: dict[int, TelemetryWriter] = {}
-    early = threading.Thread(target=lambda: ranks.setdefault(1, TelemetryWriter(
-        path, rank=1, modules=MODULES, wait_s=10, **SMALL)))  # fmt: skip
+    early = threading.Thread(
+        target=lambda: ranks.setdefault(
+            1, TelemetryWriter(path, rank=1, modules=MODULES, wait_s=10, **SMALL)
+        )
+    )
     early.start()
     time.sleep(0.2)
     ranks[0] = TelemetryWriter(path, rank=0, modules=MODULES, **SMALL)
@@ -196,8 +206,10 @@ def test_ranks_write_only_their_own_groups(tmp_path):
         for m, name in enumerate(MODULES):
             assert same_bits(run.module_history(name, rank=rank).to_numpy(), expected[:, m])
         assert same_bits(run.step_snapshot(rank=rank).to_numpy(), expected[-1])
-        assert same_bits(run.step_metrics(rank=rank).to_numpy(),
-                         np.stack([step_values(s, rank) for s in range(1, 19)]))  # fmt: skip
+        assert same_bits(
+            run.step_metrics(rank=rank).to_numpy(),
+            np.stack([step_values(s, rank) for s in range(1, 19)]),
+        )
     with pytest.raises(TelemetryError, match="rank 2 has no telemetry"):
         run.step_metrics(rank=2)
 
@@ -369,8 +381,9 @@ WRITER_SCRIPT = textwrap.dedent("""
 def start_writer(path: Path, seconds: float) -> subprocess.Popen:
     process = subprocess.Popen(
         [sys.executable, "-c", WRITER_SCRIPT, str(path), str(seconds), str(Path(__file__).parent)],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert process.stdout.readline().strip() == "ready"
     return process
 
@@ -385,8 +398,9 @@ def check_committed(run, full: bool) -> int:
     window = run.metric_window("weight.scale", start=recent[0]).to_numpy()
     k = MODULE_METRIC_NAMES.index("weight.scale")
     assert same_bits(window, np.stack([module_values(s)[:, k] for s in recent]))
-    assert same_bits(run.step_metrics(start=recent[0]).to_numpy(),
-                     np.stack([step_values(s) for s in recent]))  # fmt: skip
+    assert same_bits(
+        run.step_metrics(start=recent[0]).to_numpy(), np.stack([step_values(s) for s in recent])
+    )
     modules = range(N_MOD) if full else [n % N_MOD]
     for m in modules:
         history = run.module_history(MODULES[m]).to_numpy()
@@ -451,14 +465,22 @@ def test_a_missing_store_is_a_clear_error(tmp_path):
     [
         (lambda p: (p / "zarr.json").write_text("{not json"), "cannot be read as a Zarr v3"),
         (lambda p: zarr.open_group(p, mode="r+").attrs.put({"other": 1}), "not an fp8ops"),
-        (lambda p: zarr.open_group(p, mode="r+").attrs.put(
-            {"fp8ops_telemetry": {"schema_version": 99}}), "schema version 99"),
-        (lambda p: zarr.open_group(p, mode="r+").attrs.put(
-            {"fp8ops_telemetry": {"schema_version": 1}}), "damaged telemetry schema"),
+        (
+            lambda p: zarr.open_group(p, mode="r+").attrs.put(
+                {"fp8ops_telemetry": {"schema_version": 99}}
+            ),
+            "schema version 99",
+        ),
+        (
+            lambda p: zarr.open_group(p, mode="r+").attrs.put(
+                {"fp8ops_telemetry": {"schema_version": 1}}
+            ),
+            "damaged telemetry schema",
+        ),
         (lambda p: (p / "rank_00000" / "zarr.json").write_text("[]"), "rank_00000/zarr.json"),
     ],
     ids=["bad-json", "foreign-group", "schema-version", "schema-fields", "rank-metadata"],
-)  # fmt: skip
+)
 def test_a_damaged_store_is_a_clear_error(tmp_path, damage, message):
     path = tmp_path / STORE_NAME
     write(path, range(1, 10)).close()
@@ -495,10 +517,13 @@ def test_a_missing_chunk_file_is_named_instead_of_read_as_nan(tmp_path):
         run.module_history(MODULES[1])
     # What the files still there hold reads as before.
     assert same_bits(run.step_snapshot(16).to_numpy(), module_values(16))
-    assert same_bits(run.step_metrics(stop=9).to_numpy(),
-                     np.stack([step_values(s) for s in range(1, 9)]))  # fmt: skip
-    assert same_bits(run.module_history(MODULES[1], start=9, stop=17).to_numpy(),
-                     expected_history(range(9, 17), 1))  # fmt: skip
+    assert same_bits(
+        run.step_metrics(stop=9).to_numpy(), np.stack([step_values(s) for s in range(1, 9)])
+    )
+    assert same_bits(
+        run.module_history(MODULES[1], start=9, stop=17).to_numpy(),
+        expected_history(range(9, 17), 1),
+    )
     # A store written before the marker existed is read as zarr reads it.
     zarr.open_group(rank, mode="r+").attrs.__delitem__(WRITTEN_FROM)
     assert np.isnan(open_run(tmp_path).step_snapshot().to_numpy()).all()
@@ -544,8 +569,10 @@ def test_a_rank_that_joined_mid_run_reads_empty_steps_before_it_joined(tmp_path)
     rewound.close()
     assert zarr.open_group(path / "rank_00001", mode="r").attrs[WRITTEN_FROM] == 5
     run = open_run(tmp_path)
-    assert same_bits(run.step_metrics(start=6, rank=1).to_numpy(),
-                     np.stack([step_values(s, 1) for s in range(6, 13)]))  # fmt: skip
+    assert same_bits(
+        run.step_metrics(start=6, rank=1).to_numpy(),
+        np.stack([step_values(s, 1) for s in range(6, 13)]),
+    )
     (path / "rank_00001" / "step_metrics" / "c" / "1" / "0").unlink()  # steps 9-12
     # A new reader: one remembers the files it has seen, and does not look for them again.
     with pytest.raises(TelemetryError, match="rank_00001/step_metrics/c/1/0 is missing"):
@@ -561,7 +588,9 @@ def test_unknown_names_and_steps(tmp_path):
         run.metric_window("input.amx")
     with pytest.raises(TelemetryError, match="no metric"):
         run.module_history(MODULES[0], ["input.amax", "loss"])  # a step metric
-    with pytest.raises(TelemetryError, match=r"no metric 'bogus' .*; the metrics are input\.amax, "):
+    with pytest.raises(
+        TelemetryError, match=r"no metric 'bogus' .*; the metrics are input\.amax, "
+    ):
         run.metric_window("bogus")  # nothing close: every name
     with pytest.raises(TelemetryError, match="step 0 is not committed"):
         run.step_snapshot(0)

@@ -38,12 +38,22 @@ pytestmark = [
 
 MANIFESTS = Path(__file__).resolve().parents[1] / "manifests"
 SMALL = {
-    "model.num_layers": 2, "model.hidden_size": 64, "model.ffn_hidden_size": 256,
-    "model.seq_length": 64, "model.init_checkpoint": None, "data.num_examples": 600,
-    "schedule.warmup_steps": 1, "schedule.micro_batch_size": 4, "schedule.global_batch_size": 8,
-    "schedule.eval_interval": 1000, "schedule.eval_iters": 2, "schedule.log_interval": 1,
-    "telemetry.every_steps": 1, "telemetry.error_sample_every": 2, "telemetry.flush_steps": 4,
-}  # fmt: skip
+    "model.num_layers": 2,
+    "model.hidden_size": 64,
+    "model.ffn_hidden_size": 256,
+    "model.seq_length": 64,
+    "model.init_checkpoint": None,
+    "data.num_examples": 600,
+    "schedule.warmup_steps": 1,
+    "schedule.micro_batch_size": 4,
+    "schedule.global_batch_size": 8,
+    "schedule.eval_interval": 1000,
+    "schedule.eval_iters": 2,
+    "schedule.log_interval": 1,
+    "telemetry.every_steps": 1,
+    "telemetry.error_sample_every": 2,
+    "telemetry.flush_steps": 4,
+}
 TARGET = "decoder.layers.1.mlp.linear_fc1"
 
 
@@ -60,8 +70,9 @@ def _trainer(manifest, run_dir, steps: int):
 
 
 def test_a_run_leaves_a_readable_store_matching_its_metrics(manifest, tmp_path, cli):
-    short = write_manifest(derive(manifest, {"schedule.train_steps": 6}, "6 steps"),
-                           tmp_path / "short.yaml")  # fmt: skip
+    short = write_manifest(
+        derive(manifest, {"schedule.train_steps": 6}, "6 steps"), tmp_path / "short.yaml"
+    )
     run_training(short, tmp_path / "run", progress=False)
     store = open_run(tmp_path / "run")
     assert store.committed_steps == {0: 6}
@@ -131,10 +142,13 @@ def test_a_saturating_weight_draws_degrade_and_a_proposal(manifest, tmp_path):
     no_stop = derive(
         manifest,
         # No capability evaluation either: its forwards would run the growing hook below.
-        {"alerts.saturation.stop": None, "alerts.fp8_rel_error.stop": None,
-         "capability.enabled": False},
+        {
+            "alerts.saturation.stop": None,
+            "alerts.fp8_rel_error.stop": None,
+            "capability.enabled": False,
+        },
         "saturation never stops",
-    )  # fmt: skip
+    )
     trainer = _trainer(no_stop, tmp_path / "run", steps=8)
     module = dict(trainer.model.named_modules())[TARGET]
     growth = {"factor": 1.0, "calls": 0}
@@ -161,7 +175,7 @@ def test_a_saturating_weight_draws_degrade_and_a_proposal(manifest, tmp_path):
     assert not [a for a in degrade if a.module.startswith("decoder.layers.0.")]  # upstream: calm
     # Degrade proposed the module in the run's override ledger, with what triggered it.
     proposed = list(Ledger(run).overrides().values())
-    assert [o.module for o in proposed][0] == TARGET
+    assert proposed[0].module == TARGET
     assert len({o.module for o in proposed}) == len(proposed)  # one open proposal per module
     first = proposed[0]
     assert (first.status, first.who, first.step) == ("proposed", "fp8ops-alerts", degrade[0].step)
@@ -178,10 +192,19 @@ def test_sigkill_leaves_the_store_readable_up_to_its_last_commit(manifest, tmp_p
     )
     run = tmp_path / "run"
     process = subprocess.Popen(
-        [sys.executable, "-m", "fp8ops", "train", str(manifest_file), "--run-dir", str(run),
-         "--no-progress"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "fp8ops",
+            "train",
+            str(manifest_file),
+            "--run-dir",
+            str(run),
+            "--no-progress",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -220,10 +243,20 @@ def _start_long_run(manifest, tmp_path, steps_logged: int):
     )
     run = tmp_path / "run"
     process = subprocess.Popen(
-        [sys.executable, "-m", "fp8ops", "train", str(manifest_file), "--run-dir", str(run),
-         "--no-progress"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "fp8ops",
+            "train",
+            str(manifest_file),
+            "--run-dir",
+            str(run),
+            "--no-progress",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         time.sleep(0.3)
@@ -277,10 +310,13 @@ def test_sigterm_twice_is_one_stop_request(manifest, tmp_path):
 
 def test_evaluations_between_steps_stay_out_of_the_telemetry(manifest, tmp_path):
     every_step = write_manifest(
-        derive(manifest, {"schedule.train_steps": 4, "schedule.eval_interval": 1,
-                          "telemetry.every_steps": 2}, "evaluate after every step"),
+        derive(
+            manifest,
+            {"schedule.train_steps": 4, "schedule.eval_interval": 1, "telemetry.every_steps": 2},
+            "evaluate after every step",
+        ),
         tmp_path / "eval.yaml",
-    )  # fmt: skip
+    )
     run_training(every_step, tmp_path / "run", progress=False)
     history = open_run(tmp_path / "run").module_history(TARGET)
     assert (history["fp8_gemms"] == 6).all()  # the training micro-batches' GEMMs only

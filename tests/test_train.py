@@ -51,9 +51,11 @@ def base(tmp_path_factory) -> Path:
     """A base run: the small model pre-trained for a few steps in bf16 on the corpus."""
     tmp = tmp_path_factory.mktemp("base")
     manifest = _write(
-        tmp, "base", MANIFESTS / "tiny-gpt-cpu-base.yaml",
+        tmp,
+        "base",
+        MANIFESTS / "tiny-gpt-cpu-base.yaml",
         {**SMALL_MODEL, **SCHEDULE, "schedule.train_steps": 4, "schedule.eval_interval": 4},
-    )  # fmt: skip
+    )
     run_training(manifest, tmp / "run", progress=False)
     return tmp / "run"
 
@@ -62,15 +64,19 @@ def base(tmp_path_factory) -> Path:
 def finetune_manifest(base, tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("finetune")
     return _write(
-        tmp, "finetune", MANIFESTS / "tiny-gpt-cpu.yaml",
+        tmp,
+        "finetune",
+        MANIFESTS / "tiny-gpt-cpu.yaml",
         {
-            **SMALL_MODEL, **SCHEDULE,
+            **SMALL_MODEL,
+            **SCHEDULE,
             "model.init_checkpoint": str(base / "final"),
             "data.num_examples": 800,
-            "schedule.train_steps": FINETUNE_STEPS, "schedule.eval_interval": 6,
+            "schedule.train_steps": FINETUNE_STEPS,
+            "schedule.eval_interval": 6,
             "optimizer.lr": 2e-3,
         },
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(scope="module")
@@ -195,21 +201,39 @@ def test_a_run_without_a_terminal_logs_whole_lines_at_the_log_interval(
     """As in a SLURM job's log: no bar, one unwrapped line per log_interval steps and the last,
     and the summary's lines unwrapped too."""
     monkeypatch.setenv("COLUMNS", "40")  # a narrow console must not wrap them
-    result = cli("train", finetune_manifest, "--run-dir", tmp_path / "run",
-                 "--set", "schedule.train_steps=5", "--set", "schedule.log_interval=2")  # fmt: skip
+    result = cli(
+        "train",
+        finetune_manifest,
+        "--run-dir",
+        tmp_path / "run",
+        "--set",
+        "schedule.train_steps=5",
+        "--set",
+        "schedule.log_interval=2",
+    )
     assert result.code == 0, result.err
     lines = [line for line in result.err.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in lines] == ["2/5", "4/5", "5/5"], result.err
     metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     for line, step in zip(lines, (2, 4, 5), strict=True):
         loss = f"{metrics[step - 1]['loss']:.4f}"
-        assert re.fullmatch(rf"step {step}/5  loss {loss}  grad_norm [0-9.]+  lr \S+  [0-9,]+ tok/s",
-                            line), line  # fmt: skip
+        assert re.fullmatch(
+            rf"step {step}/5  loss {loss}  grad_norm [0-9.]+  lr \S+  [0-9,]+ tok/s", line
+        ), line
     results = [line for line in result.out.splitlines() if line.startswith("results in ")]
     assert len(results) == 1 and results[0].endswith("final/ (weights)"), result.out
 
-    quiet = cli("train", finetune_manifest, "--run-dir", tmp_path / "quiet", "--no-progress",
-                "--set", "schedule.train_steps=2", "--set", "schedule.log_interval=1")  # fmt: skip
+    quiet = cli(
+        "train",
+        finetune_manifest,
+        "--run-dir",
+        tmp_path / "quiet",
+        "--no-progress",
+        "--set",
+        "schedule.train_steps=2",
+        "--set",
+        "schedule.log_interval=1",
+    )
     assert quiet.code == 0, quiet.err
     assert not [line for line in quiet.err.splitlines() if line.startswith("step ")], quiet.err
 
@@ -308,11 +332,26 @@ FP32 = {"precision.base_dtype": "fp32", "schedule.train_steps": 6, "schedule.eva
 def _torchrun(manifest: Path, run_dir: Path, changes: dict) -> None:
     settings = [arg for key, value in changes.items() for arg in ("--set", f"{key}={value}")]
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "-m", "fp8ops", "train", str(manifest), "--run-dir", str(run_dir), "--no-progress",
-         *settings],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "fp8ops",
+            "train",
+            str(manifest),
+            "--run-dir",
+            str(run_dir),
+            "--no-progress",
+            *settings,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
@@ -327,9 +366,10 @@ def test_tp2_matches_tp1_and_ranks_agree(finetune_manifest, tmp_path):
     # boundary rounds the other way on one layout, and the gap jumps to 2.3e-5 relative.
     assert tp2_losses == pytest.approx(tp1_losses, rel=1e-4, abs=0)
     checks = [
-        e for e in read_jsonl(tmp_path / "tp2" / "events.jsonl")
+        e
+        for e in read_jsonl(tmp_path / "tp2" / "events.jsonl")
         if e["event"] == "fp8_state_checked"
-    ]  # fmt: skip
+    ]
     assert [(c["step"], c["ranks"], c["agree"]) for c in checks] == [(3, 2, True), (6, 2, True)]
     info = json.loads((tmp_path / "tp2" / "run.json").read_text())
     assert info["topology"]["tensor_parallel"] == 2
@@ -351,20 +391,32 @@ def test_a_llama_shaped_run_checkpoints_resumes_and_verifies_at_another_tp_size(
 
     # The 8B manifest's architecture at the small model's size: SwiGLU, RMSNorm, rotary
     # positions, grouped-query attention.
-    swiglu = {**SMALL_MODEL, **SCHEDULE, "model.activation": "swiglu",
-              "model.normalization": "RMSNorm", "model.position_embedding": "rope",
-              "model.num_query_groups": 2,
-              "schedule.train_steps": 2, "schedule.eval_interval": 2}  # fmt: skip
+    swiglu = {
+        **SMALL_MODEL,
+        **SCHEDULE,
+        "model.activation": "swiglu",
+        "model.normalization": "RMSNorm",
+        "model.position_embedding": "rope",
+        "model.num_query_groups": 2,
+        "schedule.train_steps": 2,
+        "schedule.eval_interval": 2,
+    }
     base = _write(tmp_path, "base", MANIFESTS / "tiny-gpt-cpu-base.yaml", swiglu)
     assert run_training(base, tmp_path / "base", progress=False, stop_at=1).paused
     resume_training(tmp_path / "base", progress=False)
     run_training(base, tmp_path / "straight", progress=False)
     assert _losses(tmp_path / "base") == _losses(tmp_path / "straight")  # step 2 after a resume
-    final = {json.loads((tmp_path / run / "final" / META_FILE).read_text())["fingerprint"]
-             for run in ("base", "straight")}  # fmt: skip
+    final = {
+        json.loads((tmp_path / run / "final" / META_FILE).read_text())["fingerprint"]
+        for run in ("base", "straight")
+    }
     assert len(final) == 1
-    finetune = _write(tmp_path, "finetune", MANIFESTS / "tiny-gpt-cpu.yaml",
-                      {**swiglu, "model.init_checkpoint": str(tmp_path / "base" / "final")})  # fmt: skip
+    finetune = _write(
+        tmp_path,
+        "finetune",
+        MANIFESTS / "tiny-gpt-cpu.yaml",
+        {**swiglu, "model.init_checkpoint": str(tmp_path / "base" / "final")},
+    )
     _torchrun(finetune, tmp_path / "tp2", {"topology.tensor_parallel": 2})
     info = json.loads((tmp_path / "tp2" / "run.json").read_text())["model"]
     base_meta = json.loads((tmp_path / "base" / "final" / META_FILE).read_text())
@@ -394,9 +446,11 @@ def test_pad_to_longest_trains_as_padding_to_seq_length_does(finetune_manifest, 
     plain = {**FP32, "precision.enabled": False}
     run_training(finetune_manifest, tmp_path / "full", assignments=plain, progress=False)
     run_training(
-        finetune_manifest, tmp_path / "longest",
-        assignments={**plain, "data.pad_to": "longest"}, progress=False,
-    )  # fmt: skip
+        finetune_manifest,
+        tmp_path / "longest",
+        assignments={**plain, "data.pad_to": "longest"},
+        progress=False,
+    )
     full = read_jsonl(tmp_path / "full" / "metrics.jsonl")
     longest = read_jsonl(tmp_path / "longest" / "metrics.jsonl")
     # Measured: within 1e-7 relative (other GEMM shapes, other summation blocks).
@@ -410,9 +464,11 @@ def test_pad_to_longest_trains_as_padding_to_seq_length_does(finetune_manifest, 
 
 def test_without_a_held_out_split_evaluation_is_skipped(finetune_manifest, tmp_path):
     result = run_training(
-        finetune_manifest, tmp_path / "run",
-        assignments={"data.eval_fraction": 0.0, "schedule.train_steps": 2}, progress=False,
-    )  # fmt: skip
+        finetune_manifest,
+        tmp_path / "run",
+        assignments={"data.eval_fraction": 0.0, "schedule.train_steps": 2},
+        progress=False,
+    )
     assert result.last_eval_loss is None
     assert not (tmp_path / "run" / "eval.jsonl").exists()
     assert json.loads((tmp_path / "run" / "status.json").read_text())["state"] == "completed"
@@ -436,8 +492,9 @@ def test_a_run_directory_is_claimed_once(finetune_manifest, tmp_path):
     ("state", "advice"),
     [("failed", "remove the directory to start over"), ("running", "it was interrupted")],
 )
-def test_an_unfinished_run_directory_is_refused_with_advice(finetune_manifest, tmp_path, state,
-                                                            advice):  # fmt: skip
+def test_an_unfinished_run_directory_is_refused_with_advice(
+    finetune_manifest, tmp_path, state, advice
+):
     manifest = load_manifest(finetune_manifest)
     run = RunDir.claim(tmp_path / "run", manifest, [manifest])
     run.set_status(state)
@@ -452,22 +509,37 @@ def test_an_unfinished_run_directory_is_refused_with_advice(finetune_manifest, t
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        (["precision.exclude_modules=['*.linear_qvk']"],
-         r"finetune.yaml.*exclude_modules\[0\].*\*\.linear_qvk"),
+        (
+            ["precision.exclude_modules=['*.linear_qvk']"],
+            r"finetune.yaml.*exclude_modules\[0\].*\*\.linear_qvk",
+        ),
         (["topology.tensor_parallel=3"], r"num_attention_heads.*tensor_parallel"),
         (["model.init_checkpoint=/nonexistent/base"], r"init_checkpoint.*does not exist"),
         (["topology.tensor_parallel=2"], r"1 process.*topology asks for 2.*torchrun"),
-        (["model.num_layers=3"],
-         r"finetune.yaml.*different model.*num_layers: checkpoint 2, manifest 3"),
+        (
+            ["model.num_layers=3"],
+            r"finetune.yaml.*different model.*num_layers: checkpoint 2, manifest 3",
+        ),
         (["tokenizer.kind=sentencepiece", "tokenizer.path=x.model"], r"tokenizer.kind"),
-        (["tokenizer.kind=huggingface", "tokenizer.path=/nonexistent/tok.json"],
-         r"finetune.yaml.*: tokenizer.path: /nonexistent/tok.json: no such file"),
+        (
+            ["tokenizer.kind=huggingface", "tokenizer.path=/nonexistent/tok.json"],
+            r"finetune.yaml.*: tokenizer.path: /nonexistent/tok.json: no such file",
+        ),
         (["topology.pipeline_parallel=2"], r"finetune.yaml.*topology.pipeline_parallel is 2"),
         (["precision.base_dtype=fp16"], r"finetune.yaml.*base_dtype is fp16.*loss scaling"),
     ],
-    ids=["glob-matches-nothing", "tp-not-dividing-heads", "missing-base", "world-size",
-         "base-of-another-model", "tokenizer", "tokenizer-file", "pipeline-parallel", "fp16"],
-)  # fmt: skip
+    ids=[
+        "glob-matches-nothing",
+        "tp-not-dividing-heads",
+        "missing-base",
+        "world-size",
+        "base-of-another-model",
+        "tokenizer",
+        "tokenizer-file",
+        "pipeline-parallel",
+        "fp16",
+    ],
+)
 def test_bad_manifests_stop_before_training(finetune_manifest, tmp_path, cli, settings, message):
     run_dir = tmp_path / "run"
     args = [arg for setting in settings for arg in ("--set", setting)]
@@ -484,9 +556,13 @@ def test_damaged_base_checkpoint_is_refused(base, finetune_manifest, tmp_path, c
     meta["fingerprint"] = "0" * 64
     (damaged / META_FILE).write_text(json.dumps(meta))
     result = cli(
-        "train", finetune_manifest, "--run-dir", tmp_path / "run",
-        "--set", f"model.init_checkpoint={damaged}",
-    )  # fmt: skip
+        "train",
+        finetune_manifest,
+        "--run-dir",
+        tmp_path / "run",
+        "--set",
+        f"model.init_checkpoint={damaged}",
+    )
     assert result.code == 2
     assert "changed or are damaged" in result.err
     assert not (tmp_path / "run").exists()

@@ -16,6 +16,14 @@ from fp8ops.alerts.records import LEVELS, Alert, Level, Proposal, select_alerts
 from fp8ops.alerts.rules import AlertEngine
 
 __all__ = [
-    "ALERTS", "LEVELS", "Alert", "AlertEngine", "Level", "Proposal", "read_alerts",
-    "read_run_alerts", "select_alerts", "write_alerts",
-]  # fmt: skip
+    "ALERTS",
+    "LEVELS",
+    "Alert",
+    "AlertEngine",
+    "Level",
+    "Proposal",
+    "read_alerts",
+    "read_run_alerts",
+    "select_alerts",
+    "write_alerts",
+]

@@ -169,15 +169,20 @@ class AlertEngine:
         n, slots, patience = len(self.modules), len(SLOTS), config.patience_steps
         window = config.window_steps
         self._leveled = {
-            "saturation": (_columns("saturation"), _Leveled(config.saturation, (n, slots), patience)),
+            "saturation": (
+                _columns("saturation"),
+                _Leveled(config.saturation, (n, slots), patience),
+            ),
             "underflow": (_columns("underflow"), _Leveled(config.underflow, (n, slots), patience)),
             "scale_jitter": (
-                _columns("scale_change"), _Leveled(config.scale_change, (n, slots), patience)
+                _columns("scale_change"),
+                _Leveled(config.scale_change, (n, slots), patience),
             ),
             "fp8_error": (
-                [COLUMN["fp8_rel_error"]], _Leveled(config.fp8_rel_error, (n, 1), patience)
+                [COLUMN["fp8_rel_error"]],
+                _Leveled(config.fp8_rel_error, (n, 1), patience),
             ),
-        }  # fmt: skip
+        }
         self._nonfinite = _Latch((), 1, patience)
         self._divergence = _Latch((), patience, patience)
         self._rising = _Latch((n, slots), 1, patience)
@@ -323,10 +328,13 @@ class AlertEngine:
 
     def _latches(self) -> dict[str, _Latch]:
         latches = {
-            "nonfinite": self._nonfinite, "divergence": self._divergence,
-            "rising": self._rising, "growing": self._growing, "spike": self._spike,
+            "nonfinite": self._nonfinite,
+            "divergence": self._divergence,
+            "rising": self._rising,
+            "growing": self._growing,
+            "spike": self._spike,
             "jump": self._jump,
-        }  # fmt: skip
+        }
         for rule, (_, leveled) in self._leveled.items():
             for level, (_, latch) in leveled.latches.items():
                 latches[f"{rule}.{level}"] = latch

@@ -11,6 +11,11 @@ from fp8ops.checkpoint.meta import CheckpointMeta, read_meta
 from fp8ops.checkpoint.resume import ResumePlan, plan_resume
 
 __all__ = [
-    "CheckpointDir", "CheckpointError", "CheckpointMeta", "DriftRefused", "ResumePlan",
-    "plan_resume", "read_meta",
-]  # fmt: skip
+    "CheckpointDir",
+    "CheckpointError",
+    "CheckpointMeta",
+    "DriftRefused",
+    "ResumePlan",
+    "plan_resume",
+    "read_meta",
+]

@@ -165,8 +165,9 @@ class CheckpointDir:
         """A resume from ``checkpoint`` when later ones exist: those move to ``superseded/``
         (kept, never loaded or pruned) and ``latest`` names ``checkpoint``, so a requeue before
         the next save continues this run, not the abandoned one (rank 0 only)."""
-        later = [p for p in self.complete() if checkpoint_step(p.name) > checkpoint_step(
-            checkpoint.name)]  # fmt: skip
+        later = [
+            p for p in self.complete() if checkpoint_step(p.name) > checkpoint_step(checkpoint.name)
+        ]
         pointer = self.path / LATEST
         named = pointer.read_text(errors="replace").strip() if pointer.is_file() else None
         if not later and named == checkpoint.name:  # (a pointer to nothing is rewritten)

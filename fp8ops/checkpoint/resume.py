@@ -131,10 +131,19 @@ def plan_resume(
             manifest = _rebase(saved, requested, reason)
             new.append(manifest)
     plan = ResumePlan(
-        run_dir, directory, meta, saved, manifest, new, drift, accept_drift if drift else None,
-        fp8_read=fp8_read, accept_drift=accept_drift, after_stop=after_stop,
+        run_dir,
+        directory,
+        meta,
+        saved,
+        manifest,
+        new,
+        drift,
+        accept_drift if drift else None,
+        fp8_read=fp8_read,
+        accept_drift=accept_drift,
+        after_stop=after_stop,
         seen=where_the_run_is(run_dir),
-    )  # fmt: skip
+    )
     _apply_ledger(plan)
     _check_stop_answered(plan)
     return plan
@@ -157,8 +166,11 @@ def _check_stop_answered(plan: ResumePlan) -> None:
     alert = status.get("alert") or {}
     what = alert.get("message") or alert.get("rule") or "an alert"
     last = plan.step >= plan.manifest.schedule.train_steps
-    would = ("write the final weights of a run whose last step stopped" if last
-             else "train up to the same Stop again")  # fmt: skip
+    would = (
+        "write the final weights of a run whose last step stopped"
+        if last
+        else "train up to the same Stop again"
+    )
     raise StopUnanswered(
         f"refusing to resume {plan.run_dir}: a Stop alert halted it at step "
         f"{status.get('step', '?')} ({what}), and the resume would change nothing: no override "
@@ -241,8 +253,7 @@ def _check_run_revisions(run_dir: Path, directory: Path, meta: CheckpointMeta) -
 _ARCHITECTURE = "model."
 _NOT_ARCHITECTURE = ("model.init_checkpoint", "model.fingerprint")
 _UNLOADABLE = {  # path prefix -> what changing it would do
-    "seeds.data": "the data order mid-run (the sampler's position means nothing in another "
-    "order)",
+    "seeds.data": "the data order mid-run (the sampler's position means nothing in another order)",
     "data.": "the training set mid-run (the sampler's position means nothing in another set)",
     "tokenizer.": "what the token ids the model learned mean",
     "precision.enabled": "FP8 on or off: a checkpoint of a BF16 run holds no FP8 state to "
@@ -374,8 +385,11 @@ def _apply_ledger(plan: ResumePlan) -> None:
     approvals = {o.approval: o for o in overrides.values() if o.approval is not None}
     for override in in_force.values():
         if override.approval not in approvals:
-            lost = "is gone" if not ledger.path.exists() else (
-                "no longer holds it: its last records were removed")  # fmt: skip
+            lost = (
+                "is gone"
+                if not ledger.path.exists()
+                else ("no longer holds it: its last records were removed")
+            )
             raise LedgerError(
                 f"{ledger.path}: the checkpoint's manifest runs {override.module} in BF16 under "
                 f"approval {override.approval[:12]}, but the ledger {lost}. Restore the file "
@@ -385,28 +399,42 @@ def _apply_ledger(plan: ResumePlan) -> None:
     # A module in force under another approval than the one wanted now (its override revoked,
     # then a new one approved before a resume lifted it) is lifted and applied again: the
     # revision then names the approval that holds it, and both reach the ledger's records.
-    applied = [o for module, o in wanted.items()
-               if module not in in_force or in_force[module].approval != o.approval]
-    lifted = [approvals[o.approval] for module, o in in_force.items()
-              if module not in wanted or wanted[module].approval != o.approval]  # fmt: skip
+    applied = [
+        o
+        for module, o in wanted.items()
+        if module not in in_force or in_force[module].approval != o.approval
+    ]
+    lifted = [
+        approvals[o.approval]
+        for module, o in in_force.items()
+        if module not in wanted or wanted[module].approval != o.approval
+    ]
     if not applied and not lifted:
         return
-    keep = [o for o in plan.manifest.precision.overrides if o.module not in
-            {lift.module for lift in lifted}]  # fmt: skip
+    keep = [
+        o
+        for o in plan.manifest.precision.overrides
+        if o.module not in {lift.module for lift in lifted}
+    ]
     overrides_now = [o.model_dump(mode="json") for o in keep]
     overrides_now += [o.as_manifest_override().model_dump(mode="json") for o in applied]
     revoked = {o.module: o for o in lifted}
     replaced = revoked.keys() & {o.module for o in applied}
     words = [f"{o.module} to bf16 ({o.id[:12]})" for o in applied if o.module not in replaced]
-    words += [f"{o.module} back to fp8 ({o.id[:12]} revoked)" for o in lifted
-              if o.module not in replaced]  # fmt: skip
-    words += [f"{o.module} stays bf16 under {o.id[:12]} ({revoked[o.module].id[:12]} revoked)"
-              for o in applied if o.module in replaced]  # fmt: skip
+    words += [
+        f"{o.module} back to fp8 ({o.id[:12]} revoked)" for o in lifted if o.module not in replaced
+    ]
+    words += [
+        f"{o.module} stays bf16 under {o.id[:12]} ({revoked[o.module].id[:12]} revoked)"
+        for o in applied
+        if o.module in replaced
+    ]
     child = derive(
-        plan.manifest, {"precision.overrides": overrides_now},
+        plan.manifest,
+        {"precision.overrides": overrides_now},
         "resume applies approved overrides: " + "; ".join(words),
         source="the overrides ledger",
-    )  # fmt: skip
+    )
     plan.manifest = child
     plan.new_revisions.append(child)
     plan.applied_overrides, plan.lifted_overrides = applied, lifted

@@ -160,9 +160,12 @@ def fp8_state(modules: dict[str, nn.Module], layout: Fp8Layout) -> dict:
         for tensor_name, tensor in module.fp8_meta.state_dict().items():
             key = f"fp8.{name}.{tensor_name}"
             state[key] = ShardedTensor.from_rank_offsets(
-                key, tensor, (0, layout.group, layout.groups), replica_id=layout.replica,
+                key,
+                tensor,
+                (0, layout.group, layout.groups),
+                replica_id=layout.replica,
                 prepend_axis_num=1,
-            )  # fmt: skip
+            )
     return state
 
 
@@ -216,11 +219,14 @@ def restore_per_rank(loaded: dict, alert_engine) -> None:
     if alert_engine is not None:
         # Reshaped to the engine's own shapes: a 0-d value comes back with the rank axis.
         shapes = {k: v.shape for k, v in alert_engine.state_dict().items()}
-        alert_engine.load_state_dict({
-            k: loaded[f"rank.alerts.{k}"].cpu().numpy().reshape(shape) if np.prod(shape) else
-            np.empty(shape)
-            for k, shape in shapes.items()
-        })  # fmt: skip
+        alert_engine.load_state_dict(
+            {
+                k: loaded[f"rank.alerts.{k}"].cpu().numpy().reshape(shape)
+                if np.prod(shape)
+                else np.empty(shape)
+                for k, shape in shapes.items()
+            }
+        )
 
 
 def restore_optimizer(optimizer, weights: dict, loaded: dict) -> None:

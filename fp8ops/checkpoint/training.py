@@ -120,8 +120,14 @@ def _history_len(modules: dict) -> int:
     return next(iter(modules.values())).fp8_meta.forward.amax_history.shape[0] if modules else 0
 
 
-def load_checkpoint(parts: TrainingParts, directory: Path, meta: CheckpointMeta, *,
-                    fp8_read: str, alert_windows: bool = True) -> float:  # fmt: skip
+def load_checkpoint(
+    parts: TrainingParts,
+    directory: Path,
+    meta: CheckpointMeta,
+    *,
+    fp8_read: str,
+    alert_windows: bool = True,
+) -> float:
     """Load ``directory`` into ``parts`` and verify what was restored; returns seconds taken.
 
     ``fp8_read`` is ``resume.plan_resume``'s mapping: "own" (each state group reads its own

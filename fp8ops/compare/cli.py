@@ -67,9 +67,12 @@ def compare_command(
     for candidate in verdict.candidates:
         for gate in candidate.gates:
             table.add_row(
-                candidate.label, gate.name, format_value(gate.value),
-                format_value(gate.threshold), "pass" if gate.passed else "FAIL",
-            )  # fmt: skip
+                candidate.label,
+                gate.name,
+                format_value(gate.value),
+                format_value(gate.threshold),
+                "pass" if gate.passed else "FAIL",
+            )
     reference = verdict.reference
     console.print(f"reference: {reference['label']} ({reference['run_dir']})")
     console.print(f"gates: {verdict.gates['source']}")

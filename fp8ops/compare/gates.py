@@ -77,8 +77,11 @@ def one_bar(runs: list[RunRecords]) -> Gates:
     reference, bar = runs[0], runs[0].manifest.gates.model_dump()
     for run in runs[1:]:
         own = run.manifest.gates.model_dump()
-        differ = [f"gates.{key} is {own[key]!r}, the reference has {bar[key]!r}"
-                  for key in bar if own[key] != bar[key]]  # fmt: skip
+        differ = [
+            f"gates.{key} is {own[key]!r}, the reference has {bar[key]!r}"
+            for key in bar
+            if own[key] != bar[key]
+        ]
         if differ:
             raise Fp8opsError(
                 f"{run.path}: manifest.yaml {'; '.join(differ)} ({reference.path}); every "
@@ -176,31 +179,44 @@ def matched_evaluations(reference: RunRecords, candidate: RunRecords) -> list[di
             continue
         ref_loss, cand_loss = ours[step]["loss"], record["loss"]
         gap = cand_loss - ref_loss if finite(ref_loss) and finite(cand_loss) else math.nan
-        matched.append({
-            "step": step, "tokens": tokens, "reference": ref_loss, "candidate": cand_loss,
-            "gap": gap,
-        })  # fmt: skip
+        matched.append(
+            {
+                "step": step,
+                "tokens": tokens,
+                "reference": ref_loss,
+                "candidate": cand_loss,
+                "gap": gap,
+            }
+        )
     return matched
 
 
 def _loss_gate(
-    reference: RunRecords, candidate: RunRecords, evaluations: list[dict[str, Any]],
+    reference: RunRecords,
+    candidate: RunRecords,
+    evaluations: list[dict[str, Any]],
     gates: Gates,
 ) -> GateResult:
     if not evaluations:
         return GateResult(
-            "loss_gap", False, None, gates.loss_gap,
+            "loss_gap",
+            False,
+            None,
+            gates.loss_gap,
             f"no held-out evaluation at a step both runs reached with equal tokens "
             f"(reference evaluated at steps {_steps(r['step'] for r in reference.evals)})",
-        )  # fmt: skip
+        )
     last = evaluations[-1]
     final = max((r["step"] for r in candidate.evals), default=None)
     if candidate.state == "completed" and final != last["step"]:
         return GateResult(
-            "loss_gap", False, None, gates.loss_gap,
+            "loss_gap",
+            False,
+            None,
+            gates.loss_gap,
             f"the candidate's last evaluation (step {final}) has no reference evaluation after "
             f"equal tokens; the last matched one is at step {last['step']}",
-        )  # fmt: skip
+        )
     gap = last["gap"]
     passed = finite(gap) and gap <= gates.loss_gap
     where = f"at step {last['step']} (tokens {last['tokens']})"
@@ -222,51 +238,87 @@ def _buckets(
     missing = [run for run in (reference, candidate) if not run.capability]
     if missing and not expected:
         why = (
-            "capability.enabled is false" if not candidate.manifest.capability.enabled
+            "capability.enabled is false"
+            if not candidate.manifest.capability.enabled
             else "the data has no answers to check (not SFT)"
-        )  # fmt: skip
+        )
         return GateResult(name, True, None, gap, f"not gated: {why}"), None, None
     if missing:
         run = missing[0]
-        return GateResult(
-            name, False, None, gap,
-            f"no capability records in {run.label} ({run.path}/capability.jsonl), though "
-            "capability.enabled is true",
-        ), None, None  # fmt: skip
+        return (
+            GateResult(
+                name,
+                False,
+                None,
+                gap,
+                f"no capability records in {run.label} ({run.path}/capability.jsonl), though "
+                "capability.enabled is true",
+            ),
+            None,
+            None,
+        )
     step = _matched_capability_step(reference, candidate)
     if step is None:
-        return GateResult(
-            name, False, None, gap,
-            "no capability evaluation at a step both runs reached with equal tokens",
-        ), None, None  # fmt: skip
+        return (
+            GateResult(
+                name,
+                False,
+                None,
+                gap,
+                "no capability evaluation at a step both runs reached with equal tokens",
+            ),
+            None,
+            None,
+        )
     last = candidate.manifest.schedule.train_steps
     if candidate.state == "completed" and step != last:  # every run evaluates at its last step
-        return GateResult(
-            name, False, None, gap,
-            f"no capability evaluation of both runs at the last step ({last}) with equal tokens "
-            f"(one failed? see events.jsonl: capability_failed); the last matched one is at "
-            f"step {step}",
-        ), None, None  # fmt: skip
+        return (
+            GateResult(
+                name,
+                False,
+                None,
+                gap,
+                f"no capability evaluation of both runs at the last step ({last}) with equal tokens "
+                f"(one failed? see events.jsonl: capability_failed); the last matched one is at "
+                f"step {step}",
+            ),
+            None,
+            None,
+        )
 
     ours, theirs = (
         {_item_key(item) for item in run.predictions[step]} for run in (reference, candidate)
     )
     if ours != theirs:  # unpaired items count for neither side: any drop would pass
-        return GateResult(
-            name, False, None, gap,
-            f"the runs answered different held-out items at step {step} ({len(ours & theirs)} "
-            f"of {len(ours | theirs)} in both): evaluate the same items (capability.items, the "
-            "data's eval split)",
-        ), None, None  # fmt: skip
+        return (
+            GateResult(
+                name,
+                False,
+                None,
+                gap,
+                f"the runs answered different held-out items at step {step} ({len(ours & theirs)} "
+                f"of {len(ours | theirs)} in both): evaluate the same items (capability.items, the "
+                "data's eval split)",
+            ),
+            None,
+            None,
+        )
     comparison = compare_capability(reference, candidate, step, gates)
     overall = comparison["overall"]
     if overall["reference_accuracy"] == 0:  # nothing right to lose: any candidate would pass
-        return GateResult(
-            name, True, None, gap,
-            f"not measured: the reference answered none of its {overall['items']} items right at "
-            f"step {step}, so no drop can show; evaluate items it can answer (a trained base "
-            "checkpoint, more steps, an easier capability set)",
-        ), comparison, None  # fmt: skip
+        return (
+            GateResult(
+                name,
+                True,
+                None,
+                gap,
+                f"not measured: the reference answered none of its {overall['items']} items right at "
+                f"step {step}, so no drop can show; evaluate items it can answer (a trained base "
+                "checkpoint, more steps, an easier capability set)",
+            ),
+            comparison,
+            None,
+        )
     rows = [overall, *comparison["buckets"]]
     gated = [row for row in rows if row["gated"]]
     failing = _failing_rows(gated, gap, gates.bucket_significance)
@@ -347,11 +399,16 @@ def compare_capability(
         ref_acc, cand_acc = r.get("accuracy"), c.get("accuracy")
         drop = ref_acc - cand_acc if finite(ref_acc) and finite(cand_acc) else math.nan
         return {
-            "bucket": bucket, "items": min(r.get("items", 0), c.get("items", 0)),
-            "reference_accuracy": ref_acc, "candidate_accuracy": cand_acc, "drop": drop,
-            "gated": gated, "lost": lost.get(bucket, 0), "gained": gained.get(bucket, 0),
+            "bucket": bucket,
+            "items": min(r.get("items", 0), c.get("items", 0)),
+            "reference_accuracy": ref_acc,
+            "candidate_accuracy": cand_acc,
+            "drop": drop,
+            "gated": gated,
+            "lost": lost.get(bucket, 0),
+            "gained": gained.get(bucket, 0),
             "p_value": sign_test_p(lost.get(bucket, 0), gained.get(bucket, 0)),
-        }  # fmt: skip
+        }
 
     buckets = []
     for bucket in sorted(set(ref["buckets"]) | set(cand["buckets"])):
@@ -554,8 +611,14 @@ def worst_layer(run: RunRecords) -> dict[str, Any] | None:
 
 
 def alert_json(alert: Alert) -> dict[str, Any]:
-    return {"step": alert.step, "level": alert.level, "rule": alert.rule, "metric": alert.metric,
-            "value": alert.value, "message": alert.message}  # fmt: skip
+    return {
+        "step": alert.step,
+        "level": alert.level,
+        "rule": alert.rule,
+        "metric": alert.metric,
+        "value": alert.value,
+        "message": alert.message,
+    }
 
 
 def describe_layer(layer: dict[str, Any]) -> str:

@@ -57,18 +57,23 @@ def _loss_figure(runs: list[RunRecords], colors: dict[str, str]) -> go.Figure:
         tokens = [run.tokens_through[m["step"]] for m in run.metrics]
         x, y = _thin(tokens, [_number(m["loss"]) for m in run.metrics])
         figure.add_scatter(
-            x=x, y=y, mode="lines", name=f"{run.label} train", opacity=0.55,
+            x=x,
+            y=y,
+            mode="lines",
+            name=f"{run.label} train",
+            opacity=0.55,
             line={"color": colors[run.label], "width": 1},
-        )  # fmt: skip
+        )
         evals = [e for e in run.evals if e["step"] in run.tokens_through]
         figure.add_scatter(
             x=[run.tokens_through[e["step"]] for e in evals],
             y=[_number(e["loss"]) for e in evals],
             customdata=[e["step"] for e in evals],
             hovertemplate="step %{customdata}<br>tokens %{x}<br>eval loss %{y:.4f}",
-            mode="lines+markers", name=f"{run.label} eval",
+            mode="lines+markers",
+            name=f"{run.label} eval",
             line={"color": colors[run.label], "width": 2.5, "dash": "dot"},
-        )  # fmt: skip
+        )
     figure.update_xaxes(title_text="training tokens")
     figure.update_yaxes(title_text="loss (nats/token)")
     return figure
@@ -86,21 +91,30 @@ def _norms_figure(runs: list[RunRecords], colors: dict[str, str]) -> go.Figure:
             q1, median, q3 = np.percentile(values, [25, 50, 75])
             figure.add_trace(
                 go.Box(
-                    x=[run.label], q1=[q1], median=[median], q3=[q3], mean=[values.mean()],
-                    lowerfence=[values.min()], upperfence=[values.max()], name=run.label,
-                    marker_color=colors[run.label], showlegend=False,
+                    x=[run.label],
+                    q1=[q1],
+                    median=[median],
+                    q3=[q3],
+                    mean=[values.mean()],
+                    lowerfence=[values.min()],
+                    upperfence=[values.max()],
+                    name=run.label,
+                    marker_color=colors[run.label],
+                    showlegend=False,
                 ),
-                row=1, col=col,
-            )  # fmt: skip
+                row=1,
+                col=col,
+            )
     figure.update_yaxes(type="log")
     return figure
 
 
 def _throughput_figure(runs: list[RunRecords], colors: dict[str, str]) -> go.Figure:
     figure = make_subplots(
-        rows=1, cols=2, subplot_titles=("tokens/s (median; bars: 10th-90th percentile)",
-                                        "peak memory (MiB)"),
-    )  # fmt: skip
+        rows=1,
+        cols=2,
+        subplot_titles=("tokens/s (median; bars: 10th-90th percentile)", "peak memory (MiB)"),
+    )
     _style(figure, "Throughput and peak memory per run", height=380)
     for run in runs:
         rates = [m["tokens_per_s"] for m in run.metrics if finite(m.get("tokens_per_s"))]
@@ -109,11 +123,19 @@ def _throughput_figure(runs: list[RunRecords], colors: dict[str, str]) -> go.Fig
         if rates:
             p10, median, p90 = np.percentile(rates, [10, 50, 90])
             figure.add_bar(
-                x=[run.label], y=[median], marker_color=color, showlegend=False,
-                error_y={"type": "data", "symmetric": False, "array": [p90 - median],
-                         "arrayminus": [median - p10]},
-                row=1, col=1,
-            )  # fmt: skip
+                x=[run.label],
+                y=[median],
+                marker_color=color,
+                showlegend=False,
+                error_y={
+                    "type": "data",
+                    "symmetric": False,
+                    "array": [p90 - median],
+                    "arrayminus": [median - p10],
+                },
+                row=1,
+                col=1,
+            )
         if memory:
             figure.add_bar(
                 x=[run.label], y=[max(memory)], marker_color=color, showlegend=False, row=1, col=2
@@ -129,24 +151,27 @@ def _buckets_figure(runs: list[RunRecords], colors: dict[str, str]) -> go.Figure
         return None
     common = set.intersection(*({r["step"] for r in run.capability} for run in with_records))
     common = {
-        step for step in common
-        if len({run.tokens_through.get(step) for run in with_records}) == 1
-    }  # fmt: skip
+        step for step in common if len({run.tokens_through.get(step) for run in with_records}) == 1
+    }
     step = max(common, default=None)
-    title = f"Capability accuracy per bucket at step {step}" if step else (
-        "Capability accuracy per bucket at each run's last evaluation (no common step)"
-    )  # fmt: skip
+    title = (
+        f"Capability accuracy per bucket at step {step}"
+        if step
+        else ("Capability accuracy per bucket at each run's last evaluation (no common step)")
+    )
     figure = _figure(title, height=440)
     for run in with_records:
         record = next((r for r in run.capability if r["step"] == step), run.capability[-1])
         names = ["overall", *sorted(record["buckets"])]
         entries = [record, *(record["buckets"][name] for name in names[1:])]
         figure.add_bar(
-            x=names, y=[_number(e.get("accuracy")) for e in entries], name=run.label,
+            x=names,
+            y=[_number(e.get("accuracy")) for e in entries],
+            name=run.label,
             marker_color=colors[run.label],
             customdata=[[e.get("correct"), e.get("items")] for e in entries],
             hovertemplate="%{x}: %{y:.3f} (%{customdata[0]} of %{customdata[1]})",
-        )  # fmt: skip
+        )
     figure.update_layout(barmode="group")
     figure.update_yaxes(title_text="accuracy (exact match)", range=[0, 1])
     return figure
@@ -154,33 +179,50 @@ def _buckets_figure(runs: list[RunRecords], colors: dict[str, str]) -> go.Figure
 
 def _layers_figure(runs: list[RunRecords], colors: dict[str, str]) -> go.Figure | None:
     fp8_runs = [
-        run for run in runs
+        run
+        for run in runs
         if run.telemetry is not None and any(layer.fp8 for layer in run.telemetry.layers)
-    ]  # fmt: skip
+    ]
     if not fp8_runs:
         return None
-    titles = ("max saturation (any FP8 slot)", "max underflow (any FP8 slot)",
-              "mean FP8-vs-reference GEMM error (sampled)")  # fmt: skip
-    figure = make_subplots(rows=3, cols=1, shared_xaxes=True, subplot_titles=titles,
-                           vertical_spacing=0.08)  # fmt: skip
+    titles = (
+        "max saturation (any FP8 slot)",
+        "max underflow (any FP8 slot)",
+        "mean FP8-vs-reference GEMM error (sampled)",
+    )
+    figure = make_subplots(
+        rows=3, cols=1, shared_xaxes=True, subplot_titles=titles, vertical_spacing=0.08
+    )
     windows = ", ".join(
         f"{run.label} steps {run.telemetry.window[0]}-{run.telemetry.window[1]}" for run in fp8_runs
     )
     modules = len({layer.module for run in fp8_runs for layer in run.telemetry.layers})
-    _style(figure, f"Per-layer FP8 telemetry, last quarter of each run ({windows})",
-           height=620 + 6 * modules)  # fmt: skip
+    _style(
+        figure,
+        f"Per-layer FP8 telemetry, last quarter of each run ({windows})",
+        height=620 + 6 * modules,
+    )
     for run in fp8_runs:
         layers = [layer for layer in run.telemetry.layers if layer.fp8]
         names = [layer.module for layer in layers]
-        for row, values in enumerate((
-            [layer.max_saturation for layer in layers],
-            [layer.max_underflow for layer in layers],
-            [layer.fp8_error for layer in layers],
-        ), start=1):  # fmt: skip
+        for row, values in enumerate(
+            (
+                [layer.max_saturation for layer in layers],
+                [layer.max_underflow for layer in layers],
+                [layer.fp8_error for layer in layers],
+            ),
+            start=1,
+        ):
             figure.add_bar(
-                x=names, y=values, name=run.label, legendgroup=run.label, showlegend=row == 1,
-                marker_color=colors[run.label], row=row, col=1,
-            )  # fmt: skip
+                x=names,
+                y=values,
+                name=run.label,
+                legendgroup=run.label,
+                showlegend=row == 1,
+                marker_color=colors[run.label],
+                row=row,
+                col=1,
+            )
     figure.update_layout(barmode="group")
     figure.update_xaxes(tickangle=-45, row=3, col=1)
     return figure
@@ -207,12 +249,25 @@ def _resumes_figure(runs: list[RunRecords], colors: dict[str, str]) -> go.Figure
     for row, (run, step) in enumerate(resumes, start=1):
         span = [m for m in run.metrics if abs(m["step"] - step) <= 3 * RESUME_WINDOW]
         figure.add_scatter(
-            x=[m["step"] for m in span], y=[_number(m["loss"]) for m in span],
-            mode="lines+markers", marker={"size": 4}, name=run.label, showlegend=False,
-            line={"color": colors[run.label]}, row=row, col=1,
-        )  # fmt: skip
-        figure.add_vrect(x0=step - RESUME_WINDOW + 0.5, x1=step + RESUME_WINDOW + 0.5,
-                         fillcolor="grey", opacity=0.12, line_width=0, row=row, col=1)  # fmt: skip
+            x=[m["step"] for m in span],
+            y=[_number(m["loss"]) for m in span],
+            mode="lines+markers",
+            marker={"size": 4},
+            name=run.label,
+            showlegend=False,
+            line={"color": colors[run.label]},
+            row=row,
+            col=1,
+        )
+        figure.add_vrect(
+            x0=step - RESUME_WINDOW + 0.5,
+            x1=step + RESUME_WINDOW + 0.5,
+            fillcolor="grey",
+            opacity=0.12,
+            line_width=0,
+            row=row,
+            col=1,
+        )
         figure.add_vline(x=step + 0.5, line={"color": "crimson", "dash": "dash"}, row=row, col=1)
         figure.update_yaxes(title_text="train loss", row=row, col=1)
     figure.update_xaxes(title_text="step", row=len(resumes), col=1)
@@ -227,9 +282,12 @@ def _figure(title: str, height: int) -> go.Figure:
 
 def _style(figure: go.Figure, title: str, height: int) -> None:
     figure.update_layout(
-        title={"text": title, "x": 0.01}, height=height, font=FONT, template="plotly_white",
+        title={"text": title, "x": 0.01},
+        height=height,
+        font=FONT,
+        template="plotly_white",
         margin={"l": 60, "r": 20, "t": 70, "b": 50},
-    )  # fmt: skip
+    )
 
 
 def _number(value: Any) -> float | None:
@@ -272,20 +330,30 @@ th { background: #f3f3f3; }
 """
 
 
-def write_report(path: Path, runs: list[RunRecords], verdict: Verdict,
-                 figures: dict[str, go.Figure | None]) -> None:  # fmt: skip
+def write_report(
+    path: Path, runs: list[RunRecords], verdict: Verdict, figures: dict[str, go.Figure | None]
+) -> None:
     """The page, written atomically; plotly.js inline once, every figure a div after it."""
     from plotly.offline import get_plotlyjs
 
-    body = [f"<h1>fp8ops compare: {_verdict_word(verdict.verdict)}</h1>",
-            '<section id="verdict"><h2>Verdict</h2>', _verdict_html(verdict), "</section>"]  # fmt: skip
+    body = [
+        f"<h1>fp8ops compare: {_verdict_word(verdict.verdict)}</h1>",
+        '<section id="verdict"><h2>Verdict</h2>',
+        _verdict_html(verdict),
+        "</section>",
+    ]
     for name, heading, empty in SECTIONS:
         figure = figures.get(name)
         content = (
-            f"<p>{html.escape(empty)}</p>" if figure is None
-            else pio.to_html(figure, full_html=False, include_plotlyjs=False,
-                             config={"displaylogo": False, "responsive": True})
-        )  # fmt: skip
+            f"<p>{html.escape(empty)}</p>"
+            if figure is None
+            else pio.to_html(
+                figure,
+                full_html=False,
+                include_plotlyjs=False,
+                config={"displaylogo": False, "responsive": True},
+            )
+        )
         body.append(f'<section id="{name}"><h2>{html.escape(heading)}</h2>{content}</section>')
     page = (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
@@ -298,9 +366,11 @@ def write_report(path: Path, runs: list[RunRecords], verdict: Verdict,
 
 def _verdict_html(verdict: Verdict) -> str:
     ref = verdict.reference
-    state = "" if ref["clean"] else (
-        f': <span class="fail">not clean</span>: {html.escape("; ".join(ref["problems"]))}'
-    )  # fmt: skip
+    state = (
+        ""
+        if ref["clean"]
+        else (f': <span class="fail">not clean</span>: {html.escape("; ".join(ref["problems"]))}')
+    )
     reference = (
         f"<p>Reference <b>{html.escape(ref['label'])}</b> (<code>{html.escape(ref['run_dir'])}"
         f"</code>, status {html.escape(str(ref['status']))} at step {ref['step']}){state}. "
@@ -377,9 +447,11 @@ def export_pngs(figures: dict[str, go.Figure | None], directory: Path) -> list[P
     paths = [directory / f"{name}.png" for name in chosen]
     try:
         pio.write_images(
-            list(chosen.values()), paths, width=1100,
+            list(chosen.values()),
+            paths,
+            width=1100,
             height=[int(f.layout.height or 500) for f in chosen.values()],
-        )  # fmt: skip
+        )
     except Exception as exc:  # noqa: BLE001 - kaleido, choreographer and the browser raise many kinds
         raise Fp8opsError(
             f"PNG export failed ({type(exc).__name__}: {_first_line(exc)}); kaleido needs a "

@@ -340,16 +340,28 @@ def check_comparable(reference: RunRecords, candidates: list[RunRecords]) -> Non
     accuracies would differ for reasons other than precision."""
     for run in candidates:
         for field_path, ours, theirs in (
-            ("run.json data.fingerprint", _dig(run.info, "data", "fingerprint"),
-             _dig(reference.info, "data", "fingerprint")),
-            ("run.json seeds.data", _dig(run.info, "seeds", "data"),
-             _dig(reference.info, "seeds", "data")),
-            ("manifest.yaml schedule.global_batch_size", run.manifest.schedule.global_batch_size,
-             reference.manifest.schedule.global_batch_size),
+            (
+                "run.json data.fingerprint",
+                _dig(run.info, "data", "fingerprint"),
+                _dig(reference.info, "data", "fingerprint"),
+            ),
+            (
+                "run.json seeds.data",
+                _dig(run.info, "seeds", "data"),
+                _dig(reference.info, "seeds", "data"),
+            ),
+            (
+                "manifest.yaml schedule.global_batch_size",
+                run.manifest.schedule.global_batch_size,
+                reference.manifest.schedule.global_batch_size,
+            ),
             # Another length is another learning-rate schedule, judged at another end.
-            ("manifest.yaml schedule.train_steps", run.manifest.schedule.train_steps,
-             reference.manifest.schedule.train_steps),
-        ):  # fmt: skip
+            (
+                "manifest.yaml schedule.train_steps",
+                run.manifest.schedule.train_steps,
+                reference.manifest.schedule.train_steps,
+            ),
+        ):
             if ours is None or ours != theirs:
                 raise Fp8opsError(
                     f"{run.path}: {field_path} is {_short(ours)}, the reference "

@@ -52,14 +52,22 @@ class Verdict:
         """verdict.json's content (non-finite numbers as "nan"/"inf": JSON has none)."""
         candidates = []
         for c in self.candidates:
-            candidates.append({
-                "label": c.label, "run_dir": c.run_dir, "manifest": c.manifest,
-                "fp8_modules": c.fp8_modules, "verdict": "pass" if c.passed else "fail", "cause": c.cause,
-                "gates": [asdict(gate) for gate in c.gates],
-                "worst_bucket": c.worst_bucket, "worst_layer": c.worst_layer,
-                "evaluations": c.evaluations, "capability": c.capability,
-                "fallback_modules": c.fallback_modules,
-            })  # fmt: skip
+            candidates.append(
+                {
+                    "label": c.label,
+                    "run_dir": c.run_dir,
+                    "manifest": c.manifest,
+                    "fp8_modules": c.fp8_modules,
+                    "verdict": "pass" if c.passed else "fail",
+                    "cause": c.cause,
+                    "gates": [asdict(gate) for gate in c.gates],
+                    "worst_bucket": c.worst_bucket,
+                    "worst_layer": c.worst_layer,
+                    "evaluations": c.evaluations,
+                    "capability": c.capability,
+                    "fallback_modules": c.fallback_modules,
+                }
+            )
         document = {
             "verdict": self.verdict,
             "reference": self.reference,

@@ -52,18 +52,29 @@ from fp8ops.telemetry.catalogue import SLOTS
 RUNS_ENV, USER_ENV = "FP8OPS_CONSOLE_RUNS", "FP8OPS_USER"
 
 # The heatmap's first choices (the issue's list); every other module metric follows.
-HEATMAP_METRICS = [f"{s}.{m}" for m in ("saturation", "underflow", "amax", "scale_change")
-                   for s in SLOTS] + ["fp8_rel_error"]  # fmt: skip
+HEATMAP_METRICS = [
+    f"{s}.{m}" for m in ("saturation", "underflow", "amax", "scale_change") for s in SLOTS
+] + ["fp8_rel_error"]
 DEFAULT_METRIC = "input.amax"
-WINDOWS = [("last 1,000 steps", 1_000), ("last 10,000 steps", 10_000),
-           ("last 100,000 steps", 100_000), ("whole run", 0)]  # fmt: skip
+WINDOWS = [
+    ("last 1,000 steps", 1_000),
+    ("last 10,000 steps", 10_000),
+    ("last 100,000 steps", 100_000),
+    ("whole run", 0),
+]
 HOTTEST = 10  # modules listed under the heatmap, worst first
 DEFAULT_WINDOW = 10_000  # read in < 0.5 s at 256 modules; "whole run" pools in the background
 FOLLOW_EVERY_S = 2.0
 _STALE = object()  # what background work queued for a run no longer on screen returns
 # Files whose change means a view must be redrawn (size and mtime are compared).
-WATCHED = ("status.json", "manifest.yaml", "alerts.jsonl", "overrides.jsonl", "layers.json",
-           "checkpoints/latest")  # fmt: skip
+WATCHED = (
+    "status.json",
+    "manifest.yaml",
+    "alerts.jsonl",
+    "overrides.jsonl",
+    "layers.json",
+    "checkpoints/latest",
+)
 
 
 @dataclass
@@ -92,8 +103,11 @@ class LedgerView:
 
 def read_ledger(run_dir: Path) -> LedgerView:
     try:
-        states, stageable, open_ = (module_states(run_dir), fp8_modules(run_dir),
-                                    open_overrides(run_dir))  # fmt: skip
+        states, stageable, open_ = (
+            module_states(run_dir),
+            fp8_modules(run_dir),
+            open_overrides(run_dir),
+        )
     except Fp8opsError as exc:
         return LedgerView([], [], [], preview_resume(run_dir), problem=str(exc))
     return LedgerView(states, stageable, open_, preview_resume(run_dir))
@@ -139,8 +153,7 @@ def read_run(run_dir: Path, metric: str, window: int, slot: str) -> RunRead:
 def _window_heatmap(telemetry: TelemetryRun, metric: str, window: int) -> Heatmap:
     """The last ``window`` committed steps of ``metric``."""
     last = telemetry.last_step()
-    return window_heatmap(telemetry, metric, max(telemetry.first_step, last - window + 1),
-                          last + 1)  # fmt: skip
+    return window_heatmap(telemetry, metric, max(telemetry.first_step, last - window + 1), last + 1)
 
 
 @dataclass(frozen=True)
@@ -174,8 +187,14 @@ class ConsoleApp:
     """The console over ``runs_dir`` (a directory of run directories, or one run directory),
     acting in the ledger as ``user``."""
 
-    def __init__(self, runs_dir: str | Path = "runs", *, user: str | None = None,
-                 follow: bool = True, follow_every_s: float = FOLLOW_EVERY_S):  # fmt: skip
+    def __init__(
+        self,
+        runs_dir: str | Path = "runs",
+        *,
+        user: str | None = None,
+        follow: bool = True,
+        follow_every_s: float = FOLLOW_EVERY_S,
+    ):
         self.runs_dir = Path(runs_dir).expanduser().resolve()
         self.run: LoadedRun | None = None
         self._generation = 0  # bumped on every run switch: late background results are dropped
@@ -196,8 +215,9 @@ class ConsoleApp:
         runs = os.environ.get(RUNS_ENV)
         if not runs:
             here = Path.cwd()
-            runs = next((d / "runs" for d in (here, *here.parents) if (d / "runs").is_dir()),
-                        here / "runs")  # fmt: skip
+            runs = next(
+                (d / "runs" for d in (here, *here.parents) if (d / "runs").is_dir()), here / "runs"
+            )
         return cls(runs, user=os.environ.get(USER_ENV))
 
     def _repr_mimebundle_(self, **kwargs):
@@ -211,8 +231,9 @@ class ConsoleApp:
         wide = W.Layout(width="98%")
         self.picker = W.Dropdown(description="run", layout=W.Layout(width="60%"))
         self.user = W.Text(value=user, description="operator", layout=W.Layout(width="25%"))
-        self.reload = W.Button(description="rescan", tooltip="look for new runs",
-                               layout=W.Layout(width="9%"))  # fmt: skip
+        self.reload = W.Button(
+            description="rescan", tooltip="look for new runs", layout=W.Layout(width="9%")
+        )
         self.header = W.HTML()
         self.live = W.HTML()
         self.message = W.HTML()
@@ -224,8 +245,7 @@ class ConsoleApp:
         self.heatmap_note = W.HTML()
         self.heatmap_view = figures.FigureView(figures.heatmap_figure(), "fp8ops-heatmap-fig")
         self.heatmap_fig = self.heatmap_view.figure
-        self.hottest = W.Select(options=[], value=None, rows=5, layout=wide,
-                                description="worst")  # fmt: skip
+        self.hottest = W.Select(options=[], value=None, rows=5, layout=wide, description="worst")
 
         self.module = W.Dropdown(description="module", layout=W.Layout(width="60%"))
         self.slot = W.ToggleButtons(options=list(SLOTS), value="input", description="slot")
@@ -233,20 +253,31 @@ class ConsoleApp:
         self.detail_fig = self.detail_view.figure
 
         self.alert_level = W.Dropdown(
-            options=[("all levels", "observe"), ("degrade and stop", "degrade"),
-                     ("stop", "stop")], value="observe", description="alerts",
-        )  # fmt: skip
+            options=[("all levels", "observe"), ("degrade and stop", "degrade"), ("stop", "stop")],
+            value="observe",
+            description="alerts",
+        )
         self.alerts_list = W.Select(options=[], value=None, rows=8, layout=wide)
 
-        self.stage_modules = W.SelectMultiple(options=[], rows=6, description="modules",
-                                              layout=W.Layout(width="60%"))  # fmt: skip
-        self.stage_reason = W.Text(description="reason", layout=W.Layout(width="60%"),
-                                   placeholder="why BF16 (required; kept in the ledger)")  # fmt: skip
-        self.stage_button = W.Button(description="Stage BF16", button_style="warning",
-                                     tooltip="stage the selected modules in BF16")  # fmt: skip
+        self.stage_modules = W.SelectMultiple(
+            options=[], rows=6, description="modules", layout=W.Layout(width="60%")
+        )
+        self.stage_reason = W.Text(
+            description="reason",
+            layout=W.Layout(width="60%"),
+            placeholder="why BF16 (required; kept in the ledger)",
+        )
+        self.stage_button = W.Button(
+            description="Stage BF16",
+            button_style="warning",
+            tooltip="stage the selected modules in BF16",
+        )
         self.override_pick = W.Dropdown(description="override", layout=W.Layout(width="60%"))
-        self.decision_reason = W.Text(description="reason", layout=W.Layout(width="60%"),
-                                      placeholder="for reject and revoke (a note for approve)")  # fmt: skip
+        self.decision_reason = W.Text(
+            description="reason",
+            layout=W.Layout(width="60%"),
+            placeholder="for reject and revoke (a note for approve)",
+        )
         self.approve_button = W.Button(description="Approve", button_style="success")
         self.reject_button = W.Button(description="Reject")
         self.revoke_button = W.Button(description="Revoke", button_style="danger")
@@ -255,9 +286,11 @@ class ConsoleApp:
 
         self.whatif_len = W.BoundedIntText(min=1, max=1 << 16, description="history")
         self.whatif_algo = W.Combobox(
-            options=["max", "most_recent", "quantile:0.99", "trimmed_max:1"], value="max",
-            description="algorithm", ensure_option=False,
-        )  # fmt: skip
+            options=["max", "most_recent", "quantile:0.99", "trimmed_max:1"],
+            value="max",
+            description="algorithm",
+            ensure_option=False,
+        )
         self.whatif_margin = W.BoundedIntText(min=0, max=64, description="margin")
         self.whatif_steps = W.Dropdown(options=WINDOWS, value=DEFAULT_WINDOW, description="steps")
         self.whatif_button = W.Button(description="Replay", button_style="info")
@@ -283,27 +316,62 @@ class ConsoleApp:
         def section(title: str) -> W.HTML:
             return W.HTML(f"<h3 style='margin:14px 0 4px'>{title}</h3>")
 
-        self.widget = W.VBox([
-            W.HBox([self.picker, self.user, self.reload]), self.header, self.live, self.message,
-            section("Modules x steps"), W.HBox([self.metric, self.window, self.log_scale]),
-            self.heatmap_note, self.heatmap_view.widget, self.hottest,
-            section("Module"), W.HBox([self.module, self.slot]), self.detail_view.widget,
-            section("Alerts"), self.alert_level, self.alerts_list,
-            section("Overrides"), self.stage_modules, self.stage_reason, self.stage_button,
-            self.ledger_table, self.override_pick, self.decision_reason,
-            W.HBox([self.approve_button, self.reject_button, self.revoke_button]),
-            section("Next resume"), self.resume_preview,
-            section("Window what-if"),
-            W.HBox([self.whatif_len, self.whatif_algo, self.whatif_margin]),
-            W.HBox([self.whatif_steps, self.whatif_button]), self.whatif_summary,
-            self.whatif_view.widget,
-        ], layout=W.Layout(width="100%"))  # fmt: skip
+        self.widget = W.VBox(
+            [
+                W.HBox([self.picker, self.user, self.reload]),
+                self.header,
+                self.live,
+                self.message,
+                section("Modules x steps"),
+                W.HBox([self.metric, self.window, self.log_scale]),
+                self.heatmap_note,
+                self.heatmap_view.widget,
+                self.hottest,
+                section("Module"),
+                W.HBox([self.module, self.slot]),
+                self.detail_view.widget,
+                section("Alerts"),
+                self.alert_level,
+                self.alerts_list,
+                section("Overrides"),
+                self.stage_modules,
+                self.stage_reason,
+                self.stage_button,
+                self.ledger_table,
+                self.override_pick,
+                self.decision_reason,
+                W.HBox([self.approve_button, self.reject_button, self.revoke_button]),
+                section("Next resume"),
+                self.resume_preview,
+                section("Window what-if"),
+                W.HBox([self.whatif_len, self.whatif_algo, self.whatif_margin]),
+                W.HBox([self.whatif_steps, self.whatif_button]),
+                self.whatif_summary,
+                self.whatif_view.widget,
+            ],
+            layout=W.Layout(width="100%"),
+        )
         self.widget.add_class("fp8ops-console")
         # Class names a browser test (or a stylesheet) finds the controls by.
-        for name in ("picker", "user", "metric", "window", "hottest", "module", "slot",
-                     "alerts_list", "stage_modules", "stage_reason", "stage_button",
-                     "override_pick", "decision_reason", "approve_button", "reject_button",
-                     "revoke_button", "whatif_button"):  # fmt: skip
+        for name in (
+            "picker",
+            "user",
+            "metric",
+            "window",
+            "hottest",
+            "module",
+            "slot",
+            "alerts_list",
+            "stage_modules",
+            "stage_reason",
+            "stage_button",
+            "override_pick",
+            "decision_reason",
+            "approve_button",
+            "reject_button",
+            "revoke_button",
+            "whatif_button",
+        ):
             getattr(self, name).add_class("fp8ops-" + name.replace("_", "-"))
 
     # ----------------------------------------------------------------------------------
@@ -319,12 +387,16 @@ class ConsoleApp:
             runs = []
         current, paths = self.picker.value, [str(p) for p in runs]
         with self._quietly():
-            self.picker.options = [(str(p.relative_to(self.runs_dir)) if p != self.runs_dir
-                                    else p.name, str(p)) for p in runs]  # fmt: skip
+            self.picker.options = [
+                (str(p.relative_to(self.runs_dir)) if p != self.runs_dir else p.name, str(p))
+                for p in runs
+            ]
             self.picker.value = current if current in paths else (paths[0] if paths else None)
         if not runs:
-            self._say(f"no runs in {self.runs_dir} yet (a run directory holds status.json, "
-                      "manifest.yaml or telemetry.zarr); rescan when one starts")  # fmt: skip
+            self._say(
+                f"no runs in {self.runs_dir} yet (a run directory holds status.json, "
+                "manifest.yaml or telemetry.zarr); rescan when one starts"
+            )
         if self.picker.value != current or self.run is None:
             self.select_run(self.picker.value)
 
@@ -401,24 +473,35 @@ class ConsoleApp:
     def _show_header(self) -> None:
         h = self.run.header
         counts = ", ".join(f"{n} {level}" for level, n in h.alerts.items())
-        manifest = (f"{h.manifest_hash[:12]} (revision {h.revision}"
-                    + (f": {html.escape(h.revision_reason)}" if h.revision_reason else "") + ")"
-                    if h.manifest_hash else "unreadable")  # fmt: skip
+        manifest = (
+            f"{h.manifest_hash[:12]} (revision {h.revision}"
+            + (f": {html.escape(h.revision_reason)}" if h.revision_reason else "")
+            + ")"
+            if h.manifest_hash
+            else "unreadable"
+        )
         step = "none yet" if h.last_step is None else f"{h.last_step:,}"
         rows = [
             ("run", f"<b>{html.escape(h.name)}</b> &nbsp; {html.escape(str(h.run_dir))}"),
-            ("state", f"<b class='fp8ops-state'>{html.escape(h.state)}</b>"
-                      + (f" at step {h.status_step}" if h.status_step is not None else "")
-                      + (f" (updated {html.escape(h.updated)})" if h.updated else "")),
+            (
+                "state",
+                f"<b class='fp8ops-state'>{html.escape(h.state)}</b>"
+                + (f" at step {h.status_step}" if h.status_step is not None else "")
+                + (f" (updated {html.escape(h.updated)})" if h.updated else ""),
+            ),
             ("manifest", manifest),
             ("recipe", html.escape(h.recipe)),
             ("topology", html.escape(h.topology)),
-            ("last committed step", f"<span class='fp8ops-last-step'>{step}</span>"
-                                    + (f" ({h.ranks} ranks)" if h.ranks > 1 else "")),
+            (
+                "last committed step",
+                f"<span class='fp8ops-last-step'>{step}</span>"
+                + (f" ({h.ranks} ranks)" if h.ranks > 1 else ""),
+            ),
             ("alerts", counts),
-        ]  # fmt: skip
-        rows += [("problem", f"<span style='color:#b00'>{html.escape(p)}</span>")
-                 for p in h.problems]  # fmt: skip
+        ]
+        rows += [
+            ("problem", f"<span style='color:#b00'>{html.escape(p)}</span>") for p in h.problems
+        ]
         self.header.value = _table(rows, header=False)
 
     # ----------------------------------------------------------------------------------
@@ -445,8 +528,7 @@ class ConsoleApp:
             return overview.heatmap()
 
         def show(hm: Heatmap) -> None:  # unless the operator moved on meanwhile
-            if (generation, metric, 0) == (self._generation, self.metric.value,
-                                           self.window.value):  # fmt: skip
+            if (generation, metric, 0) == (self._generation, self.metric.value, self.window.value):
                 self._show_heatmap(hm)
 
         self._in_background(pooled, show)
@@ -456,14 +538,19 @@ class ConsoleApp:
             self.heatmap_note.value = f"{hm.metric}: nothing measured in these steps"
             return
         span = f"steps {hm.starts[0]:,}-{hm.ends[-1]:,}"
-        per = f"{hm.bin_steps:,} steps per column, the worst of each" if hm.bin_steps > 1 else (
-            "one column per step")  # fmt: skip
+        per = (
+            f"{hm.bin_steps:,} steps per column, the worst of each"
+            if hm.bin_steps > 1
+            else ("one column per step")
+        )
         self.heatmap_note.value = f"{len(hm.modules)} modules, {span}; {per}"
-        figures.show_heatmap(self.heatmap_view, hm, log=self.log_scale.value,
-                             title=f"{hm.metric}, {span}")  # fmt: skip
+        figures.show_heatmap(
+            self.heatmap_view, hm, log=self.log_scale.value, title=f"{hm.metric}, {span}"
+        )
         with self._quietly():
-            self.hottest.options = [(f"{module}: {value:.4g}", module)
-                                    for module, value in hm.worst(HOTTEST)]  # fmt: skip
+            self.hottest.options = [
+                (f"{module}: {value:.4g}", module) for module, value in hm.worst(HOTTEST)
+            ]
             self.hottest.value = None
 
     def _hottest_chosen(self) -> None:
@@ -480,8 +567,9 @@ class ConsoleApp:
         module = self.module.value
         if module in self.stage_modules.options:  # what an operator most likely stages next
             self.stage_modules.value = (module,)
-        self.whatif_summary.value = (f"press Replay for {html.escape(str(module))}"
-                                     if self.whatif_summary.value else "")  # fmt: skip
+        self.whatif_summary.value = (
+            f"press Replay for {html.escape(str(module))}" if self.whatif_summary.value else ""
+        )
 
     def draw_detail(self) -> None:
         """The module's history: amax, window max and scale; saturation and underflow;
@@ -493,8 +581,9 @@ class ConsoleApp:
 
     def _show_detail(self, module: str, slot: str, lines: dict[str, Series]) -> None:
         steps = lines[f"{slot}.amax"]
-        what = (f"{module} · {slot}" + (f" · {steps.bin_steps} steps per point"
-                                        if steps.bin_steps > 1 else ""))  # fmt: skip
+        what = f"{module} · {slot}" + (
+            f" · {steps.bin_steps} steps per point" if steps.bin_steps > 1 else ""
+        )
         figures.show_detail(self.detail_view, lines, slot, what)
 
     # ----------------------------------------------------------------------------------
@@ -532,12 +621,16 @@ class ConsoleApp:
             raise Fp8opsError("choose the modules to stage (the list above the reason)")
         staged = self._ledger().stage_many(modules, self.stage_reason.value, who=self._operator())
         self.stage_reason.value = ""
-        return "; ".join(f"staged {o.module} in BF16 as {o.id[:12]} by {o.who} "
-                         f"({len(o.triggers)} trigger(s) attached)" for o in staged)  # fmt: skip
+        return "; ".join(
+            f"staged {o.module} in BF16 as {o.id[:12]} by {o.who} "
+            f"({len(o.triggers)} trigger(s) attached)"
+            for o in staged
+        )
 
     def _approve(self) -> str:
-        o = self._ledger().approve(self._picked(), who=self._operator(),
-                                   note=self.decision_reason.value.strip() or None)  # fmt: skip
+        o = self._ledger().approve(
+            self._picked(), who=self._operator(), note=self.decision_reason.value.strip() or None
+        )
         return f"approved {o.id[:12]} ({o.module}) as {o.decided_by}: applied at the next resume"
 
     def _reject(self) -> str:
@@ -577,15 +670,17 @@ class ConsoleApp:
 
     def _show_ledger_view(self, ledger: LedgerView) -> None:
         if ledger.problem is not None:
-            self.ledger_table.value = (f"<span style='color:#b00'>"
-                                       f"{html.escape(ledger.problem)}</span>")  # fmt: skip
+            self.ledger_table.value = (
+                f"<span style='color:#b00'>{html.escape(ledger.problem)}</span>"
+            )
         else:
             self.ledger_table.value = _ledger_table(ledger.states)
         keep = [m for m in self.stage_modules.value if m in ledger.stageable]
         with self._quietly():
             self.stage_modules.options = ledger.stageable
             self.stage_modules.value = tuple(keep) or (
-                (self.module.value,) if self.module.value in ledger.stageable else ())  # fmt: skip
+                (self.module.value,) if self.module.value in ledger.stageable else ()
+            )
             self.override_pick.options = [(_override_line(o), o.id) for o in ledger.open]
             self.override_pick.value = ledger.open[-1].id if ledger.open else None
         self._show_preview(ledger.preview)
@@ -609,8 +704,9 @@ class ConsoleApp:
         if run.manifest is None or not run.manifest.precision.enabled:
             raise Fp8opsError("this run has no FP8 recipe to compare with")
         own = run_window(run.telemetry, run.manifest.precision)
-        other = Window(self.whatif_len.value, self.whatif_algo.value.strip(),
-                       self.whatif_margin.value)  # fmt: skip
+        other = Window(
+            self.whatif_len.value, self.whatif_algo.value.strip(), self.whatif_margin.value
+        )
         last, steps = run.telemetry.last_step(), self.whatif_steps.value
         start = max(run.telemetry.first_step, last - steps + 1) if steps else None
         fp8_format = run.manifest.precision.fp8_format
@@ -618,8 +714,9 @@ class ConsoleApp:
         generation = self._generation
 
         def work():
-            return replay_slots(run.telemetry, [module], [slot], own, other, fp8_format,
-                                start=start)[0]  # fmt: skip
+            return replay_slots(
+                run.telemetry, [module], [slot], own, other, fp8_format, start=start
+            )[0]
 
         def show(what) -> None:
             if generation != self._generation:
@@ -630,15 +727,20 @@ class ConsoleApp:
                 ("steps that cast", mine.cast_steps, theirs.cast_steps),
                 ("steps that overflowed", mine.overflow_steps, theirs.overflow_steps),
                 ("first overflows", _steps(mine.first_overflows), _steps(theirs.first_overflows)),
-                ("median headroom (bits)", f"{mine.headroom_median:.2f}",
-                 f"{theirs.headroom_median:.2f}"),
-                ("10th percentile headroom", f"{mine.headroom_p10:.2f}",
-                 f"{theirs.headroom_p10:.2f}"),
+                (
+                    "median headroom (bits)",
+                    f"{mine.headroom_median:.2f}",
+                    f"{theirs.headroom_median:.2f}",
+                ),
+                (
+                    "10th percentile headroom",
+                    f"{mine.headroom_p10:.2f}",
+                    f"{theirs.headroom_p10:.2f}",
+                ),
                 ("worst step (bits)", f"{mine.headroom_min:.2f}", f"{theirs.headroom_min:.2f}"),
-            ]  # fmt: skip
+            ]
             self.whatif_summary.value = _table(rows, header=True, cls="fp8ops-whatif")
-            figures.show_whatif(self.whatif_view, what,
-                                f"{module} · {slot}: {other} against {own}")  # fmt: skip
+            figures.show_whatif(self.whatif_view, what, f"{module} · {slot}: {other} against {own}")
 
         self._in_background(work, show)
 
@@ -682,8 +784,14 @@ class ConsoleApp:
         return bool(changes)
 
     def _on_screen(self) -> OnScreen:
-        return OnScreen(self.run, self.picker.value, self.metric.value, self.window.value,
-                        self.module.value, self.slot.value)  # fmt: skip
+        return OnScreen(
+            self.run,
+            self.picker.value,
+            self.metric.value,
+            self.window.value,
+            self.module.value,
+            self.slot.value,
+        )
 
     @staticmethod
     def _look(screen: OnScreen) -> dict[str, Any]:
@@ -711,9 +819,12 @@ class ConsoleApp:
                 changes["manifest"] = load_manifest(run.run_dir / "manifest.yaml")
             except Fp8opsError:
                 changes["manifest"] = None  # the header names the problem
-        changes["header"] = read_header(run.run_dir, run.telemetry,
-                                        changes.get("alerts", run.alerts),
-                                        changes.get("manifest", run.manifest))  # fmt: skip
+        changes["header"] = read_header(
+            run.run_dir,
+            run.telemetry,
+            changes.get("alerts", run.alerts),
+            changes.get("manifest", run.manifest),
+        )
         if stamps["telemetry"] != before["telemetry"] and run.telemetry is not None:
             if screen.window:
                 changes["heatmap"] = _window_heatmap(run.telemetry, screen.metric, screen.window)
@@ -721,10 +832,15 @@ class ConsoleApp:
                 run.overviews[screen.metric].update()
                 changes["heatmap"] = run.overviews[screen.metric].heatmap()
             if screen.module is not None:
-                changes["detail"] = (screen.module, screen.slot,
-                                     module_history(run.telemetry, screen.module, screen.slot))  # fmt: skip
-        if any(stamps[n] != before[n] for n in ("overrides.jsonl", "layers.json",
-                                                "checkpoints/latest", "manifest.yaml")):  # fmt: skip
+                changes["detail"] = (
+                    screen.module,
+                    screen.slot,
+                    module_history(run.telemetry, screen.module, screen.slot),
+                )
+        if any(
+            stamps[n] != before[n]
+            for n in ("overrides.jsonl", "layers.json", "checkpoints/latest", "manifest.yaml")
+        ):
             changes["ledger"] = read_ledger(run.run_dir)
         return changes
 
@@ -755,8 +871,10 @@ class ConsoleApp:
             self._show_detail(*detail)
         if "ledger" in changes:
             self._guard(lambda: self._show_ledger_view(changes["ledger"]))
-        self.live.value = (f"<span class='fp8ops-live'>followed: step "
-                           f"{run.header.last_step} at {datetime.now():%H:%M:%S}</span>")  # fmt: skip
+        self.live.value = (
+            f"<span class='fp8ops-live'>followed: step "
+            f"{run.header.last_step} at {datetime.now():%H:%M:%S}</span>"
+        )
 
     # ----------------------------------------------------------------------------------
     # Plumbing
@@ -822,8 +940,11 @@ class ConsoleApp:
 
     def _say(self, text: str, *, error: bool = False) -> None:
         color = "#b00" if error else "#060"
-        self.message.value = (f"<div class='fp8ops-message' style='color:{color}'>"
-                              f"{html.escape(text)}</div>" if text else "")  # fmt: skip
+        self.message.value = (
+            f"<div class='fp8ops-message' style='color:{color}'>{html.escape(text)}</div>"
+            if text
+            else ""
+        )
 
     def close(self) -> None:
         """Stop following and release the worker thread."""
@@ -848,9 +969,13 @@ def _table(rows: list[tuple], *, header: bool, cls: str = "") -> str:
     cells = []
     for n, row in enumerate(rows):
         tag = "th" if header and n == 0 else "td"
-        cells.append("<tr>" + "".join(
-            f"<{tag} style='padding:1px 10px 1px 0;text-align:left'>{c}</{tag}>" for c in row
-        ) + "</tr>")  # fmt: skip
+        cells.append(
+            "<tr>"
+            + "".join(
+                f"<{tag} style='padding:1px 10px 1px 0;text-align:left'>{c}</{tag}>" for c in row
+            )
+            + "</tr>"
+        )
     return f"<table class='{cls}'>{''.join(cells)}</table>"
 
 
@@ -879,9 +1004,19 @@ def _ledger_table(states: list[ModuleState]) -> str:
                 f"{t.metric} {format_value(t.value)} ({t.level}, step {t.step})" for t in o.triggers
             )
         )
-        rows.append(tuple(html.escape(str(c)) for c in (
-            s.module, f"{s.precision} ({s.why})", s.ledger_status, o.id[:12] if o else "",
-            o.who if o else "", (o.decided_by or "") if o else "", o.reason if o else "",
-            triggers,
-        )))  # fmt: skip
+        rows.append(
+            tuple(
+                html.escape(str(c))
+                for c in (
+                    s.module,
+                    f"{s.precision} ({s.why})",
+                    s.ledger_status,
+                    o.id[:12] if o else "",
+                    o.who if o else "",
+                    (o.decided_by or "") if o else "",
+                    o.reason if o else "",
+                    triggers,
+                )
+            )
+        )
     return _table(rows, header=True, cls="fp8ops-ledger")

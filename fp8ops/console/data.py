@@ -80,20 +80,28 @@ class Heatmap:
         with np.errstate(all="ignore"), warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows
             per_module = np.nanmin(self.z, axis=1) if lowest else np.nanmax(self.z, axis=1)
-        order = [i for i in np.argsort(per_module if lowest else -per_module, kind="stable")
-                 if np.isfinite(per_module[i])]  # fmt: skip
+        order = [
+            i
+            for i in np.argsort(per_module if lowest else -per_module, kind="stable")
+            if np.isfinite(per_module[i])
+        ]
         return [(self.modules[i], float(per_module[i])) for i in order[:count]]
 
 
-def _heatmap(metric, modules, steps: np.ndarray, pooled: np.ndarray, bin_steps: int,
-             last_step: int) -> Heatmap:  # fmt: skip
+def _heatmap(
+    metric, modules, steps: np.ndarray, pooled: np.ndarray, bin_steps: int, last_step: int
+) -> Heatmap:
     """Assemble a Heatmap from pooled rows [columns, modules] whose bins start at ``steps``."""
     ends = np.append(steps[1:] - 1, last_step) if len(steps) else steps
     measured = ~np.isnan(pooled).all(axis=1) if pooled.size else np.zeros(0, bool)
     return Heatmap(
-        metric, tuple(modules), steps[measured], ends[measured],
-        np.ascontiguousarray(pooled[measured].T, dtype=np.float32), bin_steps,
-    )  # fmt: skip
+        metric,
+        tuple(modules),
+        steps[measured],
+        ends[measured],
+        np.ascontiguousarray(pooled[measured].T, dtype=np.float32),
+        bin_steps,
+    )
 
 
 def window_heatmap(run: TelemetryRun, metric: str, start: int, stop: int, rank: int = 0) -> Heatmap:
@@ -176,8 +184,16 @@ class Overview:
 
 def detail_metrics(slot: str) -> list[str]:
     """What the module view plots for a slot (catalogue names)."""
-    return [f"{slot}.amax", f"{slot}.window_max", f"{slot}.scale", f"{slot}.saturation",
-            f"{slot}.underflow", "grad_norm", "fp8_rel_error", "fp8_enabled"]  # fmt: skip
+    return [
+        f"{slot}.amax",
+        f"{slot}.window_max",
+        f"{slot}.scale",
+        f"{slot}.saturation",
+        f"{slot}.underflow",
+        "grad_norm",
+        "fp8_rel_error",
+        "fp8_enabled",
+    ]
 
 
 @dataclass(frozen=True)
@@ -198,8 +214,14 @@ def series(frame: pd.DataFrame, metric: str, points: int = MAX_POINTS) -> Series
     return Series(steps[::size], pool(values, size, worst_end(metric)), size)
 
 
-def module_history(run: TelemetryRun, module: str, slot: str, rank: int = 0,
-                   start: int | None = None, stop: int | None = None) -> dict[str, Series]:  # fmt: skip
+def module_history(
+    run: TelemetryRun,
+    module: str,
+    slot: str,
+    rank: int = 0,
+    start: int | None = None,
+    stop: int | None = None,
+) -> dict[str, Series]:
     """The module view's lines for ``module`` and ``slot``, metric -> Series."""
     metrics = detail_metrics(slot)
     frame = run.module_history(module, metrics, start, stop, rank=rank)

@@ -55,12 +55,16 @@ class FigureView:
         spec = json.loads(pio.to_json(self.figure, validate=False))  # numpy as typed arrays
         spec["config"] = {"displaylogo": False, "responsive": True}
         height = int(self.figure.layout.height or 450)
-        self.style.value = (f"<style>.{self.css_class} .js-plotly-plot "
-                            f"{{height: {height}px}}</style>")  # fmt: skip
-        self.output.outputs = ({
-            "output_type": "display_data", "metadata": {},
-            "data": {MIMETYPE: spec, "text/plain": self.figure.layout.title.text or "figure"},
-        },)  # fmt: skip
+        self.style.value = (
+            f"<style>.{self.css_class} .js-plotly-plot {{height: {height}px}}</style>"
+        )
+        self.output.outputs = (
+            {
+                "output_type": "display_data",
+                "metadata": {},
+                "data": {MIMETYPE: spec, "text/plain": self.figure.layout.title.text or "figure"},
+            },
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -71,15 +75,21 @@ class FigureView:
 def heatmap_figure() -> go.Figure:
     return go.Figure(
         go.Heatmap(
-            z=[[]], colorscale="Viridis", hoverongaps=False, name="",
+            z=[[]],
+            colorscale="Viridis",
+            hoverongaps=False,
+            name="",
             hovertemplate="%{y}<br>steps from %{x}<br>%{customdata:.4g}<extra></extra>",
         ),
         layout=go.Layout(
-            height=420, margin={"l": 10, "r": 10, "t": 40, "b": 40}, font=FONT,
-            xaxis={"title": {"text": "step"}}, yaxis={"autorange": "reversed"},
+            height=420,
+            margin={"l": 10, "r": 10, "t": 40, "b": 40},
+            font=FONT,
+            xaxis={"title": {"text": "step"}},
+            yaxis={"autorange": "reversed"},
             title={"text": "", "x": 0.01},
         ),
-    )  # fmt: skip
+    )
 
 
 def show_heatmap(view: FigureView, hm: Heatmap, *, log: bool, title: str) -> None:
@@ -93,8 +103,11 @@ def show_heatmap(view: FigureView, hm: Heatmap, *, log: bool, title: str) -> Non
         finite = shown[np.isfinite(shown)]
         if finite.size:
             ticks = np.arange(np.floor(finite.min()), np.ceil(finite.max()) + 1)
-            colorbar = {"title": {"text": "log10"}, "tickvals": ticks,
-                        "ticktext": [f"1e{int(t)}" for t in ticks]}  # fmt: skip
+            colorbar = {
+                "title": {"text": "log10"},
+                "tickvals": ticks,
+                "ticktext": [f"1e{int(t)}" for t in ticks],
+            }
     many = len(hm.modules) > 48  # beyond that, names overlap: hover tells the module
     fig = view.figure
     with fig.batch_update():
@@ -115,44 +128,71 @@ def show_heatmap(view: FigureView, hm: Heatmap, *, log: bool, title: str) -> Non
 
 # (trace name, row, on the secondary y axis) in the order the traces are added.
 DETAIL_TRACES = (
-    ("amax", 1, False), ("window max", 1, False), ("scale", 1, True),
-    ("saturation", 2, False), ("underflow", 2, False),
-    ("grad norm", 3, False), ("FP8 vs BF16 error", 4, False),
-)  # fmt: skip
+    ("amax", 1, False),
+    ("window max", 1, False),
+    ("scale", 1, True),
+    ("saturation", 2, False),
+    ("underflow", 2, False),
+    ("grad norm", 3, False),
+    ("FP8 vs BF16 error", 4, False),
+)
 
 
 def detail_figure() -> go.Figure:
     fig = make_subplots(
-        rows=4, cols=1, shared_xaxes=True, vertical_spacing=0.06,
+        rows=4,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.06,
         row_heights=[0.4, 0.2, 0.2, 0.2],
         specs=[[{"secondary_y": True}], [{}], [{}], [{}]],
-        subplot_titles=("amax, its window max, and the scale (right)",
-                        "saturated / underflowed fraction of the casts",
-                        "gradient norm (this rank's shard)", "FP8 vs BF16 output error"),
-    )  # fmt: skip
+        subplot_titles=(
+            "amax, its window max, and the scale (right)",
+            "saturated / underflowed fraction of the casts",
+            "gradient norm (this rank's shard)",
+            "FP8 vs BF16 output error",
+        ),
+    )
     dashes = {"window max": "dot", "scale": "dash"}
     for name, row, secondary in DETAIL_TRACES:
         mode = "lines" if row == 1 else "lines+markers"
         fig.add_trace(
-            go.Scatter(x=[], y=[], name=name, mode=mode, marker={"size": 4},
-                       line={"dash": dashes.get(name, "solid"), "width": 1.5}),
-            row=row, col=1, secondary_y=secondary,
-        )  # fmt: skip
+            go.Scatter(
+                x=[],
+                y=[],
+                name=name,
+                mode=mode,
+                marker={"size": 4},
+                line={"dash": dashes.get(name, "solid"), "width": 1.5},
+            ),
+            row=row,
+            col=1,
+            secondary_y=secondary,
+        )
     fig.update_yaxes(type="log", row=1, col=1, secondary_y=False, title_text="|value|")
     fig.update_yaxes(type="log", row=1, col=1, secondary_y=True, title_text="scale")
     fig.update_xaxes(title_text="step", row=4, col=1)
-    fig.update_layout(height=720, margin={"l": 10, "r": 10, "t": 60, "b": 40}, font=FONT,
-                      title={"text": "", "x": 0.01}, legend={"orientation": "h", "y": -0.08})  # fmt: skip
+    fig.update_layout(
+        height=720,
+        margin={"l": 10, "r": 10, "t": 60, "b": 40},
+        font=FONT,
+        title={"text": "", "x": 0.01},
+        legend={"orientation": "h", "y": -0.08},
+    )
     return fig
 
 
 def show_detail(view: FigureView, lines: dict[str, Series], slot: str, title: str) -> None:
     """Fill the module view from ``data.module_history``'s lines."""
     by_trace = {
-        "amax": f"{slot}.amax", "window max": f"{slot}.window_max", "scale": f"{slot}.scale",
-        "saturation": f"{slot}.saturation", "underflow": f"{slot}.underflow",
-        "grad norm": "grad_norm", "FP8 vs BF16 error": "fp8_rel_error",
-    }  # fmt: skip
+        "amax": f"{slot}.amax",
+        "window max": f"{slot}.window_max",
+        "scale": f"{slot}.scale",
+        "saturation": f"{slot}.saturation",
+        "underflow": f"{slot}.underflow",
+        "grad norm": "grad_norm",
+        "FP8 vs BF16 error": "fp8_rel_error",
+    }
     fig = view.figure
     with fig.batch_update():
         for trace, (name, _, _) in zip(fig.data, DETAIL_TRACES, strict=True):
@@ -170,18 +210,27 @@ def show_detail(view: FigureView, lines: dict[str, Series], slot: str, title: st
 # --------------------------------------------------------------------------------------
 
 WHATIF_TRACES = (
-    ("amax (recorded)", 1), ("largest value the run's scales held", 1),
-    ("largest value the what-if's scales held", 1), ("what-if overflow", 1),
-    ("headroom, run's settings", 2), ("headroom, what-if", 2),
-)  # fmt: skip
+    ("amax (recorded)", 1),
+    ("largest value the run's scales held", 1),
+    ("largest value the what-if's scales held", 1),
+    ("what-if overflow", 1),
+    ("headroom, run's settings", 2),
+    ("headroom, what-if", 2),
+)
 
 
 def whatif_figure() -> go.Figure:
     fig = make_subplots(
-        rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, row_heights=[0.6, 0.4],
-        subplot_titles=("amax against fp8_max / scale (above the line: overflow)",
-                        "headroom: bits of FP8 range left unused (< 0: overflow)"),
-    )  # fmt: skip
+        rows=2,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.08,
+        row_heights=[0.6, 0.4],
+        subplot_titles=(
+            "amax against fp8_max / scale (above the line: overflow)",
+            "headroom: bits of FP8 range left unused (< 0: overflow)",
+        ),
+    )
     styles = [
         {"mode": "lines", "line": {"width": 1.5}},
         {"mode": "lines", "line": {"dash": "dot", "width": 1.5}},
@@ -195,8 +244,13 @@ def whatif_figure() -> go.Figure:
     fig.update_yaxes(type="log", row=1, col=1, title_text="|value|")
     fig.update_yaxes(title_text="bits", row=2, col=1, zeroline=True, zerolinecolor="crimson")
     fig.update_xaxes(title_text="step", row=2, col=1)
-    fig.update_layout(height=520, margin={"l": 10, "r": 10, "t": 60, "b": 40}, font=FONT,
-                      title={"text": "", "x": 0.01}, legend={"orientation": "h", "y": -0.12})  # fmt: skip
+    fig.update_layout(
+        height=520,
+        margin={"l": 10, "r": 10, "t": 60, "b": 40},
+        font=FONT,
+        title={"text": "", "x": 0.01},
+        legend={"orientation": "h", "y": -0.12},
+    )
     return fig
 
 

@@ -70,13 +70,22 @@ def preview_resume(run_dir: Path) -> ResumePreview:
     parent: Manifest = plan.saved_manifest
     revisions = []
     for child in plan.new_revisions:
-        revisions.append(Revision(
-            child.revision.number, manifest_hash(child), child.revision.reason or "",
-            tuple(c for c in diff_manifests(parent, child) if not c.path.startswith("revision.")),
-        ))  # fmt: skip
+        revisions.append(
+            Revision(
+                child.revision.number,
+                manifest_hash(child),
+                child.revision.reason or "",
+                tuple(
+                    c for c in diff_manifests(parent, child) if not c.path.startswith("revision.")
+                ),
+            )
+        )
         parent = child
     return ResumePreview(
-        checkpoint=plan.checkpoint.name, step=plan.step, locked_to=manifest_hash(plan.manifest),
-        revisions=revisions, applied=list(plan.applied_overrides),
+        checkpoint=plan.checkpoint.name,
+        step=plan.step,
+        locked_to=manifest_hash(plan.manifest),
+        revisions=revisions,
+        applied=list(plan.applied_overrides),
         lifted=list(plan.lifted_overrides),
-    )  # fmt: skip
+    )

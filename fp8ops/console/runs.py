@@ -85,8 +85,12 @@ class RunHeader:
     problems: list[str] = field(default_factory=list)  # files that could not be read
 
 
-def read_header(run_dir: Path, telemetry: TelemetryRun | None, alerts: list[Alert] | None = None,
-                manifest: Manifest | None = None) -> RunHeader:  # fmt: skip
+def read_header(
+    run_dir: Path,
+    telemetry: TelemetryRun | None,
+    alerts: list[Alert] | None = None,
+    manifest: Manifest | None = None,
+) -> RunHeader:
     header = RunHeader(run_dir, run_dir.name)
     status = read_status(run_dir)
     header.state = status.get("state", "not started")
@@ -107,8 +111,9 @@ def read_header(run_dir: Path, telemetry: TelemetryRun | None, alerts: list[Aler
         header.recipe = (
             f"{p.fp8_format}, amax_history_len {p.amax_history_len}, {p.amax_compute_algo}, "
             f"margin {p.margin}, reduce_amax {p.reduce_amax}"
-            if p.enabled else f"FP8 off ({p.base_dtype})"
-        )  # fmt: skip
+            if p.enabled
+            else f"FP8 off ({p.base_dtype})"
+        )
         header.topology = (
             f"TP {t.tensor_parallel} x PP {t.pipeline_parallel} x DP {t.data_parallel} "
             f"(world {t.world_size}, amax reduction {t.amax_reduction})"

@@ -61,8 +61,13 @@ class Server:
                 self.process.wait()
 
 
-def start(runs_dir: str | Path, user: str | None = None, *, port: int | None = None,
-          log: Path | None = None) -> Server:  # fmt: skip
+def start(
+    runs_dir: str | Path,
+    user: str | None = None,
+    *,
+    port: int | None = None,
+    log: Path | None = None,
+) -> Server:
     """Start Voila on the console notebook and return once it accepts connections."""
     if importlib.util.find_spec("voila") is None:
         raise Fp8opsError(
@@ -80,15 +85,29 @@ def start(runs_dir: str | Path, user: str | None = None, *, port: int | None = N
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     notebook = console_notebook()
     command = [
-        sys.executable, "-m", "voila", str(notebook), "--no-browser",
-        f"--Voila.ip={HOST}", f"--port={port}", "--Voila.port_retries=0",
-        f"--Voila.token={token}", "--show_tracebacks=True",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "voila",
+        str(notebook),
+        "--no-browser",
+        f"--Voila.ip={HOST}",
+        f"--port={port}",
+        "--Voila.port_retries=0",
+        f"--Voila.token={token}",
+        "--show_tracebacks=True",
+    ]
     out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 (the child keeps it)
     # Its own session: a Ctrl-C in the terminal reaches only us, and we stop Voila (SIGTERM,
     # which it handles by shutting its kernels down) instead of Voila asking whether to quit.
-    process = subprocess.Popen(command, env=env, cwd=notebook.parent, stdin=subprocess.DEVNULL,
-                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    process = subprocess.Popen(
+        command,
+        env=env,
+        cwd=notebook.parent,
+        stdin=subprocess.DEVNULL,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     server = Server(process, f"http://{HOST}:{port}/?token={token}")
     _wait_listening(server, port, log)
     return server
@@ -110,14 +129,18 @@ def _wait_listening(server: Server, port: int, log: Path | None) -> None:
     raise Fp8opsError(f"Voila did not listen on {HOST}:{port} within {READY_TIMEOUT_S:.0f} s")
 
 
-def serve(runs_dir: str | Path, user: str | None, port: int | None,
-          echo: Callable[[str], None] = print) -> None:  # fmt: skip
+def serve(
+    runs_dir: str | Path, user: str | None, port: int | None, echo: Callable[[str], None] = print
+) -> None:
     """``fp8ops console``: start Voila, print the URL, and run until interrupted."""
     log = Path(tempfile.mkdtemp(prefix="fp8ops-console-")) / "voila.log"
     server = start(runs_dir, user, port=port, log=log)
     echo(f"fp8ops console: {server.url}")
-    echo(f"runs: {Path(runs_dir).expanduser().resolve()}"
-         + (f", operator: {user}" if user else "") + f"; Voila's log: {log}; Ctrl-C stops it")  # fmt: skip
+    echo(
+        f"runs: {Path(runs_dir).expanduser().resolve()}"
+        + (f", operator: {user}" if user else "")
+        + f"; Voila's log: {log}; Ctrl-C stops it"
+    )
     # A SIGTERM (a scheduler, `kill`) takes Voila down with us, as Ctrl-C does.
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:

@@ -207,16 +207,27 @@ def replay_slots(
         mine = replay(values, own, top, steps=steps, warmup=lo - first)
         theirs = replay(values, other, top, steps=steps, warmup=lo - first)
         for i, module in enumerate(modules):
-            results.append(SlotWhatIf(
-                module, slot, recorded.to_numpy()[:, i],
-                _column(mine, i), _column(theirs, i),
-            ))  # fmt: skip
+            results.append(
+                SlotWhatIf(
+                    module,
+                    slot,
+                    recorded.to_numpy()[:, i],
+                    _column(mine, i),
+                    _column(theirs, i),
+                )
+            )
     return results
 
 
 def _column(r: Replay, i: int) -> Replay:
-    return Replay(r.window, r.fp8_max, r.steps, r.amax[:, i : i + 1], r.scale_used[:, i : i + 1],
-                  r.scale[:, i : i + 1])  # fmt: skip
+    return Replay(
+        r.window,
+        r.fp8_max,
+        r.steps,
+        r.amax[:, i : i + 1],
+        r.scale_used[:, i : i + 1],
+        r.scale[:, i : i + 1],
+    )
 
 
 def select_modules(run: TelemetryRun, pattern: str | None) -> list[str]:
@@ -292,8 +303,13 @@ class ReportRow:
     fidelity: float  # share of steps where the replayed own window gives the recorded scale
 
     def to_json(self) -> dict:
-        return {"module": self.module, "slot": self.slot, "run": vars(self.run),
-                "what_if": vars(self.what_if), "fidelity": self.fidelity}  # fmt: skip
+        return {
+            "module": self.module,
+            "slot": self.slot,
+            "run": vars(self.run),
+            "what_if": vars(self.what_if),
+            "fidelity": self.fidelity,
+        }
 
 
 @dataclass(frozen=True)
@@ -306,9 +322,13 @@ class Report:
     rows: list[ReportRow]
 
     def to_json(self) -> dict:
-        return {"run_dir": self.run_dir, "own": vars(self.own), "what_if": vars(self.other),
-                "steps": [self.first_step, self.last_step],
-                "rows": [r.to_json() for r in self.rows]}  # fmt: skip
+        return {
+            "run_dir": self.run_dir,
+            "own": vars(self.own),
+            "what_if": vars(self.other),
+            "steps": [self.first_step, self.last_step],
+            "rows": [r.to_json() for r in self.rows],
+        }
 
 
 def report(
@@ -345,10 +365,20 @@ def report(
     if last is None:
         raise Fp8opsError(f"{run_dir}: no committed telemetry steps yet on rank {rank}")
     start = max(telemetry.first_step, last - steps + 1) if steps else telemetry.first_step
-    replays = replay_slots(telemetry, select_modules(telemetry, module), check_slots(slots), own,
-                           other, precision.fp8_format, start=start, rank=rank)  # fmt: skip
-    rows = [ReportRow(w.module, w.slot, Summary.of(w.run), Summary.of(w.what_if), fidelity(w))
-            for w in replays]  # fmt: skip
+    replays = replay_slots(
+        telemetry,
+        select_modules(telemetry, module),
+        check_slots(slots),
+        own,
+        other,
+        precision.fp8_format,
+        start=start,
+        rank=rank,
+    )
+    rows = [
+        ReportRow(w.module, w.slot, Summary.of(w.run), Summary.of(w.what_if), fidelity(w))
+        for w in replays
+    ]
     rows.sort(key=lambda r: (-r.what_if.overflow_steps, _or_inf(r.what_if.headroom_p10)))
     return Report(str(run_dir), own, other, start, last, rows)
 

@@ -109,8 +109,10 @@ class Sequences:
                 self, starts=starts, scored_from=scored_from, examples=examples
             )
 
-        return (part(self.starts[: n + 1], self.scored_from[:n], self.examples[:n]),
-                part(self.starts[n:], self.scored_from[n:], self.examples[n:]))  # fmt: skip
+        return (
+            part(self.starts[: n + 1], self.scored_from[:n], self.examples[:n]),
+            part(self.starts[n:], self.scored_from[n:], self.examples[n:]),
+        )
 
     def rows(self, indices: torch.Tensor | Sequence[int] | np.ndarray) -> np.ndarray:
         """``indices`` as an int64 array of this split's rows (a row outside ``0 … n - 1``,
@@ -296,8 +298,10 @@ class TokenizedData:
             # digest of runs made when they were held padded), cut a few rows at a time so that
             # none is held whole. Fixed little-endian dtypes: the same digest on any machine.
             step = max(1, DIGEST_POSITIONS // max(1, split.seq_length))
-            chunks = [np.arange(start, min(start + step, len(split)), dtype=np.int64)
-                      for start in range(0, len(split), step)]  # fmt: skip
+            chunks = [
+                np.arange(start, min(start + step, len(split)), dtype=np.int64)
+                for start in range(0, len(split), step)
+            ]
             for columns in (slice(None, -1), slice(1, None)):  # tokens, then labels
                 for rows in chunks:
                     part = np.ascontiguousarray(split.windows(rows)[:, columns])

@@ -210,8 +210,11 @@ def _huggingface(config: TokenizerConfig) -> HuggingFaceTokenizer:
             f"({str(exc).strip() or type(exc).__name__})"
         ) from None
     eod_token = config.eod_token or _eos_from_config(file)
-    given = (f"{eod_token!r}" if config.eod_token
-             else f"{eod_token!r} (the eos_token of {file.parent / 'tokenizer_config.json'})")  # fmt: skip
+    given = (
+        f"{eod_token!r}"
+        if config.eod_token
+        else f"{eod_token!r} (the eos_token of {file.parent / 'tokenizer_config.json'})"
+    )
     if tokenizer.token_to_id(eod_token) is None:
         raise ManifestError(
             f"tokenizer.eod_token: {given} is not a token of {file}; name the token that "
@@ -244,7 +247,9 @@ def _eos_from_config(file: Path) -> str:
             "set it to the token that ends a document (Llama 3: <|end_of_text|>)"
         ) from None
     except (OSError, ValueError, AttributeError) as exc:
-        raise ManifestError(f"tokenizer.eod_token: not set, and {config} is unreadable ({exc})")
+        raise ManifestError(
+            f"tokenizer.eod_token: not set, and {config} is unreadable ({exc})"
+        ) from None
     if isinstance(eos, dict):  # {"content": "<|end_of_text|>", ...} in older files
         eos = eos.get("content")
     if not isinstance(eos, str) or not eos:

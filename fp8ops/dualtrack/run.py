@@ -112,16 +112,18 @@ def _stop_if_asked(request, out_dir: Path) -> None:
         )
 
 
-def _train_fallback(source: Manifest, out_dir: Path, candidate: Track, progress: bool,
-                    plan: dict) -> TrackOutcome:  # fmt: skip
+def _train_fallback(
+    source: Manifest, out_dir: Path, candidate: Track, progress: bool, plan: dict
+) -> TrackOutcome:
     """The third track: its modules chosen from the candidate's run, once."""
     file = out_dir / "tracks" / f"{FALLBACK}.yaml"
     if file.exists():  # decided by an earlier invocation: keep it, the run resumes under it
         inherited = {o.module for o in source.precision.overrides}
         modules = {
-            o.module: o.reason for o in load_manifest(file).precision.overrides
+            o.module: o.reason
+            for o in load_manifest(file).precision.overrides
             if o.module not in inherited
-        }  # fmt: skip
+        }
     else:
         modules = fallback_modules(source, candidate.run_dir)
         every = len(modules) == len(candidate_fp8_modules(source, candidate.run_dir))
@@ -132,9 +134,11 @@ def _train_fallback(source: Manifest, out_dir: Path, candidate: Track, progress:
     if not modules:
         note = "no high-risk modules (see the manifest's dualtrack section): same as fp8"
     elif not file.exists():  # every FP8 module chosen
-        note = (f"the dualtrack rules choose all {len(modules)} of the candidate's FP8 modules: "
-                "the track would be a second BF16 control (narrow the manifest's dualtrack "
-                "section)")  # fmt: skip
+        note = (
+            f"the dualtrack rules choose all {len(modules)} of the candidate's FP8 modules: "
+            "the track would be a second BF16 control (narrow the manifest's dualtrack "
+            "section)"
+        )
     if note is not None:
         _record(plan, out_dir, track, "skipped", 0.0, note)
         return TrackOutcome(track, "skipped", 0.0, note)
@@ -220,18 +224,20 @@ def _open_plan(out_dir: Path, source: Manifest) -> dict:
     return {"manifest": digest, "name": source.name, "tracks": []}
 
 
-def _record(plan: dict, root: Path, track: Track, status: str, seconds: float,
-            note: str = "") -> None:  # fmt: skip
+def _record(
+    plan: dict, root: Path, track: Track, status: str, seconds: float, note: str = ""
+) -> None:
     """Update the track's entry in dualtrack.json (status: running, completed, stopped, failed,
     interrupted or skipped); time adds up across invocations."""
     entries = {entry["label"]: entry for entry in plan["tracks"]}
     earlier = entries.get(track.label, {})
     entry = track.record(root) | {
         "manifest": manifest_hash(load_manifest(track.manifest_file))
-        if track.manifest_file.exists() else None,
+        if track.manifest_file.exists()
+        else None,
         "status": status,
         "seconds": round(earlier.get("seconds", 0.0) + seconds, 3),
-    }  # fmt: skip
+    }
     if note:
         entry["note"] = note
     entries[track.label] = entry

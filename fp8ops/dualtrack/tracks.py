@@ -111,9 +111,10 @@ def candidate_fp8_modules(source: Manifest, candidate_run: Path) -> list[str]:
     # BF16 during the run ran FP8 before that, and is exactly one to keep in BF16 here.
     inherited = {o.module for o in source.precision.overrides}
     return [
-        row.fqn for row in read_layers_json(candidate_run).rows
+        row.fqn
+        for row in read_layers_json(candidate_run).rows
         if row.fp8 or (row.reason.code == "override" and row.fqn not in inherited)
-    ]  # fmt: skip
+    ]
 
 
 def check_fallback_globs(source: Manifest, control_run: Path) -> None:

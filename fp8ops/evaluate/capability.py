@@ -64,9 +64,13 @@ def capability_examples(data: TokenizedData, config, tokenizer: Tokenizer) -> li
 
 @torch.no_grad()
 def evaluate_capability(
-    model, examples: Sequence[Example], manifest, tokenizer: Tokenizer, *,
+    model,
+    examples: Sequence[Example],
+    manifest,
+    tokenizer: Tokenizer,
+    *,
     fp8: Callable = contextlib.nullcontext,
-) -> list[dict[str, Any]]:  # fmt: skip
+) -> list[dict[str, Any]]:
     """One prediction record per example, in order (the per-item lines of ``records.py``).
 
     ``examples`` are the eval split's first rows (:func:`capability_examples`), so an example's
@@ -86,26 +90,43 @@ def evaluate_capability(
     for start in range(0, len(examples), batch_size):
         batch = examples[start : start + batch_size]
         continuations = generate(
-            model, [tokenizer.encode(example.prompt) for example in batch],
+            model,
+            [tokenizer.encode(example.prompt) for example in batch],
             max_new_tokens=manifest.capability.max_new_tokens,
-            seq_length=manifest.model.seq_length, vocab_size=vocab_size, fp8=fp8,
-            length_multiple=length_multiple, eod=tokenizer.eod,
-        )  # fmt: skip
+            seq_length=manifest.model.seq_length,
+            vocab_size=vocab_size,
+            fp8=fp8,
+            length_multiple=length_multiple,
+            eod=tokenizer.eod,
+        )
         for row, (example, ids) in enumerate(zip(batch, continuations, strict=True), start):
             generated = tokenizer.decode(ids)
-            predictions.append({
-                "index": row, "key": example.key, "prompt": example.prompt,
-                "answer": example.answer, "generated": generated,
-                "correct": check(example, generated), "buckets": example.buckets,
-            })  # fmt: skip
+            predictions.append(
+                {
+                    "index": row,
+                    "key": example.key,
+                    "prompt": example.prompt,
+                    "answer": example.answer,
+                    "generated": generated,
+                    "correct": check(example, generated),
+                    "buckets": example.buckets,
+                }
+            )
     return predictions
 
 
 @torch.no_grad()
 def generate(
-    model, prompts: Sequence[list[int]], *, max_new_tokens: int, seq_length: int, vocab_size: int,
-    eod: int, fp8: Callable = contextlib.nullcontext, length_multiple: int = 1,
-) -> list[list[int]]:  # fmt: skip
+    model,
+    prompts: Sequence[list[int]],
+    *,
+    max_new_tokens: int,
+    seq_length: int,
+    vocab_size: int,
+    eod: int,
+    fp8: Callable = contextlib.nullcontext,
+    length_multiple: int = 1,
+) -> list[list[int]]:
     """Greedy continuations of ``prompts`` (token ids), generated as one batch.
 
     A continuation ends with the tokenizer's end-of-document id ``eod`` when the model produced
@@ -129,18 +150,22 @@ def generate(
             rows[i].append(token)
             continuations[i].append(token)
         live = [
-            i for i in live
+            i
+            for i in live
             if continuations[i][-1] != eod
             and len(continuations[i]) < max_new_tokens
             and len(rows[i]) <= seq_length
-        ]  # fmt: skip
+        ]
     return continuations
 
 
 def next_tokens(
-    model, rows: Sequence[list[int]], vocab_size: int, fp8: Callable = contextlib.nullcontext,
+    model,
+    rows: Sequence[list[int]],
+    vocab_size: int,
+    fp8: Callable = contextlib.nullcontext,
     length_multiple: int = 1,
-) -> list[int]:  # fmt: skip
+) -> list[int]:
     """The greedy next token of each row: one forward over the rows right-padded to the longest,
     rounded up to ``length_multiple``. Attention is causal, so no padding reaches the logits a
     row's last token reads."""

@@ -128,13 +128,23 @@ def slurm(
     Prints the job id. The script is launchers/train.sbatch; see docs/slurm.md.
     """
     job = plan_job(
-        manifest, nodes=nodes, gpus_per_node=gpus_per_node, time=time, run_dir=run_dir,
-        signal_seconds=signal_seconds, gpus=not cpu, launcher=_launcher(launcher),
-        partition=partition, account=account, python=python,
-        requeue=chain == 1 if requeue is None else requeue, container_image=container_image,
-        container_mounts=container_mounts, sbatch_args=tuple(sbatch_arg or ()),
+        manifest,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        time=time,
+        run_dir=run_dir,
+        signal_seconds=signal_seconds,
+        gpus=not cpu,
+        launcher=_launcher(launcher),
+        partition=partition,
+        account=account,
+        python=python,
+        requeue=chain == 1 if requeue is None else requeue,
+        container_image=container_image,
+        container_mounts=container_mounts,
+        sbatch_args=tuple(sbatch_arg or ()),
         cpus_per_gpu=cpus_per_gpu,
-    )  # fmt: skip
+    )
     if job.procs_per_node % job.tensor_parallel and job.nodes > 1:
         # Megatron runs it, but slowly: a tensor-parallel group (consecutive ranks) that does not
         # fit in one node, because it is wider or because the node's ranks do not divide by it.

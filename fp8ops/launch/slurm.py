@@ -148,21 +148,34 @@ def plan_job(
     run_dir = (workdir / (run_dir or Path("runs") / manifest.name)).resolve()
     for what, path in (("manifest", manifest_path), ("--run-dir", run_dir), ("workdir", workdir)):
         if "\n" in str(path) or "\r" in str(path):
-            raise LaunchError(f"{what} {str(path)!r}: a path with a line break cannot go in a "
-                              "batch script")  # fmt: skip
+            raise LaunchError(
+                f"{what} {str(path)!r}: a path with a line break cannot go in a batch script"
+            )
     return SlurmJob(
-        manifest=manifest_path, manifest_sha256=manifest_hash(manifest), name=manifest.name,
-        run_dir=run_dir, nodes=nodes, procs_per_node=gpus_per_node,
-        tensor_parallel=topology.tensor_parallel, time=time,
-        signal_seconds=signal_seconds, gpus=gpus, launcher=launcher, partition=partition,
-        account=account, requeue=requeue, container_image=container_image,
-        container_mounts=container_mounts, workdir=workdir, cpus_per_gpu=cpus_per_gpu,
+        manifest=manifest_path,
+        manifest_sha256=manifest_hash(manifest),
+        name=manifest.name,
+        run_dir=run_dir,
+        nodes=nodes,
+        procs_per_node=gpus_per_node,
+        tensor_parallel=topology.tensor_parallel,
+        time=time,
+        signal_seconds=signal_seconds,
+        gpus=gpus,
+        launcher=launcher,
+        partition=partition,
+        account=account,
+        requeue=requeue,
+        container_image=container_image,
+        container_mounts=container_mounts,
+        workdir=workdir,
+        cpus_per_gpu=cpus_per_gpu,
         # Next to the run directory, not in it: a new run refuses a directory with files in it.
         output=run_dir.parent / f"{run_dir.name}{LOG_SUFFIX}",
         # In a container the host's interpreter path means nothing: the image's python.
         python=python or ("python" if container_image else sys.executable),
         sbatch_args=tuple(sbatch_args),
-    )  # fmt: skip
+    )
 
 
 def _world_mismatch(path: Path, topology, nodes: int, per_node: int) -> str:
@@ -229,7 +242,7 @@ def render(job: SlurmJob) -> str:
         _directive("--output", str(job.run_dir).replace("%", "%%") + LOG_SUFFIX),
         _directive("--chdir", job.workdir),
         *(_directive(*arg.partition("=")[::2]) if "=" in arg else arg for arg in job.sbatch_args),
-    ]  # fmt: skip
+    ]
     inputs = {
         "FP8OPS_MANIFEST": job.manifest,
         "FP8OPS_RUN_DIR": job.run_dir,
@@ -293,8 +306,9 @@ def submit(job: SlurmJob, *, chain: int = 1, dependency: str | None = None) -> l
         # seen at submission, which the first link records as a revision; later links resume
         # locked to it, and refuse new drift. Going on after a Stop is for the Stop seen now.
         env = {k: v for k, v in os.environ.items() if not (ids and k in FIRST_LINK_ONLY)}
-        done = subprocess.run(command, input=script, capture_output=True, text=True, check=False,
-                              env=env)  # fmt: skip
+        done = subprocess.run(
+            command, input=script, capture_output=True, text=True, check=False, env=env
+        )
         if done.returncode != 0:
             submitted = f" (submitted before it: {', '.join(ids)})" if ids else ""
             raise LaunchError(f"sbatch failed{submitted}: {done.stderr.strip() or done.stdout}")

@@ -18,6 +18,7 @@ Cross-field rules raise every violation at once, each at the location of the fie
 
 from __future__ import annotations
 
+import itertools
 import re
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -510,11 +511,16 @@ class TokenizerConfig(_Section):
                 (("eod_token",), self.eod_token, "must be null for kind 'byte' (id 0 ends text)")
             )
         if self.kind == "sentencepiece":
-            problems.append((
-                ("kind",), self.kind,
-                ("is not supported: convert the model to a tokenizer.json (transformers' "
-                 "LlamaTokenizerFast does) and use kind 'huggingface'"),
-            ))  # fmt: skip
+            problems.append(
+                (
+                    ("kind",),
+                    self.kind,
+                    (
+                        "is not supported: convert the model to a tokenizer.json (transformers' "
+                        "LlamaTokenizerFast does) and use kind 'huggingface'"
+                    ),
+                )
+            )
         if self.kind == "huggingface" and self.path is None:
             problems.append((("path",), None, f"required for kind '{self.kind}'"))
         _raise_problems("TokenizerConfig", problems)
@@ -724,7 +730,7 @@ class Levels(_Section):
         levels = [(name, getattr(self, name)) for name in ("observe", "degrade", "stop")]
         present = [(name, value) for name, value in levels if value is not None]
         problems = []
-        for (low_name, low), (high_name, high) in zip(present, present[1:], strict=False):
+        for (low_name, low), (high_name, high) in itertools.pairwise(present):
             if low <= high:
                 continue
             # Blame the level the user wrote, not the default it collides with.

@@ -77,8 +77,10 @@ def _tokenizer(m: Manifest) -> str:
 
 def _data(m: Manifest) -> str:
     d = m.data
-    source = {"corpus": "built-in corpus (Python's docstrings)",
-              "tasks": f"built-in tasks, {d.num_examples:,} examples",
-              "jsonl": f"jsonl: {d.path}"}[d.kind]  # fmt: skip
+    source = {
+        "corpus": "built-in corpus (Python's docstrings)",
+        "tasks": f"built-in tasks, {d.num_examples:,} examples",
+        "jsonl": f"jsonl: {d.path}",
+    }[d.kind]
     padding = "; batches padded to their longest row" if d.pad_to == "longest" else ""
     return f"{source}; eval_fraction {d.eval_fraction:g}, split version {d.split_version}{padding}"

@@ -21,7 +21,15 @@ from fp8ops.megatron.model import (
 from fp8ops.megatron.spec import get_gpt_layer_fp8_emulated_spec, with_fp8_projections
 
 __all__ = [
-    "Fp8ColumnParallelLinear", "Fp8RowParallelLinear", "amax_reduction_group", "apply_cpu_shims",
-    "build_gpt", "fp8_modules", "fp8_state_modules", "get_gpt_layer_fp8_emulated_spec",
-    "mark_first_microbatch", "transformer_config", "with_fp8_projections",
+    "Fp8ColumnParallelLinear",
+    "Fp8RowParallelLinear",
+    "amax_reduction_group",
+    "apply_cpu_shims",
+    "build_gpt",
+    "fp8_modules",
+    "fp8_state_modules",
+    "get_gpt_layer_fp8_emulated_spec",
+    "mark_first_microbatch",
+    "transformer_config",
+    "with_fp8_projections",
 ]

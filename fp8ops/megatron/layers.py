@@ -149,9 +149,15 @@ class _Fp8LocalGemm:
         cached = self._reusable_weight() if owns_weight else None
         track = self.probe.track() if self.probe is not None else None
         out, weight_fp8 = fp8_linear(
-            x, weight, bias, self.fp8_meta, scope,
-            gemm=self.gemm, cached_weight=cached, track=track,
-        )  # fmt: skip
+            x,
+            weight,
+            bias,
+            self.fp8_meta,
+            scope,
+            gemm=self.gemm,
+            cached_weight=cached,
+            track=track,
+        )
         if self.probe is not None:
             self.probe.fp8_call(x, out, weight, bias)
         if self.is_first_microbatch and owns_weight:

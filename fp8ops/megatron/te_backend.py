@@ -120,8 +120,12 @@ def _reads_as_zero(value: str) -> bool:
         return False
 
 
-PROJECTIONS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
-               "mlp.linear_fc2")  # fmt: skip
+PROJECTIONS = (
+    "self_attention.linear_qkv",
+    "self_attention.linear_proj",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+)
 
 
 @functools.cache

@@ -72,9 +72,11 @@ class TeFp8MetaView:
         if state is None:  # no FP8 forward yet: the state TE will create then
             if forward not in self._initial:
                 self._initial[forward] = ScalingState.fresh(
-                    self.recipe.amax_history_len, SLOTS_PER_GEMM[forward], fp8,
+                    self.recipe.amax_history_len,
+                    SLOTS_PER_GEMM[forward],
+                    fp8,
                     device=self.module.weight.device,
-                )  # fmt: skip
+                )
             return self._initial[forward]
         slots = state.amax_history.shape[1]
         if slots != SLOTS_PER_GEMM[forward]:

@@ -14,14 +14,29 @@ import importlib
 # register its sub-commands, and the ledger's own imports (alerts, layers.json) cost a third of
 # a second that commands such as a drifted resume's refusal should not pay.
 _WHERE = {
-    "ALERT_ENGINE": "ledger", "LEDGER": "ledger", "Ledger": "ledger", "LedgerError": "ledger",
-    "Override": "ledger", "OverrideError": "ledger", "Status": "ledger", "Trigger": "ledger",
-    "default_user": "ledger", "te_debug_yaml": "te_debug",
-}  # fmt: skip
+    "ALERT_ENGINE": "ledger",
+    "LEDGER": "ledger",
+    "Ledger": "ledger",
+    "LedgerError": "ledger",
+    "Override": "ledger",
+    "OverrideError": "ledger",
+    "Status": "ledger",
+    "Trigger": "ledger",
+    "default_user": "ledger",
+    "te_debug_yaml": "te_debug",
+}
 __all__ = [
-    "ALERT_ENGINE", "LEDGER", "Ledger", "LedgerError", "Override", "OverrideError", "Status",
-    "Trigger", "default_user", "te_debug_yaml",
-]  # fmt: skip
+    "ALERT_ENGINE",
+    "LEDGER",
+    "Ledger",
+    "LedgerError",
+    "Override",
+    "OverrideError",
+    "Status",
+    "Trigger",
+    "default_user",
+    "te_debug_yaml",
+]
 
 
 def __getattr__(name: str):

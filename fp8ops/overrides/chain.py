@@ -26,8 +26,9 @@ class LedgerError(Fp8opsError):
 
 def canonical_json(record: Mapping[str, Any]) -> str:
     """What a line holds and what the hash covers: keys sorted, no spaces, no NaN."""
-    return json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      allow_nan=False)  # fmt: skip
+    return json.dumps(
+        record, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    )
 
 
 def record_hash(record: Mapping[str, Any]) -> str:

@@ -122,9 +122,14 @@ def list_(
     for o in overrides:
         status = "revoked, lift at resume" if o.to_lift else o.status
         grid.add_row(
-            o.id[:12], o.module, status, o.who, o.decided_by or "", o.reason,
+            o.id[:12],
+            o.module,
+            status,
+            o.who,
+            o.decided_by or "",
+            o.reason,
             "" if o.step is None else str(o.step),
-        )  # fmt: skip
+        )
     out.print(grid)
 
 

@@ -87,22 +87,32 @@ class Trigger:
     @classmethod
     def from_alert(cls, alert: Alert) -> Trigger:
         return cls(
-            metric=alert.metric or alert.rule, value=alert.value, threshold=alert.threshold,
-            level=alert.level, rule=alert.rule, step=alert.step,
-        )  # fmt: skip
+            metric=alert.metric or alert.rule,
+            value=alert.value,
+            threshold=alert.threshold,
+            level=alert.level,
+            rule=alert.rule,
+            step=alert.step,
+        )
 
     def to_json(self) -> dict[str, Any]:
         # JSON has no NaN or infinity, which are exactly what a Stop alert reports.
-        return {**dataclasses.asdict(self), "value": encode_float(self.value),
-                "threshold": encode_float(self.threshold)}  # fmt: skip
+        return {
+            **dataclasses.asdict(self),
+            "value": encode_float(self.value),
+            "threshold": encode_float(self.threshold),
+        }
 
     @classmethod
     def from_json(cls, record: Mapping[str, Any]) -> Trigger:
         return cls(
-            metric=str(record["metric"]), value=decode_float(record["value"]),
-            threshold=decode_float(record["threshold"]), level=str(record["level"]),
-            rule=str(record["rule"]), step=int(record["step"]),
-        )  # fmt: skip
+            metric=str(record["metric"]),
+            value=decode_float(record["value"]),
+            threshold=decode_float(record["threshold"]),
+            level=str(record["level"]),
+            rule=str(record["rule"]),
+            step=int(record["step"]),
+        )
 
 
 @dataclass(frozen=True)
@@ -145,8 +155,9 @@ class Override:
 
     def as_manifest_override(self) -> Bf16Override:
         """The manifest entry a resume writes for this (approved) override."""
-        return Bf16Override(module=self.module, dtype="bf16", reason=self.reason,
-                            approval=self.approval)  # fmt: skip
+        return Bf16Override(
+            module=self.module, dtype="bf16", reason=self.reason, approval=self.approval
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "triggers": [t.to_json() for t in self.triggers]}
@@ -192,17 +203,27 @@ def _apply(overrides: dict[str, Override], record: Mapping[str, Any]) -> None:
         if existing is not None:
             raise OverrideError(_conflict_message(existing))
         overrides[record["hash"]] = Override(
-            id=record["hash"], module=record["module"], dtype=record["dtype"], status=kind,
-            origin=kind, reason=record["reason"], who=who, time=record["time"],
+            id=record["hash"],
+            module=record["module"],
+            dtype=record["dtype"],
+            status=kind,
+            origin=kind,
+            reason=record["reason"],
+            who=who,
+            time=record["time"],
             triggers=tuple(Trigger.from_json(t) for t in record["triggers"]),
-            step=record["step"], data_version=record["data_version"],
-        )  # fmt: skip
+            step=record["step"],
+            data_version=record["data_version"],
+        )
     elif kind in ("approved", "rejected", "revoked"):
         o = _known(overrides, record["override"])
         _check_transition(o, kind)
         if kind == "approved":
-            change = {"decided_by": who, "decision_note": record["note"],
-                      "approval": record["hash"]}  # fmt: skip
+            change = {
+                "decided_by": who,
+                "decision_note": record["note"],
+                "approval": record["hash"],
+            }
         elif kind == "rejected":
             change = {"decided_by": who, "decision_note": record["reason"]}
         else:
@@ -345,10 +366,16 @@ class Ledger:
             for module in modules:
                 self._check_module(overrides, module)
             return [
-                self._proposal("staged", module, reason, who, step,
-                               given if given is not None else self._alert_triggers(module))
+                self._proposal(
+                    "staged",
+                    module,
+                    reason,
+                    who,
+                    step,
+                    given if given is not None else self._alert_triggers(module),
+                )
                 for module in modules
-            ]  # fmt: skip
+            ]
 
         written, overrides = self._append(build)
         return [overrides[record["hash"]] for record in written]
@@ -418,8 +445,15 @@ class Ledger:
 
         def build(overrides: dict[str, Override]) -> list[dict[str, Any]]:
             full = [self._resolve(overrides, ref) for ref in ids]
-            return [{"kind": "applied", "overrides": full, "step": int(step),
-                     "revision": revision, "who": who}]  # fmt: skip
+            return [
+                {
+                    "kind": "applied",
+                    "overrides": full,
+                    "step": int(step),
+                    "revision": revision,
+                    "who": who,
+                }
+            ]
 
         (record,), overrides = self._append(build)
         return [overrides[i] for i in record["overrides"]]
@@ -509,9 +543,11 @@ class Ledger:
         row = rows.get(module)
         if row is None:
             close = difflib.get_close_matches(module, list(rows), n=3)
-            hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else (
-                f"fp8ops inspect {self.run_dir} --layers lists them"
-            )  # fmt: skip
+            hint = (
+                f"did you mean {' or '.join(repr(c) for c in close)}?"
+                if close
+                else (f"fp8ops inspect {self.run_dir} --layers lists them")
+            )
             raise OverrideError(f"'{module}' is not a module of this run (layers.json); {hint}")
         # A revoked applied override still holds its module in BF16 until the next resume lifts
         # it; staging it again keeps it there.
@@ -523,14 +559,24 @@ class Ledger:
             )
 
     def _proposal(
-        self, kind: str, module: str, reason: str, who: str, step: int | None,
+        self,
+        kind: str,
+        module: str,
+        reason: str,
+        who: str,
+        step: int | None,
         triggers: list[Trigger],
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> dict[str, Any]:
         return {
-            "kind": kind, "module": module, "dtype": "bf16", "reason": reason, "who": who,
-            "triggers": [t.to_json() for t in triggers], "step": step,
+            "kind": kind,
+            "module": module,
+            "dtype": "bf16",
+            "reason": reason,
+            "who": who,
+            "triggers": [t.to_json() for t in triggers],
+            "step": step,
             "data_version": self._data_version(),
-        }  # fmt: skip
+        }
 
     def _alert_triggers(self, module: str) -> list[Trigger]:
         """The latest alert per metric for ``module`` in alerts.jsonl, by metric name."""

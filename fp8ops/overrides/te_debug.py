@@ -49,8 +49,9 @@ def te_layer_name(fqn: str, naming: Naming = "fqn") -> str:
     if naming == "fqn":
         return fqn
     # Megatron's TransformerLayer.layer_number is 1-based; the ModuleList index is 0-based.
-    numbered = re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m[1]) + 1}.",
-                      fqn)  # fmt: skip
+    numbered = re.sub(
+        r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m[1]) + 1}.", fqn
+    )
     return f"model.{numbered}"
 
 

@@ -116,15 +116,37 @@ def _cast(x, history, scales, slot, fp8_max, dtype, transposed: bool, count: boo
     )
     cast_transpose_amax, fold_amax = _kernels()
     cast_transpose_amax[(tiles,)](
-        x, scales, slot, data, data_t, tile_amax, tile_counts, rows, cols, fp8_max,
-        FP8=_triton_dtype(dtype), TRANSPOSED=transposed, COUNT=count, COUNT_BITS=COUNT_BITS,
-        BLOCK_R=BLOCK[0], BLOCK_C=BLOCK[1], num_warps=NUM_WARPS,
-    )  # fmt: skip
+        x,
+        scales,
+        slot,
+        data,
+        data_t,
+        tile_amax,
+        tile_counts,
+        rows,
+        cols,
+        fp8_max,
+        FP8=_triton_dtype(dtype),
+        TRANSPOSED=transposed,
+        COUNT=count,
+        COUNT_BITS=COUNT_BITS,
+        BLOCK_R=BLOCK[0],
+        BLOCK_C=BLOCK[1],
+        num_warps=NUM_WARPS,
+    )
     if row0.data_ptr() % 16 == 0 and row0.stride(0) == 1:
         fold_amax[(1,)](
-            tile_amax, tiles, row0, slot, tile_counts, cast_amax, totals,
-            BLOCK=FOLD_BLOCK, COUNT=count, COUNT_BITS=COUNT_BITS,
-        )  # fmt: skip
+            tile_amax,
+            tiles,
+            row0,
+            slot,
+            tile_counts,
+            cast_amax,
+            totals,
+            BLOCK=FOLD_BLOCK,
+            COUNT=count,
+            COUNT_BITS=COUNT_BITS,
+        )
     else:  # a history the kernel was not verified for (a view into a larger buffer, say)
         cast_amax = tile_amax.amax()
         history[0, slot] = torch.fmax(history[0, slot], cast_amax)  # as _cast_and_record

@@ -27,10 +27,23 @@ def plus(a, b):
 # verification key and the probes come in the same class (cast_kernel.probes).
 @triton.jit(do_not_specialize=["slot"])
 def cast_transpose_amax(
-    x_ptr, scale_ptr, slot, data_ptr, data_t_ptr, partial_ptr, counts_ptr, rows, cols, fp8_max,
-    FP8: tl.constexpr, TRANSPOSED: tl.constexpr, COUNT: tl.constexpr, COUNT_BITS: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    scale_ptr,
+    slot,
+    data_ptr,
+    data_t_ptr,
+    partial_ptr,
+    counts_ptr,
+    rows,
+    cols,
+    fp8_max,
+    FP8: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
+    COUNT: tl.constexpr,
+    COUNT_BITS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     # One flat grid (a second grid dimension is capped at 65535 programs).
     tiles_c = (cols + BLOCK_C - 1) // BLOCK_C
     pid_r = tl.program_id(0) // tiles_c
@@ -44,7 +57,7 @@ def cast_transpose_amax(
     scaled = x * tl.load(scale_ptr + slot)
     # torch.clamp keeps NaN; Triton's minimum and maximum would turn it into a bound.
     clamped = tl.minimum(tl.maximum(scaled, -fp8_max), fp8_max)
-    clamped = tl.where(scaled != scaled, scaled, clamped)  # noqa: PLR0124 - NaN test
+    clamped = tl.where(scaled != scaled, scaled, clamped)
     data = clamped.to(FP8, fp_downcast_rounding="rtne")
     tl.store(data_ptr + offsets, data, mask=inside)
     if TRANSPOSED:
@@ -53,7 +66,7 @@ def cast_transpose_amax(
         tl.store(data_t_ptr + offsets_t, tl.trans(data), mask=inside_t)
 
     # |x| with NaN as 0 (the casts' fmaxf reduction), +inf kept; masked lanes are 0.
-    magnitude = tl.where(x != x, 0.0, tl.abs(x))  # noqa: PLR0124 - NaN test
+    magnitude = tl.where(x != x, 0.0, tl.abs(x))
     tile_amax = tl.reduce(tl.reduce(magnitude, 1, larger), 0, larger)
     tl.store(partial_ptr + tl.program_id(0), tile_amax)
 
@@ -66,7 +79,7 @@ def cast_transpose_amax(
         fp8_zero = (data.to(tl.uint8, bitcast=True) & 0x7F) == 0  # +0 or -0
         saturated = tl.abs(scaled) > fp8_max  # inf included
         underflow = (x != 0) & fp8_zero
-        nan = x != x  # noqa: PLR0124 - NaN test
+        nan = x != x
         inf = tl.abs(x) == float("inf")
         flags = (
             saturated.to(tl.int64)
@@ -79,9 +92,17 @@ def cast_transpose_amax(
 
 @triton.jit(do_not_specialize=["tiles", "slot"])
 def fold_amax(
-    partial_ptr, tiles, history_ptr, slot, counts_ptr, amax_ptr, totals_ptr,
-    BLOCK: tl.constexpr, COUNT: tl.constexpr, COUNT_BITS: tl.constexpr,
-):  # fmt: skip
+    partial_ptr,
+    tiles,
+    history_ptr,
+    slot,
+    counts_ptr,
+    amax_ptr,
+    totals_ptr,
+    BLOCK: tl.constexpr,
+    COUNT: tl.constexpr,
+    COUNT_BITS: tl.constexpr,
+):
     # history[0, slot] = fmax(history[0, slot], max(partial)) in one program: one launch
     # where torch takes three (amax, fmax, the write back). With COUNT also the cast's own
     # amax and its four counts summed over the tiles (int64, as torch sums them).
@@ -96,7 +117,7 @@ def fold_amax(
             totals += fields & ((1 << COUNT_BITS) - 1)
     amax = tl.reduce(amax, 0, larger)
     old = tl.load(history_ptr + slot)
-    new = tl.where(old != old, amax, tl.maximum(old, amax))  # noqa: PLR0124 - fmax
+    new = tl.where(old != old, amax, tl.maximum(old, amax))
     tl.store(history_ptr + slot, new)
     if COUNT:
         tl.store(amax_ptr, amax)

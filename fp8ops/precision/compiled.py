@@ -239,9 +239,26 @@ def probe_tensor(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Every bfloat16/float16 bit pattern, or 2**16 random float32 ones, plus special values,
     as rows of 256 (the casts take 2-D tensors)."""
     specials = torch.tensor(
-        [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 448.0, -448.0, 57344.0, 464.0,
-         61440.0, 1e-45, -1e-40, 2.0**-9, 2.0**-16, 2.0**-17, 1.5 * 2.0**-17, 3.0e38]
-    )  # fmt: skip
+        [
+            0.0,
+            -0.0,
+            float("inf"),
+            float("-inf"),
+            float("nan"),
+            448.0,
+            -448.0,
+            57344.0,
+            464.0,
+            61440.0,
+            1e-45,
+            -1e-40,
+            2.0**-9,
+            2.0**-16,
+            2.0**-17,
+            1.5 * 2.0**-17,
+            3.0e38,
+        ]
+    )
     if dtype in (torch.bfloat16, torch.float16):
         patterns = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
     else:

@@ -219,9 +219,11 @@ class Fp8LinearFunction(torch.autograd.Function):
         # FP8 operands, in the layouts backward multiplies them in, are all it keeps, as in
         # TE: a quarter of the float32 memory. Both transposed copies come from the casts.
         ctx.save_for_backward(
-            qx.transposed().data if wgrad else None, qx.scale_inv,
-            qw.transposed().data if dgrad else None, qw.scale_inv,
-        )  # fmt: skip
+            qx.transposed().data if wgrad else None,
+            qx.scale_inv,
+            qw.transposed().data if dgrad else None,
+            qw.scale_inv,
+        )
         ctx.meta, ctx.gemm, ctx.track, ctx.update_scope = meta, gemm, track, update_scope
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.out_features, ctx.has_bias = weight.shape[0], bias is not None
@@ -237,9 +239,13 @@ class Fp8LinearFunction(torch.autograd.Function):
         grad2d = grad_out.reshape(-1, ctx.out_features)  # [tokens, out]
         needs_input, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         qg = cast_and_record(
-            grad2d, ctx.meta.backward, BWD_GRAD_OUTPUT, ctx.track, "grad_output",
+            grad2d,
+            ctx.meta.backward,
+            BWD_GRAD_OUTPUT,
+            ctx.track,
+            "grad_output",
             transposed=needs_weight,
-        )  # fmt: skip
+        )
         grad_input = grad_weight = grad_bias = None
         if needs_input:
             grad_input = ctx.gemm(qg, qw_t, out_dtype=ctx.x_dtype)  # [tokens, in]

@@ -14,7 +14,7 @@ class DelayedScalingRecipe:
 
     fp8_format: Fp8Format = Fp8Format.HYBRID
     amax_history_len: int = 1024
-    amax_compute_algo: AmaxAlgo = parse_amax_algo("max")
+    amax_compute_algo: AmaxAlgo = parse_amax_algo("max")  # noqa: RUF009 - a frozen value
     margin: int = 0
     reduce_amax: bool = True
 

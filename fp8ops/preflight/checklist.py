@@ -52,21 +52,24 @@ class Report:
         return 1 if any(r.outcome == "fail" for r in self.results) else 0
 
     def counts(self) -> dict[str, int]:
-        return {o: sum(r.outcome == o for r in self.results)
-                for o in ("pass", "fail", "n/a", "skipped")}  # fmt: skip
+        return {
+            o: sum(r.outcome == o for r in self.results) for o in ("pass", "fail", "n/a", "skipped")
+        }
 
     def to_json(self) -> dict[str, Any]:
-        return _plain({
-            "target": str(self.target.path),
-            "mode": "run" if self.target.is_run else "manifest",
-            "manifest": manifest_hash(self.target.manifest),
-            "steps": self.options.steps,
-            "work_dir": None if self.kept is None else str(self.kept),
-            "seconds": round(self.seconds, 2),
-            "summary": self.counts(),
-            "exit_code": self.exit_code,
-            "items": [r.to_json() for r in self.results],
-        })  # fmt: skip
+        return _plain(
+            {
+                "target": str(self.target.path),
+                "mode": "run" if self.target.is_run else "manifest",
+                "manifest": manifest_hash(self.target.manifest),
+                "steps": self.options.steps,
+                "work_dir": None if self.kept is None else str(self.kept),
+                "seconds": round(self.seconds, 2),
+                "summary": self.counts(),
+                "exit_code": self.exit_code,
+                "items": [r.to_json() for r in self.results],
+            }
+        )
 
 
 def run_preflight(
@@ -103,8 +106,9 @@ def run_preflight(
 class _Context:
     """What the items share: the target, and the rehearsal, made when first needed."""
 
-    def __init__(self, target: Target, options: Options, work_dir: Path,
-                 say: Callable[[str], None]):  # fmt: skip
+    def __init__(
+        self, target: Target, options: Options, work_dir: Path, say: Callable[[str], None]
+    ):
         self.target, self.options, self.work_dir, self.say = target, options, work_dir, say
 
     @cached_property
@@ -120,8 +124,9 @@ def _telemetry(context: _Context) -> Evidence:
 
         status = read_status(target.run_dir) or {}
         live = status.get("state") == "running"  # its store is up to a flush block behind
-        return checks.telemetry(target.run_dir, target.manifest,
-                                None if live else status.get("step"))  # fmt: skip
+        return checks.telemetry(
+            target.run_dir, target.manifest, None if live else status.get("step")
+        )
     run = context.rehearsal
     return checks.telemetry(run.straight(), run.manifest, run.steps)
 

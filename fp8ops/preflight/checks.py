@@ -41,24 +41,30 @@ def versions(target: Target) -> Evidence:
         ev.check(env[key] is not None, f"{key} {env[key]}", f"{key}: not installed")
     if torch.cuda.is_available():
         for key in GPU_FIELDS:
-            ev.check(env[key] is not None, f"{key} {env[key]}",
-                     f"{key}: unknown on this GPU machine; a resume could not tell whether it "
-                     "changed (install it, or check /proc/driver/nvidia/version)")  # fmt: skip
+            ev.check(
+                env[key] is not None,
+                f"{key} {env[key]}",
+                f"{key}: unknown on this GPU machine; a resume could not tell whether it "
+                "changed (install it, or check /proc/driver/nvidia/version)",
+            )
     else:
         te = env["transformer_engine"]
-        ev.na(f"no GPU: cuda, cudnn, driver, gpu not applicable; transformer_engine "
-              f"{te or 'absent'} (recipe only on a CPU)")  # fmt: skip
+        ev.na(
+            f"no GPU: cuda, cudnn, driver, gpu not applicable; transformer_engine "
+            f"{te or 'absent'} (recipe only on a CPU)"
+        )
     if target.is_run:
         recorded, where = _recorded_environment(target)
         changes = environment_drift(recorded, env)
         ev.facts["drift"] = [{"field": c.path, "recorded": c.old, "now": c.new} for c in changes]
         ev.check(
-            not changes, f"equal to the environment {where} recorded",
+            not changes,
+            f"equal to the environment {where} recorded",
             f"differs from the environment {where} recorded: "
             + "; ".join(f"{c.path} {c.old!r} -> {c.new!r}" for c in changes)
             + ". A resume here would be refused as drift (exit 4): run where the run ran, or "
             f'accept it with fp8ops resume {target.run_dir} --accept-drift "why"',
-        )  # fmt: skip
+        )
     return ev
 
 
@@ -95,8 +101,9 @@ def version_control(target: Target) -> Evidence:
 
 
 def _git(directory: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", "-C", str(directory), *args], capture_output=True, text=True,
-                          check=False)  # fmt: skip
+    return subprocess.run(
+        ["git", "-C", str(directory), *args], capture_output=True, text=True, check=False
+    )
 
 
 def _committed(ev: Evidence, file: Path) -> None:
@@ -107,17 +114,23 @@ def _committed(ev: Evidence, file: Path) -> None:
         ev.fail("git is not installed: cannot tell whether the manifest is under version control")
         return
     if inside.returncode:
-        ev.fail(f"{file}: not in a git repository; commit it to one (git add {file} && git "
-                "commit) so the launched manifest can be traced")  # fmt: skip
+        ev.fail(
+            f"{file}: not in a git repository; commit it to one (git add {file} && git "
+            "commit) so the launched manifest can be traced"
+        )
         return
     if _git(where, "ls-files", "--error-unmatch", "--", name).returncode:
-        ev.fail(f"{file}: not tracked by git (git ls-files --error-unmatch); git add {file} && "
-                "git commit")  # fmt: skip
+        ev.fail(
+            f"{file}: not tracked by git (git ls-files --error-unmatch); git add {file} && "
+            "git commit"
+        )
         return
     status = _git(where, "status", "--porcelain", "--", name).stdout.strip()
     if status:
-        ev.fail(f"{file}: changed since its last commit (git status: {status!r}); commit the "
-                f"change, or restore the file (git checkout -- {file})")  # fmt: skip
+        ev.fail(
+            f"{file}: changed since its last commit (git status: {status!r}); commit the "
+            f"change, or restore the file (git checkout -- {file})"
+        )
         return
     commit = _git(where, "log", "-1", "--format=%h %cs", "--", name).stdout.strip()
     ev.ok(f"{file}: tracked by git and unmodified (last commit {commit or 'unknown'})")
@@ -139,7 +152,7 @@ def _layer_lists(ev: Evidence, file: Path, manifest: Manifest) -> None:
         f"{file}: precision.include_modules is not written, so which layers run FP8 comes from "
         f"fp8ops' default ({list(written.include_modules)}), which a newer fp8ops may change; "
         "write the list into the manifest",
-    )  # fmt: skip
+    )
     excluded = list(written.exclude_modules)
     ev.ok(
         f"precision.exclude_modules: {excluded}"
@@ -148,8 +161,10 @@ def _layer_lists(ev: Evidence, file: Path, manifest: Manifest) -> None:
     ev.ok(f"precision.overrides in the file: {[o.module for o in written.overrides]}")
     from_ledger = [o for o in manifest.precision.overrides if o.approval is not None]
     if from_ledger:  # a run's locked manifest: the ledger's approvals, anchored by revisions
-        ev.ok("the run's manifest adds overrides from its ledger: " + ", ".join(
-            f"{o.module} (approval {o.approval[:12]})" for o in from_ledger))  # fmt: skip
+        ev.ok(
+            "the run's manifest adds overrides from its ledger: "
+            + ", ".join(f"{o.module} (approval {o.approval[:12]})" for o in from_ledger)
+        )
 
 
 def _chain_root(ev: Evidence, run_dir: Path, file: Path) -> None:
@@ -170,8 +185,10 @@ def _chain_root(ev: Evidence, run_dir: Path, file: Path) -> None:
     root, file_hash = manifest_hash(held[-1]), manifest_hash(load_manifest(file))
     ev.facts["chain_root"] = root
     if held[-1].revision.parent == file_hash:  # e.g. a dual-track's bf16 or fallback track
-        ev.ok(f"the run's revision chain starts at a revision of {file} ({root[:12]}, whose "
-              f"parent is the file, {file_hash[:12]})")  # fmt: skip
+        ev.ok(
+            f"the run's revision chain starts at a revision of {file} ({root[:12]}, whose "
+            f"parent is the file, {file_hash[:12]})"
+        )
         return
     ev.check(
         root == file_hash,
@@ -180,7 +197,7 @@ def _chain_root(ev: Evidence, run_dir: Path, file: Path) -> None:
         f"{file} hashes to {file_hash[:12]} but the run's revision chain starts at {root[:12]}: "
         "the file changed after the run started (git log -p -- FILE), or the run was started "
         "from another file",
-    )  # fmt: skip
+    )
 
 
 # -- 3. fingerprints -----------------------------------------------------------------------------
@@ -206,36 +223,52 @@ def _pinned_fingerprints(target: Target) -> Evidence:
             to_pin[field] = actual
             ev.fail(f"{field} is not pinned; {what} is {actual}")
         else:
-            ev.check(pin == actual, f"{field} pinned and equal to {what} ({actual[:12]})",
-                     f"{field} is pinned to {pin} but {what} is {actual}")  # fmt: skip
+            ev.check(
+                pin == actual,
+                f"{field} pinned and equal to {what} ({actual[:12]})",
+                f"{field} is pinned to {pin} but {what} is {actual}",
+            )
 
     if m.model.init_checkpoint is None:
         ev.na(f"model: no init checkpoint, initialised from seeds.model {m.seeds.model}")
     else:
         try:
             meta = read_weights_meta(Path(m.model.init_checkpoint), field="model.init_checkpoint")
-            pinned("model.fingerprint", m.model.fingerprint, meta["fingerprint"],
-                   f"the weights of {m.model.init_checkpoint}")  # fmt: skip
+            pinned(
+                "model.fingerprint",
+                m.model.fingerprint,
+                meta["fingerprint"],
+                f"the weights of {m.model.init_checkpoint}",
+            )
         except Fp8opsError as exc:
             ev.fail(str(exc))
     try:
         unpinned_tokenizer = m.tokenizer.model_copy(update={"fingerprint": None})
         what = "fp8ops' byte tokenizer" if m.tokenizer.kind == "byte" else str(m.tokenizer.path)
-        pinned("tokenizer.fingerprint", m.tokenizer.fingerprint,
-               tokenizer_for(unpinned_tokenizer).fingerprint(), what)  # fmt: skip
+        pinned(
+            "tokenizer.fingerprint",
+            m.tokenizer.fingerprint,
+            tokenizer_for(unpinned_tokenizer).fingerprint(),
+            what,
+        )
     except Fp8opsError as exc:
         ev.fail(str(exc))
     try:
         unpinned = m.model_copy(update={"data": m.data.model_copy(update={"fingerprint": None})})
-        pinned("data.fingerprint", m.data.fingerprint, build_data(unpinned).fingerprint,
-               "the data built from the manifest now")  # fmt: skip
+        pinned(
+            "data.fingerprint",
+            m.data.fingerprint,
+            build_data(unpinned).fingerprint,
+            "the data built from the manifest now",
+        )
     except Fp8opsError as exc:
         ev.fail(f"data: {exc}")
     if to_pin:
         sets = " ".join(f"--set {field}={value}" for field, value in to_pin.items())
         out = target.path.with_name(f"{target.path.stem}-pinned.yaml")
-        command = (f'fp8ops manifest derive {target.path} {sets} --reason "pin fingerprints" '
-                   f"--out {out}")  # fmt: skip
+        command = (
+            f'fp8ops manifest derive {target.path} {sets} --reason "pin fingerprints" --out {out}'
+        )
         ev.facts["pin_command"] = command
         ev.fail(f"pin them in a revision, then commit it: {command}")
     return ev
@@ -249,30 +282,47 @@ def _recorded_fingerprints(target: Target) -> Evidence:
     model, tokenizer, data = (info.get(k) or {} for k in ("model", "tokenizer", "data"))
     if model.get("init_checkpoint"):
         found = model.get("init_fingerprint")
-        how = ("verified at load" if model.get("init_verified")
-               else "not re-hashed at load: saved in a wider dtype than the run trains in")  # fmt: skip
-        ev.check(found is not None,
-                 f"model: run.json records the init checkpoint's weights {str(found)[:12]}, {how}",
-                 "model: run.json records no fingerprint of the init checkpoint")  # fmt: skip
+        how = (
+            "verified at load"
+            if model.get("init_verified")
+            else "not re-hashed at load: saved in a wider dtype than the run trains in"
+        )
+        ev.check(
+            found is not None,
+            f"model: run.json records the init checkpoint's weights {str(found)[:12]}, {how}",
+            "model: run.json records no fingerprint of the init checkpoint",
+        )
     else:
         found = model.get("initial_weights_fingerprint")
-        ev.check(found is not None, f"model: initial weights {str(found)[:12]} (from seeds.model)",
-                 "model: run.json records no initial weights fingerprint")  # fmt: skip
+        ev.check(
+            found is not None,
+            f"model: initial weights {str(found)[:12]} (from seeds.model)",
+            "model: run.json records no initial weights fingerprint",
+        )
     token = tokenizer.get("fingerprint")
-    if ev.check(token is not None, f"tokenizer: run.json records {str(token)[:12]}",
-                "tokenizer: run.json records no fingerprint"):  # fmt: skip
+    if ev.check(
+        token is not None,
+        f"tokenizer: run.json records {str(token)[:12]}",
+        "tokenizer: run.json records no fingerprint",
+    ):
         try:
             unpinned = m.tokenizer.model_copy(update={"fingerprint": None})
             token_now = tokenizer_for(unpinned).fingerprint()
         except Fp8opsError as exc:
             ev.fail(f"tokenizer: cannot be read now from the run's manifest: {exc}")
         else:
-            ev.check(token_now == token, "tokenizer: read now, it hashes the same",
-                     f"tokenizer: read now from the run's manifest it hashes to {token_now}, not "
-                     f"{token}: a resume would encode and decode otherwise")  # fmt: skip
+            ev.check(
+                token_now == token,
+                "tokenizer: read now, it hashes the same",
+                f"tokenizer: read now from the run's manifest it hashes to {token_now}, not "
+                f"{token}: a resume would encode and decode otherwise",
+            )
     recorded = data.get("fingerprint")
-    if not ev.check(recorded is not None, f"data: run.json records {str(recorded)[:12]}",
-                    "data: run.json records no fingerprint"):  # fmt: skip
+    if not ev.check(
+        recorded is not None,
+        f"data: run.json records {str(recorded)[:12]}",
+        "data: run.json records no fingerprint",
+    ):
         return ev
     try:
         unpinned = m.model_copy(update={"data": m.data.model_copy(update={"fingerprint": None})})
@@ -281,18 +331,25 @@ def _recorded_fingerprints(target: Target) -> Evidence:
         ev.fail(f"data: cannot be built now from the run's manifest: {exc}")
         return ev
     ev.facts.update(model=found, tokenizer=token, data={"recorded": recorded, "now": now})
-    ev.check(now == recorded, "data: built now from the run's manifest, it hashes the same",
-             f"data: built now from the run's manifest it hashes to {now}, not {recorded}: a "
-             "resume would train on other data")  # fmt: skip
+    ev.check(
+        now == recorded,
+        "data: built now from the run's manifest, it hashes the same",
+        f"data: built now from the run's manifest it hashes to {now}, not {recorded}: a "
+        "resume would train on other data",
+    )
     return ev
 
 
 # -- 6. per-layer telemetry ---------------------------------------------------------------------
 
-STATE_METRICS = tuple(f"{slot}.{m}" for slot in ("input", "weight", "grad_output")
-                      for m in ("amax", "scale"))  # fmt: skip
-CAST_METRICS = tuple(f"{slot}.{m}" for slot in ("input", "weight", "grad_output")
-                     for m in ("saturation", "underflow", "nan", "inf"))  # fmt: skip
+STATE_METRICS = tuple(
+    f"{slot}.{m}" for slot in ("input", "weight", "grad_output") for m in ("amax", "scale")
+)
+CAST_METRICS = tuple(
+    f"{slot}.{m}"
+    for slot in ("input", "weight", "grad_output")
+    for m in ("saturation", "underflow", "nan", "inf")
+)
 
 
 def telemetry(run_dir: Path, manifest: Manifest, last_step: int | None) -> Evidence:
@@ -316,8 +373,11 @@ def telemetry(run_dir: Path, manifest: Manifest, last_step: int | None) -> Evide
         ev.na(f"{run_dir}/layers.json admits no module to FP8")
         return ev
     missing = sorted(set(modules) - set(store.modules))
-    if not ev.check(not missing, f"{len(modules)} FP8 modules of layers.json in the store",
-                    f"FP8 modules without telemetry: {missing[:4]}"):  # fmt: skip
+    if not ev.check(
+        not missing,
+        f"{len(modules)} FP8 modules of layers.json in the store",
+        f"FP8 modules without telemetry: {missing[:4]}",
+    ):
         return ev
     cadence = manifest.telemetry
     for rank in store.ranks:
@@ -325,14 +385,16 @@ def telemetry(run_dir: Path, manifest: Manifest, last_step: int | None) -> Evide
     return ev
 
 
-def _rank_telemetry(ev, store, rank: int, modules: list[str], last_step: int | None,
-                    cadence) -> None:  # fmt: skip
+def _rank_telemetry(
+    ev, store, rank: int, modules: list[str], last_step: int | None, cadence
+) -> None:
     steps = store.steps(rank)
     last = steps[-1] if steps else None
-    if not ev.check(bool(steps) and (last_step is None or last >= last_step),
-                    f"rank {rank}: steps {steps.start}-{last} committed",
-                    f"rank {rank}: telemetry committed up to step {last}, the run is at "
-                    f"{last_step}"):  # fmt: skip
+    if not ev.check(
+        bool(steps) and (last_step is None or last >= last_step),
+        f"rank {rank}: steps {steps.start}-{last} committed",
+        f"rank {rank}: telemetry committed up to step {last}, the run is at {last_step}",
+    ):
         return
 
     def window(metric: str) -> np.ndarray:  # steps x modules
@@ -365,13 +427,15 @@ def _rank_telemetry(ev, store, rank: int, modules: list[str], last_step: int | N
         f"{cadence.every_steps}), FP8 error on the {sampled} due (every "
         f"{cadence.error_sample_every})",
         f"rank {rank}: " + "; ".join(problems[:4]),
-    )  # fmt: skip
+    )
 
 
 def _first_bad(metric: str, bad: np.ndarray, steps, modules: list[str], what: str) -> str:
     row, col = np.argwhere(bad)[0]
-    return (f"{metric} {what} for {int(bad.sum())} module-steps (first: {modules[col]} at step "
-            f"{steps[row]})")  # fmt: skip
+    return (
+        f"{metric} {what} for {int(bad.sum())} module-steps (first: {modules[col]} at step "
+        f"{steps[row]})"
+    )
 
 
 # -- 7. gates and alerts ---------------------------------------------------------------------------
@@ -388,25 +452,34 @@ def gates(target: Target) -> Evidence:
     raw, m = _raw_yaml(file), load_manifest(file)
     for section in ("gates", "alerts"):
         written = raw.get(section)
-        ev.check(isinstance(written, dict) and bool(written),
-                 f"{section}: written in {file} ({', '.join(sorted(written or {}))})",
-                 f"{file} writes no {section} section, so fp8ops' defaults would decide; write "
-                 f"the {section} you accept into the manifest")  # fmt: skip
+        ev.check(
+            isinstance(written, dict) and bool(written),
+            f"{section}: written in {file} ({', '.join(sorted(written or {}))})",
+            f"{file} writes no {section} section, so fp8ops' defaults would decide; write "
+            f"the {section} you accept into the manifest",
+        )
     ev.check(
         m.alerts.nonfinite_stop,
         "alerts.nonfinite_stop: true (Stop at the first NaN/Inf)",
         "alerts.nonfinite_stop is false: a NaN/Inf would not stop the run; set it to true",
     )
     g = m.gates
-    ev.ok(f"gates: loss_gap {g.loss_gap}, bucket_accuracy_gap {g.bucket_accuracy_gap}, "
-          f"allow_nonfinite {g.allow_nonfinite}, allow_skipped_steps {g.allow_skipped_steps}, "
-          f"min_bucket_items {g.min_bucket_items}, require_resume_continuity "
-          f"{g.require_resume_continuity}, resume_loss_jump {g.resume_loss_jump}")  # fmt: skip
+    ev.ok(
+        f"gates: loss_gap {g.loss_gap}, bucket_accuracy_gap {g.bucket_accuracy_gap}, "
+        f"allow_nonfinite {g.allow_nonfinite}, allow_skipped_steps {g.allow_skipped_steps}, "
+        f"min_bucket_items {g.min_bucket_items}, require_resume_continuity "
+        f"{g.require_resume_continuity}, resume_loss_jump {g.resume_loss_jump}"
+    )
     a = m.alerts
-    stops = {name: getattr(a, name).stop
-             for name in ("saturation", "underflow", "scale_change", "fp8_rel_error")}  # fmt: skip
-    ev.ok("alert stop levels: " + ", ".join(f"{k} {v}" for k, v in stops.items())
-          + f"; divergence x{a.divergence_factor} after {a.divergence_warmup_steps} steps, "
-          f"patience {a.patience_steps}")  # fmt: skip
+    stops = {
+        name: getattr(a, name).stop
+        for name in ("saturation", "underflow", "scale_change", "fp8_rel_error")
+    }
+    ev.ok(
+        "alert stop levels: "
+        + ", ".join(f"{k} {v}" for k, v in stops.items())
+        + f"; divergence x{a.divergence_factor} after {a.divergence_warmup_steps} steps, "
+        f"patience {a.patience_steps}"
+    )
     ev.facts.update(gates=g.model_dump(mode="json"), alert_stops=stops)
     return ev

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from fp8ops.preflight.checklist import Report
     from fp8ops.preflight.results import Item, ItemResult
 
-MARKS = {"pass": "✓", "fail": "✗", "n/a": "–", "skipped": "·"}
+MARKS = {"pass": "✓", "fail": "✗", "n/a": "–", "skipped": "·"}  # noqa: RUF001 - as printed
 
 
 def preflight_command(
@@ -81,14 +81,19 @@ def preflight_command(
     resolved = resolve_target(target)
     progress = _Progress(Console(stderr=True, highlight=False, markup=False))
     report = run_preflight(
-        resolved, Options(steps=steps, work_dir=work_dir, keep=keep, skip=skipped),
-        on_start=progress.start, on_done=progress.done, say=progress.say,
-    )  # fmt: skip
+        resolved,
+        Options(steps=steps, work_dir=work_dir, keep=keep, skip=skipped),
+        on_start=progress.start,
+        on_done=progress.done,
+        say=progress.say,
+    )
     out = Console(highlight=False, markup=False, width=None if sys.stdout.isatty() else 160)
     out.print(_table(report))
     counts = report.counts()
-    out.print(f"{target}: {counts['pass']} passed, {counts['fail']} failed, {counts['n/a']} n/a, "
-              f"{counts['skipped']} skipped in {report.seconds:.0f} s")  # fmt: skip
+    out.print(
+        f"{target}: {counts['pass']} passed, {counts['fail']} failed, {counts['n/a']} n/a, "
+        f"{counts['skipped']} skipped in {report.seconds:.0f} s"
+    )
     if counts["fail"]:
         failed = ", ".join(str(r.item.number) for r in report.results if r.outcome == "fail")
         out.print(f"NOT ready to launch: item(s) {failed} failed")

@@ -50,8 +50,9 @@ def fitted_changes(manifest: Manifest, steps: int) -> dict[str, Any]:
     fallbacks stay, as hand-written overrides: their approvals are in the run's ledger, and a
     resume refuses approvals its own ledger does not hold."""
     schedule = manifest.schedule
-    overrides = [{**o.model_dump(mode="json"), "approval": None}
-                 for o in manifest.precision.overrides]  # fmt: skip
+    overrides = [
+        {**o.model_dump(mode="json"), "approval": None} for o in manifest.precision.overrides
+    ]
     return {
         "precision.overrides": overrides,
         "schedule.train_steps": steps,
@@ -84,11 +85,11 @@ def derived(manifest: Manifest, changes: dict[str, Any], reason: str) -> Manifes
 class Rehearsal:
     """The rehearsal runs of one manifest in ``work_dir``; ``say`` reports what runs now."""
 
-    def __init__(self, manifest: Manifest, work_dir: Path, steps: int,
-                 say: Callable[[str], None]):  # fmt: skip
+    def __init__(self, manifest: Manifest, work_dir: Path, steps: int, say: Callable[[str], None]):
         self.work_dir, self.steps, self.half, self.say = Path(work_dir), steps, steps // 2, say
-        self.manifest = derived(manifest, fitted_changes(manifest, steps),
-                                f"preflight rehearsal: {steps} steps")  # fmt: skip
+        self.manifest = derived(
+            manifest, fitted_changes(manifest, steps), f"preflight rehearsal: {steps} steps"
+        )
         self.file = write_manifest(self.manifest, self.work_dir / "rehearsal.yaml")
         self.world_size = self.manifest.topology.world_size
         self._trained: dict[str, Path | RehearsalError] = {}
@@ -105,8 +106,9 @@ class Rehearsal:
 
     def paused(self) -> Path:
         """Stopped at K/2 with a checkpoint (status paused); resumes work on copies of it."""
-        return self._once("paused", f"{self.steps} steps, stopped at {self.half}",
-                          stop_at=self.half)  # fmt: skip
+        return self._once(
+            "paused", f"{self.steps} steps, stopped at {self.half}", stop_at=self.half
+        )
 
     def copy_of_paused(self, name: str) -> Path:
         copy = self.work_dir / name
@@ -126,8 +128,7 @@ class Rehearsal:
 
     # -- training, in this process or under torchrun ----------------------------------------
 
-    def train(self, file: Path, run_dir: Path, stop_at: int | None = None,
-              what: str = "") -> Path:  # fmt: skip
+    def train(self, file: Path, run_dir: Path, stop_at: int | None = None, what: str = "") -> Path:
         from fp8ops.manifest import load_manifest
         from fp8ops.train import run_training
 
@@ -143,8 +144,13 @@ class Rehearsal:
         )
         return run_dir
 
-    def resume(self, run_dir: Path, assignments: dict[str, Any] | None = None,
-               accept_drift: str | None = None, world_size: int | None = None) -> None:  # fmt: skip
+    def resume(
+        self,
+        run_dir: Path,
+        assignments: dict[str, Any] | None = None,
+        accept_drift: str | None = None,
+        world_size: int | None = None,
+    ) -> None:
         from fp8ops.train import resume_training
 
         args = ["resume", str(run_dir)]
@@ -161,8 +167,9 @@ class Rehearsal:
             ),
         )
 
-    def _fp8ops(self, args: list[str], world: int, log: str,
-                in_process: Callable[[], object]) -> None:  # fmt: skip
+    def _fp8ops(
+        self, args: list[str], world: int, log: str, in_process: Callable[[], object]
+    ) -> None:
         command = shlex.join(["fp8ops", *args])
         if world == 1:
             try:
@@ -171,16 +178,27 @@ class Rehearsal:
                 why = str(exc) if isinstance(exc, Fp8opsError) else f"{type(exc).__name__}: {exc}"
                 raise RehearsalError(f"`{command}` failed: {why}") from exc
             return
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc-per-node={world}", "-m", "fp8ops", *args, "--no-progress"]  # fmt: skip
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={world}",
+            "-m",
+            "fp8ops",
+            *args,
+            "--no-progress",
+        ]
         log_file = self.work_dir / "logs" / f"{log}.log"
         log_file.parent.mkdir(exist_ok=True)
         try:
-            done = subprocess.run(launcher, capture_output=True, text=True, check=False,
-                                  timeout=RUN_TIMEOUT_S)  # fmt: skip
+            done = subprocess.run(
+                launcher, capture_output=True, text=True, check=False, timeout=RUN_TIMEOUT_S
+            )
         except subprocess.TimeoutExpired:
-            raise RehearsalError(f"`torchrun --nproc-per-node {world} {command}` did not finish "
-                                 f"in {RUN_TIMEOUT_S} s") from None  # fmt: skip
+            raise RehearsalError(
+                f"`torchrun --nproc-per-node {world} {command}` did not finish in {RUN_TIMEOUT_S} s"
+            ) from None
         log_file.write_text(f"$ {shlex.join(launcher)}\n{done.stdout}{done.stderr}")
         if done.returncode:
             raise RehearsalError(
@@ -231,10 +249,12 @@ def _completed(ev: Evidence, run_dir: Path, steps: int, label: str) -> bool:
     from fp8ops.train.run_dir import read_status
 
     status = read_status(run_dir) or {}
-    return ev.check(status.get("state") == "completed" and status.get("step") == steps,
-                    f"{label} completed all {steps} steps ({run_dir.name}/status.json)",
-                    f"{label} is {status.get('state')} at step {status.get('step')}, not "
-                    f"completed at {steps} ({run_dir.name}/status.json)")  # fmt: skip
+    return ev.check(
+        status.get("state") == "completed" and status.get("step") == steps,
+        f"{label} completed all {steps} steps ({run_dir.name}/status.json)",
+        f"{label} is {status.get('state')} at step {status.get('step')}, not "
+        f"completed at {steps} ({run_dir.name}/status.json)",
+    )
 
 
 def _first_difference(a: dict[int, float], b: dict[int, float]) -> str:
@@ -274,16 +294,20 @@ def fp8_state_survives(r: Rehearsal) -> Evidence:
         ev.fail("losses differ: " + _first_difference(a, b))
     meta_a, meta_b = _final_meta(straight, r.steps), _final_meta(resumed, r.steps)
     digests_a, digests_b = meta_a.fp8.digests, meta_b.fp8.digests
-    differ = sorted(m for m in digests_a.keys() | digests_b.keys()
-                    if digests_a.get(m) != digests_b.get(m))  # fmt: skip
-    ev.check(not differ, f"FP8 state digests of all {len(digests_a)} modules bit-identical at "
-             f"step {r.steps}", f"FP8 state differs at step {r.steps} for {len(differ)} "
-             f"module(s): {differ[:3]}")  # fmt: skip
-    ev.check(meta_a.weights_fingerprint == meta_b.weights_fingerprint,
-             f"weights fingerprint bit-identical at step {r.steps} "
-             f"({meta_a.weights_fingerprint[:12]})",
-             f"weights differ at step {r.steps}: {meta_a.weights_fingerprint[:12]} vs "
-             f"{meta_b.weights_fingerprint[:12]}")  # fmt: skip
+    differ = sorted(
+        m for m in digests_a.keys() | digests_b.keys() if digests_a.get(m) != digests_b.get(m)
+    )
+    ev.check(
+        not differ,
+        f"FP8 state digests of all {len(digests_a)} modules bit-identical at step {r.steps}",
+        f"FP8 state differs at step {r.steps} for {len(differ)} module(s): {differ[:3]}",
+    )
+    ev.check(
+        meta_a.weights_fingerprint == meta_b.weights_fingerprint,
+        f"weights fingerprint bit-identical at step {r.steps} ({meta_a.weights_fingerprint[:12]})",
+        f"weights differ at step {r.steps}: {meta_a.weights_fingerprint[:12]} vs "
+        f"{meta_b.weights_fingerprint[:12]}",
+    )
     event = _resumed_event(resumed)
     if event is None:
         ev.fail(f"{resumed}/events.jsonl records no resume")
@@ -312,15 +336,20 @@ def bf16_control(r: Rehearsal) -> Evidence:
     a, b = _losses(first), _losses(second)
     ev.facts["losses"] = {"first": list(a.values()), "second": list(b.values())}
     seeds = control.seeds
-    ev.check(a == b and len(a) == r.steps,
-             f"two {control.precision.base_dtype} runs of {r.steps} steps (seeds model "
-             f"{seeds.model}, data {seeds.data}): losses bit-identical "
-             f"({', '.join(f'{v:.4f}' for v in a.values())})",
-             f"two runs from the same seeds differ ({_first_difference(a, b)}) or stopped short "
-             f"({len(a)} and {len(b)} of {r.steps} steps)")  # fmt: skip
+    ev.check(
+        a == b and len(a) == r.steps,
+        f"two {control.precision.base_dtype} runs of {r.steps} steps (seeds model "
+        f"{seeds.model}, data {seeds.data}): losses bit-identical "
+        f"({', '.join(f'{v:.4f}' for v in a.values())})",
+        f"two runs from the same seeds differ ({_first_difference(a, b)}) or stopped short "
+        f"({len(a)} and {len(b)} of {r.steps} steps)",
+    )
     wa, wb = (_final_meta(run, r.steps).weights_fingerprint for run in (first, second))
-    ev.check(wa == wb, f"weights fingerprint bit-identical at step {r.steps} ({wa[:12]})",
-             f"weights differ at step {r.steps}: {wa[:12]} vs {wb[:12]}")  # fmt: skip
+    ev.check(
+        wa == wb,
+        f"weights fingerprint bit-identical at step {r.steps} ({wa[:12]})",
+        f"weights differ at step {r.steps}: {wa[:12]} vs {wb[:12]}",
+    )
     return ev
 
 
@@ -343,8 +372,10 @@ def fallback(r: Rehearsal) -> Evidence:
         return ev
     ledger = Ledger(run)
     taken = {o.module for o in ledger.overrides().values() if o.is_open}  # e.g. an alert's
-    module = next((row.fqn for row in read_layers_json(run).table.rows
-                   if row.fp8 and row.fqn not in taken), None)  # fmt: skip
+    module = next(
+        (row.fqn for row in read_layers_json(run).table.rows if row.fp8 and row.fqn not in taken),
+        None,
+    )
     if module is None:
         ev.na("no FP8 module without an open override to rehearse with")
         return ev
@@ -361,9 +392,11 @@ def fallback(r: Rehearsal) -> Evidence:
     _completed(ev, run, r.steps, "the copy resumed with the fallback")
     after = {s: loss for s, loss in _losses(run).items() if s > r.half}
     finite = all(math.isfinite(loss) for loss in after.values())
-    ev.check(finite and len(after) == r.steps - r.half,
-             f"losses of steps {r.half + 1}-{r.steps} finite in BF16 fallback",
-             f"losses after the fallback: {after}")  # fmt: skip
+    ev.check(
+        finite and len(after) == r.steps - r.half,
+        f"losses of steps {r.half + 1}-{r.steps} finite in BF16 fallback",
+        f"losses after the fallback: {after}",
+    )
     table = _json(run / "fallbacks.json")
     entry = table.get(module, {})
     ev.check(
@@ -378,15 +411,19 @@ def fallback(r: Rehearsal) -> Evidence:
         f"layers.json: {module} {row.precision} ({row.reason.code}), not an override",
     )
     applied = ledger.get(staged.id)
-    ev.check(applied.status == "applied" and applied.applied_step == r.half + 1,
-             f"ledger: applied at step {applied.applied_step} by revision "
-             f"{(applied.applied_revision or '')[:12]}",
-             f"ledger: {applied.status}, applied_step {applied.applied_step}")  # fmt: skip
+    ev.check(
+        applied.status == "applied" and applied.applied_step == r.half + 1,
+        f"ledger: applied at step {applied.applied_step} by revision "
+        f"{(applied.applied_revision or '')[:12]}",
+        f"ledger: {applied.status}, applied_step {applied.applied_step}",
+    )
     before = _final_meta(r.paused(), r.half).fp8.digests[module]  # kept whatever keep_checkpoints
     after_digest = _final_meta(run, r.steps).fp8.digests[module]
-    ev.check(before == after_digest,
-             f"{module}: FP8 state frozen (digest at step {r.steps} = at step {r.half})",
-             f"{module}: FP8 state changed while in BF16")  # fmt: skip
+    ev.check(
+        before == after_digest,
+        f"{module}: FP8 state frozen (digest at step {r.steps} = at step {r.half})",
+        f"{module}: FP8 state changed while in BF16",
+    )
     return ev
 
 
@@ -416,8 +453,9 @@ def other_tensor_parallel(manifest: Manifest) -> tuple[int | None, list[str], li
             continue
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else None
         if gpus is not None and moved.topology.world_size > gpus:
-            too_big.append(f"TP {candidate} needs {moved.topology.world_size} GPUs, this "
-                           f"machine has {gpus}")  # fmt: skip
+            too_big.append(
+                f"TP {candidate} needs {moved.topology.world_size} GPUs, this machine has {gpus}"
+            )
             continue
         return candidate, indivisible, too_big
     return None, indivisible, too_big
@@ -443,8 +481,9 @@ def topology_change(r: Rehearsal) -> Evidence:
     try:
         straight = r.straight()
         run = r.copy_of_paused("topology")
-        r.resume(run, {"topology.tensor_parallel": new_tp}, accept_drift="preflight",
-                 world_size=world)  # fmt: skip
+        r.resume(
+            run, {"topology.tensor_parallel": new_tp}, accept_drift="preflight", world_size=world
+        )
     except RehearsalError as exc:
         ev.fail(str(exc))
         return ev
@@ -459,11 +498,17 @@ def topology_change(r: Rehearsal) -> Evidence:
     )
     if r.fp8:
         mapping = event.get("fp8_state")
-        ev.check(mapping in ("group0", "own"),
-                 f"FP8 state mapped onto TP {new_tp} ({mapping}: "
-                 + ("every rank took the one saved state group" if mapping == "group0" else
-                    "each rank read its own group") + "), verified against its digests at load",
-                 f"the resumed event records FP8 state mapping {mapping!r}")  # fmt: skip
+        ev.check(
+            mapping in ("group0", "own"),
+            f"FP8 state mapped onto TP {new_tp} ({mapping}: "
+            + (
+                "every rank took the one saved state group"
+                if mapping == "group0"
+                else "each rank read its own group"
+            )
+            + "), verified against its digests at load",
+            f"the resumed event records FP8 state mapping {mapping!r}",
+        )
     else:
         ev.na("precision.enabled is false: no FP8 state to map")
     a, b = _losses(straight), _losses(run)
@@ -472,11 +517,13 @@ def topology_change(r: Rehearsal) -> Evidence:
     # non-finite loss makes a NaN gap, which fails the check below.
     gaps = {s: abs(b[s] - a[s]) / max(abs(a[s]), 1e-12) for s in compared if s in a and s in b}
     ev.facts["relative_loss_gaps"] = gaps
-    ev.check(len(gaps) == len(compared) and all(g <= TP_LOSS_TOLERANCE for g in gaps.values()),
-             f"losses of steps {compared.start}-{compared[-1]} at TP {new_tp} within "
-             f"{TP_LOSS_TOLERANCE:.0%} of the straight run (largest gap "
-             f"{max(gaps.values(), default=0):.2e})",
-             f"losses after the TP change differ from the straight run by more than "
-             f"{TP_LOSS_TOLERANCE:.0%}: " + ", ".join(
-                 f"step {s}: {a.get(s)} vs {b.get(s)}" for s in compared))  # fmt: skip
+    ev.check(
+        len(gaps) == len(compared) and all(g <= TP_LOSS_TOLERANCE for g in gaps.values()),
+        f"losses of steps {compared.start}-{compared[-1]} at TP {new_tp} within "
+        f"{TP_LOSS_TOLERANCE:.0%} of the straight run (largest gap "
+        f"{max(gaps.values(), default=0):.2e})",
+        f"losses after the TP change differ from the straight run by more than "
+        f"{TP_LOSS_TOLERANCE:.0%}: "
+        + ", ".join(f"step {s}: {a.get(s)} vs {b.get(s)}" for s in compared),
+    )
     return ev

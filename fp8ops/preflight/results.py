@@ -82,11 +82,14 @@ class ItemResult:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "item": self.item.number, "key": self.item.key, "title": self.item.title,
-            "result": self.outcome, "seconds": round(self.seconds, 2),
+            "item": self.item.number,
+            "key": self.item.key,
+            "title": self.item.title,
+            "result": self.outcome,
+            "seconds": round(self.seconds, 2),
             "evidence": [{"result": f.outcome, "text": f.text} for f in self.evidence.findings],
             "facts": self.evidence.facts,
-        }  # fmt: skip
+        }
 
 
 def find_item(name: str) -> Item:

@@ -27,56 +27,69 @@ SLOTS = ("input", "weight", "grad_output")
 
 SLOT_METRICS = (
     Metric(
-        "amax", "|value|",
+        "amax",
+        "|value|",
         "The newest history entry, after the reduction: for input and grad_output the step's "
         "last micro-batch (their histories roll per micro-batch), for weight the step's cast.",
     ),
-    Metric("scale", "factor", "The scale in use after this step's update (fp8_max / amax / 2^margin)."),
     Metric(
-        "scale_inv", "factor",
+        "scale", "factor", "The scale in use after this step's update (fp8_max / amax / 2^margin)."
+    ),
+    Metric(
+        "scale_inv",
+        "factor",
         "1 / scale in float32, correctly rounded (as TE's cast computes it): what dequantisation "
         "multiplies by.",
     ),
     Metric(
-        "window_max", "|value|",
+        "window_max",
+        "|value|",
         "Largest amax in the history after this step's update: the newest L-1 amaxes, which the "
         "next update's window holds with its own (under `max`, what it will scale by at least). "
         "The scale in use also saw the amax that update rolled out, so it can be based on more. "
         "The history counts updates: micro-batches for input and grad_output, steps for weight.",
     ),
     Metric("window_p50", "|value|", "Median of the non-zero amaxes in the history window."),
-    Metric("window_p90", "|value|", "90th percentile of the non-zero amaxes in the history window."),
     Metric(
-        "scale_change", "ratio >= 1",
+        "window_p90", "|value|", "90th percentile of the non-zero amaxes in the history window."
+    ),
+    Metric(
+        "scale_change",
+        "ratio >= 1",
         "How far the scale moved since the previous step, either way: max(s/s', s'/s).",
     ),
     Metric("saturation", "fraction", "Elements clipped at the FP8 maximum in this step's casts."),
     Metric(
-        "underflow", "fraction",
+        "underflow",
+        "fraction",
         "Share of this step's cast elements that were non-zero and became zero (flushed).",
     ),
     Metric("nan", "count", "NaN elements in this step's casts (the cast keeps them)."),
     Metric("inf", "count", "Infinite elements in this step's casts (saturated to the FP8 max)."),
-)  # fmt: skip
+)
 
 MODULE_OWN_METRICS = (
     Metric("input_norm", "L2", "Norm of the module's input (this rank's view), last micro-batch."),
     Metric("weight_norm", "L2", "Norm of the module's weight shard on this rank."),
     Metric(
-        "grad_norm", "L2",
+        "grad_norm",
+        "L2",
         "Norm of this rank's weight-shard gradient, summed over micro-batches, before the "
         "data-parallel sum.",
     ),
     Metric("fp8_gemms", "count", "GEMMs the module ran in FP8 this step (3 per micro-batch)."),
     Metric("fallback_gemms", "count", "GEMMs it ran in higher precision this step."),
     Metric(
-        "fp8_rel_error", "ratio",
+        "fp8_rel_error",
+        "ratio",
         "||y_fp8 - y_ref|| / ||y_ref|| of the forward output against the base-dtype GEMM on the "
         "same input (at most telemetry.error_sample_tokens of its tokens, evenly spaced); "
         "measured every telemetry.error_sample_every steps, NaN otherwise.",
     ),
-    Metric("fp8_enabled", "0/1", "1 if the module ran FP8 (admitted), 0 if held in the base dtype."),
-)  # fmt: skip
+    Metric(
+        "fp8_enabled", "0/1", "1 if the module ran FP8 (admitted), 0 if held in the base dtype."
+    ),
+)
 
 MODULE_METRICS: tuple[Metric, ...] = (
     tuple(Metric(f"{slot}.{m.name}", m.unit, m.meaning) for slot in SLOTS for m in SLOT_METRICS)

@@ -33,8 +33,11 @@ from fp8ops.telemetry.catalogue import COLUMN, MODULE_METRIC_NAMES
 from fp8ops.telemetry.probe import Probe
 
 # (slot name in the catalogue, forward?, slot index in the FP8 state)
-_SLOTS = (("input", True, FWD_INPUT), ("weight", True, FWD_WEIGHT),
-          ("grad_output", False, BWD_GRAD_OUTPUT))  # fmt: skip
+_SLOTS = (
+    ("input", True, FWD_INPUT),
+    ("weight", True, FWD_WEIGHT),
+    ("grad_output", False, BWD_GRAD_OUTPUT),
+)
 
 
 class TelemetryCollector:

@@ -65,9 +65,14 @@ class Probe:
     def take(self) -> Probe:
         """This step's record; the probe starts the next step empty (same cadence flags)."""
         record = Probe(
-            self.measure, self.sample_error, self.fp8_gemms, self.fallback_gemms,
-            self.cast_logs, self.input_norm, self.rel_error,
-        )  # fmt: skip
+            self.measure,
+            self.sample_error,
+            self.fp8_gemms,
+            self.fallback_gemms,
+            self.cast_logs,
+            self.input_norm,
+            self.rel_error,
+        )
         self.fp8_gemms = self.fallback_gemms = 0
         self.cast_logs = []
         self.input_norm = self.rel_error = float("nan")

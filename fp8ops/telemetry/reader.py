@@ -112,9 +112,10 @@ class TelemetryRun:
                     continue  # a rank still creating its arrays: listed once it has a marker
                 written = attrs.get(WRITTEN_FROM)  # absent in stores older than the check
                 ranks[int(match.group(1))] = _Rank(
-                    int(attrs[COMMITTED]), int(attrs[HISTORY]),
+                    int(attrs[COMMITTED]),
+                    int(attrs[HISTORY]),
                     None if written is None else int(written),
-                )  # fmt: skip
+                )
             except Exception as e:
                 raise TelemetryError(
                     f"{entry}/zarr.json cannot be read ({type(e).__name__}: {e}); the store "
@@ -227,18 +228,27 @@ class TelemetryRun:
             name: (("step", "module"), module_values[:, :, k], about["module_metrics"].get(name))
             for k, name in enumerate(self.metrics)
         }
-        data_vars.update({
-            f"step.{name}": (("step",), step_values[:, k], about["step_metrics"].get(name))
-            for k, name in enumerate(self.step_metric_names)
-        })  # fmt: skip
+        data_vars.update(
+            {
+                f"step.{name}": (("step",), step_values[:, k], about["step_metrics"].get(name))
+                for k, name in enumerate(self.step_metric_names)
+            }
+        )
         return xr.Dataset(
             data_vars,
-            coords={"step": np.arange(self.first_step + lo, self.first_step + hi),
-                    "module": list(self.modules)},
-            attrs={"store": str(self.path), "rank": rank, "first_step": self.first_step,
-                   **{f"run.{k}": v for k, v in self.attrs.items()
-                      if isinstance(v, (str, int, float))}},
-        )  # fmt: skip
+            coords={
+                "step": np.arange(self.first_step + lo, self.first_step + hi),
+                "module": list(self.modules),
+            },
+            attrs={
+                "store": str(self.path),
+                "rank": rank,
+                "first_step": self.first_step,
+                **{
+                    f"run.{k}": v for k, v in self.attrs.items() if isinstance(v, (str, int, float))
+                },
+            },
+        )
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -317,8 +327,9 @@ class TelemetryRun:
 
     def _withdrawn(self, rank: int, name: str, row: int) -> bool:
         """Whether ``rank``'s marker on disk, read now, no longer covers ``row`` of ``name``."""
-        marker = zarr.open_group(self.path / rank_group(rank), mode="r", zarr_format=3,
-                                 use_consolidated=False).attrs.asdict()  # fmt: skip
+        marker = zarr.open_group(
+            self.path / rank_group(rank), mode="r", zarr_format=3, use_consolidated=False
+        ).attrs.asdict()
         return int(marker[HISTORY if name == MODULE_HISTORY else COMMITTED]) <= row
 
     def _lookup(self, name: str, index: dict[str, int], what: str) -> int:

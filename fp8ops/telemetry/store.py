@@ -558,8 +558,10 @@ class TelemetryWriter:
     def _write(self, item: _Flush) -> None:
         """Data first, marker last (the commit protocol in the module docstring)."""
         start, stop = item.start, item.stop
-        for array, rows in ((self._module_metrics, item.module_rows),
-                            (self._step_metrics, item.step_rows)):  # fmt: skip
+        for array, rows in (
+            (self._module_metrics, item.module_rows),
+            (self._step_metrics, item.step_rows),
+        ):
             if array.shape[0] < stop:
                 array.resize((stop, *array.shape[1:]))
             array[start:stop] = rows

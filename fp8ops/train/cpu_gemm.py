@@ -31,8 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fp8ops.errors import Fp8opsError
 
 _aten = torch.ops.aten
-GEMMS = frozenset({_aten.mm.default, _aten.bmm.default, _aten.addmm.default,
-                   _aten.baddbmm.default})  # fmt: skip
+GEMMS = frozenset({_aten.mm.default, _aten.bmm.default, _aten.addmm.default, _aten.baddbmm.default})
 
 
 def cpu_has_bf16_gemm() -> bool:
@@ -52,8 +51,10 @@ def cpu_bf16_gemm(device: torch.device) -> str | None:
     chosen = os.environ.get(CHOICE_VARIABLE)
     if chosen:
         if chosen not in CHOICES:
-            raise Fp8opsError(f"{CHOICE_VARIABLE}={chosen!r}: choose {' or '.join(CHOICES)}, "
-                              "or unset it to let the CPU decide")  # fmt: skip
+            raise Fp8opsError(
+                f"{CHOICE_VARIABLE}={chosen!r}: choose {' or '.join(CHOICES)}, "
+                "or unset it to let the CPU decide"
+            )
         return chosen
     return "native" if cpu_has_bf16_gemm() else "float32"
 

@@ -28,11 +28,12 @@ def export_weights(run_dir: Path, checkpoint: str | None, out: Path) -> dict:
     from fp8ops.train.distributed import init_distributed, shutdown_distributed
     from fp8ops.train.run_dir import read_metrics
 
-
     out = Path(out)
     if out.exists() or out.with_name(out.name + ".partial").exists():
-        raise Fp8opsError(f"--out {out}: already exists; fp8ops never writes over files, so "
-                          "choose a new directory")  # fmt: skip
+        raise Fp8opsError(
+            f"--out {out}: already exists; fp8ops never writes over files, so "
+            "choose a new directory"
+        )
     store = CheckpointDir(run_dir)
     if not store.complete():
         raise CheckpointError(f"{run_dir}: no checkpoints to export (no {store.path}/step_*)")
@@ -41,8 +42,10 @@ def export_weights(run_dir: Path, checkpoint: str | None, out: Path) -> dict:
     verify_files(source, meta.files)  # every file whole, as a resume checks
     manifest = load_manifest(source / "manifest.yaml")
     if manifest_hash(manifest) != meta.manifest:
-        raise CheckpointError(f"{source}/manifest.yaml is not the manifest the checkpoint names "
-                              f"({meta.manifest[:12]}); the checkpoint is damaged")  # fmt: skip
+        raise CheckpointError(
+            f"{source}/manifest.yaml is not the manifest the checkpoint names "
+            f"({meta.manifest[:12]}); the checkpoint is damaged"
+        )
     # One process: the weights are the same at any topology (Megatron reshards on load).
     one = manifest.topology.model_copy(update={"tensor_parallel": 1, "data_parallel": 1})
     alone = manifest.model_copy(update={"topology": one})
@@ -53,13 +56,17 @@ def export_weights(run_dir: Path, checkpoint: str | None, out: Path) -> dict:
         model = build_gpt(alone, recipe, device=ranks.device)
         missing, unexpected = weights.read_weights_into(model, source)
         if missing or unexpected:
-            raise CheckpointError(f"{source}: checkpoint and model disagree (missing "
-                                  f"{missing[:5]}, unexpected {unexpected[:5]})")  # fmt: skip
+            raise CheckpointError(
+                f"{source}: checkpoint and model disagree (missing "
+                f"{missing[:5]}, unexpected {unexpected[:5]})"
+            )
         tp_group = parallel_state.get_tensor_model_parallel_group()
         found = weights.weights_fingerprint(model, tp_group, scheme=meta.weights_fingerprint_scheme)
         if found != meta.weights_fingerprint:
-            raise CheckpointError(f"{source}: its weights hash to {found[:12]}, but they were "
-                                  f"saved as {meta.weights_fingerprint[:12]}")  # fmt: skip
+            raise CheckpointError(
+                f"{source}: its weights hash to {found[:12]}, but they were "
+                f"saved as {meta.weights_fingerprint[:12]}"
+            )
         losses = [m["loss"] for m in read_metrics(Path(run_dir)) if m["step"] == meta.step]
         written = {
             "architecture": weights.architecture(manifest.model),

@@ -49,14 +49,18 @@ def run_training(
         if Path(manifest_path).resolve() != (Path(run_dir) / "manifest.yaml").resolve():
             check_unedited(Path(run_dir))  # else the edit is the request, diffed as drift below
         plan = plan_resume(
-            Path(run_dir), manifest_path=Path(manifest_path), assignments=assignments,
-            accept_drift=accept_drift, after_stop=after_stop,
-        )  # fmt: skip
+            Path(run_dir),
+            manifest_path=Path(manifest_path),
+            assignments=assignments,
+            accept_drift=accept_drift,
+            after_stop=after_stop,
+        )
         return _resume(plan, str(manifest_path), progress, stop_at)
     manifest, lineage = _locked_manifest(Path(manifest_path), assignments or {})
     source = str(manifest_path)
-    return _run(manifest, lineage, source, Path(run_dir), progress, stop_at=stop_at,
-                start_over=resume)  # fmt: skip
+    return _run(
+        manifest, lineage, source, Path(run_dir), progress, stop_at=stop_at, start_over=resume
+    )
 
 
 def resume_training(
@@ -77,9 +81,12 @@ def resume_training(
         _refuse_if_complete(Path(run_dir))
     check_unedited(Path(run_dir))
     plan = plan_resume(
-        Path(run_dir), checkpoint=checkpoint, assignments=assignments, accept_drift=accept_drift,
+        Path(run_dir),
+        checkpoint=checkpoint,
+        assignments=assignments,
+        accept_drift=accept_drift,
         after_stop=after_stop,
-    )  # fmt: skip
+    )
     return _resume(plan, str(plan.checkpoint / "manifest.yaml"), progress, stop_at)
 
 
@@ -118,8 +125,17 @@ def _finished(run_dir: Path) -> bool:
     return status.get("state") == "completed" and (Path(run_dir) / "final" / META_FILE).is_file()
 
 
-def _run(manifest, lineage, source: str, run_dir: Path, progress: bool, *, plan=None,
-         stop_at: int | None = None, start_over: bool = False) -> TrainResult:  # fmt: skip
+def _run(
+    manifest,
+    lineage,
+    source: str,
+    run_dir: Path,
+    progress: bool,
+    *,
+    plan=None,
+    stop_at: int | None = None,
+    start_over: bool = False,
+) -> TrainResult:
     """Start the ranks and train: a new run (``plan`` None) or a resume. ``start_over``
     (``train --resume`` without a checkpoint): an unfinished attempt of the same manifest is
     set aside first instead of refusing the directory."""
@@ -146,17 +162,25 @@ def _run(manifest, lineage, source: str, run_dir: Path, progress: bool, *, plan=
             if start_over and ranks.is_main:
                 moved = RunDir.set_aside_unfinished(run_dir, manifest)
                 if moved is not None:
-                    print(f"{run_dir}: no checkpoint to resume from; the unfinished attempt "
-                          f"there was moved to {moved} and the run starts over", file=sys.stderr)
+                    print(
+                        f"{run_dir}: no checkpoint to resume from; the unfinished attempt "
+                        f"there was moved to {moved} and the run starts over",
+                        file=sys.stderr,
+                    )
             dist.barrier()
             if plan is None:
                 RunDir.check_free(run_dir, manifest)  # again, now that every rank is up
             dist.barrier()  # nobody checks after rank 0 has started writing
             try:
                 trainer = Trainer(
-                    manifest, lineage, Path(run_dir), ranks, progress=progress, resume=plan,
+                    manifest,
+                    lineage,
+                    Path(run_dir),
+                    ranks,
+                    progress=progress,
+                    resume=plan,
                     stop_request=stop_request,
-                )  # fmt: skip
+                )
             except ManifestError as exc:
                 if str(exc).startswith(source):
                     raise

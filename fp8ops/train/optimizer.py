@@ -102,8 +102,10 @@ class MainParamsOptimizer:
                 group["lr"] = lr
             # Float32 parameters are stepped in place: keep their old values to measure the step
             # (a float32 base dtype only; bf16/fp16 models compare against their own weights).
-            before = [p.detach().clone() if m is p else None
-                      for p, m in zip(self.model_params, self.main_params)]  # fmt: skip
+            before = [
+                p.detach().clone() if m is p else None
+                for p, m in zip(self.model_params, self.main_params)
+            ]
             self.inner.step()
             self.last_update_norm = self._global_norm(self._copy_back(before))
         else:

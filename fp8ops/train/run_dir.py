@@ -100,7 +100,11 @@ class RunDir:
             )
         resumable = (path / "checkpoints" / "latest").exists()
         if resumable and status.get("state") in (
-            "paused", "interrupted", "failed", "stopped", "running"
+            "paused",
+            "interrupted",
+            "failed",
+            "stopped",
+            "running",
         ):
             raise Fp8opsError(
                 f"--run-dir {str(path)!r} holds a {status.get('state')} run with checkpoints; "
@@ -175,8 +179,15 @@ class RunDir:
         return run
 
     @classmethod
-    def reopen(cls, path: Path, manifest: Manifest, new_revisions: list[Manifest], *,
-               step: int, checkpoint: str) -> RunDir:  # fmt: skip
+    def reopen(
+        cls,
+        path: Path,
+        manifest: Manifest,
+        new_revisions: list[Manifest],
+        *,
+        step: int,
+        checkpoint: str,
+    ) -> RunDir:
         """Continue a run in its own directory from ``checkpoint`` at ``step`` (a resume; rank 0
         only): the revisions the resume adds are stored and ``manifest.yaml`` becomes the one
         it is locked to."""
@@ -192,8 +203,9 @@ class RunDir:
             atomic_write_text(file, to_yaml(manifest))
         # A fresh status: an earlier attempt's error, alert, step or checkpoint is not this one's.
         run._status = {}
-        run.set_status("running", manifest=manifest_hash(manifest), step=step,
-                       resumed_from=checkpoint)  # fmt: skip
+        run.set_status(
+            "running", manifest=manifest_hash(manifest), step=step, resumed_from=checkpoint
+        )
         return run
 
     def release(self) -> None:
@@ -270,8 +282,11 @@ def locked_manifest(path: Path) -> Manifest:
     store = ManifestStore(Path(path) / "manifests")
     locked = status.get("manifest", digest)
     if digest != locked or not store.path_for(digest).exists():
-        restore = f"cp {store.path_for(locked)} {file}" if store.path_for(locked).exists() else (
-            "restore it from a copy")  # fmt: skip
+        restore = (
+            f"cp {store.path_for(locked)} {file}"
+            if store.path_for(locked).exists()
+            else ("restore it from a copy")
+        )
         raise Fp8opsError(
             f"{file} hashes to {digest[:12]}, but the run is locked to {locked[:12]} "
             f"({Path(path) / STATUS}, {store.directory}): the file was edited after the run "
@@ -344,8 +359,9 @@ def read_status(path: Path) -> dict[str, Any] | None:
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise Fp8opsError(f"{file}: not valid JSON ({exc}); the file is damaged") from None
     if not isinstance(status, dict):
-        raise Fp8opsError(f"{file}: holds a JSON {type(status).__name__}, not an object; the "
-                          "file is damaged")  # fmt: skip
+        raise Fp8opsError(
+            f"{file}: holds a JSON {type(status).__name__}, not an object; the file is damaged"
+        )
     return status
 
 

@@ -79,8 +79,10 @@ def stop_on_signals():
     def ask(signum, frame):
         request.ask(signal.Signals(signum).name)
 
-    previous = {signal.SIGUSR1: signal.signal(signal.SIGUSR1, ask),
-                signal.SIGTERM: signal.signal(signal.SIGTERM, ask)}  # fmt: skip
+    previous = {
+        signal.SIGUSR1: signal.signal(signal.SIGUSR1, ask),
+        signal.SIGTERM: signal.signal(signal.SIGTERM, ask),
+    }
     try:
         yield request
     finally:

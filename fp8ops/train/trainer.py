@@ -87,9 +87,12 @@ def _check_same_tokenizer(tokenizer, config, run_dir: Path, plan) -> None:
     now = tokenizer.fingerprint()
     if recorded is None or recorded == now:
         return
-    what = (f"tokenizer.path {config.path} (its bytes or the end-of-document token "
-            f"{tokenizer.eod_token!r})" if tokenizer.kind != "byte"
-            else "fp8ops' byte tokenizer (another fp8ops version)")  # fmt: skip
+    what = (
+        f"tokenizer.path {config.path} (its bytes or the end-of-document token "
+        f"{tokenizer.eod_token!r})"
+        if tokenizer.kind != "byte"
+        else "fp8ops' byte tokenizer (another fp8ops version)"
+    )
     raise DriftRefused(
         f"refusing to resume from {plan.checkpoint}: {what} changed since the run started "
         f"(run.json records tokenizer fingerprint {recorded[:12]}, it now hashes to {now[:12]}); "
@@ -110,12 +113,16 @@ def _check_same_data(data, run_dir: Path, plan) -> None:
         return
     # What the record says the data came from, against now: the file's sha256, the corpus.
     before, after = recorded.get("source") or {}, data.source
-    changed = [f"{key} {str(before.get(key))[:12]} -> {str(after.get(key))[:12]}"
-               for key in sorted(before.keys() | after.keys())
-               if key != "path" and before.get(key) != after.get(key)]  # fmt: skip
+    changed = [
+        f"{key} {str(before.get(key))[:12]} -> {str(after.get(key))[:12]}"
+        for key in sorted(before.keys() | after.keys())
+        if key != "path" and before.get(key) != after.get(key)
+    ]
     origin = f"data.path {after['path']}" if "path" in after else f"data.kind {data.kind}"
-    hashes = (f"run.json records data fingerprint {recorded['fingerprint'][:12]}, the data now "
-              f"hash to {data.fingerprint[:12]}")  # fmt: skip
+    hashes = (
+        f"run.json records data fingerprint {recorded['fingerprint'][:12]}, the data now "
+        f"hash to {data.fingerprint[:12]}"
+    )
     raise DriftRefused(
         f"refusing to resume from {plan.checkpoint}: the training data changed since the run "
         f"started ({origin}: {'; '.join([*changed, hashes])}), and the sampler's position means "
@@ -125,18 +132,27 @@ def _check_same_data(data, run_dir: Path, plan) -> None:
 
 
 def _from_these_weights(plan) -> str:
-    return (f", from this checkpoint's weights if you want them: fp8ops checkpoints export "
-            f"{plan.run_dir} --checkpoint {plan.step} --out DIR, then model.init_checkpoint: "
-            "DIR")  # fmt: skip
+    return (
+        f", from this checkpoint's weights if you want them: fp8ops checkpoints export "
+        f"{plan.run_dir} --checkpoint {plan.step} --out DIR, then model.init_checkpoint: "
+        "DIR"
+    )
 
 
 class Trainer:
     """One run: the model, its data, optimizer and FP8 scope, and the run directory."""
 
     def __init__(
-        self, manifest: Manifest, lineage: list[Manifest] | None, run_dir: Path, ranks: Ranks,
-        *, progress: bool = True, resume=None, stop_request=None,
-    ):  # fmt: skip
+        self,
+        manifest: Manifest,
+        lineage: list[Manifest] | None,
+        run_dir: Path,
+        ranks: Ranks,
+        *,
+        progress: bool = True,
+        resume=None,
+        stop_request=None,
+    ):
         """``lineage``: the manifest's revisions, root first, for a new run; ``resume``: a
         :class:`~fp8ops.checkpoint.ResumePlan` to continue a run from instead; ``stop_request``:
         a :class:`~fp8ops.train.signals.StopRequest` polled at every step boundary."""
@@ -180,16 +196,21 @@ class Trainer:
         )
         asked, held = manifest.capability.items, len(self.capability_examples)
         if ranks.is_main and held and asked is not None and asked > held:  # said, not silent
-            print(f"warning: capability.items is {asked}, but the eval split holds {held} items; "
-                  "all of them are evaluated", file=sys.stderr)  # fmt: skip
+            print(
+                f"warning: capability.items is {asked}, but the eval split holds {held} items; "
+                "all of them are evaluated",
+                file=sys.stderr,
+            )
         self.capability_accuracy: float | None = None
         schedule = manifest.schedule
         self.sampler = TrainSampler(
-            self.data.train, seed=manifest.seeds.data,
+            self.data.train,
+            seed=manifest.seeds.data,
             global_batch_size=schedule.global_batch_size,
             micro_batch_size=schedule.micro_batch_size,
-            dp_rank=ranks.dp_rank, dp_size=manifest.topology.data_parallel,
-        )  # fmt: skip
+            dp_rank=ranks.dp_rank,
+            dp_size=manifest.topology.data_parallel,
+        )
 
         precision = manifest.precision
         self.recipe = DelayedScalingRecipe.from_precision(precision)
@@ -221,8 +242,10 @@ class Trainer:
         )
         self.fp8_layout = Fp8Layout.for_run(
             fp8=precision.enabled and bool(self.collector.names),
-            reduce_amax=precision.reduce_amax, topology=manifest.topology, ranks=ranks,
-        )  # fmt: skip
+            reduce_amax=precision.reduce_amax,
+            topology=manifest.topology,
+            ranks=ranks,
+        )
         if resume is not None:
             self._check_admission(resume)
             self._load_checkpoint(resume)  # loaded and verified before anything is written
@@ -234,18 +257,25 @@ class Trainer:
         elif resume is None:
             self.run = RunDir.claim(run_dir, manifest, lineage)
         else:
-            self.run = RunDir.reopen(run_dir, manifest, resume.new_revisions, step=resume.step,
-                                     checkpoint=resume.checkpoint.name)  # fmt: skip
+            self.run = RunDir.reopen(
+                run_dir,
+                manifest,
+                resume.new_revisions,
+                step=resume.step,
+                checkpoint=resume.checkpoint.name,
+            )
         try:
             if ranks.is_main:
                 from fp8ops.overrides import Ledger
 
                 self.ledger = Ledger(self.run.path)
                 write_layers_json(
-                    self.run.path, self.admission, self.recipe,
+                    self.run.path,
+                    self.admission,
+                    self.recipe,
                     tensor_parallel=manifest.topology.tensor_parallel,
                     manifest_hash=manifest_hash(manifest),
-                )  # fmt: skip
+                )
             if resume is None:
                 self._record_run_info(self.amax_group)
             else:
@@ -285,8 +315,9 @@ class Trainer:
                     if finished == stop_at:
                         return self._pause(finished, losses, last_eval, started, "stop-at")
                     if self.stop_request is not None and self.stop_request.agreed(self.run.path):
-                        return self._pause(finished, losses, last_eval, started,
-                                           self.stop_request.reason)  # fmt: skip
+                        return self._pause(
+                            finished, losses, last_eval, started, self.stop_request.reason
+                        )
                     if finished % schedule.checkpoint_interval == 0:
                         self.save_checkpoint(finished, "periodic")
             if self.telemetry is not None:  # the last steps reach the disk before "completed"
@@ -306,10 +337,16 @@ class Trainer:
             raise
         seconds = self._completed(started)
         return TrainResult(
-            self.run.path, schedule.train_steps, losses[0], losses[-1], last_eval, seconds,
-            first_step=self.start_step + 1, resume_summary=self._resume_summary(),
+            self.run.path,
+            schedule.train_steps,
+            losses[0],
+            losses[-1],
+            last_eval,
+            seconds,
+            first_step=self.start_step + 1,
+            resume_summary=self._resume_summary(),
             capability_accuracy=self.capability_accuracy,
-        )  # fmt: skip
+        )
 
     def finish(self) -> TrainResult:
         """Complete a run whose checkpoint is at its last step but which never wrote its final
@@ -341,9 +378,16 @@ class Trainer:
             raise
         seconds = self._completed(started)
         return TrainResult(
-            self.run.path, steps, last_loss, last_loss, last_eval, seconds, first_step=steps + 1,
-            resume_summary=self._resume_summary(), capability_accuracy=self.capability_accuracy,
-        )  # fmt: skip
+            self.run.path,
+            steps,
+            last_loss,
+            last_loss,
+            last_eval,
+            seconds,
+            first_step=steps + 1,
+            resume_summary=self._resume_summary(),
+            capability_accuracy=self.capability_accuracy,
+        )
 
     def _completed(self, started: float) -> float:
         """Mark the run completed (final weights written); the seconds since ``started``."""
@@ -360,8 +404,9 @@ class Trainer:
         logged = {r["step"]: r["loss"] for r in read_metrics(self.run.path)}
         return logged.get(step, float("nan"))
 
-    def _pause(self, step: int, losses: list[float], last_eval, started: float,
-               why: str) -> TrainResult:  # fmt: skip
+    def _pause(
+        self, step: int, losses: list[float], last_eval, started: float, why: str
+    ) -> TrainResult:
         """Stop at a step boundary with a checkpoint, ready for ``fp8ops resume``: ``--stop-at``
         (status paused) or a stop request (status interrupted: requeue)."""
         requested = why != "stop-at"
@@ -375,10 +420,18 @@ class Trainer:
             (self.run.path / REQUEST_FILE).unlink(missing_ok=True)  # answered
         seconds = time.perf_counter() - started
         return TrainResult(
-            self.run.path, step, losses[0], losses[-1], last_eval, seconds,
-            first_step=self.start_step + 1, paused=True, resume_summary=self._resume_summary(),
-            interrupted_by=why if requested else None, capability_accuracy=self.capability_accuracy,
-        )  # fmt: skip
+            self.run.path,
+            step,
+            losses[0],
+            losses[-1],
+            last_eval,
+            seconds,
+            first_step=self.start_step + 1,
+            paused=True,
+            resume_summary=self._resume_summary(),
+            interrupted_by=why if requested else None,
+            capability_accuracy=self.capability_accuracy,
+        )
 
     def train_step(self, step: int) -> dict:
         """One optimizer step over the global batch; returns its metrics record."""
@@ -488,7 +541,10 @@ class Trainer:
         try:
             with self._held_out():
                 predictions = evaluate_capability(
-                    self.model, self.capability_examples, self.manifest, self.tokenizer,
+                    self.model,
+                    self.capability_examples,
+                    self.manifest,
+                    self.tokenizer,
                     fp8=self._fp8,
                 )
         except Exception as exc:  # noqa: BLE001 - any failure of the measurement, not of training
@@ -500,8 +556,12 @@ class Trainer:
         self.capability_accuracy = score(predictions)["accuracy"]
         if self.ranks.is_main:
             write_capability(self.run.path, step, predictions, seconds)
-            self.run.event("capability_evaluated", step=step,
-                           accuracy=self.capability_accuracy, seconds=round(seconds, 3))  # fmt: skip
+            self.run.event(
+                "capability_evaluated",
+                step=step,
+                accuracy=self.capability_accuracy,
+                seconds=round(seconds, 3),
+            )
         return self.capability_accuracy
 
     @contextlib.contextmanager
@@ -566,15 +626,21 @@ class Trainer:
             # Degrade proposes a BF16 override into the ledger, where an operator reviews it.
             for proposal in self.alert_engine.proposals(everyone):
                 triggers = [
-                    Alert.from_json(a) for a in everyone
-                    if a.get("module") == proposal.module and a["step"] == proposal.step
+                    Alert.from_json(a)
+                    for a in everyone
+                    if a.get("module") == proposal.module
+                    and a["step"] == proposal.step
                     and a.get("metric") is not None
-                ]  # fmt: skip
+                ]
                 try:
                     self.ledger.propose(proposal.module, proposal.reason, triggers, proposal.step)
                 except Fp8opsError as exc:  # an operator's damaged ledger must not end training
-                    self.run.event("proposal_not_recorded", module=proposal.module,
-                                   step=proposal.step, error=str(exc))  # fmt: skip
+                    self.run.event(
+                        "proposal_not_recorded",
+                        module=proposal.module,
+                        step=proposal.step,
+                        error=str(exc),
+                    )
         stops = [a for a in everyone if a["level"] == "stop"]
         if stops:
             raise StopRun(stops[0]["message"], stops)
@@ -592,12 +658,15 @@ class Trainer:
             dist.barrier()  # rank 0 may have rewritten nothing yet; all ranks see one store
             try:
                 if (path / rank_group(self.ranks.rank)).exists():
-                    return TelemetryWriter.resume(path, rank=self.ranks.rank,
-                                                  next_step=self.start_step + 1)  # fmt: skip
+                    return TelemetryWriter.resume(
+                        path, rank=self.ranks.rank, next_step=self.start_step + 1
+                    )
                 return TelemetryWriter.join(
-                    path, rank=self.ranks.rank, next_step=self.start_step + 1,
+                    path,
+                    rank=self.ranks.rank,
+                    next_step=self.start_step + 1,
                     flush_every=self.manifest.telemetry.flush_steps,
-                )  # fmt: skip
+                )
             except TelemetryError as exc:
                 raise TelemetryError(
                     f"{exc}. The checkpoint is not affected: to resume without the damaged "
@@ -606,16 +675,21 @@ class Trainer:
                 ) from None
         if self.resume is not None and self.resume.meta.telemetry_committed and self.ranks.is_main:
             # The run had a store and it is gone: say so, rather than start a new one quietly.
-            message = (f"{path} is missing, though the checkpoint's run had committed telemetry "
-                       f"up to step {self.resume.meta.telemetry_committed}; a new store records "
-                       f"from step {self.start_step + 1}")  # fmt: skip
+            message = (
+                f"{path} is missing, though the checkpoint's run had committed telemetry "
+                f"up to step {self.resume.meta.telemetry_committed}; a new store records "
+                f"from step {self.start_step + 1}"
+            )
             print(f"warning: {message}", file=sys.stderr)
             self.run.event("telemetry_restarted", message=message)
         return TelemetryWriter(
-            path, rank=self.ranks.rank, first_step=self.start_step + 1,
-            modules=self.collector.names, flush_every=self.manifest.telemetry.flush_steps,
+            path,
+            rank=self.ranks.rank,
+            first_step=self.start_step + 1,
+            modules=self.collector.names,
+            flush_every=self.manifest.telemetry.flush_steps,
             attrs={"manifest": manifest_hash(self.manifest), "world_size": self.ranks.world_size},
-        )  # fmt: skip
+        )
 
     def _close_telemetry_after(self, failure: BaseException) -> None:
         """Flush telemetry on a failure path; a writer error then is recorded, not raised, so
@@ -650,13 +724,18 @@ class Trainer:
             committed = self.telemetry.next_step - 1
         topology = self.manifest.topology
         path, seconds = save_checkpoint(
-            self._parts(), self.run.path, step=step, reason=reason, manifest=self.manifest,
+            self._parts(),
+            self.run.path,
+            step=step,
+            reason=reason,
+            manifest=self.manifest,
             revisions=self._revision_hashes(),
             environment=environment_fingerprint(),
             topology=TopologyRecord(
                 tensor_parallel=topology.tensor_parallel,
                 pipeline_parallel=topology.pipeline_parallel,
-                data_parallel=topology.data_parallel, world_size=self.ranks.world_size,
+                data_parallel=topology.data_parallel,
+                world_size=self.ranks.world_size,
                 amax_reduction=topology.amax_reduction,
                 reduce_amax=self.manifest.precision.reduce_amax,
             ),
@@ -664,19 +743,24 @@ class Trainer:
             sampler=self.sampler.state_dict(),
             telemetry_committed=committed,
             keep=self.manifest.schedule.keep_checkpoints,
-        )  # fmt: skip
-        self._event("checkpoint_saved", step=step, path=path.name, reason=reason,
-                    seconds=round(seconds, 3))  # fmt: skip
+        )
+        self._event(
+            "checkpoint_saved", step=step, path=path.name, reason=reason, seconds=round(seconds, 3)
+        )
         return path
 
     def _parts(self):
         from fp8ops.checkpoint.training import TrainingParts
 
         return TrainingParts(
-            model=self.model, optimizer=self.optimizer, fp8_modules=self.collector.modules,
-            alert_engine=self.alert_engine, layout=self.fp8_layout, ranks=self.ranks,
+            model=self.model,
+            optimizer=self.optimizer,
+            fp8_modules=self.collector.modules,
+            alert_engine=self.alert_engine,
+            layout=self.fp8_layout,
+            ranks=self.ranks,
             tp_group=self.tp_group,
-        )  # fmt: skip
+        )
 
     def _load_checkpoint(self, plan) -> None:
         """Load the plan's checkpoint into the model, optimizer, FP8 state, data position and
@@ -684,10 +768,13 @@ class Trainer:
         from fp8ops.checkpoint.training import load_checkpoint
 
         self._load_seconds = load_checkpoint(
-            self._parts(), plan.checkpoint, plan.meta, fp8_read=plan.fp8_read,
+            self._parts(),
+            plan.checkpoint,
+            plan.meta,
+            fp8_read=plan.fp8_read,
             # Windows of another shape (another alert configuration) start empty instead.
             alert_windows=plan.saved_manifest.alerts == self.manifest.alerts,
-        )  # fmt: skip
+        )
         self.sampler.load_state_dict(plan.meta.sampler)
         self._carried_scales = self._carry_scales(plan)
         self.collector.seed_previous_scales()  # the next row's scale_change continues
@@ -725,17 +812,24 @@ class Trainer:
         if self.stop_request is not None and self.stop_request.stale_file(self.run.path):
             (self.run.path / REQUEST_FILE).unlink()  # a request the last attempt never saw
         self.run.event(
-            "resumed", step=plan.step, checkpoint=plan.checkpoint.name, manifest=digest,
+            "resumed",
+            step=plan.step,
+            checkpoint=plan.checkpoint.name,
+            manifest=digest,
             new_revisions=[manifest_hash(m) for m in plan.new_revisions],
-            drift=plan.drift.to_json(), accepted=plan.accepted_reason, after_stop=plan.after_stop,
+            drift=plan.drift.to_json(),
+            accepted=plan.accepted_reason,
+            after_stop=plan.after_stop,
             cpu_bf16_gemm=self.cpu_bf16_gemm,
             overrides_applied=[o.module for o in plan.applied_overrides],
             overrides_lifted=[o.module for o in plan.lifted_overrides],
             superseded=[p.name for p in superseded],
-            fp8_state=plan.fp8_read, scales_carried=self._carried_scales,
+            fp8_state=plan.fp8_read,
+            scales_carried=self._carried_scales,
             environment=environment_fingerprint(),
-            command=sys.argv, load_seconds=round(self._load_seconds, 3),
-        )  # fmt: skip
+            command=sys.argv,
+            load_seconds=round(self._load_seconds, 3),
+        )
 
     def _write_fallbacks(self) -> None:
         """``fallbacks.json``: module -> dtype, reason, the step it took effect, revision. An
@@ -751,10 +845,12 @@ class Trainer:
                 table[override.module] = earlier
                 continue
             table[override.module] = {
-                "dtype": override.dtype, "reason": override.reason,
-                "approval": override.approval, "from_step": self.start_step + 1,
+                "dtype": override.dtype,
+                "reason": override.reason,
+                "approval": override.approval,
+                "from_step": self.start_step + 1,
                 "revision": manifest_hash(self.manifest),
-            }  # fmt: skip
+            }
         self.run.write_json("fallbacks.json", table)
 
     def _check_admission(self, plan) -> None:
@@ -769,11 +865,13 @@ class Trainer:
             plan.drift.changes.append(change)  # recorded in the resumed event
             plan.accepted_reason = plan.accept_drift
             return
-        raise refuse(Drift([change]), str(plan.checkpoint),
+        raise refuse(
+            Drift([change]),
+            str(plan.checkpoint),
             "The manifest is unchanged, so the admission rules themselves changed (another "
             "fp8ops version?); compare with `fp8ops inspect RUN_DIR --layers`, then accept the "
             'change with --accept-drift "reason"',
-        )  # fmt: skip
+        )
 
     def _admission_hash(self) -> str | None:
         from fp8ops.admission import RecipeRecord, table_hash
@@ -810,8 +908,10 @@ class Trainer:
             lines.append(f"accepted drift: {plan.drift.summary()} ({plan.accepted_reason})")
         lines += [f"fallback: {o.module} -> bf16 ({o.reason})" for o in plan.applied_overrides]
         lines += [f"lifted: {o.module} -> fp8" for o in plan.lifted_overrides]
-        lines += [f"{direction} scales carried to the new recipe: x{factor:g}"
-                  for direction, factor in self._carried_scales.items()]  # fmt: skip
+        lines += [
+            f"{direction} scales carried to the new recipe: x{factor:g}"
+            for direction, factor in self._carried_scales.items()
+        ]
         metrics = read_metrics(self.run.path)
         before = [m["tokens_per_s"] for m in metrics if plan.step - 20 < m["step"] <= plan.step]
         after = [m["tokens_per_s"] for m in metrics if plan.step < m["step"] <= plan.step + 20]
@@ -819,8 +919,10 @@ class Trainer:
             b, a = float(np.median(before)), float(np.median(after))
             # Each process's first steps warm up: a median of a handful of steps is mostly them.
             change = f" ({a / b - 1:+.1%})" if min(len(before), len(after)) >= 5 else ""
-            lines.append(f"tokens/s: median {b:,.0f} over the {len(before)} steps before, "
-                         f"{a:,.0f} over the {len(after)} after{change}")  # fmt: skip
+            lines.append(
+                f"tokens/s: median {b:,.0f} over the {len(before)} steps before, "
+                f"{a:,.0f} over the {len(after)} after{change}"
+            )
         return lines
 
     def check_fp8_agreement(self, step: int) -> str | None:
@@ -891,9 +993,12 @@ class Trainer:
         if path is None:
             return None
         meta = weights.load_weights(
-            self.model, Path(path), self.manifest.model,
-            tp_group=self.tp_group, field="model.init_checkpoint",
-        )  # fmt: skip
+            self.model,
+            Path(path),
+            self.manifest.model,
+            tp_group=self.tp_group,
+            field="model.init_checkpoint",
+        )
         wanted = self.manifest.model.fingerprint
         if wanted is not None and wanted != meta["fingerprint"]:
             raise ManifestError(
@@ -915,40 +1020,52 @@ class Trainer:
             initial = weights.weights_fingerprint(self.model, self.tp_group, scheme=scheme)
         if not self.ranks.is_main:
             return
-        self.run.write_json("run.json", {
-            "manifest": manifest_hash(manifest),
-            "revision": manifest.revision.number,
-            "command": sys.argv,
-            "environment": environment_fingerprint(),
-            "cpu_bf16_gemm": self.cpu_bf16_gemm,
-            "topology": {
-                "tensor_parallel": topology.tensor_parallel,
-                "pipeline_parallel": topology.pipeline_parallel,
-                "data_parallel": topology.data_parallel,
-                "world_size": self.ranks.world_size,
-                "amax_reduction": topology.amax_reduction,
-                "amax_reduction_ranks": dist.get_process_group_ranks(amax_group),
+        self.run.write_json(
+            "run.json",
+            {
+                "manifest": manifest_hash(manifest),
+                "revision": manifest.revision.number,
+                "command": sys.argv,
+                "environment": environment_fingerprint(),
+                "cpu_bf16_gemm": self.cpu_bf16_gemm,
+                "topology": {
+                    "tensor_parallel": topology.tensor_parallel,
+                    "pipeline_parallel": topology.pipeline_parallel,
+                    "data_parallel": topology.data_parallel,
+                    "world_size": self.ranks.world_size,
+                    "amax_reduction": topology.amax_reduction,
+                    "amax_reduction_ranks": dist.get_process_group_ranks(amax_group),
+                },
+                "seeds": manifest.seeds.model_dump(),
+                "model": {
+                    "config_fingerprint": weights.architecture_fingerprint(manifest.model),
+                    "init_checkpoint": manifest.model.init_checkpoint,
+                    "init_fingerprint": self.base["fingerprint"] if self.base else None,
+                    "init_fingerprint_scheme": self.base["fingerprint_scheme"]
+                    if self.base
+                    else None,
+                    "init_verified": self.base["verified"] if self.base else None,
+                    "initial_weights_fingerprint": initial,
+                    "initial_weights_fingerprint_scheme": scheme,
+                    "parameters": sum(p.numel() for p in self.model.parameters()),
+                },
+                "tokenizer": {
+                    "kind": manifest.tokenizer.kind,
+                    "fingerprint": self.data.source["tokenizer_fingerprint"],
+                },
+                "data": {
+                    **self.data.summary(),
+                    "fingerprint": self.data.fingerprint,
+                    "sampler": self.sampler.describe(),
+                },
+                "admission": {
+                    "fp8_modules": sum(r.precision == "fp8" for r in self.admission.rows)
+                },
+                # Which kernels cast (FP8OPS_COMPILED_CASTS, FP8OPS_CAST_KERNEL, or TE's own): the
+                # same bits either way, so not part of the environment a resume compares.
+                "fp8_casts": _fp8_casts(manifest.precision, self.device),
             },
-            "seeds": manifest.seeds.model_dump(),
-            "model": {
-                "config_fingerprint": weights.architecture_fingerprint(manifest.model),
-                "init_checkpoint": manifest.model.init_checkpoint,
-                "init_fingerprint": self.base["fingerprint"] if self.base else None,
-                "init_fingerprint_scheme": self.base["fingerprint_scheme"] if self.base else None,
-                "init_verified": self.base["verified"] if self.base else None,
-                "initial_weights_fingerprint": initial,
-                "initial_weights_fingerprint_scheme": scheme,
-                "parameters": sum(p.numel() for p in self.model.parameters()),
-            },
-            "tokenizer": {"kind": manifest.tokenizer.kind,
-                          "fingerprint": self.data.source["tokenizer_fingerprint"]},
-            "data": {**self.data.summary(), "fingerprint": self.data.fingerprint,
-                     "sampler": self.sampler.describe()},
-            "admission": {"fp8_modules": sum(r.precision == "fp8" for r in self.admission.rows)},
-            # Which kernels cast (FP8OPS_COMPILED_CASTS, FP8OPS_CAST_KERNEL, or TE's own): the
-            # same bits either way, so not part of the environment a resume compares.
-            "fp8_casts": _fp8_casts(manifest.precision, self.device),
-        })  # fmt: skip
+        )
         self.run.event("run_started", manifest=manifest_hash(manifest))
 
     def _save_final_weights(self, checkpoint: Path, last_loss: float) -> None:
@@ -1005,10 +1122,14 @@ class Trainer:
         console = Console(stderr=True, highlight=False)
         live = self.progress and console.is_terminal
         bar = Progress(
-            TextColumn("step"), MofNCompleteColumn(), BarColumn(),
-            TextColumn("loss {task.fields[loss]}  {task.fields[tps]} tok/s"), TimeElapsedColumn(),
-            console=console, disable=not live,
-        )  # fmt: skip
+            TextColumn("step"),
+            MofNCompleteColumn(),
+            BarColumn(),
+            TextColumn("loss {task.fields[loss]}  {task.fields[tps]} tok/s"),
+            TimeElapsedColumn(),
+            console=console,
+            disable=not live,
+        )
         task = bar.add_task("train", total=schedule.train_steps, loss="-", tps="-")
 
         def advance(record: dict) -> None:
@@ -1026,8 +1147,9 @@ class Trainer:
                 print(
                     f"step {step}/{schedule.train_steps}  loss {loss}  grad_norm {norm}  "
                     f"lr {record['lr']:.2e}  {tps} tok/s",
-                    file=sys.stderr, flush=True,
-                )  # fmt: skip
+                    file=sys.stderr,
+                    flush=True,
+                )
 
         with bar:
             yield advance

@@ -57,9 +57,12 @@ FINGERPRINT_SCHEME = CHECKPOINT_KEYS  # what fingerprints are written with
 
 
 def weights_fingerprint(
-    model: nn.Module, tp_group, dtype: torch.dtype | None = None, *,
+    model: nn.Module,
+    tp_group,
+    dtype: torch.dtype | None = None,
+    *,
     scheme: str = CHECKPOINT_KEYS,
-) -> str:  # fmt: skip
+) -> str:
     """sha256 of the full weights, identical on every rank and at every TP size.
 
     Each parameter is hashed under its checkpoint name (``scheme`` "checkpoint-keys",
@@ -194,8 +197,14 @@ def load_weights(model: nn.Module, directory: Path, model_cfg, *, tp_group, fiel
         )
     try:
         missing, unexpected = read_weights_into(model, directory)
-    except (CheckpointException, OSError, EOFError, pickle.UnpicklingError, ValueError,
-            KeyError) as exc:  # fmt: skip
+    except (
+        CheckpointException,
+        OSError,
+        EOFError,
+        pickle.UnpicklingError,
+        ValueError,
+        KeyError,
+    ) as exc:
         # (CheckpointException, torch's collective read error, is a BaseException that holds
         # each failed rank's exception and traceback.)
         failures = getattr(exc, "failures", None) or {}

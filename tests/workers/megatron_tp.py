@@ -24,11 +24,15 @@ from fp8ops.precision import DelayedScalingRecipe, Fp8Scope
 TINY = Path(__file__).resolve().parents[2] / "manifests" / "tiny-gpt-cpu.yaml"
 STEPS = 4
 SMALL = {
-    "model.num_layers": 2, "model.hidden_size": 64, "model.ffn_hidden_size": 256,
-    "model.seq_length": 64, "model.init_checkpoint": None,
-    "schedule.micro_batch_size": 4, "schedule.global_batch_size": 8,
+    "model.num_layers": 2,
+    "model.hidden_size": 64,
+    "model.ffn_hidden_size": 256,
+    "model.seq_length": 64,
+    "model.init_checkpoint": None,
+    "schedule.micro_batch_size": 4,
+    "schedule.global_batch_size": 8,
     "optimizer.lr": 1e-3,
-}  # fmt: skip
+}
 
 
 def batches(manifest, step: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -52,10 +52,10 @@ from rich.table import Table
 
 from fp8ops.checkpoint import CheckpointDir
 from fp8ops.checkpoint.directory import META_FILE
+from fp8ops.checkpoint.weights import read_weights_meta
 from fp8ops.errors import Fp8opsError
 from fp8ops.files import read_jsonl
 from fp8ops.manifest import derive, load_manifest, write_manifest
-from fp8ops.train.weights import read_weights_meta
 
 REPO = Path(__file__).resolve().parent.parent
 MANIFEST = "manifests/tiny-gpt-cpu.yaml"

@@ -30,8 +30,9 @@ from rich.console import Console
 from rich.table import Table
 
 from fp8ops.manifest import derive, load_manifest, parse_assignments
+from fp8ops.start import New
+from fp8ops.train import open_trainer
 from fp8ops.train.distributed import init_distributed, shutdown_distributed
-from fp8ops.train.trainer import Trainer
 
 MANIFEST = Path(__file__).resolve().parents[1] / "manifests" / "tiny-gpt-cpu.yaml"
 
@@ -50,7 +51,9 @@ def main() -> None:
     ranks = init_distributed(manifest.topology, source=str(MANIFEST))
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            trainer = Trainer(manifest, [manifest], Path(tmp) / "run", ranks, progress=False)
+            trainer = open_trainer(
+                New(manifest, [manifest], Path(tmp) / "run", "bench"), ranks, progress=False
+            )
             seconds: dict[str, list[float]] = {"off": [], "ordinary": [], "measuring": []}
             telemetry = manifest.telemetry
             for step in range(args.steps):

@@ -56,11 +56,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from fp8ops.checkpoint.weights import read_weights_meta
 from fp8ops.errors import Fp8opsError
 from fp8ops.files import read_jsonl
 from fp8ops.manifest import load_manifest
 from fp8ops.train.cpu_gemm import CHOICE_VARIABLE, cpu_bf16_gemm
-from fp8ops.train.weights import read_weights_meta
 
 REPO = Path(__file__).resolve().parent.parent
 MANIFEST = "manifests/tiny-gpt-cpu.yaml"

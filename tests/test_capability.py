@@ -38,11 +38,11 @@ from fp8ops.evaluate.capability import capability_examples, evaluate_capability,
 from fp8ops.evaluate.records import read_capability, read_predictions, score
 from fp8ops.files import read_jsonl
 from fp8ops.manifest import derive, load_manifest
+from fp8ops.run import read_metrics
+from fp8ops.start import New
 from fp8ops.telemetry import open_run
-from fp8ops.train import resume_training, run_training
+from fp8ops.train import open_trainer, resume_training, run_training
 from fp8ops.train.distributed import init_distributed, shutdown_distributed
-from fp8ops.train.run_dir import read_metrics
-from fp8ops.train.trainer import Trainer
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
@@ -116,7 +116,7 @@ def _trainer(manifest: Path, run_dir: Path, changes: dict | None = None):
         loaded = derive(loaded, changes, "test")
     ranks = init_distributed(loaded.topology, source="test")
     try:
-        trainer = Trainer(loaded, [loaded], run_dir, ranks, progress=False)
+        trainer = open_trainer(New(loaded, [loaded], run_dir, "test"), ranks, progress=False)
         yield trainer
         trainer.telemetry.close()
     finally:
@@ -134,7 +134,7 @@ def trainer(manifest, tmp_path):
 
 
 def _prompts(trainer) -> list[list[int]]:
-    return [ByteTokenizer().encode(e.prompt) for e in trainer.capability_examples]
+    return [ByteTokenizer().encode(e.prompt) for e in trainer.inputs.capability_examples]
 
 
 def _generate(
@@ -217,9 +217,9 @@ def test_batching_and_order_do_not_change_answers(trainer):
         with trainer._held_out():
             predictions = evaluate_capability(
                 trainer.model,
-                trainer.capability_examples,
+                trainer.inputs.capability_examples,
                 manifest,
-                trainer.tokenizer,
+                trainer.inputs.tokenizer,
                 fp8=trainer._fp8,
             )
         assert [p["generated"] for p in predictions] == texts
@@ -263,9 +263,9 @@ def test_padded_vocabulary_ids_are_never_produced(manifest, tmp_path):
             with trainer._held_out():
                 return evaluate_capability(
                     trainer.model,
-                    trainer.capability_examples,
+                    trainer.inputs.capability_examples,
                     trainer.manifest,
-                    trainer.tokenizer,
+                    trainer.inputs.tokenizer,
                     fp8=trainer._fp8,
                 )
 
@@ -302,7 +302,7 @@ def test_items_are_the_first_of_the_eval_split(manifest):
 def test_more_items_than_the_eval_split_holds_are_said_not_silently_cut(manifest, tmp_path, capsys):
     with _trainer(manifest, tmp_path / "run", {"capability.items": 100_000}) as trainer:
         held_out = len(trainer.data.eval)
-        assert len(trainer.capability_examples) == held_out
+        assert len(trainer.inputs.capability_examples) == held_out
     assert (
         f"warning: capability.items is 100000, but the eval split holds {held_out} items; "
         "all of them are evaluated"
@@ -449,7 +449,7 @@ def test_capability_evaluation_does_not_change_training(manifest, straight, tmp_
     assert not (off / "capability.jsonl").exists()
     a, b = read_metrics(straight), read_metrics(off)
     for key in ("loss", "grad_norm", "update_norm", "lr", "skipped"):
-        assert [m[key] for m in a] == [m[key] for m in b], key
+        assert [getattr(m, key) for m in a] == [getattr(m, key) for m in b], key
     assert [e["loss"] for e in read_jsonl(straight / "eval.jsonl")] == [
         e["loss"] for e in read_jsonl(off / "eval.jsonl")
     ]
@@ -526,14 +526,16 @@ def _tp2_worker(manifest_file: Path, out: Path) -> None:
     manifest = derive(load_manifest(manifest_file), {"topology.tensor_parallel": 2}, "test: TP=2")
     ranks = init_distributed(manifest.topology, source="test")
     try:
-        trainer = Trainer(manifest, [manifest], out / "run", ranks, progress=False)
+        trainer = open_trainer(
+            New(manifest, [manifest], out / "run", "test"), ranks, progress=False
+        )
         trainer.train()
         with trainer._held_out():
             predictions = evaluate_capability(
                 trainer.model,
-                trainer.capability_examples,
+                trainer.inputs.capability_examples,
                 manifest,
-                trainer.tokenizer,
+                trainer.inputs.tokenizer,
                 fp8=trainer._fp8,
             )
         (out / f"rank{ranks.rank}.json").write_text(json.dumps(predictions))

@@ -37,13 +37,14 @@ from checkpoint_support import edit_meta, rehash, train_small_base, write_small_
 
 from fp8ops.checkpoint import CheckpointDir, read_meta
 from fp8ops.checkpoint.directory import META_FILE, checkpoint_name, checkpoint_step, verify_files
-from fp8ops.checkpoint.drift import DriftRefused
+from fp8ops.checkpoint.weights import META_FILE as WEIGHTS_META
 from fp8ops.files import read_jsonl
 from fp8ops.manifest import ManifestStore, derive, load_manifest, manifest_hash, write_manifest
 from fp8ops.manifest.canonical import to_yaml
+from fp8ops.run import RunDir, locked_manifest, read_metrics
+from fp8ops.start.checks import check_unedited
+from fp8ops.start.drift import DriftRefused
 from fp8ops.train import run_training
-from fp8ops.train.run_dir import RunDir, check_unedited, locked_manifest, read_metrics
-from fp8ops.train.weights import META_FILE as WEIGHTS_META
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
@@ -166,10 +167,10 @@ def test_kill_9_during_saves_leaves_a_whole_latest_and_the_resumed_run_is_bit_id
     assert [e["step"] for e in events if e["event"] == "resumed"] == resumed_from
     # Every step logged, including steps a killed process logged and a resume then trained
     # again, has the uninterrupted run's loss and gradient norm, bit for bit.
-    expected = {m["step"]: (m["loss"], m["grad_norm"]) for m in read_metrics(reference)}
+    expected = {m.step: (m.loss, m.grad_norm) for m in read_metrics(reference)}
     lines = read_jsonl(run / "metrics.jsonl")
     assert [(m["loss"], m["grad_norm"]) for m in lines] == [expected[m["step"]] for m in lines]
-    assert [m["step"] for m in read_metrics(run)] == list(range(1, STEPS + 1))
+    assert [m.step for m in read_metrics(run)] == list(range(1, STEPS + 1))
     final = json.loads((run / "final" / WEIGHTS_META).read_text())["fingerprint"]
     assert final == json.loads((reference / "final" / WEIGHTS_META).read_text())["fingerprint"]
 
@@ -336,7 +337,7 @@ def test_a_damaged_file_is_named_with_the_previous_checkpoint_to_resume_from(
     resumed = cli("resume", run, "--checkpoint", PREVIOUS, "--stop-at", PAUSED_AT, "--no-progress")
     assert resumed.code == 0, resumed.err
     verify_files(latest, read_meta(latest).files)  # saved again, whole
-    assert read_metrics(run)[-1]["loss"] == read_metrics(reference)[PAUSED_AT - 1]["loss"]
+    assert read_metrics(run)[-1].loss == read_metrics(reference)[PAUSED_AT - 1].loss
 
 
 @pytest.mark.parametrize(
@@ -439,7 +440,7 @@ def test_latest_naming_a_checkpoint_that_is_gone_says_so_and_the_advice_works(
     resumed = cli("resume", run, "--checkpoint", PREVIOUS, "--stop-at", PAUSED_AT, "--no-progress")
     assert resumed.code == 0, resumed.err
     assert CheckpointDir(run).latest().name == LATEST
-    assert read_metrics(run)[-1]["loss"] == read_metrics(reference)[PAUSED_AT - 1]["loss"]
+    assert read_metrics(run)[-1].loss == read_metrics(reference)[PAUSED_AT - 1].loss
 
 
 def test_a_second_rewind_past_a_step_keeps_both_abandoned_checkpoints(tmp_path):
@@ -481,7 +482,7 @@ def test_a_save_cut_between_its_two_renames_keeps_the_previous_copy(run, referen
     kept = checkpoints / "superseded" / LATEST
     assert not aside.exists() and kept.is_dir()
     verify_files(kept, read_meta(kept).files)
-    assert read_metrics(run)[-1]["loss"] == read_metrics(reference)[PAUSED_AT - 1]["loss"]
+    assert read_metrics(run)[-1].loss == read_metrics(reference)[PAUSED_AT - 1].loss
 
 
 # -- records of earlier attempts ----------------------------------------------------------------
@@ -505,8 +506,8 @@ def test_torn_log_tails_are_cut_and_stale_status_fields_dropped_on_resume(run, r
     for name in ("metrics.jsonl", "events.jsonl"):
         assert all(json.loads(line) for line in (run / name).read_text().splitlines())
     # Step 2's torn line is gone; step 3 trained as in the straight run.
-    assert [r["step"] for r in read_metrics(run)] == [1, PAUSED_AT + 1]
-    assert read_metrics(run)[-1]["loss"] == read_metrics(reference)[PAUSED_AT]["loss"]
+    assert [r.step for r in read_metrics(run)] == [1, PAUSED_AT + 1]
+    assert read_metrics(run)[-1].loss == read_metrics(reference)[PAUSED_AT].loss
     status = json.loads((run / "status.json").read_text())
     assert (status["state"], status["step"], "error" in status) == ("paused", PAUSED_AT + 1, False)
 
@@ -526,7 +527,7 @@ def test_a_run_killed_between_its_final_checkpoint_and_final_weights_is_finished
     written = json.loads((run / "final" / WEIGHTS_META).read_text())
     straight = json.loads((reference / "final" / WEIGHTS_META).read_text())
     assert written == straight  # the same weights (fingerprint), manifest, steps and last loss
-    assert [r["step"] for r in read_metrics(run)] == list(range(1, STEPS + 1))  # nothing trained
+    assert [r.step for r in read_metrics(run)] == list(range(1, STEPS + 1))  # nothing trained
     again = cli("resume", run, "--no-progress")
     assert again.code == 0 and "nothing to train" in again.err
 
@@ -541,7 +542,7 @@ def test_a_damaged_telemetry_store_says_how_to_resume_without_it(run, reference,
     store.rename(store.with_name("telemetry.zarr.damaged"))
     resumed = cli("resume", run, "--stop-at", PAUSED_AT + 1, "--no-progress")
     assert resumed.code == 0, resumed.err
-    assert read_metrics(run)[-1]["loss"] == read_metrics(reference)[PAUSED_AT]["loss"]
+    assert read_metrics(run)[-1].loss == read_metrics(reference)[PAUSED_AT].loss
     assert (store / "zarr.json").is_file()
     # The store it started again is said, not started quietly.
     assert f"warning: {store} is missing, though the checkpoint's run had committed" in resumed.err
@@ -653,8 +654,8 @@ def _stop(run: Path, step: int = PAUSED_AT) -> None:
 
 def test_a_stopped_run_resumes_only_when_something_answers_the_stop(run, manifest, cli):
     """A chain's next job or a requeue would otherwise train up to the same Stop again."""
-    from fp8ops.checkpoint.resume import StopUnanswered, plan_resume
     from fp8ops.overrides import Ledger
+    from fp8ops.start import StopUnanswered, plan_resume
 
     _stop(run)
     before = _files(run)
@@ -703,7 +704,7 @@ def test_a_stopped_run_resumes_only_when_something_answers_the_stop(run, manifes
 
 def test_data_pad_to_may_change_on_a_resume(run):
     """How far batches are padded changes neither the rows nor their order (docs/data.md)."""
-    from fp8ops.checkpoint.resume import plan_resume
+    from fp8ops.start import plan_resume
 
     with pytest.raises(DriftRefused, match=r"data\.pad_to: 'seq_length' -> 'longest'"):
         plan_resume(run, assignments={"data.pad_to": "longest"})
@@ -783,7 +784,7 @@ def test_a_resume_refuses_a_run_another_job_moved_on_while_it_loaded(run, cli, m
     that work (the SLURM review's race); it refuses instead, having written nothing."""
     from fp8ops.train.trainer import Trainer
 
-    load, after_the_other_job = Trainer._load_checkpoint, {}
+    load, after_the_other_job = Trainer.restore, {}
 
     def meanwhile(self, plan):
         load(self, plan)
@@ -791,7 +792,7 @@ def test_a_resume_refuses_a_run_another_job_moved_on_while_it_loaded(run, cli, m
         (run / "status.json").write_text(json.dumps({**status, "state": "completed"}))
         after_the_other_job.update(_files(run))
 
-    monkeypatch.setattr(Trainer, "_load_checkpoint", meanwhile)
+    monkeypatch.setattr(Trainer, "restore", meanwhile)
     refused = cli("resume", run, "--no-progress")
     assert refused.code == 4, refused.err
     assert (

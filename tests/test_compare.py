@@ -1121,7 +1121,7 @@ def test_compare_runs_without_torch_and_help_without_plotly(tmp_path):
 
 def test_initial_weights_fingerprinted_under_two_schemes_are_not_compared(tmp_path, cli):
     """An older run's fingerprint names parameters by module path, a newer one's by checkpoint
-    key (train/weights.py): the two differ for the same weights, so they say nothing."""
+    key (checkpoint/weights.py): the two differ for the same weights, so they say nothing."""
     reference, candidate = pair(tmp_path, initial_weights="0f" * 32)
     info = json.loads((candidate / "run.json").read_text())
     info["model"]["initial_weights_fingerprint_scheme"] = "checkpoint-keys"

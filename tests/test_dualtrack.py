@@ -21,7 +21,7 @@ from fp8ops.dualtrack.run import _train_fallback
 from fp8ops.dualtrack.tracks import CANDIDATE, Track, check_fallback_globs, fallback_modules
 from fp8ops.errors import ManifestError
 from fp8ops.manifest import diff_manifests, load_manifest, manifest_hash
-from fp8ops.train.run_dir import read_metrics, read_status
+from fp8ops.run import read_metrics, read_status
 from fp8ops.train.signals import REQUEUE_EXIT
 
 pytestmark = [
@@ -77,7 +77,7 @@ def short_dualtrack(short_manifest, tmp_path_factory) -> Path:
     first.send_signal(signal.SIGUSR1)
     output, _ = first.communicate(timeout=120)
     assert first.returncode == REQUEUE_EXIT, output
-    assert read_status(out / "fp8")["state"] == "interrupted"
+    assert read_status(out / "fp8").state == "interrupted"
     assert not (out / "fp8-fallback").exists()
     second = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert second.returncode == 0, second.stdout + second.stderr
@@ -106,9 +106,7 @@ def test_tracks_see_the_same_data_and_tokens(short_dualtrack):
     runs = [short_dualtrack / label for label in TRACKS]
     data = {json.loads((run / "run.json").read_text())["data"]["fingerprint"] for run in runs}
     assert len(data) == 1
-    tokens = [
-        [(m["step"], m["tokens"], m["loss_tokens"]) for m in read_metrics(run)] for run in runs
-    ]
+    tokens = [[(m.step, m.tokens, m.loss_tokens) for m in read_metrics(run)] for run in runs]
     assert tokens[0] == tokens[1] == tokens[2]
     assert [t[0] for t in tokens[0]] == list(range(1, SHORT["schedule.train_steps"] + 1))
     evaluated = [
@@ -117,7 +115,7 @@ def test_tracks_see_the_same_data_and_tokens(short_dualtrack):
     ]
     assert evaluated[0] == evaluated[1] == evaluated[2] == [6, 12]
     # FP8 changes the numbers: the tracks are really different runs.
-    losses = [read_metrics(run)[-1]["loss"] for run in runs]
+    losses = [read_metrics(run)[-1].loss for run in runs]
     assert losses[0] != losses[1]
 
 
@@ -125,7 +123,7 @@ def test_the_interrupted_candidate_resumed_from_its_checkpoint(short_dualtrack):
     events = [json.loads(line) for line in (short_dualtrack / "fp8" / "events.jsonl").open()]
     resumed = [e for e in events if e["event"] == "resumed"]
     assert len(resumed) == 1 and 1 <= resumed[0]["step"] < SHORT["schedule.train_steps"]
-    assert read_status(short_dualtrack / "fp8")["state"] == "completed"
+    assert read_status(short_dualtrack / "fp8").state == "completed"
 
 
 def test_the_fallback_track_keeps_the_first_and_last_layers_in_bf16(short_dualtrack):
@@ -443,7 +441,7 @@ def test_dualtrack_at_tensor_parallel_2(short_manifest, tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     plan = json.loads((tmp_path / "dt" / "dualtrack.json").read_text())
     assert [t["status"] for t in plan["tracks"]] == ["completed"] * 3
-    tokens = [[m["tokens"] for m in read_metrics(tmp_path / "dt" / t)] for t in TRACKS]
+    tokens = [[m.tokens for m in read_metrics(tmp_path / "dt" / t)] for t in TRACKS]
     assert tokens[0] == tokens[1] == tokens[2] and len(tokens[0]) == 4
     verdict = json.loads((tmp_path / "dt" / "compare" / "verdict.json").read_text())
     assert verdict["verdict"] == "pass"

@@ -13,8 +13,8 @@ import pytest
 from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
 
 from fp8ops.checkpoint import read_meta
+from fp8ops.checkpoint.weights import META_FILE
 from fp8ops.train import run_training
-from fp8ops.train.weights import META_FILE
 
 RUN = {
     **SMALL_MODEL,

@@ -8,7 +8,7 @@ import pytest
 
 from fp8ops.errors import Fp8opsError
 from fp8ops.files import append_lines, read_jsonl
-from fp8ops.train.run_dir import read_status
+from fp8ops.run import read_status
 
 
 @pytest.mark.parametrize("torn", [b'{"step": 3, "lo', b"x" * 70_000], ids=["short", "over-a-block"])

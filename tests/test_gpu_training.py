@@ -192,9 +192,9 @@ N = 4  # steps before a stop, and after it
 
 
 def _losses(run: Path, key: str = "loss") -> list:
-    from fp8ops.train.run_dir import read_metrics
+    from fp8ops.run import read_metrics
 
-    return [m[key] for m in read_metrics(run)]
+    return [getattr(m, key) for m in read_metrics(run)]
 
 
 @pytest.fixture(scope="module")
@@ -271,9 +271,10 @@ def test_everything_trains_on_the_gpu(gpu_manifest, tmp_path):
     from fp8ops.manifest import load_manifest
     from fp8ops.megatron import amax_reduction_group
     from fp8ops.megatron.compat import parallel_state
+    from fp8ops.start import New
     from fp8ops.telemetry.catalogue import COLUMN
+    from fp8ops.train import open_trainer
     from fp8ops.train.distributed import init_distributed, shutdown_distributed
-    from fp8ops.train.trainer import Trainer
 
     manifest = load_manifest(gpu_manifest)
     ranks = init_distributed(manifest.topology, source="test")
@@ -292,7 +293,9 @@ def test_everything_trains_on_the_gpu(gpu_manifest, tmp_path):
                 value = torch.ones((), device=device)
                 dist.all_reduce(value, group=group)  # gloo, then NCCL
                 assert value.item() == 1.0
-        trainer = Trainer(manifest, [manifest], tmp_path / "run", ranks, progress=False)
+        trainer = open_trainer(
+            New(manifest, [manifest], tmp_path / "run", "test"), ranks, progress=False
+        )
         try:
             assert all(p.device == ranks.device for p in trainer.model.parameters())
             assert all(m.device == ranks.device for m in trainer.optimizer.main_params)
@@ -301,8 +304,8 @@ def test_everything_trains_on_the_gpu(gpu_manifest, tmp_path):
                     assert tensor.device == ranks.device, name
             for step in range(2):
                 record = trainer.train_step(step)
-                assert math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])
-                assert record["peak_memory_mib"] > 0
+                assert math.isfinite(record.loss) and math.isfinite(record.grad_norm)
+                assert record.peak_memory_mib > 0
                 trainer.observe(record)
                 row = trainer._telemetry_row.result()  # the row is finished after the step
                 assert np.isfinite(row[:, COLUMN["input.scale"]]).all()
@@ -374,17 +377,16 @@ def test_stop_and_resume_on_the_gpu_equals_the_straight_run(gpu_manifest, gpu_st
 
 @needs_gpu
 def test_a_checkpoint_loads_back_onto_the_gpu(gpu_manifest, tmp_path):
-    from fp8ops.checkpoint import plan_resume
-    from fp8ops.train import run_training
+    from fp8ops.start import plan_resume
+    from fp8ops.train import open_trainer, run_training
     from fp8ops.train.distributed import init_distributed, shutdown_distributed
-    from fp8ops.train.trainer import Trainer
 
     run = tmp_path / "run"
     run_training(gpu_manifest, run, progress=False, stop_at=N)
     plan = plan_resume(run)
     ranks = init_distributed(plan.manifest.topology, source="test")
     try:
-        trainer = Trainer(plan.manifest, None, run, ranks, progress=False, resume=plan)
+        trainer = open_trainer(plan, ranks, progress=False)
         try:
             assert all(p.device == ranks.device for p in trainer.model.parameters())
             for main in trainer.optimizer.main_params:
@@ -440,7 +442,7 @@ def test_the_te_backend_trains_and_resumes_as_its_straight_run(gpu_manifest, tmp
     telemetry read from TE's own ``fp8_meta``, and a stop + resume, which loads TE's state
     through TE's own loader past TE 2.18's refusal of pickled state (``te_state.py``), equal
     to the straight run. The base was trained with fp8ops' own layers (Megatron's local spec):
-    it loads under Megatron's shared checkpoint keys and verifies by them (train/weights.py)."""
+    it loads under Megatron's shared checkpoint keys and verifies by them (checkpoint/weights.py)."""
     from fp8ops.files import read_jsonl
     from fp8ops.telemetry import open_run
     from fp8ops.train import resume_training, run_training

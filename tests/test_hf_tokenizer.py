@@ -339,8 +339,8 @@ def test_a_run_trains_evaluates_and_records_the_tokenizer(tmp_path):
     """End to end on the CPU: FP8 training, the held-out loss, and greedy answers decoded by the
     tokenizer and stopped at its end-of-text id."""
     from fp8ops.evaluate.records import read_predictions
+    from fp8ops.run import read_metrics
     from fp8ops.train import run_training
-    from fp8ops.train.run_dir import read_metrics
 
     manifest_file = tmp_path / "hf.yaml"
     write_derived(
@@ -366,7 +366,7 @@ def test_a_run_trains_evaluates_and_records_the_tokenizer(tmp_path):
     run = tmp_path / "run"
     run_training(manifest_file, run, progress=False)
     metrics = read_metrics(run)
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert [m.step for m in metrics] == [1, 2, 3, 4]
     info = json.loads((run / "run.json").read_text())
     tokenizer = tokenizer_for(load_manifest(run / "manifest.yaml").tokenizer)
     assert info["tokenizer"] == {"kind": "huggingface", "fingerprint": tokenizer.fingerprint()}

@@ -244,10 +244,10 @@ def test_revoking_an_approved_and_an_applied_override(run_dir):
 def _resume_ledger(run_dir, manifest):
     """What a resume from a checkpoint saved under ``manifest`` makes of the ledger: the plan's
     manifest, with the overrides it applies and lifts (``plan_resume``'s last step)."""
-    from fp8ops.checkpoint.drift import Drift
-    from fp8ops.checkpoint.resume import ResumePlan, _apply_ledger
+    from fp8ops.start.drift import Drift
+    from fp8ops.start.plan import Resume, _apply_ledger
 
-    plan = ResumePlan(
+    plan = Resume(
         run_dir,
         run_dir / "checkpoints" / "step_00000120",
         None,

@@ -372,8 +372,8 @@ def test_the_te_backend_is_refused_where_transformer_engine_cannot_run(tmp_path)
 
 
 def test_a_backend_change_is_drift_a_resume_can_accept():
-    from fp8ops.checkpoint.drift import Drift, manifest_drift
-    from fp8ops.checkpoint.resume import _unloadable
+    from fp8ops.start.checks import _unloadable
+    from fp8ops.start.drift import Drift, manifest_drift
 
     emulated = load_manifest(MANIFESTS / "tiny-gpt-cpu.yaml")
     assert emulated.precision.backend == "emulated"  # the default

@@ -29,11 +29,11 @@ if importlib.util.find_spec("megatron") is None:
 from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
 
 from fp8ops.checkpoint import CheckpointDir
+from fp8ops.checkpoint.weights import read_weights_meta
 from fp8ops.data import build_data
 from fp8ops.data.tokenizer import ByteTokenizer
 from fp8ops.manifest import canonical_dict, derive, load_manifest, manifest_hash, write_manifest
 from fp8ops.train import run_training
-from fp8ops.train.weights import read_weights_meta
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),

@@ -28,15 +28,16 @@ if importlib.util.find_spec("megatron") is None:
 
 from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
 
-from fp8ops.checkpoint import CheckpointDir, CheckpointError, DriftRefused, plan_resume, read_meta
+from fp8ops.checkpoint import CheckpointDir, CheckpointError, read_meta
 from fp8ops.checkpoint import state as checkpoint_state
 from fp8ops.checkpoint.directory import checkpoint_name
 from fp8ops.files import read_jsonl
 from fp8ops.manifest import derive, load_manifest, manifest_hash, write_manifest
 from fp8ops.overrides import Ledger
+from fp8ops.run import read_metrics, read_status
+from fp8ops.start import DriftRefused, plan_resume
 from fp8ops.telemetry import open_run
 from fp8ops.train import resume_training, run_training
-from fp8ops.train.run_dir import read_metrics, read_status
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
@@ -101,9 +102,9 @@ def _telemetry(run: Path, rank: int = 0) -> dict[str, np.ndarray]:
 
 def assert_same_training(a: Path, b: Path) -> None:
     ma, mb = read_metrics(a), read_metrics(b)
-    assert [m["step"] for m in ma] == [m["step"] for m in mb] == list(range(1, 2 * N + 1))
+    assert [m.step for m in ma] == [m.step for m in mb] == list(range(1, 2 * N + 1))
     for key in ("loss", "grad_norm", "lr", "skipped"):
-        assert [m[key] for m in ma] == [m[key] for m in mb], key
+        assert [getattr(m, key) for m in ma] == [getattr(m, key) for m in mb], key
     assert _final(a).fp8.digests == _final(b).fp8.digests  # every module's scales + histories
     assert _final(a).weights_fingerprint == _final(b).weights_fingerprint
     assert _tensor_files(a, 2 * N) == _tensor_files(b, 2 * N)  # optimizer state included
@@ -119,14 +120,14 @@ def test_stop_and_resume_equals_the_straight_run_bit_for_bit(manifest, straight,
     run = tmp_path / "run"
     paused = run_training(manifest, run, progress=False, stop_at=N)
     assert paused.paused and paused.steps == N
-    assert read_status(run)["state"] == "paused"
+    assert read_status(run).state == "paused"
     assert CheckpointDir(run).latest().name == checkpoint_name(N)
 
     result = cli("resume", run, "--no-progress")
     assert result.code == 0, result.err
     assert f"resumed from {checkpoint_name(N)} (step {N})" in result.out
     assert f"trained steps {N + 1}-{2 * N}" in result.out
-    assert read_status(run)["state"] == "completed"
+    assert read_status(run).state == "completed"
     assert_same_training(straight, run)
     resumed = [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "resumed"]
     assert [(e["step"], e["drift"], e["fp8_state"]) for e in resumed] == [(N, [], "own")]
@@ -251,8 +252,8 @@ def test_tp2_checkpoint_resumes_at_tp1_and_tp1_at_tp2(
     assert revision.revision.parent == read_meta(down / "checkpoints" / checkpoint_name(N)).manifest
     assert "one rank left" in revision.revision.reason
     # Same data, same weights, another summation layout: close, not bit-identical.
-    after = {m["step"]: m["loss"] for m in read_metrics(down)}
-    tp2 = {m["step"]: m["loss"] for m in read_metrics(tp2_straight)}
+    after = {m.step: m.loss for m in read_metrics(down)}
+    tp2 = {m.step: m.loss for m in read_metrics(tp2_straight)}
     assert after[N + 1] == pytest.approx(tp2[N + 1], rel=2e-2)
 
     # TP=1 -> TP=2: the one-rank run's step-N checkpoint continued by two ranks.
@@ -354,7 +355,7 @@ def test_train_resume_without_a_checkpoint_starts_the_run(manifest, tmp_path, cl
         "--no-progress",
     )
     assert result.code == 0, result.err
-    assert read_status(tmp_path / "new")["state"] == "paused"
+    assert read_status(tmp_path / "new").state == "paused"
 
 
 def test_a_paused_run_directory_points_at_resume(manifest, paused, cli):
@@ -449,7 +450,7 @@ def test_a_checkpoint_written_before_schemes_were_named_resumes(
     """As an older fp8ops wrote it: the fingerprint by module path, and no scheme named."""
     from checkpoint_support import edit_meta
 
-    from fp8ops.train import weights
+    from fp8ops.checkpoint import weights
 
     run = tmp_path / "older"
     monkeypatch.setattr(weights, "FINGERPRINT_SCHEME", weights.PARAMETER_NAMES)
@@ -462,7 +463,7 @@ def test_a_checkpoint_written_before_schemes_were_named_resumes(
 
 
 def test_plan_refuses_environment_drift_before_building_anything(paused):
-    from fp8ops.train.environment import environment_fingerprint
+    from fp8ops.run.environment import environment_fingerprint
 
     other = {**environment_fingerprint(), "torch": "9.9.9"}
     with pytest.raises(DriftRefused, match="environment torch: '.*' -> '9.9.9'"):
@@ -528,12 +529,12 @@ def test_sigusr1_to_one_rank_stops_both_at_one_step_and_resume_finishes(manifest
     assert process.returncode != 0, out[-2000:]  # torchrun reports the workers' exit 75
     assert "exit 75" in out
     status = read_status(run)
-    assert (status["state"], status["reason"]) == ("interrupted", "another rank was asked to stop")
-    step = status["step"]
-    assert 2 <= step < 40 and read_meta(run / "checkpoints" / status["checkpoint"]).step == step
+    assert (status.state, status.reason) == ("interrupted", "another rank was asked to stop")
+    step = status.step
+    assert 2 <= step < 40 and read_meta(run / "checkpoints" / status.checkpoint).step == step
     _ok(_torchrun("resume", run))
-    assert read_status(run)["state"] == "completed"
-    assert [m["step"] for m in read_metrics(run)] == list(range(1, 41))
+    assert read_status(run).state == "completed"
+    assert [m.step for m in read_metrics(run)] == list(range(1, 41))
 
 
 # -- what a crash can leave behind ----------------------------------------------------------------
@@ -551,8 +552,8 @@ def test_train_resume_sets_aside_an_attempt_that_never_checkpointed(manifest, pa
     assert result.code == 0, result.err
     assert "moved to" in result.err and "starts over" in result.err
     assert (paused / "attempts" / "1" / "metrics.jsonl").exists()
-    assert [m["step"] for m in read_metrics(paused)] == [1]
-    assert read_status(paused)["state"] == "paused"
+    assert [m.step for m in read_metrics(paused)] == [1]
+    assert read_status(paused).state == "paused"
 
 
 def test_a_missing_latest_pointer_falls_back_to_the_newest_complete_checkpoint(paused, cli):
@@ -640,15 +641,15 @@ def test_stop_at_outside_the_remaining_steps_is_refused_up_front(paused, cli):
     for step in (N, 2 * N):
         result = cli("resume", paused, "--stop-at", step, "--no-progress")
         assert result.code == 2 and "--stop-at" in result.err
-    assert read_status(paused)["state"] == "paused"
+    assert read_status(paused).state == "paused"
 
 
 def test_a_requeue_keeps_hand_written_and_ledger_overrides_in_the_saved_order():
     """A manifest file with its own override, a ledger override applied on top: the requeue's
     file (the hand-written one only) is the saved revision, not drift. Lists compare as written,
     so the merge must keep the saved order (hand-written first, as the resume appended)."""
-    from fp8ops.checkpoint.drift import manifest_drift
-    from fp8ops.checkpoint.resume import _with_ledger_overrides
+    from fp8ops.start.drift import manifest_drift
+    from fp8ops.start.plan import _with_ledger_overrides
 
     hand = {"module": "decoder.layers.0.mlp.linear_fc1", "reason": "hand-written"}
     approved = {"module": FC2, "reason": "saturates", "approval": "a" * 64}

@@ -688,7 +688,7 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_result(
 ):
     from fp8ops.checkpoint import CheckpointDir, read_meta
     from fp8ops.files import read_jsonl
-    from fp8ops.train.run_dir import read_metrics, read_status
+    from fp8ops.run import read_metrics, read_status
 
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     chain = _launch(cluster, finetune, straight, "--chain", 2)
@@ -717,7 +717,7 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_result(
     )
     resumed = [e for e in read_jsonl(stopped / "events.jsonl") if e["event"] == "resumed"]
     assert [(e["step"], e["drift"]) for e in resumed] == [(step, [])]
-    assert read_status(stopped)["state"] == "completed"
+    assert read_status(stopped).state == "completed"
 
     for job_id in chain:
         ended = _wait_for_end(job_id, straight)
@@ -726,9 +726,9 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_result(
     assert "nothing to" in _log(straight, chain[1])  # the chain's second job: already complete
 
     a, b = read_metrics(straight), read_metrics(stopped)
-    assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, 61))
+    assert [m.step for m in a] == [m.step for m in b] == list(range(1, 61))
     for key in ("loss", "grad_norm"):
-        assert [m[key] for m in a] == [m[key] for m in b], key
+        assert [getattr(m, key) for m in a] == [getattr(m, key) for m in b], key
     final_a, final_b = (read_meta(CheckpointDir(r).latest()) for r in (straight, stopped))
     assert final_a.step == final_b.step == 60
     assert final_a.fp8.digests == final_b.fp8.digests  # every module's scales and histories
@@ -739,7 +739,7 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_result(
 def test_preemption_requeues_and_a_manifest_edited_meanwhile_fails_the_job(
     cluster, finetune, tmp_path
 ):
-    from fp8ops.train.run_dir import read_status
+    from fp8ops.run import read_status
 
     manifest = shutil.copy(finetune, tmp_path / "finetune.yaml")
     run = tmp_path / "run"
@@ -774,8 +774,8 @@ def test_preemption_requeues_and_a_manifest_edited_meanwhile_fails_the_job(
     log = _log(run, job)
     assert (ended["JobState"], ended["Restarts"], ended["ExitCode"]) == ("FAILED", "1", "4:0"), log
     status = read_status(run)  # the refused attempt left the run as the preemption did
-    assert (status["state"], status["reason"]) == ("interrupted", "SIGTERM")
-    assert f"checkpoint {status['checkpoint']} at step {status['step']} (SIGTERM)" in log
+    assert (status.state, status.reason) == ("interrupted", "SIGTERM")
+    assert f"checkpoint {status.checkpoint} at step {status.step} (SIGTERM)" in log
     assert f"requeued job {job}" in log or "not requeued by this script" in log, log
     assert "SLURM_RESTART_COUNT=1" in log
     assert "refusing to resume" in log

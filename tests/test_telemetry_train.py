@@ -25,11 +25,12 @@ from fp8ops.checkpoint.state import fp8_digest
 from fp8ops.files import read_jsonl
 from fp8ops.manifest import derive, load_manifest, write_manifest
 from fp8ops.overrides import Ledger
+from fp8ops.start import New
 from fp8ops.telemetry import TelemetryError, open_run
 from fp8ops.telemetry.catalogue import MODULE_METRIC_NAMES
-from fp8ops.train import run_training
+from fp8ops.train import open_trainer, run_training
 from fp8ops.train.distributed import init_distributed, shutdown_distributed
-from fp8ops.train.trainer import StopRun, Trainer
+from fp8ops.train.trainer import StopRun
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
@@ -66,7 +67,7 @@ def manifest():
 def _trainer(manifest, run_dir, steps: int):
     manifest = derive(manifest, {"schedule.train_steps": steps}, f"{steps} steps")
     ranks = init_distributed(manifest.topology, source="test")
-    return Trainer(manifest, [manifest], run_dir, ranks, progress=False)
+    return open_trainer(New(manifest, [manifest], run_dir, "test"), ranks, progress=False)
 
 
 def test_a_run_leaves_a_readable_store_matching_its_metrics(manifest, tmp_path, cli):

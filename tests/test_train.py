@@ -23,15 +23,16 @@ if importlib.util.find_spec("megatron") is None:
 from gemm_support import GemmLog
 from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
 
+from fp8ops.checkpoint.weights import META_FILE
 from fp8ops.errors import Fp8opsError
 from fp8ops.files import read_jsonl
 from fp8ops.manifest import ManifestStore, derive, load_manifest, manifest_hash
-from fp8ops.train import run_training
+from fp8ops.run import RunDir
+from fp8ops.start import New
+from fp8ops.start.checks import check_free
+from fp8ops.train import open_trainer, run_training
 from fp8ops.train.cpu_gemm import CHOICE_VARIABLE, cpu_has_bf16_gemm
 from fp8ops.train.distributed import init_distributed, shutdown_distributed
-from fp8ops.train.run_dir import RunDir
-from fp8ops.train.trainer import Trainer
-from fp8ops.train.weights import META_FILE
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
@@ -257,7 +258,9 @@ def trainer(finetune_manifest, tmp_path):
     )
     ranks = init_distributed(manifest.topology, source="test")
     try:
-        yield Trainer(manifest, [manifest], tmp_path / "run", ranks, progress=False)
+        yield open_trainer(
+            New(manifest, [manifest], tmp_path / "run", "test"), ranks, progress=False
+        )
     finally:
         shutdown_distributed()
 
@@ -302,7 +305,9 @@ def test_bf16_gemms_run_as_the_cpu_choice_says(finetune_manifest, tmp_path, monk
     manifest = load_manifest(finetune_manifest)
     ranks = init_distributed(manifest.topology, source="test")
     try:
-        trainer = Trainer(manifest, [manifest], tmp_path / "run", ranks, progress=False)
+        trainer = open_trainer(
+            New(manifest, [manifest], tmp_path / "run", "test"), ranks, progress=False
+        )
         with GemmLog() as log:
             trainer.train_step(0)
             trainer.evaluate(1)
@@ -484,7 +489,7 @@ def test_a_run_directory_is_claimed_once(finetune_manifest, tmp_path):
         RunDir.claim(tmp_path / "run", manifest, [manifest])
     # While its trainer holds it, any other start is told so, whatever its status says.
     with pytest.raises(Fp8opsError, match="is being trained by another fp8ops process right now"):
-        RunDir.check_free(tmp_path / "run", manifest)
+        check_free(tmp_path / "run", manifest)
     run.release()
 
 
@@ -500,7 +505,7 @@ def test_an_unfinished_run_directory_is_refused_with_advice(
     run.set_status(state)
     run.release()  # the process that ran it is gone
     with pytest.raises(Fp8opsError, match=f"already holds a {state} run.*{advice}"):
-        RunDir.check_free(tmp_path / "run", manifest)
+        check_free(tmp_path / "run", manifest)
 
 
 # -- refused before anything is written -----------------------------------------------------
@@ -574,13 +579,13 @@ def test_weights_are_hashed_by_checkpoint_name_and_older_bases_still_verify(
     """A fingerprint names each parameter as Megatron checkpoints it, which Megatron's local and
     TE specs share (a base hashes alike in either), in the order of those names; a base written
     before, hashed by module path in module order, says no scheme and verifies that way."""
-    from fp8ops.errors import ManifestError
-    from fp8ops.train.weights import (
+    from fp8ops.checkpoint.weights import (
         PARAMETER_NAMES,
         checkpoint_names,
         load_weights,
         weights_fingerprint,
     )
+    from fp8ops.errors import ManifestError
 
     model, group = trainer.model, trainer.tp_group
     norm = model.decoder.layers[1].input_layernorm.weight

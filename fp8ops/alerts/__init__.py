@@ -11,12 +11,23 @@ for review); *stop* makes the trainer save a checkpoint and exit non-zero with t
 message.
 """
 
-from fp8ops.alerts.files import ALERTS, read_alerts, read_run_alerts, write_alerts
-from fp8ops.alerts.records import LEVELS, Alert, Level, Proposal, select_alerts
-from fp8ops.alerts.rules import AlertEngine
+import importlib
+
+# Loaded on first use (PEP 562): `fp8ops.alerts.cli` is imported by every `fp8ops` command to
+# register `fp8ops alerts`, and the rules' imports (numpy, telemetry) are not needed for that.
+_WHERE = {
+    "LEVELS": "records",
+    "Alert": "records",
+    "Level": "records",
+    "Proposal": "records",
+    "select_alerts": "records",
+    "read_alerts": "files",
+    "read_run_alerts": "files",
+    "write_alerts": "files",
+    "AlertEngine": "rules",
+}
 
 __all__ = [
-    "ALERTS",
     "LEVELS",
     "Alert",
     "AlertEngine",
@@ -27,3 +38,9 @@ __all__ = [
     "select_alerts",
     "write_alerts",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

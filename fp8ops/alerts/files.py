@@ -15,19 +15,20 @@ from typing import Any, TypeVar
 from fp8ops.alerts.records import Alert
 from fp8ops.errors import Fp8opsError
 from fp8ops.files import append_lines, read_jsonl
+from fp8ops.run import RunLayout
+from fp8ops.run.layout import ALERTS
 
-ALERTS = "alerts.jsonl"
 T = TypeVar("T")
 
 
 def write_alerts(run_dir: str | Path, alerts: Iterable[Alert | Mapping[str, Any]]) -> None:
     """Append alerts (or their ``to_json()`` records, e.g. with a ``rank`` added)."""
-    _append(Path(run_dir) / ALERTS, alerts)
+    _append(RunLayout(run_dir).alerts, alerts)
 
 
 def read_alerts(run_dir: str | Path) -> list[Alert]:
     """A run's alerts in the order they were written; none if it has no ``alerts.jsonl``."""
-    return _parse(Path(run_dir) / ALERTS, Alert.from_json)
+    return _parse(RunLayout(run_dir).alerts, Alert.from_json)
 
 
 def read_run_alerts(run_dir: str | Path) -> list[Alert]:
@@ -37,7 +38,8 @@ def read_run_alerts(run_dir: str | Path) -> list[Alert]:
         raise Fp8opsError(f"{run_dir}: no such run directory")
     if not run_dir.is_dir():
         raise Fp8opsError(f"{run_dir}: not a directory; give a run directory")
-    if not any((run_dir / name).exists() for name in (ALERTS, "status.json", "manifest.yaml")):
+    layout = RunLayout(run_dir)
+    if not (layout.alerts.exists() or layout.is_run()):
         raise Fp8opsError(f"{run_dir}: not an fp8ops run directory (no status.json, no {ALERTS})")
     return read_alerts(run_dir)
 

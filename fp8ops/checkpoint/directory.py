@@ -37,8 +37,8 @@ from pathlib import Path
 
 from fp8ops.errors import Fp8opsError
 from fp8ops.files import atomic_write_text
+from fp8ops.run import RunLayout
 
-CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 SUPERSEDED = "superseded"  # checkpoints after the one a resume went back to
 META_FILE = "fp8ops_checkpoint.json"
@@ -62,7 +62,7 @@ class CheckpointDir:
     """``RUN_DIR/checkpoints``: the complete checkpoints, newest last, and the ``latest`` pointer."""
 
     def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / CHECKPOINTS
+        self.path = RunLayout(run_dir).checkpoints
 
     def complete(self) -> list[Path]:
         """Every complete checkpoint directory, oldest first (partial saves are not listed)."""

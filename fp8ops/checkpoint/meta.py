@@ -58,7 +58,7 @@ class CheckpointMeta(_Record):
     topology: TopologyRecord
     admission: str | None = Field(description="layers.json table hash (None: no FP8 modules).")
     weights_fingerprint: str
-    # How it names the parameters (train/weights.py); checkpoints written before say nothing.
+    # How it names the parameters (checkpoint/weights.py); checkpoints written before say nothing.
     weights_fingerprint_scheme: Literal["checkpoint-keys", "parameter-names"] = "parameter-names"
     fp8: Fp8StateRecord
     sampler: dict[str, int]

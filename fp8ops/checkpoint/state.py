@@ -65,6 +65,37 @@ def fp8_digest(module) -> str:
     return digest.hexdigest()
 
 
+@dataclass(frozen=True)
+class Agreement:
+    """Whether every rank of a group holds the same FP8 state (:func:`fp8_states_agree`)."""
+
+    agree: bool  # across every group (each rank learns the same answer)
+    ranks: int  # in this rank's group
+    digest: str  # this rank's combined digest
+
+
+def fp8_states_agree(modules: dict[str, nn.Module], group) -> Agreement:
+    """Compare every rank's FP8 state across ``group`` (collective over the whole world).
+
+    Reduced amaxes make scales and histories identical across an amax reduction group; a rank
+    that drifted (a missed collective, a module that ran on one rank only) would quietly train
+    with other scales. One sha256 per rank, combined from the checkpoint's per-module digests
+    (one definition of "the same state"), is gathered over ``group``; the verdict is then
+    reduced over the world, since with several groups (one per DP replica) every rank must take
+    the same path after it.
+    """
+    digest = hashlib.sha256()
+    for module in modules.values():
+        digest.update(fp8_digest(module).encode())
+    mine = torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8)
+    ranks = dist.get_world_size(group)
+    everyone = [torch.empty_like(mine) for _ in range(ranks)]
+    dist.all_gather(everyone, mine, group=group)
+    agree = torch.tensor(float(all(torch.equal(mine, other) for other in everyone)))
+    dist.all_reduce(agree, op=dist.ReduceOp.MIN)
+    return Agreement(agree=bool(agree.item()), ranks=ranks, digest=digest.hexdigest())
+
+
 def group_digests(modules: dict[str, nn.Module], layout: Fp8Layout) -> dict[str, list[str]]:
     """Module -> one digest per state group, as its group's first rank holds it (collective)."""
     mine = {name: fp8_digest(module) for name, module in modules.items()}

@@ -26,6 +26,7 @@ from fp8ops.checkpoint import state
 from fp8ops.checkpoint.directory import CheckpointDir, CheckpointError, file_digests, verify_files
 from fp8ops.checkpoint.meta import CheckpointMeta, Fp8StateRecord, TopologyRecord, write_meta
 from fp8ops.manifest import manifest_hash, write_manifest
+from fp8ops.run.layout import MANIFEST
 
 
 @dataclass
@@ -59,7 +60,7 @@ def save_checkpoint(
     """Write the checkpoint of ``step`` and publish it; returns its path and the seconds taken."""
     from megatron.core import dist_checkpointing
 
-    from fp8ops.train.weights import FINGERPRINT_SCHEME, weights_fingerprint
+    from fp8ops.checkpoint.weights import FINGERPRINT_SCHEME, weights_fingerprint
 
     started = time.perf_counter()
     store = CheckpointDir(run_dir)
@@ -80,7 +81,7 @@ def save_checkpoint(
     dist.barrier()
 
     def publish() -> Path:
-        write_manifest(manifest, partial / "manifest.yaml")
+        write_manifest(manifest, partial / MANIFEST)
         optimizer = parts.optimizer
         meta = CheckpointMeta(
             step=step,
@@ -137,7 +138,7 @@ def load_checkpoint(
     """
     from megatron.core import dist_checkpointing
 
-    from fp8ops.train.weights import weights_fingerprint
+    from fp8ops.checkpoint.weights import weights_fingerprint
 
     started = time.perf_counter()
     _agree_files_verified(directory, meta, parts.ranks.is_main)

@@ -152,12 +152,12 @@ def _completed_gate(run: RunRecords) -> GateResult:
 
 def _completion_problem(run: RunRecords) -> str | None:
     steps, status = run.manifest.schedule.train_steps, run.status
-    where = f"{run.label} status {run.state} at step {status.get('step')} of {steps}"
+    where = f"{run.label} status {run.state} at step {status.step} of {steps}"
     if run.state == "stopped":
-        alert = status.get("alert") or {}
+        alert = status.alert or {}
         return f"{where}: {alert.get('message') or 'stopped by an alert'}"
     if run.state == "failed":
-        return f"{where}: {status.get('error') or 'failed (see its events.jsonl)'}"
+        return f"{where}: {status.error or 'failed (see its events.jsonl)'}"
     if run.state != "completed":
         return f"{where} (resume it to the end, then compare)"
     if run.last_step < steps:
@@ -233,7 +233,7 @@ def _buckets(
     """The bucket gate, the comparison behind it, and the worst gated bucket."""
     gap, name = gates.bucket_accuracy_gap, "bucket_accuracy_gap"
     expected = candidate.manifest.capability.enabled and (
-        candidate.info.get("data", {}).get("objective") == "sft"
+        candidate.info.data is not None and candidate.info.data.objective == "sft"
     )
     missing = [run for run in (reference, candidate) if not run.capability]
     if missing and not expected:

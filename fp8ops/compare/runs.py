@@ -22,9 +22,20 @@ from fp8ops.alerts import Alert, read_alerts
 from fp8ops.compare.layers import TelemetrySummary, summarise_telemetry
 from fp8ops.dualtrack.tracks import CANDIDATE, FALLBACK, LABELS, PLAN
 from fp8ops.errors import Fp8opsError
-from fp8ops.files import latest_per_step, read_jsonl
 from fp8ops.manifest import Manifest, ManifestStore, manifest_hash
-from fp8ops.train.run_dir import MANIFEST, locked_manifest, read_status
+from fp8ops.run import (
+    RunLayout,
+    RunRecord,
+    RunRecordError,
+    Status,
+    find_status,
+    locked_manifest,
+    read_evals,
+    read_events,
+    read_metrics,
+    read_run_record,
+)
+from fp8ops.run.layout import MANIFEST
 
 USAGE = "give run directories (the reference first, then candidates) or one dual-track directory"
 
@@ -56,11 +67,13 @@ class RunRecords:
     track: Track
     manifest: Manifest
     manifest_sha256: str
-    info: dict[str, Any]  # run.json
-    status: dict[str, Any]  # status.json
-    metrics: list[dict[str, Any]]  # metrics.jsonl, one per step in step order (latest line wins)
+    info: RunRecord  # run.json
+    status: Status  # status.json
+    # metrics.jsonl and eval.jsonl: one row per step in step order (latest line wins), as
+    # written (the fields a row holds, checked by fp8ops.run.records)
+    metrics: list[dict[str, Any]]
     tokens_through: dict[int, int]  # step -> training tokens of steps 1..step
-    evals: list[dict[str, Any]]  # eval.jsonl, one per step in step order (latest line wins)
+    evals: list[dict[str, Any]]
     capability: list[dict[str, Any]]  # capability.jsonl, one per step (latest line wins)
     predictions: dict[int, list[dict[str, Any]]]  # step -> its per-item records
     resumes: list[Resume]
@@ -79,7 +92,7 @@ class RunRecords:
 
     @property
     def state(self) -> str:
-        return str(self.status.get("state"))
+        return self.status.state
 
     @property
     def last_step(self) -> int:
@@ -188,30 +201,30 @@ def default_out(tracks: list[Track], dualtrack: Path | None) -> Path:
 
 def load_run(track: Track) -> RunRecords:
     """Read ``track``'s run directory; an :class:`Fp8opsError` names what is missing or damaged."""
-    path = track.path
-    status = read_status(path)
+    path, layout = track.path, RunLayout(track.path)
+    status = _read(find_status, path)
     if status is None:
         raise Fp8opsError(
             f"{path}: not an fp8ops run directory (no status.json); {USAGE}, as `fp8ops train` "
             "leaves them"
         )
-    if not (path / MANIFEST).is_file():
+    if not layout.manifest.is_file():
         raise Fp8opsError(f"{path}: no {MANIFEST}; the run directory is incomplete or damaged")
     manifest = locked_manifest(path)  # not a manifest.yaml edited or copied in since
-    info = _read_json(path / "run.json")
+    info = _read(read_run_record, path)
     _check_own_info(path, info)
-    state = status.get("state")
-    evals = _read_steps(path / "eval.jsonl", ("loss",))
+    state = status.state
+    evals = _as_written(_read(read_evals, path))
     if not evals and state not in ("stopped", "failed"):
         # A run that ended early is judged (and fails); one that just never evaluated can't be.
         raise Fp8opsError(
-            f"{path}/eval.jsonl: no evaluation recorded (status {state} at step "
-            f"{status.get('step')}); compare judges held-out loss, so train with "
+            f"{layout.evals}: no evaluation recorded (status {state} at step "
+            f"{status.step}); compare judges held-out loss, so train with "
             "data.eval_fraction > 0 and let the run reach its first schedule.eval_interval"
         )
-    metrics = _read_steps(path / "metrics.jsonl", ("loss", "tokens"))
+    metrics = _as_written(_read(read_metrics, path))
     capability, predictions = _read_capability(path)
-    events = _read_log(path / "events.jsonl")
+    events = [event.model_dump() for event in _read(read_events, path)]
     return RunRecords(
         track=track,
         manifest=manifest,
@@ -241,61 +254,43 @@ def load_run(track: Track) -> RunRecords:
     )
 
 
-def _check_own_info(path: Path, info: dict[str, Any]) -> None:
+def _check_own_info(path: Path, info: RunRecord) -> None:
     """``run.json`` is this run's: written under one of its revisions. The comparability checks
     read it (data, seeds, initial weights), so one copied in from another run would make them
     pass or fail on the other run's facts."""
-    store = ManifestStore(path / "manifests")
-    digest = info.get("manifest")
-    if not isinstance(digest, str) or not store.path_for(digest).is_file():
+    store = ManifestStore(RunLayout(path).manifests)
+    digest = info.manifest
+    if digest is None or not store.path_for(digest).is_file():
         raise Fp8opsError(
-            f"{path / 'run.json'}: manifest is {_short(digest)}, which is not one of this run's "
-            f"revisions ({store.directory}): the file belongs to another run, or is damaged. "
-            "Restore the run's own run.json"
+            f"{RunLayout(path).run_record}: manifest is {_short(digest)}, which is not one of "
+            f"this run's revisions ({store.directory}): the file belongs to another run, or is "
+            "damaged. Restore the run's own run.json"
         )
+
+
+def _read(reader, path: Path):
+    """A run record through ``reader`` (fp8ops.run.records), its problem as compare's error."""
+    try:
+        return reader(path)
+    except RunRecordError as exc:
+        raise Fp8opsError(str(exc)) from None
+
+
+def _as_written(rows: list) -> list[dict[str, Any]]:
+    """Rows as the log holds them: a field the line does not have stays absent."""
+    return [row.model_dump(exclude_unset=True) for row in rows]
 
 
 def _read_json(file: Path) -> dict[str, Any]:
     try:
         document = json.loads(file.read_text())
     except FileNotFoundError:
-        raise Fp8opsError(
-            f"{file}: no such file; the run directory is incomplete (written when training starts)"
-        ) from None
+        raise Fp8opsError(f"{file}: no such file") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise Fp8opsError(f"{file}: cannot be read ({exc}); the file is damaged") from None
     if not isinstance(document, dict):
         raise Fp8opsError(f"{file}: not a JSON object; the file is damaged")
     return document
-
-
-def _read_log(file: Path) -> list[dict[str, Any]]:
-    """An append-only JSONL log (absent: empty); mid-file damage names the line."""
-    if not file.exists():
-        return []
-    try:
-        records = read_jsonl(file)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise Fp8opsError(f"{file}: cannot be read ({exc})") from None
-    for number, record in enumerate(records, 1):
-        if not isinstance(record, dict):
-            raise Fp8opsError(f"{file}: record {number} is not a JSON object; the file is damaged")
-    return records
-
-
-def _read_steps(file: Path, required: tuple[str, ...]) -> list[dict[str, Any]]:
-    """One record per step in step order; a step logged again after a resume from an earlier
-    checkpoint keeps its latest line (``fp8ops.files.latest_per_step``), each checked for the
-    fields compare reads."""
-    records = _read_log(file)
-    for number, record in enumerate(records, 1):
-        missing = [key for key in ("step", *required) if key not in record]
-        if missing or not isinstance(record["step"], int):
-            what = f"no {missing[0]!r} field" if missing else "'step' is not an integer"
-            raise Fp8opsError(
-                f"{file}: record {number}: {what}; the file is damaged or not fp8ops' own"
-            )
-    return latest_per_step(records)
 
 
 def _cumulative_tokens(path: Path, metrics: list[dict[str, Any]]) -> dict[int, int]:
@@ -342,14 +337,10 @@ def check_comparable(reference: RunRecords, candidates: list[RunRecords]) -> Non
         for field_path, ours, theirs in (
             (
                 "run.json data.fingerprint",
-                _dig(run.info, "data", "fingerprint"),
-                _dig(reference.info, "data", "fingerprint"),
+                _data_fingerprint(run.info),
+                _data_fingerprint(reference.info),
             ),
-            (
-                "run.json seeds.data",
-                _dig(run.info, "seeds", "data"),
-                _dig(reference.info, "seeds", "data"),
-            ),
+            ("run.json seeds.data", _data_seed(run.info), _data_seed(reference.info)),
             (
                 "manifest.yaml schedule.global_batch_size",
                 run.manifest.schedule.global_batch_size,
@@ -371,9 +362,9 @@ def check_comparable(reference: RunRecords, candidates: list[RunRecords]) -> Non
                 )
         # Both start from the same weights (the base checkpoint, or one seed: the FP8 and BF16
         # builds draw them alike). Older runs did not record it, and fingerprints of two
-        # schemes (train/weights.py) cannot be compared; then it is not checked.
-        ours = _dig(run.info, "model", "initial_weights_fingerprint")
-        theirs = _dig(reference.info, "model", "initial_weights_fingerprint")
+        # schemes (checkpoint/weights.py) cannot be compared; then it is not checked.
+        ours = run.info.model.initial_weights_fingerprint
+        theirs = reference.info.model.initial_weights_fingerprint
         same_scheme = _fingerprint_scheme(run.info) == _fingerprint_scheme(reference.info)
         if ours is not None and theirs is not None and same_scheme and ours != theirs:
             raise Fp8opsError(
@@ -394,17 +385,17 @@ def check_comparable(reference: RunRecords, candidates: list[RunRecords]) -> Non
                 )
 
 
-def _dig(document: dict[str, Any], *keys: str) -> Any:
-    for key in keys:
-        if not isinstance(document, dict):
-            return None
-        document = document.get(key)
-    return document
+def _data_fingerprint(info: RunRecord) -> str | None:
+    return info.data.fingerprint if info.data is not None else None
 
 
-def _fingerprint_scheme(info: dict[str, Any]) -> str:
-    # Runs that record none fingerprinted by module path (train/weights.py's legacy scheme).
-    return _dig(info, "model", "initial_weights_fingerprint_scheme") or "parameter-names"
+def _data_seed(info: RunRecord) -> int | None:
+    return (info.seeds or {}).get("data")
+
+
+def _fingerprint_scheme(info: RunRecord) -> str:
+    # Runs that record none fingerprinted by module path (checkpoint/weights.py's legacy scheme).
+    return info.model.initial_weights_fingerprint_scheme or "parameter-names"
 
 
 def _short(value: Any) -> str:

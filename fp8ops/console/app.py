@@ -46,6 +46,8 @@ from fp8ops.console.runs import RunHeader, find_runs, open_telemetry, read_heade
 from fp8ops.errors import Fp8opsError
 from fp8ops.manifest import Manifest, load_manifest
 from fp8ops.overrides import Ledger, Override, default_user
+from fp8ops.run import RunLayout
+from fp8ops.run.layout import ALERTS, CHECKPOINTS, LAYERS, MANIFEST, OVERRIDES, STATUS
 from fp8ops.telemetry import MODULE_METRIC_NAMES, TelemetryRun
 from fp8ops.telemetry.catalogue import SLOTS
 
@@ -67,14 +69,7 @@ DEFAULT_WINDOW = 10_000  # read in < 0.5 s at 256 modules; "whole run" pools in 
 FOLLOW_EVERY_S = 2.0
 _STALE = object()  # what background work queued for a run no longer on screen returns
 # Files whose change means a view must be redrawn (size and mtime are compared).
-WATCHED = (
-    "status.json",
-    "manifest.yaml",
-    "alerts.jsonl",
-    "overrides.jsonl",
-    "layers.json",
-    "checkpoints/latest",
-)
+WATCHED = (STATUS, MANIFEST, ALERTS, OVERRIDES, LAYERS, f"{CHECKPOINTS}/latest")
 
 
 @dataclass
@@ -133,7 +128,7 @@ class RunRead:
 def read_run(run_dir: Path, metric: str, window: int, slot: str) -> RunRead:
     telemetry = open_telemetry(run_dir)
     try:
-        manifest = load_manifest(run_dir / "manifest.yaml")
+        manifest = load_manifest(RunLayout(run_dir).manifest)
     except Fp8opsError:
         manifest = None  # the header names the problem
     alerts = read_alerts(run_dir)
@@ -179,7 +174,7 @@ def _stamps(run_dir: Path, telemetry: TelemetryRun | None) -> dict[str, Any]:
         except FileNotFoundError:
             stamps[name] = None
     stamps["telemetry"] = None if telemetry is None else dict(telemetry.committed_steps)
-    stamps["store"] = (run_dir / "telemetry.zarr").exists()
+    stamps["store"] = RunLayout(run_dir).telemetry.exists()
     return stamps
 
 
@@ -812,11 +807,11 @@ class ConsoleApp:
         if stamps["store"] and run.telemetry is None:
             return {"reload": True}  # the store appeared: everything needs drawing
         changes: dict[str, Any] = {}
-        if stamps["alerts.jsonl"] != before["alerts.jsonl"]:
+        if stamps[ALERTS] != before[ALERTS]:
             changes["alerts"] = read_alerts(run.run_dir)
-        if stamps["manifest.yaml"] != before["manifest.yaml"]:
+        if stamps[MANIFEST] != before[MANIFEST]:
             try:
-                changes["manifest"] = load_manifest(run.run_dir / "manifest.yaml")
+                changes["manifest"] = load_manifest(RunLayout(run.run_dir).manifest)
             except Fp8opsError:
                 changes["manifest"] = None  # the header names the problem
         changes["header"] = read_header(
@@ -838,8 +833,7 @@ class ConsoleApp:
                     module_history(run.telemetry, screen.module, screen.slot),
                 )
         if any(
-            stamps[n] != before[n]
-            for n in ("overrides.jsonl", "layers.json", "checkpoints/latest", "manifest.yaml")
+            stamps[n] != before[n] for n in (OVERRIDES, LAYERS, f"{CHECKPOINTS}/latest", MANIFEST)
         ):
             changes["ledger"] = read_ledger(run.run_dir)
         return changes

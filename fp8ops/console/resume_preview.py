@@ -1,6 +1,6 @@
 """What the next ``fp8ops resume RUN_DIR`` would apply, worked out without building anything.
 
-``fp8ops.checkpoint.plan_resume`` makes the real decision from JSON and YAML alone: the
+``fp8ops.start.plan_resume`` makes the real decision from JSON and YAML alone: the
 manifest the resumed run is locked to and the revisions it adds (approved overrides on, revoked
 applied ones off). The preview runs it against the checkpoint's own environment fingerprint:
 the console may run on another machine than the training, and the environment is checked
@@ -59,7 +59,8 @@ def _change(c: FieldChange) -> str:
 
 def preview_resume(run_dir: Path) -> ResumePreview:
     """What resuming ``run_dir`` from its latest checkpoint would apply."""
-    from fp8ops.checkpoint import CheckpointDir, plan_resume, read_meta
+    from fp8ops.checkpoint import CheckpointDir, read_meta
+    from fp8ops.start import plan_resume
 
     try:
         directory = CheckpointDir(run_dir).find(None)

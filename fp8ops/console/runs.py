@@ -8,7 +8,6 @@ field empty instead of failing the console.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,11 +15,12 @@ from pathlib import Path
 from fp8ops.alerts import LEVELS, Alert, read_alerts
 from fp8ops.errors import Fp8opsError
 from fp8ops.manifest import Manifest, load_manifest, manifest_hash
+from fp8ops.run import RunLayout, RunRecordError, find_status
+from fp8ops.run.layout import MANIFEST, STATUS, TELEMETRY
 from fp8ops.telemetry import TelemetryRun, open_run
-from fp8ops.telemetry.store import STORE_NAME
 
 # A directory is a run directory when it holds one of these (the trainer writes them first).
-RUN_MARKERS = ("status.json", "manifest.yaml", STORE_NAME)
+RUN_MARKERS = (STATUS, MANIFEST, TELEMETRY)
 # status.json is rewritten every log_interval steps while a run trains; a "running" status
 # older than this is probably a trainer that died without a word (kill -9, a lost node).
 QUIET_S = 600
@@ -47,20 +47,9 @@ def _updated(run_dir: Path) -> float:
     return max(stamps, default=0.0)
 
 
-def read_status(run_dir: Path) -> dict:
-    """status.json (state, step, updated), or {} while the run has none. (The trainer's own
-    reader lives in fp8ops.train, whose import brings torch.)"""
-    try:
-        return json.loads((run_dir / "status.json").read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        return {"state": f"unreadable status.json ({exc})"}
-
-
 def open_telemetry(run_dir: Path) -> TelemetryRun | None:
     """The run's telemetry, or None when it has no store (FP8 off, not started yet)."""
-    if not (run_dir / STORE_NAME).exists():
+    if not RunLayout(run_dir).telemetry.exists():
         return None
     return open_run(run_dir)
 
@@ -91,16 +80,23 @@ def read_header(
     alerts: list[Alert] | None = None,
     manifest: Manifest | None = None,
 ) -> RunHeader:
-    header = RunHeader(run_dir, run_dir.name)
-    status = read_status(run_dir)
-    header.state = status.get("state", "not started")
-    header.status_step, header.updated = status.get("step"), status.get("updated")
+    header, layout = RunHeader(run_dir, run_dir.name), RunLayout(run_dir)
+    try:
+        status = find_status(run_dir)
+    except RunRecordError as exc:  # shown as the state: the rest of the run may still read
+        header.state = f"unreadable status.json ({exc})"
+    else:
+        if status is not None:
+            header.state, header.status_step = status.state, status.step
+            header.updated = status.updated
+        else:
+            header.state = "not started"
     if header.state == "running":
-        quiet = time.time() - (run_dir / "status.json").stat().st_mtime
+        quiet = time.time() - layout.status.stat().st_mtime
         if quiet > QUIET_S:  # a killed trainer cannot say it stopped: say how long it has not
             header.state = f"running? (no word for {quiet / 60:.0f} min: is it still alive?)"
     try:
-        manifest = manifest or load_manifest(run_dir / "manifest.yaml")
+        manifest = manifest or load_manifest(layout.manifest)
     except Fp8opsError as exc:
         header.problems.append(str(exc))
     if manifest is not None:

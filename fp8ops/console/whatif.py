@@ -39,6 +39,7 @@ import numpy as np
 
 from fp8ops.amax_algo import parse_amax_algo
 from fp8ops.errors import Fp8opsError
+from fp8ops.run import RunLayout
 from fp8ops.telemetry import TelemetryRun
 from fp8ops.telemetry.catalogue import SLOTS
 
@@ -351,7 +352,7 @@ def report(
     from fp8ops.telemetry import open_run
 
     run_dir = Path(run_dir)
-    precision = load_manifest(run_dir / "manifest.yaml").precision
+    precision = load_manifest(RunLayout(run_dir).manifest).precision
     if not precision.enabled:
         raise Fp8opsError(f"{run_dir}: FP8 is off in this run; there are no scales to replay")
     telemetry = open_run(run_dir)

@@ -42,6 +42,8 @@ from fp8ops.errors import Fp8opsError, ManifestError
 from fp8ops.files import atomic_write_text
 from fp8ops.manifest import derive, load_manifest, manifest_hash, write_manifest
 from fp8ops.manifest.schema import Manifest
+from fp8ops.run import find_status
+from fp8ops.run.layout import STOP_REQUEST
 
 
 @dataclass(frozen=True)
@@ -101,11 +103,11 @@ def run_dualtrack(
 def _stop_if_asked(request, out_dir: Path) -> None:
     """Between two tracks: a signal, or ``DIR/stop.request``, ends the command with exit 75
     (collective: every rank agrees); the next invocation goes on with the next track."""
-    from fp8ops.train.signals import REQUEST_FILE, Interrupted
+    from fp8ops.train.signals import Interrupted
 
     if request.agreed(out_dir):
         if _is_main():
-            (out_dir / REQUEST_FILE).unlink(missing_ok=True)  # answered
+            (out_dir / STOP_REQUEST).unlink(missing_ok=True)  # answered
         raise Interrupted(
             f"stopped between two tracks ({request.reason}); run fp8ops dualtrack again to "
             "go on with the next track"
@@ -149,30 +151,29 @@ def _train(track: Track, out_dir: Path, progress: bool, plan: dict) -> TrackOutc
     """Train one track to its end (or find it there). dualtrack.json says "running" while it
     trains and keeps the time of an attempt that is interrupted."""
     from fp8ops.train import run_training
-    from fp8ops.train.run_dir import RunAlreadyComplete, read_status
     from fp8ops.train.trainer import StopRun
 
-    before = read_status(track.run_dir) if track.run_dir.exists() else None
-    status = (before or {}).get("state")
-    if status == "stopped":  # a Stop alert would stop it again at the same step
+    before = find_status(track.run_dir) if track.run_dir.exists() else None
+    if (
+        before is not None and before.state == "stopped"
+    ):  # a Stop alert would stop it again at the same step
         _record(plan, out_dir, track, "stopped", 0.0)
         return TrackOutcome(track, "stopped", 0.0, "stopped by an alert (earlier)")
     if _is_main():
         print(f"dual-track: training {track.label} in {track.run_dir}", flush=True)
     _record(plan, out_dir, track, "running", 0.0)
     started, state = time.perf_counter(), "interrupted"  # unless training returns or stops
-    try:
+    try:  # trained to the end, or found there (a Complete plan)
         run_training(track.manifest_file, track.run_dir, progress=progress, resume=True)
-        state = "completed"
-    except RunAlreadyComplete:
         state = "completed"
     except StopRun as stop:
         state = "stopped"
         if _is_main():
             print(f"dual-track: {track.label} {stop}", flush=True)
     finally:
-        after = read_status(track.run_dir) if track.run_dir.exists() else None
-        if state == "interrupted" and after != before and (after or {}).get("state") == "failed":
+        after = find_status(track.run_dir) if track.run_dir.exists() else None
+        failed = after is not None and after != before and after.state == "failed"
+        if state == "interrupted" and failed:
             state = "failed"  # judged (and failed) by compare; the next invocation retries it
         seconds = time.perf_counter() - started
         _record(plan, out_dir, track, state, seconds)

@@ -28,9 +28,8 @@ from typing import Any
 
 from fp8ops.errors import Fp8opsError
 from fp8ops.files import append_lines, atomic_write_text, latest_per_step, read_jsonl
-
-LOG = "capability.jsonl"
-PREDICTIONS_DIR = "capability"
+from fp8ops.run.layout import CAPABILITY as LOG
+from fp8ops.run.layout import CAPABILITY_ANSWERS as PREDICTIONS_DIR
 
 
 def predictions_name(step: int) -> str:

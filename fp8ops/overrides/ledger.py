@@ -26,7 +26,6 @@ import dataclasses
 import difflib
 import fcntl
 import getpass
-import json
 import os
 import re
 from collections import Counter
@@ -43,8 +42,10 @@ from fp8ops.alerts.records import Alert, decode_float, encode_float
 from fp8ops.errors import Fp8opsError
 from fp8ops.manifest.schema import Bf16Override
 from fp8ops.overrides.chain import GENESIS, LedgerError, canonical_json, parse_chain, record_hash
+from fp8ops.run import RunLayout, RunRecordError, find_status, locked_manifest, read_run_record
+from fp8ops.run.layout import OVERRIDES
 
-LEDGER = "overrides.jsonl"
+LEDGER = OVERRIDES  # the ledger's file name (fp8ops.run.layout spells it)
 ALERT_ENGINE = "fp8ops-alerts"  # who proposes: any person may approve its proposals
 MIN_PREFIX = 6  # hex digits of an id a user must give, like git's short hashes
 
@@ -280,11 +281,12 @@ class Ledger:
 
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / LEDGER
+        self.layout = RunLayout(self.run_dir)
+        self.path = self.layout.overrides
         if not self.run_dir.is_dir():
             what = "is not a directory" if self.run_dir.exists() else "no such run directory"
             raise OverrideError(f"{self.run_dir}: {what}")
-        if not any((self.run_dir / name).is_file() for name in ("status.json", "manifest.yaml")):
+        if not self.layout.is_run():
             raise OverrideError(
                 f"{self.run_dir}: not an fp8ops run directory (no status.json or manifest.yaml); "
                 "give the directory a run writes"
@@ -584,31 +586,28 @@ class Ledger:
         return [Trigger.from_alert(latest[metric]) for metric in sorted(latest)]
 
     def _self_approval_allowed(self) -> bool:
-        from fp8ops.train.run_dir import locked_manifest
-
         try:
             return locked_manifest(self.run_dir).review.allow_self_approval
         except Fp8opsError as exc:
             raise OverrideError(str(exc)) from None
 
     def _status_step(self) -> int | None:
-        return _json_field(self.run_dir / "status.json", "step")
+        status = self._read(find_status)
+        return status.step if status is not None else None
 
     def _data_version(self) -> str | None:
-        return _json_field(self.run_dir / "run.json", "data", "fingerprint")
+        """``run.json``'s data fingerprint, recorded with a proposal (None before the run
+        wrote its record)."""
+        if not self.layout.run_record.is_file():
+            return None
+        data = self._read(read_run_record).data
+        return data.fingerprint if data is not None else None
 
-
-def _json_field(path: Path, *keys: str) -> Any:
-    """``document[k1][k2]...`` of a run's JSON file; None when the file or a key is absent."""
-    try:
-        value: Any = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise OverrideError(f"{path}: cannot read it ({exc})") from None
-    for key in keys:
-        value = value.get(key) if isinstance(value, dict) else None
-    return value
+    def _read(self, reader):
+        try:
+            return reader(self.run_dir)
+        except RunRecordError as exc:
+            raise OverrideError(str(exc)) from None
 
 
 def _decided(records: list[dict[str, Any]], overrides: Mapping[str, Override]) -> Override:

@@ -29,6 +29,7 @@ from fp8ops.preflight import checks, rehearsal
 from fp8ops.preflight.rehearsal import Rehearsal, RehearsalError
 from fp8ops.preflight.results import ITEMS, Evidence, Item, ItemResult
 from fp8ops.preflight.target import Target
+from fp8ops.run import find_status
 
 
 @dataclass(frozen=True)
@@ -120,13 +121,9 @@ def _telemetry(context: _Context) -> Evidence:
     """The run's own telemetry; for a manifest, the straight rehearsal run's."""
     target = context.target
     if target.is_run:
-        from fp8ops.train.run_dir import read_status
-
-        status = read_status(target.run_dir) or {}
-        live = status.get("state") == "running"  # its store is up to a flush block behind
-        return checks.telemetry(
-            target.run_dir, target.manifest, None if live else status.get("step")
-        )
+        status = find_status(target.run_dir)
+        live = status is None or status.state == "running"  # its store may be a block behind
+        return checks.telemetry(target.run_dir, target.manifest, None if live else status.step)
     run = context.rehearsal
     return checks.telemetry(run.straight(), run.manifest, run.steps)
 

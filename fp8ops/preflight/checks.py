@@ -21,6 +21,7 @@ from fp8ops.manifest.load import parse_yaml
 from fp8ops.manifest.schema import Manifest
 from fp8ops.preflight.results import Evidence
 from fp8ops.preflight.target import Target
+from fp8ops.run import RunLayout, locked_manifest
 
 GPU_FIELDS = ("transformer_engine", "cuda", "cudnn", "driver", "gpu")
 
@@ -31,8 +32,8 @@ def versions(target: Target) -> Evidence:
     """Every version a resume compares is known; for a run, the same as the run recorded."""
     import torch
 
-    from fp8ops.checkpoint.drift import environment_drift
-    from fp8ops.train.environment import environment_fingerprint
+    from fp8ops.run.environment import environment_fingerprint
+    from fp8ops.start.drift import environment_drift
 
     ev = Evidence()
     env = environment_fingerprint()
@@ -79,7 +80,7 @@ def _recorded_environment(target: Target) -> tuple[dict, str]:
             return read_meta(latest).environment, f"checkpoint {latest.name}"
         except CheckpointError:
             pass
-    return target.run_info.get("environment") or {}, "run.json"
+    return target.run_info.environment or {}, "run.json"
 
 
 # -- 2. version control --------------------------------------------------------------------------
@@ -170,9 +171,7 @@ def _layer_lists(ev: Evidence, file: Path, manifest: Manifest) -> None:
 def _chain_root(ev: Evidence, run_dir: Path, file: Path) -> None:
     """The file hashes to the first revision of the run's chain that the run holds (a file
     that is itself a revision names a parent the run never stored)."""
-    from fp8ops.train.run_dir import locked_manifest
-
-    store = ManifestStore(run_dir / "manifests")
+    store = ManifestStore(RunLayout(run_dir).manifests)
     try:
         current = locked_manifest(run_dir)  # manifest.yaml is the locked, stored revision
         held = [current]
@@ -210,9 +209,9 @@ def fingerprints(target: Target) -> Evidence:
 
 
 def _pinned_fingerprints(target: Target) -> Evidence:
+    from fp8ops.checkpoint.weights import read_weights_meta
     from fp8ops.data import build_data
     from fp8ops.data.tokenizer import tokenizer_for
-    from fp8ops.train.weights import read_weights_meta
 
     ev, m = Evidence(), target.manifest
     to_pin: dict[str, str] = {}
@@ -279,12 +278,12 @@ def _recorded_fingerprints(target: Target) -> Evidence:
     from fp8ops.data.tokenizer import tokenizer_for
 
     ev, info, m = Evidence(), target.run_info, target.manifest
-    model, tokenizer, data = (info.get(k) or {} for k in ("model", "tokenizer", "data"))
-    if model.get("init_checkpoint"):
-        found = model.get("init_fingerprint")
+    model = info.model
+    if model.init_checkpoint:
+        found = model.init_fingerprint
         how = (
             "verified at load"
-            if model.get("init_verified")
+            if model.init_verified
             else "not re-hashed at load: saved in a wider dtype than the run trains in"
         )
         ev.check(
@@ -293,13 +292,13 @@ def _recorded_fingerprints(target: Target) -> Evidence:
             "model: run.json records no fingerprint of the init checkpoint",
         )
     else:
-        found = model.get("initial_weights_fingerprint")
+        found = model.initial_weights_fingerprint
         ev.check(
             found is not None,
             f"model: initial weights {str(found)[:12]} (from seeds.model)",
             "model: run.json records no initial weights fingerprint",
         )
-    token = tokenizer.get("fingerprint")
+    token = info.tokenizer.fingerprint if info.tokenizer is not None else None
     if ev.check(
         token is not None,
         f"tokenizer: run.json records {str(token)[:12]}",
@@ -317,7 +316,7 @@ def _recorded_fingerprints(target: Target) -> Evidence:
                 f"tokenizer: read now from the run's manifest it hashes to {token_now}, not "
                 f"{token}: a resume would encode and decode otherwise",
             )
-    recorded = data.get("fingerprint")
+    recorded = info.data.fingerprint if info.data is not None else None
     if not ev.check(
         recorded is not None,
         f"data: run.json records {str(recorded)[:12]}",

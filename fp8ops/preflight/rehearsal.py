@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from fp8ops.errors import Fp8opsError
-from fp8ops.files import read_jsonl
 from fp8ops.manifest import derive, write_manifest
 from fp8ops.manifest.canonical import content_dict
 from fp8ops.manifest.schema import Manifest
 from fp8ops.preflight.results import Evidence
+from fp8ops.run import RunLayout, find_status, read_events, read_fallbacks, read_metrics
 
 OPERATOR, REVIEWER = "preflight-operator", "preflight-reviewer"  # who stages, who approves
 # Another TP size sums in another order: the CPU default's first resumed losses differ by 1e-4
@@ -228,32 +228,28 @@ def _tail(output: str, lines: int = 3) -> str:
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
-    from fp8ops.train.run_dir import read_metrics
-
-    return {m["step"]: m["loss"] for m in read_metrics(run_dir)}
+    return {m.step: m.loss for m in read_metrics(run_dir)}
 
 
 def _final_meta(run_dir: Path, step: int):
     from fp8ops.checkpoint import read_meta
     from fp8ops.checkpoint.directory import checkpoint_name
 
-    return read_meta(Path(run_dir) / "checkpoints" / checkpoint_name(step))
+    return read_meta(RunLayout(run_dir).checkpoints / checkpoint_name(step))
 
 
 def _resumed_event(run_dir: Path) -> dict | None:
-    events = [e for e in read_jsonl(Path(run_dir) / "events.jsonl") if e["event"] == "resumed"]
+    events = [e.model_dump() for e in read_events(run_dir) if e.event == "resumed"]
     return events[-1] if events else None
 
 
 def _completed(ev: Evidence, run_dir: Path, steps: int, label: str) -> bool:
-    from fp8ops.train.run_dir import read_status
-
-    status = read_status(run_dir) or {}
+    status = find_status(run_dir)
+    state, step = (status.state, status.step) if status is not None else (None, None)
     return ev.check(
-        status.get("state") == "completed" and status.get("step") == steps,
+        state == "completed" and step == steps,
         f"{label} completed all {steps} steps ({run_dir.name}/status.json)",
-        f"{label} is {status.get('state')} at step {status.get('step')}, not "
-        f"completed at {steps} ({run_dir.name}/status.json)",
+        f"{label} is {state} at step {step}, not completed at {steps} ({run_dir.name}/status.json)",
     )
 
 
@@ -397,12 +393,13 @@ def fallback(r: Rehearsal) -> Evidence:
         f"losses of steps {r.half + 1}-{r.steps} finite in BF16 fallback",
         f"losses after the fallback: {after}",
     )
-    table = _json(run / "fallbacks.json")
-    entry = table.get(module, {})
+    table = read_fallbacks(run)
+    entry = table.get(module)
     ev.check(
-        entry.get("dtype") == "bf16" and entry.get("from_step") == r.half + 1,
+        entry is not None and entry.dtype == "bf16" and entry.from_step == r.half + 1,
         f"fallbacks.json: {module} bf16 from step {r.half + 1}",
-        f"fallbacks.json does not name {module} in bf16 from step {r.half + 1}: {table}",
+        f"fallbacks.json does not name {module} in bf16 from step {r.half + 1}: "
+        f"{ {name: e.model_dump() for name, e in table.items()} }",
     )
     row = read_layers_json(run).table.row(module)
     ev.check(
@@ -425,12 +422,6 @@ def fallback(r: Rehearsal) -> Evidence:
         f"{module}: FP8 state changed while in BF16",
     )
     return ev
-
-
-def _json(path: Path) -> dict:
-    import json
-
-    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 # -- 9. topology-change restore -------------------------------------------------------------------

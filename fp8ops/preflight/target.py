@@ -7,14 +7,14 @@ version-control and gates items are about that file, not about the canonical cop
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from fp8ops.errors import Fp8opsError
 from fp8ops.manifest import load_manifest
 from fp8ops.manifest.schema import Manifest
+from fp8ops.run import RunLayout, RunRecord, RunRecordError, read_run_record
+from fp8ops.run.layout import MANIFEST, RUN_RECORD
 
 # Options of `fp8ops train` that take a value: the manifest is the argument that is none of them.
 # The options of `fp8ops train` and `fp8ops dualtrack` that take a value (the manifest file is
@@ -29,7 +29,7 @@ class Target:
     manifest: Manifest  # the file's, or the run's locked manifest.yaml
     manifest_file: Path | None  # the manifest file (for a run: the one it started from, if found)
     run_dir: Path | None = None  # None: a manifest file
-    run_info: dict[str, Any] | None = None  # run.json
+    run_info: RunRecord | None = None  # run.json
     source_problem: str | None = None  # why a run's manifest file was not found
 
     @property
@@ -47,25 +47,25 @@ def resolve_target(path: Path) -> Target:
         )
     if path.is_file():
         return Target(path, load_manifest(path), path)  # an invalid manifest: its own message
-    info_file = path / "run.json"
-    if not info_file.is_file() or not (path / "manifest.yaml").is_file():
-        missing = "run.json" if not info_file.is_file() else "manifest.yaml"
+    layout = RunLayout(path)
+    if not layout.run_record.is_file() or not layout.manifest.is_file():
+        missing = RUN_RECORD if not layout.run_record.is_file() else MANIFEST
         raise Fp8opsError(
             f"preflight: {path} is a directory but not an fp8ops run (no {missing}); give a run "
             "directory that `fp8ops train` has started (it writes run.json when training "
             "starts), or a manifest file"
         )
     try:
-        info = json.loads(info_file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise Fp8opsError(f"preflight: {info_file}: cannot read it ({exc})") from None
+        info = read_run_record(path)
+    except RunRecordError as exc:
+        raise Fp8opsError(f"preflight: {exc}") from None
     source, problem = _source_file(info)
-    return Target(path, load_manifest(path / "manifest.yaml"), source, path, info, problem)
+    return Target(path, load_manifest(layout.manifest), source, path, info, problem)
 
 
-def _source_file(info: dict[str, Any]) -> tuple[Path | None, str | None]:
+def _source_file(info: RunRecord) -> tuple[Path | None, str | None]:
     """The manifest file in run.json's command line, or why there is none to be found."""
-    command = info.get("command") or []
+    command = info.command
     shown = " ".join(map(str, command)) or "(none)"
     starter = next((word for word in _STARTERS if word in command), None)
     if starter is None:

@@ -1,9 +1,22 @@
 """Per-layer FP8 telemetry: what is measured (``catalogue``), how a run writes it and how it
-is read back."""
+is read back; ``cli`` (``fp8ops inspect``).
 
-from fp8ops.telemetry.catalogue import MODULE_METRIC_NAMES, STEP_METRIC_NAMES, Metric
-from fp8ops.telemetry.reader import TelemetryRun, open_run
-from fp8ops.telemetry.store import TelemetryError, TelemetryWriter
+Attributes load on first use (PEP 562): every ``fp8ops`` command imports ``telemetry.cli`` to
+register ``inspect``, and zarr, pandas and xarray cost more than a command such as a drifted
+resume's refusal should pay.
+"""
+
+import importlib
+
+_WHERE = {
+    "MODULE_METRIC_NAMES": "catalogue",
+    "STEP_METRIC_NAMES": "catalogue",
+    "Metric": "catalogue",
+    "TelemetryError": "store",
+    "TelemetryRun": "reader",
+    "TelemetryWriter": "store",
+    "open_run": "reader",
+}
 
 __all__ = [
     "MODULE_METRIC_NAMES",
@@ -14,3 +27,9 @@ __all__ = [
     "TelemetryWriter",
     "open_run",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

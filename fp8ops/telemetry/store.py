@@ -60,13 +60,14 @@ import zarr
 from zarr.codecs import TransposeCodec, ZstdCodec
 
 from fp8ops.errors import Fp8opsError
+from fp8ops.run.layout import TELEMETRY
 from fp8ops.telemetry.catalogue import MODULE_METRIC_NAMES, STEP_METRIC_NAMES, describe
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
 SCHEMA_VERSION = 1
-STORE_NAME = "telemetry.zarr"  # inside the run directory
+STORE_NAME = TELEMETRY  # the store's name in a run directory (fp8ops.run.layout spells it)
 ROOT_KEY = "fp8ops_telemetry"  # the root attribute holding the schema
 
 # Array names inside a rank group, and the marker keys in its attributes.

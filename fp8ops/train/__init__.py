@@ -1,11 +1,15 @@
-"""Training: ``fp8ops train`` (``trainer.py``) and the parts it is built from.
+"""Training: ``fp8ops train`` and ``fp8ops resume``, and the parts a run is built from.
 
-Reading order: ``trainer`` (the command and the loop), ``distributed`` (process groups),
-``optimizer`` (float32 main weights, clipping, the learning-rate schedule), ``weights`` (the base
-checkpoint a run starts from and the weights it ends with), ``run_dir`` (what a run writes),
-``environment`` (versions recorded with a run).
+Reading order: ``startup`` (a start plan becomes ranks that train it), ``trainer`` (the loop),
+``inputs`` (tokenizer, data, capability items), ``optimizer`` (float32 main weights, clipping,
+the learning-rate schedule), ``distributed`` (process groups), ``signals`` (stop requests),
+``progress`` (what a run prints), ``cpu_gemm`` (bf16 GEMMs on CPUs without them), ``export``
+(a checkpoint's weights as a weights checkpoint), ``cli`` (the commands).
+
+Only the command layer imports this package: the other packages read and write runs through
+``fp8ops.run`` and decide how runs start in ``fp8ops.start``.
 """
 
-from fp8ops.train.launch import resume_training, run_training
+from fp8ops.train.startup import open_trainer, resume_training, run_training, start
 
-__all__ = ["resume_training", "run_training"]
+__all__ = ["open_trainer", "resume_training", "run_training", "start"]

@@ -5,7 +5,7 @@ earlier step's (the best evaluation), and a paused run's weights are the start o
 other data. Both need what ``final/`` is, a weights checkpoint ``model.init_checkpoint`` loads
 and verifies, made from a training checkpoint: its manifest's model, built in one process,
 its weights read (a checkpoint saved at any tensor-parallel size reads at 1), checked
-against the fingerprint the checkpoint was saved with, and written as ``train.weights`` does.
+against the fingerprint the checkpoint was saved with, and written as ``checkpoint.weights`` does.
 """
 
 from __future__ import annotations
@@ -13,20 +13,20 @@ from __future__ import annotations
 from pathlib import Path
 
 from fp8ops.errors import Fp8opsError
+from fp8ops.run.layout import MANIFEST
 
 
 def export_weights(run_dir: Path, checkpoint: str | None, out: Path) -> dict:
     """Write the weights of ``run_dir``'s checkpoint ``checkpoint`` (a name or a step; None:
     the latest) to ``out``, which must not exist. Returns the written metadata."""
-    from fp8ops.checkpoint import CheckpointDir, CheckpointError, read_meta
+    from fp8ops.checkpoint import CheckpointDir, CheckpointError, read_meta, weights
     from fp8ops.checkpoint.directory import verify_files
     from fp8ops.manifest import load_manifest, manifest_hash
     from fp8ops.megatron import build_gpt
     from fp8ops.megatron.compat import parallel_state
     from fp8ops.precision import DelayedScalingRecipe
-    from fp8ops.train import weights
+    from fp8ops.run import read_metrics
     from fp8ops.train.distributed import init_distributed, shutdown_distributed
-    from fp8ops.train.run_dir import read_metrics
 
     out = Path(out)
     if out.exists() or out.with_name(out.name + ".partial").exists():
@@ -40,7 +40,7 @@ def export_weights(run_dir: Path, checkpoint: str | None, out: Path) -> dict:
     source = store.find(checkpoint)
     meta = read_meta(source)
     verify_files(source, meta.files)  # every file whole, as a resume checks
-    manifest = load_manifest(source / "manifest.yaml")
+    manifest = load_manifest(source / MANIFEST)
     if manifest_hash(manifest) != meta.manifest:
         raise CheckpointError(
             f"{source}/manifest.yaml is not the manifest the checkpoint names "
@@ -50,7 +50,7 @@ def export_weights(run_dir: Path, checkpoint: str | None, out: Path) -> dict:
     one = manifest.topology.model_copy(update={"tensor_parallel": 1, "data_parallel": 1})
     alone = manifest.model_copy(update={"topology": one})
     precision = alone.precision
-    ranks = init_distributed(one, source=f"{source / 'manifest.yaml'}")
+    ranks = init_distributed(one, source=f"{source / MANIFEST}")
     try:
         recipe = DelayedScalingRecipe.from_precision(precision) if precision.enabled else None
         model = build_gpt(alone, recipe, device=ranks.device)
@@ -67,7 +67,7 @@ def export_weights(run_dir: Path, checkpoint: str | None, out: Path) -> dict:
                 f"{source}: its weights hash to {found[:12]}, but they were "
                 f"saved as {meta.weights_fingerprint[:12]}"
             )
-        losses = [m["loss"] for m in read_metrics(Path(run_dir)) if m["step"] == meta.step]
+        losses = [m.loss for m in read_metrics(run_dir) if m.step == meta.step]
         written = {
             "architecture": weights.architecture(manifest.model),
             "fingerprint": found,

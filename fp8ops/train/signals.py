@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 
 from fp8ops.errors import Fp8opsError
+from fp8ops.run.layout import STOP_REQUEST
 
-REQUEST_FILE = "stop.request"
+REQUEST_FILE = STOP_REQUEST  # the request file's name (fp8ops.run.layout spells it)
 REQUEUE_EXIT = 75  # EX_TEMPFAIL: the job should run again and resume
 
 

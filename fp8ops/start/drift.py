@@ -2,7 +2,7 @@
 
 Compared before any model is built: the manifest (field by field, its revision bookkeeping
 aside; the topology is part of it) and the environment fingerprint (Python, torch,
-megatron-core, TE, CUDA, GPU). After the model is built the trainer adds one more: the
+megatron-core, TE, CUDA, GPU). After the model is built the start-up adds one more: the
 admission table, should the rules have changed under an unchanged manifest. Any difference
 refuses the resume (exit code 4) unless the operator accepts it with a reason; a manifest change
 is then recorded as a new revision, and the whole drift in the ``resumed`` event.

@@ -1,0 +1,76 @@
+"""``fp8ops alerts``: what the alert rules reported during a run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich import box
+from rich.table import Table
+
+from fp8ops.alerts.files import read_run_alerts
+from fp8ops.alerts.records import LEVELS, format_value, select_alerts
+from fp8ops.terminal import output
+
+
+def alerts_command(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory.", show_default=False)],
+    level: Annotated[
+        str | None,
+        typer.Option(help="Show this level and above: observe, degrade or stop."),
+    ] = None,
+    module: Annotated[
+        str | None,
+        typer.Option(
+            help="Only modules matching this glob, e.g. '*.linear_fc1'.", show_default=False
+        ),
+    ] = None,
+) -> None:
+    """List a run's alerts (alerts.jsonl): step, level, module, metric, value, threshold."""
+    if level is not None and level not in LEVELS:
+        raise typer.BadParameter(f"{level!r}: choose {', '.join(LEVELS)}", param_hint="--level")
+    alerts = read_run_alerts(run_dir)
+    shown = select_alerts(alerts, level, module)
+    out = output()
+    if not out.is_terminal:
+        out.width = 200  # a log or a file: the table without folding module names
+    filters = " and ".join(
+        text
+        for text in (level and f"level {level} or above", module and f"module {module}")
+        if text
+    )
+    scope = f" ({filters}; {len(alerts)} in all)" if filters else ""
+    if not shown:
+        out.print(f"{run_dir}: no alerts{scope}")
+        return
+    ranks = any(a.rank is not None for a in shown)  # gathered from several ranks
+    grid = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for name in (
+        "step",
+        "level",
+        *(["rank"] if ranks else []),
+        "module",
+        "metric",
+        "value",
+        "threshold",
+        "message",
+    ):
+        grid.add_column(
+            name, overflow="fold", justify="right" if name in ("step", "rank") else "left"
+        )
+    for a in shown:
+        rank = [] if not ranks else ["" if a.rank is None else str(a.rank)]
+        grid.add_row(
+            str(a.step),
+            a.level,
+            *rank,
+            a.module or "(run)",
+            a.metric or "",
+            format_value(a.value),
+            "" if a.threshold is None else format_value(a.threshold),
+            a.message,
+        )
+    out.print(grid)
+    counts = ", ".join(f"{sum(a.level == name for a in shown)} {name}" for name in LEVELS)
+    out.print(f"{run_dir}: {len(shown)} alert(s){scope}: {counts}")

@@ -1,0 +1,103 @@
+"""``fp8ops checkpoints list|export``: a run's training checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich import box
+from rich.table import Table
+
+from fp8ops.checkpoint.directory import CheckpointDir, CheckpointError, verify_files
+from fp8ops.checkpoint.meta import read_meta
+from fp8ops.errors import Fp8opsError
+from fp8ops.terminal import output
+
+checkpoints_app = typer.Typer(help="A run's training checkpoints.", no_args_is_help=True)
+
+
+@checkpoints_app.command("list")
+def checkpoints_list(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory.", show_default=False)],
+    verify: Annotated[
+        bool, typer.Option(help="Also re-hash every file of every checkpoint.")
+    ] = False,
+) -> None:
+    """List RUN_DIR's checkpoints: step, why it was saved, manifest, topology, size (exit 1
+    when one is damaged)."""
+    store = CheckpointDir(run_dir)
+    found = store.complete()
+    if not found:
+        raise Fp8opsError(f"{run_dir}: no checkpoints (no {store.path}/step_*)")
+    try:
+        latest = store.latest()
+    except CheckpointError:
+        latest = None
+    damaged = False
+    grid = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    columns = ["", "checkpoint", "step", "reason", "saved", "manifest", "TP x DP", "MiB"]
+    for name in columns + (["files"] if verify else []):
+        # Folded, not cropped: a damaged checkpoint's row names the file to look at.
+        grid.add_column(
+            name, justify="right" if name in ("step", "MiB") else "left", overflow="fold"
+        )
+    for path in found:
+        try:
+            meta = read_meta(path)
+        except CheckpointError as exc:
+            grid.add_row("", path.name, "", f"damaged: {exc}", "", "", "", "")
+            damaged = True
+            continue
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
+        topo = meta.topology
+        row = [
+            "*" if path == latest else "",
+            path.name,
+            str(meta.step),
+            meta.reason,
+            meta.saved_at,
+            meta.manifest[:12],
+            f"{topo.tensor_parallel} x {topo.data_parallel}",
+            f"{size:.1f}",
+        ]
+        if verify:
+            try:
+                verify_files(path, meta.files)
+                row.append("ok")
+            except CheckpointError as exc:
+                row.append(f"DAMAGED: {exc}")
+                damaged = True
+        grid.add_row(*row)
+    out = output()
+    out.print(grid)
+    out.print("* = latest (what `fp8ops resume` continues from)")
+    if damaged:
+        raise typer.Exit(1)  # scripts can gate on a damaged checkpoint
+
+
+@checkpoints_app.command("export")
+def checkpoints_export(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory.", show_default=False)],
+    out: Annotated[
+        Path,
+        typer.Option(
+            "--out", help="The weights checkpoint to write (a new directory).", show_default=False
+        ),
+    ],
+    checkpoint: Annotated[
+        str | None,
+        typer.Option(
+            help="A checkpoint's name or step (default: the latest).", metavar="NAME|STEP"
+        ),
+    ] = None,
+) -> None:
+    """Write one checkpoint's weights as a weights checkpoint (what final/ holds at the end),
+    for model.init_checkpoint: the release of an earlier step, or a new run from a paused one."""
+    from fp8ops.train.export import export_weights  # torch and Megatron: only when asked
+
+    written = export_weights(run_dir, checkpoint, out)
+    print(
+        f"{out}: the weights of {written['exported_from']} (step {written['steps']}), "
+        f"fingerprint {written['fingerprint'][:12]}; give it as model.init_checkpoint"
+    )

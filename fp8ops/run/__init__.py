@@ -1,0 +1,47 @@
+"""A run directory: where a run keeps what (:mod:`~fp8ops.run.layout`), what its records hold
+(:mod:`~fp8ops.run.records`), the one writer (:class:`~fp8ops.run.run_dir.RunDir`) and the
+versions a run records (:mod:`~fp8ops.run.environment`).
+
+At the bottom of the package graph: it imports only ``fp8ops.manifest``, ``fp8ops.errors`` and
+``fp8ops.files``, so every other package can read and write runs through it.
+"""
+
+from fp8ops.run.layout import RunLayout
+from fp8ops.run.records import (
+    EvalRow,
+    Event,
+    Fallback,
+    MetricsRow,
+    RunRecord,
+    RunRecordError,
+    Status,
+    find_status,
+    read_evals,
+    read_events,
+    read_fallbacks,
+    read_metrics,
+    read_run_record,
+    read_status,
+)
+from fp8ops.run.run_dir import RunDir, locked_manifest, trained_now
+
+__all__ = [
+    "EvalRow",
+    "Event",
+    "Fallback",
+    "MetricsRow",
+    "RunDir",
+    "RunLayout",
+    "RunRecord",
+    "RunRecordError",
+    "Status",
+    "find_status",
+    "locked_manifest",
+    "read_evals",
+    "read_events",
+    "read_fallbacks",
+    "read_metrics",
+    "read_run_record",
+    "read_status",
+    "trained_now",
+]

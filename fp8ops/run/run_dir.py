@@ -1,0 +1,288 @@
+"""The run directory's one writer: :class:`RunDir` (its files: :mod:`fp8ops.run.layout`).
+
+Every rank holds a ``RunDir``; only rank 0's writes (``writer=True``), so the code that trains
+says what happened once, without asking which rank it is on.
+
+A resume continues in the same directory: ``manifest.yaml`` becomes the resumed revision, the
+logs go on (a step logged again after a resume from an earlier checkpoint supersedes the earlier
+line: :func:`~fp8ops.run.records.read_metrics`), and ``events.jsonl`` records the resume.
+
+Files that are rewritten (status, run record, fallbacks) are replaced atomically; the JSONL logs
+are only appended to, a line at a time, so a crash loses at most the line being written.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from fp8ops.errors import Fp8opsError
+from fp8ops.files import append_lines, atomic_write_text
+from fp8ops.manifest import ManifestStore, load_manifest, manifest_hash, write_manifest
+from fp8ops.manifest.canonical import to_yaml
+from fp8ops.manifest.schema import Manifest
+from fp8ops.run.layout import RunLayout
+from fp8ops.run.records import (
+    EvalRow,
+    Fallback,
+    MetricsRow,
+    RunRecord,
+    Status,
+    find_status,
+    read_fallbacks,
+)
+
+
+class RunDir:
+    """Writes one run's files (rank 0: ``writer=True``; other ranks' writes do nothing).
+
+    Rank 0 starts a run with :meth:`claim` or continues one with :meth:`reopen`; both hold
+    ``run.lock`` until :meth:`release`, so a second trainer of the same directory is refused.
+    """
+
+    def __init__(self, path: Path, *, writer: bool = True):
+        self.path = Path(path)
+        self.layout = RunLayout(self.path)
+        self.writer = writer
+        self._status: dict[str, Any] | None = None  # what status.json holds, kept in memory
+        self._lock = None
+
+    @classmethod
+    def claim(cls, path: Path, manifest: Manifest, lineage: list[Manifest]) -> RunDir:
+        """Create the directory with the locked manifest and its lineage (rank 0 only).
+
+        ``run.lock`` is created exclusively first: of two runs started into one directory at
+        once, both of which found it free, exactly one gets it.
+        """
+        run = cls(path)
+        run.path.mkdir(parents=True, exist_ok=True)
+        try:
+            lock = os.open(run.layout.lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            raise Fp8opsError(
+                f"--run-dir {str(run.path)!r} was claimed by another fp8ops run a moment ago; "
+                "choose a new --run-dir"
+            ) from None
+        with os.fdopen(lock, "w") as f:
+            f.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+        run._hold()
+        store = ManifestStore(run.layout.manifests)
+        for revision in lineage:
+            store.put(revision)
+        write_manifest(manifest, run.layout.manifest)
+        run.set_status("running", step=0, manifest=manifest_hash(manifest))
+        return run
+
+    @classmethod
+    def reopen(
+        cls,
+        path: Path,
+        manifest: Manifest,
+        new_revisions: list[Manifest],
+        *,
+        step: int,
+        checkpoint: str,
+    ) -> RunDir:
+        """Continue a run in its own directory from ``checkpoint`` at ``step`` (a resume; rank 0
+        only): the revisions the resume adds are stored and ``manifest.yaml`` becomes the one
+        it is locked to."""
+        run = cls(path)
+        run._hold()
+        store = ManifestStore(run.layout.manifests)
+        for revision in new_revisions:
+            store.put(revision)
+        # The lock moves to the resumed revision (a new one, or an earlier one after a rewind);
+        # every revision stays in manifests/.
+        file = run.layout.manifest
+        if not file.is_file() or file.read_text() != to_yaml(manifest):
+            atomic_write_text(file, to_yaml(manifest))
+        # A fresh status: an earlier attempt's error, alert, step or checkpoint is not this one's.
+        run._status = {}
+        run.set_status(
+            "running", manifest=manifest_hash(manifest), step=step, resumed_from=checkpoint
+        )
+        return run
+
+    @classmethod
+    def set_aside_unfinished(cls, path: Path, manifest: Manifest) -> Path | None:
+        """``train --resume`` with nothing to resume from: an unfinished attempt of this same
+        manifest (killed or failed before its first checkpoint) is moved into
+        ``RUN_DIR/attempts/N/``, kept for its logs, so the run can start over. Returns where it
+        went; anything else is left alone (rank 0 only)."""
+        layout = RunLayout(path)
+        status = find_status(path) if layout.root.is_dir() else None
+        if (
+            status is None
+            or status.state == "completed"
+            or status.manifest != manifest_hash(manifest)
+            or (layout.checkpoints / "latest").exists()
+        ):
+            return None
+        holder = cls(path)
+        holder._hold()  # refuses while a live process trains it
+        try:
+            numbers = [int(a.name) for a in layout.attempts.glob("*") if a.name.isdigit()]
+            target = layout.attempts / str(max(numbers, default=0) + 1)
+            target.mkdir(parents=True)
+            for entry in layout.root.iterdir():
+                if entry != layout.attempts:
+                    os.replace(entry, target / entry.name)
+        finally:
+            holder.release()
+        return target
+
+    def release(self) -> None:
+        """Let go of ``run.lock`` (the run ended; safe to call twice, or without a lock)."""
+        if self._lock is not None:
+            self._lock.close()  # closing the descriptor drops the flock
+            self._lock = None
+
+    def _hold(self) -> None:
+        """Hold an exclusive lock on ``run.lock`` while this process trains the run (the OS
+        drops it when the process ends, however it ends): a second trainer is refused."""
+        self._lock = open(self.layout.lock, "a")  # noqa: SIM115 - held until release()
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            self._lock = None
+            raise Fp8opsError(
+                f"{self.path} is being trained by another fp8ops process right now; wait for it "
+                "to finish or stop it first"
+            ) from None
+
+    # -- the records ------------------------------------------------------------------------
+
+    def started(self, record: RunRecord) -> None:
+        """A new run's ``run.json`` and its ``run_started`` event."""
+        self._write_json(self.layout.run_record, record.model_dump(mode="json"))
+        self.event("run_started", manifest=record.manifest)
+
+    def set_status(self, state: str, **fields: Any) -> None:
+        """Merge ``fields`` into ``status.json`` under ``state`` (checked as a :class:`Status`)."""
+        if not self.writer:
+            return
+        if self._status is None:
+            found = find_status(self.path)
+            self._status = {} if found is None else found.model_dump(exclude_unset=True)
+        merged = {**self._status, **fields, "state": state, "updated": _now()}
+        self._status = Status.model_validate(merged).model_dump(mode="json", exclude_unset=True)
+        self._write_json(self.layout.status, self._status)
+
+    def log_metrics(self, row: MetricsRow, *, with_status: bool) -> None:
+        """A step's line in ``metrics.jsonl``; ``with_status``: ``status.json``'s step too
+        (rewritten with an fsync, so not on every step)."""
+        self._append(self.layout.metrics, row.model_dump(mode="json"))
+        if with_status:
+            self.set_status("running", step=row.step)
+
+    def log_eval(self, row: EvalRow) -> None:
+        self._append(self.layout.evals, row.model_dump(mode="json"))
+        self.event("evaluated", step=row.step, loss=row.loss)
+
+    def event(self, kind: str, **fields: Any) -> None:
+        self._append(self.layout.events, {"event": kind, "time": _now(), **fields})
+
+    def completed(self, step: int, seconds: float) -> None:
+        self.set_status("completed", step=step)
+        self.event("train_completed", seconds=round(seconds, 3))
+
+    def paused(self, step: int, checkpoint: str, why: str, *, requested: bool) -> None:
+        """Checkpointed and stopped at a step boundary: ``--stop-at`` (paused) or a stop request
+        (interrupted: the scheduler requeues), which is answered."""
+        state = "interrupted" if requested else "paused"
+        self.set_status(state, step=step, checkpoint=checkpoint, reason=why)
+        self.event(state, step=step, checkpoint=checkpoint, reason=why)
+        if self.writer:
+            self.layout.stop_request.unlink(missing_ok=True)
+
+    def stopped(self, alert: dict[str, Any], checkpoint: str) -> None:
+        """A Stop alert ended the run after a checkpoint of the step that raised it."""
+        self.set_status("stopped", step=alert["step"], alert=alert, checkpoint=checkpoint)
+        self.event("stopped", alert=alert, checkpoint=checkpoint)
+
+    def failed(self, exc: BaseException) -> None:
+        """Why the run stopped, so nobody mistakes it for a live or finished one."""
+        error = f"{type(exc).__name__}: {exc}"
+        self.set_status("failed", error=error)
+        self.event("failed", error=error)
+
+    def write_fallbacks(self, overrides: Iterable, *, from_step: int, revision: str) -> None:
+        """``fallbacks.json``: module -> dtype, reason, the step it took effect, revision, for
+        the manifest's ``precision.overrides``. An entry keeps its first step across resumes
+        (the same approval); a lifted one is gone."""
+        overrides = list(overrides)
+        if not self.writer or (not overrides and not self.layout.fallbacks.exists()):
+            return
+        before = read_fallbacks(self.path)
+        table = {}
+        for override in overrides:
+            earlier = before.get(override.module)
+            if earlier is not None and earlier.approval == override.approval:
+                table[override.module] = earlier
+                continue
+            table[override.module] = Fallback(
+                dtype=override.dtype,
+                reason=override.reason,
+                approval=override.approval,
+                from_step=from_step,
+                revision=revision,
+            )
+        document = {module: entry.model_dump(mode="json") for module, entry in table.items()}
+        self._write_json(self.layout.fallbacks, document)
+
+    def _write_json(self, file: Path, document: dict[str, Any]) -> None:
+        if self.writer:
+            atomic_write_text(file, json.dumps(document, indent=2, sort_keys=True) + "\n")
+
+    def _append(self, file: Path, record: dict[str, Any]) -> None:
+        if self.writer:
+            append_lines(file, json.dumps(record, sort_keys=True) + "\n")
+
+
+def trained_now(path: Path) -> bool:
+    """Whether a live process holds the run's ``run.lock`` (``RunDir._hold``)."""
+    try:
+        with open(RunLayout(path).lock, "rb") as lock:  # read-only: any reader may probe
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    except OSError:  # no lock file, or not readable: nothing known to hold it
+        return False
+    return False
+
+
+def locked_manifest(path: Path) -> Manifest:
+    """The run's ``manifest.yaml``, checked to be the revision ``status.json`` names and to
+    be stored in ``manifests/``: decisions read from it (who may approve an override) must not
+    follow an edit of the file."""
+    layout = RunLayout(path)
+    manifest = load_manifest(layout.manifest)
+    digest, status = manifest_hash(manifest), find_status(path)
+    store = ManifestStore(layout.manifests)
+    locked = status.manifest if status is not None and status.manifest else digest
+    if digest != locked or not store.path_for(digest).exists():
+        restore = (
+            f"cp {store.path_for(locked)} {layout.manifest}"
+            if store.path_for(locked).exists()
+            else "restore it from a copy"
+        )
+        raise Fp8opsError(
+            f"{layout.manifest} hashes to {digest[:12]}, but the run is locked to {locked[:12]} "
+            f"({layout.status}, {store.directory}): the file was edited after the run "
+            f"wrote it. A change to a run is a new revision (fp8ops resume --set ... "
+            f"--accept-drift); restore the file: {restore}"
+        )
+    store.get(digest)  # the stored copy still hashes to its name
+    return manifest
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")

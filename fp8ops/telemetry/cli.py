@@ -1,0 +1,114 @@
+"""``fp8ops inspect``: what a run directory records, per layer and by telemetry metric."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from fp8ops.admission import read_layers_json  # no torch or Megatron needed to read it
+from fp8ops.run import RunLayout
+from fp8ops.terminal import output
+
+
+def inspect_command(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory.", show_default=False)],
+    layers: Annotated[
+        bool, typer.Option("--layers", help="Every module's precision and why (layers.json).")
+    ] = False,
+    worst: Annotated[
+        str,
+        typer.Option(
+            help="Rank modules by this telemetry metric (e.g. weight.saturation, "
+            "grad_output.underflow, fp8_rel_error, input.scale_change)."
+        ),
+    ] = "input.saturation",
+    top: Annotated[int, typer.Option(min=1, help="How many modules to list.")] = 10,
+    rank: Annotated[int, typer.Option(min=0, help="Whose telemetry (ranks record their own).")] = 0,
+) -> None:
+    """Summarise a run: recipe, per-layer precision (--layers: the full table), and the modules
+    worst by a telemetry metric over the run's committed steps."""
+    from rich import box
+
+    document = read_layers_json(run_dir)
+    table = document.table
+    out = output()
+    if not out.is_terminal:
+        out.width = 200  # a log or a file: seven columns without folding module names
+    recipe = document.recipe
+    out.print(
+        f"{run_dir}: manifest {document.manifest_hash[:12]}, tensor_parallel "
+        f"{document.tensor_parallel}, layer table {document.table_hash[:12]}"
+    )
+    out.print(
+        f"recipe: {recipe.fp8_format}, amax_history_len {recipe.amax_history_len}, "
+        f"{recipe.amax_compute_algo}, margin {recipe.margin}, reduce_amax {recipe.reduce_amax}"
+    )
+    if layers:
+        # Every column folds rather than crops: a narrow terminal loses no text.
+        grid = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+        for name in (
+            "module",
+            "kind",
+            "parallel",
+            "global K x N",
+            "per-rank K x N",
+            "precision",
+            "reason",
+        ):
+            grid.add_column(name, overflow="fold")
+        for row in table.rows:
+            grid.add_row(
+                row.fqn,
+                row.kind,
+                row.parallel,
+                str(row.global_shape),
+                str(row.rank_shape),
+                row.precision,
+                row.reason.text,
+            )
+        out.print(grid)
+    out.print(table.summary())
+    if not layers:
+        out.print(f"fp8ops inspect {run_dir} --layers: every module's precision and why")
+    if RunLayout(run_dir).telemetry.exists():
+        _print_worst(out, run_dir, worst, top, rank)
+
+
+def _print_worst(out: Console, run_dir: Path, metric: str, top: int, rank: int) -> None:
+    """The ``top`` modules with the largest ``metric`` over the run (NaN: never measured)."""
+    import pandas as pd
+
+    from fp8ops.telemetry import open_run  # zarr and pandas: only when a store is read
+
+    store = open_run(run_dir)
+    window = store.metric_window(metric, rank=rank)  # steps x modules
+    if window.empty:
+        out.print(f"telemetry: no committed steps yet on rank {rank}")
+        return
+    summary = pd.DataFrame(
+        {"max": window.max(), "mean": window.mean(), "last": window.ffill().iloc[-1]}
+    ).sort_values("max", ascending=False)  # NaN (never measured) last
+    measured = window.notna().sum()
+    grid = Table(
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        show_edge=False,
+        title=f"worst {min(top, len(summary))} modules by {metric}, steps "
+        f"{window.index[0]}-{window.index[-1]}, rank {rank}",
+    )
+    for name in ("module", "max", "mean", "last", "measured steps"):
+        grid.add_column(name, overflow="fold", justify="left" if name == "module" else "right")
+    for module, row in summary.head(top).iterrows():
+        grid.add_row(
+            str(module),
+            f"{row['max']:.4g}",
+            f"{row['mean']:.4g}",
+            f"{row['last']:.4g}",
+            str(int(measured[module])),
+        )
+    out.print(grid)

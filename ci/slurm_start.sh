@@ -6,7 +6,7 @@
 # Works without systemd and without cgroups (proctrack/linuxproc, task/none): the daemons are
 # started by hand and write PID files, which is how ci/slurm_stop.sh finds them again.
 # Idempotent: on a running cluster it only verifies it (and reconfigures if slurm.conf changed).
-# Needs root and apt. Recipe and pitfalls: shared/reference/slurm-local.md.
+# Needs root and apt.
 #
 #   SLURM_LOCAL_ROOT     config, state, logs and PID files  (default /tmp/fp8ops-slurm)
 #   SLURM_LOCAL_CPUS     CPUs advertised to SLURM (default: the real count, at least 4, so two

@@ -22,8 +22,10 @@ within one block. Of the single layouts we measured, step-major ones read a hist
 snapshot, and can only be written in whole shards (point 3 below): thousands of steps that
 readers would not see.
 
-The commit protocol, safe with readers in other processes (``../shared/reference/
-console-and-zarr.md`` Part 2 measured why it has to be this one):
+The commit protocol, safe with readers in other processes. It has to be this one: zarr's
+``Array.append`` grows an array's shape before it writes the rows, so a reader that reads up to
+the shape sees fill values for a step still being written, and two processes that resize or
+write one chunk lose each other's rows (a read-modify-write race):
 
 1. Each rank writes only its own group, so no two processes ever write one chunk, resize one
    array or rewrite one ``zarr.json``. Rank 0 creates the root; other ranks wait for it and

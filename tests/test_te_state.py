@@ -21,9 +21,9 @@ if importlib.util.find_spec("megatron") is None:
 from te_stand_in import TE_EXTRA_STATE, TeLikeLinear, decoder
 
 from fp8ops.checkpoint.state import FP8_TENSORS, Fp8Layout, fp8_digest, fp8_state, restore_fp8
-from fp8ops.checkpoint.te_extra_state import te_extra_state
 from fp8ops.errors import Fp8opsError
 from fp8ops.megatron import fp8_state_modules
+from fp8ops.megatron.te_extra_state import te_extra_state
 from fp8ops.megatron.te_state import UNSAFE_PICKLE_ENV, TeFp8MetaView, is_te_projection
 from fp8ops.megatron.te_telemetry import TeTelemetryModule
 from fp8ops.precision import DelayedScalingRecipe, Fp8Meta

@@ -1,9 +1,10 @@
 """Per-layer FP8 admission: which module of a built model runs FP8, and why.
 
 The manifest's ``precision`` section says which modules *may* run FP8 (include and exclude
-globs, the small-GEMM rule, ``enabled``); only the built model says which modules exist, how
-they are sharded and what shape their GEMMs have on a rank. Admission puts the two together
-once, before training, into a table with one row per linear-like module::
+globs, the small-GEMM rule, ``enabled``, the ``backend`` whose GEMM sizes they must fit); only
+the built model says which modules exist, how they are sharded and what shape their GEMMs have
+on a rank. Admission puts the two together once, before training, into a table with one row per
+linear-like module::
 
     table = decide_admission(model, manifest.precision, tensor_parallel=tp)  # decide
     apply_admission(table, model)                 # set fp8_enabled on the FP8 linears
@@ -76,6 +77,7 @@ ReasonCode = Literal[
     "lm_head",
     "norm",
     "override",
+    "unaligned",
 ]
 
 
@@ -180,6 +182,7 @@ _SUMMARY_LABELS = {
     "embedding": "embedding",
     "lm_head": "LM head",
     "norm": "norm",
+    "unaligned": "unaligned",
 }
 
 
@@ -226,6 +229,42 @@ def small_gemm_verdict(rule: SmallGemmRule, rank_shape: GemmShape) -> str | None
     return f"small GEMM: K={k}, N={n} per rank; " + " and ".join(failures)
 
 
+@dataclass(frozen=True)
+class GemmSizes:
+    """The per-rank GEMM sizes a backend's FP8 kernels take: K and N in multiples, and why."""
+
+    k_multiple: int
+    n_multiple: int
+    why: str
+
+    def fits(self, rank_shape: GemmShape) -> bool:
+        return rank_shape.k % self.k_multiple == 0 and rank_shape.n % self.n_multiple == 0
+
+
+def fp8_gemm_sizes(backend: str) -> GemmSizes | None:
+    """The sizes an FP8 module's per-rank GEMM must have on ``precision.backend``; None: any.
+
+    ``torch._scaled_mm`` takes K and N in multiples of 16. The GEMM pads what is not (exactly:
+    with zeros), which is right for the token dimension, set by the batch; but a *module* that is
+    not aligned would have its FP8 weight copied into a padded buffer on every GEMM, for a GEMM
+    too narrow or oddly shaped to gain from FP8. TE takes K in multiples of 16 and N in
+    multiples of 8, and fails at the module's first FP8 forward otherwise. The emulated GEMM
+    takes any size.
+    """
+    from fp8ops.precision.scaled_mm import ALIGNMENT  # torch: only when a model is decided
+
+    sizes = {
+        "scaled_mm": GemmSizes(
+            ALIGNMENT, ALIGNMENT, "torch._scaled_mm needs them; padding would copy weights"
+        ),
+        # TE: a weight's rows in multiples of 8, as the tokens are; its columns of 16.
+        "te": GemmSizes(
+            16, 8, "Transformer Engine's FP8 GEMMs refuse others (assert_dim_for_fp8_exec)"
+        ),
+    }
+    return sizes.get(backend)
+
+
 # --------------------------------------------------------------------------------------
 # Deciding
 # --------------------------------------------------------------------------------------
@@ -263,14 +302,21 @@ def decide_admission(
     does and (when on) its per-rank GEMM passes ``precision.small_gemm``. Every glob must
     match some module of the table; the ones that don't are reported together as an
     :class:`AdmissionError`.
+
+    Such a module must also fit ``precision.backend``'s FP8 GEMM (:func:`fp8_gemm_sizes`):
+    ``scaled_mm`` and ``te`` take only some per-rank K and N. One that does not gets the
+    reason ``unaligned``, and then the whole decision is refused (:class:`ManifestError`,
+    naming every such module with the two ways out): an unaligned table is never applied or
+    written. Only the modules that would run FP8 count: an excluded one never reaches the GEMM.
     """
     found = _walk(model, tensor_parallel)
     _check_globs(precision, [f.fqn for f in found])
     formats = _formats(precision.fp8_format)
+    sizes = fp8_gemm_sizes(precision.backend)
     rows = []
     for f in found:
         rank_shape = per_rank_shape(f.parallel, f.global_shape, tensor_parallel)
-        reason = _decide(f, rank_shape, precision)
+        reason = _decide(f, rank_shape, precision, sizes)
         rows.append(
             AdmissionRow(
                 fqn=f.fqn,
@@ -284,6 +330,7 @@ def decide_admission(
                 reason=reason,
             )
         )
+    _refuse_unaligned(rows, precision, sizes)
     return AdmissionTable(rows=tuple(rows), tensor_parallel=tensor_parallel)
 
 
@@ -291,7 +338,8 @@ def admitted_under(rows: Sequence[AdmissionRow], precision: PrecisionPolicy) -> 
     """The modules of a recorded table that ``precision`` would run in FP8: the decision of
     :func:`decide_admission`, made again from the kinds and per-rank shapes ``layers.json``
     holds, for another run of the same model at the same TP (a dual-track BF16 control's table
-    says what its FP8 candidate will admit, before it is built)."""
+    says what its FP8 candidate will admit, before it is built). The backend's GEMM sizes are
+    not checked here: the candidate's own :func:`decide_admission` refuses an unaligned module."""
     always_base = {"embedding", "lm_head", "norm"}
     admitted = []
     for row in rows:
@@ -305,12 +353,14 @@ def admitted_under(rows: Sequence[AdmissionRow], precision: PrecisionPolicy) -> 
             fp8_capable=code != "not_fp8_capable",
             always_base=code if code in always_base else None,
         )
-        if _decide(found, row.rank_shape, precision).code == "fp8":
+        if _decide(found, row.rank_shape, precision, None).code == "fp8":
             admitted.append(row.fqn)
     return admitted
 
 
-def _decide(f: _Found, rank_shape: GemmShape, precision: PrecisionPolicy) -> Reason:
+def _decide(
+    f: _Found, rank_shape: GemmShape, precision: PrecisionPolicy, sizes: GemmSizes | None
+) -> Reason:
     include = _first_match(f.fqn, "include_modules", precision.include_modules)
     if f.always_base is not None:
         text = _ALWAYS_BASE[f.kind]
@@ -346,7 +396,36 @@ def _decide(f: _Found, rank_shape: GemmShape, precision: PrecisionPolicy) -> Rea
         text += f"; K={rank_shape.k}, N={rank_shape.n} per rank passes precision.small_gemm"
     else:
         text += "; precision.small_gemm is off"
+    if sizes is not None and not sizes.fits(rank_shape):
+        return Reason(
+            code="unaligned",
+            text=f"K={rank_shape.k}, N={rank_shape.n} per rank; precision.backend "
+            f"{precision.backend!r} needs K in multiples of {sizes.k_multiple} and N in "
+            f"multiples of {sizes.n_multiple}",
+        )
     return Reason(code="fp8", text=text)
+
+
+def _refuse_unaligned(
+    rows: list[AdmissionRow], precision: PrecisionPolicy, sizes: GemmSizes | None
+) -> None:
+    """Refuse a decision in which a module that would run FP8 does not fit the backend's GEMM
+    (reason ``unaligned``), naming each with its per-rank shape and the two ways out."""
+    unaligned = [
+        f"{row.fqn} (K x N = {row.rank_shape} per rank)"
+        for row in rows
+        if row.reason.code == "unaligned"
+    ]
+    if not unaligned:
+        return
+    more = f"; and {len(unaligned) - 4} more" if unaligned[4:] else ""
+    raise ManifestError(
+        f"precision.backend {precision.backend!r}: every FP8 module's GEMM needs K in multiples "
+        f"of {sizes.k_multiple} and N in multiples of {sizes.n_multiple} per rank ({sizes.why}), "
+        f"and {len(unaligned)} are not: {'; '.join(unaligned[:4])}{more}. Keep them in "
+        f"{precision.base_dtype} (precision.exclude_modules), or use "
+        "precision.backend 'emulated'"
+    )
 
 
 # Why the embedding, LM head and norms stay in the base dtype, by kind (the practice of TE,

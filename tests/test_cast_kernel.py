@@ -287,12 +287,12 @@ def test_a_history_not_aligned_to_16_bytes_is_folded_by_torch(interpreted, monke
 def test_the_probes_run_the_variant_the_input_runs(shape):
     """Triton compiles apart sizes that divide by 16; the verification key says which, and the
     probes are of the same kind, holding every pattern of the plain probe."""
-    from fp8ops.precision.linear import _record_probes
+    from fp8ops.precision.compiled import record_probes
 
     x = torch.empty(shape, dtype=torch.bfloat16)
     history, scales = torch.zeros(4, 3), torch.ones(3)
     key = cast_kernel.key(x)
-    plain = _record_probes(x, history, scales, 0, E4M3.max, E4M3.torch_dtype, True)
+    plain = record_probes(x, history, scales, 0, E4M3.max, E4M3.torch_dtype, True)
     shaped = cast_kernel.probes(x, history, scales, 0, E4M3.max, E4M3.torch_dtype, True)
     assert len(shaped) == len(plain) == 5
     for (probe, *rest), (original, *original_rest) in zip(shaped, plain, strict=True):

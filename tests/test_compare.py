@@ -24,9 +24,9 @@ import pytest
 
 from fp8ops.admission import AdmissionRow, LayersDocument, RecipeRecord, table_hash
 from fp8ops.alerts import Alert, write_alerts
+from fp8ops.compare.comparison import compare
 from fp8ops.compare.gates import judge, one_bar
 from fp8ops.compare.runs import check_comparable, load_run, resolve_tracks
-from fp8ops.compare.verdict import compare
 from fp8ops.evaluate.records import write_capability
 from fp8ops.manifest import ManifestStore, derive, load_manifest, manifest_hash, write_manifest
 from fp8ops.telemetry import MODULE_METRIC_NAMES, STEP_METRIC_NAMES, TelemetryWriter
@@ -1106,7 +1106,7 @@ def test_without_kaleido_png_export_says_so(tmp_path, cli, monkeypatch):
 def test_compare_runs_without_torch_and_help_without_plotly(tmp_path):
     reference, candidate = pair(tmp_path)
     compare_only = (
-        "import sys; from pathlib import Path; from fp8ops.compare.verdict import compare\n"
+        "import sys; from pathlib import Path; from fp8ops.compare.comparison import compare\n"
         f"compare([Path({str(reference)!r}), Path({str(candidate)!r})], png=False)\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('torch', 'megatron', 'transformer_engine')))"

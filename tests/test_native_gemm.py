@@ -225,16 +225,18 @@ def test_fp8_state_moves_with_the_model_and_stays_float32(small_manifest, megatr
 @needs_megatron
 @needs_scaled_mm
 def test_only_modules_that_run_fp8_must_be_aligned(small_manifest, megatron_world):
+    from fp8ops.admission import decide_admission
     from fp8ops.errors import ManifestError
     from fp8ops.megatron import build_gpt
 
     unaligned = derive(small_manifest, {"model.hidden_size": 72}, "72 wide")
     recipe = DelayedScalingRecipe.from_precision(unaligned.precision)
+    model = build_gpt(unaligned, recipe)  # built: whether it may run FP8 is admission's to say
     with pytest.raises(ManifestError, match="multiples of 16"):
-        build_gpt(unaligned, recipe)
+        decide_admission(model, unaligned.precision, tensor_parallel=1)
     # Kept in bf16 by admission, they never reach the FP8 GEMM: nothing to refuse.
     excluded = derive(unaligned, {"precision.exclude_modules": ["decoder.*"]}, "all in bf16")
-    build_gpt(excluded, recipe)
+    decide_admission(build_gpt(excluded, recipe), excluded.precision, tensor_parallel=1)
 
 
 @needs_megatron

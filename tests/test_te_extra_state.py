@@ -1,4 +1,4 @@
-"""TE's ``_extra_state`` payload (fp8ops/checkpoint/te_extra_state.py): written with TE's own
+"""TE's ``_extra_state`` payload (fp8ops/megatron/te_extra_state.py): written with TE's own
 recipe object as TE writes it, read back without running pickled code, loaded into fp8ops'
 Megatron layers. TE's recipe module imports on a CPU (ci/setup.sh installs it); the tests that
 need it skip without it."""
@@ -15,13 +15,13 @@ import pytest
 import torch
 from te_stand_in import TE_EXTRA_STATE
 
-from fp8ops.checkpoint.te_extra_state import (
+from fp8ops.errors import Fp8opsError
+from fp8ops.megatron.te_extra_state import (
     FP8_KEYS,
     read_extra_state,
     recipe_differences,
     te_extra_state,
 )
-from fp8ops.errors import Fp8opsError
 from fp8ops.precision import DelayedScalingRecipe, Fp8Meta
 from fp8ops.precision.formats import Fp8Format
 from fp8ops.precision.scaling import parse_amax_algo

@@ -21,9 +21,9 @@ if importlib.util.find_spec("megatron") is None:
 from te_stand_in import TE_EXTRA_STATE, TeLikeLinear, decoder
 
 from fp8ops.checkpoint.state import FP8_TENSORS, Fp8Layout, fp8_digest, fp8_state, restore_fp8
-from fp8ops.checkpoint.te_extra_state import te_extra_state
 from fp8ops.errors import Fp8opsError
 from fp8ops.megatron import fp8_state_modules
+from fp8ops.megatron.te_extra_state import te_extra_state
 from fp8ops.megatron.te_state import UNSAFE_PICKLE_ENV, TeFp8MetaView, is_te_projection
 from fp8ops.megatron.te_telemetry import TeTelemetryModule
 from fp8ops.precision import DelayedScalingRecipe, Fp8Meta
@@ -344,25 +344,27 @@ def test_a_state_missing_a_tensor_is_refused_naming_it():
 
 def test_a_projection_tes_fp8_gemms_cannot_take_is_refused_by_name():
     """K in multiples of 16 and N in multiples of 8 per rank (TE's assert_dim_for_fp8_exec),
-    checked when the model is built, not at its first FP8 forward."""
+    checked when admission is decided, not at its first FP8 forward."""
     from manifest_support import TINY
 
+    from fp8ops.admission import decide_admission
     from fp8ops.errors import ManifestError
     from fp8ops.manifest import derive, load_manifest
-    from fp8ops.megatron.model import _check_aligned
 
     manifest = derive(load_manifest(TINY), {"precision.backend": "te"}, "on TE")
     model = te_gpt(hidden=16)
     model.decoder.layers[0].self_attention.linear_qkv = TeLikeLinear(16, out_features=24)
-    _check_aligned(model, manifest)  # N = 24: a multiple of 8 is enough for TE
+    # N = 24: a multiple of 8 is enough for TE
+    decide_admission(model, manifest.precision, tensor_parallel=1)
     model.decoder.layers[1].mlp.linear_fc1 = TeLikeLinear(16, out_features=20)
     with pytest.raises(ManifestError) as refused:
-        _check_aligned(model, manifest)
+        decide_admission(model, manifest.precision, tensor_parallel=1)
     message = str(refused.value)
     assert "decoder.layers.1.mlp.linear_fc1 (K x N = 16 x 20 per rank)" in message
     assert "N in multiples of 8" in message and "linear_qkv" not in message
     excluded = derive(manifest, {"precision.exclude_modules": ["*.1.mlp.linear_fc1"]}, "bf16")
-    _check_aligned(model, excluded)  # kept in BF16, it never reaches TE's FP8 GEMM
+    # kept in BF16, it never reaches TE's FP8 GEMM
+    decide_admission(model, excluded.precision, tensor_parallel=1)
 
 
 def test_a_history_holding_nan_is_loaded_and_checked_bit_for_bit():

@@ -51,8 +51,8 @@ def compare_command(
     from rich.console import Console
     from rich.table import Table
 
+    from fp8ops.compare.comparison import compare
     from fp8ops.compare.report import format_value
-    from fp8ops.compare.verdict import compare
 
     result = compare(runs, out, png=png, gates=gates)
     verdict = result.verdict

@@ -49,7 +49,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from fp8ops.checkpoint.te_extra_state import read_extra_state, recipe_differences
 from fp8ops.errors import Fp8opsError
 from fp8ops.megatron.compat import (
     ColumnParallelLinear,
@@ -59,6 +58,7 @@ from fp8ops.megatron.compat import (
     reduce_from_tensor_model_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from fp8ops.megatron.te_extra_state import read_extra_state, recipe_differences
 from fp8ops.precision import (
     DelayedScalingRecipe,
     EmulatedGemm,
@@ -183,7 +183,7 @@ class _Fp8LocalGemm:
     # The FP8 state in checkpoints, under TE's _extra_state names (tensors only). Megatron's
     # load pre-hook passes None for checkpoints without it: the state is then left as it is.
     # A TE module's payload (a model trained with TE's layer spec) loads too, read without
-    # running its pickle (fp8ops.checkpoint.te_extra_state), if its recipe is this module's.
+    # running its pickle (fp8ops.megatron.te_extra_state), if its recipe is this module's.
     def get_extra_state(self) -> dict[str, torch.Tensor]:
         return self.fp8_meta.state_dict()
 

@@ -26,7 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fp8ops.errors import Fp8opsError, ManifestError
+from fp8ops.errors import Fp8opsError
 from fp8ops.megatron import compat
 from fp8ops.megatron.compat import (
     GPTModel,
@@ -41,7 +41,7 @@ from fp8ops.megatron.spec import get_gpt_layer_fp8_emulated_spec
 from fp8ops.megatron.te_backend import build_gpt_te, te_projections
 from fp8ops.megatron.te_telemetry import te_telemetry_modules
 from fp8ops.precision import DelayedScalingRecipe, EmulatedGemm, ScaledMmGemm
-from fp8ops.precision.scaled_mm import ALIGNMENT, scaled_mm_unsupported
+from fp8ops.precision.scaled_mm import scaled_mm_unsupported
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # precision.backend -> the GEMM of fp8ops' FP8 layers ("te" builds Transformer Engine's instead).
@@ -63,14 +63,12 @@ def build_gpt(
 
     ``precision.backend`` chooses the GEMM those projections run (``GEMMS``); ``te`` builds
     Megatron's Transformer Engine spec instead (:func:`~fp8ops.megatron.te_backend.build_gpt_te`),
-    which refuses on a machine without a GPU and TE. With ``scaled_mm`` or ``te``, an FP8 module
-    whose per-rank GEMM the backend cannot take is refused here, by name (:func:`_check_aligned`).
+    which refuses on a machine without a GPU and TE. Whether each FP8 module's per-rank GEMM
+    fits the backend is admission's to decide (``fp8ops.admission.fp8_gemm_sizes``), not this.
     """
     backend = manifest.precision.backend
     if recipe is not None and backend == "te":
-        model = build_gpt_te(manifest)
-        _check_aligned(model, manifest)
-        return model
+        return build_gpt_te(manifest)
     apply_cpu_shims()
     model_cfg, topology = manifest.model, manifest.topology
     _check_parallel_state(topology)
@@ -99,10 +97,7 @@ def build_gpt(
     # The local spec's torch norms are created in float32 whatever params_dtype says; casting
     # the whole model is what Megatron's Float16Module does to the module it wraps (the wrapper
     # itself would prefix every name with "module."). The FP8 state follows the device only.
-    model = model.to(device=device, dtype=DTYPES[manifest.precision.base_dtype])
-    if recipe is not None and backend == "scaled_mm":
-        _check_aligned(model, manifest)
-    return model
+    return model.to(device=device, dtype=DTYPES[manifest.precision.base_dtype])
 
 
 def fp8_state_modules(model: GPTModel, recipe: DelayedScalingRecipe) -> dict:
@@ -122,48 +117,6 @@ def _check_scaled_mm_runs(device: torch.device) -> None:
         raise Fp8opsError(
             f"precision.backend 'scaled_mm' cannot run here: {reason}; use precision.backend "
             "'emulated' (the same FP8 casts and scaling, multiplied in float32)"
-        )
-
-
-# backend -> (K multiple, N multiple, why): the per-rank GEMM sizes an FP8 module must have.
-FP8_GEMM_SIZES = {
-    "scaled_mm": (ALIGNMENT, ALIGNMENT, "torch._scaled_mm needs them; padding would copy weights"),
-    # TE: a weight's rows in multiples of 8, as the tokens are; its columns of 16.
-    "te": (16, 8, "Transformer Engine's FP8 GEMMs refuse others (assert_dim_for_fp8_exec)"),
-}
-
-
-def _check_aligned(model: GPTModel, manifest) -> None:
-    """Refuse FP8 modules whose per-rank GEMM the backend's FP8 kernels cannot take as it is.
-
-    ``torch._scaled_mm`` takes K and N in multiples of 16. The GEMM pads what is not (exactly:
-    with zeros), which is right for the token dimension, set by the batch; but a *module* that is
-    not aligned would have its FP8 weight copied into a padded buffer on every GEMM, for a GEMM
-    too narrow or oddly shaped to gain from FP8. TE takes K in multiples of 16 and N in
-    multiples of 8, and fails at the module's first FP8 forward otherwise. So such modules are
-    named here, when the model is built, with the two ways out. Only the modules admission runs
-    in FP8 count: an excluded one never reaches the GEMM.
-    """
-    from fp8ops.admission import decide_admission  # pydantic: only for these backends' check
-
-    backend = manifest.precision.backend
-    k_multiple, n_multiple, why = FP8_GEMM_SIZES[backend]
-    table = decide_admission(
-        model, manifest.precision, tensor_parallel=manifest.topology.tensor_parallel
-    )
-    unaligned = [
-        f"{row.fqn} (K x N = {row.rank_shape} per rank)"
-        for row in table.rows
-        if row.fp8 and (row.rank_shape.k % k_multiple or row.rank_shape.n % n_multiple)
-    ]
-    if unaligned:
-        more = f"; and {len(unaligned) - 4} more" if unaligned[4:] else ""
-        raise ManifestError(
-            f"precision.backend {backend!r}: every FP8 module's GEMM needs K in multiples of "
-            f"{k_multiple} and N in multiples of {n_multiple} per rank ({why}), and "
-            f"{len(unaligned)} are not: {'; '.join(unaligned[:4])}{more}. Keep them in "
-            f"{manifest.precision.base_dtype} (precision.exclude_modules), or use "
-            "precision.backend 'emulated'"
         )
 
 

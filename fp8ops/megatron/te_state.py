@@ -33,8 +33,8 @@ import os
 import torch
 from torch import nn
 
-from fp8ops.checkpoint.te_extra_state import FP8_KEYS, te_extra_state
 from fp8ops.errors import Fp8opsError
+from fp8ops.megatron.te_extra_state import FP8_KEYS, te_extra_state
 from fp8ops.precision.recipe import DelayedScalingRecipe
 from fp8ops.precision.state import ScalingState
 

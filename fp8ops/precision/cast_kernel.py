@@ -14,9 +14,10 @@ underflowed, NaN and Inf elements: ``quantize.CastStats``), each tile into its o
 second partial buffer that the fold sums: no pass over the data beyond the ordinary cast's
 (what that costs on a GPU is not measured yet: docs/gpu.md, "The next run").
 
-:func:`cast_and_record` and :func:`cast_record_and_count` compute exactly what
-``linear._cast_and_record`` and ``linear._cast_record_and_count`` compute and are used through
-:class:`~fp8ops.precision.compiled.Compiled` with those functions as the reference, so each
+:func:`cast_and_record` and :func:`cast_record_and_count` are fast versions of the FP8
+linear's two eager casts (the ordinary step's, and the measuring step's, which also counts),
+with their signature and outputs: ``linear.py`` runs each through
+:class:`~fp8ops.precision.compiled.Compiled` with its eager cast as the reference, so each
 specialisation is checked bit for bit against the eager code at its first call and runs
 eager where it differs. The arithmetic is the eager code's: one float32 multiply, a clamp that
 keeps NaN, a round-to-nearest-even conversion, NaN ignored and +inf kept in the amax.
@@ -31,6 +32,8 @@ from __future__ import annotations
 import importlib
 
 import torch
+
+from fp8ops.precision.compiled import record_probes
 
 KERNELS_MODULE = "fp8ops.precision.cast_kernel_triton"
 BLOCK = (64, 64)  # rows x columns of the input per program
@@ -53,13 +56,12 @@ def key(x: torch.Tensor, *args) -> tuple[str, ...]:
 
 
 def probes(x, history, scales, slot, fp8_max, dtype, transposed):
-    """``linear._record_probes``, each probe grown to rows and columns that divide by 16 where
-    ``x``'s do and do not where they do not (size-1 dimensions stay 1), so the variant the
-    probes verify is the one ``x`` runs. Grown by repeating its first rows or columns."""
-    from fp8ops.precision.linear import _record_probes
-
+    """:func:`~fp8ops.precision.compiled.record_probes`, each probe grown to rows and columns
+    that divide by 16 where ``x``'s do and do not where they do not (size-1 dimensions stay 1),
+    so the variant the probes verify is the one ``x`` runs. Grown by repeating its first rows or
+    columns."""
     shaped = []
-    for probe, *rest in _record_probes(x, history, scales, slot, fp8_max, dtype, transposed):
+    for probe, *rest in record_probes(x, history, scales, slot, fp8_max, dtype, transposed):
         for dim in range(2):
             size = probe.shape[dim]
             if size == 1 or (size % 16 == 0) == (x.shape[dim] % 16 == 0):
@@ -77,15 +79,15 @@ def _triton_dtype(dtype: torch.dtype):
 
 
 def cast_and_record(x, history, scales, slot: int, fp8_max: float, dtype, transposed: bool):
-    """``linear._cast_and_record`` through the kernels: ``x`` (2-D, contiguous) cast with
-    ``scales[slot]``, its amax folded into ``history[0, slot]`` in place; returns ``(data,)``
-    or ``(data, data_t)``."""
+    """The ordinary step's cast through the kernels: ``x`` (2-D, contiguous) cast with
+    ``scales[slot]``, its amax folded into ``history[0, slot]`` in place (NaN ignored, as
+    ``torch.fmax``); returns ``(data,)`` or ``(data, data_t)``."""
     return _cast(x, history, scales, slot, fp8_max, dtype, transposed, count=False)
 
 
 def cast_record_and_count(x, history, scales, slot: int, fp8_max: float, dtype, transposed):
-    """``linear._cast_record_and_count`` through the kernels: :func:`cast_and_record`, also
-    counting what the cast did in the same pass; returns ``(data, amax, counts)`` or
+    """The measuring step's cast through the kernels: :func:`cast_and_record`, also returning
+    the cast's amax and counting what it did in the same pass; returns ``(data, amax, counts)`` or
     ``(data, amax, counts, data_t)``, ``counts`` as ``quantize.CastStats.counts``."""
     return _cast(x, history, scales, slot, fp8_max, dtype, transposed, count=True)
 
@@ -149,7 +151,7 @@ def _cast(x, history, scales, slot, fp8_max, dtype, transposed: bool, count: boo
         )
     else:  # a history the kernel was not verified for (a view into a larger buffer, say)
         cast_amax = tile_amax.amax()
-        history[0, slot] = torch.fmax(history[0, slot], cast_amax)  # as _cast_and_record
+        history[0, slot] = torch.fmax(history[0, slot], cast_amax)  # as the eager cast folds it
         if count:
             totals = _unpacked(tile_counts).sum(dim=0)
     outputs = (data, cast_amax, totals) if count else (data,)

@@ -175,6 +175,24 @@ def cast_probes(x: torch.Tensor, scale: torch.Tensor, fp8_max: float, *flags):
     ]
 
 
+def record_probes(x, history, scales, slot, fp8_max, dtype, transposed):
+    """For a cast that records its amax, ``fn(x, history, scales, slot, fp8_max, fp8_dtype,
+    transposed)`` (the FP8 linear's, ``linear.py``, and its kernels, ``cast_kernel.py``):
+    :func:`cast_probes` at ``scales[slot]``, with a history holding zeros, NaN and values on
+    both sides of the probe's amax, so the fold into row 0 is checked too."""
+    rows = []
+    for probe, scale, *_ in cast_probes(x, scales[slot], fp8_max, dtype, transposed):
+        probe_scales = scales.detach().clone()
+        probe_scales[slot] = scale
+        probe_history = (
+            torch.tensor([0.0, float("nan"), 1e-30, 5.0, 3e38])[torch.arange(history.numel()) % 5]
+            .reshape(history.shape)
+            .to(history)
+        )
+        rows.append((probe, probe_history, probe_scales, slot, fp8_max, dtype, transposed))
+    return rows
+
+
 def shaped_like(probe: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``probe`` (2-D) reshaped so that the dimensions of size 1 in ``x`` (2-D) are size 1 in it
     too: Dynamo compiles those as constants, a graph of their own."""

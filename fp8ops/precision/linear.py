@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from fp8ops.precision import cast_kernel
-from fp8ops.precision.compiled import Compiled, cast_probes, compiles_for, env_choice
+from fp8ops.precision.compiled import Compiled, compiles_for, env_choice, record_probes
 from fp8ops.precision.quantize import (
     COUNTS,
     CastStats,
@@ -77,22 +77,6 @@ def _cast_and_record(x, history, scales, slot: int, fp8_max: float, dtype, trans
     return (data, *data_t)
 
 
-def _record_probes(x, history, scales, slot, fp8_max, dtype, transposed):
-    """:func:`~fp8ops.precision.compiled.cast_probes`, with a history holding zeros, NaN and
-    values on both sides of the probe's amax, so the fold into row 0 is checked too."""
-    rows = []
-    for probe, scale, *_ in cast_probes(x, scales[slot], fp8_max, dtype, transposed):
-        probe_scales = scales.detach().clone()
-        probe_scales[slot] = scale
-        probe_history = (
-            torch.tensor([0.0, float("nan"), 1e-30, 5.0, 3e38])[torch.arange(history.numel()) % 5]
-            .reshape(history.shape)
-            .to(history)
-        )
-        rows.append((probe, probe_history, probe_scales, slot, fp8_max, dtype, transposed))
-    return rows
-
-
 def _cast_record_and_count(x, history, scales, slot, fp8_max, dtype, transposed: bool):
     """:func:`_cast_and_record` on a step that telemetry measures: the same cast, which also
     returns its amax and what it did (``CastStats.counts``), from the same call."""
@@ -107,7 +91,7 @@ def _fast_versions(fn, kernel) -> dict[str, Compiled]:
     """``fn``'s two fast versions, each verified against ``fn`` itself: Inductor's compilation of
     it, and the hand-written Triton kernel ``kernel`` of the same function (``cast_kernel.py``)."""
     return {
-        "inductor": Compiled(fn, probes=_record_probes),
+        "inductor": Compiled(fn, probes=record_probes),
         "triton": Compiled(
             fn, probes=cast_kernel.probes, build=lambda _: kernel, key=cast_kernel.key
         ),

@@ -20,9 +20,9 @@ backends changes only the multiply.
 * **Shapes.** K and N multiples of 16 (M is free). An unaligned K or N is zero-padded, which is
   exact: padded products are 0, and the padded output columns are cut off. The padding is
   there for the token dimension, which is the K of wgrad and depends on the batch, not on the
-  model; a *module* whose own dimensions are unaligned is refused when the model is built
-  (``fp8ops.megatron.model``), since padding its weight on every GEMM would cost more than a
-  GEMM that small saves in FP8. The rule is applied on every device, so a CPU run makes the
+  model; a *module* whose own dimensions are unaligned is refused when its admission is decided
+  (``fp8ops.admission``, reason ``unaligned``), since padding its weight on every GEMM would
+  cost more than a GEMM that small saves in FP8. The rule is applied on every device, so a CPU run makes the
   calls a GPU run makes.
 * **Scales.** Tensor-wise: float32 scalars on the operands' device, which the ``scale_inv``s are.
 * **Bias and output dtype.** CUDA fuses a bias into the epilogue only for bf16 or fp16 output,

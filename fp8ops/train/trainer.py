@@ -140,9 +140,13 @@ class Trainer:
             manifest, self.recipe if precision.enabled else None, device=self.device
         )
         self.model_dtype = next(self.model.parameters()).dtype
+        # Decided before the base loads (load_base): it also refuses FP8 modules whose GEMM
+        # precision.backend cannot take.
         self.admission = decide_admission(
             self.model, precision, tensor_parallel=manifest.topology.tensor_parallel
         )
+        self.model_dtype = next(self.model.parameters()).dtype
+        self.base = self._load_base() if resume is None else None  # resume: weights come later
         apply_admission(self.admission, self.model)
         self.collector = TelemetryCollector(
             fp8_state_modules(self.model, self.recipe), manifest.telemetry

@@ -13,21 +13,23 @@ if importlib.util.find_spec("megatron") is None:  # not importorskip: fp8ops.meg
 
 from fp8ops.admission import (
     AdmissionError,
-    AdmissionTable,
-    GemmShape,
-    LayersFileError,
     admitted_under,
     apply_admission,
     decide_admission,
     per_rank_shape,
-    read_layers_json,
     small_gemm_verdict,
-    write_layers_json,
 )
 from fp8ops.cli import main
 from fp8ops.manifest import SmallGemmRule, derive, manifest_hash, parse_manifest
 from fp8ops.megatron import amax_reduction_group, build_gpt, fp8_modules
 from fp8ops.precision import DelayedScalingRecipe, Fp8Scope
+from fp8ops.run.records import (
+    AdmissionTable,
+    GemmShape,
+    LayersFileError,
+    read_layers_json,
+    write_layers_json,
+)
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),

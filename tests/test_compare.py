@@ -22,13 +22,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fp8ops.admission import AdmissionRow, LayersDocument, RecipeRecord, table_hash
 from fp8ops.alerts import Alert, write_alerts
 from fp8ops.compare.comparison import compare
 from fp8ops.compare.gates import judge, one_bar
 from fp8ops.compare.runs import check_comparable, load_run, resolve_tracks
 from fp8ops.evaluate.records import write_capability
 from fp8ops.manifest import ManifestStore, derive, load_manifest, manifest_hash, write_manifest
+from fp8ops.run.records import AdmissionRow, LayersDocument, RecipeRecord, table_hash
 from fp8ops.telemetry import MODULE_METRIC_NAMES, STEP_METRIC_NAMES, TelemetryWriter
 
 ROOT = Path(__file__).resolve().parents[1]

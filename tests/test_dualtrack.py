@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
 
-from fp8ops.admission import AdmissionRow, RecipeRecord, table_hash
 from fp8ops.alerts import Alert, write_alerts
 from fp8ops.dualtrack.run import _train_fallback
 from fp8ops.dualtrack.tracks import CANDIDATE, Track, check_fallback_globs, fallback_modules
 from fp8ops.errors import ManifestError
 from fp8ops.manifest import diff_manifests, load_manifest, manifest_hash
 from fp8ops.run import read_metrics, read_status
+from fp8ops.run.records import AdmissionRow, RecipeRecord, table_hash
 from fp8ops.train.signals import REQUEUE_EXIT
 
 pytestmark = [

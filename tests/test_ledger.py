@@ -25,13 +25,14 @@ from manifest_support import ROOT, TINY
 if importlib.util.find_spec("megatron") is None:  # the layer table comes from the real model
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
 
-from fp8ops.admission import decide_admission, write_layers_json
+from fp8ops.admission import decide_admission
 from fp8ops.alerts import Alert, write_alerts
 from fp8ops.manifest import ManifestStore, derive, load_manifest, manifest_hash, write_manifest
 from fp8ops.overrides import Ledger, LedgerError, OverrideError, Trigger, te_debug_yaml
 from fp8ops.overrides import ledger as ledger_module
 from fp8ops.overrides.chain import GENESIS, canonical_json, record_hash
 from fp8ops.overrides.te_debug import layer_regex, te_layer_name
+from fp8ops.run.records import write_layers_json
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),

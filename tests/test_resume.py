@@ -144,7 +144,7 @@ def test_a_rerun_of_a_completed_run_on_another_machine_has_nothing_to_train(
     """A requeue or a chain's next link after the end, on a node with another environment:
     nothing to train, not a drift refusal. A manifest edited in place for the next experiment is
     still refused with its diff (it is not this run), and training longer is a resume."""
-    from fp8ops.train import environment
+    from fp8ops.run import environment
 
     before = (straight / "events.jsonl").read_text()
     elsewhere = {**environment.environment_fingerprint(), "gpu": "another node's"}

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from fp8ops.admission import LayersDocument, read_layers_json
 from fp8ops.alerts import Alert, read_alerts
 from fp8ops.compare.layers import TelemetrySummary, summarise_telemetry
 from fp8ops.dualtrack.tracks import CANDIDATE, FALLBACK, LABELS, PLAN
@@ -36,6 +35,7 @@ from fp8ops.run import (
     read_run_record,
 )
 from fp8ops.run.layout import MANIFEST
+from fp8ops.run.records import LayersDocument, read_layers_json
 
 USAGE = "give run directories (the reference first, then candidates) or one dual-track directory"
 

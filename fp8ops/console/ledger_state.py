@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from fp8ops.admission import read_layers_json
 from fp8ops.overrides import Ledger, Override
+from fp8ops.run.records import read_layers_json
 
 
 @dataclass(frozen=True)

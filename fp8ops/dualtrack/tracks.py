@@ -105,7 +105,7 @@ def fallback_modules(source: Manifest, candidate_run: Path) -> dict[str, str]:
 
 def candidate_fp8_modules(source: Manifest, candidate_run: Path) -> list[str]:
     """The modules that ran FP8 in the candidate, in layers.json order."""
-    from fp8ops.admission import read_layers_json
+    from fp8ops.run.records import read_layers_json
 
     # The candidate's layers.json is the latest resume's: a module an approved override moved to
     # BF16 during the run ran FP8 before that, and is exactly one to keep in BF16 here.
@@ -122,7 +122,8 @@ def check_fallback_globs(source: Manifest, control_run: Path) -> None:
     will run in FP8, before it trains: found after, fixing the glob would change the source
     manifest and cost the tracks already trained. The control's layers.json, decided again under
     the candidate's precision section (``admitted_under``), says which those are."""
-    from fp8ops.admission import admitted_under, read_layers_json
+    from fp8ops.admission import admitted_under
+    from fp8ops.run.records import read_layers_json
 
     names = admitted_under(read_layers_json(control_run).rows, source.precision)
     for glob in source.dualtrack.fallback_modules:

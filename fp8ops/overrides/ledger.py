@@ -36,7 +36,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from fp8ops.admission import read_layers_json
 from fp8ops.alerts.files import read_alerts
 from fp8ops.alerts.records import Alert, decode_float, encode_float
 from fp8ops.errors import Fp8opsError
@@ -44,6 +43,7 @@ from fp8ops.manifest.schema import Bf16Override
 from fp8ops.overrides.chain import GENESIS, LedgerError, canonical_json, parse_chain, record_hash
 from fp8ops.run import RunLayout, RunRecordError, find_status, locked_manifest, read_run_record
 from fp8ops.run.layout import OVERRIDES
+from fp8ops.run.records import read_layers_json
 
 LEDGER = OVERRIDES  # the ledger's file name (fp8ops.run.layout spells it)
 ALERT_ENGINE = "fp8ops-alerts"  # who proposes: any person may approve its proposals

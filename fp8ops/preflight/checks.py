@@ -355,7 +355,7 @@ def telemetry(run_dir: Path, manifest: Manifest, last_step: int | None) -> Evide
     """Every FP8 module of ``layers.json`` has a row at every step up to ``last_step`` (None: a
     live run, whatever is committed) on every rank, with finite amax and scale, and cast
     statistics (and the FP8 error) at their cadence."""
-    from fp8ops.admission import read_layers_json
+    from fp8ops.run.records import read_layers_json
     from fp8ops.telemetry import open_run
 
     ev = Evidence()

@@ -354,8 +354,8 @@ def bf16_control(r: Rehearsal) -> Evidence:
 
 def fallback(r: Rehearsal) -> Evidence:
     """One FP8 module staged and approved through the ledger, applied by a resume."""
-    from fp8ops.admission import read_layers_json
     from fp8ops.overrides import Ledger
+    from fp8ops.run.records import read_layers_json
 
     ev = Evidence()
     if not r.fp8:

@@ -8,9 +8,13 @@ At the bottom of the package graph: it imports only ``fp8ops.manifest``, ``fp8op
 
 from fp8ops.run.layout import RunLayout
 from fp8ops.run.records import (
+    AdmissionRow,
+    AdmissionTable,
     EvalRow,
     Event,
     Fallback,
+    LayersDocument,
+    LayersFileError,
     MetricsRow,
     RunRecord,
     RunRecordError,
@@ -19,16 +23,22 @@ from fp8ops.run.records import (
     read_evals,
     read_events,
     read_fallbacks,
+    read_layers_json,
     read_metrics,
     read_run_record,
     read_status,
+    write_layers_json,
 )
 from fp8ops.run.run_dir import RunDir, locked_manifest, trained_now
 
 __all__ = [
+    "AdmissionRow",
+    "AdmissionTable",
     "EvalRow",
     "Event",
     "Fallback",
+    "LayersDocument",
+    "LayersFileError",
     "MetricsRow",
     "RunDir",
     "RunLayout",
@@ -40,8 +50,10 @@ __all__ = [
     "read_evals",
     "read_events",
     "read_fallbacks",
+    "read_layers_json",
     "read_metrics",
     "read_run_record",
     "read_status",
     "trained_now",
+    "write_layers_json",
 ]

@@ -12,19 +12,26 @@ anywhere else names the line.
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fp8ops.errors import Fp8opsError
-from fp8ops.files import read_jsonl
+from fp8ops.files import atomic_write_text, read_jsonl
 from fp8ops.run.layout import RunLayout
 
 
 class RunRecordError(Fp8opsError):
     """A run directory's record is missing, unreadable or malformed."""
+
+
+class LayersFileError(Fp8opsError):
+    """A run's ``layers.json`` is missing, unreadable or corrupt."""
 
 
 class _Record(BaseModel):
@@ -153,6 +160,255 @@ class Fallback(_Record):
     approval: str | None
     from_step: int
     revision: str
+
+
+# -- layers.json --------------------------------------------------------------------------------
+# Which module runs FP8 and why: fp8ops.admission decides, this is what the run records.
+
+Kind = Literal[
+    "qkv", "proj", "fc1", "fc2", "embedding", "position_embedding", "lm_head", "norm", "other"
+]
+Parallel = Literal["column", "row", "vocab", "replicated"]
+ReasonCode = Literal[
+    "fp8",
+    "excluded",
+    "not_included",
+    "small_gemm",
+    "fp8_disabled",
+    "not_fp8_capable",
+    "embedding",
+    "lm_head",
+    "norm",
+    "override",
+    "unaligned",
+]
+
+
+class _LayersRecord(BaseModel):
+    # The rows are what layers.json holds: strict and closed, as the manifest is.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class GemmShape(_LayersRecord):
+    """A GEMM ``y = x @ W^T`` with ``W`` of shape ``[N, K]``: K inputs, N outputs.
+
+    Written ``{"in": K, "out": N}`` (``in`` is a Python keyword, hence the aliases). For an
+    embedding K is the vocabulary and N the width; for a norm both are the width.
+    """
+
+    k: int = Field(alias="in", ge=1)
+    n: int = Field(alias="out", ge=1)
+
+    @classmethod
+    def of(cls, k: int, n: int) -> GemmShape:
+        return cls.model_validate({"in": k, "out": n})
+
+    def __str__(self) -> str:
+        return f"{self.k} x {self.n}"
+
+
+class Reason(_LayersRecord):
+    """Why a module runs where it does: a code for programs, a sentence for people."""
+
+    code: ReasonCode
+    text: str
+
+
+class Formats(_LayersRecord):
+    """The FP8 encodings of an admitted module's casts."""
+
+    forward: Literal["E4M3", "E5M2"]
+    backward: Literal["E4M3", "E5M2"]
+
+
+class AdmissionRow(_LayersRecord):
+    """One linear-like module and the precision it runs in."""
+
+    fqn: str = Field(min_length=1)
+    kind: Kind
+    parallel: Parallel
+    global_shape: GemmShape
+    rank_shape: GemmShape
+    params_dtype: str
+    precision: Literal["fp8", "bf16", "fp16", "fp32"]  # "fp8" or precision.base_dtype
+    formats: Formats | None  # None unless precision is "fp8"
+    reason: Reason
+
+    @property
+    def fp8(self) -> bool:
+        return self.precision == "fp8"
+
+
+@dataclass(frozen=True)
+class AdmissionTable:
+    """Every linear-like module of a model, in ``named_modules()`` order, with its decision."""
+
+    rows: tuple[AdmissionRow, ...]
+    tensor_parallel: int
+
+    def row(self, fqn: str) -> AdmissionRow:
+        for row in self.rows:
+            if row.fqn == fqn:
+                return row
+        raise KeyError(fqn)
+
+    @property
+    def fp8_fqns(self) -> tuple[str, ...]:
+        return tuple(row.fqn for row in self.rows if row.fp8)
+
+    def counts(self) -> dict[str, int]:
+        """Modules per reason code, in the order of ``_SUMMARY_LABELS``."""
+        found = Counter(row.reason.code for row in self.rows)
+        return {code: found[code] for code in _SUMMARY_LABELS if found[code]}
+
+    def summary(self) -> str:
+        """One line, e.g. "8 of 16 modules FP8; 8 in bf16: 1 embedding, 1 LM head, 5 norm"."""
+        counts = self.counts()
+        fp8 = counts.pop("fp8", 0)
+        line = f"{fp8} of {len(self.rows)} modules FP8"
+        base = [row.precision for row in self.rows if not row.fp8]
+        if base:
+            dtypes = "/".join(sorted(set(base)))
+            parts = ", ".join(f"{n} {_SUMMARY_LABELS[code]}" for code, n in counts.items())
+            line += f"; {len(base)} in {dtypes}: {parts}"
+        return line
+
+
+_SUMMARY_LABELS = {
+    "fp8": "FP8",
+    "excluded": "excluded",
+    "override": "override",
+    "not_included": "not included",
+    "small_gemm": "small GEMM",
+    "fp8_disabled": "FP8 disabled",
+    "not_fp8_capable": "not FP8-capable",
+    "embedding": "embedding",
+    "lm_head": "LM head",
+    "norm": "norm",
+    "unaligned": "unaligned",
+}
+
+
+LAYERS_SCHEMA_VERSION = 1
+
+
+class RecipeRecord(_LayersRecord):
+    """The delayed-scaling recipe the admitted modules run under, as layers.json writes it."""
+
+    fp8_format: Literal["hybrid", "e4m3"]
+    amax_history_len: int = Field(ge=1)
+    amax_compute_algo: str
+    margin: int = Field(ge=0)
+    reduce_amax: bool
+
+    @classmethod
+    def from_recipe(cls, recipe) -> RecipeRecord:
+        """From a ``fp8ops.precision.DelayedScalingRecipe`` (read by its fields: the run
+        package stays below precision)."""
+        return cls(
+            fp8_format=recipe.fp8_format.value,
+            amax_history_len=recipe.amax_history_len,
+            amax_compute_algo=recipe.amax_compute_algo.name,
+            margin=recipe.margin,
+            reduce_amax=recipe.reduce_amax,
+        )
+
+
+class LayersDocument(_LayersRecord):
+    """The content of a run's ``layers.json``."""
+
+    schema_version: Literal[1]
+    manifest_hash: str = Field(pattern=r"^[0-9a-f]{64}$")
+    tensor_parallel: int = Field(ge=1)
+    table_hash: str = Field(pattern=r"^[0-9a-f]{64}$")
+    recipe: RecipeRecord
+    rows: tuple[AdmissionRow, ...]
+
+    @property
+    def table(self) -> AdmissionTable:
+        return AdmissionTable(rows=self.rows, tensor_parallel=self.tensor_parallel)
+
+
+def table_hash(rows: tuple[AdmissionRow, ...], recipe: RecipeRecord) -> str:
+    """sha256 of the canonical JSON of the rows and the recipe: the identity of a run's
+    per-layer precision, which checkpoints carry to refuse a resume under another one.
+
+    The reasons' sentences are left out (their codes stay in): rewording a message in a later
+    fp8ops must not make an old checkpoint look like another run.
+    """
+    content = {
+        "recipe": recipe.model_dump(mode="json"),
+        "rows": [
+            row.model_dump(mode="json", by_alias=True, exclude={"reason": {"text"}}) for row in rows
+        ],
+    }
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def write_layers_json(
+    run_dir: str | Path,
+    table: AdmissionTable,
+    recipe,
+    *,
+    tensor_parallel: int,
+    manifest_hash: str,
+) -> Path:
+    """Write ``run_dir/layers.json`` atomically (readers see the old file or the new one)."""
+    if tensor_parallel != table.tensor_parallel:
+        raise ValueError(
+            f"tensor_parallel={tensor_parallel}, but the table was decided for "
+            f"tensor_parallel={table.tensor_parallel}"
+        )
+    record = RecipeRecord.from_recipe(recipe)
+    document = LayersDocument(
+        schema_version=LAYERS_SCHEMA_VERSION,
+        manifest_hash=manifest_hash,
+        tensor_parallel=tensor_parallel,
+        table_hash=table_hash(table.rows, record),
+        recipe=record,
+        rows=table.rows,
+    )
+    path = RunLayout(run_dir).layers
+    atomic_write_text(path, document.model_dump_json(by_alias=True, indent=2) + "\n")
+    return path
+
+
+def read_layers_json(run_dir: str | Path) -> LayersDocument:
+    """Read and check ``run_dir/layers.json``; :class:`LayersFileError` names the file."""
+    run_dir = Path(run_dir)
+    path = RunLayout(run_dir).layers
+    if not run_dir.is_dir():
+        what = "is not a directory" if run_dir.exists() else "no such run directory"
+        raise LayersFileError(f"{run_dir}: {what}")
+    if not path.is_file():
+        raise LayersFileError(
+            f"{path}: no such file; the run has not recorded its per-layer precision "
+            "(layers.json is written when training starts)"
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+        document = LayersDocument.model_validate_json(text)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LayersFileError(f"{path}: cannot read: {exc}") from None
+    except ValidationError as exc:
+        raise LayersFileError(f"{path}: corrupt layers file: {_describe(exc)}") from None
+    expected = table_hash(document.rows, document.recipe)
+    if document.table_hash != expected:
+        raise LayersFileError(
+            f"{path}: corrupt layers file: table_hash {document.table_hash[:12]}... does not "
+            f"match its rows and recipe ({expected[:12]}...); it was edited or damaged"
+        )
+    return document
+
+
+def _describe(exc: ValidationError, limit: int = 3) -> str:
+    problems = []
+    for error in exc.errors()[:limit]:
+        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"])
+        problems.append(f"{loc.lstrip('.') or 'top level'}: {error['msg']}")
+    more = f" (and {exc.error_count() - limit} more)" if exc.error_count() > limit else ""
+    return "; ".join(problems) + more
 
 
 # -- readers ------------------------------------------------------------------------------------

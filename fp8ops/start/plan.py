@@ -41,7 +41,7 @@ from fp8ops.manifest import ManifestStore, derive, load_manifest, manifest_hash
 from fp8ops.manifest.canonical import content_dict
 from fp8ops.manifest.schema import Manifest
 from fp8ops.run import RunLayout
-from fp8ops.run.environment import environment_fingerprint
+from fp8ops.run import environment as run_environment
 from fp8ops.run.layout import MANIFEST
 from fp8ops.start import checks
 from fp8ops.start.drift import Drift, environment_drift, manifest_drift
@@ -259,7 +259,9 @@ def plan_resume(
         requested = derive(requested, assignments, "--set", source="--set")
 
     drift = Drift(manifest_drift(saved, requested))
-    drift.changes += environment_drift(meta.environment, environment or environment_fingerprint())
+    drift.changes += environment_drift(
+        meta.environment, environment or run_environment.environment_fingerprint()
+    )
     fp8_read = checks.check_drift(
         drift, meta, requested, run_dir, directory, manifest_path, accept_drift
     )

@@ -10,8 +10,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from fp8ops.admission import read_layers_json  # no torch or Megatron needed to read it
 from fp8ops.run import RunLayout
+from fp8ops.run.records import read_layers_json
 from fp8ops.terminal import output
 
 

@@ -214,7 +214,7 @@ def _write_start_records(plan: New | Resume, trainer: Trainer, run: RunDir) -> N
     """``layers.json``; a new run's ``run.json`` (collective: the initial weights' fingerprint
     gathers TP shards) or a resume's ledger records, ``latest`` rewound and ``resumed`` event;
     then ``fallbacks.json``."""
-    from fp8ops.admission import write_layers_json
+    from fp8ops.run.records import write_layers_json
 
     manifest = plan.manifest
     if run.writer:

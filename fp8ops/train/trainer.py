@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fp8ops.admission import RecipeRecord, apply_admission, decide_admission, table_hash
+from fp8ops.admission import apply_admission, decide_admission
 from fp8ops.alerts import Alert, AlertEngine, write_alerts
 from fp8ops.alerts.records import merge_rank_alerts
 from fp8ops.checkpoint import read_meta, weights
@@ -51,6 +51,7 @@ from fp8ops.precision import DelayedScalingRecipe, Fp8Scope
 from fp8ops.precision.state import carry_scales
 from fp8ops.run import EvalRow, MetricsRow, RunDir, read_metrics
 from fp8ops.run.environment import environment_fingerprint
+from fp8ops.run.records import RecipeRecord, table_hash
 from fp8ops.telemetry import TelemetryWriter
 from fp8ops.telemetry.catalogue import STEP_METRIC_NAMES
 from fp8ops.telemetry.collector import TelemetryCollector
@@ -145,8 +146,6 @@ class Trainer:
         self.admission = decide_admission(
             self.model, precision, tensor_parallel=manifest.topology.tensor_parallel
         )
-        self.model_dtype = next(self.model.parameters()).dtype
-        self.base = self._load_base() if resume is None else None  # resume: weights come later
         apply_admission(self.admission, self.model)
         self.collector = TelemetryCollector(
             fp8_state_modules(self.model, self.recipe), manifest.telemetry

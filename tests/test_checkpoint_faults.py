@@ -743,6 +743,37 @@ def test_a_resume_on_other_data_is_refused(run, cli):
     assert _files(run) == before
 
 
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [
+        (lambda record: record.unlink(), "run.json: no such file"),
+        (lambda record: record.write_text("{"), "run.json: cannot be read: not valid JSON"),
+        (
+            lambda record: record.write_text(
+                json.dumps({**json.loads(record.read_text()), "tokenizer": {"kind": "byte"}})
+            ),
+            "run.json records no tokenizer fingerprint",
+        ),
+        (
+            lambda record: record.write_text(
+                json.dumps({**json.loads(record.read_text()), "data": {"kind": "tasks"}})
+            ),
+            "run.json records no data fingerprint",
+        ),
+    ],
+    ids=["missing", "damaged", "no-tokenizer-fingerprint", "no-data-fingerprint"],
+)
+def test_a_resume_whose_run_json_cannot_say_what_it_started_from_is_refused(run, cli, damage, said):
+    """The tokenizer and data checks fail closed: what run.json cannot vouch for is refused,
+    not taken as unchanged."""
+    damage(run / "run.json")
+    before = _files(run)
+    refused = cli("resume", run, "--no-progress")
+    assert refused.code == 4, refused.err
+    assert said in refused.err and "Restore the run's run.json" in refused.err, refused.err
+    assert _files(run) == before
+
+
 def test_a_resume_refuses_an_edited_run_manifest_instead_of_writing_over_it(run, cli):
     file = run / "manifest.yaml"
     original = file.read_text()

@@ -9,7 +9,6 @@ import typer
 from rich import box
 from rich.table import Table
 
-from fp8ops.alerts.files import read_run_alerts
 from fp8ops.alerts.records import LEVELS, format_value, select_alerts
 from fp8ops.terminal import output
 
@@ -28,6 +27,8 @@ def alerts_command(
     ] = None,
 ) -> None:
     """List a run's alerts (alerts.jsonl): step, level, module, metric, value, threshold."""
+    from fp8ops.alerts.files import read_run_alerts  # the run's records: only when asked
+
     if level is not None and level not in LEVELS:
         raise typer.BadParameter(f"{level!r}: choose {', '.join(LEVELS)}", param_hint="--level")
     alerts = read_run_alerts(run_dir)

@@ -9,8 +9,6 @@ import typer
 from rich import box
 from rich.table import Table
 
-from fp8ops.checkpoint.directory import CheckpointDir, CheckpointError, verify_files
-from fp8ops.checkpoint.meta import read_meta
 from fp8ops.errors import Fp8opsError
 from fp8ops.terminal import output
 
@@ -26,6 +24,9 @@ def checkpoints_list(
 ) -> None:
     """List RUN_DIR's checkpoints: step, why it was saved, manifest, topology, size (exit 1
     when one is damaged)."""
+    from fp8ops.checkpoint.directory import CheckpointDir, CheckpointError, verify_files
+    from fp8ops.checkpoint.meta import read_meta
+
     store = CheckpointDir(run_dir)
     found = store.complete()
     if not found:

@@ -30,7 +30,7 @@ class RunRecordError(Fp8opsError):
     """A run directory's record is missing, unreadable or malformed."""
 
 
-class LayersFileError(Fp8opsError):
+class LayersFileError(RunRecordError):
     """A run's ``layers.json`` is missing, unreadable or corrupt."""
 
 

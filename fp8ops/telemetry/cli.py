@@ -10,8 +10,6 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from fp8ops.run import RunLayout
-from fp8ops.run.records import read_layers_json
 from fp8ops.terminal import output
 
 
@@ -32,7 +30,7 @@ def inspect_command(
 ) -> None:
     """Summarise a run: recipe, per-layer precision (--layers: the full table), and the modules
     worst by a telemetry metric over the run's committed steps."""
-    from rich import box
+    from fp8ops.run import RunLayout, read_layers_json  # the run's records: only when asked
 
     document = read_layers_json(run_dir)
     table = document.table

@@ -8,8 +8,16 @@ the learning-rate schedule), ``distributed`` (process groups), ``signals`` (stop
 
 Only the command layer imports this package: the other packages read and write runs through
 ``fp8ops.run`` and decide how runs start in ``fp8ops.start``.
+
+Attributes load on first use (PEP 562): every ``fp8ops`` command imports ``train.cli``.
 """
 
-from fp8ops.train.startup import open_trainer, resume_training, run_training, start
+import importlib
 
 __all__ = ["open_trainer", "resume_training", "run_training", "start"]
+
+
+def __getattr__(name: str):
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.startup"), name)

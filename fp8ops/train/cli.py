@@ -11,7 +11,6 @@ import typer
 
 from fp8ops.manifest import load_manifest, parse_assignments
 from fp8ops.manifest.cli import ManifestFile
-from fp8ops.start import Complete
 
 PROGRESS_HELP = (
     "Per-step progress: a bar on a terminal, log lines otherwise; --no-progress prints only the "
@@ -130,6 +129,8 @@ def resume_command(
 def _report_training(result) -> None:
     if os.environ.get("RANK", "0") != "0":
         return
+    from fp8ops.start import Complete
+
     if isinstance(result, Complete):  # a rerun of a finished run: nothing to do, exit 0
         print(result.message, file=sys.stderr)
         return

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
+from support.small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
 
 from fp8ops.admission import AdmissionRow, RecipeRecord, table_hash
 from fp8ops.alerts import Alert, write_alerts

@@ -26,7 +26,7 @@ import pytest
 if importlib.util.find_spec("megatron") is None:
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
 
-from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
+from support.small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
 
 from fp8ops.checkpoint import CheckpointDir, CheckpointError, DriftRefused, plan_resume, read_meta
 from fp8ops.checkpoint import state as checkpoint_state
@@ -38,7 +38,9 @@ from fp8ops.telemetry import open_run
 from fp8ops.train import resume_training, run_training
 from fp8ops.train.run_dir import read_metrics, read_status
 
+# Every test trains and resumes runs (several at TP=2 under torchrun): the full suite's.
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
 ]
@@ -49,23 +51,16 @@ FC2 = "decoder.layers.1.mlp.linear_fc2"
 
 
 @pytest.fixture(scope="module")
-def manifest(tmp_path_factory) -> Path:
+def manifest(small_base, tmp_path_factory) -> Path:
     """A fine-tuning manifest of 2N steps, evaluating and checkpointing every N, whose base is
-    the small model pre-trained for a few steps."""
-    tmp = tmp_path_factory.mktemp("resume")
-    base = write_derived(
-        tmp / "base.yaml",
-        MANIFESTS / "tiny-gpt-cpu-base.yaml",
-        {**SMALL_MODEL, **SCHEDULE, "schedule.train_steps": 2, "schedule.eval_interval": 2},
-    )
-    run_training(base, tmp / "base", progress=False)
+    the small model pre-trained for a few steps (the shared one)."""
     return write_derived(
-        tmp / "finetune.yaml",
+        tmp_path_factory.mktemp("resume") / "finetune.yaml",
         MANIFESTS / "tiny-gpt-cpu.yaml",
         {
             **SMALL_MODEL,
             **SCHEDULE,
-            "model.init_checkpoint": str(tmp / "base" / "final"),
+            "model.init_checkpoint": str(small_base / "final"),
             "data.num_examples": 400,
             "schedule.train_steps": 2 * N,
             "schedule.eval_interval": N,
@@ -195,7 +190,6 @@ def tp2_straight(manifest, tmp_path_factory) -> Path:
     return run
 
 
-@pytest.mark.slow
 def test_tp2_stop_and_resume_equals_the_straight_tp2_run(manifest, tp2_straight, tmp_path):
     run = tmp_path / "run"
     _ok(
@@ -220,7 +214,6 @@ def test_tp2_stop_and_resume_equals_the_straight_tp2_run(manifest, tp2_straight,
 # -- topology change ---------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_tp2_checkpoint_resumes_at_tp1_and_tp1_at_tp2(
     manifest, straight, tp2_straight, tmp_path, cli
 ):
@@ -276,7 +269,6 @@ def test_tp2_checkpoint_resumes_at_tp1_and_tp1_at_tp2(
     assert joined.loc[:N].isna().all().all() and joined.loc[N + 1 :].notna().any().all()
 
 
-@pytest.mark.slow
 def test_per_rank_fp8_state_refuses_a_topology_change(manifest, tmp_path, cli):
     run = tmp_path / "run"
     _ok(
@@ -433,7 +425,7 @@ def test_the_weights_are_verified_under_the_scheme_their_checkpoint_names(paused
     """A checkpoint records how its weights fingerprint names the parameters; one that names
     none was written before schemes were named (module paths), and is verified that way: here,
     where it is not true, the load is refused."""
-    from checkpoint_support import edit_meta
+    from support.checkpoint_surgery import edit_meta
 
     checkpoint = paused / "checkpoints" / checkpoint_name(N)
     assert read_meta(checkpoint).weights_fingerprint_scheme == "checkpoint-keys"
@@ -447,7 +439,7 @@ def test_a_checkpoint_written_before_schemes_were_named_resumes(
     manifest, straight, tmp_path, monkeypatch
 ):
     """As an older fp8ops wrote it: the fingerprint by module path, and no scheme named."""
-    from checkpoint_support import edit_meta
+    from support.checkpoint_surgery import edit_meta
 
     from fp8ops.train import weights
 
@@ -474,7 +466,6 @@ def test_plan_refuses_environment_drift_before_building_anything(paused):
 # -- stop requests -------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_sigusr1_to_one_rank_stops_both_at_one_step_and_resume_finishes(manifest, tmp_path):
     """The signal reaches rank 1 only; the ranks agree on the stop step (an all-reduce of their
     flags), checkpoint it together and exit with 75; the resume then completes the run."""

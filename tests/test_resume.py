@@ -38,9 +38,7 @@ from fp8ops.telemetry import open_run
 from fp8ops.train import resume_training, run_training
 from fp8ops.train.run_dir import read_metrics, read_status
 
-# Every test trains and resumes runs (several at TP=2 under torchrun): the full suite's.
 pytestmark = [
-    pytest.mark.slow,
     pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
 ]
@@ -110,6 +108,7 @@ def assert_same_training(a: Path, b: Path) -> None:
 # -- equivalence ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_stop_and_resume_equals_the_straight_run_bit_for_bit(manifest, straight, tmp_path, cli):
     run = tmp_path / "run"
     paused = run_training(manifest, run, progress=False, stop_at=N)
@@ -127,11 +126,13 @@ def test_stop_and_resume_equals_the_straight_run_bit_for_bit(manifest, straight,
     assert [(e["step"], e["drift"], e["fp8_state"]) for e in resumed] == [(N, [], "own")]
 
 
+@pytest.mark.slow
 def test_a_completed_run_has_nothing_to_resume(straight, cli):
     result = cli("resume", straight, "--no-progress")
     assert result.code == 0 and "nothing to train" in result.err
 
 
+@pytest.mark.slow
 def test_a_rerun_of_a_completed_run_on_another_machine_has_nothing_to_train(
     manifest, straight, cli, tmp_path, monkeypatch
 ):
@@ -190,6 +191,7 @@ def tp2_straight(manifest, tmp_path_factory) -> Path:
     return run
 
 
+@pytest.mark.slow
 def test_tp2_stop_and_resume_equals_the_straight_tp2_run(manifest, tp2_straight, tmp_path):
     run = tmp_path / "run"
     _ok(
@@ -214,6 +216,7 @@ def test_tp2_stop_and_resume_equals_the_straight_tp2_run(manifest, tp2_straight,
 # -- topology change ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_tp2_checkpoint_resumes_at_tp1_and_tp1_at_tp2(
     manifest, straight, tp2_straight, tmp_path, cli
 ):
@@ -269,6 +272,7 @@ def test_tp2_checkpoint_resumes_at_tp1_and_tp1_at_tp2(
     assert joined.loc[:N].isna().all().all() and joined.loc[N + 1 :].notna().any().all()
 
 
+@pytest.mark.slow
 def test_per_rank_fp8_state_refuses_a_topology_change(manifest, tmp_path, cli):
     run = tmp_path / "run"
     _ok(
@@ -304,6 +308,7 @@ def paused(manifest, tmp_path) -> Path:
     return run
 
 
+@pytest.mark.slow
 def test_a_changed_manifest_is_refused_then_accepted_as_a_revision(manifest, paused, tmp_path, cli):
     edited = write_manifest(
         derive(load_manifest(manifest), {"optimizer.lr": 1e-3}, "edited"), tmp_path / "e.yaml"
@@ -329,11 +334,13 @@ def test_a_changed_manifest_is_refused_then_accepted_as_a_revision(manifest, pau
     assert _final(paused).revisions[-2:] == [saved, manifest_hash(locked)]
 
 
+@pytest.mark.slow
 def test_set_on_resume_needs_a_reason(paused, cli):
     result = cli("resume", paused, "--set", "optimizer.lr=0.001")
     assert result.code == 4 and "optimizer.lr: 0.002 -> 0.001" in result.err
 
 
+@pytest.mark.slow
 def test_train_resume_without_a_checkpoint_starts_the_run(manifest, tmp_path, cli):
     result = cli(
         "train",
@@ -349,6 +356,7 @@ def test_train_resume_without_a_checkpoint_starts_the_run(manifest, tmp_path, cl
     assert read_status(tmp_path / "new")["state"] == "paused"
 
 
+@pytest.mark.slow
 def test_a_paused_run_directory_points_at_resume(manifest, paused, cli):
     result = cli("train", manifest, "--run-dir", paused, "--no-progress")
     assert result.code == 2 and f"fp8ops resume {paused}" in result.err
@@ -357,6 +365,7 @@ def test_a_paused_run_directory_points_at_resume(manifest, paused, cli):
 # -- overrides applied on resume ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_an_approved_override_is_applied_on_resume_and_a_revoke_lifts_it(paused, cli, tmp_path):
     ledger = Ledger(paused)
     staged = ledger.stage(FC2, "saturates after the lr spike", who="alice")
@@ -410,6 +419,7 @@ def test_an_approved_override_is_applied_on_resume_and_a_revoke_lifts_it(paused,
 # -- what the load verifies ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_load_that_resets_fp8_state_is_refused(paused, monkeypatch):
     """TE's failure mode: state keys that don't match are skipped and the module keeps its fresh
     state (scale 1, empty histories). Simulated by a restore that puts nothing back."""
@@ -421,6 +431,7 @@ def test_a_load_that_resets_fp8_state_is_refused(paused, monkeypatch):
     assert {f.name: f.read_bytes() for f in paused.iterdir() if f.is_file()} == before
 
 
+@pytest.mark.slow
 def test_the_weights_are_verified_under_the_scheme_their_checkpoint_names(paused):
     """A checkpoint records how its weights fingerprint names the parameters; one that names
     none was written before schemes were named (module paths), and is verified that way: here,
@@ -435,6 +446,7 @@ def test_the_weights_are_verified_under_the_scheme_their_checkpoint_names(paused
         resume_training(paused, progress=False)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_written_before_schemes_were_named_resumes(
     manifest, straight, tmp_path, monkeypatch
 ):
@@ -453,6 +465,7 @@ def test_a_checkpoint_written_before_schemes_were_named_resumes(
     assert_same_training(straight, run)
 
 
+@pytest.mark.slow
 def test_plan_refuses_environment_drift_before_building_anything(paused):
     from fp8ops.train.environment import environment_fingerprint
 
@@ -466,6 +479,7 @@ def test_plan_refuses_environment_drift_before_building_anything(paused):
 # -- stop requests -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sigusr1_to_one_rank_stops_both_at_one_step_and_resume_finishes(manifest, tmp_path):
     """The signal reaches rank 1 only; the ranks agree on the stop step (an all-reduce of their
     flags), checkpoint it together and exit with 75; the resume then completes the run."""
@@ -530,6 +544,7 @@ def test_sigusr1_to_one_rank_stops_both_at_one_step_and_resume_finishes(manifest
 # -- what a crash can leave behind ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_train_resume_sets_aside_an_attempt_that_never_checkpointed(manifest, paused, cli):
     """A job killed before its first checkpoint, then requeued: nothing to resume, so the same
     command starts over, keeping the old attempt's records."""
@@ -546,6 +561,7 @@ def test_train_resume_sets_aside_an_attempt_that_never_checkpointed(manifest, pa
     assert read_status(paused)["state"] == "paused"
 
 
+@pytest.mark.slow
 def test_a_missing_latest_pointer_falls_back_to_the_newest_complete_checkpoint(paused, cli):
     (paused / "checkpoints" / "latest").unlink()  # killed between the rename and the pointer
     leftovers = [
@@ -560,6 +576,7 @@ def test_a_missing_latest_pointer_falls_back_to_the_newest_complete_checkpoint(p
     assert not any(leftover.exists() for leftover in leftovers)  # cleared by the next save
 
 
+@pytest.mark.slow
 def test_overrides_survive_requeues_and_a_resume_from_before_they_were_applied(
     manifest, paused, cli
 ):
@@ -589,6 +606,7 @@ def test_overrides_survive_requeues_and_a_resume_from_before_they_were_applied(
     assert CheckpointDir(paused).latest().name == checkpoint_name(N + 2)
 
 
+@pytest.mark.slow
 def test_changes_a_checkpoint_cannot_be_loaded_into_are_refused_even_when_accepted(paused, cli):
     for change, why in (
         ("model.hidden_size=128", "shapes"),
@@ -612,6 +630,7 @@ def test_changes_a_checkpoint_cannot_be_loaded_into_are_refused_even_when_accept
         assert result.code == 4 and why in result.err, result.err
 
 
+@pytest.mark.slow
 def test_other_alert_thresholds_resume_with_fresh_windows(paused, cli):
     result = cli(
         "resume",
@@ -627,6 +646,7 @@ def test_other_alert_thresholds_resume_with_fresh_windows(paused, cli):
     assert result.code == 0, result.err
 
 
+@pytest.mark.slow
 def test_stop_at_outside_the_remaining_steps_is_refused_up_front(paused, cli):
     for step in (N, 2 * N):
         result = cli("resume", paused, "--stop-at", step, "--no-progress")
@@ -654,6 +674,7 @@ def test_a_requeue_keeps_hand_written_and_ledger_overrides_in_the_saved_order():
     assert manifest_drift(saved, merged) == []
 
 
+@pytest.mark.slow
 def test_a_format_change_on_resume_carries_the_scales_to_the_new_maximum(paused, cli):
     """hybrid -> e4m3 gradients: the saved backward scales were computed for E5M2's 57344 and
     would saturate E4M3 (448) on the first step; they are carried by 448 / 57344 at load."""

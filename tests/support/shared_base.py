@@ -2,9 +2,9 @@
 in bf16, trained once and cached on disk (``build/test-cache/base-<key>/run``).
 
 The key hashes what the run depends on: the base manifest's canonical hash
-(:func:`fp8ops.manifest.manifest_hash`), every file of the ``fp8ops`` package that is imported
-(a code change that alters training rebuilds it), and the torch, megatron-core and Python versions
-(the corpus is Python's own docstrings). The build holds an exclusive lock on
+(:func:`fp8ops.manifest.manifest_hash`), every file of the ``fp8ops`` package imported (so any
+change to its code rebuilds it), and the torch, megatron-core and Python versions (the corpus is
+Python's own docstrings). The build holds an exclusive lock on
 ``base-<key>.lock``, so two pytest-xdist workers build it once between them; it trains into a
 temporary directory beside the cache and renames it into place, so a killed build never leaves a
 cache behind. ``CONTENTS.json`` lists every file's sha256: a cache whose files differ from it is

@@ -10,7 +10,7 @@ lines while it runs, then one table, last, and the same rows as JSON (``--out``)
     the same FP8 operands, at the forward, dgrad and wgrad shapes of an 8B layer: their relative
     difference, and each one's error against the float64 product of the same FP8 values.
 (b) scaling: fp8ops' delayed-scaling update run on the device, bit for bit against the same
-    update on the CPU and against the independent oracle (``tests/te_reference.py``), with zero,
+    update on the CPU and against the independent oracle (``tests/support/te_update_oracle.py``), with zero,
     NaN, infinite and denormal amaxes; the saturating FP8 cast and the amax likewise.
 (c) throughput: a stack of Megatron GPT layers at 8B shapes (hidden 4096, FFN 14336, 32 heads in
     8 query groups, sequence 4096, micro-batch 1 or ``--micro-batch N``, bf16), forward and
@@ -296,7 +296,7 @@ def scaling_cases():
 def run_updates(device, history_len, margin, fp8_max, algo, rng) -> list[tuple[bool, bool]]:
     """UPDATES updates from one random start, on the CPU, on ``device`` and (fused algorithms)
     in the oracle, each carrying its own state on; per update: (device = CPU, device = oracle)."""
-    from te_reference import reference_update  # tests/: shares no code with fp8ops
+    from support.te_update_oracle import reference_update  # tests/: shares no code with fp8ops
 
     history = np.zeros((history_len, SLOTS), np.float32)
     past = random_amaxes(rng, (history_len - 1) * SLOTS).reshape(history_len - 1, SLOTS)
@@ -351,7 +351,7 @@ def check_scaling(device: torch.device) -> list[Row]:
                 )
     checks = (
         ("fused", "update max/most_recent: device = CPU, bit for bit"),
-        ("oracle", "update max/most_recent: device = oracle (te_reference)"),
+        ("oracle", "update max/most_recent: device = oracle (te_update_oracle)"),
         ("window", "update quantile/trimmed_max: device = CPU"),
     )
     rows = [

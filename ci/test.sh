@@ -1,6 +1,17 @@
 #!/usr/bin/env bash
 # Run the default test suite (CPU only). Extra arguments go to pytest.
 #
+#   bash ci/test.sh            everything (what CI runs)
+#   bash ci/test.sh --fast     the fast tier, for iteration: pytest -m "not slow", every package's
+#                              unit tests in under 3 minutes on 2 cores; no SLURM is started
+#
+# `slow` (pyproject.toml) marks what the fast tier leaves to the full suite: multi-process runs
+# (torchrun, SLURM jobs, the browser, a signalled or killed trainer), training beyond a few
+# steps, torch.compile and the Triton interpreter beyond one case each; its property tests run a
+# tenth of their Hypothesis examples (FP8OPS_TEST_TIER=fast). The small base model the
+# end-to-end tests fine-tune from is trained once per code change and cached in
+# build/test-cache/ (tests/support/shared_base.py), so a second run skips its training.
+#
 # Two pytest-xdist workers, each test file on one worker (--dist loadfile: a module's fixtures,
 # such as a trained base model, are built once). Much of the suite is process start-ups and
 # waits (torchrun launchers, SLURM, a browser), which two workers overlap on two cores. On a
@@ -15,7 +26,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [ "${FP8OPS_SLURM:-1}" != 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+fast=0
+args=()
+for arg in "$@"; do
+  if [ "$arg" = --fast ]; then fast=1; else args+=("$arg"); fi
+done
+if [ "$fast" = 1 ]; then
+  args=(-m "not slow" ${args[@]+"${args[@]}"})
+  export FP8OPS_TEST_TIER=fast  # property tests run a tenth of their examples (tests/support/test_tier.py)
+else
+  export FP8OPS_TEST_TIER=full
+fi
+
+if [ "$fast" = 0 ] && [ "${FP8OPS_SLURM:-1}" != 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   if started=$(bash ci/slurm_start.sh 2>&1); then
     echo "local SLURM is up for tests/test_slurm.py (ci/slurm_start.sh)"
     # Stop only a cluster this run started; one that was already up stays up.
@@ -31,4 +54,4 @@ fi
 # Lint and format first: a second, not minutes of tests, to learn the tree is unformatted.
 .venv/bin/ruff check --quiet . && .venv/bin/ruff format --check --quiet .
 
-.venv/bin/python -m pytest -q -n "${FP8OPS_TEST_WORKERS:-2}" --dist loadfile "$@"
+.venv/bin/python -m pytest -q -n "${FP8OPS_TEST_WORKERS:-2}" --dist loadfile ${args[@]+"${args[@]}"}

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from manifest_support import LLAMA, MINIMAL, ROOT, TINY
 from pydantic import ValidationError
+from support.example_manifests import LLAMA, MINIMAL, ROOT, TINY
 
 from fp8ops.alerts import (
     Alert,

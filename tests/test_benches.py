@@ -2,7 +2,7 @@
 before any work; every script under ci/ still imports. (Their numbers come from running them,
 outside the tests: docs/gpu.md.)
 
-Both load the scripts in this process (``script_support``): a fresh interpreter per case spent
+Both load the scripts in this process (``support.ci_scripts``): a fresh interpreter per case spent
 ten seconds importing torch and Megatron to test an argument check."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from script_support import load_script, past_the_check
+from support.ci_scripts import load_script, past_the_check
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(
 )
 def test_a_count_too_small_is_refused(script, args, message, monkeypatch, capsys):
     module = load_script(ROOT / "ci" / script, monkeypatch)
-    # The scripts' first work after their checks (script_support).
+    # The scripts' first work after their checks (support.ci_scripts).
     monkeypatch.setattr(torch, "set_num_threads", past_the_check)
     monkeypatch.setattr(tempfile, "TemporaryDirectory", past_the_check)
     monkeypatch.setattr(sys, "argv", [script, *args])

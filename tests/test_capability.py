@@ -28,7 +28,7 @@ if importlib.util.find_spec("megatron") is None:
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
 
 import torch
-from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
+from support.small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
 
 from fp8ops.checkpoint import read_meta
 from fp8ops.checkpoint.directory import checkpoint_name
@@ -172,6 +172,7 @@ def _reference(trainer, prompt: list[int], max_new_tokens: int = GENERATE) -> li
     return new
 
 
+@pytest.mark.slow
 def test_generation_matches_the_slow_reference(trainer):
     prompts = _prompts(trainer)
     batched = _generate(trainer, prompts)
@@ -198,6 +199,7 @@ def test_rows_padded_for_tes_fp8_gemms_give_the_same_answers(trainer):
         _generate(trainer, prompts, length_multiple=48)
 
 
+@pytest.mark.slow
 def test_batching_and_order_do_not_change_answers(trainer):
     prompts = _prompts(trainer)
     together = _generate(trainer, prompts)  # (one row at a time: the reference test above)
@@ -246,6 +248,7 @@ def _with_hook(trainer, hook, run):
         handle.remove()
 
 
+@pytest.mark.slow
 def test_padded_vocabulary_ids_are_never_produced(manifest, tmp_path):
     """vocab_size 300 (byte tokens need >= 256): 384 embedding rows, 84 of them padding; ids
     256-299 are real to the model but not bytes. Made the most likely by far, neither kind is
@@ -356,6 +359,7 @@ def test_text_data_has_no_capability_evaluation(tmp_path):
 # -- the records ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_records_have_the_schema_and_add_up(straight):
     records = read_capability(straight)
     assert [r["step"] for r in records] == [N, 2 * N]
@@ -420,6 +424,7 @@ def test_read_capability_takes_the_latest_line_per_step_and_skips_a_torn_one(tmp
     assert read_capability(tmp_path) == [{"step": 4, "accuracy": 0.1}, {"step": 8, "accuracy": 0.6}]
 
 
+@pytest.mark.slow
 def test_read_predictions_refuses_a_changed_or_missing_file(straight, tmp_path):
     record = read_capability(straight)[-1]
     copy = tmp_path / record["predictions"]
@@ -443,6 +448,7 @@ def _telemetry(run: Path) -> dict[str, np.ndarray]:
     return {m: store.module_history(m).to_numpy() for m in store.modules}
 
 
+@pytest.mark.slow
 def test_capability_evaluation_does_not_change_training(manifest, straight, tmp_path):
     off = tmp_path / "off"
     run_training(manifest, off, assignments={"capability.enabled": False}, progress=False)
@@ -470,6 +476,7 @@ def _without_seconds(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "seconds"} for r in records]
 
 
+@pytest.mark.slow
 def test_stop_and_resume_gives_the_straight_runs_records(manifest, straight, tmp_path):
     run = tmp_path / "run"
     paused = run_training(manifest, run, progress=False, stop_at=N)

@@ -28,6 +28,7 @@ from fp8ops.precision.linear import _cast_and_record, _cast_record_and_count
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="needs triton (its interpreter)"
 )
+SLOW = pytest.mark.slow  # the interpreter's seconds per call: the full suite's, not the fast tier's
 
 
 @pytest.fixture
@@ -130,9 +131,13 @@ def same_bytes_but_at_nan(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor
     return got.shape == want.shape and not (differ & ~torch.isnan(x)).any()
 
 
-@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("scale", [1.0, 2.0**-6, 16.0])
+# The interpreter takes seconds per call: the fast tier runs E4M3 from bf16 at scale 1, the full
+# suite every combination.
+@pytest.mark.parametrize("fp8", [E4M3, pytest.param(E5M2, marks=SLOW)], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, pytest.param(torch.float32, marks=SLOW)], ids=["bf16", "fp32"]
+)
+@pytest.mark.parametrize("scale", [1.0, *(pytest.param(s, marks=SLOW) for s in (2.0**-6, 16.0))])
 def test_the_kernel_casts_transposes_and_records_as_the_eager_cast(interpreted, fp8, dtype, scale):
     # 70 x 150: neither side a multiple of the 64 x 64 tile, so the edge masks are exercised.
     x = exact_inputs(fp8, scale, dtype, (70, 150))
@@ -149,13 +154,12 @@ def test_the_kernel_casts_transposes_and_records_as_the_eager_cast(interpreted, 
 
 @pytest.mark.parametrize(
     ("fp8", "dtype", "scale", "transposed"),
-    [
-        (E4M3, torch.bfloat16, 1.0, True),
-        (E4M3, torch.float32, 2.0**-6, False),
-        (E5M2, torch.bfloat16, 16.0, False),
-        (E5M2, torch.float32, 1.0, True),
+    [  # the fast tier runs the first
+        pytest.param(E4M3, torch.bfloat16, 1.0, True, id="e4m3-bf16-transposed"),
+        pytest.param(E4M3, torch.float32, 2.0**-6, False, id="e4m3-fp32-plain", marks=SLOW),
+        pytest.param(E5M2, torch.bfloat16, 16.0, False, id="e5m2-bf16-plain", marks=SLOW),
+        pytest.param(E5M2, torch.float32, 1.0, True, id="e5m2-fp32-transposed", marks=SLOW),
     ],
-    ids=["e4m3-bf16-transposed", "e4m3-fp32-plain", "e5m2-bf16-plain", "e5m2-fp32-transposed"],
 )
 def test_the_counting_kernel_counts_what_the_eager_cast_counts(
     interpreted, fp8, dtype, scale, transposed
@@ -179,6 +183,7 @@ def test_the_counting_kernel_counts_what_the_eager_cast_counts(
     assert same_bits(got_history, want_history)
 
 
+@pytest.mark.slow
 def test_the_fold_adds_up_counts_over_several_loops(interpreted, monkeypatch):
     """With a fold block of 8 tiles, 12 tiles take two loops, the second part-masked; the
     largest value and every counted element sit in the last tile."""
@@ -193,6 +198,7 @@ def test_the_fold_adds_up_counts_over_several_loops(interpreted, monkeypatch):
 
 
 @pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.slow
 def test_the_amax_ignores_nan_keeps_the_largest_tile_and_folds_into_row_zero(interpreted, fp8):
     x = torch.zeros(130, 200)
     x[3, 5], x[129, 199], x[64, 64] = float("nan"), -7.0, 3.0  # the largest is in an edge tile
@@ -211,7 +217,9 @@ def test_an_input_that_is_all_zeros_records_a_positive_zero(interpreted):
     assert got_history[0, 2].item() == 0.0 and not torch.signbit(got_history[0, 2])
 
 
-@pytest.mark.parametrize("shape", [(1, 150), (70, 1), (1, 1)])
+@pytest.mark.parametrize(
+    "shape", [(1, 150), *(pytest.param(s, marks=SLOW) for s in [(70, 1), (1, 1)])]
+)
 def test_rows_and_columns_of_one_element(interpreted, shape):
     x = exact_inputs(E5M2, 1.0, torch.bfloat16, shape)
     got, want, got_history, want_history = both(x, torch.zeros(3, 3), torch.ones(3), 0, E5M2, True)
@@ -246,6 +254,7 @@ def test_an_input_not_aligned_to_16_bytes_is_copied_first(interpreted, monkeypat
     assert same_bits(got_history, want_history)
 
 
+@pytest.mark.slow
 def test_a_history_not_aligned_to_16_bytes_is_folded_by_torch(interpreted, monkeypatch):
     """The fold kernel was verified on aligned histories; a history that is a view into a
     larger buffer gets the same fold from torch, in place."""
@@ -304,6 +313,7 @@ def test_the_probes_run_the_variant_the_input_runs(shape):
             assert same_bits(a, b) if isinstance(a, torch.Tensor) else a == b
 
 
+@pytest.mark.slow
 def test_the_kernel_is_verified_before_use_and_its_result_is_the_eager_one(interpreted):
     """Through ``linear.cast_and_record`` with the Triton choice: the call is verified (here,
     under the interpreter, whose conversion is not the GPU's, it may be refused, and then runs

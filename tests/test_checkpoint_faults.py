@@ -5,7 +5,8 @@
 
 Each fault is made on disk as a crash, a bad disk or a person would make it, and met through the
 command line (``fp8ops resume``, ``fp8ops train --resume``, ``fp8ops checkpoints list``). The
-model is tests/test_train.py's small one (tests/checkpoint_support.py); its fine-tuning
+model is the small one of tests/support/small_model.py, fine-tuned from the shared small base
+(the ``small_base`` fixture); its fine-tuning
 checkpoints after every step and keeps two, so a run spends about half its time saving.
 """
 
@@ -33,7 +34,8 @@ import torch
 if importlib.util.find_spec("megatron") is None:
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
 
-from checkpoint_support import edit_meta, rehash, train_small_base, write_small_finetune
+from support.checkpoint_surgery import edit_meta, rehash
+from support.small_model import write_small_finetune
 
 from fp8ops.checkpoint import CheckpointDir, read_meta
 from fp8ops.checkpoint.directory import META_FILE, checkpoint_name, checkpoint_step, verify_files
@@ -61,19 +63,19 @@ LATEST, PREVIOUS = checkpoint_name(PAUSED_AT), checkpoint_name(PAUSED_AT - 1)
 @pytest.fixture(scope="module")
 def saver():
     """The fork server that runs the killed ``fp8ops`` processes. First in the kill test's
-    arguments, so its imports overlap the base run's training."""
+    arguments, so its imports overlap the base run's training (when it is not cached)."""
     server = Saver()
     yield server
     server.close()
 
 
 @pytest.fixture(scope="module")
-def manifest(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("manifests")
-    base = train_small_base(tmp)
+def manifest(small_base, tmp_path_factory) -> Path:
     # One evaluation, at the end: a kill lands in a step or a save, not in an evaluation.
     return write_small_finetune(
-        tmp, base, {"schedule.train_steps": STEPS, "schedule.eval_interval": 1000}
+        tmp_path_factory.mktemp("manifests") / "finetune.yaml",
+        small_base,
+        {"schedule.train_steps": STEPS, "schedule.eval_interval": 1000},
     )
 
 
@@ -118,6 +120,7 @@ KILLS = [
 ]
 
 
+@pytest.mark.slow
 def test_kill_9_during_saves_leaves_a_whole_latest_and_the_resumed_run_is_bit_identical(
     saver, manifest, reference, tmp_path, cli
 ):
@@ -314,6 +317,7 @@ def _flip_bytes(path: Path) -> None:
     ],
     ids=["truncated", "changed-bytes", "missing", "extra"],
 )
+@pytest.mark.slow
 def test_a_damaged_file_is_named_with_the_previous_checkpoint_to_resume_from(
     run, reference, cli, pattern, damage, problem
 ):
@@ -427,6 +431,7 @@ def test_a_metadata_pickle_naming_a_class_a_metadata_module_only_imports_is_refu
 # -- latest naming a checkpoint that is gone ----------------------------------------------------
 
 
+@pytest.mark.slow
 def test_latest_naming_a_checkpoint_that_is_gone_says_so_and_the_advice_works(
     run, manifest, reference, cli
 ):
@@ -464,6 +469,7 @@ def test_a_second_rewind_past_a_step_keeps_both_abandoned_checkpoints(tmp_path):
     assert store.latest() == store.path / checkpoint_name(1)
 
 
+@pytest.mark.slow
 def test_a_save_cut_between_its_two_renames_keeps_the_previous_copy(run, reference, cli):
     """Saving a step again renames the old copy aside, then the new one into place; a crash in
     between leaves `latest` naming nothing. The old copy is named, not swept away."""
@@ -488,6 +494,7 @@ def test_a_save_cut_between_its_two_renames_keeps_the_previous_copy(run, referen
 # -- records of earlier attempts ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_torn_log_tails_are_cut_and_stale_status_fields_dropped_on_resume(run, reference, cli):
     """A crash or a full disk left metrics.jsonl and events.jsonl ending mid-line, and the
     failed attempt's error in status.json. The resume appends after whole lines only, so
@@ -512,6 +519,7 @@ def test_torn_log_tails_are_cut_and_stale_status_fields_dropped_on_resume(run, r
     assert (status["state"], status["step"], "error" in status) == ("paused", PAUSED_AT + 1, False)
 
 
+@pytest.mark.slow
 def test_a_run_killed_between_its_final_checkpoint_and_final_weights_is_finished(
     reference, tmp_path, cli
 ):
@@ -532,6 +540,7 @@ def test_a_run_killed_between_its_final_checkpoint_and_final_weights_is_finished
     assert again.code == 0 and "nothing to train" in again.err
 
 
+@pytest.mark.slow
 def test_a_damaged_telemetry_store_says_how_to_resume_without_it(run, reference, cli):
     store = run / "telemetry.zarr"
     (store / "zarr.json").unlink()
@@ -604,6 +613,7 @@ def test_resume_of_what_is_not_a_resumable_run_says_what_it_is(tmp_path, cli):
         assert refused.code == 2 and says in refused.err, refused.err
 
 
+@pytest.mark.slow
 def test_a_stop_alert_at_the_last_step_is_finished_with_its_evaluations(reference, tmp_path, cli):
     """A Stop alert at the last step checkpoints before the step's evaluations (the checkpoint's
     reason says so). Simulated on the straight run: its final checkpoint relabelled, the
@@ -845,6 +855,7 @@ def test_a_run_manifest_holding_any_stored_revision_is_not_an_edit(run):
         check_unedited(run)
 
 
+@pytest.mark.slow
 def test_a_rewind_to_an_earlier_revision_moves_the_lock_back(run, manifest, cli):
     first = manifest_hash(load_manifest(run / "manifest.yaml"))
     drifted = cli(
@@ -976,6 +987,7 @@ def test_manifest_drift_is_refused_before_any_model_is_built(run, manifest, tmp_
     assert _files(run) == before  # no event, no status change, nothing written
 
 
+@pytest.mark.slow
 def test_environment_drift_is_refused_and_recorded_when_accepted(run, cli):
     latest = run / "checkpoints" / LATEST
     edit_meta(latest, lambda meta: meta["environment"].update(torch="2.0.0+elsewhere"))

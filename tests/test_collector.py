@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from manifest_support import TINY
+from support.example_manifests import TINY
 
 if importlib.util.find_spec("megatron") is None:
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
@@ -301,6 +301,7 @@ def same_row(a: np.ndarray, b: np.ndarray) -> bool:
     return a.tobytes() == b.tobytes()  # NaN where nothing was measured: the same bits
 
 
+@pytest.mark.slow
 def test_a_row_finished_later_is_its_own_steps_row():
     """The row is copied at end_step: finishing it after later steps (which roll every history,
     change every scale and replace the gradients), and in another order, changes nothing."""

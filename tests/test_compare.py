@@ -1071,6 +1071,7 @@ def test_a_damaged_dualtrack_file_is_refused(tmp_path, cli):
 
 
 @pytest.mark.skipif(not Path("/usr/bin/chromium").exists(), reason="needs /usr/bin/chromium")
+@pytest.mark.slow
 def test_png_export_writes_the_main_plots(tmp_path, cli):
     reference, candidate = pair(tmp_path, resume_at=20)
     result = cli("compare", reference, candidate, "--out", tmp_path / "out")

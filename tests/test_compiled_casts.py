@@ -3,7 +3,8 @@
 On a GPU they compile to Triton kernels; here ``FP8OPS_COMPILED_CASTS=all`` compiles them with
 Inductor's C++ backend, which runs the same verification and dispatch code. Each test compares
 against the eager functions, so a compiled cast that rounds, saturates or counts differently
-fails here.
+fails here. The tests that compile (seconds each, and a minute for Inductor's first) are marked
+slow: the fast tier keeps the modes, the fallbacks and the probes.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def sample(dtype: torch.dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=lambda f: f.name)
+@pytest.mark.slow
 def test_the_compiled_cast_and_amax_equal_the_eager_ones(compile_everywhere, dtype, fp8):
     x = sample(dtype)
     for scale in (1.0, 0.37, 2.0**-12, 1e4):
@@ -64,6 +66,7 @@ def test_the_compiled_cast_and_amax_equal_the_eager_ones(compile_everywhere, dty
 
 
 @pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=lambda f: f.name)
+@pytest.mark.slow
 def test_a_cast_with_its_transposed_copy_equals_the_eager_one(compile_everywhere, fp8):
     x, scale = sample(torch.bfloat16), torch.tensor(0.37)
     quantized, amax = cast_and_amax(x, scale, fp8, transposed=True)
@@ -78,6 +81,7 @@ def test_a_cast_with_its_transposed_copy_equals_the_eager_one(compile_everywhere
     assert quantize_module._CAST_WITH_STATS.statuses(*key) == {"compiled"}
 
 
+@pytest.mark.slow
 def test_the_transposed_copy_of_a_3d_tensor_is_that_of_its_rows(compile_everywhere):
     x = sample(torch.float32)[:256].reshape(16, 16, 33)  # [s, b, h]
     quantized, _ = cast_and_amax(x, torch.tensor(1.0), E4M3, transposed=True)
@@ -86,6 +90,7 @@ def test_the_transposed_copy_of_a_3d_tensor_is_that_of_its_rows(compile_everywhe
 
 
 @pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=lambda f: f.name)
+@pytest.mark.slow
 def test_the_compiled_statistics_equal_the_eager_ones(compile_everywhere, fp8):
     x = sample(torch.bfloat16)
     scale = torch.tensor(fp8.max / 3.0)  # saturates the large entries, underflows the tiny ones
@@ -99,6 +104,7 @@ def test_the_compiled_statistics_equal_the_eager_ones(compile_everywhere, fp8):
     assert counts["nan"] == 1 and counts["inf"] == 2
 
 
+@pytest.mark.slow
 def test_a_compiled_cast_that_differs_is_not_used(compile_everywhere):
     def off_by_one_when_compiled(x, scale, fp8_max, dtype):
         data = (x.float() * scale).clamp(-fp8_max, fp8_max)
@@ -177,6 +183,7 @@ def test_same_bits_tells_nan_apart_from_numbers_and_signed_zeros():
     assert not same_bits(torch.tensor([1.0]), torch.tensor([1.0], dtype=torch.float64))
 
 
+@pytest.mark.slow
 def test_an_fp8_linear_trains_bit_identically_with_compiled_casts():
     def run(mode: str):
         old = set_compiled_casts(mode)
@@ -217,7 +224,9 @@ def test_an_fp8_linear_trains_bit_identically_with_compiled_casts():
             assert statuses == {"compiled"}, (record.fn.__name__, slot, fp8)
 
 
-@pytest.mark.parametrize("mode", ["all", "off"])
+@pytest.mark.parametrize(
+    "mode", [pytest.param("all", marks=pytest.mark.slow), "off"]
+)  # all: compiles
 @pytest.mark.parametrize("transposed", [True, False])
 def test_a_measuring_steps_cast_matches_quantize_and_records_its_amax(mode, transposed):
     """``cast_and_record`` with ``track``, compiled or eager, gives what ``quantize`` gives
@@ -267,6 +276,7 @@ def test_on_a_gpu_the_casts_compile_by_default_and_equal_the_cpus():
         set_compiled_casts(old)
 
 
+@pytest.mark.slow
 def test_more_variants_than_dynamos_default_limit_all_compile(compile_everywhere):
     """Input dtype x FP8 format x transposed copy: 12 specialisations of one function, past
     Dynamo's default recompile limit of 8."""
@@ -284,6 +294,7 @@ def test_more_variants_than_dynamos_default_limit_all_compile(compile_everywhere
                 assert quantize_module._CAST_AND_AMAX.statuses(*key) == {"compiled"}, key
 
 
+@pytest.mark.slow
 def test_a_compiled_function_that_writes_its_input_differently_is_not_used(compile_everywhere):
     def record(x, history, scale, fp8_max, dtype):
         amax = x.float().abs().amax()
@@ -299,6 +310,7 @@ def test_a_compiled_function_that_writes_its_input_differently_is_not_used(compi
     assert history[0] == x.abs().amax()  # the eager write, once
 
 
+@pytest.mark.slow
 def test_a_call_with_a_dimension_of_size_one_is_verified_on_its_own(compile_everywhere):
     """Dynamo compiles size-1 dimensions as constants, another graph: it gets its own key,
     verified with a probe of that shape, not run unverified under the first key's status."""
@@ -313,6 +325,7 @@ def test_a_call_with_a_dimension_of_size_one_is_verified_on_its_own(compile_ever
         assert compiled.statuses("cpu", "bfloat16", pattern, "float8_e4m3fn") == {"compiled"}
 
 
+@pytest.mark.slow
 def test_an_error_that_is_not_the_compilers_is_raised_and_keeps_the_compiled_kernel(
     compile_everywhere,
 ):
@@ -335,6 +348,7 @@ def test_an_error_that_is_not_the_compilers_is_raised_and_keeps_the_compiled_ker
     assert cast_fn.statuses("cpu", "float32") == {"compiled"}
 
 
+@pytest.mark.slow
 def test_an_amax_history_of_one_entry_is_verified_on_its_own(compile_everywhere):
     """The history is an argument with a size-1 dimension when amax_history_len is 1: Dynamo
     compiles that as another graph, so it gets its own key and verification."""
@@ -371,6 +385,7 @@ def test_the_cast_path_a_run_records_follows_both_switches():
         linear_module.set_cast_kernel(old_kernel)
 
 
+@pytest.mark.slow
 def test_under_auto_a_cpu_tensor_is_cast_by_inductors_kernel(compile_everywhere, monkeypatch):
     """``auto`` picks per tensor, not per process: on the CPU the cast goes to the Inductor
     version, never to the Triton kernel's (which needs a GPU)."""
@@ -400,6 +415,7 @@ def test_under_auto_a_cpu_tensor_is_cast_by_inductors_kernel(compile_everywhere,
         ("FP8OPS_CAST_KERNEL", "linear", "_cast_kernel", "auto", "['auto', 'inductor', 'triton']"),
     ],
 )
+@pytest.mark.slow
 def test_an_unknown_choice_in_the_environment_falls_back_with_a_warning(
     variable, module, attribute, default, choices
 ):

@@ -36,7 +36,7 @@ for _package in ("playwright", "voila", "megatron"):
         )
 
 from playwright.sync_api import expect, sync_playwright
-from test_console import STEPS, make_trained_run
+from support.console_run import STEPS, make_trained_run
 
 from fp8ops.files import read_jsonl
 from fp8ops.telemetry import open_run
@@ -61,9 +61,9 @@ URL = re.compile(r"fp8ops console: (http://127\.0\.0\.1:\d+/\?token=\S+)")
 
 
 @pytest.fixture
-def served(tmp_path):
+def served(small_base, tmp_path):
     """A trained run, and ``fp8ops console RUNS --user ana`` serving it: (run, url)."""
-    _, run = make_trained_run(tmp_path)
+    _, run = make_trained_run(tmp_path, small_base)
     jupyter = tmp_path / "jupyter"  # Jupyter's own files kept apart (kernels come from the venv)
     env = dict(
         os.environ,

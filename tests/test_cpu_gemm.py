@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gemm_support import GemmLog
+from support.gemm_log import GemmLog
 
 from fp8ops.errors import Fp8opsError
 from fp8ops.train.cpu_gemm import CHOICE_VARIABLE, Fp32Gemm, cpu_bf16_gemm, cpu_has_bf16_gemm

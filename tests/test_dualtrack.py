@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
+from support.small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
 
 from fp8ops.alerts import Alert, write_alerts
 from fp8ops.dualtrack.run import _train_fallback
@@ -25,7 +25,6 @@ from fp8ops.run.records import AdmissionRow, RecipeRecord, table_hash
 from fp8ops.train.signals import REQUEUE_EXIT
 
 pytestmark = [
-    pytest.mark.slow,
     pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
 ]
@@ -84,6 +83,7 @@ def short_dualtrack(short_manifest, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_tracks_differ_only_in_precision(short_manifest, short_dualtrack):
     source = load_manifest(short_manifest)
     plan = json.loads((short_dualtrack / "dualtrack.json").read_text())
@@ -102,6 +102,7 @@ def test_tracks_differ_only_in_precision(short_manifest, short_dualtrack):
     assert not [row["fqn"] for row in layers["rows"] if row["precision"] == "fp8"]
 
 
+@pytest.mark.slow
 def test_tracks_see_the_same_data_and_tokens(short_dualtrack):
     runs = [short_dualtrack / label for label in TRACKS]
     data = {json.loads((run / "run.json").read_text())["data"]["fingerprint"] for run in runs}
@@ -119,6 +120,7 @@ def test_tracks_see_the_same_data_and_tokens(short_dualtrack):
     assert losses[0] != losses[1]
 
 
+@pytest.mark.slow
 def test_the_interrupted_candidate_resumed_from_its_checkpoint(short_dualtrack):
     events = [json.loads(line) for line in (short_dualtrack / "fp8" / "events.jsonl").open()]
     resumed = [e for e in events if e["event"] == "resumed"]
@@ -126,6 +128,7 @@ def test_the_interrupted_candidate_resumed_from_its_checkpoint(short_dualtrack):
     assert read_status(short_dualtrack / "fp8").state == "completed"
 
 
+@pytest.mark.slow
 def test_the_fallback_track_keeps_the_first_and_last_layers_in_bf16(short_dualtrack):
     plan = json.loads((short_dualtrack / "dualtrack.json").read_text())
     modules = plan["tracks"][2]["fallback_modules"]
@@ -139,6 +142,7 @@ def test_the_fallback_track_keeps_the_first_and_last_layers_in_bf16(short_dualtr
     assert len(middle) == 4 and all(precision[n][0] == "fp8" for n in middle)
 
 
+@pytest.mark.slow
 def test_running_it_again_changes_nothing(cli, short_manifest, short_dualtrack):
     before = {label: (short_dualtrack / label / "metrics.jsonl").read_bytes() for label in TRACKS}
     result = cli(
@@ -149,6 +153,7 @@ def test_running_it_again_changes_nothing(cli, short_manifest, short_dualtrack):
         assert (short_dualtrack / label / "metrics.jsonl").read_bytes() == before[label]
 
 
+@pytest.mark.slow
 def test_a_stop_request_between_tracks_ends_the_command_with_exit_75(
     cli, short_manifest, short_dualtrack
 ):
@@ -165,6 +170,7 @@ def test_a_stop_request_between_tracks_ends_the_command_with_exit_75(
     assert again.code == 0, again.err
 
 
+@pytest.mark.slow
 def test_another_manifest_is_refused_for_an_existing_dual_track_dir(
     cli, short_manifest, short_dualtrack, tmp_path
 ):
@@ -198,6 +204,7 @@ def test_a_world_of_the_wrong_size_is_refused_before_anything_is_written(
     assert not (tmp_path / "dt").exists()
 
 
+@pytest.mark.slow
 def test_a_fallback_glob_typo_is_refused_before_the_candidate_trains(cli, short_manifest, tmp_path):
     typo = write_derived(
         tmp_path / "typo.yaml", short_manifest, {"dualtrack.fallback_modules": ["*.linear_fc3"]}
@@ -209,6 +216,7 @@ def test_a_fallback_glob_typo_is_refused_before_the_candidate_trains(cli, short_
     assert not (tmp_path / "dt" / "fp8").exists()
 
 
+@pytest.mark.slow
 def test_fallback_modules_come_from_alerts_and_globs(short_manifest, short_dualtrack, tmp_path):
     candidate = tmp_path / "fp8"
     shutil.copytree(short_dualtrack / "fp8", candidate)
@@ -257,6 +265,7 @@ def test_fallback_modules_come_from_alerts_and_globs(short_manifest, short_dualt
         fallback_modules(typo, candidate)
 
 
+@pytest.mark.slow
 def test_a_fallback_glob_naming_only_modules_the_candidate_keeps_in_bf16_is_refused_early(
     short_manifest, short_dualtrack
 ):
@@ -275,6 +284,7 @@ def test_a_fallback_glob_naming_only_modules_the_candidate_keeps_in_bf16_is_refu
     check_fallback_globs(_rule(source, fallback_modules=(fc2,)), short_dualtrack / "bf16")
 
 
+@pytest.mark.slow
 def test_a_fallback_that_would_hold_every_fp8_module_is_skipped(
     short_manifest, short_dualtrack, tmp_path
 ):
@@ -353,6 +363,7 @@ def gate_dualtrack(tmp_path_factory) -> tuple[Path, int, str]:
     return tmp / "dt", done.value.code or 0, str(manifest)
 
 
+@pytest.mark.slow
 def test_a_clean_fp8_candidate_passes_the_gate(gate_dualtrack):
     out, code, _ = gate_dualtrack
     verdict = json.loads((out / "compare" / "verdict.json").read_text())
@@ -370,6 +381,7 @@ def test_a_clean_fp8_candidate_passes_the_gate(gate_dualtrack):
     assert sorted(p.suffix for p in (out / "compare" / "png").iterdir()) == [".png"] * 3
 
 
+@pytest.mark.slow
 def test_a_damaged_fp8_candidate_fails_the_gate_naming_the_cause(cli, gate_dualtrack, tmp_path):
     """A margin of 16 binades leaves E4M3 two or three subnormal steps: most values of every
     FP8 tensor underflow and the held-out loss rises. With the FP8-error Stop rule off, the run
@@ -397,6 +409,7 @@ def test_a_damaged_fp8_candidate_fails_the_gate_naming_the_cause(cli, gate_dualt
     assert f"FAIL: {candidate['cause']}" in result.out
 
 
+@pytest.mark.slow
 def test_a_candidate_stopped_by_an_alert_fails_the_gate(cli, gate_dualtrack, tmp_path):
     """The same damage with the default alerts: the FP8-error Stop rule halts the run, and
     the gate fails it for not completing, naming the alert and its module."""
@@ -416,6 +429,7 @@ def test_a_candidate_stopped_by_an_alert_fails_the_gate(cli, gate_dualtrack, tmp
     assert "stopped" in candidate["cause"] and stop["module"] in candidate["cause"]
 
 
+@pytest.mark.slow
 def test_dualtrack_at_tensor_parallel_2(short_manifest, tmp_path):
     """Under torchrun the three tracks share one process group; they still see the same tokens."""
     command = [

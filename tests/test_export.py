@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
+from support.small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
 
 from fp8ops.checkpoint import read_meta
 from fp8ops.checkpoint.weights import META_FILE
@@ -60,6 +60,7 @@ def test_the_last_checkpoint_exports_the_final_weights_and_an_earlier_one_its_ow
     assert f"fingerprint {two['fingerprint'][:12]}; give it as model.init_checkpoint" in earlier.out
 
 
+@pytest.mark.slow
 def test_a_new_run_starts_from_exported_weights_and_verifies_them(run, cli, tmp_path):
     assert cli("checkpoints", "export", run, "--checkpoint", "2", "--out", tmp_path / "w").code == 0
     manifest = write_derived(
@@ -100,6 +101,7 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(run, cli, tmp_path):
     assert not (tmp_path / "w").exists()
 
 
+@pytest.mark.slow
 def test_a_tensor_parallel_checkpoint_exports_in_one_process(tmp_path):
     """Saved at TP 2 by two processes, read at TP 1 by one: the same weights (the export checks
     them against the fingerprint the TP-2 checkpoint was saved with)."""

@@ -56,7 +56,7 @@ def test_a_damaged_status_file_is_named(tmp_path, content):
 
 
 def test_an_output_path_that_cannot_be_written_is_named_without_a_traceback(tmp_path, cli):
-    from manifest_support import TINY
+    from support.example_manifests import TINY
 
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory\n")
@@ -76,7 +76,7 @@ def test_an_output_path_that_cannot_be_written_is_named_without_a_traceback(tmp_
 
 
 def test_a_manifest_written_to_a_directory_is_refused_as_such(tmp_path, cli):
-    from manifest_support import TINY
+    from support.example_manifests import TINY
 
     result = cli(
         "manifest",

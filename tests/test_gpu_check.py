@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from script_support import load_script, past_the_check
+from support.ci_scripts import load_script, past_the_check
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,6 +19,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow
 def test_the_smoke_run_passes_every_check_and_prints_the_table_last(tmp_path):
     out = tmp_path / "report" / "gpu_check.json"
     result = subprocess.run(
@@ -71,7 +72,7 @@ def test_a_count_that_is_not_a_positive_number_is_refused(
     tmp_path, option, value, message, monkeypatch, capsys
 ):
     gpu_check = load_script(ROOT / "ci" / "gpu_check.py", monkeypatch)
-    # Its first work after the checks (script_support).
+    # Its first work after the checks (support.ci_scripts).
     monkeypatch.setattr(gpu_check, "environment", past_the_check)
     with pytest.raises(SystemExit) as exit_info:
         gpu_check.main(["--smoke", option, value, "--out", str(tmp_path / "r.json")])
@@ -80,6 +81,7 @@ def test_a_count_that_is_not_a_positive_number_is_refused(
     assert not (tmp_path / "r.json").exists()
 
 
+@pytest.mark.slow
 def test_runs_times_only_the_configurations_named_and_casts_can_be_skipped(tmp_path):
     out = tmp_path / "r.json"
     result = subprocess.run(

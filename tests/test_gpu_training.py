@@ -203,7 +203,7 @@ def gpu_manifest(tmp_path_factory) -> Path:
     every N; telemetry every step), on a base pre-trained for two steps on the GPU."""
     if not GPU:
         pytest.skip("needs CUDA and megatron-core")
-    from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
+    from support.small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
 
     from fp8ops.train import run_training
 

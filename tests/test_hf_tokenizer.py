@@ -16,7 +16,7 @@ import pytest
 
 tokenizers = pytest.importorskip("tokenizers", reason="needs the hf extra: pip install -e '.[hf]'")
 
-from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
+from support.small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
 
 from fp8ops.data import build_data, tokenizer_for
 from fp8ops.data.tokenizer import TextRefused
@@ -335,6 +335,7 @@ def test_a_model_vocabulary_smaller_than_the_tokenizers_and_the_corpus_are_refus
         )
 
 
+@pytest.mark.slow
 def test_a_run_trains_evaluates_and_records_the_tokenizer(tmp_path):
     """End to end on the CPU: FP8 training, the held-out loss, and greedy answers decoded by the
     tokenizer and stopped at its end-of-text id."""
@@ -410,6 +411,7 @@ def paused_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("edit", ["decoder", "merges", "data"])
+@pytest.mark.slow
 def test_a_resume_refuses_a_tokenizer_or_data_file_edited_since_the_run_started(
     edit, paused_run, cli
 ):

@@ -20,83 +20,31 @@ import time
 
 import pytest
 import yaml
-from manifest_support import ROOT, TINY
+from support.example_manifests import ROOT
+from support.ledger_run import DATA, EXCLUDED, FC1, HAND, QKV, admit_tiny_gpt, make_run_dir
 
 if importlib.util.find_spec("megatron") is None:  # the layer table comes from the real model
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
 
-from fp8ops.admission import decide_admission
-from fp8ops.alerts import Alert, write_alerts
-from fp8ops.manifest import ManifestStore, derive, load_manifest, manifest_hash, write_manifest
+from fp8ops.alerts import Alert
+from fp8ops.manifest import load_manifest, manifest_hash
 from fp8ops.overrides import Ledger, LedgerError, OverrideError, Trigger, te_debug_yaml
 from fp8ops.overrides import ledger as ledger_module
 from fp8ops.overrides.chain import GENESIS, canonical_json, record_hash
 from fp8ops.overrides.te_debug import layer_regex, te_layer_name
-from fp8ops.run.records import write_layers_json
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
 ]
 
-FC1 = "decoder.layers.0.mlp.linear_fc1"
-QKV = "decoder.layers.1.self_attention.linear_qkv"
-EXCLUDED = "decoder.layers.3.mlp.linear_fc2"  # precision.exclude_modules
-HAND = "decoder.layers.3.mlp.linear_fc1"  # a hand-written precision.overrides entry
-DATA = "d" * 64
 REVISION = "e" * 64
 
 
 @pytest.fixture(scope="module")
 def admitted(megatron_tp1):
     """The manifest, recipe and admission table of the tiny GPT, decided once per module."""
-    from fp8ops.megatron import build_gpt
-    from fp8ops.precision import DelayedScalingRecipe
-
-    manifest = derive(
-        load_manifest(TINY),
-        {
-            "precision.exclude_modules": [EXCLUDED],
-            "precision.overrides": [{"module": HAND, "reason": "kept in BF16 by hand"}],
-        },
-        "ledger tests",
-    )
-    recipe = DelayedScalingRecipe.from_precision(manifest.precision)
-    table = decide_admission(build_gpt(manifest, recipe), manifest.precision, tensor_parallel=1)
-    return manifest, recipe, table
-
-
-def make_run_dir(path, admitted, *, allow_self_approval=False):
-    """A run directory as training leaves it: manifest, layers.json, run.json, status, alerts."""
-    manifest, recipe, table = admitted
-    if allow_self_approval:
-        manifest = derive(manifest, {"review.allow_self_approval": True}, "one-person team")
-    path.mkdir(parents=True, exist_ok=True)
-    write_manifest(manifest, path / "manifest.yaml")
-    ManifestStore(path / "manifests").put(manifest)
-    write_layers_json(path, table, recipe, tensor_parallel=1, manifest_hash=manifest_hash(manifest))
-    (path / "run.json").write_text(json.dumps({"data": {"fingerprint": DATA}}))
-    (path / "status.json").write_text(
-        json.dumps({"state": "running", "step": 120, "manifest": manifest_hash(manifest)})
-    )
-    saturation = {"rule": "saturation", "metric": "input.saturation", "threshold": 0.02}
-    write_alerts(
-        path,
-        [
-            Alert(
-                100,
-                "observe",
-                module=FC1,
-                value=0.01,
-                message="",
-                **{**saturation, "threshold": 0.005},
-            ),
-            Alert(110, "degrade", module=FC1, value=0.03, message="", **saturation),
-            Alert(110, "degrade", "underflow", FC1, "grad_output.underflow", math.nan, 0.1, ""),
-            Alert(115, "degrade", module=QKV, value=0.5, message="", **saturation),
-        ],
-    )
-    return path
+    return admit_tiny_gpt()
 
 
 @pytest.fixture

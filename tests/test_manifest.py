@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 import yaml
-from manifest_support import LLAMA, MINIMAL, TINY
 from pydantic import Field, ValidationError
+from support.example_manifests import LLAMA, MINIMAL, TINY
 
 from fp8ops.errors import ManifestError, RevisionError
 from fp8ops.manifest import (

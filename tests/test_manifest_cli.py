@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from manifest_support import MINIMAL, ROOT, TINY
+from support.example_manifests import MINIMAL, ROOT, TINY
 
 from fp8ops.manifest import load_manifest, manifest_hash
 

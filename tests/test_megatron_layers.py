@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from manifest_support import TINY
-from spec_support import mlp_as_partial
+from support.example_manifests import TINY
+from support.megatron_specs import mlp_as_partial
 
 if importlib.util.find_spec("megatron") is None:  # not importorskip: fp8ops.megatron imports it
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
@@ -148,6 +148,7 @@ def test_build_checks_the_topology_against_megatrons_parallel_state(manifest, re
 # -- outside a scope: Megatron's local GPT -----------------------------------------------------
 
 
+@pytest.mark.slow
 def test_outside_a_scope_the_model_is_megatrons_local_gpt(model, manifest):
     plain = build_gpt(manifest, None)  # Megatron's own local spec, same seed
     ours = dict(model.named_parameters())
@@ -168,6 +169,7 @@ def test_outside_a_scope_the_model_is_megatrons_local_gpt(model, manifest):
 # -- inside a scope: FP8 -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_one_step_gives_finite_values_and_real_scales(model, scope, manifest):
     loss = fp8_step(model, scope, make_batch(manifest))
     assert math.isfinite(loss.item())
@@ -185,6 +187,7 @@ def test_one_step_gives_finite_values_and_real_scales(model, scope, manifest):
         assert forward[OUTPUT] == 1.0 and backward[GRAD_INPUT] == 1.0
 
 
+@pytest.mark.slow
 def test_amax_histories_roll_once_per_update(model, scope, manifest):
     steps = 3
     for seed in range(steps):
@@ -201,6 +204,7 @@ def test_amax_histories_roll_once_per_update(model, scope, manifest):
             assert (history[length - steps :] > 0).all(), name
 
 
+@pytest.mark.slow
 def test_fp8_loss_is_close_to_but_not_the_high_precision_loss(model, scope, manifest):
     fp8_step(model, scope, make_batch(manifest, seed=1))  # scales from real amaxes, not 1
     batch = make_batch(manifest, seed=2)
@@ -214,6 +218,7 @@ def test_fp8_loss_is_close_to_but_not_the_high_precision_loss(model, scope, mani
     assert abs(fp8 - high_precision) < 2e-3
 
 
+@pytest.mark.slow
 def test_weight_is_cast_once_per_step_across_micro_batches(model, scope, manifest):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     steps, micro_batches = 2, 2
@@ -239,6 +244,7 @@ def test_a_scope_with_another_recipe_is_refused(model, manifest):
         loss_of(model, make_batch(manifest))
 
 
+@pytest.mark.slow
 def test_fp8_state_travels_in_extra_state(model, scope, manifest, recipe):
     fp8_step(model, scope, make_batch(manifest))
     state = model.state_dict()

@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
+from support.small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
 
 from fp8ops.manifest import derive, load_manifest
 from fp8ops.manifest.summary import summary_rows
@@ -319,6 +319,7 @@ def backend_runs(tmp_path_factory):
 
 @needs_megatron
 @needs_scaled_mm
+@pytest.mark.slow
 def test_training_with_scaled_mm_tracks_the_emulated_run(backend_runs):
     native, emulated = losses(backend_runs["scaled_mm"]), losses(backend_runs["emulated"])
     assert len(native) == len(emulated) == 4

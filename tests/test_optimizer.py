@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from manifest_support import TINY
+from support.example_manifests import TINY
 from torch import nn
 
 from fp8ops.manifest import derive, load_manifest

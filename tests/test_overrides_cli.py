@@ -1,13 +1,18 @@
 """``fp8ops overrides ...`` through the real entry point (in-process): output, exit codes and
-messages, on the run directory of tests/test_ledger.py."""
+messages, on the run directory of tests/test_ledger.py (tests/support/ledger_run.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
 import yaml
-from test_ledger import FC1, QKV, admitted, make_run_dir  # noqa: F401 (admitted: a fixture)
+
+if importlib.util.find_spec("megatron") is None:  # the layer table comes from the real model
+    pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
+
+from support.ledger_run import FC1, QKV, admit_tiny_gpt, make_run_dir
 
 from fp8ops.overrides import Ledger
 
@@ -17,8 +22,13 @@ pytestmark = [
 ]
 
 
+@pytest.fixture(scope="module")
+def admitted(megatron_tp1):
+    return admit_tiny_gpt()
+
+
 @pytest.fixture
-def run_dir(tmp_path, admitted, monkeypatch):  # noqa: F811
+def run_dir(tmp_path, admitted, monkeypatch):
     monkeypatch.setenv("FP8OPS_USER", "ana")  # who acts when --user is not given
     return make_run_dir(tmp_path / "run", admitted)
 

@@ -26,7 +26,7 @@ import yaml
 if importlib.util.find_spec("megatron") is None:
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
 
-from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
+from support.small_model import MANIFESTS, SCHEDULE, SMALL_MODEL
 
 from fp8ops.checkpoint import CheckpointDir
 from fp8ops.checkpoint.weights import read_weights_meta
@@ -46,16 +46,9 @@ RECORD_ITEMS_ONLY = [*NO_REHEARSALS, "--skip", "6"]  # a manifest's item 6 reads
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    """The small model pre-trained for two steps: the weights the manifests fine-tune."""
-    tmp = tmp_path_factory.mktemp("base")
-    file = write_derived(
-        tmp / "base.yaml",
-        MANIFESTS / "tiny-gpt-cpu-base.yaml",
-        {**SMALL_MODEL, **SCHEDULE, "schedule.train_steps": 2, "schedule.eval_interval": 2},
-    )
-    run_training(file, tmp / "run", progress=False)
-    return tmp / "run" / "final"
+def base(small_base) -> Path:
+    """The shared small base's weights (read only): what the manifests fine-tune."""
+    return small_base / "final"
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +122,7 @@ def _texts(item: dict, result: str | None = None) -> str:
 # -- everything passes --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_clean_committed_manifest_passes_every_item(cli, pinned, repo, tmp_path):
     file = _committed(repo, pinned)
     code, results, out = _preflight(cli, file, tmp_path, "--steps", STEPS)
@@ -255,6 +249,7 @@ def run(pinned, tmp_path_factory) -> Path:
     return run
 
 
+@pytest.mark.slow
 def test_a_run_directory_is_judged_from_its_records(cli, run, pinned, tmp_path):
     code, results, out = _preflight(cli, run, tmp_path, *NO_REHEARSALS)
     assert code == 0, out
@@ -278,6 +273,7 @@ def test_a_run_directory_is_judged_from_its_records(cli, run, pinned, tmp_path):
     assert "no item failed, but skipped items were not checked" in out
 
 
+@pytest.mark.slow
 def test_a_run_recorded_under_another_torch_fails_the_versions_item(cli, run, tmp_path):
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
@@ -294,6 +290,7 @@ def test_a_run_recorded_under_another_torch_fails_the_versions_item(cli, run, tm
     assert versions["facts"]["drift"] == [{"field": "torch", "recorded": "2.0.0", "now": now}]
 
 
+@pytest.mark.slow
 def test_a_run_whose_tokenizer_changed_fails_the_fingerprints_item(cli, run, tmp_path):
     copy = Path(shutil.copytree(run, tmp_path / "run"))
     info = json.loads((copy / "run.json").read_text())
@@ -307,6 +304,7 @@ def test_a_run_whose_tokenizer_changed_fails_the_fingerprints_item(cli, run, tmp
     )
 
 
+@pytest.mark.slow
 def test_a_run_whose_manifest_file_was_edited_fails_the_version_control_item(cli, run, tmp_path):
     copy = Path(shutil.copytree(run, tmp_path / "run"))
     file = copy / "manifest.yaml"

@@ -26,7 +26,7 @@ import pytest
 if importlib.util.find_spec("megatron") is None:
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
 
-from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
+from support.small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
 
 from fp8ops.checkpoint import CheckpointDir, CheckpointError, read_meta
 from fp8ops.checkpoint import state as checkpoint_state
@@ -50,23 +50,16 @@ FC2 = "decoder.layers.1.mlp.linear_fc2"
 
 
 @pytest.fixture(scope="module")
-def manifest(tmp_path_factory) -> Path:
+def manifest(small_base, tmp_path_factory) -> Path:
     """A fine-tuning manifest of 2N steps, evaluating and checkpointing every N, whose base is
-    the small model pre-trained for a few steps."""
-    tmp = tmp_path_factory.mktemp("resume")
-    base = write_derived(
-        tmp / "base.yaml",
-        MANIFESTS / "tiny-gpt-cpu-base.yaml",
-        {**SMALL_MODEL, **SCHEDULE, "schedule.train_steps": 2, "schedule.eval_interval": 2},
-    )
-    run_training(base, tmp / "base", progress=False)
+    the small model pre-trained for a few steps (the shared one)."""
     return write_derived(
-        tmp / "finetune.yaml",
+        tmp_path_factory.mktemp("resume") / "finetune.yaml",
         MANIFESTS / "tiny-gpt-cpu.yaml",
         {
             **SMALL_MODEL,
             **SCHEDULE,
-            "model.init_checkpoint": str(tmp / "base" / "final"),
+            "model.init_checkpoint": str(small_base / "final"),
             "data.num_examples": 400,
             "schedule.train_steps": 2 * N,
             "schedule.eval_interval": N,
@@ -116,6 +109,7 @@ def assert_same_training(a: Path, b: Path) -> None:
 # -- equivalence ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_stop_and_resume_equals_the_straight_run_bit_for_bit(manifest, straight, tmp_path, cli):
     run = tmp_path / "run"
     paused = run_training(manifest, run, progress=False, stop_at=N)
@@ -133,11 +127,13 @@ def test_stop_and_resume_equals_the_straight_run_bit_for_bit(manifest, straight,
     assert [(e["step"], e["drift"], e["fp8_state"]) for e in resumed] == [(N, [], "own")]
 
 
+@pytest.mark.slow
 def test_a_completed_run_has_nothing_to_resume(straight, cli):
     result = cli("resume", straight, "--no-progress")
     assert result.code == 0 and "nothing to train" in result.err
 
 
+@pytest.mark.slow
 def test_a_rerun_of_a_completed_run_on_another_machine_has_nothing_to_train(
     manifest, straight, cli, tmp_path, monkeypatch
 ):
@@ -313,6 +309,7 @@ def paused(manifest, tmp_path) -> Path:
     return run
 
 
+@pytest.mark.slow
 def test_a_changed_manifest_is_refused_then_accepted_as_a_revision(manifest, paused, tmp_path, cli):
     edited = write_manifest(
         derive(load_manifest(manifest), {"optimizer.lr": 1e-3}, "edited"), tmp_path / "e.yaml"
@@ -338,11 +335,13 @@ def test_a_changed_manifest_is_refused_then_accepted_as_a_revision(manifest, pau
     assert _final(paused).revisions[-2:] == [saved, manifest_hash(locked)]
 
 
+@pytest.mark.slow
 def test_set_on_resume_needs_a_reason(paused, cli):
     result = cli("resume", paused, "--set", "optimizer.lr=0.001")
     assert result.code == 4 and "optimizer.lr: 0.002 -> 0.001" in result.err
 
 
+@pytest.mark.slow
 def test_train_resume_without_a_checkpoint_starts_the_run(manifest, tmp_path, cli):
     result = cli(
         "train",
@@ -358,6 +357,7 @@ def test_train_resume_without_a_checkpoint_starts_the_run(manifest, tmp_path, cl
     assert read_status(tmp_path / "new").state == "paused"
 
 
+@pytest.mark.slow
 def test_a_paused_run_directory_points_at_resume(manifest, paused, cli):
     result = cli("train", manifest, "--run-dir", paused, "--no-progress")
     assert result.code == 2 and f"fp8ops resume {paused}" in result.err
@@ -366,6 +366,7 @@ def test_a_paused_run_directory_points_at_resume(manifest, paused, cli):
 # -- overrides applied on resume ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_an_approved_override_is_applied_on_resume_and_a_revoke_lifts_it(paused, cli, tmp_path):
     ledger = Ledger(paused)
     staged = ledger.stage(FC2, "saturates after the lr spike", who="alice")
@@ -419,6 +420,7 @@ def test_an_approved_override_is_applied_on_resume_and_a_revoke_lifts_it(paused,
 # -- what the load verifies ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_load_that_resets_fp8_state_is_refused(paused, monkeypatch):
     """TE's failure mode: state keys that don't match are skipped and the module keeps its fresh
     state (scale 1, empty histories). Simulated by a restore that puts nothing back."""
@@ -430,11 +432,12 @@ def test_a_load_that_resets_fp8_state_is_refused(paused, monkeypatch):
     assert {f.name: f.read_bytes() for f in paused.iterdir() if f.is_file()} == before
 
 
+@pytest.mark.slow
 def test_the_weights_are_verified_under_the_scheme_their_checkpoint_names(paused):
     """A checkpoint records how its weights fingerprint names the parameters; one that names
     none was written before schemes were named (module paths), and is verified that way: here,
     where it is not true, the load is refused."""
-    from checkpoint_support import edit_meta
+    from support.checkpoint_surgery import edit_meta
 
     checkpoint = paused / "checkpoints" / checkpoint_name(N)
     assert read_meta(checkpoint).weights_fingerprint_scheme == "checkpoint-keys"
@@ -444,11 +447,12 @@ def test_the_weights_are_verified_under_the_scheme_their_checkpoint_names(paused
         resume_training(paused, progress=False)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_written_before_schemes_were_named_resumes(
     manifest, straight, tmp_path, monkeypatch
 ):
     """As an older fp8ops wrote it: the fingerprint by module path, and no scheme named."""
-    from checkpoint_support import edit_meta
+    from support.checkpoint_surgery import edit_meta
 
     from fp8ops.checkpoint import weights
 
@@ -462,6 +466,7 @@ def test_a_checkpoint_written_before_schemes_were_named_resumes(
     assert_same_training(straight, run)
 
 
+@pytest.mark.slow
 def test_plan_refuses_environment_drift_before_building_anything(paused):
     from fp8ops.run.environment import environment_fingerprint
 
@@ -540,6 +545,7 @@ def test_sigusr1_to_one_rank_stops_both_at_one_step_and_resume_finishes(manifest
 # -- what a crash can leave behind ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_train_resume_sets_aside_an_attempt_that_never_checkpointed(manifest, paused, cli):
     """A job killed before its first checkpoint, then requeued: nothing to resume, so the same
     command starts over, keeping the old attempt's records."""
@@ -556,6 +562,7 @@ def test_train_resume_sets_aside_an_attempt_that_never_checkpointed(manifest, pa
     assert read_status(paused).state == "paused"
 
 
+@pytest.mark.slow
 def test_a_missing_latest_pointer_falls_back_to_the_newest_complete_checkpoint(paused, cli):
     (paused / "checkpoints" / "latest").unlink()  # killed between the rename and the pointer
     leftovers = [
@@ -570,6 +577,7 @@ def test_a_missing_latest_pointer_falls_back_to_the_newest_complete_checkpoint(p
     assert not any(leftover.exists() for leftover in leftovers)  # cleared by the next save
 
 
+@pytest.mark.slow
 def test_overrides_survive_requeues_and_a_resume_from_before_they_were_applied(
     manifest, paused, cli
 ):
@@ -599,6 +607,7 @@ def test_overrides_survive_requeues_and_a_resume_from_before_they_were_applied(
     assert CheckpointDir(paused).latest().name == checkpoint_name(N + 2)
 
 
+@pytest.mark.slow
 def test_changes_a_checkpoint_cannot_be_loaded_into_are_refused_even_when_accepted(paused, cli):
     for change, why in (
         ("model.hidden_size=128", "shapes"),
@@ -622,6 +631,7 @@ def test_changes_a_checkpoint_cannot_be_loaded_into_are_refused_even_when_accept
         assert result.code == 4 and why in result.err, result.err
 
 
+@pytest.mark.slow
 def test_other_alert_thresholds_resume_with_fresh_windows(paused, cli):
     result = cli(
         "resume",
@@ -637,6 +647,7 @@ def test_other_alert_thresholds_resume_with_fresh_windows(paused, cli):
     assert result.code == 0, result.err
 
 
+@pytest.mark.slow
 def test_stop_at_outside_the_remaining_steps_is_refused_up_front(paused, cli):
     for step in (N, 2 * N):
         result = cli("resume", paused, "--stop-at", step, "--no-progress")
@@ -664,6 +675,7 @@ def test_a_requeue_keeps_hand_written_and_ledger_overrides_in_the_saved_order():
     assert manifest_drift(saved, merged) == []
 
 
+@pytest.mark.slow
 def test_a_format_change_on_resume_carries_the_scales_to_the_new_maximum(paused, cli):
     """hybrid -> e4m3 gradients: the saved backward scales were computed for E5M2's 57344 and
     would saturate E4M3 (448) on the first step; they are carried by 448 / 57344 at load."""

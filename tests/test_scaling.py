@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.test_tier import examples
 
 from fp8ops.precision.formats import E4M3, Fp8Format
 from fp8ops.precision.recipe import DelayedScalingRecipe
@@ -240,7 +241,7 @@ def states(draw):
     return history, scale, amax
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(states(), st.sampled_from(["max", "most_recent"]), st.integers(0, 4))
 def test_invariants_of_the_fused_update(state, algo, margin):
     history, scale, amax = state
@@ -330,7 +331,7 @@ def test_a_scale_an_update_set_to_exactly_one_is_carried():
 SCALE_ONE = {math.ldexp(top, -m) for top in (448.0, 57344.0) for m in range(5)}
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     amaxes=st.lists(
         st.lists(

@@ -1,8 +1,9 @@
 """The SLURM launcher: rendering (no cluster needed), and jobs on a real one-node SLURM.
 
 The cluster tests need the local SLURM of ``ci/slurm_start.sh`` (``bash ci/test.sh`` starts it
-when it can: root and apt); without one they skip. They use the CPU default's manifest with the
-small model of test_resume.py, at TP=2 over gloo (two ranks per job), 60 steps:
+when it can: root and apt; not ``--fast``); without one they skip. They use the CPU default's
+manifest with the small model (tests/support/small_model.py) fine-tuned from the shared small
+base, at TP=2 over gloo (two ranks per job), 60 steps:
 
 * SIGUSR1 to the batch script (``scancel --batch --signal=USR1``): the run checkpoints at a step
   boundary, the job requeues itself (``SLURM_RESTART_COUNT=1``), resumes and completes, with the
@@ -27,10 +28,10 @@ import time
 from pathlib import Path
 
 import pytest
+from support.small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
 
 from fp8ops.launch import LaunchError, parse_time_limit
 from fp8ops.launch.slurm import BATCH_SCRIPT
-from fp8ops.manifest import derive, load_manifest, write_manifest
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
@@ -38,12 +39,7 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
-MANIFESTS = ROOT / "manifests"
 LAUNCHERS = ROOT / "launchers"
-
-
-def _write(path: Path, parent: Path, changes: dict) -> Path:
-    return write_manifest(derive(load_manifest(parent), changes, "test: slurm"), path)
 
 
 # -- rendering: fp8ops launch slurm --dry-run -------------------------------------------------------
@@ -52,7 +48,7 @@ def _write(path: Path, parent: Path, changes: dict) -> Path:
 @pytest.fixture
 def eight_rank_manifest(tmp_path) -> Path:
     """The CPU default at TP=2 x DP=4: eight ranks, e.g. 2 nodes x 4 GPUs."""
-    return _write(
+    return write_derived(
         tmp_path / "eight.yaml",
         MANIFESTS / "tiny-gpt-cpu.yaml",
         {
@@ -294,7 +290,7 @@ def test_cpus_per_gpu_sizes_each_task(eight_rank_manifest, cli):
 
 def test_a_tensor_parallel_group_across_a_node_boundary_is_warned_about(tmp_path, cli):
     """TP 4 on nodes of 6 ranks: the second group (ranks 4-7) has a foot on each node."""
-    manifest = _write(
+    manifest = write_derived(
         tmp_path / "twelve.yaml",
         MANIFESTS / "tiny-gpt-cpu.yaml",
         {
@@ -504,36 +500,19 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def finetune(cluster, tmp_path_factory) -> Path:
-    """The CPU default with test_resume.py's small model at TP=2, 60 steps, logging each step and
-    checkpointing only when asked to stop and at the end; its base pre-trained for 2 steps."""
-    from fp8ops.train import run_training
-
-    tmp = tmp_path_factory.mktemp("slurm")
-    small = {
-        "model.num_layers": 2,
-        "model.hidden_size": 64,
-        "model.ffn_hidden_size": 256,
-        "model.num_attention_heads": 4,
-        "model.seq_length": 64,
-        "schedule.warmup_steps": 1,
-        "schedule.micro_batch_size": 4,
-        "schedule.global_batch_size": 8,
-        "schedule.log_interval": 1,
-        "schedule.eval_iters": 2,
-    }
-    base = _write(
-        tmp / "base.yaml",
-        MANIFESTS / "tiny-gpt-cpu-base.yaml",
-        {**small, "schedule.train_steps": 2, "schedule.eval_interval": 2},
-    )
-    run_training(base, tmp / "base", progress=False)
-    return _write(
-        tmp / "finetune.yaml",
+def finetune(cluster, request, tmp_path_factory) -> Path:
+    """The CPU default with the small model at TP=2, 60 steps, logging each step and
+    checkpointing only when asked to stop and at the end, from the shared small base (asked for
+    once a cluster answers: without one the base is not needed)."""
+    base = request.getfixturevalue("small_base")
+    return write_derived(
+        tmp_path_factory.mktemp("slurm") / "finetune.yaml",
         MANIFESTS / "tiny-gpt-cpu.yaml",
         {
-            **small,
-            "model.init_checkpoint": str(tmp / "base" / "final"),
+            **SMALL_MODEL,
+            **SCHEDULE,
+            "schedule.eval_iters": 2,
+            "model.init_checkpoint": str(base / "final"),
             "data.num_examples": 400,
             "topology.tensor_parallel": 2,
             "schedule.train_steps": 60,
@@ -612,6 +591,7 @@ def _wait_for_steps(run_dir: Path, steps: int, job_id: str) -> None:
     )
 
 
+@pytest.mark.slow
 def test_sbatch_accepts_a_script_whose_paths_hold_spaces(cluster, tmp_path, monkeypatch):
     """The rendered directives as the real sbatch parses them (--test-only: nothing runs)."""
     work = tmp_path / "my work"
@@ -650,6 +630,7 @@ def test_sbatch_accepts_a_script_whose_paths_hold_spaces(cluster, tmp_path, monk
     assert test.returncode == 0 and "to start at" in test.stderr, test.stderr
 
 
+@pytest.mark.slow
 def test_sbatch_reads_paths_with_hashes_quotes_and_backslashes_as_written(cluster, tmp_path):
     """A held job (it never runs): scontrol shows the working directory and log path sbatch
     read from the rendered directives. (A % in the log's path is written %%, which sbatch turns
@@ -746,7 +727,7 @@ def test_preemption_requeues_and_a_manifest_edited_meanwhile_fails_the_job(
     (job,) = _launch(cluster, manifest, run, "--launcher", "srun")
     _wait_for_steps(run, 3, job)
     # Edited while the job runs: the next attempt reads the file again.
-    _write(tmp_path / "edited.yaml", manifest, {"optimizer.lr": 1e-3}).replace(manifest)
+    write_derived(tmp_path / "edited.yaml", manifest, {"optimizer.lr": 1e-3}).replace(manifest)
     # A job that needs every CPU of the node, in the partition that may preempt: SLURM sends
     # SIGTERM to our ranks, which checkpoint; the batch script then requeues the job itself, or,
     # if the checkpoint outlasts the partition's GraceTime (10 s; on a loaded machine it can),

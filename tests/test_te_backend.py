@@ -3,7 +3,7 @@
 import importlib.util
 
 import pytest
-from manifest_support import TINY
+from support.example_manifests import TINY
 
 if importlib.util.find_spec("megatron") is None:
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
@@ -120,7 +120,7 @@ def test_te_model_trains_under_delayed_scaling(manifest):  # pragma: no cover - 
 
 
 def test_the_four_projections_are_swapped_by_spec_and_nothing_else():
-    from spec_support import mlp_as_partial
+    from support.megatron_specs import mlp_as_partial
 
     from fp8ops.megatron.compat import ModuleSpec, block_submodules, get_gpt_layer_local_spec
     from fp8ops.megatron.spec import get_gpt_layer_fp8_emulated_spec

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from te_stand_in import TE_EXTRA_STATE
+from support.te_stand_in import TE_EXTRA_STATE
 
 from fp8ops.errors import Fp8opsError
 from fp8ops.megatron.te_extra_state import (
@@ -183,7 +183,7 @@ def test_a_window_statistic_recipe_has_no_te_state():
 
 @needs_te_recipe
 def test_a_megatron_fp8_layer_loads_a_te_payload_and_refuses_another_recipe(megatron_tp1):
-    from manifest_support import TINY
+    from support.example_manifests import TINY
 
     from fp8ops.manifest import load_manifest
     from fp8ops.megatron.layers import Fp8ColumnParallelLinear

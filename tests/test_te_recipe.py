@@ -65,6 +65,7 @@ def test_window_statistic_becomes_a_callable():
     and "backward_override" not in te_recipe.DelayedScaling.__dataclass_fields__,
     reason="TE before 2.15 has no backward_override",
 )
+@pytest.mark.slow
 def test_the_recipe_ignores_a_backward_override_in_the_environment(tmp_path):
     """TE reads NVTE_BACKWARD_OVERRIDE when it is imported, as the default of every recipe's
     backward_override, and DelayedScaling asserts it is None; so in a fresh process."""

@@ -18,7 +18,7 @@ from torch import nn
 if importlib.util.find_spec("megatron") is None:
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
 
-from te_stand_in import TE_EXTRA_STATE, TeLikeLinear, decoder
+from support.te_stand_in import TE_EXTRA_STATE, TeLikeLinear, decoder
 
 from fp8ops.checkpoint.state import FP8_TENSORS, Fp8Layout, fp8_digest, fp8_state, restore_fp8
 from fp8ops.errors import Fp8opsError
@@ -206,7 +206,7 @@ def te_gpt(layers: int = 2, hidden: int = 16, tp_size: int = 1) -> nn.Module:
 
 
 def test_admission_lists_and_switches_a_te_models_projections():
-    from manifest_support import TINY
+    from support.example_manifests import TINY
 
     from fp8ops.admission import apply_admission, decide_admission
     from fp8ops.manifest import load_manifest
@@ -345,7 +345,7 @@ def test_a_state_missing_a_tensor_is_refused_naming_it():
 def test_a_projection_tes_fp8_gemms_cannot_take_is_refused_by_name():
     """K in multiples of 16 and N in multiples of 8 per rank (TE's assert_dim_for_fp8_exec),
     checked when admission is decided, not at its first FP8 forward."""
-    from manifest_support import TINY
+    from support.example_manifests import TINY
 
     from fp8ops.admission import decide_admission
     from fp8ops.errors import ManifestError

@@ -17,7 +17,7 @@ from torch import nn
 if importlib.util.find_spec("megatron") is None:
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
 
-from te_stand_in import TeLikeLinear, decoder
+from support.te_stand_in import TeLikeLinear, decoder
 
 from fp8ops.manifest.schema import Telemetry
 from fp8ops.megatron import mark_first_microbatch

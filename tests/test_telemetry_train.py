@@ -32,7 +32,9 @@ from fp8ops.train import open_trainer, run_training
 from fp8ops.train.distributed import init_distributed, shutdown_distributed
 from fp8ops.train.trainer import StopRun
 
+# Every test trains a run (several in a process that is signalled or killed): the full suite's.
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
 ]

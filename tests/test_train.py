@@ -20,8 +20,8 @@ import torch
 if importlib.util.find_spec("megatron") is None:
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
 
-from gemm_support import GemmLog
-from small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
+from support.gemm_log import GemmLog
+from support.small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
 
 from fp8ops.checkpoint.weights import META_FILE
 from fp8ops.errors import Fp8opsError
@@ -43,30 +43,17 @@ pytestmark = [
 FINETUNE_STEPS = 12
 
 
-def _write(tmp: Path, name: str, parent_file: Path, changes: dict) -> Path:
-    return write_derived(tmp / f"{name}.yaml", parent_file, changes)
-
-
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    """A base run: the small model pre-trained for a few steps in bf16 on the corpus."""
-    tmp = tmp_path_factory.mktemp("base")
-    manifest = _write(
-        tmp,
-        "base",
-        MANIFESTS / "tiny-gpt-cpu-base.yaml",
-        {**SMALL_MODEL, **SCHEDULE, "schedule.train_steps": 4, "schedule.eval_interval": 4},
-    )
-    run_training(manifest, tmp / "run", progress=False)
-    return tmp / "run"
+def base(small_base) -> Path:
+    """A base run: the small model pre-trained for a few steps in bf16 on the corpus (the shared
+    one, read only)."""
+    return small_base
 
 
 @pytest.fixture(scope="module")
 def finetune_manifest(base, tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("finetune")
-    return _write(
-        tmp,
-        "finetune",
+    return write_derived(
+        tmp_path_factory.mktemp("finetune") / "finetune.yaml",
         MANIFESTS / "tiny-gpt-cpu.yaml",
         {
             **SMALL_MODEL,
@@ -113,6 +100,7 @@ def test_base_run_writes_verifiable_weights(base):
     assert not [row for row in layers["rows"] if row["precision"] == "fp8"]  # FP8 off
 
 
+@pytest.mark.slow
 def test_finetune_run_records_everything(fp8_run, base, finetune_manifest):
     manifest = load_manifest(fp8_run / "manifest.yaml")
     assert manifest_hash(manifest) == manifest_hash(load_manifest(finetune_manifest))
@@ -154,6 +142,7 @@ def test_finetune_run_records_everything(fp8_run, base, finetune_manifest):
     assert "fp8_state_checked" in events and "weights_saved" in events
 
 
+@pytest.mark.slow
 def test_fp8_loss_falls_and_tracks_bf16(fp8_run, bf16_run):
     fp8, bf16 = _losses(fp8_run), _losses(bf16_run)
     assert len(fp8) == len(bf16) == FINETUNE_STEPS
@@ -169,6 +158,7 @@ def test_fp8_loss_falls_and_tracks_bf16(fp8_run, bf16_run):
     assert abs(fp8_eval - bf16_eval) < 0.1
 
 
+@pytest.mark.slow
 def test_rerunning_a_completed_run_is_a_no_op(fp8_run, finetune_manifest, cli):
     before = (fp8_run / "metrics.jsonl").read_text()
     result = cli("train", finetune_manifest, "--run-dir", fp8_run)
@@ -177,6 +167,7 @@ def test_rerunning_a_completed_run_is_a_no_op(fp8_run, finetune_manifest, cli):
     assert (fp8_run / "metrics.jsonl").read_text() == before
 
 
+@pytest.mark.slow
 def test_rerunning_a_run_that_completed_under_a_later_revision_is_a_no_op(
     fp8_run, finetune_manifest, cli, tmp_path
 ):
@@ -196,6 +187,7 @@ def test_rerunning_a_run_that_completed_under_a_later_revision_is_a_no_op(
     assert result.code == 2 and "choose a new --run-dir" in result.err, result.err
 
 
+@pytest.mark.slow
 def test_a_run_without_a_terminal_logs_whole_lines_at_the_log_interval(
     finetune_manifest, cli, tmp_path, monkeypatch
 ):
@@ -239,6 +231,7 @@ def test_a_run_without_a_terminal_logs_whole_lines_at_the_log_interval(
     assert not [line for line in quiet.err.splitlines() if line.startswith("step ")], quiet.err
 
 
+@pytest.mark.slow
 def test_a_run_directory_holding_another_run_is_refused(fp8_run, finetune_manifest, cli):
     result = cli("train", finetune_manifest, "--run-dir", fp8_run, "--set", "optimizer.lr=3e-3")
     assert result.code == 2
@@ -360,6 +353,7 @@ def _torchrun(manifest: Path, run_dir: Path, changes: dict) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_tp2_matches_tp1_and_ranks_agree(finetune_manifest, tmp_path):
     """fp32 base dtype, so the comparison is at float32 tolerance (bf16 would round each
     rank's partial sums before the all-reduce)."""
@@ -387,6 +381,7 @@ def test_tp2_matches_tp1_and_ranks_agree(finetune_manifest, tmp_path):
     assert (tmp_path / "tp2" / "manifests" / f"{manifest_hash(parent)}.yaml").exists()
 
 
+@pytest.mark.slow
 def test_a_llama_shaped_run_checkpoints_resumes_and_verifies_at_another_tp_size(tmp_path):
     """SwiGLU's linear_fc1 is checkpointed through Megatron's ShardedTensorFactory (gate and up
     saved apart), its optimizer state too; and each rank holds [gate; up], so its fingerprint
@@ -406,7 +401,7 @@ def test_a_llama_shaped_run_checkpoints_resumes_and_verifies_at_another_tp_size(
         "schedule.train_steps": 2,
         "schedule.eval_interval": 2,
     }
-    base = _write(tmp_path, "base", MANIFESTS / "tiny-gpt-cpu-base.yaml", swiglu)
+    base = write_derived(tmp_path / "base.yaml", MANIFESTS / "tiny-gpt-cpu-base.yaml", swiglu)
     assert run_training(base, tmp_path / "base", progress=False, stop_at=1).paused
     resume_training(tmp_path / "base", progress=False)
     run_training(base, tmp_path / "straight", progress=False)
@@ -416,9 +411,8 @@ def test_a_llama_shaped_run_checkpoints_resumes_and_verifies_at_another_tp_size(
         for run in ("base", "straight")
     }
     assert len(final) == 1
-    finetune = _write(
-        tmp_path,
-        "finetune",
+    finetune = write_derived(
+        tmp_path / "finetune.yaml",
         MANIFESTS / "tiny-gpt-cpu.yaml",
         {**swiglu, "model.init_checkpoint": str(tmp_path / "base" / "final")},
     )
@@ -428,6 +422,7 @@ def test_a_llama_shaped_run_checkpoints_resumes_and_verifies_at_another_tp_size(
     assert info["init_verified"] and info["init_fingerprint"] == base_meta["fingerprint"]
 
 
+@pytest.mark.slow
 def test_dp2_matches_one_rank(finetune_manifest, tmp_path):
     """Two data-parallel replicas, each half of every global batch, give the one-rank run's
     gradients. FP8 off: with FP8 the two layouts would legitimately differ, since each DP rank
@@ -443,6 +438,7 @@ def test_dp2_matches_one_rank(finetune_manifest, tmp_path):
     assert [m["tokens"] for m in dp2] == [m["tokens"] for m in dp1]
 
 
+@pytest.mark.slow
 def test_pad_to_longest_trains_as_padding_to_seq_length_does(finetune_manifest, tmp_path):
     """Padding sits after each row's tokens, where causal attention keeps it from the scored
     positions: batches padded to their longest row give the same losses, gradients and eval
@@ -467,6 +463,7 @@ def test_pad_to_longest_trains_as_padding_to_seq_length_does(finetune_manifest, 
     assert [e["loss"] for e in evals[1]] == pytest.approx([e["loss"] for e in evals[0]], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_without_a_held_out_split_evaluation_is_skipped(finetune_manifest, tmp_path):
     result = run_training(
         finetune_manifest,

@@ -1,5 +1,5 @@
 """Bit-for-bit comparison of ``fp8ops.precision.scaling.update_delayed_scaling``
-against the independent scalar oracle in ``tests/te_reference.py`` (Transformer
+against the independent scalar oracle in ``tests/support/te_update_oracle.py`` (Transformer
 Engine's fused ``kernel_bulk`` delayed-scaling update, reference doc 2.3/2.5/2.6).
 
 Results are compared as int32 bit patterns; any NaN equals any NaN (payloads may
@@ -13,7 +13,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
-from te_reference import FLT_MAX, reference_update  # tests/ is on sys.path under pytest
+from support.te_update_oracle import FLT_MAX, reference_update  # tests/ is on sys.path under pytest
+from support.test_tier import examples
 
 from fp8ops.precision.scaling import update_delayed_scaling
 
@@ -253,7 +254,7 @@ _COMMON = {
 # ----------------------------------------------------------------- property tests
 
 
-@settings(max_examples=1200, **_COMMON)
+@settings(max_examples=examples(1200), **_COMMON)
 @given(case=update_cases())
 def test_single_update_matches_reference(case):
     note(
@@ -269,7 +270,7 @@ def test_single_update_matches_reference(case):
     check_case(**case)
 
 
-@settings(max_examples=300, **_COMMON)
+@settings(max_examples=examples(300), **_COMMON)
 @given(case=update_cases(allow_negative=True))
 def test_single_update_matches_reference_with_negative_values(case):
     """Negative amaxes never come out of a cast (fabsf), but the pseudocode is total:
@@ -287,7 +288,7 @@ def test_single_update_matches_reference_with_negative_values(case):
     check_case(**case)
 
 
-@settings(max_examples=80, **_COMMON)
+@settings(max_examples=examples(80), **_COMMON)
 @given(
     L=st.one_of(st.sampled_from([1, 2, 3, 4, 16]), st.sampled_from([1, 2, 3, 4, 16, 1024])),
     n=n_st,
@@ -328,7 +329,7 @@ def test_sequence_of_50_updates_stays_identical(
         assert_bitwise_equal(_to_np(h_t), history, f"new_history (step {step})", ctx)
 
 
-@settings(max_examples=100, **_COMMON)
+@settings(max_examples=examples(100), **_COMMON)
 @given(case=update_cases(allow_negative=True))
 def test_inputs_are_not_modified(case):
     h_t = torch.from_numpy(case["history"].copy())

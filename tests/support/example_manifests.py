@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "manifests" / "tiny-gpt-cpu.yaml"
 LLAMA = ROOT / "manifests" / "llama3-8b-h100.yaml"
 

@@ -1,0 +1,72 @@
+"""The run directory the override-ledger tests work on (test_ledger.py, test_overrides_cli.py):
+the tiny GPT's admission table, with one module excluded by glob and one kept in BF16 by a
+hand-written manifest override, and the files training leaves beside it."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from fp8ops.admission import decide_admission
+from fp8ops.alerts import Alert, write_alerts
+from fp8ops.manifest import ManifestStore, derive, load_manifest, manifest_hash, write_manifest
+from fp8ops.run.records import write_layers_json
+from support.example_manifests import TINY
+
+FC1 = "decoder.layers.0.mlp.linear_fc1"
+QKV = "decoder.layers.1.self_attention.linear_qkv"
+EXCLUDED = "decoder.layers.3.mlp.linear_fc2"  # precision.exclude_modules
+HAND = "decoder.layers.3.mlp.linear_fc1"  # a hand-written precision.overrides entry
+DATA = "d" * 64
+
+
+def admit_tiny_gpt():
+    """(manifest, recipe, admission table) of the tiny GPT, built on Megatron's parallel state
+    (the ``megatron_tp1`` fixture)."""
+    from fp8ops.megatron import build_gpt
+    from fp8ops.precision import DelayedScalingRecipe
+
+    manifest = derive(
+        load_manifest(TINY),
+        {
+            "precision.exclude_modules": [EXCLUDED],
+            "precision.overrides": [{"module": HAND, "reason": "kept in BF16 by hand"}],
+        },
+        "ledger tests",
+    )
+    recipe = DelayedScalingRecipe.from_precision(manifest.precision)
+    table = decide_admission(build_gpt(manifest, recipe), manifest.precision, tensor_parallel=1)
+    return manifest, recipe, table
+
+
+def make_run_dir(path, admitted, *, allow_self_approval=False):
+    """A run directory as training leaves it: manifest, layers.json, run.json, status, alerts."""
+    manifest, recipe, table = admitted
+    if allow_self_approval:
+        manifest = derive(manifest, {"review.allow_self_approval": True}, "one-person team")
+    path.mkdir(parents=True, exist_ok=True)
+    write_manifest(manifest, path / "manifest.yaml")
+    ManifestStore(path / "manifests").put(manifest)
+    write_layers_json(path, table, recipe, tensor_parallel=1, manifest_hash=manifest_hash(manifest))
+    (path / "run.json").write_text(json.dumps({"data": {"fingerprint": DATA}}))
+    (path / "status.json").write_text(
+        json.dumps({"state": "running", "step": 120, "manifest": manifest_hash(manifest)})
+    )
+    saturation = {"rule": "saturation", "metric": "input.saturation", "threshold": 0.02}
+    write_alerts(
+        path,
+        [
+            Alert(
+                100,
+                "observe",
+                module=FC1,
+                value=0.01,
+                message="",
+                **{**saturation, "threshold": 0.005},
+            ),
+            Alert(110, "degrade", module=FC1, value=0.03, message="", **saturation),
+            Alert(110, "degrade", "underflow", FC1, "grad_output.underflow", math.nan, 0.1, ""),
+            Alert(115, "degrade", module=QKV, value=0.5, message="", **saturation),
+        ],
+    )
+    return path

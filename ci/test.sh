@@ -13,10 +13,9 @@
 # build/test-cache/ (tests/support/shared_base.py), so a second run skips its training.
 #
 # Two pytest-xdist workers, each test file on one worker (--dist loadfile: a module's fixtures,
-# such as a trained base model, are built once). Much of the suite is process start-ups and
-# waits (torchrun launchers, SLURM, a browser), which two workers overlap on two cores. On a
-# 2-core machine, in CI: 26.6 minutes in one process, 18.2 on two workers (the whole CI run
-# kept the CPUs 80% busy).
+# such as a trained run, are built once). Much of the suite is process start-ups and waits
+# (torchrun launchers, SLURM, a browser), which two workers overlap on two cores. Measured
+# times: docs/benchmarks/test-suite.md.
 # FP8OPS_TEST_WORKERS=0 runs it in this one process (as `-n 0` among the arguments does).
 #
 # The launcher tests (tests/test_slurm.py) submit jobs to a real one-node SLURM: where this

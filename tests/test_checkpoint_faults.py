@@ -987,6 +987,25 @@ def test_manifest_drift_is_refused_before_any_model_is_built(run, manifest, tmp_
     assert _files(run) == before  # no event, no status change, nothing written
 
 
+def test_a_requeue_on_another_node_is_refused_without_importing_torch(run, manifest):
+    """What a SLURM requeue runs (the run's own manifest, --resume) on a node with another torch:
+    refused for drift from the checkpoint's JSON, before torch or Megatron load."""
+    edit_meta(run / "checkpoints" / LATEST, lambda m: m["environment"].update(torch="0.0.1"))
+    before = _files(run)
+    command = ["train", str(manifest), "--resume", "--run-dir", str(run), "--no-progress"]
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "fp8ops", *command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 4 and "environment torch: '0.0.1' -> " in done.stderr, done.stderr
+    loaded = {line.split("|")[-1].strip() for line in done.stderr.splitlines() if "|" in line}
+    assert "torch" not in loaded and not any(m.startswith("megatron") for m in loaded)
+    assert _files(run) == before
+
+
 @pytest.mark.slow
 def test_environment_drift_is_refused_and_recorded_when_accepted(run, cli):
     latest = run / "checkpoints" / LATEST

@@ -177,6 +177,38 @@ def test_only_commands_import_the_trainer():
     assert not into_train, "only commands may import fp8ops.train:\n" + describe(into_train)
 
 
+# docs/ARCHITECTURE.md's layers, top first: a package may import only packages of lower layers.
+LAYERS = [
+    {CLI},
+    {"compare"},
+    {"dualtrack", "preflight"},
+    {"train"},
+    {"console"},
+    {"start"},
+    {"checkpoint", "overrides", "evaluate", "admission"},
+    {"alerts", "megatron"},
+    {"telemetry"},
+    {"precision", "data", "launch"},
+    {"run"},
+    {"manifest"},
+    {"files", "terminal"},
+    {"errors", "amax_algo"},
+]
+
+
+def test_every_import_points_down_the_documented_layers():
+    depth = {package: level for level, layer in enumerate(LAYERS) for package in layer}
+    edges = package_edges()
+    unknown = sorted({n for edge in edges for n in edge} - depth.keys() - {"fp8ops"})
+    assert not unknown, f"packages not in LAYERS (and docs/ARCHITECTURE.md): {unknown}"
+    upward = {
+        edge: imports
+        for edge, imports in edges.items()
+        if edge[1] in depth and depth[edge[1]] <= depth[edge[0]]
+    }
+    assert not upward, "imports that do not point down the layers:\n" + describe(upward)
+
+
 def test_the_graph_sees_every_kind_of_import(tmp_path):
     """Relative imports resolved, ``from package import module`` as the module, imports inside
     functions, and cli modules as the command layer."""

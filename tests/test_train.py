@@ -277,6 +277,19 @@ def test_histories_advance_per_micro_batch_and_weights_per_step(trainer):
     assert _filled(backward, 0) == 2 * micro_batches  # grad output: per micro-batch
 
 
+def test_a_fine_tune_optimizes_from_the_base_weights(trainer):
+    """The optimizer's float32 main weights are the loaded base's, not the random
+    initialisation it would copy if it were built before the base loaded: one step later the
+    model is still the base, moved by one update."""
+    assert trainer.base is not None and trainer.base["verified"]
+    pairs = list(zip(trainer.optimizer.model_params, trainer.optimizer.main_params))
+    assert pairs and all(torch.equal(main, p.float()) for p, main in pairs)
+    before = [p.detach().float().clone() for p, _ in pairs]
+    trainer.train_step(0)
+    moved = max((p.detach().float() - b).abs().max().item() for (p, _), b in zip(pairs, before))
+    assert 0 < moved < 0.05  # an update of lr 2e-3 scale, not a jump to other weights
+
+
 def test_excluded_module_keeps_its_state_frozen(trainer):
     fc1 = trainer.model.decoder.layers[0].mlp.linear_fc1
     qkv = trainer.model.decoder.layers[0].self_attention.linear_qkv

@@ -29,8 +29,9 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8ops.errors import ManifestError
+from fp8ops.run.layout import WEIGHTS_META
 
-META_FILE = "fp8ops_weights.json"
+META_FILE = WEIGHTS_META  # the file's name (fp8ops.run.layout spells it)
 # The fields of the model section that do not change the weights' shapes or meaning.
 _NOT_ARCHITECTURE = {"init_checkpoint", "fingerprint"}
 

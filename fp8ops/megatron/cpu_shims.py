@@ -2,8 +2,8 @@
 
 These are fp8ops' only patches of other libraries outside tests. :func:`apply_cpu_shims` applies
 them when CUDA is absent and does nothing on a GPU machine, where Megatron's own CUDA paths are the
-intended ones. It is idempotent. Each shim names the Megatron code that needs it; the findings
-behind them are in ``../shared/reference/megatron-core-cpu.md`` (megatron-core 0.16.1).
+intended ones. It is idempotent. Each shim names the Megatron code that needs it (as found in
+megatron-core 0.16.1; ``compat.py`` covers 0.17-0.19).
 
 1. RNG tracker: every forward forks Megatron's CUDA RNG tracker (attention dropout, even at p=0).
 2. ``torch.cuda.current_device``: Megatron passes it as a device argument in ~40 places.

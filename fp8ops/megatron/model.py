@@ -143,7 +143,7 @@ def transformer_config(manifest) -> TransformerConfig:
         hidden_dropout=0.0,
         attention_dropout=0.0,
         # Every rank draws the full weight from one CPU stream and keeps its shard, so a TP=2
-        # model is exactly the TP=1 model split (reference: megatron-core-cpu.md).
+        # model is exactly the TP=1 model split (tests/test_train.py checks TP=2 against TP=1).
         use_cpu_initialization=True,
         **compat.whole_layer_cuda_graphs(),
     )

@@ -25,7 +25,8 @@ higher-precision result nor, for a ``LayerNormLinear``, its input. Activation re
 supported (fp8ops' manifests cannot turn it on): TE's recompute pass would run the hooks again.
 
 No machine here has Transformer Engine: the tests run this against a stand-in that keeps TE's
-documented layout (``../shared/reference/transformer-engine.md`` §1-2), not against TE.
+layout TE documents for ``fp8_meta`` (``scaling_fwd``/``scaling_bwd`` with ``scale`` and
+``amax_history``; ``tests/support/te_stand_in.py`` lists what it keeps), not against TE.
 """
 
 from __future__ import annotations

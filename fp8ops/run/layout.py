@@ -48,6 +48,8 @@ CHECKPOINTS = "checkpoints"
 FINAL = "final"
 STOP_REQUEST = "stop.request"
 ATTEMPTS = "attempts"
+# In a weights checkpoint (final/, or any model.init_checkpoint): what the weights are.
+WEIGHTS_META = "fp8ops_weights.json"
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,10 @@ class RunLayout:
     @property
     def attempts(self) -> Path:
         return self.root / ATTEMPTS
+
+    def finished(self) -> bool:
+        """Whether the run's final weights are written (before it says so in status.json)."""
+        return (self.final / WEIGHTS_META).is_file()
 
     def is_run(self) -> bool:
         """Whether the directory holds an fp8ops run's files (a status or a locked manifest)."""

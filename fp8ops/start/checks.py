@@ -45,14 +45,8 @@ class StopUnanswered(Fp8opsError):
 
 def finished(run_dir: Path) -> bool:
     """The run wrote its final weights and said so (the last thing a run does)."""
-    from fp8ops.checkpoint.weights import META_FILE
-
     status = find_status(run_dir) if Path(run_dir).is_dir() else None
-    return (
-        status is not None
-        and status.state == "completed"
-        and (RunLayout(run_dir).final / META_FILE).is_file()
-    )
+    return status is not None and status.state == "completed" and RunLayout(run_dir).finished()
 
 
 def nothing_to_train(run_dir: Path) -> str | None:
@@ -131,8 +125,11 @@ def _revisions_run(path: Path, ended_under: str | None) -> set[str]:
     """The revisions a run trained under: from the one it ended under back through each
     parent to the one it started with (``run.json``). Not the parents of that one: a manifest
     given with ``--set`` is stored with the run, but never trained."""
+    try:  # a damaged record names no start: the walk then goes back as far as the run holds
+        started = read_run_record(path).manifest
+    except RunRecordError:
+        started = None
     layout = RunLayout(path)
-    started = read_run_record(path).manifest if layout.run_record.is_file() else None
     store, found, digest = ManifestStore(layout.manifests), set(), ended_under
     while digest and digest not in found:
         found.add(digest)

@@ -143,19 +143,19 @@ def open_trainer(plan: New | Resume, ranks, *, progress: bool = True, stop_reque
     """A :class:`~fp8ops.train.trainer.Trainer` for ``plan`` on the run directory, ready to
     train (collective). Everything that can refuse runs before the directory is claimed, so a
     refused run leaves nothing behind; a manifest problem names the manifest's file."""
-    with _naming(plan.source):
-        trainer = _built(plan, ranks, progress=progress, stop_request=stop_request)
     import torch.distributed as dist
 
-    dist.barrier()  # every rank has passed every check
-    run = _claimed(plan, ranks)
-    try:
-        _write_start_records(plan, trainer, run)
-        trainer.open(run)
-    except BaseException as exc:
-        run.failed(exc)
-        run.release()
-        raise
+    with _naming(plan.source):
+        trainer = _built(plan, ranks, progress=progress, stop_request=stop_request)
+        dist.barrier()  # every rank has passed every check
+        run = _claimed(plan, ranks)
+        try:
+            _write_start_records(plan, trainer, run)
+            trainer.open(run)
+        except BaseException as exc:
+            run.failed(exc)
+            run.release()
+            raise
     return trainer
 
 
@@ -173,10 +173,15 @@ def _built(plan: New | Resume, ranks, *, progress: bool, stop_request) -> Traine
             check_tokenizer=lambda tokenizer: checks.check_same_tokenizer(resume, tokenizer),
             check_data=lambda data: checks.check_same_data(resume, data),
         )
-    trainer = Trainer(plan.manifest, inputs, ranks, progress=progress, stop_request=stop_request)
-    if resume is None:
-        trainer.load_base()
-    else:
+    trainer = Trainer(
+        plan.manifest,
+        inputs,
+        ranks,
+        from_base=resume is None,
+        progress=progress,
+        stop_request=stop_request,
+    )
+    if resume is not None:
         checks.check_admission(resume, trainer.admission_hash())
         trainer.restore(resume)  # loaded and verified before anything is written
         checks.check_not_moved_on(resume)  # loading took a while: nobody trained it meanwhile

@@ -94,9 +94,10 @@ class TrainResult:
 class Trainer:
     """One run on this rank: the model, its data, optimizer and FP8 scope.
 
-    Built before anything is written (a refused run leaves nothing behind); the start-up then
-    loads the base (:meth:`load_base`) or the checkpoint (:meth:`restore`), claims the run
-    directory and hands it over (:meth:`open`); :meth:`train` or :meth:`finish` runs.
+    Built before anything is written (a refused run leaves nothing behind), from the base
+    weights (``from_base``: a new run) or, for a resume, to be loaded with a checkpoint
+    (:meth:`restore`); the start-up then claims the run directory and hands it over
+    (:meth:`open`); :meth:`train` or :meth:`finish` runs.
     """
 
     def __init__(
@@ -105,11 +106,13 @@ class Trainer:
         inputs: Inputs,
         ranks: Ranks,
         *,
+        from_base: bool = True,
         progress: bool = True,
         stop_request=None,
     ):
         """``inputs``: the tokenizer, data and capability items, built once (an edit of a
-        tokenizer.json mid-run changes nothing); ``stop_request``: a
+        tokenizer.json mid-run changes nothing); ``from_base``: load ``model.init_checkpoint``
+        (a new run; a resume's weights come from its checkpoint); ``stop_request``: a
         :class:`~fp8ops.train.signals.StopRequest` polled at every step boundary."""
         self.manifest, self.inputs, self.ranks = manifest, inputs, ranks
         self.data = inputs.data
@@ -141,12 +144,14 @@ class Trainer:
             manifest, self.recipe if precision.enabled else None, device=self.device
         )
         self.model_dtype = next(self.model.parameters()).dtype
-        # Decided before the base loads (load_base): it also refuses FP8 modules whose GEMM
-        # precision.backend cannot take.
+        # Decided before the base loads: it also refuses FP8 modules whose GEMM
+        # precision.backend cannot take, which loading weights first would only delay.
         self.admission = decide_admission(
             self.model, precision, tensor_parallel=manifest.topology.tensor_parallel
         )
         apply_admission(self.admission, self.model)
+        # Before the optimizer: it takes its float32 main weights from the model as it is now.
+        self.base = self._load_base() if from_base else None
         self.collector = TelemetryCollector(
             fp8_state_modules(self.model, self.recipe), manifest.telemetry
         )
@@ -170,33 +175,34 @@ class Trainer:
             topology=manifest.topology,
             ranks=ranks,
         )
-        self.base: dict | None = None  # the base's weights metadata (load_base)
         self.carried_scales: dict[str, float] = {}  # a resume's scale factors (restore)
         self.load_seconds = 0.0
         self.run: RunDir | None = None  # open()
         self.ledger: Ledger | None = None
         self.telemetry: TelemetryWriter | None = None
 
-    # -- before the loop: weights in, the run directory handed over -----------------------------
+    # -- before the loop: a checkpoint in, the run directory handed over ------------------------
 
-    def load_base(self) -> None:
-        """A new run's starting weights: ``model.init_checkpoint``, loaded and verified."""
+    def _load_base(self) -> dict | None:
+        """A new run's starting weights: ``model.init_checkpoint``, loaded and verified; its
+        metadata (None without a base)."""
         path = self.manifest.model.init_checkpoint
         if path is None:
-            return
-        self.base = weights.load_weights(
+            return None
+        base = weights.load_weights(
             self.model,
             Path(path),
             self.manifest.model,
             tp_group=self.tp_group,
             field="model.init_checkpoint",
         )
-        wanted, found = self.manifest.model.fingerprint, self.base["fingerprint"]
+        wanted, found = self.manifest.model.fingerprint, base["fingerprint"]
         if wanted is not None and wanted != found:
             raise ManifestError(
                 f"model.fingerprint is {wanted} but {path} holds weights {found}; point "
                 "model.init_checkpoint at the intended base or update model.fingerprint"
             )
+        return base
 
     def restore(self, plan) -> None:
         """Load the plan's checkpoint into the model, optimizer, FP8 state, data position and

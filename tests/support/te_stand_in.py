@@ -2,8 +2,7 @@
 
 Transformer Engine's PyTorch side does not import on any machine here, so the tests of fp8ops'
 TE adapters (``te_telemetry``, ``te_state``, admission of a TE model) run against this class,
-which keeps TE's documented layout and behaviour (``../shared/reference/transformer-engine.md``
-§1-4):
+which keeps TE's documented layout and behaviour:
 
 * no state until a module's first FP8 forward, then ``fp8_meta["scaling_fwd"]`` /
   ``["scaling_bwd"]`` holding ``scale`` and ``amax_history``;

@@ -2,8 +2,8 @@
 delayed-scaling update (``fused_amax_and_scale_update_after_reduction``, i.e.
 ``common/recipe/delayed_scaling.cu::kernel_bulk``).
 
-It is written only from the per-slot pseudocode in
-``shared/reference/transformer-engine.md`` section 2.3 (with 2.5 and 2.6), and on
+It is written only from the per-slot pseudocode below (TE's kernel, with its
+handling of NaN, inf and zero amax and the inf-scale substitute), and on
 purpose shares no code with ``fp8ops``: it loops over slots and history rows one
 scalar at a time, using ``np.float32`` arithmetic only, so that it is easy to check
 by eye against the pseudocode.  Tests compare ``fp8ops`` against it bit for bit.

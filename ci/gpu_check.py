@@ -564,15 +564,20 @@ def build_stack(shape: dict, recipe, gemm, device, attention: str):
     from fp8ops.megatron.model import transformer_config
     from fp8ops.megatron.spec import get_gpt_layer_fp8_emulated_spec
 
+    from fp8ops.manifest.schema import ModelConfig
+
     manifest = SimpleNamespace(  # what transformer_config reads of a manifest
-        model=SimpleNamespace(
+        model=ModelConfig(  # the other fields at their defaults, as a manifest leaves them
             num_layers=shape["layers"],
             hidden_size=shape["hidden"],
             ffn_hidden_size=shape["ffn"],
             num_attention_heads=shape["heads"],
             num_query_groups=shape["groups"],
+            seq_length=shape["seq"],
+            vocab_size=128,  # no embedding in a layer stack
             normalization="RMSNorm",
             activation="swiglu",
+            position_embedding="rope",
         ),
         topology=SimpleNamespace(tensor_parallel=1),
         precision=SimpleNamespace(base_dtype="bf16"),

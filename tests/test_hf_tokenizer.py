@@ -16,6 +16,7 @@ import pytest
 
 tokenizers = pytest.importorskip("tokenizers", reason="needs the hf extra: pip install -e '.[hf]'")
 
+from support.hf_models import EOT, TEXTS, make_tokenizer
 from support.small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
 
 from fp8ops.data import build_data, tokenizer_for
@@ -24,30 +25,6 @@ from fp8ops.errors import ManifestError
 from fp8ops.manifest import derive, load_manifest
 from fp8ops.manifest.load import parse_manifest
 from fp8ops.manifest.schema import TokenizerConfig
-
-EOT = "<|end_of_text|>"
-TEXTS = ["add 12 39 = 51", "Q: What is 5 plus 1?\nA: 6", "naïve café, 24 °C", "sort 3142 = 1234"]
-
-
-def make_tokenizer(directory: Path, *, config: bool = True, extra: str = "") -> Path:
-    """A byte-level BPE of about 300 ids with EOT as a special token, saved into ``directory``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    # EOT is not id 0, as in real tokenizers (Llama 3: 128001): nothing may take 0 for it.
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|pad|>", EOT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator([*TEXTS, extra] * 20, trainer)
-    directory.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    if config:
-        (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOT}))
-    return directory
 
 
 def config(path: Path, **fields) -> TokenizerConfig:

@@ -186,7 +186,7 @@ LAYERS = [
     {"console"},
     {"start"},
     {"checkpoint", "overrides", "evaluate", "admission"},
-    {"alerts", "megatron"},
+    {"alerts", "megatron", "hf"},
     {"telemetry"},
     {"precision", "data", "launch"},
     {"run"},

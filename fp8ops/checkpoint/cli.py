@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
@@ -77,6 +78,11 @@ def checkpoints_list(
         raise typer.Exit(1)  # scripts can gate on a damaged checkpoint
 
 
+class ExportFormat(str, Enum):
+    fp8ops = "fp8ops"
+    hf = "hf"
+
+
 @checkpoints_app.command("export")
 def checkpoints_export(
     run_dir: Annotated[Path, typer.Argument(help="A run directory.", show_default=False)],
@@ -92,9 +98,43 @@ def checkpoints_export(
             help="A checkpoint's name or step (default: the latest).", metavar="NAME|STEP"
         ),
     ] = None,
+    format_: Annotated[
+        ExportFormat,
+        typer.Option(
+            "--format",
+            help="fp8ops: a weights checkpoint for model.init_checkpoint; hf: a Hugging Face "
+            "checkpoint (safetensors, config.json, tokenizer files) for transformers.",
+        ),
+    ] = ExportFormat.fp8ops,
+    verify: Annotated[
+        bool,
+        typer.Option(
+            "--verify",
+            help="--format hf: transformers' logits for the export must equal fp8ops' (the "
+            "comparison runs and is recorded whenever transformers is installed).",
+        ),
+    ] = False,
 ) -> None:
     """Write one checkpoint's weights as a weights checkpoint (what final/ holds at the end),
-    for model.init_checkpoint: the release of an earlier step, or a new run from a paused one."""
+    for model.init_checkpoint: the release of an earlier step, or a new run from a paused one;
+    or, with --format hf, as a Hugging Face checkpoint to serve."""
+    if format_ is ExportFormat.hf:
+        from fp8ops.train.export import export_hf
+
+        summary = export_hf(run_dir, checkpoint, out, verify=verify)
+        check = summary.get("verification")
+        verdict = (
+            "not compared (transformers is not installed)"
+            if check is None
+            else f"largest logit difference from transformers {check['max_abs_logit_difference']:.2g}"
+            f" ({'within' if check['passed'] else 'OVER'} {check['bound']:.2g})"
+        )
+        print(
+            f"{out}: step {summary['steps']} of {summary['exported_from']} in Hugging Face form, "
+            f"{summary['tensors']} tensors in {summary['shards']} file(s), {summary['dtype']}; "
+            f"{verdict}"
+        )
+        return
     from fp8ops.train.export import export_weights  # torch and Megatron: only when asked
 
     written = export_weights(run_dir, checkpoint, out)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8ops.errors import ManifestError
+from fp8ops.manifest.canonical import section_dict
 from fp8ops.run.layout import WEIGHTS_META
 
 META_FILE = WEIGHTS_META  # the file's name (fp8ops.run.layout spells it)
@@ -37,10 +38,10 @@ _NOT_ARCHITECTURE = {"init_checkpoint", "fingerprint"}
 
 
 def architecture(model_cfg) -> dict:
-    """The model section's fields that a checkpoint's weights depend on."""
-    return {
-        k: v for k, v in model_cfg.model_dump(mode="json").items() if k not in _NOT_ARCHITECTURE
-    }
+    """The model section's fields that a checkpoint's weights depend on (fields added to the
+    schema later left out at their defaults, as the manifest hash leaves them, so a base saved
+    before they existed still matches)."""
+    return {k: v for k, v in section_dict(model_cfg).items() if k not in _NOT_ARCHITECTURE}
 
 
 def architecture_fingerprint(model_cfg) -> str:
@@ -166,6 +167,45 @@ def save_weights(model: nn.Module, directory: Path, meta: dict, *, is_main: bool
         else:
             os.replace(partial, directory)
     dist.barrier()
+
+
+def load_base(model: nn.Module, directory: Path, model_cfg, *, tp_group, field: str) -> dict:
+    """Load a base into ``model`` and verify it: an fp8ops weights checkpoint
+    (:func:`load_weights`) or a Hugging Face checkpoint directory (``fp8ops.hf``); returns its
+    metadata (``fingerprint``, ``fingerprint_scheme``, ``dtype``, ``verified``)."""
+    if is_hf_base(directory):
+        from fp8ops.hf.load import load_hf_weights
+
+        return load_hf_weights(model, Path(directory), model_cfg, tp_group=tp_group, field=field)
+    return load_weights(model, directory, model_cfg, tp_group=tp_group, field=field)
+
+
+def is_hf_base(directory: Path) -> bool:
+    """A Hugging Face checkpoint directory, not an fp8ops weights checkpoint."""
+    from fp8ops.hf.checkpoint import is_hf_checkpoint
+
+    return not (Path(directory) / META_FILE).exists() and is_hf_checkpoint(directory)
+
+
+def read_base_meta(
+    directory: Path, model_cfg=None, *, field: str, fingerprint: bool = True
+) -> dict:
+    """What :func:`load_base` would load, checked without loading it: a weights checkpoint's
+    metadata, or for a Hugging Face directory its config checked against ``model_cfg`` (when
+    given), its tensors against the model, and (``fingerprint``) the hash of its files."""
+    if not is_hf_base(directory):
+        return read_weights_meta(directory, field=field)
+    from fp8ops.hf import checkpoint as hf_files
+    from fp8ops.hf.load import check_config, check_tensors
+
+    if model_cfg is not None:
+        check_config(directory, model_cfg, field=field)
+        check_tensors(directory, model_cfg)
+    return {
+        "format": "hf",
+        "fingerprint": hf_files.fingerprint(directory) if fingerprint else None,
+        "fingerprint_scheme": hf_files.FINGERPRINT_SCHEME,
+    }
 
 
 def load_weights(model: nn.Module, directory: Path, model_cfg, *, tp_group, field: str) -> dict:

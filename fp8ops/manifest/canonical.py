@@ -40,6 +40,13 @@ def canonical_dict(m: Manifest) -> dict[str, Any]:
     return _without_added_defaults(m, content_dict(m))
 
 
+def section_dict(section: BaseModel) -> dict[str, Any]:
+    """One section as the hash sees it: JSON types, without the later-added fields that hold
+    their defaults (so a record of it written before those fields existed still compares
+    equal)."""
+    return _without_added_defaults(section, _positive_zero(section.model_dump(mode="json")))
+
+
 def _without_added_defaults(model: BaseModel, dumped: dict[str, Any]) -> dict[str, Any]:
     kept = {}
     for name, field in type(model).model_fields.items():

@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from fp8ops.errors import ManifestError, RevisionError
+from fp8ops.files import atomic_write_text
 from fp8ops.manifest import (
     ManifestStore,
     derive,
@@ -169,3 +170,45 @@ def chain(
             str(m.revision.number), manifest_hash(m)[:12], m.name, m.revision.reason or "(root)"
         )
     output().print(table)
+
+
+@manifest_app.command("from-hf")
+def from_hf(
+    hf_dir: Annotated[
+        Path,
+        typer.Argument(
+            help="A Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json).",
+            metavar="HF_DIR",
+            show_default=False,
+        ),
+    ],
+    out: Annotated[
+        Path, typer.Option("--out", help="The manifest to write (a new file).", show_default=False)
+    ],
+    name: Annotated[
+        str | None, typer.Option(help="The run name (default: from HF_DIR's name).")
+    ] = None,
+    seq_length: Annotated[
+        int | None,
+        typer.Option(help="model.seq_length (default: the model's context, at most 2048)."),
+    ] = None,
+    tensor_parallel: Annotated[int, typer.Option(help="topology.tensor_parallel.")] = 1,
+    data: Annotated[
+        Path | None,
+        typer.Option(help="A JSONL data file (default: the built-in tasks).", show_default=False),
+    ] = None,
+) -> None:
+    """Write a manifest that fine-tunes HF_DIR: model and tokenizer from its files (with
+    fingerprints), FP8 defaults for its size; anything in config.json fp8ops cannot honour is
+    refused, naming the key."""
+    from fp8ops.hf.manifest import manifest_from_hf, render  # reads safetensors headers
+
+    if out.exists():
+        raise ManifestError(f"--out {out}: already exists; fp8ops never writes over a manifest")
+    m = manifest_from_hf(
+        hf_dir, name=name, seq_length=seq_length, tensor_parallel=tensor_parallel, data=data
+    )
+    atomic_write_text(out, render(m, hf_dir))
+    output().print(
+        f"{out}: {m.name}, {manifest_hash(m)[:12]}; check it with `fp8ops manifest validate {out}`"
+    )

@@ -167,13 +167,13 @@ def transformer_engine_pytorch():
     return te
 
 
-def te_gpt_layer_spec() -> ModuleSpec:
+def te_gpt_layer_spec(qk_layernorm: bool = False) -> ModuleSpec:
     """Megatron's Transformer Engine GPT layer spec (call only where TE imports)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
 
 
 __all__ = [

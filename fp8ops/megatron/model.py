@@ -37,7 +37,8 @@ from fp8ops.megatron.compat import (
 )
 from fp8ops.megatron.cpu_shims import apply_cpu_shims
 from fp8ops.megatron.layers import fp8_modules
-from fp8ops.megatron.spec import get_gpt_layer_fp8_emulated_spec
+from fp8ops.megatron.rope import set_rope_scaling
+from fp8ops.megatron.spec import with_fp8_projections
 from fp8ops.megatron.te_backend import build_gpt_te, te_projections
 from fp8ops.megatron.te_telemetry import te_telemetry_modules
 from fp8ops.precision import DelayedScalingRecipe, EmulatedGemm, ScaledMmGemm
@@ -81,19 +82,19 @@ def build_gpt(
     torch.manual_seed(manifest.seeds.model)
     tensor_parallel.model_parallel_cuda_manual_seed(manifest.seeds.model)
 
+    local_spec = get_gpt_layer_local_spec(
+        normalization=model_cfg.normalization, qk_layernorm=model_cfg.qk_layernorm
+    )
     if recipe is None:
-        layer_spec = get_gpt_layer_local_spec(normalization=model_cfg.normalization)
+        layer_spec = local_spec
     else:
-        layer_spec = get_gpt_layer_fp8_emulated_spec(
-            recipe, gemm=GEMMS[backend](), normalization=model_cfg.normalization
-        )
+        layer_spec = with_fp8_projections(local_spec, recipe, GEMMS[backend]())
     model = GPTModel(
         config=transformer_config(manifest),
         transformer_layer_spec=layer_spec,
-        vocab_size=padded_vocab_size(model_cfg.vocab_size, topology.tensor_parallel),
-        max_sequence_length=model_cfg.seq_length,
-        position_embedding_type=model_cfg.position_embedding,
+        **gpt_model_args(manifest),
     )
+    set_rope_scaling(model, model_cfg)
     # The local spec's torch norms are created in float32 whatever params_dtype says; casting
     # the whole model is what Megatron's Float16Module does to the module it wraps (the wrapper
     # itself would prefix every name with "module."). The FP8 state follows the device only.
@@ -120,6 +121,18 @@ def _check_scaled_mm_runs(device: torch.device) -> None:
         )
 
 
+def gpt_model_args(manifest) -> dict:
+    """GPTModel's arguments from the manifest, besides its config and layer spec."""
+    model_cfg = manifest.model
+    return {
+        "vocab_size": padded_vocab_size(model_cfg.vocab_size, manifest.topology.tensor_parallel),
+        "max_sequence_length": model_cfg.seq_length,
+        "position_embedding_type": model_cfg.position_embedding,
+        "rotary_base": model_cfg.rotary_base,
+        "share_embeddings_and_output_weights": model_cfg.tied_embeddings,
+    }
+
+
 def transformer_config(manifest) -> TransformerConfig:
     """Megatron's TransformerConfig for the manifest's model and tensor parallelism."""
     model_cfg = manifest.model
@@ -131,7 +144,12 @@ def transformer_config(manifest) -> TransformerConfig:
         ffn_hidden_size=model_cfg.ffn_hidden_size,
         num_attention_heads=model_cfg.num_attention_heads,
         num_query_groups=model_cfg.num_query_groups,
+        kv_channels=model_cfg.kv_channels,
         normalization=model_cfg.normalization,
+        layernorm_epsilon=model_cfg.layernorm_epsilon,
+        add_bias_linear=model_cfg.add_bias_linear,
+        add_qkv_bias=model_cfg.add_qkv_bias,
+        qk_layernorm=model_cfg.qk_layernorm,
         activation_func=F.silu if swiglu else F.gelu,
         gated_linear_unit=swiglu,
         tensor_model_parallel_size=manifest.topology.tensor_parallel,

@@ -221,18 +221,20 @@ def build_gpt_te(manifest, bf16_modules: Iterable[str] = ()):
             "the Transformer Engine backend needs a CUDA GPU and transformer_engine.pytorch; "
             "neither is usable here, so use the emulated backend (fp8ops.megatron.build_gpt)"
         )
-    from fp8ops.megatron.model import DTYPES, padded_vocab_size
+    from fp8ops.megatron.model import DTYPES, gpt_model_args
+    from fp8ops.megatron.rope import set_rope_scaling
 
     names = bf16_module_names(manifest, bf16_modules)
-    model_cfg, topology = manifest.model, manifest.topology
+    model_cfg = manifest.model
     torch.manual_seed(manifest.seeds.model)
     compat.tensor_parallel.model_parallel_cuda_manual_seed(manifest.seeds.model)
     model = compat.GPTModel(
         config=te_transformer_config(manifest),
-        transformer_layer_spec=with_bf16_capable_projections(compat.te_gpt_layer_spec()),
-        vocab_size=padded_vocab_size(model_cfg.vocab_size, topology.tensor_parallel),
-        max_sequence_length=model_cfg.seq_length,
-        position_embedding_type=model_cfg.position_embedding,
+        transformer_layer_spec=with_bf16_capable_projections(
+            compat.te_gpt_layer_spec(qk_layernorm=model_cfg.qk_layernorm)
+        ),
+        **gpt_model_args(manifest),
     )
+    set_rope_scaling(model, model_cfg)
     set_bf16_modules(model, names)
     return model.to(device="cuda", dtype=DTYPES[manifest.precision.base_dtype])

@@ -209,7 +209,7 @@ def fingerprints(target: Target) -> Evidence:
 
 
 def _pinned_fingerprints(target: Target) -> Evidence:
-    from fp8ops.checkpoint.weights import read_weights_meta
+    from fp8ops.checkpoint.weights import read_base_meta
     from fp8ops.data import build_data
     from fp8ops.data.tokenizer import tokenizer_for
 
@@ -232,7 +232,9 @@ def _pinned_fingerprints(target: Target) -> Evidence:
         ev.na(f"model: no init checkpoint, initialised from seeds.model {m.seeds.model}")
     else:
         try:
-            meta = read_weights_meta(Path(m.model.init_checkpoint), field="model.init_checkpoint")
+            meta = read_base_meta(
+                Path(m.model.init_checkpoint), m.model, field="model.init_checkpoint"
+            )
             pinned(
                 "model.fingerprint",
                 m.model.fingerprint,

@@ -76,6 +76,9 @@ class RunModel(_Record):
     init_fingerprint: str | None = None
     init_fingerprint_scheme: str | None = None
     init_verified: bool | None = None
+    # A Hugging Face base compared with transformers' logits (fp8ops.hf.verify): the largest
+    # difference, its bound, the argmax agreement; None where transformers is not installed.
+    init_hf_verification: dict[str, Any] | None = None
     initial_weights_fingerprint: str | None = None  # the weights step 1 started from
     initial_weights_fingerprint_scheme: str | None = None
     parameters: int | None = None

@@ -205,10 +205,13 @@ def check_inputs(manifest: Manifest, source: str, *, resuming: bool) -> None:
             "fp8ops trains without pipeline parallelism so far; set it to 1"
         )
     if manifest.model.init_checkpoint is not None and not resuming:
-        from fp8ops.checkpoint.weights import read_weights_meta
+        from fp8ops.checkpoint.weights import read_base_meta
 
-        read_weights_meta(
-            Path(manifest.model.init_checkpoint), field=f"{source}: model.init_checkpoint"
+        read_base_meta(
+            Path(manifest.model.init_checkpoint),
+            manifest.model,
+            field=f"{source}: model.init_checkpoint",
+            fingerprint=False,
         )
 
 

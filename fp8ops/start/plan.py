@@ -61,6 +61,7 @@ class TrainRequest:
     accept_drift: str | None = None
     after_stop: str | None = None
     stop_at: int | None = None
+    verify: bool = False  # a Hugging Face base must match transformers' logits (else refused)
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class New:
     source: str  # where the manifest came from, as messages name it
     start_over: bool = False  # train --resume without a checkpoint: set an unfinished try aside
     stop_at: int | None = None
+    verify: bool = False  # TrainRequest.verify
 
 
 @dataclass
@@ -172,6 +174,7 @@ def _plan_train_command(request: TrainRequest) -> StartPlan:
         source=str(manifest_path),
         start_over=request.resume,
         stop_at=request.stop_at,
+        verify=request.verify,
     )
     checks.check_stop_at(request.stop_at, 0, manifest.schedule.train_steps)
     if not plan.start_over:

@@ -67,6 +67,15 @@ def train_command(
     accept_drift: AcceptDrift = None,
     after_stop: AfterStop = None,
     stop_at: StopAt = None,
+    verify: Annotated[
+        bool,
+        typer.Option(
+            "--verify",
+            help="A Hugging Face model.init_checkpoint must give transformers' logits on a fixed "
+            "prompt, else the run is refused (the comparison runs and is recorded in run.json "
+            "whenever transformers is installed).",
+        ),
+    ] = False,
 ) -> None:
     """Train MANIFEST's model (fine-tune from model.init_checkpoint, or pre-train from scratch).
 
@@ -85,6 +94,7 @@ def train_command(
         accept_drift=accept_drift,
         after_stop=after_stop,
         stop_at=stop_at,
+        verify=verify,
     )
     _report_training(result)
 

@@ -47,6 +47,7 @@ def run_training(
     accept_drift: str | None = None,
     after_stop: str | None = None,
     stop_at: int | None = None,
+    verify: bool = False,
 ) -> TrainResult | Complete:
     """Everything ``fp8ops train`` does (:class:`~fp8ops.start.TrainRequest` says what each
     argument asks). A finished run rerun is :class:`~fp8ops.start.Complete`."""
@@ -58,6 +59,7 @@ def run_training(
         accept_drift=accept_drift,
         after_stop=after_stop,
         stop_at=stop_at,
+        verify=verify,
     )
     return start(plan_start(request), progress=progress)
 
@@ -178,6 +180,7 @@ def _built(plan: New | Resume, ranks, *, progress: bool, stop_request) -> Traine
         inputs,
         ranks,
         from_base=resume is None,
+        verify_base=getattr(plan, "verify", False),
         progress=progress,
         stop_request=stop_request,
     )
@@ -288,6 +291,7 @@ def _run_record(trainer: Trainer) -> RunRecord:
                 "init_fingerprint": base["fingerprint"] if base else None,
                 "init_fingerprint_scheme": base["fingerprint_scheme"] if base else None,
                 "init_verified": base["verified"] if base else None,
+                "init_hf_verification": base.get("verification") if base else None,
                 "initial_weights_fingerprint": initial,
                 "initial_weights_fingerprint_scheme": scheme,
                 "parameters": sum(p.numel() for p in trainer.model.parameters()),

@@ -37,6 +37,7 @@ from fp8ops.data import TrainSampler
 from fp8ops.errors import Fp8opsError, ManifestError
 from fp8ops.evaluate.capability import evaluate_capability
 from fp8ops.evaluate.records import score, write_capability
+from fp8ops.hf import verify as hf_verify
 from fp8ops.manifest import ManifestStore, manifest_hash
 from fp8ops.manifest.schema import Manifest
 from fp8ops.megatron import (
@@ -107,6 +108,7 @@ class Trainer:
         ranks: Ranks,
         *,
         from_base: bool = True,
+        verify_base: bool = False,
         progress: bool = True,
         stop_request=None,
     ):
@@ -151,7 +153,7 @@ class Trainer:
         )
         apply_admission(self.admission, self.model)
         # Before the optimizer: it takes its float32 main weights from the model as it is now.
-        self.base = self._load_base() if from_base else None
+        self.base = self._load_base(verify_base) if from_base else None
         self.collector = TelemetryCollector(
             fp8_state_modules(self.model, self.recipe), manifest.telemetry
         )
@@ -183,13 +185,14 @@ class Trainer:
 
     # -- before the loop: a checkpoint in, the run directory handed over ------------------------
 
-    def _load_base(self) -> dict | None:
+    def _load_base(self, verify: bool) -> dict | None:
         """A new run's starting weights: ``model.init_checkpoint``, loaded and verified; its
-        metadata (None without a base)."""
+        metadata (None without a base). A Hugging Face base is compared with transformers'
+        logits where transformers is installed (``verify``: required to match)."""
         path = self.manifest.model.init_checkpoint
         if path is None:
             return None
-        base = weights.load_weights(
+        base = weights.load_base(
             self.model,
             Path(path),
             self.manifest.model,
@@ -202,7 +205,24 @@ class Trainer:
                 f"model.fingerprint is {wanted} but {path} holds weights {found}; point "
                 "model.init_checkpoint at the intended base or update model.fingerprint"
             )
+        if base.get("format") == "hf":
+            base["verification"] = self._verify_hf_base(Path(path), verify)
         return base
+
+    def _verify_hf_base(self, path: Path, required: bool) -> dict | None:
+        if not hf_verify.transformers_available():
+            if required:
+                raise ManifestError(
+                    "--verify needs transformers to compare the imported model with: "
+                    "pip install 'fp8ops[hf]'"
+                )
+            return None
+        record = hf_verify.compare(
+            self.model, path, self.manifest.model, tp_group=self.tp_group, what="import"
+        )
+        if required:
+            hf_verify.require(record, source=f"model.init_checkpoint {path}")
+        return record
 
     def restore(self, plan) -> None:
         """Load the plan's checkpoint into the model, optimizer, FP8 state, data position and

@@ -560,11 +560,10 @@ def build_stack(shape: dict, recipe, gemm, device, attention: str):
     """The FP8-capable layer stack on ``device``, weights drawn as ``build_gpt`` draws them."""
     from megatron.core.transformer.transformer_block import TransformerBlock
 
+    from fp8ops.manifest.schema import ModelConfig
     from fp8ops.megatron.compat import tensor_parallel
     from fp8ops.megatron.model import transformer_config
     from fp8ops.megatron.spec import get_gpt_layer_fp8_emulated_spec
-
-    from fp8ops.manifest.schema import ModelConfig
 
     manifest = SimpleNamespace(  # what transformer_config reads of a manifest
         model=ModelConfig(  # the other fields at their defaults, as a manifest leaves them

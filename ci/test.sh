@@ -51,6 +51,8 @@ if [ "$fast" = 0 ] && [ "${FP8OPS_SLURM:-1}" != 0 ] && [ "$(id -u)" = 0 ] && com
 fi
 
 # Lint and format first: a second, not minutes of tests, to learn the tree is unformatted.
-.venv/bin/ruff check --quiet . && .venv/bin/ruff format --check --quiet .
+# (Two commands, not `a && b`: under `set -e` a failure on the left of && does not stop a script.)
+.venv/bin/ruff check --quiet .
+.venv/bin/ruff format --check --quiet .
 
 .venv/bin/python -m pytest -q -n "${FP8OPS_TEST_WORKERS:-2}" --dist loadfile ${args[@]+"${args[@]}"}

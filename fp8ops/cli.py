@@ -18,6 +18,7 @@ from fp8ops.compare.cli import compare_command
 from fp8ops.console.cli import console_command, whatif_command
 from fp8ops.dualtrack.cli import dualtrack_command
 from fp8ops.errors import Fp8opsError
+from fp8ops.hf.cli import hf_app
 from fp8ops.launch.cli import launch_app
 from fp8ops.manifest.cli import manifest_app
 from fp8ops.overrides.cli import overrides_app
@@ -38,6 +39,7 @@ app.command("dualtrack")(dualtrack_command)
 app.command("inspect")(inspect_command)
 app.command("alerts")(alerts_command)
 app.add_typer(checkpoints_app, name="checkpoints")
+app.add_typer(hf_app, name="hf")
 app.command("console")(console_command)
 app.command("whatif")(whatif_command)
 app.add_typer(overrides_app, name="overrides")

@@ -14,6 +14,7 @@ import json
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,10 @@ REFUSED = {
     "dynamic (legacy)": (
         {"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
         "rope_scaling.rope_type is 'dynamic'",
+    ),
+    "rope factor missing": (
+        {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}},
+        "rope_parameters.factor is missing",
     ),
     "rope parameter": (
         {
@@ -249,8 +254,8 @@ def test_an_export_refuses_an_existing_directory_and_leaves_no_partial(
     with pytest.raises(HfCheckpointError, match="already exists"):
         write_hf(model, manifest.model, out, source=hf_dir)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
-    # A source whose tensors differ (another model) is refused before anything is written.
-    with pytest.raises(HfCheckpointError, match="differ from the source checkpoint"):
+    # A source of another model is refused before anything is written.
+    with pytest.raises(HfCheckpointError, match="does not mean the run's model section"):
         write_hf(model, manifest.model, tmp_path / "new", source=hf_models["llama-biases"][0])
     assert not (tmp_path / "new").exists() and not (tmp_path / "new.partial").exists()
 
@@ -363,3 +368,98 @@ def test_a_sharded_checkpoint_reads_as_the_single_file_does(hf_models, megatron_
         HfCheckpointError, match=f"names '{key}' in {files[1]}, which does not hold it"
     ):
         fp32_model(sharded, tp_group)
+
+
+def test_the_tp2_plan_puts_whole_query_groups_and_both_halves_of_fc1_on_each_rank(hf_models):
+    from fp8ops.hf.mapping import shard_plan
+
+    manifest = manifest_from_hf(hf_models["llama-biases"][0], seq_length=SEQ, tensor_parallel=2)
+    plan = shard_plan(manifest.model, 384, 2, 1)  # rank 1 of 2
+    attn = "model.layers.0.self_attn."
+    # 4 heads of 16 in 2 groups: rank 1 holds group 1, its 2 query heads, then its key and value.
+    assert [
+        (p.key, p.start, p.stop)
+        for p in plan["decoder.layers.0.self_attention.linear_qkv.weight"].pieces
+    ] == [
+        (attn + "q_proj.weight", 32, 64),
+        (attn + "k_proj.weight", 16, 32),
+        (attn + "v_proj.weight", 16, 32),
+    ]
+    # fc1 is [gate; up] on every rank: rank 1 holds the second half of each (96 / 2).
+    mlp = "model.layers.0.mlp."
+    fc1 = plan["decoder.layers.0.mlp.linear_fc1.weight"]
+    assert [(p.key, p.start, p.stop) for p in fc1.pieces] == [
+        (mlp + "gate_proj.weight", 48, 96),
+        (mlp + "up_proj.weight", 48, 96),
+    ]
+    fc2 = plan["decoder.layers.0.mlp.linear_fc2.weight"]
+    assert fc2.dim == 1 and [(p.start, p.stop, p.dim) for p in fc2.pieces] == [(48, 96, 1)]
+    # Row-parallel biases are whole on every rank; the vocabulary's padding is rank 1's tail.
+    assert [(p.start, p.stop) for p in plan["decoder.layers.0.mlp.linear_fc2.bias"].pieces] == [
+        (0, 64)
+    ]
+    embedding = plan["embedding.word_embeddings.weight"].pieces
+    assert [(p.key, p.start, p.stop) for p in embedding] == [
+        ("model.embed_tokens.weight", 192, 300),
+        (None, 108, 192),
+    ]
+
+
+def test_a_model_fp8ops_did_not_import_exports_with_a_config_that_means_it(
+    hf_models, megatron_tp1, tmp_path
+):
+    from transformers import AutoModelForCausalLM
+
+    from fp8ops.megatron.compat import parallel_state
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    for kind in ("qwen3", "llama-tied", "qwen2"):
+        hf_dir, reference = hf_models[kind]
+        model, manifest, _ = fp32_model(hf_dir, tp_group)
+        out = tmp_path / kind
+        write_hf(model, manifest.model, out)  # no source: config.json made from the model section
+        reloaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+        tokens = prompt()
+        with torch.no_grad():
+            assert (reloaded(tokens).logits - reference(tokens).logits).abs().max().item() < BOUND
+    # A model section no family holds is refused before anything is written.
+    odd = manifest.model.model_copy(update={"qk_layernorm": True})
+    with pytest.raises(
+        HfCheckpointError, match="qk_layernorm with add_qkv_bias has no Hugging Face"
+    ):
+        write_hf(model, odd, tmp_path / "odd")
+    assert not (tmp_path / "odd").exists()
+
+
+def test_an_export_whose_check_fails_leaves_nothing(hf_models, megatron_tp1, tmp_path):
+    from fp8ops.megatron.compat import parallel_state
+
+    hf_dir, _ = hf_models["mistral"]
+    model, manifest, _ = fp32_model(hf_dir, parallel_state.get_tensor_model_parallel_group())
+    seen = []
+
+    def failing_check(written: Path) -> dict:
+        seen.append(sorted(p.name for p in written.iterdir()))
+        raise HfCheckpointError("the comparison failed")
+
+    with pytest.raises(HfCheckpointError, match="the comparison failed"):
+        write_hf(model, manifest.model, tmp_path / "out", source=hf_dir, check=failing_check)
+    assert "config.json" in seen[0]  # it ran on the written files, before the rename
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_a_shard_holding_a_tensor_its_index_does_not_name_is_refused(hf_models, tmp_path):
+    from fp8ops.hf.checkpoint import weight_files
+
+    _, reference = hf_models["qwen2"]
+    sharded = tmp_path / "sharded"
+    reference.save_pretrained(sharded, max_shard_size="100KB")
+    index = json.loads((sharded / INDEX).read_text())
+    counts = Counter(index["weight_map"].values())  # a file that still holds named tensors
+    dropped = next(k for k, f in sorted(index["weight_map"].items()) if counts[f] > 1)
+    file = index["weight_map"].pop(dropped)
+    (sharded / INDEX).write_text(json.dumps(index))
+    with pytest.raises(
+        HfCheckpointError, match=f"{file}: holds '{dropped}', which {INDEX} does not name"
+    ):
+        weight_files(sharded)

@@ -88,6 +88,10 @@ def test_a_fine_tune_in_fp8_exports_what_transformers_reloads(tmp_path, cli):
         theirs = reloaded(tokens).logits
     assert (ours - theirs).abs().max().item() < BOUND
     assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
+    # --verify is a transformers check: refused for the fp8ops format.
+    result = cli("checkpoints", "export", run, "--out", tmp_path / "fp8", "--verify")
+    assert result.code == 2 and "only with --format hf" in result.err
+    assert not (tmp_path / "fp8").exists()
     # A second export over the first is refused and leaves it whole.
     before = sorted(p.name for p in out.iterdir())
     assert cli("checkpoints", "export", run, "--format", "hf", "--out", out).code == 2

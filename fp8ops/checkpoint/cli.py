@@ -107,17 +107,21 @@ def checkpoints_export(
         ),
     ] = ExportFormat.fp8ops,
     verify: Annotated[
-        bool,
+        bool | None,
         typer.Option(
-            "--verify",
-            help="--format hf: transformers' logits for the export must equal fp8ops' (the "
-            "comparison runs and is recorded whenever transformers is installed).",
+            "--verify/--no-verify",
+            help="--format hf: transformers' logits for the export must equal fp8ops' (without "
+            "either flag the comparison runs and is recorded whenever transformers is installed; "
+            "--no-verify skips it).",
+            show_default=False,
         ),
-    ] = False,
+    ] = None,
 ) -> None:
     """Write one checkpoint's weights as a weights checkpoint (what final/ holds at the end),
     for model.init_checkpoint: the release of an earlier step, or a new run from a paused one;
     or, with --format hf, as a Hugging Face checkpoint to serve."""
+    if verify is not None and format_ is not ExportFormat.hf:
+        raise Fp8opsError("--verify/--no-verify: only with --format hf (a transformers check)")
     if format_ is ExportFormat.hf:
         from fp8ops.train.export import export_hf
 

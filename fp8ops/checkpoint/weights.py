@@ -221,10 +221,12 @@ def load_weights(model: nn.Module, directory: Path, model_cfg, *, tp_group, fiel
     meta_path = directory / META_FILE
     meta = read_weights_meta(directory, field=field)
     if meta["architecture"] != architecture(model_cfg):
+        wanted = architecture(model_cfg)
         differences = [
-            f"{key}: checkpoint {meta['architecture'].get(key)!r}, manifest {value!r}"
-            for key, value in architecture(model_cfg).items()
-            if meta["architecture"].get(key) != value
+            f"{key}: checkpoint {meta['architecture'].get(key, 'its default')!r}, manifest "
+            f"{wanted.get(key, 'its default')!r}"
+            for key in sorted(wanted.keys() | meta["architecture"].keys())
+            if meta["architecture"].get(key) != wanted.get(key)
         ]
         raise ManifestError(
             f"{field} {str(directory)!r} holds a different model than the manifest's model "
@@ -314,9 +316,16 @@ def read_weights_meta(directory: Path, *, field: str) -> dict:
     try:
         meta = json.loads(meta_path.read_text())
     except FileNotFoundError:
+        if (directory / "config.json").is_file():
+            raise ManifestError(
+                f"{field}: {str(directory)!r} has a config.json but no model.safetensors or "
+                "model.safetensors.index.json: fp8ops reads Hugging Face weights from safetensors "
+                "only (save the model with transformers' save_pretrained to convert .bin files)"
+            ) from None
         raise ManifestError(
             f"{field}: {str(directory)!r} is not an fp8ops weights checkpoint (no {META_FILE}); "
-            "point it at the 'final' directory of a completed run"
+            "point it at the 'final' directory of a completed run, or at a Hugging Face "
+            "checkpoint directory"
         ) from None
     except json.JSONDecodeError as exc:
         raise ManifestError(

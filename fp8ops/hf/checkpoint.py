@@ -63,17 +63,30 @@ def weight_files(directory: Path) -> dict[str, Path]:
         if files is None:
             return dict.fromkeys(handles[directory / SINGLE].keys(), directory / SINGLE)
         held = {path: set(handle.keys()) for path, handle in handles.items()}
-        for name, path in files.items():
-            if name not in held[path]:
-                raise HfCheckpointError(
-                    f"{directory / INDEX}: names {name!r} in {path.name}, which does not hold it"
-                )
+    for name, path in files.items():
+        if name not in held[path]:
+            raise HfCheckpointError(
+                f"{directory / INDEX}: names {name!r} in {path.name}, which does not hold it"
+            )
+    for path, names in held.items():
+        unnamed = sorted(n for n in names if files.get(n) != path)
+        if unnamed:
+            raise HfCheckpointError(
+                f"{path}: holds {unnamed[0]!r}, which {INDEX} does not name there "
+                f"({len(unnamed)} such tensors); the index and its shards disagree"
+            )
     return files
 
 
 def open_files(stack: ExitStack, paths) -> dict[Path, object]:
     """``safe_open`` each file (kept open by ``stack``), with errors that name it."""
-    from safetensors import SafetensorError, safe_open
+    try:
+        from safetensors import SafetensorError, safe_open
+    except ImportError:
+        raise HfCheckpointError(
+            "reading Hugging Face checkpoints needs the safetensors library: "
+            "pip install 'fp8ops[hf]'"
+        ) from None
 
     handles = {}
     for path in sorted(paths):
@@ -90,12 +103,16 @@ def open_files(stack: ExitStack, paths) -> dict[Path, object]:
 
 
 def fingerprint(directory: Path) -> str:
-    """sha256 over ``config.json``, the index (if any) and every safetensors file, each under
-    its name: what the import read, so a changed file cannot pass unnoticed."""
+    """sha256 over ``config.json``, the index (if any) and the safetensors files the import
+    reads (the index's, or ``model.safetensors``), each under its name: a changed file cannot
+    pass unnoticed."""
     directory = Path(directory)
     digest = hashlib.sha256()
-    names = [CONFIG, INDEX] + sorted(p.name for p in directory.glob("*.safetensors"))
-    for name in names:
+    if (directory / INDEX).is_file():
+        weights = sorted({p.name for p in weight_files(directory).values()})
+    else:
+        weights = [SINGLE]
+    for name in [CONFIG, INDEX, *weights]:
         path = directory / name
         if not path.is_file():
             continue

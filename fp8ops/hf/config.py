@@ -219,6 +219,9 @@ def _rope(config, refuse) -> dict[str, Any]:
         raise refuse("rope_theta", f"is {config['rope_theta']} but {key}.rope_theta is {base}")
     if kind == "default":
         return {"rotary_base": float(base), "rope_scaling": None}
+    missing = sorted(_ROPE_KEYS[kind] - {"rope_type", "rope_theta"} - set(params))
+    if missing:
+        raise refuse(f"{key}.{missing[0]}", f"is missing; {kind!r} scaling needs it")
     scaling: dict[str, Any] = {"type": kind, "factor": float(params["factor"])}
     if kind == "llama3":
         scaling |= {
@@ -227,6 +230,28 @@ def _rope(config, refuse) -> dict[str, Any]:
             "original_max_position_embeddings": int(params["original_max_position_embeddings"]),
         }
     return {"rotary_base": float(base), "rope_scaling": scaling}
+
+
+def differences(config: dict[str, Any], model_cfg, *, source: str) -> list[str]:
+    """Where the manifest's model section is not the model ``config`` means, field by field,
+    each value as the schema holds it (a head count left null means one group per head)."""
+    wanted = model_fields(config, source=source)
+    expected = type(model_cfg).model_validate({**model_cfg.model_dump(), **wanted})
+    section = model_cfg.model_dump(mode="json")
+    meant = expected.model_dump(mode="json")
+
+    def effective(values: dict, name: str):
+        if name == "num_query_groups":
+            return values[name] or values["num_attention_heads"]
+        if name == "kv_channels":
+            return values[name] or values["hidden_size"] // values["num_attention_heads"]
+        return values[name]
+
+    return [
+        f"model.{name} is {section[name]!r} but {CONFIG} means {meant[name]!r}"
+        for name in wanted
+        if effective(section, name) != effective(meant, name)
+    ]
 
 
 def _full_attention_only(config, refuse) -> None:
@@ -260,6 +285,11 @@ def config_for(model_cfg, *, dtype: str, source: dict[str, Any] | None = None) -
         raise HfCheckpointError(
             "model: " + "; ".join(problems) + ": this model has no Hugging Face form; export it "
             "as an fp8ops weights checkpoint (--format fp8ops)"
+        )
+    if model_cfg.qk_layernorm and model_cfg.add_qkv_bias:
+        raise HfCheckpointError(
+            "model: qk_layernorm with add_qkv_bias has no Hugging Face family (Qwen3 has no QKV "
+            "bias); export it as an fp8ops weights checkpoint (--format fp8ops)"
         )
     family = "qwen3" if model_cfg.qk_layernorm else "qwen2" if model_cfg.add_qkv_bias else "llama"
     config: dict[str, Any] = {

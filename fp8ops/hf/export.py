@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -21,11 +22,12 @@ import torch
 from torch import nn
 
 from fp8ops.hf import checkpoint as files
-from fp8ops.hf.config import CONFIG, HfCheckpointError, config_for, model_fields, read_config
+from fp8ops.hf.config import CONFIG, HfCheckpointError, config_for, differences, read_config
 from fp8ops.hf.mapping import hf_shapes, parameter_names, shard_plan
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 MAX_SHARD_BYTES = 2 * 1024**3
+SUMMARY = "fp8ops_export.json"  # what an export wrote and how it compared, beside it
 
 
 def hf_tensors(model: nn.Module, model_cfg) -> dict[str, torch.Tensor]:
@@ -62,29 +64,40 @@ def write_hf(
     source: Path | None = None,
     tokenizer_dir: Path | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
+    check: Callable[[Path], dict] | None = None,
 ) -> dict:
     """Write ``model`` (TP 1) to the new directory ``out`` in Hugging Face form, in ``dtype``
-    (default: the model's): sharded
-    safetensors and their index, ``config.json`` (``source``'s, dtype set; else made from the
+    (default: the model's): sharded safetensors and their index, ``config.json`` (``source``'s, dtype set; else made from the
     model section), ``generation_config.json`` and the tokenizer files (from ``tokenizer_dir``,
-    else ``source``). Returns a summary of what was written."""
+    else ``source``), and ``fp8ops_export.json``, the summary it returns. ``check`` runs on the
+    written directory before it is renamed into place (its result joins the summary): when it
+    raises, nothing is left at ``out``."""
     from safetensors.torch import save_file
 
     out = Path(out)
     source = Path(source) if source is not None else None
     tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
     partial = out.with_name(out.name + ".partial")
-    if out.exists() or partial.exists():
-        raise HfCheckpointError(
-            f"--out {out}: already exists; fp8ops never writes over files, so choose a new "
-            "directory"
-        )
-    tensors = hf_tensors(model, model_cfg)
-    dtype = dtype or next(iter(tensors.values())).dtype
-    tensors = {key: tensor.to(dtype) for key, tensor in tensors.items()}
-    shapes = hf_shapes(model_cfg)
-    _check_against(tensors, shapes, what="the model's Hugging Face form")
+    for taken in (out, partial):
+        if taken.exists():
+            raise HfCheckpointError(
+                f"--out {out}: {taken} already exists (a .partial is an export that did not "
+                "finish: remove it); fp8ops never writes over files, so choose a new directory"
+            )
+    # The config first: a model section with no exact Hugging Face form is refused before any
+    # tensor is cut.
+    dtype = dtype or next(model.parameters()).dtype
     source_config = read_config(source) if source is not None else None
+    config = config_for(model_cfg, dtype=DTYPE_NAMES[dtype], source=source_config)
+    found = differences(config, model_cfg, source=f"the exported {CONFIG}")
+    if found:
+        origin = f"{source / CONFIG}" if source is not None else f"the {CONFIG} made for it"
+        raise HfCheckpointError(
+            f"{origin} does not mean the run's model section ({'; '.join(found)}); the model "
+            "has no exact Hugging Face form: export it with --format fp8ops"
+        )
+    tensors = {key: t.to(dtype) for key, t in hf_tensors(model, model_cfg).items()}
+    _check_against(tensors, hf_shapes(model_cfg), what="the model's Hugging Face form")
     if source is not None:
         with ExitStack() as stack:
             where = files.weight_files(source)
@@ -93,14 +106,6 @@ def write_hf(
                 k: tuple(handles[f].get_slice(k).get_shape()) for k, f in where.items()
             }
         _check_against(tensors, source_shapes, what=f"the source checkpoint {source}")
-    config = config_for(model_cfg, dtype=DTYPE_NAMES[dtype], source=source_config)
-    if model_fields(config, source=f"the exported {CONFIG}") != model_fields(
-        config_for(model_cfg, dtype=DTYPE_NAMES[dtype]), source="the model section"
-    ):
-        raise HfCheckpointError(
-            f"{source}/{CONFIG} does not mean the run's model section; the run's model is not "
-            "the imported one"
-        )
 
     partial.mkdir(parents=True)
     try:
@@ -114,18 +119,20 @@ def write_hf(
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (partial / files.INDEX).write_text(json.dumps(index, indent=2) + "\n")
         (partial / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        copied = _copy_metadata(partial, source, tokenizer_dir, config)
+        summary = {
+            "tensors": len(tensors),
+            "shards": len(shards),
+            "bytes": total,
+            "dtype": DTYPE_NAMES[dtype],
+            "copied": _copy_metadata(partial, source, tokenizer_dir, config),
+        }
+        summary |= check(partial) if check is not None else {}
+        (partial / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
         os.replace(partial, out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    return {
-        "tensors": len(tensors),
-        "shards": len(shards),
-        "bytes": total,
-        "dtype": DTYPE_NAMES[dtype],
-        "copied": copied,
-    }
+    return summary
 
 
 def _check_against(tensors, shapes, *, what: str) -> None:

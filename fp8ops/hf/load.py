@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8ops.hf import checkpoint as files
-from fp8ops.hf.config import CONFIG, HfCheckpointError, check_window, model_fields, read_config
+from fp8ops.hf.config import CONFIG, HfCheckpointError, check_window, differences, read_config
 from fp8ops.hf.mapping import hf_shapes, parameter_names, shard_plan
 
 
@@ -27,18 +27,12 @@ def check_config(directory: Path, model_cfg, *, field: str) -> dict:
     section, ``field`` naming where it points at the checkpoint); returns the config."""
     source = Path(directory) / CONFIG
     config = read_config(directory)
-    wanted = model_fields(config, source=str(source))
+    found = differences(config, model_cfg, source=str(source))
     check_window(config, model_cfg.seq_length, source=str(source))
-    section = model_cfg.model_dump(mode="json")
-    differences = [
-        f"model.{name} is {section[name]!r} but {CONFIG} means {value!r}"
-        for name, value in wanted.items()
-        if section[name] != value
-    ]
-    if differences:
+    if found:
         raise HfCheckpointError(
             f"{field} {str(directory)!r}: the manifest's model section is not this checkpoint's "
-            f"model ({'; '.join(differences)}); write the section with `fp8ops manifest from-hf "
+            f"model ({'; '.join(found)}); write the section with `fp8ops manifest from-hf "
             f"{directory}` or correct it"
         )
     return config

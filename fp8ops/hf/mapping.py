@@ -22,8 +22,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fp8ops.hf.config import HfCheckpointError
-
 
 @dataclass(frozen=True)
 class Piece:
@@ -89,28 +87,10 @@ def hf_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_split(model_cfg, tp: int) -> None:
-    """Refuse a tensor-parallel size that cannot split this model the way Megatron does."""
-    heads = model_cfg.num_attention_heads
-    groups = model_cfg.num_query_groups or heads
-    ffn = model_cfg.ffn_hidden_size
-    if groups % tp:
-        raise HfCheckpointError(
-            f"model.num_query_groups {groups} is not divisible by topology.tensor_parallel "
-            f"{tp}: a tensor-parallel rank holds whole key/value groups; choose a "
-            "tensor_parallel that divides it"
-        )
-    for name, size in (("ffn_hidden_size", ffn), ("num_attention_heads", heads)):
-        if size % tp:
-            raise HfCheckpointError(
-                f"model.{name} {size} is not divisible by topology.tensor_parallel {tp}"
-            )
-
-
 def shard_plan(model_cfg, padded_vocab: int, tp: int, rank: int) -> dict[str, Shard]:
     """Each Megatron parameter of TP rank ``rank`` of ``tp``, by its local-spec name, as the
-    pieces of Hugging Face tensors it is made of (module docstring)."""
-    check_split(model_cfg, tp)
+    pieces of Hugging Face tensors it is made of (module docstring). The manifest's own
+    rules guarantee that ``tp`` divides the heads, the key/value groups and the MLP width."""
     hidden, ffn = model_cfg.hidden_size, model_cfg.ffn_hidden_size
     heads = model_cfg.num_attention_heads
     groups = model_cfg.num_query_groups or heads
@@ -131,7 +111,7 @@ def shard_plan(model_cfg, padded_vocab: int, tp: int, rank: int) -> dict[str, Sh
         pad = Piece(None, real.size, stop - start)
         return Shard(tuple(p for p in (real, pad) if p.size))
 
-    def qkv(suffix: str) -> Shard:
+    def qkv(attn: str, suffix: str) -> Shard:  # this rank's whole query groups, in order
         per_group = heads // groups * head_dim
         pieces = []
         for group in range(rank * groups // tp, (rank + 1) * groups // tp):
@@ -154,7 +134,7 @@ def shard_plan(model_cfg, padded_vocab: int, tp: int, rank: int) -> dict[str, Sh
         plan |= {
             mc + "input_layernorm.weight": whole(hf + "input_layernorm.weight", hidden),
             mc + "pre_mlp_layernorm.weight": whole(hf + "post_attention_layernorm.weight", hidden),
-            mc + "self_attention.linear_qkv.weight": qkv("weight"),
+            mc + "self_attention.linear_qkv.weight": qkv(attn, "weight"),
             mc + "self_attention.linear_proj.weight": columns(
                 attn + "o_proj.weight", heads * head_dim
             ),
@@ -167,7 +147,7 @@ def shard_plan(model_cfg, padded_vocab: int, tp: int, rank: int) -> dict[str, Sh
             plan[mc + "self_attention.q_layernorm.weight"] = whole(attn + "q_norm.weight", head_dim)
             plan[mc + "self_attention.k_layernorm.weight"] = whole(attn + "k_norm.weight", head_dim)
         if model_cfg.add_bias_linear or model_cfg.add_qkv_bias:
-            plan[mc + "self_attention.linear_qkv.bias"] = qkv("bias")
+            plan[mc + "self_attention.linear_qkv.bias"] = qkv(attn, "bias")
         if model_cfg.add_bias_linear:
             # Row-parallel biases are whole on every rank (added once, after the reduction).
             plan[mc + "self_attention.linear_proj.bias"] = whole(attn + "o_proj.bias", hidden)

@@ -61,7 +61,9 @@ class TrainRequest:
     accept_drift: str | None = None
     after_stop: str | None = None
     stop_at: int | None = None
-    verify: bool = False  # a Hugging Face base must match transformers' logits (else refused)
+    # A Hugging Face base compared with transformers' logits: None where transformers is
+    # installed, True required to match (else refused), False not compared.
+    verify: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,7 @@ class New:
     source: str  # where the manifest came from, as messages name it
     start_over: bool = False  # train --resume without a checkpoint: set an unfinished try aside
     stop_at: int | None = None
-    verify: bool = False  # TrainRequest.verify
+    verify: bool | None = None  # TrainRequest.verify
 
 
 @dataclass

@@ -68,14 +68,15 @@ def train_command(
     after_stop: AfterStop = None,
     stop_at: StopAt = None,
     verify: Annotated[
-        bool,
+        bool | None,
         typer.Option(
-            "--verify",
+            "--verify/--no-verify",
             help="A Hugging Face model.init_checkpoint must give transformers' logits on a fixed "
-            "prompt, else the run is refused (the comparison runs and is recorded in run.json "
-            "whenever transformers is installed).",
+            "prompt, else the run is refused (without either flag the comparison runs and is "
+            "recorded in run.json whenever transformers is installed; --no-verify skips it).",
+            show_default=False,
         ),
-    ] = False,
+    ] = None,
 ) -> None:
     """Train MANIFEST's model (fine-tune from model.init_checkpoint, or pre-train from scratch).
 

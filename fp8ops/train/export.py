@@ -127,49 +127,53 @@ def export_weights(run_dir: Path, checkpoint: str | None, out: Path) -> dict:
     return written
 
 
-def export_hf(run_dir: Path, checkpoint: str | None, out: Path, *, verify: bool = False) -> dict:
+def export_hf(
+    run_dir: Path, checkpoint: str | None, out: Path, *, verify: bool | None = None
+) -> dict:
     """Write the weights of ``run_dir``'s checkpoint to ``out`` (a new directory) as a Hugging
-    Face checkpoint, then compare transformers' reading of it with the model it came from
-    (``verify``: a mismatch is an error, and transformers must be installed). Returns the
-    summary, also written beside the export as ``fp8ops_export.json``."""
-    import json
-
+    Face checkpoint, compared, before it is renamed into place, with transformers' reading of
+    it. ``verify``: None compares where transformers is installed and records the result; True
+    also makes a mismatch (or no transformers) an error, leaving nothing at ``out``; False skips
+    the comparison. Returns the summary, also written beside the export (``fp8ops_export.json``)."""
+    from fp8ops.checkpoint.weights import is_hf_base
     from fp8ops.hf import verify as hf_verify
-    from fp8ops.hf.checkpoint import is_hf_checkpoint
     from fp8ops.hf.export import write_hf
+    from fp8ops.megatron.model import DTYPES
 
     out = Path(out)
     _refuse_existing(out)
-    from fp8ops.megatron.model import DTYPES
-
+    if verify and not hf_verify.transformers_available():
+        raise Fp8opsError(
+            "--verify needs transformers to read the export back: pip install 'fp8ops[hf]'"
+        )
+    compare = verify is not False and hf_verify.transformers_available()
     # Read in float32 (the saved values widened exactly) and written back in the run's dtype:
     # the comparison with transformers then runs both models in float32, with a tight bound.
     with checkpoint_model(run_dir, checkpoint, float32=True) as found:
         model_cfg, tokenizer = found.manifest.model, found.manifest.tokenizer
         base = model_cfg.init_checkpoint
-        source = Path(base) if base is not None and is_hf_checkpoint(Path(base)) else None
+        source = Path(base) if base is not None and is_hf_base(Path(base)) else None
         tokenizer_dir = None
         if tokenizer.kind == "huggingface":
             path = Path(tokenizer.path)
             tokenizer_dir = path if path.is_dir() else path.parent
-        summary = write_hf(
+
+        def check(written: Path) -> dict:
+            record = {"exported_from": str(found.source), "steps": found.meta.step}
+            if compare:
+                record["verification"] = hf_verify.compare(
+                    found.model, written, model_cfg, tp_group=found.tp_group, what="export"
+                )
+                if verify:
+                    hf_verify.require(record["verification"], source=str(out))
+            return record
+
+        return write_hf(
             found.model,
             model_cfg,
             out,
             dtype=DTYPES[found.manifest.precision.base_dtype],
             source=source,
             tokenizer_dir=tokenizer_dir,
+            check=check,
         )
-        summary |= {"exported_from": str(found.source), "steps": found.meta.step}
-        if hf_verify.transformers_available():
-            summary["verification"] = hf_verify.compare(
-                found.model, out, model_cfg, tp_group=found.tp_group, what="export"
-            )
-            if verify:
-                hf_verify.require(summary["verification"], source=str(out))
-        elif verify:
-            raise Fp8opsError(
-                "--verify needs transformers to read the export back: pip install 'fp8ops[hf]'"
-            )
-    (out / "fp8ops_export.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary

@@ -47,7 +47,7 @@ def run_training(
     accept_drift: str | None = None,
     after_stop: str | None = None,
     stop_at: int | None = None,
-    verify: bool = False,
+    verify: bool | None = None,
 ) -> TrainResult | Complete:
     """Everything ``fp8ops train`` does (:class:`~fp8ops.start.TrainRequest` says what each
     argument asks). A finished run rerun is :class:`~fp8ops.start.Complete`."""
@@ -180,7 +180,7 @@ def _built(plan: New | Resume, ranks, *, progress: bool, stop_request) -> Traine
         inputs,
         ranks,
         from_base=resume is None,
-        verify_base=getattr(plan, "verify", False),
+        verify_base=plan.verify if isinstance(plan, New) else None,
         progress=progress,
         stop_request=stop_request,
     )
@@ -255,9 +255,10 @@ def _run_record(trainer: Trainer) -> RunRecord:
     from fp8ops.run.environment import environment_fingerprint
 
     manifest, topology, base = trainer.manifest, trainer.manifest.topology, trainer.base
-    # A base loaded and verified in the model's own dtype is already hashed: the same bytes.
+    # A weights checkpoint loaded and verified in the model's own dtype is already hashed: the
+    # same bytes. (A Hugging Face base's fingerprint is of its files, not of the model's tensors.)
     dtype = str(trainer.model_dtype).removeprefix("torch.")
-    if base and base["verified"] and base["dtype"] == dtype:
+    if base and base.get("format") != "hf" and base["verified"] and base["dtype"] == dtype:
         initial, scheme = base["fingerprint"], base["fingerprint_scheme"]
     else:
         scheme = weights.FINGERPRINT_SCHEME

@@ -108,7 +108,7 @@ class Trainer:
         ranks: Ranks,
         *,
         from_base: bool = True,
-        verify_base: bool = False,
+        verify_base: bool | None = None,
         progress: bool = True,
         stop_request=None,
     ):
@@ -185,11 +185,18 @@ class Trainer:
 
     # -- before the loop: a checkpoint in, the run directory handed over ------------------------
 
-    def _load_base(self, verify: bool) -> dict | None:
+    def _load_base(self, verify: bool | None) -> dict | None:
         """A new run's starting weights: ``model.init_checkpoint``, loaded and verified; its
         metadata (None without a base). A Hugging Face base is compared with transformers'
-        logits where transformers is installed (``verify``: required to match)."""
+        logits (``verify``: None where transformers is installed, True required to match,
+        False not at all)."""
         path = self.manifest.model.init_checkpoint
+        if verify and (path is None or not weights.is_hf_base(Path(path))):
+            raise ManifestError(
+                "--verify compares a Hugging Face model.init_checkpoint with transformers, and "
+                f"this run's base is {'none' if path is None else 'an fp8ops weights checkpoint'}"
+                ": leave --verify out"
+            )
         if path is None:
             return None
         base = weights.load_base(
@@ -205,8 +212,8 @@ class Trainer:
                 f"model.fingerprint is {wanted} but {path} holds weights {found}; point "
                 "model.init_checkpoint at the intended base or update model.fingerprint"
             )
-        if base.get("format") == "hf":
-            base["verification"] = self._verify_hf_base(Path(path), verify)
+        if base.get("format") == "hf" and verify is not False:
+            base["verification"] = self._verify_hf_base(Path(path), bool(verify))
         return base
 
     def _verify_hf_base(self, path: Path, required: bool) -> dict | None:

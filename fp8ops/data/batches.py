@@ -25,6 +25,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -88,6 +89,9 @@ class Sequences:
     # SFT only (empty for pre-training): the example behind each row, for generation-based
     # evaluation, and its bucket labels.
     examples: tuple[Example, ...] = ()
+    # Chat only: aligned with ``ids``, 1 where that id is an assistant token (a label position
+    # is scored when the id it predicts is); ``scored_from`` is then 0. None: scored_from rules.
+    scored: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.pad_to not in ("seq_length", "longest"):
@@ -153,6 +157,9 @@ class Sequences:
         position = np.arange(self.seq_length if width is None else width)
         last = self.starts[rows + 1] - self.starts[rows] - 1
         scored = (position >= self.scored_from[rows, None]) & (position < last[:, None])
+        if self.scored is not None:  # label p predicts id p + 1 of the window
+            at = np.where(scored, self.starts[rows, None] + position + 1, 0)
+            scored &= self.scored[at].astype(bool)
         return scored.astype(np.float32)
 
     def batch(self, indices: torch.Tensor | Sequence[int]) -> MicroBatch:
@@ -176,6 +183,8 @@ class Sequences:
 
     def loss_tokens(self) -> int:
         lengths = np.diff(self.starts)
+        if self.scored is not None:
+            return int(sum(self.scored[a + 1 : b].sum() for a, b in pairwise(self.starts)))
         return int((lengths - 1 - self.scored_from).sum())
 
     def summary(self) -> dict[str, Any]:
@@ -268,6 +277,45 @@ def sft_sequences(
     )
 
 
+def chat_sequences(
+    rendered: Sequence, seq_length: int, tokenizer: Tokenizer, pad_to: str, overlong: str
+) -> tuple[Sequences, dict[str, int]]:
+    """One sequence per rendered conversation (``fp8ops.data.chat.Rendered``), the loss on its
+    assistant tokens; one longer than ``seq_length + 1`` dropped or truncated (``overlong``),
+    and one left without an assistant token dropped. Returns the sequences and the counts."""
+    width = seq_length + 1
+    dtype = id_dtype(tokenizer.vocab_size)
+    ids, masks, lengths, examples = [], [], [], []
+    counts = {"conversations": len(rendered), "overlong_dropped": 0, "overlong_truncated": 0}
+    counts["no_assistant_tokens_dropped"] = 0
+    for item in rendered:
+        row_ids, row_mask = item.ids, item.scored
+        if len(row_ids) > width:
+            if overlong == "drop":
+                counts["overlong_dropped"] += 1
+                continue
+            counts["overlong_truncated"] += 1
+            row_ids, row_mask = row_ids[:width], row_mask[:width]
+        if not row_mask[1:].any():  # no label position would be scored
+            counts["no_assistant_tokens_dropped"] += 1
+            continue
+        ids.append(row_ids.astype(dtype))
+        masks.append(row_mask)
+        lengths.append(len(row_ids))
+        examples.append(item.example)
+    sequences = Sequences(
+        ids=np.concatenate(ids) if ids else np.zeros(0, dtype=dtype),
+        starts=np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64),
+        scored_from=np.zeros(len(lengths), dtype=np.int64),
+        seq_length=seq_length,
+        pad=tokenizer.pad,
+        pad_to=pad_to,
+        examples=tuple(examples),
+        scored=np.concatenate(masks) if masks else np.zeros(0, dtype=np.uint8),
+    )
+    return sequences, counts
+
+
 def refused(origin: str, exc: TextRefused) -> ManifestError:
     """The tokenizer's refusal of a text, named by where the text is (``FILE: line N``)."""
     where = f"{origin}: " if origin else ""
@@ -309,6 +357,8 @@ class TokenizedData:
             for rows in chunks:
                 digest.update(split.loss_mask(rows).astype("<f4", copy=False))
             digest.update(json.dumps(list(split.buckets), sort_keys=True).encode())
+        if "chat_template_sha256" in self.source:  # what rendered the conversations
+            digest.update(f"chat template {self.source['chat_template_sha256']}\n".encode())
         return digest.hexdigest()
 
     def eval_batches(self, micro_batch_size: int) -> Iterator[MicroBatch]:

@@ -7,15 +7,18 @@ and checks ``data.fingerprint`` when set.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import platform
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from fp8ops.data.batches import (
     TokenizedData,
+    chat_sequences,
     id_dtype,
     refused,
     sft_sequences,
@@ -60,9 +63,19 @@ def build_data(manifest: Manifest, tokenizer: Tokenizer | None = None) -> Tokeni
             "python": platform.python_version(),
         }
         data = _pretraining(config.kind, corpus.data, seq_length, config.eval_fraction, source)
+    elif config.kind == "tasks" and config.as_chat:
+        from fp8ops.data.chat import task_conversation
+
+        train, evaluation = split_examples(
+            generate_examples(seed, config.num_examples), config.eval_fraction, config.split_version
+        )
+        splits = [[task_conversation(e) for e in split] for split in (train, evaluation)]
+        data = _chat(config, seq_length, tokenizer, source, splits=splits)
     elif config.kind == "tasks":
         examples = generate_examples(seed, config.num_examples)
         data = _sft(config, examples, seq_length, tokenizer, source)
+    elif config.kind == "chat":
+        data = _chat(config, seq_length, tokenizer, source)
     else:  # jsonl
         file = read_jsonl(config.path)
         source |= {"path": str(file.path), "file_sha256": file.sha256}
@@ -115,6 +128,47 @@ def _text_stream(file: JsonlData, tokenizer: Tokenizer, split_version: int) -> b
     end = np.array([tokenizer.eod], dtype=dtype)
     parts = [part for ids in encoded for part in (np.asarray(ids, dtype=dtype), end)]
     return np.concatenate(parts) if parts else end[:0]
+
+
+def _chat(
+    config: DataConfig, seq_length: int, tokenizer: Tokenizer, source: dict, splits=None
+) -> TokenizedData:
+    """Conversations through the tokenizer's chat template: data.path's (split by a hash of
+    each rendered prompt), or ``splits``, the built-in tasks already split (data.as_chat)."""
+    from fp8ops.data import chat
+
+    what = "data.as_chat" if splits is not None else "data.kind: 'chat'"
+    if tokenizer.kind != "huggingface":
+        raise ManifestError(
+            f"{what} renders conversations with a tokenizer's chat template, and "
+            f"tokenizer.kind '{tokenizer.kind}' has none; use a chat model's tokenizer "
+            "(tokenizer.kind 'huggingface')"
+        )
+    template = chat.chat_template(tokenizer.file.parent)
+    if splits is None:
+        rendered = chat.render(chat.read_chat(config.path), tokenizer, tokenizer.file.parent)
+        by_example = {id(item.example): item for item in rendered}
+        examples = split_examples(
+            [item.example for item in rendered], config.eval_fraction, config.split_version
+        )
+        split_items = [[by_example[id(e)] for e in split] for split in examples]
+        path = Path(config.path)
+        source |= {"path": str(path), "file_sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    else:
+        split_items = [chat.render(split, tokenizer, tokenizer.file.parent) for split in splits]
+    parts, counts = [], {}
+    for items in split_items:
+        sequences, found = chat_sequences(
+            items, seq_length, tokenizer, config.pad_to, config.overlong
+        )
+        parts.append(sequences)
+        counts = {k: counts.get(k, 0) + v for k, v in found.items()}
+    source |= {
+        "chat_template_sha256": chat.template_sha256(template),
+        "overlong": config.overlong,
+        **counts,
+    }
+    return TokenizedData(config.kind, "sft", parts[0], parts[1], source)
 
 
 def _sft(

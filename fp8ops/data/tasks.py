@@ -57,6 +57,9 @@ class Example:
     # "add 39 12" too): what split version 2 hashes. Empty: the problem is its own.
     canonical: str = ""
     origin: str = field(default="", compare=False)  # "FILE: line N" for your own data
+    # A chat template's rendering (data kind 'chat'): the prompt holds the template's own
+    # special tokens, its end-of-turn token among them, and is encoded as such.
+    rendered: bool = False
 
     @property
     def key(self) -> str:

@@ -125,6 +125,20 @@ class HuggingFaceTokenizer:
             ids += [encoding.ids for encoding in chunk]
         return _each(self._checked, ids)
 
+    def encode_rendered(
+        self, texts: Sequence[str]
+    ) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """Each text a chat template rendered as (ids, each id's character span): the turn
+        markers and end-of-turn tokens the template placed stay special tokens, and the
+        end-of-document token may occur (it ends each turn), so nothing is refused."""
+        out = []
+        for start in range(0, len(texts), _BATCH):
+            chunk = self._tokenizer.encode_batch(
+                list(texts[start : start + _BATCH]), add_special_tokens=False
+            )
+            out += [(encoding.ids, encoding.offsets) for encoding in chunk]
+        return out
+
     def _checked(self, ids: list[int]) -> list[int]:
         if self.eod in ids:
             raise ValueError(

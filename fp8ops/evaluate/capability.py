@@ -62,6 +62,14 @@ def capability_examples(data: TokenizedData, config, tokenizer: Tokenizer) -> li
     return examples
 
 
+def prompt_ids(tokenizer: Tokenizer, example: Example) -> list[int]:
+    """What the model is prompted with: the prompt's ids; a chat prompt (rendered by the chat
+    template, up to the assistant's turn) with the template's special tokens as they are."""
+    if example.rendered:
+        return tokenizer.encode_rendered([example.prompt])[0][0]
+    return tokenizer.encode(example.prompt)
+
+
 @torch.no_grad()
 def evaluate_capability(
     model,
@@ -91,7 +99,7 @@ def evaluate_capability(
         batch = examples[start : start + batch_size]
         continuations = generate(
             model,
-            [tokenizer.encode(example.prompt) for example in batch],
+            [prompt_ids(tokenizer, example) for example in batch],
             max_new_tokens=manifest.capability.max_new_tokens,
             seq_length=manifest.model.seq_length,
             vocab_size=vocab_size,

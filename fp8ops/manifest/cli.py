@@ -195,7 +195,11 @@ def from_hf(
     tensor_parallel: Annotated[int, typer.Option(help="topology.tensor_parallel.")] = 1,
     data: Annotated[
         Path | None,
-        typer.Option(help="A JSONL data file (default: the built-in tasks).", show_default=False),
+        typer.Option(
+            help='A JSONL data file: conversations ("messages") become data.kind chat, other '
+            "lines jsonl (default: the built-in tasks).",
+            show_default=False,
+        ),
     ] = None,
 ) -> None:
     """Write a manifest that fine-tunes HF_DIR: model and tokenizer from its files (with

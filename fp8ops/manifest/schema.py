@@ -608,14 +608,18 @@ class TokenizerConfig(_Section):
 class DataConfig(_Section):
     """Training and evaluation data (built by ``fp8ops.data``)."""
 
-    kind: Literal["corpus", "tasks", "jsonl"] = Field(
+    kind: Literal["corpus", "tasks", "jsonl", "chat"] = Field(
         description=(
             "'corpus': fp8ops' built-in byte-level text corpus (the docstrings of a fixed list of "
             "Python standard-library modules, present wherever Python is), for pre-training; "
             "loss on every token. 'tasks': fp8ops' built-in supervised tasks with checkable "
             "answers and evaluation buckets, generated from seeds.data; loss on the answers. "
             "'jsonl': your file at path, one JSON object per line, either {\"text\": ...} "
-            '(pre-training) or {"prompt": ..., "answer": ..., "buckets": {...}} (SFT).'
+            '(pre-training) or {"prompt": ..., "answer": ..., "buckets": {...}} (SFT). '
+            "'chat': your file at path, one conversation per line, "
+            '{"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...], '
+            '"buckets": {...}}, rendered by the tokenizer\'s own chat template; loss on the '
+            "assistant's turns only."
         )
     )
     path: NonEmptyStr | None = Field(
@@ -661,14 +665,37 @@ class DataConfig(_Section):
         ),
     )
 
+    as_chat: bool = added_field(
+        False,
+        added_in="0.1.0",
+        description=(
+            "kind 'tasks' only: each task rendered as a conversation (the prompt a user turn, "
+            "the answer the assistant's) by the tokenizer's chat template, as kind 'chat' renders "
+            "its file: for fine-tuning a chat model on checkable answers."
+        ),
+    )
+    overlong: Literal["drop", "truncate"] = added_field(
+        "drop",
+        added_in="0.1.0",
+        description=(
+            "kind 'chat' only: a conversation longer than model.seq_length + 1 tokens is dropped, "
+            "or truncated to that length (its loss on the assistant tokens left); either way "
+            "counted in the run's data record. (Other kinds refuse an example that does not fit.)"
+        ),
+    )
+
     @model_validator(mode="after")
     def _path_matches_kind(self) -> DataConfig:
         problems = []
-        if self.kind == "jsonl" and self.path is None:
-            problems.append((("path",), None, "required for kind 'jsonl'"))
-        if self.kind != "jsonl" and self.path is not None:
+        if self.kind in ("jsonl", "chat") and self.path is None:
+            problems.append((("path",), None, f"required for kind '{self.kind}'"))
+        if self.kind not in ("jsonl", "chat") and self.path is not None:
             problems.append(
                 (("path",), self.path, f"must be null for kind '{self.kind}' (it reads no file)")
+            )
+        if self.as_chat and self.kind != "tasks":
+            problems.append(
+                (("as_chat",), True, f"only for kind 'tasks' (kind '{self.kind}' is not)")
             )
         _raise_problems("DataConfig", problems)
         return self

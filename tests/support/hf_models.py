@@ -93,3 +93,35 @@ def make_hf_model(directory: Path, kind: str, *, seed: int = 0, **config):
     model.save_pretrained(directory)
     make_tokenizer(Path(directory))
     return model
+
+
+# ChatML, as SmolLM2 and Qwen write it: a default system turn when the conversation has none.
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def make_chat_tokenizer(directory: Path, *, template: str | None = CHATML) -> Path:
+    """A byte-level BPE with ChatML's turn markers as special tokens, ``<|im_end|>`` its
+    end-of-document (end-of-turn) token, and ``template`` as its chat template (None: none)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator([*TEXTS, "system user assistant helpful"] * 20, trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}
+    if template is not None:
+        config["chat_template"] = template
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory

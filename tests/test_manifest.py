@@ -216,6 +216,7 @@ SHIPPED_HASHES = {
     "tiny-gpt-cpu.yaml": "e3401e12090da85ef349b9b7b1848eb4c57b28efa02a86271f0caa44f8c68dcf",
     "llama3-8b-h100.yaml": "e43d286bfcaf197c8a13a910c8ba6cd68badab08aadc1dda6828d607caf0cbb5",
     "llama3-8b-h100-r1.yaml": "5f2ea22db9f025dced89bd8a475ad7ef6d858843f35c6a251f5bdd5b3b0d460c",
+    "smollm2-135m-chat.yaml": "05d3e92a4377d5c9400bf27c9d7c9aaadc8b5340f9bfebe46d5c1a09be5a2e1a",
 }
 
 

@@ -40,7 +40,11 @@ def main() -> None:
     from rich.table import Table
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from fp8ops.data.tasks import Example, check
     from fp8ops.manifest import load_manifest
+
+    def right(item: dict, generated: str) -> bool:  # fp8ops' own exact-match rule
+        return check(Example(item["prompt"], item["answer"]), generated)
 
     out = args.out or Path(tempfile.mkdtemp(prefix="export-")) / "hf"
     started = time.perf_counter()
@@ -98,9 +102,7 @@ def main() -> None:
             "same_as_fp8ops_float32": sum(
                 a == b for a, b in zip(answers, own_answers, strict=True)
             ),
-            "correct": sum(
-                a.strip() == i["answer"].strip() for a, i in zip(answers, items, strict=True)
-            ),
+            "correct": sum(right(i, a) for a, i in zip(answers, items, strict=True)),
             "answers": answers,
         }
     fp8ops_correct = sum(bool(i["correct"]) for i in items)
@@ -108,9 +110,7 @@ def main() -> None:
     table = Table(title=f"{args.run_dir}: exported, reloaded by transformers, {len(items)} items")
     for column in ("model", "answers equal to the run's (FP8)", "to fp8ops float32", "exact match"):
         table.add_column(column, justify="right")
-    own_correct = sum(
-        a.strip() == i["answer"].strip() for a, i in zip(own_answers, items, strict=True)
-    )
+    own_correct = sum(right(i, a) for a, i in zip(own_answers, items, strict=True))
     table.add_row(
         f"fp8ops, the run's evaluation ({evaluations[-1].stem}, FP8)",
         "-",
@@ -127,10 +127,10 @@ def main() -> None:
         )
     console = Console()
     console.print(table)
-    check = summary.get("verification") or {}
+    comparison = summary.get("verification") or {}
     console.print(
         f"export: {export_s:.1f} s, {summary['tensors']} tensors, {summary['dtype']}; logits "
-        f"within {check.get('max_abs_logit_difference', float('nan')):.2g} of transformers "
+        f"within {comparison.get('max_abs_logit_difference', float('nan')):.2g} of transformers "
         "(float32)"
     )
     if args.json:

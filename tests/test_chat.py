@@ -183,13 +183,72 @@ def test_the_template_is_part_of_the_data_fingerprint(tmp_path, tokenizer_dir):
     file = write_chat(tmp_path / "c.jsonl", CONVERSATIONS)
     before = build_data(manifest_for(tmp_path, file, tokenizer_dir))
     config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
-    config["chat_template"] = config["chat_template"].replace(
-        "You are a helpful assistant.", "Be brief."
+    config["chat_template"] = (
+        "{#- another template that renders alike -#}" + config["chat_template"]
     )
     (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps(config))
     after = build_data(manifest_for(tmp_path, file, tokenizer_dir))
+    assert after.train.ids.tobytes() == before.train.ids.tobytes()  # the same tokens ...
     assert after.source["chat_template_sha256"] != before.source["chat_template_sha256"]
-    assert after.fingerprint != before.fingerprint
+    assert after.fingerprint != before.fingerprint  # ... but other data: another template
+
+
+def test_a_truncated_turn_keeps_its_first_tokens_scored(tmp_path, tokenizer_dir):
+    long_answer = " ".join(["add"] * 80)
+    long = [
+        SYSTEM,
+        {"role": "user", "content": "say add"},
+        {"role": "assistant", "content": long_answer},
+    ]
+    file = write_chat(tmp_path / "c.jsonl", [*CONVERSATIONS, long])
+    data = build_data(
+        manifest_for(
+            tmp_path,
+            file,
+            tokenizer_dir,
+            **{"model.seq_length": 96, "data.overlong": "truncate", "data.eval_fraction": 0.0},
+        )
+    )
+    assert data.source["overlong_truncated"] == 1
+    rows = [r for r in scored_text(data, tokenizer_dir) if "say add" in r[0]]
+    (_, runs) = rows[0]
+    assert len(runs) == 1 and long_answer.startswith(runs[0]) and len(runs[0]) < len(long_answer)
+    assert "<|im_end|>" not in runs[0]  # cut inside the answer, before its end of turn
+
+
+def test_a_template_without_the_end_of_document_token_is_refused(tmp_path):
+    tokenizer_dir = make_chat_tokenizer(tmp_path / "tok")
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    config["eos_token"] = "<|endoftext|>"  # not what ChatML ends a turn with
+    (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    file = write_chat(tmp_path / "c.jsonl", CONVERSATIONS)
+    with pytest.raises(
+        ManifestError, match="ends the assistant's turn without the end-of-document"
+    ):
+        build_data(manifest_for(tmp_path, file, tokenizer_dir))
+
+
+def test_content_holding_a_special_token_and_a_refusing_template_are_named(tmp_path, tokenizer_dir):
+    file = tmp_path / "c.jsonl"
+    injected = [{"role": "user", "content": "hi<|im_end|>"}, {"role": "assistant", "content": "x"}]
+    write_chat(file, [CONVERSATIONS[0], injected])
+    with pytest.raises(
+        ManifestError,
+        match=r"line 2: messages\[0\]: content holds the tokenizer's special token '<\|im_end\|>'",
+    ):
+        build_data(manifest_for(tmp_path, file, tokenizer_dir))
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}" + config["chat_template"]
+    )
+    (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    write_chat(file, CONVERSATIONS)
+    with pytest.raises(
+        ManifestError,
+        match="line 1: the chat template refuses this conversation .System role not supported",
+    ):
+        build_data(manifest_for(tmp_path, file, tokenizer_dir))
 
 
 BAD_LINES = {
@@ -203,7 +262,7 @@ BAD_LINES = {
     ),
     "not a string": (
         {"messages": [{"role": "user", "content": ["hi"]}, {"role": "assistant", "content": "y"}]},
-        "line 2: messages[0]: content must be a string, not list",
+        "line 2: messages[0]: 'content' must be a string, got an array",
     ),
     "system later": (
         {

@@ -193,4 +193,26 @@ def test_the_shipped_real_model_manifest_fine_tunes_it_in_fp8(smollm2, tmp_path,
     layers = json.loads((run / "layers.json").read_text())["rows"]
     assert sum(row["precision"] == "fp8" for row in layers) == 120  # 4 projections x 30 layers
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert len(losses) == 2 and losses[1] < losses[0]
+    assert len(losses) == 2 and all(0 < loss < 20 for loss in losses)
+    evaluations = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    assert evaluations and 0 < evaluations[-1]["loss"] < 20
+
+
+def test_a_failed_comparison_or_a_biased_model_leaves_nothing(tiny_gguf, tmp_path):
+    from fp8ops.hf.config import HfCheckpointError
+
+    def failing(written: Path) -> dict:
+        assert (written / "model.safetensors").is_file()  # it runs on what was written
+        raise HfCheckpointError("the logits differ")
+
+    out = tmp_path / "out"
+    with pytest.raises(HfCheckpointError, match="the logits differ"):
+        convert_gguf(tiny_gguf[0], out, check=failing)
+    assert not out.exists() and not (tmp_path / "out.partial").exists()
+
+    biased = tmp_path / "biased"
+    make_hf_model(biased, "llama-biases", vocab_size=320)
+    path = write_gguf(tmp_path / "biased.gguf", biased)
+    with pytest.raises(HfCheckpointError, match="converts Llama GGUF files without biases"):
+        convert_gguf(path, tmp_path / "biased-out")
+    assert not (tmp_path / "biased-out").exists()

@@ -134,7 +134,8 @@ def _chat(
     config: DataConfig, seq_length: int, tokenizer: Tokenizer, source: dict, splits=None
 ) -> TokenizedData:
     """Conversations through the tokenizer's chat template: data.path's (split by a hash of
-    each rendered prompt), or ``splits``, the built-in tasks already split (data.as_chat)."""
+    each conversation before its last answer), or ``splits``, the built-in tasks already split
+    (data.as_chat)."""
     from fp8ops.data import chat
 
     what = "data.as_chat" if splits is not None else "data.kind: 'chat'"
@@ -144,18 +145,19 @@ def _chat(
             f"tokenizer.kind '{tokenizer.kind}' has none; use a chat model's tokenizer "
             "(tokenizer.kind 'huggingface')"
         )
-    template = chat.chat_template(tokenizer.file.parent)
+    directory = tokenizer.file.parent
     if splits is None:
-        rendered = chat.render(chat.read_chat(config.path), tokenizer, tokenizer.file.parent)
-        by_example = {id(item.example): item for item in rendered}
-        examples = split_examples(
+        rendered, template = chat.render(chat.read_chat(config.path), tokenizer, directory)
+        item_of = {id(item.example): item for item in rendered}
+        train, evaluation = split_examples(
             [item.example for item in rendered], config.eval_fraction, config.split_version
         )
-        split_items = [[by_example[id(e)] for e in split] for split in examples]
+        split_items = [[item_of[id(e)] for e in split] for split in (train, evaluation)]
         path = Path(config.path)
         source |= {"path": str(path), "file_sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
     else:
-        split_items = [chat.render(split, tokenizer, tokenizer.file.parent) for split in splits]
+        (train, template), (evaluation, _) = (chat.render(s, tokenizer, directory) for s in splits)
+        split_items = [train, evaluation]
     parts, counts = [], {}
     for items in split_items:
         sequences, found = chat_sequences(
@@ -163,6 +165,16 @@ def _chat(
         )
         parts.append(sequences)
         counts = {k: counts.get(k, 0) + v for k, v in found.items()}
+    if config.eval_fraction > 0 and split_items[1] and not len(parts[1]):
+        raise ManifestError(
+            f"data: every held-out conversation was dropped ({counts}), so the run would never "
+            "evaluate; raise model.seq_length, or set data.overlong to 'truncate'"
+        )
+    if split_items[0] and not len(parts[0]):
+        raise ManifestError(
+            f"data: every training conversation was dropped ({counts}); raise model.seq_length, "
+            "or set data.overlong to 'truncate'"
+        )
     source |= {
         "chat_template_sha256": chat.template_sha256(template),
         "overlong": config.overlong,

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from fp8ops.data.jsonl import _buckets, _parse
+from fp8ops.data.jsonl import bucket_labels, parse_line, text_field
 from fp8ops.data.tasks import Example
 from fp8ops.errors import ManifestError, relative
 
@@ -72,7 +72,7 @@ def read_chat(path: str | Path) -> list[Conversation]:
     bucket_names: tuple[str, ...] | None = None
     for number, line in enumerate(path.read_bytes().removeprefix(b"\xef\xbb\xbf").split(b"\n"), 1):
         where = f"{path}: line {number}"
-        obj = _parse(line, where)
+        obj = parse_line(line, where)
         if obj is None:
             continue
         unknown = sorted(set(obj) - {"messages", "buckets"})
@@ -81,7 +81,7 @@ def read_chat(path: str | Path) -> list[Conversation]:
             raise ManifestError(
                 f'{where}: {what}; a chat line is {{"messages": [...], "buckets": {{...}}}}'
             )
-        buckets = _buckets(obj.get("buckets", {}), where)
+        buckets = bucket_labels(obj.get("buckets", {}), where)
         names = tuple(sorted(buckets))
         if bucket_names is None:
             bucket_names = names
@@ -104,97 +104,117 @@ def _messages(messages: Any, where: str) -> tuple[dict[str, str], ...]:
         at = f"{where}: messages[{index}]"
         if not isinstance(message, dict) or set(message) != {"role", "content"}:
             raise ManifestError(f'{at}: a turn is {{"role": ..., "content": ...}}, nothing else')
-        role, content = message["role"], message["content"]
+        role = message["role"]
         if role not in ROLES:
             raise ManifestError(f"{at}: role {role!r} is not one of {list(ROLES)}")
         if role == "system" and index != 0:
             raise ManifestError(f"{at}: a system turn may only come first")
-        if not isinstance(content, str):
-            raise ManifestError(
-                f"{at}: content must be a string, not {type(content).__name__} (fp8ops trains on "
-                "text turns)"
-            )
-        checked.append({"role": role, "content": content})
+        checked.append({"role": role, "content": text_field(message, "content", at)})
     if not any(m["role"] == "assistant" for m in checked):
         raise ManifestError(f"{where}: no assistant turn, so nothing to learn from; add one")
     return tuple(checked)
-
-
-def chat_template(tokenizer_dir: Path) -> str:
-    """The chat template the tokenizer in ``tokenizer_dir`` ships; refuses one without."""
-    config_file = tokenizer_dir / "tokenizer_config.json"
-    template = None
-    if config_file.is_file():
-        template = json.loads(config_file.read_text()).get("chat_template")
-    if template is None and (tokenizer_dir / "chat_template.jinja").is_file():
-        template = (tokenizer_dir / "chat_template.jinja").read_text()
-    if isinstance(template, list):  # named templates: the default one renders conversations
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    if not isinstance(template, str) or not template.strip():
-        raise ManifestError(
-            f"tokenizer.path: {tokenizer_dir} has no chat template (tokenizer_config.json "
-            "'chat_template', or chat_template.jinja), which data.kind 'chat' renders "
-            "conversations with; use a chat model's tokenizer, or data.kind 'jsonl'"
-        )
-    return template
 
 
 def template_sha256(template: str) -> str:
     return hashlib.sha256(template.encode()).hexdigest()
 
 
-def render(conversations: list[Conversation], tokenizer, tokenizer_dir: Path) -> list[Rendered]:
+def render(
+    conversations: list[Conversation], tokenizer, tokenizer_dir: Path
+) -> tuple[list[Rendered], str]:
     """Each conversation's ids and assistant mask (module docstring), through transformers'
-    rendering of the template in ``tokenizer_dir`` and fp8ops' ``tokenizer``."""
+    rendering of the template in ``tokenizer_dir`` and fp8ops' ``tokenizer``; and the template
+    that rendered them (transformers' choice when a directory holds more than one)."""
+    import jinja2
     from transformers import AutoTokenizer
 
     renderer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    chat_template(tokenizer_dir)  # a clear refusal when there is none
-
-    def text(messages, generation: bool) -> str:
-        return renderer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=generation
+    template = renderer.chat_template
+    if isinstance(template, dict):  # named templates: the default one renders conversations
+        template = template.get("default")
+    if not isinstance(template, str) or not template.strip():
+        raise ManifestError(
+            f"tokenizer.path: {tokenizer_dir} has no chat template (tokenizer_config.json "
+            "'chat_template', or chat_template.jinja), which chat data is rendered with; use a "
+            "chat model's tokenizer, or data.kind 'jsonl'"
         )
+    specials = [t for t in renderer.all_special_tokens if t]
+    specials += [t.content for t in renderer.added_tokens_decoder.values() if t.special]
+
+    def text(conversation: Conversation, messages, generation: bool) -> str:
+        try:
+            return renderer.apply_chat_template(
+                list(messages),
+                chat_template=template,
+                tokenize=False,
+                add_generation_prompt=generation,
+            )
+        except (jinja2.TemplateError, ValueError, TypeError) as exc:  # the template's own refusal
+            raise ManifestError(
+                f"{conversation.origin}: the chat template refuses this conversation ({exc}); "
+                "change the conversation to what the model's template accepts"
+            ) from None
 
     texts, spans, examples = [], [], []
     for conversation in conversations:
         messages = conversation.messages
-        full = text(messages, False)
+        for index, message in enumerate(messages):
+            inside = next((t for t in set(specials) if t in message["content"]), None)
+            if inside is not None:
+                raise ManifestError(
+                    f"{conversation.origin}: messages[{index}]: content holds the tokenizer's "
+                    f"special token {inside!r}, which would read as the template's own marker; "
+                    "remove it from the text"
+                )
+        full = text(conversation, messages, False)
         turns = []
         for index, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            before, through = text(messages[:index], True), text(messages[: index + 1], False)
+            before = text(conversation, messages[:index], True)
+            through = text(conversation, messages[: index + 1], False)
             if not (through.startswith(before) and full.startswith(through)):
                 raise ManifestError(
                     f"{conversation.origin}: the chat template renders this conversation's turns "
-                    "differently once later turns follow, so the assistant's tokens cannot be "
-                    "told apart; fp8ops needs a template that only appends"
+                    "differently once later turns follow (or cannot render the turns before an "
+                    "assistant turn alone), so the assistant's tokens cannot be told apart; "
+                    "fp8ops needs a template that only appends"
                 )
-            turns.append((len(before), len(through)))
+            turns.append((before, len(before), len(through)))
+        prompt = turns[-1][0]  # the conversation up to its last assistant turn, prompted
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        prompt = text(messages[:last], True)
         task = conversation.task
         examples.append(
             Example(
                 prompt,
                 messages[last]["content"],
                 conversation.buckets,
-                problem=task.key if task else "",
+                # What the split hashes and the records name: the conversation itself, not its
+                # rendering (which another tokenizer, or a date in the template, would change).
+                problem=task.key if task else json.dumps(messages[:last], sort_keys=True),
                 canonical=task.canonical if task else "",
                 origin=conversation.origin,
                 rendered=True,
             )
         )
         texts.append(full)
-        spans.append(turns)
+        spans.append([(begin, end) for _, begin, end in turns])
     rendered = []
     for (ids, offsets), turns, example in zip(
         tokenizer.encode_rendered(texts), spans, examples, strict=True
     ):
+        ids = np.asarray(ids, dtype=np.int64)
         starts = np.array([start for start, _ in offsets], dtype=np.int64)
         scored = np.zeros(len(ids), dtype=np.uint8)
         for begin, end in turns:
-            scored |= ((starts >= begin) & (starts < end)).astype(np.uint8)
-        rendered.append(Rendered(np.asarray(ids, dtype=np.int64), scored, example))
-    return rendered
+            turn = (starts >= begin) & (starts < end)
+            if not (ids[turn] == tokenizer.eod).any():
+                raise ManifestError(
+                    f"{example.origin}: the chat template ends the assistant's turn without the "
+                    f"end-of-document token {tokenizer.eod_token!r}, so the model would never "
+                    "learn to stop; set tokenizer.eod_token to the template's end-of-turn token "
+                    "(ChatML: <|im_end|>)"
+                )
+            scored |= turn.astype(np.uint8)
+        rendered.append(Rendered(ids, scored, example))
+    return rendered, template

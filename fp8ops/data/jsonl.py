@@ -51,7 +51,7 @@ def read_jsonl(path: str | Path) -> JsonlData:
     # A byte-order mark from Windows editors is tolerated, as in manifests.
     for number, line in enumerate(raw.removeprefix(b"\xef\xbb\xbf").split(b"\n"), 1):
         where = f"{path}: line {number}"
-        obj = _parse(line, where)
+        obj = parse_line(line, where)
         if obj is None:
             continue  # blank
         kind = _kind_of(obj, where)
@@ -63,10 +63,10 @@ def read_jsonl(path: str | Path) -> JsonlData:
                 f"{_KIND_NAMES[other]}; one file holds one kind (split it into two files)"
             )
         if kind == "text":
-            texts.append(_string(obj, "text", where))
+            texts.append(text_field(obj, "text", where))
             text_lines.append(number)
             continue
-        buckets = _buckets(obj.get("buckets", {}), where)
+        buckets = bucket_labels(obj.get("buckets", {}), where)
         names = tuple(sorted(buckets))
         if bucket_names is None:
             bucket_names = names
@@ -75,7 +75,7 @@ def read_jsonl(path: str | Path) -> JsonlData:
                 f"{where}: buckets are named {list(names)} but line {first['sft']} names "
                 f"{list(bucket_names)}; every example needs the same bucket names"
             )
-        prompt, answer = _string(obj, "prompt", where), _string(obj, "answer", where)
+        prompt, answer = text_field(obj, "prompt", where), text_field(obj, "answer", where)
         examples.append(Example(prompt, answer, buckets, origin=where))
 
     if not first:
@@ -96,7 +96,7 @@ def read_jsonl(path: str | Path) -> JsonlData:
 _KIND_NAMES = {"text": 'text document {"text": ...}', "sft": 'SFT example {"prompt", "answer"}'}
 
 
-def _parse(line: bytes, where: str) -> dict[str, Any] | None:
+def parse_line(line: bytes, where: str) -> dict[str, Any] | None:
     """The line's JSON object, or None for a blank line."""
     try:
         text = line.decode("utf-8")
@@ -162,7 +162,7 @@ def _kind_of(obj: dict[str, Any], where: str) -> Literal["text", "sft"]:
     return kind
 
 
-def _string(obj: dict[str, Any], key: str, where: str) -> str:
+def text_field(obj: dict[str, Any], key: str, where: str) -> str:
     value = obj[key]
     if not isinstance(value, str):
         raise ManifestError(f"{where}: {key!r} must be a string, got {_json_type(value)}")
@@ -184,7 +184,7 @@ def _string(obj: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def _buckets(value: Any, where: str) -> dict[str, str]:
+def bucket_labels(value: Any, where: str) -> dict[str, str]:
     if not isinstance(value, dict):
         raise ManifestError(
             f"{where}: 'buckets' must be an object of name -> value strings, "

@@ -47,7 +47,13 @@ def capability_examples(data: TokenizedData, config, tokenizer: Tokenizer) -> li
     """
     if not config.enabled or data.objective != "sft":
         return []
-    examples = list(data.eval.examples[: config.items])  # items None: all of them
+    examples = list(data.eval.examples)
+    if any(example.rendered for example in examples):
+        # A truncated conversation (data.overlong: truncate) can keep a prompt longer than a
+        # sequence: it trains and evaluates its loss, but nothing could be generated after it.
+        fits = [len(prompt_ids(tokenizer, e)) < data.seq_length for e in examples]
+        examples = [e for e, fit in zip(examples, fits, strict=True) if fit]
+    examples = examples[: config.items]  # items None: all of them
     lengths = [len(tokenizer.encode(example.answer.rstrip())) for example in examples]
     too_long = [(n, e) for n, e in zip(lengths, examples, strict=True) if n > config.max_new_tokens]
     if too_long:

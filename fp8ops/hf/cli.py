@@ -12,8 +12,6 @@ from fp8ops.terminal import output
 
 hf_app = typer.Typer(help="Make Hugging Face checkpoints fp8ops imports.", no_args_is_help=True)
 
-SUMMARY = "fp8ops_gguf.json"
-
 
 @hf_app.command("from-gguf")
 def from_gguf(
@@ -49,15 +47,21 @@ def from_gguf(
     from fp8ops.hf.verify import prompt
 
     gguf_file = find_gguf(gguf_file)
-    summary = convert_gguf(gguf_file, out)
+
+    def check(written: Path) -> dict:
+        if not verify:
+            return {}
+        vocab = json.loads((written / "config.json").read_text())["vocab_size"]
+        with torch.no_grad():
+            return {
+                "verification": compare_with_transformers(gguf_file, written, prompt(vocab, 128))
+            }
+
+    summary = convert_gguf(gguf_file, out, check=check)
     line = f"{out}: {summary['parameters']:,} parameters from {gguf_file} ({', '.join(summary['types'])})"
     if verify:
-        tokens = prompt(summary["config"]["vocab_size"], 128)
-        with torch.no_grad():
-            summary["verification"] = compare_with_transformers(gguf_file, out, tokens)
         line += (
             f"; logits within {summary['verification']['max_abs_logit_difference']:.2g} of "
             "transformers' GGUF loader"
         )
-    (out / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
     output().print(line)

@@ -26,6 +26,11 @@ import numpy as np
 
 from fp8ops.hf.config import HfCheckpointError
 
+SUMMARY = "fp8ops_gguf.json"  # what the conversion wrote and how it compared, beside it
+# Largest logit difference from transformers' GGUF loader accepted, relative to the largest
+# logit (at least 1): float32 on both sides, the same dequantized values.
+BOUND = 1e-4
+
 # The llama.* metadata fp8ops carries into config.json, by the config key it becomes.
 _CONFIG = {
     "block_count": "num_hidden_layers",
@@ -145,6 +150,11 @@ def hf_name(name: str, *, source: str) -> str:
     """A GGUF tensor's Hugging Face name (``blk.3.attn_q.weight``: ``model.layers.3.self_attn.
     q_proj.weight``)."""
     parts = name.split(".")
+    if parts[-1] != "weight":
+        raise HfCheckpointError(
+            f"{source}: tensor {name!r}: fp8ops converts Llama GGUF files without biases (their "
+            "query and key biases would need the same unpermuting, and config.json a bias flag)"
+        )
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in _TENSORS:
         return f"model.layers.{parts[1]}.{_TENSORS[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in _TENSORS:
@@ -177,17 +187,24 @@ def gguf_tensors(reader, config: dict, *, source: str) -> dict[str, np.ndarray]:
         values = np.asarray(values, dtype=np.float32).reshape(
             [int(n) for n in reversed(tensor.shape)]
         )
-        if name.endswith("q_proj.weight"):
-            values = unpermute(values, config["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
-            values = unpermute(values, config["num_key_value_heads"])
+        heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+        kind = name.rsplit(".", 2)[-2]
+        if kind in heads:
+            if values.shape[0] % (2 * heads[kind]):
+                raise HfCheckpointError(
+                    f"{source}: tensor {tensor.name!r} has {values.shape[0]} rows, which "
+                    f"{heads[kind]} heads of the metadata do not divide into rotary pairs"
+                )
+            values = unpermute(values, heads[kind])
         tensors[name] = values
     return tensors
 
 
-def convert_gguf(path: Path, out: Path) -> dict:
+def convert_gguf(path: Path, out: Path, *, check=None) -> dict:
     """Write the GGUF file ``path`` as a Hugging Face checkpoint directory ``out`` (new),
-    float32, written beside it and renamed into place. Returns a summary."""
+    float32, written beside it and renamed into place. ``check(written)`` runs on the written
+    directory before the rename (its result joins the summary; when it raises, nothing is left
+    at ``out``). Returns the summary, also written as ``fp8ops_gguf.json``."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoTokenizer, LlamaConfig
@@ -214,17 +231,20 @@ def convert_gguf(path: Path, out: Path) -> dict:
         tokenizer.save_pretrained(partial)
         generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
         (partial / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        summary = {
+            "source": source,
+            "tensors": len(tensors),
+            "parameters": int(sum(v.size for v in tensors.values())),
+            "types": sorted({t.tensor_type.name for t in reader.tensors}),
+            "config": config,
+        }
+        summary |= check(partial) if check is not None else {}
+        (partial / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
         os.replace(partial, out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    return {
-        "source": source,
-        "tensors": len(tensors),
-        "parameters": int(sum(v.size for v in tensors.values())),
-        "types": sorted({t.tensor_type.name for t in reader.tensors}),
-        "config": config,
-    }
+    return summary
 
 
 def compare_with_transformers(path: Path, out: Path, tokens) -> dict:
@@ -241,8 +261,18 @@ def compare_with_transformers(path: Path, out: Path, tokens) -> dict:
         theirs = AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=torch.float32
         )(tokens).logits
-    return {
-        "max_abs_logit_difference": (ours - theirs).abs().max().item(),
-        "max_abs_logit": theirs.abs().max().item(),
+    difference, largest = (ours - theirs).abs().max().item(), theirs.abs().max().item()
+    record = {
+        "reference": "transformers' GGUF loader",
+        "max_abs_logit_difference": difference,
+        "max_abs_logit": largest,
+        "bound": BOUND * max(1.0, largest),
         "argmax_agreement": (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item(),
     }
+    if difference > record["bound"]:
+        raise HfCheckpointError(
+            f"{path}: the converted model's logits differ from transformers' GGUF loader's by "
+            f"{difference:.3g} (bound {record['bound']:.3g}); the conversion is not exact, so "
+            "nothing was written"
+        )
+    return record

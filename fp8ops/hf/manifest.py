@@ -133,14 +133,13 @@ def _data_kind(path: Path) -> str:
     """'chat' for a file of conversations (its first line holds "messages"), else 'jsonl'."""
     import json
 
-    with Path(path).open(encoding="utf-8") as lines:
-        for line in lines:
-            if line.strip():
-                try:
-                    return "chat" if "messages" in json.loads(line) else "jsonl"
-                except (json.JSONDecodeError, TypeError):
-                    return "jsonl"  # the data's own checks say what is wrong with it
-    return "jsonl"
+    try:
+        with Path(path).open(encoding="utf-8-sig") as lines:
+            first = next((line for line in lines if line.strip()), "")
+        line = json.loads(first) if first else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return "jsonl"  # the data's own checks name the file and what is wrong with it
+    return "chat" if isinstance(line, dict) and "messages" in line else "jsonl"
 
 
 def _name(hf_dir: Path) -> str:

@@ -678,9 +678,10 @@ class DataConfig(_Section):
         "drop",
         added_in="0.1.0",
         description=(
-            "kind 'chat' only: a conversation longer than model.seq_length + 1 tokens is dropped, "
-            "or truncated to that length (its loss on the assistant tokens left); either way "
-            "counted in the run's data record. (Other kinds refuse an example that does not fit.)"
+            "Conversations (kind 'chat', or tasks with as_chat): one longer than "
+            "model.seq_length + 1 tokens is dropped, or truncated to that length (its loss on the "
+            "assistant tokens left); either way counted in the run's data record and said at "
+            "start. Other data refuses an example that does not fit."
         ),
     )
 

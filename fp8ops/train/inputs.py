@@ -11,6 +11,8 @@ from fp8ops.data import TokenizedData, build_data, tokenizer_for
 from fp8ops.evaluate.capability import capability_examples
 from fp8ops.manifest.schema import Manifest
 
+CHAT_COUNTS = ("overlong_dropped", "overlong_truncated", "no_assistant_tokens_dropped")
+
 
 @dataclass(frozen=True)
 class Inputs:
@@ -35,6 +37,15 @@ def build_inputs(manifest: Manifest, *, is_main: bool, check_tokenizer=None, che
         print(
             f"warning: capability.items is {asked}, but the eval split holds {held} items; "
             "all of them are evaluated",
+            file=sys.stderr,
+        )
+    changed = {k: data.source.get(k, 0) for k in CHAT_COUNTS if data.source.get(k)}
+    if is_main and changed:
+        said = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in changed.items())
+        print(
+            f"warning: of {data.source['conversations']} conversations, {said} "
+            f"(data.overlong: {data.source['overlong']}; longer than model.seq_length "
+            f"{manifest.model.seq_length} + 1 tokens)",
             file=sys.stderr,
         )
     return Inputs(tokenizer, data, examples)

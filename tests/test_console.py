@@ -39,6 +39,7 @@ from fp8ops.console import app as console_app
 from fp8ops.console.data import Overview, pool, window_heatmap
 from fp8ops.console.notebook import notebook
 from fp8ops.console.whatif import (
+    CurrentScaling,
     SlotWhatIf,
     Window,
     fidelity,
@@ -552,6 +553,21 @@ def test_replay_feeds_the_te_update_and_counts_overflows():
     np.testing.assert_array_equal(late.scale, r.scale[4:])
 
 
+def test_current_scaling_what_if_casts_each_step_with_its_own_scale():
+    amax = np.array([1, 2, 4, np.nan, 3, np.inf], np.float32)
+    r = replay(amax, CurrentScaling(), 448.0)
+    np.testing.assert_array_equal(r.scale_used, r.scale)  # nothing delayed
+    assert r.scale[:3, 0].tolist() == [448, 224, 112] and r.scale[5, 0] == 1.0
+    assert r.scale[4, 0] == np.float32(448) / np.float32(3)
+    assert r.overflow[:, 0].tolist() == [False] * 5 + [True]  # only the inf saturates
+    np.testing.assert_allclose(r.headroom_bits[[0, 1, 2, 4], 0], 0.0, atol=1e-6)
+    pow2 = replay(amax, CurrentScaling(power_2_scale=True), 448.0)
+    assert pow2.scale[4, 0] == 128.0  # 149.33 rounded down
+    assert 0 < pow2.headroom_bits[4, 0] < 1
+    delayed = replay(amax, Window(1, "max", 0), 448.0)
+    assert delayed.overflow[:, 0].sum() > r.overflow[:, 0].sum()
+
+
 def test_fidelity_counts_only_the_steps_a_slot_cast_in_fp8():
     """A module held in BF16 keeps its frozen scale in the row; those steps are not misses."""
     amax = np.array([np.nan, np.nan, 2, 2], np.float32)  # steps 1-2 held in BF16, then lifted
@@ -603,6 +619,33 @@ def test_fp8ops_whatif(trained, cli):
     assert len(data["rows"]) == 8 and {r["fidelity"] for r in data["rows"]} == {1.0}
     bad = cli("whatif", run, "--algo", "largest")
     assert bad.code == 2 and "unknown amax_compute_algo 'largest'" in bad.err
+
+
+def test_fp8ops_whatif_current_scaling(trained, cli):
+    _, run = trained
+    result = cli("whatif", run, "--recipe", "current", "--top", 3)
+    assert result.code == 0, result.err
+    assert "what-if: current scaling" in result.out
+    assert "what-if 0 (headroom" in result.out  # no cast overflows its own scale
+    data = json.loads(cli("whatif", run, "--recipe", "current", "--power-2-scale", "--json").out)
+    assert data["what_if"] == {"recipe": "current", "power_2_scale": True, "amax_epsilon": 0.0}
+    assert all(0 <= r["what_if"]["headroom_p10"] < 1 for r in data["rows"])
+    for args, message in (
+        (("--recipe", "mxfp8"), "needs every block's amax"),
+        (("--recipe", "current", "--margin", "1"), "--margin is a delayed-scaling setting"),
+        (("--power-2-scale",), "add --recipe current"),
+        (("--recipe", "tensorwise"), "use one of delayed, current"),
+    ):
+        bad = cli("whatif", run, *args)
+        assert bad.code == 2 and message in bad.err, (args, bad.err)
+
+
+def test_the_app_replays_current_scaling(trained):
+    _, run = trained
+    app = console(run)
+    app.whatif_recipe.value = "current"
+    app.whatif_button.click()
+    assert "what-if: current scaling" in app.whatif_summary.value, app.message.value
 
 
 # -- commands and the notebook ----------------------------------------------------------------

@@ -279,6 +279,11 @@ class ConsoleApp:
         self.ledger_table = W.HTML()
         self.resume_preview = W.HTML()
 
+        self.whatif_recipe = W.Dropdown(
+            options=[("delayed: another window", "delayed"), ("current scaling", "current")],
+            value="delayed",
+            description="what-if",
+        )
         self.whatif_len = W.BoundedIntText(min=1, max=1 << 16, description="history")
         self.whatif_algo = W.Combobox(
             options=["max", "most_recent", "quantile:0.99", "trimmed_max:1"],
@@ -338,7 +343,8 @@ class ConsoleApp:
                 W.HBox([self.approve_button, self.reject_button, self.revoke_button]),
                 section("Next resume"),
                 self.resume_preview,
-                section("Window what-if"),
+                section("What-if"),
+                self.whatif_recipe,
                 W.HBox([self.whatif_len, self.whatif_algo, self.whatif_margin]),
                 W.HBox([self.whatif_steps, self.whatif_button]),
                 self.whatif_summary,
@@ -690,8 +696,8 @@ class ConsoleApp:
 
     def replay_whatif(self) -> None:
         """Replay the module's recorded amax (the slot on screen) under the run's own window
-        and under the one entered, in the background (seconds for 10,000 steps)."""
-        from fp8ops.console.whatif import Summary, Window, replay_slots, run_window
+        and under the one entered, or under current scaling, in the background."""
+        from fp8ops.console.whatif import Summary, replay_slots, run_window, what_if_setting
 
         run, module, slot = self.run, self.module.value, self.slot.value
         if run is None or run.telemetry is None or module is None:
@@ -699,9 +705,15 @@ class ConsoleApp:
         if run.manifest is None or not run.manifest.precision.enabled:
             raise Fp8opsError("this run has no FP8 recipe to compare with")
         own = run_window(run.telemetry, run.manifest.precision)
-        other = Window(
-            self.whatif_len.value, self.whatif_algo.value.strip(), self.whatif_margin.value
-        )
+        if self.whatif_recipe.value == "current":
+            other = what_if_setting(own, "current")
+        else:
+            other = what_if_setting(
+                own,
+                history_len=self.whatif_len.value,
+                algo=self.whatif_algo.value.strip(),
+                margin=self.whatif_margin.value,
+            )
         last, steps = run.telemetry.last_step(), self.whatif_steps.value
         start = max(run.telemetry.first_step, last - steps + 1) if steps else None
         fp8_format = run.manifest.precision.fp8_format

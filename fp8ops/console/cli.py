@@ -35,6 +35,16 @@ def console_command(
 
 def whatif_command(
     run_dir: Annotated[Path, typer.Argument(help="A run directory.", show_default=False)],
+    recipe: Annotated[
+        str,
+        typer.Option(
+            help="delayed (another window, the fields below) or current (per-tensor current "
+            "scaling: each cast by its own amax)."
+        ),
+    ] = "delayed",
+    power_2_scale: Annotated[
+        bool, typer.Option(help="With --recipe current: scales rounded down to powers of 2.")
+    ] = False,
     history_len: Annotated[
         int | None, typer.Option(min=1, help="amax_history_len to try (default: the run's).")
     ] = None,
@@ -60,12 +70,15 @@ def whatif_command(
     rank: Annotated[int, typer.Option(min=0, help="Whose telemetry.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Every row as JSON.")] = False,
 ) -> None:
-    """Replay recorded amaxes through TE's delayed-scaling update under another window: the
-    steps that would have overflowed and the headroom left, against the run's own settings."""
+    """Replay recorded amaxes through TE's delayed-scaling update under another window, or
+    through current scaling: the steps that would have overflowed and the headroom left,
+    against the run's own settings."""
     from fp8ops.console.whatif import SLOTS, report
 
     result = report(
         run_dir,
+        recipe=recipe,
+        power_2_scale=power_2_scale,
         history_len=history_len,
         algo=algo,
         margin=margin,

@@ -1,4 +1,5 @@
-"""Window what-if: the scales a run would have had under another delayed-scaling window.
+"""What-if: the scales a run would have had under another delayed-scaling window, or under
+per-tensor current scaling.
 
 The store records, for every module, slot and step, the amax that entered the scaling history
 (``<slot>.amax``, after the amax reduction). Replaying that series through the update the
@@ -39,6 +40,7 @@ import numpy as np
 
 from fp8ops.amax_algo import parse_amax_algo
 from fp8ops.errors import Fp8opsError
+from fp8ops.precision.scaling import FLT_MAX, scaled_max
 from fp8ops.run import RunLayout
 from fp8ops.telemetry import TelemetryRun
 from fp8ops.telemetry.catalogue import SLOTS
@@ -69,6 +71,24 @@ class Window:
         return f"history {self.history_len}, {self.algo}, margin {self.margin}"
 
 
+@dataclass(frozen=True)
+class CurrentScaling:
+    """The what-if of per-tensor current scaling (TE's ``Float8CurrentScaling``): every cast
+    scaled by its own amax, so nothing is delayed. From one recorded amax per step, which is the
+    reduced amax of the amax group, where current scaling without sequence parallelism scales
+    each TP shard by its own: the what-if's scale is never larger than the shard's would be."""
+
+    power_2_scale: bool = False
+    amax_epsilon: float = 0.0
+    history_len = 0  # stateless: nothing to warm up
+
+    def __str__(self) -> str:
+        return "current scaling" + (", power-of-2 scales" if self.power_2_scale else "")
+
+
+Setting = Window | CurrentScaling
+
+
 def fp8_max(slot: str, fp8_format: str) -> float:
     """The largest value a slot's FP8 encoding holds under ``precision.fp8_format``."""
     return E5M2_MAX if slot == "grad_output" and fp8_format == "hybrid" else E4M3_MAX
@@ -78,7 +98,7 @@ def fp8_max(slot: str, fp8_format: str) -> float:
 class Replay:
     """Scales replayed over steps, for ``n`` series (modules or slots) side by side."""
 
-    window: Window
+    window: Setting
     fp8_max: float
     steps: np.ndarray  # [T] step numbers
     amax: np.ndarray  # [T, n] the amax each step recorded; NaN where the slot did not run FP8
@@ -96,9 +116,15 @@ class Replay:
 
     @property
     def overflow(self) -> np.ndarray:
-        """[T, n] True where amax x scale_used exceeded fp8_max (those values saturated)."""
+        """[T, n] True where the cast clipped the amax: amax x scale_used (float32) beyond what
+        rounds to fp8_max. A product a rounding above fp8_max is not clipped (current scaling's
+        448 / amax x amax can be 448.00003), so the bound is half an FP8 step above it: 464 for
+        E4M3 (a tie there rounds down to 448, the even code), 61440 for E5M2 (a tie rounds up)."""
+        scaled = self.amax.astype(np.float32) * self.scale_used
         with np.errstate(invalid="ignore"):
-            return (self.amax.astype(np.float32) * self.scale_used) > np.float32(self.fp8_max)
+            if self.fp8_max == E4M3_MAX:
+                return scaled > np.float32(464.0)
+            return scaled >= np.float32(61440.0)
 
     @property
     def representable(self) -> np.ndarray:
@@ -108,40 +134,150 @@ class Replay:
 
 def replay(
     amax: np.ndarray,
-    window: Window,
+    window: Setting,
     fp8_max: float,
     *,
     steps: Sequence[int] | np.ndarray | None = None,
     warmup: int = 0,
 ) -> Replay:
-    """Run ``amax`` ([T, n] float32, one row per step) through TE's delayed-scaling update.
+    """Run ``amax`` ([T, n] float32, one row per step) through TE's delayed-scaling update, or
+    with :class:`CurrentScaling` through TE's current-scaling rule (each step's cast by its
+    own scale).
 
     The first ``warmup`` rows only bring the history and scale to their state; the result
     covers the rows after them. NaN rows feed 0 (the slot did not run).
+
+    Vectorised over steps, not one update call per step: the history is a sliding window, so
+    every step's window statistic comes from one reduction over the series, and the scale
+    after a step is the last usable quotient so far (``tests/test_whatif.py`` checks it equal,
+    bit for bit, to calling ``update_delayed_scaling`` step by step).
     """
+    amax = np.asarray(amax, dtype=np.float32)
+    if amax.ndim == 1:
+        amax = amax[:, None]
+    total = amax.shape[0]
+    fed = np.nan_to_num(amax, nan=0.0, posinf=np.inf)
+    steps = np.arange(total) if steps is None else np.asarray(steps)
+    if isinstance(window, CurrentScaling):
+        scale = _current_scales(fed, window, fp8_max)
+        return Replay(
+            window, fp8_max, steps[warmup:], amax[warmup:], scale[warmup:], scale[warmup:]
+        )
+    algo = parse_amax_algo(window.algo)
+    after = np.empty_like(fed)
+    for i in range(fed.shape[1]):
+        if algo.fused:
+            after[:, i] = _fused_scales(fed[:, i], window, algo.kind, fp8_max)
+        else:
+            after[:, i] = _window_statistic_scales(fed[:, i], window, algo, fp8_max)
+    used = np.concatenate([np.ones((1, fed.shape[1]), np.float32), after[:-1]])  # TE starts at 1
+    return Replay(window, fp8_max, steps[warmup:], amax[warmup:], used[warmup:], after[warmup:])
+
+
+def _current_scales(fed: np.ndarray, setting: CurrentScaling, fp8_max: float) -> np.ndarray:
+    import torch
+
+    from fp8ops.precision.scales import scale_from_amax
+
+    scale = scale_from_amax(
+        torch.from_numpy(fed),
+        fp8_max,
+        power_2_scale=setting.power_2_scale,
+        epsilon=setting.amax_epsilon,
+    )
+    return scale.numpy()
+
+
+def replay_stepwise(amax: np.ndarray, window: Window, fp8_max: float) -> np.ndarray:
+    """The scales after each step ([T, n]) from one ``update_delayed_scaling`` call per step:
+    the reference :func:`replay` is checked against (``tests/test_whatif.py``) and timed with
+    (``ci/bench_whatif.py``)."""
     import torch
 
     from fp8ops.precision.scaling import update_delayed_scaling
 
     amax = np.asarray(amax, dtype=np.float32)
-    if amax.ndim == 1:
-        amax = amax[:, None]
-    total, n = amax.shape
+    amax = amax[:, None] if amax.ndim == 1 else amax
+    fed = torch.from_numpy(np.nan_to_num(amax, nan=0.0, posinf=np.inf))
     algo = parse_amax_algo(window.algo)
-    fed = torch.from_numpy(np.nan_to_num(amax, nan=0.0))
-    history = torch.zeros(window.history_len, n, dtype=torch.float32)
-    scale = torch.ones(n, dtype=torch.float32)  # TE's initial scale
-    used = np.empty((total, n), np.float32)
-    after = np.empty((total, n), np.float32)
-    for t in range(total):
-        used[t] = scale.numpy()
+    history = torch.zeros(window.history_len, amax.shape[1], dtype=torch.float32)
+    scale = torch.ones(amax.shape[1], dtype=torch.float32)
+    after = np.empty_like(amax)
+    for t in range(len(amax)):
         history[0] = fed[t]  # row 0 holds the step's (reduced) amax, as the casts left it
         history, scale = update_delayed_scaling(
             history, scale, fed[t], fp8_max=fp8_max, margin=window.margin, algo=algo
         )
         after[t] = scale.numpy()
-    steps = np.arange(total) if steps is None else np.asarray(steps)
-    return Replay(window, fp8_max, steps[warmup:], amax[warmup:], used[warmup:], after[warmup:])
+    return after
+
+
+def _sliding_max(values: np.ndarray, length: int) -> np.ndarray:
+    """``max(values[j - length + 1 .. j])`` for every j, with zeros before the start (the empty
+    history), in O(T): van Herk / Gil-Werman's prefix and suffix maxima of blocks of ``length``."""
+    padded = np.concatenate([np.zeros(length - 1, values.dtype), values])
+    blocks = -(-len(padded) // length)
+    full = np.concatenate([padded, np.zeros(blocks * length - len(padded), values.dtype)])
+    cut = full.reshape(blocks, length)
+    prefix = np.maximum.accumulate(cut, axis=1).ravel()
+    suffix = np.maximum.accumulate(cut[:, ::-1], axis=1)[:, ::-1].ravel()
+    ends = np.arange(length - 1, len(padded))
+    return np.maximum(suffix[ends - length + 1], prefix[ends])
+
+
+def _last_usable(quotient: np.ndarray, usable: np.ndarray) -> np.ndarray:
+    """At every step the most recent usable quotient, or TE's initial scale 1 before any."""
+    last = np.maximum.accumulate(np.where(usable, np.arange(len(usable)), -1))
+    return np.where(last >= 0, quotient[np.maximum(last, 0)], np.float32(1.0)).astype(np.float32)
+
+
+def _ieee_quotient(top: np.float32, amax: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The fused kernel's ``top / amax`` (one float32 division, an infinite result clamped to
+    FLT_MAX) where the amax is finite and positive."""
+    usable = np.isfinite(amax) & (amax > 0)
+    with np.errstate(divide="ignore", over="ignore"):
+        quotient = np.float32(top) / np.where(usable, amax, np.float32(1.0))
+    return np.where(np.isinf(quotient), FLT_MAX, quotient).astype(np.float32), usable
+
+
+def _fused_scales(fed: np.ndarray, window: Window, kind: str, fp8_max: float) -> np.ndarray:
+    """TE's fused update over a series: a step with amax 0 is neither rolled nor rescaled, so
+    the window is the last ``history_len`` steps that ran; "max" takes its maximum (inf wins,
+    and an infinite window keeps the old scale), "most_recent" the step's own amax."""
+    ran = fed != 0
+    ran_values = fed[ran]
+    if kind == "most_recent":
+        statistic = ran_values
+    else:
+        statistic = _sliding_max(ran_values, window.history_len)
+    quotient, usable = _ieee_quotient(scaled_max(fp8_max, window.margin), statistic)
+    scales = np.empty(len(fed), np.float32)
+    scales[ran] = _last_usable(quotient, usable)
+    # A step that did not run keeps the scale of the last step that did (1 before any).
+    last_ran = np.maximum.accumulate(np.where(ran, np.arange(len(fed)), -1))
+    return np.where(last_ran >= 0, scales[np.maximum(last_ran, 0)], np.float32(1.0))
+
+
+def _window_statistic_scales(fed, window: Window, algo, fp8_max: float) -> np.ndarray:
+    """TE's callable path over a series: it always rolls, so step t's window is the last
+    ``history_len`` amaxes fed (zeros before the start); the statistic and the scale are the
+    update's own functions, applied to every step's window at once (in chunks of steps)."""
+    import torch
+
+    from fp8ops.precision.scaling import callable_path_scale, window_amax
+
+    length = window.history_len
+    padded = np.concatenate([np.zeros(length - 1, np.float32), fed])
+    windows = np.lib.stride_tricks.sliding_window_view(padded, length)  # [T, L], a view
+    statistic = np.empty(len(fed), np.float32)
+    chunk = max(1, (1 << 22) // length)
+    for lo in range(0, len(fed), chunk):
+        part = torch.from_numpy(np.ascontiguousarray(windows[lo : lo + chunk].T))
+        statistic[lo : lo + chunk] = window_amax(algo, part).numpy()
+    stat = torch.from_numpy(statistic)
+    nan = torch.full_like(stat, float("nan"))
+    scales = callable_path_scale(stat, nan, fp8_max, window.margin).numpy()
+    return _last_usable(scales, ~np.isnan(scales))
 
 
 # --------------------------------------------------------------------------------------
@@ -317,7 +453,7 @@ class ReportRow:
 class Report:
     run_dir: str
     own: Window
-    other: Window
+    other: Setting
     first_step: int
     last_step: int
     rows: list[ReportRow]
@@ -325,16 +461,66 @@ class Report:
     def to_json(self) -> dict:
         return {
             "run_dir": self.run_dir,
-            "own": vars(self.own),
-            "what_if": vars(self.other),
+            "own": setting_json(self.own),
+            "what_if": setting_json(self.other),
             "steps": [self.first_step, self.last_step],
             "rows": [r.to_json() for r in self.rows],
         }
 
 
+def setting_json(setting: Setting) -> dict:
+    recipe = "current" if isinstance(setting, CurrentScaling) else "delayed"
+    return {"recipe": recipe, **vars(setting)}
+
+
+WHATIF_RECIPES = ("delayed", "current")
+
+
+def what_if_setting(
+    own: Window,
+    recipe: str = "delayed",
+    *,
+    history_len: int | None = None,
+    algo: str | None = None,
+    margin: int | None = None,
+    power_2_scale: bool = False,
+) -> Setting:
+    """The setting to compare with: the run's window with the given fields changed, or current
+    scaling. Block and MXFP8 scaling take each block's amax, which telemetry does not record
+    (one amax per tensor), so they are compared by training (``fp8ops dualtrack --tracks``)."""
+    if recipe in ("block", "mxfp8"):
+        raise Fp8opsError(
+            f"--recipe {recipe}: a what-if of {recipe} scaling needs every block's amax and the "
+            "telemetry records one per tensor; train it beside the run instead (fp8ops "
+            f"dualtrack MANIFEST --tracks delayed,{recipe})"
+        )
+    if recipe not in WHATIF_RECIPES:
+        raise Fp8opsError(f"--recipe {recipe!r}: use one of {', '.join(WHATIF_RECIPES)}")
+    if recipe == "current":
+        changed = [
+            n
+            for n, v in (("history-len", history_len), ("algo", algo), ("margin", margin))
+            if v is not None
+        ]
+        if changed:
+            raise Fp8opsError(
+                f"--{changed[0]} is a delayed-scaling setting; current scaling has no window"
+            )
+        return CurrentScaling(power_2_scale=power_2_scale)
+    if power_2_scale:
+        raise Fp8opsError("--power-2-scale is a current-scaling setting; add --recipe current")
+    return Window(
+        own.history_len if history_len is None else history_len,
+        own.algo if algo is None else algo,
+        own.margin if margin is None else margin,
+    )
+
+
 def report(
     run_dir,
     *,
+    recipe: str = "delayed",
+    power_2_scale: bool = False,
     history_len: int | None = None,
     algo: str | None = None,
     margin: int | None = None,
@@ -344,7 +530,8 @@ def report(
     rank: int = 0,
 ) -> Report:
     """Replay the last ``steps`` committed steps (0: all) of every module matching ``module``
-    under the run's own window and under one with the given fields changed; the rows sorted
+    under the run's own window and under one with the given fields changed, or under current
+    scaling (``recipe="current"``); the rows sorted
     worst first (most overflowing steps under the what-if, then the least headroom)."""
     from pathlib import Path
 
@@ -357,10 +544,13 @@ def report(
         raise Fp8opsError(f"{run_dir}: FP8 is off in this run; there are no scales to replay")
     telemetry = open_run(run_dir)
     own = run_window(telemetry, precision)
-    other = Window(
-        own.history_len if history_len is None else history_len,
-        own.algo if algo is None else algo,
-        own.margin if margin is None else margin,
+    other = what_if_setting(
+        own,
+        recipe,
+        history_len=history_len,
+        algo=algo,
+        margin=margin,
+        power_2_scale=power_2_scale,
     )
     last = telemetry.last_step(rank)
     if last is None:

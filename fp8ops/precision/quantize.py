@@ -12,6 +12,7 @@ import torch
 
 from fp8ops.precision.compiled import Compiled, cast_probes
 from fp8ops.precision.formats import Fp8Dtype, saturating_cast
+from fp8ops.precision.scales import scale_from_amax, tensor_amax
 
 COUNTS = ("saturated", "underflow", "nan", "inf")  # CastStats.counts, in this order
 
@@ -159,3 +160,13 @@ def quantize(
         amax, counts = per_row[0].amax(), torch.stack(per_row[1:]).sum(dim=1)
     stats = CastStats(amax=amax, counts=counts, numel=x.numel())
     return _quantized(x, data, data_t, scale, fp8, transposed), stats
+
+
+def quantize_current(
+    x: torch.Tensor, fp8: Fp8Dtype, *, power_2_scale: bool = False, epsilon: float = 0.0
+) -> QuantizedTensor:
+    """Per-tensor current scaling (TE's ``Float8CurrentScaling``): the scale from this tensor's
+    own amax (NaN skipped) by ``compute_scale_from_amax`` with FLT_MAX for an infinite
+    quotient, then the cast; ``scale_inv`` the correctly rounded reciprocal (``__frcp_rn``)."""
+    scale = scale_from_amax(tensor_amax(x), fp8.max, power_2_scale=power_2_scale, epsilon=epsilon)
+    return cast(x, scale, fp8)

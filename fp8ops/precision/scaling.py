@@ -60,15 +60,16 @@ def window_amax(algo: AmaxAlgo, amax_history: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------
 
 
-def _scaled_max(fp8_max: float, margin: int, like: torch.Tensor) -> torch.Tensor:
-    """``fp8_max * 2**-margin`` as TE's host code forms it: ``float * powf(2.f, -margin)``.
-
-    Both factors are float32 and so is the product: a margin past 149 gives 0, as in TE.
-    A full tensor rather than a 0-dim one keeps torch off its scalar fast paths.
-    """
+def scaled_max(fp8_max: float, margin: int) -> float:
+    """``fp8_max * 2**-margin`` as TE's host code forms it, ``float * powf(2.f, -margin)``: both
+    factors float32, and so the product (a margin past 149 gives 0, as in TE)."""
     power = torch.tensor(math.ldexp(1.0, min(-margin, 1000)), dtype=torch.float32)
-    scaled = torch.tensor(fp8_max, dtype=torch.float32) * power
-    return torch.full_like(like, scaled.item())
+    return (torch.tensor(fp8_max, dtype=torch.float32) * power).item()
+
+
+def _scaled_max(fp8_max: float, margin: int, like: torch.Tensor) -> torch.Tensor:
+    # A full tensor rather than a 0-dim one keeps torch off its scalar fast paths.
+    return torch.full_like(like, scaled_max(fp8_max, margin))
 
 
 def update_delayed_scaling(
@@ -149,9 +150,14 @@ def _callable_path_update(amax_history, scale, amax, fp8_max, margin, algo):
     # Always rolls, even for a zero amax: old values age out (unlike the fused kernel).
     new_history = torch.roll(history, -1, dims=0)
     new_history[0] = 0.0
-    # TE's _default_sf_compute, same expression and order, so same roundings.
+    return new_history, callable_path_scale(window, scale, fp8_max, margin)
+
+
+def callable_path_scale(window, scale, fp8_max: float, margin: int) -> torch.Tensor:
+    """TE's ``_default_sf_compute`` on a window statistic, same expression and order, so the
+    same roundings; ``scale`` where the statistic is not finite and positive."""
     sf = (fp8_max / window) / (2.0**margin)
     sf = torch.where(window > 0.0, sf, scale)
     sf = torch.where(torch.isfinite(window), sf, scale)
     sf = torch.where(torch.isinf(sf), torch.full_like(sf, FLT_MAX), sf)
-    return new_history, sf.to(torch.float32)
+    return sf.to(torch.float32)

@@ -23,6 +23,7 @@ Megatron and torch are imported inside the functions that walk a model.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -105,15 +106,18 @@ class GemmSizes:
         return rank_shape.k % self.k_multiple == 0 and rank_shape.n % self.n_multiple == 0
 
 
-def fp8_gemm_sizes(backend: str) -> GemmSizes | None:
-    """The sizes an FP8 module's per-rank GEMM must have on ``precision.backend``; None: any.
+def fp8_gemm_sizes(backend: str, scaling: str = "delayed") -> GemmSizes | None:
+    """The sizes an FP8 module's per-rank GEMM must have on ``precision.backend`` under
+    ``precision.scaling``; None: any.
 
     ``torch._scaled_mm`` takes K and N in multiples of 16. The GEMM pads what is not (exactly:
     with zeros), which is right for the token dimension, set by the batch; but a *module* that is
     not aligned would have its FP8 weight copied into a padded buffer on every GEMM, for a GEMM
     too narrow or oddly shaped to gain from FP8. TE takes K in multiples of 16 and N in
     multiples of 8, and fails at the module's first FP8 forward otherwise. The emulated GEMM
-    takes any size.
+    takes any size. MXFP8 scales blocks of 32 along both sides of every operand, so K and N
+    must be multiples of 32 on every backend (TE's ``get_scale_shape`` refuses others; the
+    token dimension is padded to 32, as Megatron pads it).
     """
     from fp8ops.precision.scaled_mm import ALIGNMENT  # torch: only when a model is decided
 
@@ -126,7 +130,15 @@ def fp8_gemm_sizes(backend: str) -> GemmSizes | None:
             16, 8, "Transformer Engine's FP8 GEMMs refuse others (assert_dim_for_fp8_exec)"
         ),
     }
-    return sizes.get(backend)
+    found = sizes.get(backend)
+    if scaling != "mxfp8":
+        return found
+    mx = GemmSizes(32, 32, "MXFP8 scales blocks of 32 elements along K and N")
+    if found is None:
+        return mx
+    return GemmSizes(
+        math.lcm(found.k_multiple, 32), math.lcm(found.n_multiple, 32), f"{found.why}; {mx.why}"
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -176,7 +188,7 @@ def decide_admission(
     found = _walk(model, tensor_parallel)
     _check_globs(precision, [f.fqn for f in found])
     formats = _formats(precision.fp8_format)
-    sizes = fp8_gemm_sizes(precision.backend)
+    sizes = fp8_gemm_sizes(precision.backend, precision.scaling)
     rows = []
     for f in found:
         rank_shape = per_rank_shape(f.parallel, f.global_shape, tensor_parallel)
@@ -263,9 +275,8 @@ def _decide(
     if sizes is not None and not sizes.fits(rank_shape):
         return Reason(
             code="unaligned",
-            text=f"K={rank_shape.k}, N={rank_shape.n} per rank; precision.backend "
-            f"{precision.backend!r} needs K in multiples of {sizes.k_multiple} and N in "
-            f"multiples of {sizes.n_multiple}",
+            text=f"K={rank_shape.k}, N={rank_shape.n} per rank; {_under(precision)} needs K in "
+            f"multiples of {sizes.k_multiple} and N in multiples of {sizes.n_multiple}",
         )
     return Reason(code="fp8", text=text)
 
@@ -283,13 +294,23 @@ def _refuse_unaligned(
     if not unaligned:
         return
     more = f"; and {len(unaligned) - 4} more" if unaligned[4:] else ""
+    way_out = (
+        "precision.scaling 'block' or 'current'"
+        if precision.scaling == "mxfp8"
+        else "precision.backend 'emulated'"
+    )
     raise ManifestError(
-        f"precision.backend {precision.backend!r}: every FP8 module's GEMM needs K in multiples "
+        f"{_under(precision)}: every FP8 module's GEMM needs K in multiples "
         f"of {sizes.k_multiple} and N in multiples of {sizes.n_multiple} per rank ({sizes.why}), "
         f"and {len(unaligned)} are not: {'; '.join(unaligned[:4])}{more}. Keep them in "
-        f"{precision.base_dtype} (precision.exclude_modules), or use "
-        "precision.backend 'emulated'"
+        f"{precision.base_dtype} (precision.exclude_modules), or use {way_out}"
     )
+
+
+def _under(precision: PrecisionPolicy) -> str:
+    if precision.scaling == "mxfp8":
+        return f"precision.scaling 'mxfp8' on precision.backend {precision.backend!r}"
+    return f"precision.backend {precision.backend!r}"
 
 
 # Why the embedding, LM head and norms stay in the base dtype, by kind (the practice of TE,

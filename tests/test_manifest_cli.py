@@ -52,7 +52,7 @@ MALFORMED = [
         MINIMAL + "precision: {margn: 1}\n",
         [
             "precision.margn: unknown key (did you mean margin?); "
-            "allowed here: amax_compute_algo, amax_history_len, backend, base_dtype,",
+            "allowed here: amax_compute_algo, amax_epsilon, amax_history_len, backend, base_dtype,",
             "[line 15]",
         ],
     ),

@@ -257,7 +257,7 @@ class Bf16Override(_Section):
 
 
 class PrecisionPolicy(_Section):
-    """Which modules run FP8 and how their scales are kept: TE's DelayedScaling recipe."""
+    """Which modules run FP8 and how their scales are kept: one of TE's FP8 recipes."""
 
     enabled: bool = Field(
         True,
@@ -280,12 +280,40 @@ class PrecisionPolicy(_Section):
             "'e4m3': E4M3 everywhere. Pure E5M2 is rejected, as TE rejects it."
         ),
     )
-    scaling: Literal["delayed"] = Field(
+    scaling: Literal["delayed", "current", "block", "mxfp8"] = Field(
         "delayed",
         description=(
-            "Scaling recipe. Delayed scaling (the scale comes from the amax history of past "
-            "steps) is the only one fp8ops implements."
+            "Scaling recipe, as Transformer Engine names them: 'delayed' (DelayedScaling: the "
+            "scale from the amax history of past steps), 'current' (Float8CurrentScaling: each "
+            "tensor by its own amax), 'block' (Float8BlockScaling: a scale per 1x128 block of "
+            "activations and gradients and per 128x128 tile of weights), 'mxfp8' "
+            "(MXFP8BlockScaling: a power-of-2 scale per 32 elements; Blackwell natively). "
+            "fp8_format applies to every recipe, as Megatron passes it. The fields below marked "
+            "'delayed only' or for one recipe are refused under another."
         ),
+    )
+    power_2_scale: bool | None = added_field(
+        None,
+        added_in="0.1.0",
+        description=(
+            "current and block only: scales rounded down to powers of two. null: TE's default "
+            "(off for current, on for block)."
+        ),
+    )
+    amax_epsilon: float = added_field(
+        0.0,
+        added_in="0.1.0",
+        ge=0,
+        description="current and block only: an amax below this is raised to it (TE's QParams).",
+    )
+    x_block_scaling_dim: Literal[1, 2] = added_field(
+        1, added_in="0.1.0", description="block only: 1 (1x128 blocks) or 2 (128x128) for inputs."
+    )
+    w_block_scaling_dim: Literal[1, 2] = added_field(
+        2, added_in="0.1.0", description="block only: the same for weights."
+    )
+    grad_block_scaling_dim: Literal[1, 2] = added_field(
+        1, added_in="0.1.0", description="block only: the same for gradients."
     )
     amax_history_len: int = Field(
         1024,
@@ -382,6 +410,7 @@ class PrecisionPolicy(_Section):
         problems = _duplicate_globs("include_modules", self.include_modules)
         problems += _duplicate_globs("exclude_modules", self.exclude_modules)
         problems += _duplicate_globs("overrides", tuple(o.module for o in self.overrides))
+        problems += self._recipe_fields()
         algo = self.amax_algo
         if algo.kind == "trimmed_max" and algo.k >= self.amax_history_len:
             problems.append(
@@ -393,6 +422,62 @@ class PrecisionPolicy(_Section):
             )
         _raise_problems("PrecisionPolicy", problems)
         return self
+
+    def _recipe_fields(self) -> list:
+        """A field of another recipe than ``scaling``, set away from its default, is refused:
+        it would be ignored, and a run must not look as if it honoured it."""
+        owners = {
+            "amax_history_len": ("delayed",),
+            "amax_compute_algo": ("delayed",),
+            "margin": ("delayed",),
+            "power_2_scale": ("current", "block"),
+            "amax_epsilon": ("current", "block"),
+            "x_block_scaling_dim": ("block",),
+            "w_block_scaling_dim": ("block",),
+            "grad_block_scaling_dim": ("block",),
+        }
+        problems = []
+        for name, recipes in owners.items():
+            value = getattr(self, name)
+            if self.scaling not in recipes and value != type(self).model_fields[name].default:
+                problems.append(
+                    (
+                        (name,),
+                        value,
+                        f"a setting of {' and '.join(recipes)} scaling, not of scaling "
+                        f"'{self.scaling}': remove it (or choose scaling {recipes[0]!r})",
+                    )
+                )
+        if self.scaling != "delayed" and self.backend == "te":
+            problems.append(
+                (
+                    ("backend",),
+                    self.backend,
+                    f"scaling '{self.scaling}' is not wired to Transformer Engine's layers in "
+                    "fp8ops yet (TE runs delayed scaling here); use backend 'emulated'",
+                )
+            )
+        if self.scaling in ("block", "mxfp8") and self.backend == "scaled_mm":
+            problems.append(
+                (
+                    ("backend",),
+                    self.backend,
+                    f"scaling '{self.scaling}' needs torch._scaled_mm's block scales, not wired "
+                    "yet; 'scaled_mm' runs delayed and current scaling, use backend 'emulated'",
+                )
+            )
+        if self.scaling == "block":
+            dims = [self.x_block_scaling_dim, self.w_block_scaling_dim, self.grad_block_scaling_dim]
+            if dims.count(2) > 1:
+                problems.append(
+                    (
+                        ("w_block_scaling_dim",),
+                        self.w_block_scaling_dim,
+                        "only one of x/w/grad_block_scaling_dim may be 2: TE's block GEMM "
+                        "multiplies a 128x128-blocked operand only by a 1x128-blocked one",
+                    )
+                )
+        return problems
 
     @property
     def amax_algo(self) -> AmaxAlgo:

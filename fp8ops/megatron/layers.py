@@ -60,12 +60,13 @@ from fp8ops.megatron.compat import (
 )
 from fp8ops.megatron.te_extra_state import read_extra_state, recipe_differences
 from fp8ops.precision import (
+    CastRecord,
     DelayedScalingRecipe,
     EmulatedGemm,
     Fp8Gemm,
     Fp8Meta,
     Fp8Scope,
-    QuantizedTensor,
+    StatelessRecipe,
     active_scope,
     fp8_linear,
 )
@@ -83,7 +84,7 @@ class _Fp8LocalGemm:
         input_size: int,
         output_size: int,
         *,
-        recipe: DelayedScalingRecipe,
+        recipe: DelayedScalingRecipe | StatelessRecipe,
         gemm: Fp8Gemm | None = None,
         **kwargs,
     ):
@@ -97,15 +98,21 @@ class _Fp8LocalGemm:
         """Settings of the Megatron parent this layer cannot honour (beyond the shared ones)."""
         return {}
 
-    def _init_fp8(self, recipe: DelayedScalingRecipe, gemm: Fp8Gemm | None) -> None:
+    def _init_fp8(
+        self, recipe: DelayedScalingRecipe | StatelessRecipe, gemm: Fp8Gemm | None
+    ) -> None:
         # Plain attributes, not buffers: a buffer would enter Megatron's sharded_state_dict as a
         # ShardedTensor with replica semantics to define; the state travels in _extra_state.
-        self.fp8_meta = Fp8Meta.fresh(recipe)
+        # A stateless recipe keeps no state (fp8_meta None), only what its casts saw this step.
+        self.recipe = recipe
+        delayed = isinstance(recipe, DelayedScalingRecipe)
+        self.fp8_meta = Fp8Meta.fresh(recipe) if delayed else None
+        self.cast_record = None if delayed else CastRecord()
         self.fp8_enabled = True  # False: admitted to the base dtype (see module docstring)
         self.gemm = gemm or EmulatedGemm()
         self.is_first_microbatch: bool | None = None
         self.probe: Probe | None = None  # telemetry attaches one (fp8ops.telemetry.probe)
-        self._weight_fp8: QuantizedTensor | None = None
+        self._weight_fp8 = None  # the step's FP8 weight (delayed: one cast; stateless: two)
         self._weight_fp8_version = -1  # the weight's version counter when it was cast
 
     def _apply(self, fn, recurse=True):
@@ -114,14 +121,17 @@ class _Fp8LocalGemm:
         # tensors only) and the updates stay on the GPU without a host sync per cast. Only the
         # device: model.to(torch.bfloat16) must not round the float32 scales and histories.
         super()._apply(fn, recurse)
-        meta = getattr(self, "fp8_meta", None)  # absent while Megatron's __init__ runs
-        if meta is not None:
-            device = self.weight.device
-            for state in (meta.forward, meta.backward):
+        if not hasattr(self, "recipe"):  # Megatron's __init__ is still running
+            return self
+        device = self.weight.device
+        if self.fp8_meta is not None:
+            for state in (self.fp8_meta.forward, self.fp8_meta.backward):
                 state.amax_history = state.amax_history.to(device)
                 state.scale = state.scale.to(device)
-            if self._weight_fp8 is not None and self._weight_fp8.data.device != device:
-                self._weight_fp8 = None  # recast on the new device at the next first micro-batch
+        else:
+            self.cast_record.to(device)
+        if self._weight_fp8 is not None:
+            self._weight_fp8 = None  # recast on the new device at the next first micro-batch
         return self
 
     def _refuse(self, unsupported: dict[str, bool]) -> None:
@@ -157,6 +167,7 @@ class _Fp8LocalGemm:
             gemm=self.gemm,
             cached_weight=cached,
             track=track,
+            record=self.cast_record,
         )
         if self.probe is not None:
             self.probe.fp8_call(x, out, weight, bias)
@@ -166,7 +177,7 @@ class _Fp8LocalGemm:
             self.is_first_microbatch = False
         return out
 
-    def _reusable_weight(self) -> QuantizedTensor | None:
+    def _reusable_weight(self):
         """The FP8 weight cast on this step's first micro-batch, when this is a later one."""
         if self.is_first_microbatch is not False or self._weight_fp8 is None:
             return None  # None: no micro-batching; or told to reuse before any cast: cast now
@@ -185,10 +196,12 @@ class _Fp8LocalGemm:
     # A TE module's payload (a model trained with TE's layer spec) loads too, read without
     # running its pickle (fp8ops.megatron.te_extra_state), if its recipe is this module's.
     def get_extra_state(self) -> dict[str, torch.Tensor]:
-        return self.fp8_meta.state_dict()
+        return {} if self.fp8_meta is None else self.fp8_meta.state_dict()
 
     def set_extra_state(self, state: dict[str, torch.Tensor] | torch.Tensor | None) -> None:
         if state is None:
+            return
+        if self.fp8_meta is None:  # a stateless recipe keeps nothing; what was saved is not used
             return
         where = f"{type(self).__name__}._extra_state"
         loaded = read_extra_state(state, where=where)

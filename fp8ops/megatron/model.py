@@ -6,7 +6,7 @@ themselves)::
     torch.distributed.init_process_group("gloo")      # "nccl" on GPUs
     tp = manifest.topology.tensor_parallel            # the world size is TP x PP x DP
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    recipe = DelayedScalingRecipe.from_precision(manifest.precision)
+    recipe = recipe_from_precision(manifest.precision)    # delayed, current, block or mxfp8
     model = build_gpt(manifest, recipe)               # device="cuda" on a GPU
     scope = Fp8Scope(recipe, group=amax_reduction_group(manifest.topology))
     with scope():
@@ -41,7 +41,7 @@ from fp8ops.megatron.rope import set_rope_scaling
 from fp8ops.megatron.spec import with_fp8_projections
 from fp8ops.megatron.te_backend import build_gpt_te, te_projections
 from fp8ops.megatron.te_telemetry import te_telemetry_modules
-from fp8ops.precision import DelayedScalingRecipe, EmulatedGemm, ScaledMmGemm
+from fp8ops.precision import DelayedScalingRecipe, EmulatedGemm, ScaledMmGemm, StatelessRecipe
 from fp8ops.precision.scaled_mm import scaled_mm_unsupported
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -50,7 +50,10 @@ GEMMS = {"emulated": EmulatedGemm, "scaled_mm": ScaledMmGemm}
 
 
 def build_gpt(
-    manifest, recipe: DelayedScalingRecipe | None, *, device: torch.device | str | None = None
+    manifest,
+    recipe: DelayedScalingRecipe | StatelessRecipe | None,
+    *,
+    device: torch.device | str | None = None,
 ) -> GPTModel:
     """The manifest's GPT on this rank, its four projections per layer in FP8 under ``recipe``.
 

@@ -26,11 +26,11 @@ from fp8ops.megatron.compat import (
     with_block_submodules,
 )
 from fp8ops.megatron.layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear
-from fp8ops.precision import DelayedScalingRecipe, Fp8Gemm
+from fp8ops.precision import DelayedScalingRecipe, Fp8Gemm, StatelessRecipe
 
 
 def get_gpt_layer_fp8_emulated_spec(
-    recipe: DelayedScalingRecipe,
+    recipe: DelayedScalingRecipe | StatelessRecipe,
     *,
     gemm: Fp8Gemm | None = None,
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm",
@@ -45,7 +45,9 @@ def get_gpt_layer_fp8_emulated_spec(
 
 
 def with_fp8_projections(
-    layer_spec: ModuleSpec, recipe: DelayedScalingRecipe, gemm: Fp8Gemm | None = None
+    layer_spec: ModuleSpec,
+    recipe: DelayedScalingRecipe | StatelessRecipe,
+    gemm: Fp8Gemm | None = None,
 ) -> ModuleSpec:
     """A copy of a local-spec GPT layer with ``linear_qkv``, ``linear_proj``, ``linear_fc1`` and
     ``linear_fc2`` in FP8. ``layer_spec`` itself is not modified."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from fp8ops.precision.formats import Fp8Dtype, saturating_cast
+from fp8ops.precision.quantize import CastStats
 from fp8ops.precision.scales import (
     e8m0_from_amax,
     e8m0_multiplier,
@@ -42,7 +43,7 @@ MX_BLOCK = 32  # MXFP8's
 
 @dataclass(frozen=True)
 class BlockQuantized:
-    """FP8 data ``[M, K]`` with one float32 ``scale_inv`` per ``block`` (rows, cols) of it."""
+    """FP8 data ``[M, K]`` with one float32 scale per ``block`` (rows, cols) of it."""
 
     data: torch.Tensor  # float8, [M, K]
     scale_inv: (
@@ -50,6 +51,8 @@ class BlockQuantized:
     )  # float32, [ceil(M / rows), ceil(K / cols)]: what dequantizing multiplies
     block: tuple[int, int]
     fp8: Fp8Dtype
+    scale: torch.Tensor  # float32, the same grid: what the cast multiplied by
+    amax: torch.Tensor  # float32 0-dim: the tensor's amax (NaN skipped), for telemetry
     # MXFP8 only: the E8M0 exponent bytes (uint8) the scales are 2**(e - 127) of
     exponent: torch.Tensor | None = None
 
@@ -61,18 +64,17 @@ class BlockQuantized:
         return (self.data.float() * self.expanded_scale_inv()).to(dtype)
 
     def transposed(self) -> BlockQuantized:
-        """The exact transpose, data and scales: what 2-D weight blocks give dgrad (TE's
-        column-wise copy of a 128x128-blocked weight). A 1-D blocking has no exact transpose;
-        quantize the column-wise copy from high precision instead."""
-        rows, cols = self.block
-        if rows != cols:
-            raise ValueError(f"a {rows}x{cols} blocking has no exact transpose; quantize again")
+        """The same values transposed, blocks included: a 128x1-blocked ``[M, K]`` becomes a
+        1x128-blocked ``[K, M]``. Exact, unlike casting the transpose afresh with the other
+        blocking: that is the column-wise copy, quantized from high precision."""
         exponent = None if self.exponent is None else self.exponent.t().contiguous()
         return BlockQuantized(
             self.data.t().contiguous(),
             self.scale_inv.t().contiguous(),
-            self.block,
+            self.block[::-1],
             self.fp8,
+            self.scale.t().contiguous(),
+            self.amax,
             exponent,
         )
 
@@ -134,8 +136,9 @@ def quantize_scaled(
     if value_for_inf is None:
         value_for_inf = input_dtype_max(x.dtype)
     blocks = _blocked(x, block)
+    amax = tensor_amax(blocks, dims=(1, 3))
     scale = scale_from_amax(
-        tensor_amax(blocks, dims=(1, 3)),
+        amax,
         fp8.max,
         power_2_scale=power_2_scale,
         epsilon=epsilon,
@@ -144,7 +147,7 @@ def quantize_scaled(
     # Correctly rounded (TE: __frcp_rn; the 1-D block kernel divides in double, the same
     # value), and exact for a power of two.
     data = _cast(blocks, scale, x.shape, fp8)
-    return BlockQuantized(data, torch.reciprocal(scale), block, fp8)
+    return BlockQuantized(data, torch.reciprocal(scale), block, fp8, scale, _whole(amax))
 
 
 def quantize_mxfp8(x: torch.Tensor, fp8: Fp8Dtype, *, columnwise: bool = False) -> BlockQuantized:
@@ -157,6 +160,32 @@ def quantize_mxfp8(x: torch.Tensor, fp8: Fp8Dtype, *, columnwise: bool = False) 
         )
     block = (MX_BLOCK, 1) if columnwise else (1, MX_BLOCK)
     blocks = _blocked(x, block)
-    e = e8m0_from_amax(tensor_amax(blocks, dims=(1, 3)), fp8.max)
-    data = _cast(blocks, e8m0_multiplier(e), x.shape, fp8)
-    return BlockQuantized(data, e8m0_scale_inv(e), block, fp8, exponent=e.to(torch.uint8))
+    amax = tensor_amax(blocks, dims=(1, 3))
+    e = e8m0_from_amax(amax, fp8.max)
+    multiplier = e8m0_multiplier(e)
+    data = _cast(blocks, multiplier, x.shape, fp8)
+    return BlockQuantized(
+        data, e8m0_scale_inv(e), block, fp8, multiplier, _whole(amax), e.to(torch.uint8)
+    )
+
+
+def _whole(block_amax: torch.Tensor) -> torch.Tensor:
+    return block_amax.amax() if block_amax.numel() else torch.zeros(())
+
+
+def block_cast_stats(x: torch.Tensor, q: BlockQuantized) -> CastStats:
+    """What a block cast did (``CastStats``, as the per-tensor casts report it): the amax, and
+    the elements it saturated (``|x * scale| > fp8 max``), sent to zero from non-zero, and the
+    NaN and inf inputs."""
+    flat = x.detach().float()
+    scaled = flat * expand(q.scale, q.block, flat.shape)
+    zero = (q.data.view(torch.uint8) & 0x7F) == 0
+    counts = torch.stack(
+        [
+            (scaled.abs() > q.fp8.max).sum(),
+            ((flat != 0) & zero).sum(),
+            torch.isnan(flat).sum(),
+            torch.isinf(flat).sum(),
+        ]
+    )
+    return CastStats(amax=q.amax, counts=counts, numel=flat.numel())

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from fp8ops.precision import cast_kernel
+from fp8ops.precision.blocks import BlockQuantized
 from fp8ops.precision.compiled import Compiled, compiles_for, env_choice, record_probes
 from fp8ops.precision.quantize import (
     COUNTS,
@@ -38,6 +39,7 @@ from fp8ops.precision.recipe import DelayedScalingRecipe
 from fp8ops.precision.scaling import BWD_GRAD_OUTPUT, FWD_INPUT, FWD_WEIGHT
 from fp8ops.precision.scope import Fp8Scope, active_scope
 from fp8ops.precision.state import Fp8Meta, ScalingState
+from fp8ops.precision.stateless import CastRecord, StatelessRecipe, stateless_fp8_linear
 
 
 class Fp8Gemm(Protocol):
@@ -60,7 +62,12 @@ class EmulatedGemm:
     cuBLAS's epilogue."""
 
     def __call__(self, a, b, out_dtype, bias=None):
-        accumulator = (a.data.float() @ b.data.float().t()) * (a.scale_inv * b.scale_inv)
+        if isinstance(a, BlockQuantized) or isinstance(b, BlockQuantized):
+            # Block scales vary along the reduction: each operand is dequantized first (exact
+            # for power-of-2 scales), which TE's block GEMM computes slice by slice.
+            accumulator = a.dequantize() @ b.dequantize().t()
+        else:
+            accumulator = (a.data.float() @ b.data.float().t()) * (a.scale_inv * b.scale_inv)
         if bias is not None:
             accumulator = accumulator + bias.float()
         return accumulator.to(out_dtype)
@@ -250,19 +257,37 @@ def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    meta: Fp8Meta,
+    meta: Fp8Meta | None,
     scope: Fp8Scope,
     *,
     gemm: Fp8Gemm,
     cached_weight: QuantizedTensor | None = None,
     track: dict | None = None,
+    record: CastRecord | None = None,
 ) -> tuple[torch.Tensor, QuantizedTensor]:
-    """Run one FP8 linear inside ``scope``.
+    """Run one FP8 linear inside ``scope``: under delayed scaling with the module's ``meta``,
+    under a stateless recipe (the scope's) with ``meta=None``.
 
     Returns the output and the FP8 weight used; pass that back as ``cached_weight`` on later
     micro-batches of the same step to skip the weight cast (and its amax), as TE does when
     ``is_first_microbatch`` is False.
     """
+    if meta is None:  # a module of a stateless recipe: nothing to record or update
+        if not isinstance(scope.recipe, StatelessRecipe):
+            raise ValueError(
+                f"a module without delayed-scaling state cannot run under {scope.recipe}; "
+                "build the module and the scope from the same recipe"
+            )
+        return stateless_fp8_linear(
+            x,
+            weight,
+            bias,
+            scope.recipe,
+            gemm=gemm,
+            cached_weight=cached_weight,
+            track=track,
+            record=record,
+        )
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {weight.shape[1]}")
     scope.register(meta)
@@ -304,7 +329,7 @@ class Fp8Linear(nn.Module):
         self,
         in_features: int,
         out_features: int,
-        recipe: DelayedScalingRecipe,
+        recipe: DelayedScalingRecipe | StatelessRecipe,
         *,
         bias: bool = True,
         gemm: Fp8Gemm | None = None,
@@ -314,16 +339,21 @@ class Fp8Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        self.fp8_meta = Fp8Meta.fresh(recipe)
+        self.recipe = recipe
+        self.fp8_meta = Fp8Meta.fresh(recipe) if isinstance(recipe, DelayedScalingRecipe) else None
         self.gemm = gemm or EmulatedGemm()
         self.track_stats = False
         self.last_cast_stats: dict | None = None  # role -> CastStats of the last call
-        self._weight_fp8: QuantizedTensor | None = None
+        self._weight_fp8 = None  # the step's FP8 weight (delayed: one cast; stateless: two)
 
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         scope = active_scope()
         if scope is None:
             return nn.functional.linear(x, self.weight, self.bias)
+        if scope.recipe != self.recipe:
+            raise ValueError(
+                f"this module was built for {self.recipe}, the scope runs {scope.recipe}"
+            )
         # TE semantics: None means "no micro-batching", so the weight is cast every call.
         reuse = is_first_microbatch is False and self._weight_fp8 is not None
         self.last_cast_stats = {} if self.track_stats else None

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from fp8ops.precision.formats import Fp8Format
 from fp8ops.precision.scaling import AmaxAlgo, parse_amax_algo
+from fp8ops.precision.stateless import StatelessRecipe
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,3 +37,27 @@ class DelayedScalingRecipe:
             margin=precision.margin,
             reduce_amax=precision.reduce_amax,
         )
+
+
+def recipe_from_precision(precision) -> DelayedScalingRecipe | StatelessRecipe:
+    """The recipe a manifest's ``precision`` section (already validated) names in
+    ``scaling``, with TE's defaults where the section leaves a field unset."""
+    if precision.scaling == "delayed":
+        return DelayedScalingRecipe.from_precision(precision)
+    fp8_format = Fp8Format.parse(precision.fp8_format)
+    if precision.scaling == "mxfp8":
+        return StatelessRecipe.mxfp8(fp8_format)
+    power_2 = precision.power_2_scale
+    if precision.scaling == "current":
+        return StatelessRecipe.current(
+            fp8_format, power_2_scale=bool(power_2), amax_epsilon=precision.amax_epsilon
+        )
+    return StatelessRecipe(
+        kind="block",
+        fp8_format=fp8_format,
+        power_2_scale=True if power_2 is None else power_2,
+        amax_epsilon=precision.amax_epsilon,
+        x_block_scaling_dim=precision.x_block_scaling_dim,
+        w_block_scaling_dim=precision.w_block_scaling_dim,
+        grad_block_scaling_dim=precision.grad_block_scaling_dim,
+    )

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from fp8ops.precision.recipe import DelayedScalingRecipe
 from fp8ops.precision.scaling import update_delayed_scaling
 from fp8ops.precision.state import Fp8Meta
+from fp8ops.precision.stateless import StatelessRecipe
 
 # The innermost active (scope, enabled) pair. A context variable: a new thread starts with
 # no active scope (its modules run in high precision), as a new thread under TE does not
@@ -47,7 +48,11 @@ def active_scope() -> Fp8Scope | None:
 class Fp8Scope:
     """A recipe, its amax reduction group and the modules registered under them."""
 
-    def __init__(self, recipe: DelayedScalingRecipe, group: dist.ProcessGroup | None = None):
+    def __init__(
+        self, recipe: DelayedScalingRecipe | StatelessRecipe, group: dist.ProcessGroup | None = None
+    ):
+        """A stateless recipe's modules register nothing: the scope only says FP8 is on, and
+        which recipe (no amax is reduced and nothing is updated at its exit)."""
         self.recipe = recipe
         self.group = group
         self._metas: list[Fp8Meta] = []

@@ -18,6 +18,7 @@ import torch
 from fp8ops.precision.formats import Fp8Format
 from fp8ops.precision.recipe import DelayedScalingRecipe
 from fp8ops.precision.scaling import AmaxAlgo, window_amax
+from fp8ops.precision.stateless import StatelessRecipe
 
 
 def load_te_recipe_module() -> ModuleType | None:
@@ -65,8 +66,12 @@ class WindowStatistic:
         return f"WindowStatistic({self.algo.name})"
 
 
-def to_te_recipe(recipe: DelayedScalingRecipe, te_recipe: ModuleType | None = None):
-    """A real ``transformer_engine.common.recipe.DelayedScaling`` with our recipe's fields."""
+def to_te_recipe(
+    recipe: DelayedScalingRecipe | StatelessRecipe, te_recipe: ModuleType | None = None
+):
+    """A real ``transformer_engine.common.recipe`` object with our recipe's fields:
+    ``DelayedScaling``, ``Float8CurrentScaling``, ``Float8BlockScaling`` or
+    ``MXFP8BlockScaling``."""
     te_recipe = te_recipe or load_te_recipe_module()
     if te_recipe is None:
         raise ImportError(
@@ -74,6 +79,8 @@ def to_te_recipe(recipe: DelayedScalingRecipe, te_recipe: ModuleType | None = No
             "`pip install --no-deps transformer-engine==2.20.2` provides its recipe module"
         )
     formats = {Fp8Format.HYBRID: te_recipe.Format.HYBRID, Fp8Format.E4M3: te_recipe.Format.E4M3}
+    if isinstance(recipe, StatelessRecipe):
+        return _stateless_te_recipe(recipe, te_recipe, formats[recipe.fp8_format])
     algo = recipe.amax_compute_algo
     # TE >= 2.15 defaults backward_override to $NVTE_BACKWARD_OVERRIDE, which DelayedScaling
     # refuses unless None: say None, so the recipe does not depend on the environment.
@@ -87,3 +94,25 @@ def to_te_recipe(recipe: DelayedScalingRecipe, te_recipe: ModuleType | None = No
         reduce_amax=recipe.reduce_amax,
         **no_override,
     )
+
+
+def _stateless_te_recipe(recipe: StatelessRecipe, te_recipe: ModuleType, fp8_format):
+    fields = getattr(te_recipe.Float8CurrentScaling, "__dataclass_fields__", {})
+    no_override = {"backward_override": None} if "backward_override" in fields else {}
+    if recipe.kind == "mxfp8":
+        return te_recipe.MXFP8BlockScaling(fp8_format=fp8_format, **no_override)
+    if recipe.kind == "current":
+        te = te_recipe.Float8CurrentScaling(fp8_format=fp8_format, **no_override)
+    else:
+        te = te_recipe.Float8BlockScaling(
+            fp8_format=fp8_format,
+            x_block_scaling_dim=recipe.x_block_scaling_dim,
+            w_block_scaling_dim=recipe.w_block_scaling_dim,
+            grad_block_scaling_dim=recipe.grad_block_scaling_dim,
+            **no_override,
+        )
+    # TE reads the power-of-2 choice from an environment variable when its module is imported
+    # (a class attribute, not a field): set on the instance, so it does not depend on that.
+    params = te_recipe.QParams(power_2_scale=recipe.power_2_scale, amax_epsilon=recipe.amax_epsilon)
+    te.fp8_quant_fwd_inp = te.fp8_quant_fwd_weight = te.fp8_quant_bwd_grad = params
+    return te

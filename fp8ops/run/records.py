@@ -296,18 +296,36 @@ LAYERS_SCHEMA_VERSION = 1
 
 
 class RecipeRecord(_LayersRecord):
-    """The delayed-scaling recipe the admitted modules run under, as layers.json writes it."""
+    """The recipe the admitted modules run under, as layers.json writes it: delayed scaling's
+    fields, or a stateless recipe's (``scaling`` names which; the other recipe's are null)."""
 
+    scaling: Literal["delayed", "current", "block", "mxfp8"] = "delayed"
     fp8_format: Literal["hybrid", "e4m3"]
-    amax_history_len: int = Field(ge=1)
-    amax_compute_algo: str
-    margin: int = Field(ge=0)
-    reduce_amax: bool
+    amax_history_len: int | None = Field(None, ge=1)
+    amax_compute_algo: str | None = None
+    margin: int | None = Field(None, ge=0)
+    reduce_amax: bool | None = None
+    power_2_scale: bool | None = None
+    amax_epsilon: float | None = None
+    x_block_scaling_dim: int | None = None
+    w_block_scaling_dim: int | None = None
+    grad_block_scaling_dim: int | None = None
 
     @classmethod
     def from_recipe(cls, recipe) -> RecipeRecord:
-        """From a ``fp8ops.precision.DelayedScalingRecipe`` (read by its fields: the run
-        package stays below precision)."""
+        """From a ``fp8ops.precision`` recipe (read by its fields: the run package stays below
+        precision)."""
+        if hasattr(recipe, "kind"):  # a StatelessRecipe
+            block = recipe.kind == "block"
+            return cls(
+                scaling=recipe.kind,
+                fp8_format=recipe.fp8_format.value,
+                power_2_scale=None if recipe.kind == "mxfp8" else recipe.power_2_scale,
+                amax_epsilon=None if recipe.kind == "mxfp8" else recipe.amax_epsilon,
+                x_block_scaling_dim=recipe.x_block_scaling_dim if block else None,
+                w_block_scaling_dim=recipe.w_block_scaling_dim if block else None,
+                grad_block_scaling_dim=recipe.grad_block_scaling_dim if block else None,
+            )
         return cls(
             fp8_format=recipe.fp8_format.value,
             amax_history_len=recipe.amax_history_len,
@@ -340,7 +358,8 @@ def table_hash(rows: tuple[AdmissionRow, ...], recipe: RecipeRecord) -> str:
     fp8ops must not make an old checkpoint look like another run.
     """
     content = {
-        "recipe": recipe.model_dump(mode="json"),
+        # Unset fields left out: a delayed recipe hashes as it did before the others existed.
+        "recipe": recipe.model_dump(mode="json", exclude_defaults=True),
         "rows": [
             row.model_dump(mode="json", by_alias=True, exclude={"reason": {"text"}}) for row in rows
         ],

@@ -323,7 +323,13 @@ def _unloadable(drift: Drift) -> str | None:
         if path == "precision.enabled" and change.new is False:
             continue  # FP8 off: the saved FP8 state is simply not used
         if path == "data.pad_to":
-            continue  # how far batches are padded: the same rows, in the same order
+            continue
+        if path == "precision.scaling" and change.new == "delayed":
+            return (
+                f"precision.scaling changed ({change.old!r} -> 'delayed'): the checkpoint of a "
+                "stateless recipe holds no amax history for delayed scaling to start from; start "
+                "a new run from its weights instead (model.init_checkpoint)"
+            )  # how far batches are padded: the same rows, in the same order
         if path.startswith(_ARCHITECTURE) and not path.startswith(_NOT_ARCHITECTURE):
             return (
                 f"{path} changed ({change.old!r} -> {change.new!r}): the checkpoint's weights "
@@ -357,7 +363,8 @@ def _fp8_mapping(meta: CheckpointMeta, requested: Manifest) -> tuple[str, str | 
     """How the saved FP8 state groups map onto the requested topology: ("own" | "group0",
     None), or (_, why it cannot be mapped)."""
     fp8 = meta.fp8
-    if fp8.layout == "none" or not requested.precision.enabled:
+    stateless = requested.precision.scaling != "delayed"  # keeps no FP8 state: nothing to map
+    if fp8.layout == "none" or not requested.precision.enabled or stateless:
         return "own", None
     if fp8.history_len != requested.precision.amax_history_len:
         return "own", (

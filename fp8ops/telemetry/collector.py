@@ -49,7 +49,10 @@ class TelemetryCollector:
         self.modules = modules
         self.names = list(modules)
         self.cfg = telemetry_cfg
-        self._history_len = _history_len(modules)
+        # A stateless recipe's modules (current, block, MXFP8) keep no amax history: their row
+        # reads what the step's casts saw (``CastRecord``), and the window metrics do not apply.
+        self.stateless = any(getattr(m, "fp8_meta", None) is None for m in modules.values())
+        self._history_len = 1 if self.stateless else _history_len(modules)
         self._columns = self._state_columns()
         # The state copy of the last observed row (None before the first): for scale_change.
         self._previous: _HostCopy | None = None
@@ -90,6 +93,8 @@ class TelemetryCollector:
         for module in self.modules.values():
             module.probe.measure = measure
             module.probe.sample_error = sample and module.fp8_enabled
+            if self.stateless:
+                module.cast_record.clear()
 
     def take_records(self) -> list[Probe]:
         """Every probe's record of the step so far, in module order; the probes start empty."""
@@ -133,8 +138,11 @@ class TelemetryCollector:
         row = np.full((len(self.names), len(MODULE_METRIC_NAMES)), np.nan, dtype=np.float32)
         if pending.state is None:  # an unobserved step
             return row
-        previous = None if pending.previous is None else self._slot_scales(pending.previous)
-        metrics = self._state_metrics(self._slot_arrays(pending.state), previous)
+        if self.stateless:
+            metrics = self._cast_metrics(pending.state.get().numpy()[:, self._columns])
+        else:
+            previous = None if pending.previous is None else self._slot_scales(pending.previous)
+            metrics = self._state_metrics(self._slot_arrays(pending.state), previous)
         for metric, values in metrics.items():
             row[:, COLUMN[metric]] = values
         for metric in ("fp8_gemms", "fallback_gemms", "fp8_enabled"):
@@ -152,6 +160,10 @@ class TelemetryCollector:
         device (three kernels, however many modules): the amax histories as columns, forward
         slots of every module then backward slots, and their scales as the last row. A new
         tensor, so the next step's updates, made in place, do not reach it."""
+        if self.stateless:  # [2, 3 * modules]: each module's CastRecord table side by side
+            if not self.modules:
+                return torch.zeros(2, 0)
+            return torch.cat([module.cast_record.table for module in self.modules.values()], 1)
         states = [
             module.fp8_meta.direction(forward)
             for forward in (True, False)
@@ -176,8 +188,10 @@ class TelemetryCollector:
 
     def _state_columns(self) -> np.ndarray:
         """``[modules, slots]``: the column of each module's slot in :meth:`_state_tensor`."""
-        forward_width, backward_width = 3, 2  # slots per direction (state.py)
         modules = np.arange(len(self.names))[:, None]
+        if self.stateless:  # CastRecord: one column per role, in _SLOTS order
+            return 3 * modules + np.arange(len(_SLOTS))[None, :]
+        forward_width, backward_width = 3, 2  # slots per direction (state.py)
         backward_start = forward_width * len(self.names)
         return np.concatenate(
             [
@@ -188,6 +202,19 @@ class TelemetryCollector:
             ],
             axis=1,
         )
+
+    @staticmethod
+    def _cast_metrics(table: np.ndarray) -> dict[str, np.ndarray]:
+        """A stateless recipe's metrics from its ``CastRecord`` columns (``[2, modules, slots]``):
+        the step's amax and, for a per-tensor scale, the scale; the window metrics and
+        scale_change are delayed scaling's and stay NaN (not applicable)."""
+        amax, scale = table[0], table[1]
+        columns = {"amax": amax, "scale": scale, "scale_inv": np.float32(1.0) / scale}
+        return {
+            f"{slot}.{metric}": values[:, k]
+            for metric, values in columns.items()
+            for k, (slot, _, _) in enumerate(_SLOTS)
+        }
 
     @staticmethod
     def _state_metrics(

@@ -48,7 +48,7 @@ from fp8ops.megatron import (
 )
 from fp8ops.megatron.compat import parallel_state
 from fp8ops.overrides import Ledger
-from fp8ops.precision import DelayedScalingRecipe, Fp8Scope
+from fp8ops.precision import DelayedScalingRecipe, Fp8Scope, recipe_from_precision
 from fp8ops.precision.state import carry_scales
 from fp8ops.run import EvalRow, MetricsRow, RunDir, read_metrics
 from fp8ops.run.environment import environment_fingerprint
@@ -141,7 +141,10 @@ class Trainer:
             dp_rank=ranks.dp_rank,
             dp_size=manifest.topology.data_parallel,
         )
-        self.recipe = DelayedScalingRecipe.from_precision(precision)
+        self.recipe = recipe_from_precision(precision)
+        # Delayed scaling keeps per-module state (checkpointed, compared across ranks); the
+        # stateless recipes keep none.
+        self.stateful = isinstance(self.recipe, DelayedScalingRecipe)
         self.model = build_gpt(
             manifest, self.recipe if precision.enabled else None, device=self.device
         )
@@ -172,7 +175,7 @@ class Trainer:
             self.model, manifest.optimizer, tp_group=self.tp_group, dp_group=self.dp_group
         )
         self.fp8_layout = Fp8Layout.for_run(
-            fp8=precision.enabled and bool(self.collector.names),
+            fp8=precision.enabled and self.stateful and bool(self.collector.names),
             reduce_amax=precision.reduce_amax,
             topology=manifest.topology,
             ranks=ranks,
@@ -249,7 +252,8 @@ class Trainer:
         # range) until the first update, so they are scaled by the exact factor instead; the
         # histories, raw amaxes, stay as saved.
         saved = plan.saved_manifest.precision
-        if saved.enabled and self.manifest.precision.enabled:
+        both_delayed = saved.scaling == "delayed" and self.stateful
+        if saved.enabled and self.manifest.precision.enabled and both_delayed:
             metas = [module.fp8_meta for module in self.collector.modules.values()]
             old = DelayedScalingRecipe.from_precision(saved)
             self.carried_scales = carry_scales(metas, old, self.recipe)
@@ -437,7 +441,7 @@ class Trainer:
         (:func:`~fp8ops.checkpoint.state.fp8_states_agree`); a disagreement is a Stop alert.
         Returns the state's digest, or None when not checked (FP8 off, or amaxes not reduced,
         so ranks may differ by design)."""
-        if not self.manifest.precision.enabled or not self.recipe.reduce_amax:
+        if not self.manifest.precision.enabled or not self.stateful or not self.recipe.reduce_amax:
             return None
         found = fp8_states_agree(self.collector.modules, self.amax_group)
         self.run.event(
@@ -738,16 +742,22 @@ class Trainer:
     def _fp8(self):
         return self.scope() if self.scope is not None else contextlib.nullcontext()
 
+    @property
+    def fp8_state_modules(self) -> dict:
+        """The modules whose FP8 state is checkpointed and restored: none under a stateless
+        recipe."""
+        return self.collector.modules if self.stateful else {}
+
     def _gemms(self):
         # bf16 GEMMs in float32 where the CPU has no bf16 GEMM instructions (cpu_gemm.py).
         return Fp32Gemm() if self.cpu_bf16_gemm == "float32" else contextlib.nullcontext()
 
     def _fp8_state(self) -> dict[str, dict[str, torch.Tensor]]:
         # state_dict() copies, on both backends.
-        return {name: m.fp8_meta.state_dict() for name, m in self.collector.modules.items()}
+        return {name: m.fp8_meta.state_dict() for name, m in self.fp8_state_modules.items()}
 
     def _restore_fp8_state(self, saved: dict[str, dict[str, torch.Tensor]]) -> None:
-        for name, module in self.collector.modules.items():
+        for name, module in self.fp8_state_modules.items():
             module.fp8_meta.load_state_dict(saved[name])
 
     def _dp_sum(self, value) -> torch.Tensor:
@@ -762,7 +772,7 @@ class Trainer:
         return TrainingParts(
             model=self.model,
             optimizer=self.optimizer,
-            fp8_modules=self.collector.modules,
+            fp8_modules=self.fp8_state_modules,
             alert_engine=self.alert_engine,
             layout=self.fp8_layout,
             ranks=self.ranks,

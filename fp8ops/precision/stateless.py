@@ -1,0 +1,283 @@
+"""The stateless recipes (TE's ``Float8CurrentScaling``, ``Float8BlockScaling``,
+``MXFP8BlockScaling``) and the FP8 linear under them.
+
+Nothing is carried between casts: every cast takes its scales from the tensor it casts
+(``blocks.py``), so there is no amax history, no update and no state to checkpoint. The recipe
+decides only how each tensor role is blocked; the GEMM is the backend's, as for delayed scaling.
+
+A GEMM ``a @ b.T`` takes both operands with their blocks along the reduction dimension (their
+last). The linear's three GEMMs therefore need each tensor blocked two ways: *row-wise*
+(blocks along its last dimension) and *column-wise* (along its first), the copy a GEMM takes
+transposed. As in TE, a column-wise copy is quantized again from high precision, except where
+the two are the same values: one per-tensor scale (current scaling) or square 2-D blocks.
+
+| GEMM | a | b |
+|---|---|---|
+| fprop ``y = x W^T`` | x row-wise | W row-wise |
+| dgrad ``dx = dy W`` | dy row-wise | W column-wise, transposed |
+| wgrad ``dW = dy^T x`` | dy column-wise, transposed | x column-wise, transposed |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from fp8ops.precision.blocks import (
+    BLOCK,
+    MX_BLOCK,
+    BlockQuantized,
+    block_cast_stats,
+    quantize_mxfp8,
+    quantize_scaled,
+)
+from fp8ops.precision.formats import Fp8Dtype, Fp8Format
+from fp8ops.precision.quantize import QuantizedTensor, cast, quantize
+from fp8ops.precision.scales import scale_from_amax, tensor_amax
+
+ROLES = ("input", "weight", "grad_output")
+Quantized = QuantizedTensor | BlockQuantized
+
+
+@dataclass(frozen=True, kw_only=True)
+class StatelessRecipe:
+    """One of TE's stateless recipes, with the fields TE gives it (``recipe/__init__.py``).
+
+    ``power_2_scale`` and ``amax_epsilon`` are TE's ``QParams`` (the same for every role, as in
+    TE's defaults); the block dimensions are ``Float8BlockScaling``'s."""
+
+    kind: Literal["current", "block", "mxfp8"]
+    fp8_format: Fp8Format
+    power_2_scale: bool = False
+    amax_epsilon: float = 0.0
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+
+    def __post_init__(self) -> None:
+        if self.fp8_format is Fp8Format.E5M2:
+            Fp8Format.parse("e5m2")  # raises the explanatory error
+        if self.amax_epsilon < 0:
+            raise ValueError(f"amax_epsilon must be >= 0, got {self.amax_epsilon}")
+        dims = {
+            "x_block_scaling_dim": self.x_block_scaling_dim,
+            "w_block_scaling_dim": self.w_block_scaling_dim,
+            "grad_block_scaling_dim": self.grad_block_scaling_dim,
+        }
+        for name, dim in dims.items():
+            if dim not in (1, 2):
+                raise ValueError(f"{name} must be 1 or 2, got {dim}")
+        if sum(dim == 2 for dim in dims.values()) > 1:
+            raise ValueError("block scaling multiplies a 2-D-blocked operand only by a 1-D one")
+        if self.kind == "mxfp8" and (self.power_2_scale or self.amax_epsilon):
+            raise ValueError("MXFP8's scales are powers of two by construction and take no epsilon")
+
+    @classmethod
+    def current(
+        cls,
+        fp8_format: Fp8Format = Fp8Format.HYBRID,
+        *,
+        power_2_scale: bool = False,
+        amax_epsilon: float = 0.0,
+    ) -> StatelessRecipe:
+        """TE's ``Float8CurrentScaling`` defaults: HYBRID, scales not rounded to powers of 2."""
+        return cls(
+            kind="current",
+            fp8_format=fp8_format,
+            power_2_scale=power_2_scale,
+            amax_epsilon=amax_epsilon,
+        )
+
+    @classmethod
+    def block(
+        cls, fp8_format: Fp8Format = Fp8Format.E4M3, *, power_2_scale: bool = True, **dims
+    ) -> StatelessRecipe:
+        """TE's ``Float8BlockScaling`` defaults: E4M3, power-of-2 scales, 1x128 activations and
+        gradients, 128x128 weights."""
+        return cls(kind="block", fp8_format=fp8_format, power_2_scale=power_2_scale, **dims)
+
+    @classmethod
+    def mxfp8(cls, fp8_format: Fp8Format = Fp8Format.E4M3) -> StatelessRecipe:
+        """TE's ``MXFP8BlockScaling``: E4M3 by default, 1x32 blocks, E8M0 scales."""
+        return cls(kind="mxfp8", fp8_format=fp8_format)
+
+    # -- how each role is cast -----------------------------------------------------------
+
+    def fp8(self, role: str) -> Fp8Dtype:
+        return self.fp8_format.backward if role == "grad_output" else self.fp8_format.forward
+
+    def block_dim(self, role: str) -> int:
+        return {
+            "input": self.x_block_scaling_dim,
+            "weight": self.w_block_scaling_dim,
+            "grad_output": self.grad_block_scaling_dim,
+        }[role]
+
+    def same_both_ways(self, role: str) -> bool:
+        """Whether a role's column-wise copy is its row-wise one: one scale per tensor, or
+        square 2-D blocks."""
+        return self.kind == "current" or (self.kind == "block" and self.block_dim(role) == 2)
+
+    def quantize(
+        self,
+        x: torch.Tensor,
+        role: str,
+        *,
+        columnwise: bool = False,
+        track: dict | None = None,
+        record: CastRecord | None = None,
+    ) -> Quantized:
+        """Cast a 2-D tensor of ``role``, blocked along its rows (the default) or its columns;
+        with ``track`` the cast's statistics are stored there under ``role``; ``record`` notes
+        its amax (and, per tensor, its scale) for the step's telemetry."""
+        fp8 = self.fp8(role)
+        if self.kind == "current":
+            amax = tensor_amax(x)
+            scale = scale_from_amax(
+                amax, fp8.max, power_2_scale=self.power_2_scale, epsilon=self.amax_epsilon
+            )
+            if record is not None:
+                record.note(role, amax, scale)
+            if track is None:
+                return cast(x, scale, fp8)
+            q, track[role] = quantize(x, scale, fp8)
+            return q
+        if self.kind == "mxfp8":
+            q = quantize_mxfp8(x, fp8, columnwise=columnwise)
+        else:
+            block = (BLOCK, BLOCK) if self.block_dim(role) == 2 else (1, BLOCK)
+            block = block[::-1] if columnwise else block
+            q = quantize_scaled(
+                x, block, fp8, power_2_scale=self.power_2_scale, epsilon=self.amax_epsilon
+            )
+        if record is not None:
+            record.note(role, q.amax, None)
+        if track is not None:
+            track[role] = block_cast_stats(x, q)
+        return q
+
+    def columnwise(self, x: torch.Tensor, role: str, rowwise: Quantized) -> Quantized:
+        """The column-wise copy of ``x``: ``rowwise`` itself where the two are the same values,
+        otherwise quantized again from high precision."""
+        if self.same_both_ways(role):
+            return rowwise
+        return self.quantize(x, role, columnwise=True)
+
+    def divisor(self) -> int:
+        """What every GEMM dimension must be a multiple of (MXFP8's block; the token dimension
+        is padded to it, the others are admission's rule); 1 for the others, whose partial
+        blocks are zero-padded."""
+        return MX_BLOCK if self.kind == "mxfp8" else 1
+
+
+class CastRecord:
+    """What one module's casts of a step were, for telemetry: per role (``ROLES``) the amax (the
+    largest over the step's micro-batches) and the scale of a per-tensor cast (NaN for blocks,
+    which have many). Two tensor ops per cast, on the cast's device: no host sync."""
+
+    def __init__(self, device: torch.device | str | None = None):
+        # row 0: amax, row 1: scale; NaN until a cast notes one
+        self.table = torch.full((2, len(ROLES)), float("nan"), device=device)
+
+    def clear(self) -> None:
+        self.table.fill_(float("nan"))
+
+    def note(self, role: str, amax: torch.Tensor, scale: torch.Tensor | None) -> None:
+        i = ROLES.index(role)
+        self.table[0, i] = torch.fmax(self.table[0, i], amax.to(self.table.device))
+        if scale is not None:
+            self.table[1, i] = scale.to(self.table.device)
+
+    def to(self, device) -> CastRecord:
+        self.table = self.table.to(device)
+        return self
+
+
+def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Zero rows appended up to a multiple (MXFP8's token dimension, padded as Megatron pads
+    it): zeros change no block's amax, and the rows they add are cut from the results."""
+    extra = -t.shape[0] % multiple
+    return torch.nn.functional.pad(t, (0, 0, 0, extra)) if extra else t
+
+
+class StatelessFp8LinearFunction(torch.autograd.Function):
+    """``y = x @ W.T + b`` with FP8 operands under a stateless recipe (the module docstring's
+    GEMMs); ``x`` is ``[..., in]``, ``W`` is ``[out, in]``. The weight's two copies arrive
+    already cast (they may come from the step's first micro-batch)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, weight_casts, recipe, gemm, track, record, wgrad):
+        tokens = x.numel() // weight.shape[1]
+        x2d = _pad_rows(x.reshape(tokens, weight.shape[1]), recipe.divisor())
+        qx = recipe.quantize(x2d, "input", track=track, record=record)
+        qw, qw_columnwise = weight_casts
+        out = gemm(qx, qw, out_dtype=x.dtype, bias=bias)[:tokens]
+        # The FP8 copies backward multiplies are all it keeps, as in TE.
+        ctx.x_t = recipe.columnwise(x2d, "input", qx).transposed() if wgrad else None
+        ctx.w_t = None if qw_columnwise is None else qw_columnwise.transposed()
+        ctx.recipe, ctx.gemm, ctx.track, ctx.record = recipe, gemm, track, record
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.out_features, ctx.has_bias, ctx.tokens = weight.shape[0], bias is not None, tokens
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        recipe = ctx.recipe
+        grad2d = grad_out.reshape(ctx.tokens, ctx.out_features)
+        padded = _pad_rows(grad2d, recipe.divisor())
+        needs_input, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        qg = recipe.quantize(padded, "grad_output", track=ctx.track, record=ctx.record)
+        grad_input = grad_weight = grad_bias = None
+        if needs_input:
+            grad_input = ctx.gemm(qg, ctx.w_t, out_dtype=ctx.x_dtype)[: ctx.tokens]
+            grad_input = grad_input.reshape(ctx.x_shape)
+        if needs_weight:
+            qg_t = recipe.columnwise(padded, "grad_output", qg).transposed()
+            grad_weight = ctx.gemm(qg_t, ctx.x_t, out_dtype=ctx.w_dtype)
+        if needs_bias and ctx.has_bias:
+            grad_bias = grad2d.sum(dim=0)
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def cast_weight(
+    weight: torch.Tensor,
+    recipe: StatelessRecipe,
+    *,
+    dgrad: bool,
+    track: dict | None,
+    record: CastRecord | None = None,
+) -> tuple[Quantized, Quantized | None]:
+    """The weight's row-wise cast and, when a dgrad will need it, its column-wise copy."""
+    qw = recipe.quantize(weight.detach(), "weight", track=track, record=record)
+    return qw, recipe.columnwise(weight.detach(), "weight", qw) if dgrad else None
+
+
+def stateless_fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    recipe: StatelessRecipe,
+    *,
+    gemm,
+    cached_weight: tuple[Quantized, Quantized | None] | None = None,
+    track: dict | None = None,
+    record: CastRecord | None = None,
+) -> tuple[torch.Tensor, tuple[Quantized, Quantized | None]]:
+    """One FP8 linear under ``recipe``. Returns the output and the weight's casts; pass those
+    back as ``cached_weight`` on later micro-batches of a step to skip casting the weight again
+    (TE's ``is_first_microbatch=False``)."""
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {weight.shape[1]}")
+    builds_graph = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, weight, bias)
+    )
+    dgrad = builds_graph and x.requires_grad
+    wgrad = builds_graph and weight.requires_grad
+    if cached_weight is None or (dgrad and cached_weight[1] is None):
+        cached_weight = cast_weight(weight, recipe, dgrad=dgrad, track=track, record=record)
+    out = StatelessFp8LinearFunction.apply(
+        x, weight, bias, cached_weight, recipe, gemm, track, record, wgrad
+    )
+    return out, cached_weight

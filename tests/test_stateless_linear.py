@@ -1,0 +1,163 @@
+"""The FP8 linear under the stateless recipes (current, block, MXFP8): which cast of which
+tensor each of the three GEMMs multiplies, the statistics, weight reuse across micro-batches,
+refusals, and the mapping to Transformer Engine's recipe objects."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fp8ops.precision import Fp8Format, Fp8Linear, Fp8Scope
+from fp8ops.precision.blocks import quantize_mxfp8, quantize_scaled
+from fp8ops.precision.quantize import quantize_current
+from fp8ops.precision.stateless import StatelessRecipe
+from fp8ops.precision.te_recipe import load_te_recipe_module, to_te_recipe
+
+RECIPES = {
+    "current": StatelessRecipe.current(),
+    "current-pow2-e4m3": StatelessRecipe.current(Fp8Format.E4M3, power_2_scale=True),
+    "block": StatelessRecipe.block(),
+    "block-hybrid-1d-weights": StatelessRecipe.block(Fp8Format.HYBRID, w_block_scaling_dim=1),
+    "mxfp8": StatelessRecipe.mxfp8(),
+    "mxfp8-hybrid": StatelessRecipe.mxfp8(Fp8Format.HYBRID),
+}
+
+
+def cast(recipe: StatelessRecipe, x: torch.Tensor, role: str, columnwise: bool = False):
+    """The reference cast of the module docstring's table, from the block functions directly."""
+    fp8 = recipe.fp8(role)
+    if recipe.kind == "current":
+        return quantize_current(
+            x, fp8, power_2_scale=recipe.power_2_scale, epsilon=recipe.amax_epsilon
+        )
+    if recipe.kind == "mxfp8":
+        return quantize_mxfp8(x, fp8, columnwise=columnwise)
+    block = (128, 128) if recipe.block_dim(role) == 2 else (1, 128)
+    return quantize_scaled(x, block[::-1] if columnwise else block, fp8, power_2_scale=True)
+
+
+def deq(q) -> torch.Tensor:
+    return q.dequantize() if hasattr(q, "block") else q.data.float() * q.scale_inv
+
+
+def run(recipe, x, w, grad):
+    layer = Fp8Linear(w.shape[1], w.shape[0], recipe, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+    x = x.clone().requires_grad_(True)
+    with Fp8Scope(recipe)():
+        out = layer(x)
+    out.backward(grad)
+    return out, x.grad, layer.weight.grad
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_each_gemm_multiplies_the_casts_te_gives_it(name):
+    recipe = RECIPES[name]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 160, generator=g) * torch.logspace(-2, 2, 96).unsqueeze(1)
+    w = torch.randn(64, 160, generator=g) * 0.05
+    grad = torch.randn(96, 64, generator=g) * 1e-3
+    out, dx, dw = run(recipe, x, w, grad)
+
+    def close(got, expected):  # the same casts; the GEMM's float32 order may differ
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6 * expected.abs().max())
+
+    close(out, deq(cast(recipe, x, "input")) @ deq(cast(recipe, w, "weight")).t())
+    w_columnwise = cast(recipe, w, "weight", columnwise=True)
+    close(dx, deq(cast(recipe, grad, "grad_output")) @ deq(w_columnwise))
+    g_col, x_col = cast(recipe, grad, "grad_output", True), cast(recipe, x, "input", True)
+    close(dw, deq(g_col).t() @ deq(x_col))
+    # and near the float32 linear: FP8's few bits, not a wrong layout
+    assert (out - x @ w.t()).norm() / (x @ w.t()).norm() < 0.08
+    assert (dw - grad.t() @ x).norm() / (grad.t() @ x).norm() < 0.08
+
+
+@pytest.mark.parametrize("name", ["block", "mxfp8"])
+def test_wgrad_takes_copies_cast_from_high_precision(name):
+    """The negative control: the row-wise casts, transposed, give another weight gradient."""
+    recipe = RECIPES[name]
+    g = torch.Generator().manual_seed(1)
+    # Every other column 1e-5 of the rest: within a row's block those underflow, within a
+    # column's block they are cast at full precision.
+    x = torch.randn(128, 128, generator=g) * torch.tensor([1.0, 1e-5]).repeat(64)
+    grad = torch.randn(128, 64, generator=g) * torch.tensor([1.0, 1e-5]).repeat(64).unsqueeze(1)
+    _, _, dw = run(recipe, x, torch.randn(64, 128, generator=g), grad)
+    rowwise = deq(cast(recipe, grad, "grad_output")).t() @ deq(cast(recipe, x, "input"))
+    assert not torch.allclose(dw, rowwise, rtol=1e-3)
+
+
+def test_gradients_are_cast_to_e5m2_under_hybrid():
+    recipe = RECIPES["mxfp8-hybrid"]
+    x, w = torch.randn(32, 64), torch.randn(32, 64)
+    layer = Fp8Linear(64, 32, recipe, bias=False)
+    layer.track_stats = True
+    with torch.no_grad():
+        layer.weight.copy_(w)
+    with Fp8Scope(recipe)():
+        out = layer(x.requires_grad_(True))
+    out.backward(torch.full_like(out, 1e5))  # beyond E4M3's range, within E5M2's
+    stats = layer.last_cast_stats
+    assert set(stats) == {"input", "weight", "grad_output"}
+    assert stats["grad_output"].as_dict()["saturated"] == 0
+    assert recipe.fp8("grad_output").name == "e5m2" and recipe.fp8("input").name == "e4m3"
+
+
+def test_statistics_count_what_each_cast_did():
+    recipe = RECIPES["block"]
+    x = torch.randn(4, 256)
+    x[0, 0], x[1, 1], x[2, 2] = math.inf, math.nan, 1e-30  # 1e-30 beside 1.0 underflows
+    layer = Fp8Linear(256, 16, recipe, bias=False)
+    layer.track_stats = True
+    with Fp8Scope(recipe)(), torch.no_grad():
+        layer(x)
+    counts = layer.last_cast_stats["input"].as_dict()
+    assert counts["inf"] == 1 and counts["nan"] == 1 and counts["saturated"] == 1
+    assert counts["underflow"] >= 1 and counts["amax"] == math.inf
+    assert counts["numel"] == x.numel()
+
+
+def test_the_weight_is_cast_once_per_step_across_micro_batches():
+    recipe = RECIPES["block"]
+    layer = Fp8Linear(128, 32, recipe, bias=False)
+    x = torch.randn(8, 128)
+    with Fp8Scope(recipe)():
+        first = layer(x, is_first_microbatch=True)
+        cached = layer._weight_fp8
+        with torch.no_grad():
+            layer.weight.mul_(2.0)  # an optimizer step would; a reused cast does not see it
+        second = layer(x, is_first_microbatch=False)
+    assert layer._weight_fp8 is cached
+    torch.testing.assert_close(first, second)
+
+
+def test_refusals_name_the_rule():
+    with pytest.raises(ValueError, match="divisible by 32"), Fp8Scope(RECIPES["mxfp8"])():
+        Fp8Linear(48, 32, RECIPES["mxfp8"])(torch.randn(32, 48))
+    with pytest.raises(ValueError, match="2-D-blocked operand only by a 1-D one"):
+        StatelessRecipe.block(x_block_scaling_dim=2)
+    with pytest.raises(ValueError, match="pure E5M2"):
+        StatelessRecipe.current(Fp8Format.E5M2)
+    with pytest.raises(ValueError, match="powers of two by construction"):
+        StatelessRecipe(kind="mxfp8", fp8_format=Fp8Format.E4M3, power_2_scale=True)
+    with pytest.raises(ValueError, match="built for"), Fp8Scope(RECIPES["block"])():
+        Fp8Linear(128, 32, RECIPES["current"])(torch.randn(4, 128))
+
+
+te_recipe = load_te_recipe_module()
+
+
+@pytest.mark.skipif(te_recipe is None, reason="Transformer Engine's recipe module not installed")
+def test_maps_to_te_recipe_objects():
+    current = to_te_recipe(RECIPES["current-pow2-e4m3"])
+    assert type(current).__name__ == "Float8CurrentScaling"
+    assert current.fp8_format == te_recipe.Format.E4M3
+    assert current.fp8_quant_fwd_inp.power_2_scale and current.fp8_quant_bwd_grad.power_2_scale
+    block = to_te_recipe(RECIPES["block-hybrid-1d-weights"])
+    assert type(block).__name__ == "Float8BlockScaling"
+    assert (block.x_block_scaling_dim, block.w_block_scaling_dim) == (1, 1)
+    assert block.fp8_format == te_recipe.Format.HYBRID
+    mx = to_te_recipe(RECIPES["mxfp8"])
+    assert type(mx).__name__ == "MXFP8BlockScaling" and mx.fp8_format == te_recipe.Format.E4M3

@@ -1133,3 +1133,24 @@ def test_initial_weights_fingerprinted_under_two_schemes_are_not_compared(tmp_pa
     info["model"]["initial_weights_fingerprint_scheme"] = "parameter-names"  # as the reference
     write_json(candidate / "run.json", info)
     assert cli("compare", reference, candidate, "--no-png").code == 2
+
+
+def test_recipes_rank_passing_first_then_by_loss_gap():
+    from fp8ops.compare.gates import CandidateVerdict, GateResult
+    from fp8ops.compare.recipes import rank_recipes
+
+    def candidate(label, gap, passed=True):
+        gates = [
+            GateResult("loss_gap", passed, gap, 0.05, ""),
+            GateResult("finite", True, None, None, ""),
+        ]
+        return CandidateVerdict(label, "run", "0" * 64, 4, gates, [], None, None, None)
+
+    rows = rank_recipes(
+        [candidate("a", 0.03), candidate("b", -0.01), candidate("c", 0.01, passed=False)],
+        {"a": "delayed", "b": "mxfp8", "c": "block"},
+    )
+    assert [(r.label, r.rank) for r in rows] == [("b", 1), ("a", 2), ("c", 3)]
+    assert rows[2].failed_gates == ("loss_gap",)
+    assert rows[0].published == {"H200": None, "B300": 1.42}  # MXFP8 is not Hopper's
+    assert rank_recipes([candidate("a", 0.0)], {"a": "delayed"}) == []  # one recipe: no ranking

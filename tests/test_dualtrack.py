@@ -459,3 +459,63 @@ def test_dualtrack_at_tensor_parallel_2(short_manifest, tmp_path):
     assert tokens[0] == tokens[1] == tokens[2] and len(tokens[0]) == 4
     verdict = json.loads((tmp_path / "dt" / "compare" / "verdict.json").read_text())
     assert verdict["verdict"] == "pass"
+
+
+# -- recipe tracks (--tracks) -------------------------------------------------------------------
+
+
+def test_parse_tracks_refuses_what_it_cannot_train():
+    from fp8ops.dualtrack.tracks import parse_tracks
+
+    assert parse_tracks("current,bf16,delayed") == ("bf16", "current", "delayed")
+    for text, message in (
+        ("bf16,fp4", "unknown track 'fp4'"),
+        ("bf16,current,current", "named twice"),
+        ("delayed,current", "name the bf16 control"),
+        ("bf16", "at least one recipe"),
+    ):
+        with pytest.raises(ManifestError, match=message):
+            parse_tracks(text)
+
+
+def test_a_recipe_track_resets_the_fields_of_other_recipes(short_manifest):
+    from fp8ops.dualtrack.tracks import recipe_manifest
+
+    source = load_manifest(short_manifest)
+    assert source.precision.amax_history_len == 16  # the CPU default's delayed window
+    current = recipe_manifest(source, "current")
+    assert current.precision.scaling == "current"
+    assert current.precision.amax_history_len == 1024  # the default: not current's field
+    assert current.revision.parent == manifest_hash(source)
+    assert recipe_manifest(source, "delayed") is source
+
+
+@pytest.mark.slow
+def test_recipe_tracks_train_and_compare_ranks_them(short_manifest, tmp_path, cli):
+    out = tmp_path / "recipes"
+    result = cli(
+        "dualtrack",
+        short_manifest,
+        "--tracks",
+        "bf16,delayed,current",
+        "--out",
+        out,
+        "--no-png",
+        "--no-progress",
+    )
+    assert result.code in (0, 1), result.err
+    plan = json.loads((out / "dualtrack.json").read_text())
+    assert plan["requested"] == ["bf16", "delayed", "current"]
+    assert [t["label"] for t in plan["tracks"]] == ["bf16", "delayed", "current"]
+    assert {t["status"] for t in plan["tracks"]} == {"completed"}
+    assert load_manifest(out / "tracks" / "current.yaml").precision.scaling == "current"
+    assert "recipes, ranked by the gates" in result.out
+    verdict = json.loads((out / "compare" / "verdict.json").read_text())
+    ranked = {row["scaling"]: row for row in verdict["recipes"]}
+    assert set(ranked) == {"delayed", "current"}
+    assert sorted(row["rank"] for row in verdict["recipes"]) == [1, 2]
+    assert ranked["delayed"]["published_gemm_speedup"] == {"H200": 1.69, "B300": 1.64}
+    assert ranked["current"]["published_gemm_speedup"] == {"H200": 1.58, "B300": 1.39}
+    # the same directory with other tracks is another evaluation
+    again = cli("dualtrack", short_manifest, "--tracks", "bf16,block", "--out", out)
+    assert again.code == 2 and "not bf16,block" in again.err

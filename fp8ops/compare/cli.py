@@ -82,6 +82,23 @@ def compare_command(
             console.print(f"{candidate.label}: pass")
         else:
             console.print(f"{candidate.label}: FAIL: {candidate.cause}")
+    if verdict.recipes:
+        ranking = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+        gpus = list(verdict.recipes[0].published)
+        for name in ("rank", "candidate", "scaling", "gates", "loss gap", *gpus):
+            ranking.add_column(name if name not in gpus else f"{name} GEMM x (published)")
+        for row in verdict.recipes:
+            ranking.add_row(
+                str(row.rank),
+                row.label,
+                row.scaling,
+                "pass" if row.passed else "FAIL: " + ", ".join(row.failed_gates),
+                format_value(row.loss_gap),
+                *(f"{row.published[g]:.2f}" if row.published[g] else "-" for g in gpus),
+            )
+        console.print("recipes, ranked by the gates (speedups: Transformer Engine's published")
+        console.print("GEMM times of a 5B-class layer over BF16, not measured here):")
+        console.print(ranking)
     failed = sum(not c.passed for c in verdict.candidates)
     console.print(
         f"verdict: {verdict.verdict.upper()} ({failed} of {len(verdict.candidates)} "

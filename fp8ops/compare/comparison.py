@@ -18,6 +18,7 @@ from datetime import datetime
 from pathlib import Path
 
 from fp8ops.compare.gates import judge, one_bar
+from fp8ops.compare.recipes import rank_recipes
 from fp8ops.compare.runs import check_comparable, default_out, load_run, resolve_tracks
 from fp8ops.compare.verdict import VERDICT, Verdict, reference_record, write_verdict
 from fp8ops.errors import Fp8opsError
@@ -71,6 +72,9 @@ def compare(
         candidates=[judge(reference, candidate, bar) for candidate in candidates],
         created=datetime.now().astimezone().isoformat(timespec="seconds"),
         gates={**source, **bar.model_dump()},
+    )
+    verdict.recipes = rank_recipes(
+        verdict.candidates, {run.label: run.manifest.precision.scaling for run in candidates}
     )
 
     out = Path(out) if out is not None else default_out(tracks, dualtrack)

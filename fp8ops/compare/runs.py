@@ -143,7 +143,8 @@ def _dualtrack_tracks(directory: Path) -> list[Track]:
     listed = {
         entry.get("label"): entry.get("status") for entry in tracks if isinstance(entry, dict)
     }
-    missing = [label for label in LABELS if label not in listed]
+    expected = document.get("requested") or LABELS  # --tracks, or the three tracks
+    missing = [label for label in expected if label not in listed]
     if missing == [FALLBACK] and listed.get(CANDIDATE) == "failed":
         missing = []  # the candidate failed (and fails here); the fallback never ran after it
     if missing:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fp8ops.compare.gates import CandidateVerdict, reference_problems
+from fp8ops.compare.recipes import RecipeRow
 from fp8ops.compare.runs import RunRecords
 from fp8ops.files import atomic_write_text
 
@@ -26,6 +27,7 @@ class Verdict:
     candidates: list[CandidateVerdict]
     created: str
     gates: dict[str, Any]  # the thresholds every candidate was judged by, and their source
+    recipes: list[RecipeRow] = field(default_factory=list)  # candidates of different recipes
 
     @property
     def verdict(self) -> str:
@@ -58,6 +60,8 @@ class Verdict:
             "gates": self.gates,
             "created": self.created,
         }
+        if self.recipes:
+            document["recipes"] = [row.to_json() for row in self.recipes]
         return _json_safe(document)
 
 

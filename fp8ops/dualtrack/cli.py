@@ -32,6 +32,14 @@ def dualtrack_command(
     ] = True,
     png: Annotated[bool, typer.Option(help="Export the main plots as PNG too.")] = True,
     progress: Annotated[bool, typer.Option(help=PROGRESS_HELP)] = True,
+    tracks: Annotated[
+        str | None,
+        typer.Option(
+            help="Compare recipes instead: bf16 and any of delayed, current, block, mxfp8, "
+            "comma-separated (each the manifest under that precision.scaling).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Train MANIFEST three ways on the same data and tokens (a BF16 control, the FP8
     candidate, FP8 with high-risk modules in BF16), then compare them against the manifest's
@@ -41,10 +49,17 @@ def dualtrack_command(
     start it with `torchrun --nproc-per-node N -m fp8ops dualtrack ...`.
     """
     from fp8ops.dualtrack.run import run_dualtrack
+    from fp8ops.dualtrack.tracks import parse_tracks
 
-    out = out or Path("runs") / f"{load_manifest(file).name}-dualtrack"
+    requested = parse_tracks(tracks) if tracks is not None else None
+    suffix = "recipes" if requested else "dualtrack"
+    out = out or Path("runs") / f"{load_manifest(file).name}-{suffix}"
     outcomes = run_dualtrack(
-        file, out, assignments=parse_assignments(set_ or []), progress=progress
+        file,
+        out,
+        assignments=parse_assignments(set_ or []),
+        progress=progress,
+        tracks=requested,
     )
     if os.environ.get("RANK", "0") != "0":
         return

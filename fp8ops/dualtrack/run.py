@@ -30,6 +30,7 @@ from fp8ops.dualtrack.tracks import (
     CANDIDATE,
     CONTROL,
     FALLBACK,
+    LABELS,
     PLAN,
     Track,
     candidate_fp8_modules,
@@ -37,6 +38,7 @@ from fp8ops.dualtrack.tracks import (
     control_manifest,
     fallback_manifest,
     fallback_modules,
+    recipe_manifest,
 )
 from fp8ops.errors import Fp8opsError, ManifestError
 from fp8ops.files import atomic_write_text
@@ -62,8 +64,11 @@ def run_dualtrack(
     *,
     assignments: dict | None = None,
     progress: bool = True,
+    tracks: tuple[str, ...] | None = None,
 ) -> list[TrackOutcome]:
-    """Train the control, the candidate and the candidate with fallbacks into ``out_dir``."""
+    """Train the control, the candidate and the candidate with fallbacks into ``out_dir``; or,
+    with ``tracks`` (``parse_tracks``), the control and one candidate per recipe named, each
+    the manifest under that ``precision.scaling`` (same data, same tokens)."""
     import torch.distributed as dist
 
     from fp8ops.train.distributed import shared_process_group
@@ -74,11 +79,12 @@ def run_dualtrack(
     # What can refuse the manifest runs before anything is written, so a refused manifest does
     # not claim the directory for itself.
     control_source = control_manifest(source)
+    recipes = {name: recipe_manifest(source, name) for name in (tracks or ())[1:]}
     _check_world_size(source, manifest_path)
     # Each track's training answers SIGUSR1/SIGTERM itself (checkpoint, exit 75); this catches
     # one that arrives between two tracks.
     with stop_on_signals() as between, shared_process_group():
-        plan = _open_plan(out_dir, source)  # every rank checks before rank 0 writes
+        plan = _open_plan(out_dir, source, tracks)  # every rank checks before rank 0 writes
         dist.barrier()
         tracks_dir = out_dir / "tracks"
         if _is_main():
@@ -89,6 +95,8 @@ def run_dualtrack(
         control = Track(CONTROL, "control", tracks_dir / "bf16.yaml", out_dir / CONTROL)
         candidate = Track(CANDIDATE, "candidate", tracks_dir / "fp8.yaml", out_dir / CANDIDATE)
         write_manifest(control_source, control.manifest_file)
+        if recipes:
+            return _train_recipes(recipes, control, out_dir, progress, plan, between)
         write_manifest(source, candidate.manifest_file)
         outcomes = [_train(control, out_dir, progress, plan)]
         _stop_if_asked(between, out_dir)
@@ -97,6 +105,22 @@ def run_dualtrack(
         outcomes.append(_train(candidate, out_dir, progress, plan))
         _stop_if_asked(between, out_dir)
         outcomes.append(_train_fallback(source, out_dir, candidate, progress, plan))
+    return outcomes
+
+
+def _train_recipes(
+    recipes: dict[str, Manifest], control: Track, out_dir: Path, progress: bool, plan, between
+) -> list[TrackOutcome]:
+    """The control, then one candidate per recipe, in the order given."""
+    candidates = []
+    for name, manifest in recipes.items():
+        track = Track(name, "candidate", out_dir / "tracks" / f"{name}.yaml", out_dir / name)
+        write_manifest(manifest, track.manifest_file)
+        candidates.append(track)
+    outcomes = [_train(control, out_dir, progress, plan)]
+    for track in candidates:
+        _stop_if_asked(between, out_dir)
+        outcomes.append(_train(track, out_dir, progress, plan))
     return outcomes
 
 
@@ -198,9 +222,9 @@ def _source_manifest(path: Path, assignments: dict) -> Manifest:
     return derive(manifest, assignments, reason, source=f"{path} with --set")
 
 
-def _open_plan(out_dir: Path, source: Manifest) -> dict:
-    """dualtrack.json as an earlier invocation left it (then for the same manifest), or a new
-    plan for a new or empty directory. Reads only."""
+def _open_plan(out_dir: Path, source: Manifest, tracks: tuple[str, ...] | None) -> dict:
+    """dualtrack.json as an earlier invocation left it (then for the same manifest and
+    tracks), or a new plan for a new or empty directory. Reads only."""
     import json
 
     path = out_dir / PLAN
@@ -217,12 +241,21 @@ def _open_plan(out_dir: Path, source: Manifest) -> dict:
                 "another --out, or resume that evaluation with its own manifest "
                 f"({out_dir / 'tracks' / 'source.yaml'})"
             )
+        if plan.get("requested") != (list(tracks) if tracks else None):
+            raise Fp8opsError(
+                f"{out_dir} holds the dual-track evaluation of tracks "
+                f"{','.join(plan.get('requested') or LABELS)}, not "
+                f"{','.join(tracks or LABELS)}; give another --out, or the same --tracks"
+            )
         return plan
     if out_dir.exists() and any(out_dir.iterdir()):
         raise Fp8opsError(
             f"{out_dir} exists and is not a dual-track directory (no {PLAN}); give another --out"
         )
-    return {"manifest": digest, "name": source.name, "tracks": []}
+    plan = {"manifest": digest, "name": source.name, "tracks": []}
+    if tracks:
+        plan["requested"] = list(tracks)
+    return plan
 
 
 def _record(
@@ -242,9 +275,8 @@ def _record(
     if note:
         entry["note"] = note
     entries[track.label] = entry
-    plan["tracks"] = [
-        entries[label] for label in (CONTROL, CANDIDATE, FALLBACK) if label in entries
-    ]
+    order = plan.get("requested") or (CONTROL, CANDIDATE, FALLBACK)
+    plan["tracks"] = [entries[label] for label in order if label in entries]
     if _is_main():
         _save_plan(root, plan)
 

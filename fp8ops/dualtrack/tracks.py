@@ -142,3 +142,50 @@ def fallback_manifest(source: Manifest, modules: dict[str, str]) -> Manifest:
     overrides += [{"module": m, "reason": why, "approval": None} for m, why in modules.items()]
     reason = f"dual-track: FP8 with {len(modules)} high-risk modules in the base dtype"
     return derive(source, {"precision.overrides": overrides}, reason)
+
+
+# -- recipe tracks: `fp8ops dualtrack MANIFEST --tracks bf16,delayed,current,...` ---------------
+
+RECIPES = ("delayed", "current", "block", "mxfp8")
+_RECIPE_FIELDS = (  # reset to their defaults in a track of another recipe (the schema refuses
+    "amax_history_len",  # a field of one recipe set under another)
+    "amax_compute_algo",
+    "margin",
+    "power_2_scale",
+    "amax_epsilon",
+    "x_block_scaling_dim",
+    "w_block_scaling_dim",
+    "grad_block_scaling_dim",
+)
+
+
+def parse_tracks(text: str) -> tuple[str, ...]:
+    """``--tracks``: the BF16 control and one or more recipes, comma-separated, each once."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [n for n in names if n != CONTROL and n not in RECIPES]
+    if unknown:
+        raise ManifestError(
+            f"--tracks: unknown track {unknown[0]!r}; use {CONTROL} and any of {', '.join(RECIPES)}"
+        )
+    if len(set(names)) != len(names):
+        raise ManifestError(f"--tracks {text}: a track is named twice")
+    if CONTROL not in names or len(names) < 2:
+        raise ManifestError(
+            f"--tracks {text}: name the {CONTROL} control and at least one recipe, e.g. "
+            f"{CONTROL},delayed,current"
+        )
+    return (CONTROL, *(n for n in names if n != CONTROL))
+
+
+def recipe_manifest(source: Manifest, recipe: str) -> Manifest:
+    """The candidate of one recipe: the source with ``precision.scaling`` set to it and every
+    recipe field it does not own back at its default (the source's own recipe keeps its
+    fields)."""
+    if recipe == source.precision.scaling:
+        return source
+    defaults = type(source.precision).model_fields
+    changes: dict = {"precision.scaling": recipe}
+    for name in _RECIPE_FIELDS:
+        if getattr(source.precision, name) != defaults[name].default:
+            changes[f"precision.{name}"] = defaults[name].default
+    return derive(source, changes, f"dual-track: {recipe} scaling")

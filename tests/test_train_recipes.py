@@ -195,3 +195,15 @@ def test_mxfp8_refuses_modules_not_divisible_by_32(small_base, tmp_path):
     )
     with pytest.raises(ManifestError, match="multiples of 32"):
         run_training(manifest, tmp_path / "run", progress=False)
+
+
+def test_the_whatif_and_the_console_say_the_recipe(runs, cli):
+    """A stateless run has no delayed window to replay; the console's header names its recipe."""
+    from fp8ops.console.runs import read_header
+
+    refused = cli("whatif", runs["current"])
+    assert refused.code == 2 and "used current scaling" in refused.err
+    assert read_header(runs["block"], None).recipe.startswith("block scaling, hybrid, power-of-2")
+    assert (
+        read_header(runs["mxfp8"], None).recipe == "MXFP8 scaling, hybrid, 1x32 blocks, E8M0 scales"
+    )

@@ -448,7 +448,7 @@ class ConsoleApp:
         with self._quietly():
             self.module.options = modules
             self.module.value = modules[0] if modules else None
-        if run.manifest is not None and run.manifest.precision.enabled:
+        if run.manifest is not None and run.manifest.precision.scaling == "delayed":
             p = run.manifest.precision
             self.whatif_len.value, self.whatif_margin.value = p.amax_history_len, p.margin
             self.whatif_algo.value = p.amax_compute_algo
@@ -697,13 +697,20 @@ class ConsoleApp:
     def replay_whatif(self) -> None:
         """Replay the module's recorded amax (the slot on screen) under the run's own window
         and under the one entered, or under current scaling, in the background."""
-        from fp8ops.console.whatif import Summary, replay_slots, run_window, what_if_setting
+        from fp8ops.console.whatif import (
+            Summary,
+            refuse_stateless,
+            replay_slots,
+            run_window,
+            what_if_setting,
+        )
 
         run, module, slot = self.run, self.module.value, self.slot.value
         if run is None or run.telemetry is None or module is None:
             raise Fp8opsError("choose a run with telemetry and a module first")
         if run.manifest is None or not run.manifest.precision.enabled:
             raise Fp8opsError("this run has no FP8 recipe to compare with")
+        refuse_stateless(run.run_dir, run.manifest.precision)
         own = run_window(run.telemetry, run.manifest.precision)
         if self.whatif_recipe.value == "current":
             other = what_if_setting(own, "current")

@@ -104,12 +104,7 @@ def read_header(
         header.name = manifest.name
         header.manifest_hash = manifest_hash(manifest)
         header.revision, header.revision_reason = manifest.revision.number, manifest.revision.reason
-        header.recipe = (
-            f"{p.fp8_format}, amax_history_len {p.amax_history_len}, {p.amax_compute_algo}, "
-            f"margin {p.margin}, reduce_amax {p.reduce_amax}"
-            if p.enabled
-            else f"FP8 off ({p.base_dtype})"
-        )
+        header.recipe = p.recipe_summary if p.enabled else f"FP8 off ({p.base_dtype})"
         header.topology = (
             f"TP {t.tensor_parallel} x PP {t.pipeline_parallel} x DP {t.data_parallel} "
             f"(world {t.world_size}, amax reduction {t.amax_reduction})"

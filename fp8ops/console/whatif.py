@@ -468,6 +468,17 @@ class Report:
         }
 
 
+def refuse_stateless(run_dir, precision) -> None:
+    """A what-if replays a delayed-scaling run; a run of another recipe scaled every cast by its
+    own amax, so there is no window to replay and nothing delayed to compare with."""
+    if precision.scaling != "delayed":
+        raise Fp8opsError(
+            f"{run_dir}: this run used {precision.scaling} scaling, which scales every cast by "
+            "its own amax: there is no delayed window to replay (the what-if compares a delayed "
+            "run with other settings; compare recipes with fp8ops dualtrack --tracks)"
+        )
+
+
 def setting_json(setting: Setting) -> dict:
     recipe = "current" if isinstance(setting, CurrentScaling) else "delayed"
     return {"recipe": recipe, **vars(setting)}
@@ -542,6 +553,7 @@ def report(
     precision = load_manifest(RunLayout(run_dir).manifest).precision
     if not precision.enabled:
         raise Fp8opsError(f"{run_dir}: FP8 is off in this run; there are no scales to replay")
+    refuse_stateless(run_dir, precision)
     telemetry = open_run(run_dir)
     own = run_window(telemetry, precision)
     other = what_if_setting(

@@ -480,6 +480,29 @@ class PrecisionPolicy(_Section):
         return problems
 
     @property
+    def recipe_summary(self) -> str:
+        """The recipe in one line, with the fields that apply to it."""
+        fmt = self.fp8_format
+        if self.scaling == "delayed":
+            return (
+                f"{fmt}, amax_history_len {self.amax_history_len}, {self.amax_compute_algo}, "
+                f"margin {self.margin}, reduce_amax {self.reduce_amax}"
+            )
+        if self.scaling == "mxfp8":
+            return f"MXFP8 scaling, {fmt}, 1x32 blocks, E8M0 scales"
+        pow2 = self.power_2_scale if self.power_2_scale is not None else self.scaling == "block"
+        text = f"{self.scaling} scaling, {fmt}, power-of-2 scales {'on' if pow2 else 'off'}"
+        if self.amax_epsilon:
+            text += f", amax_epsilon {self.amax_epsilon}"
+        if self.scaling == "block":
+            edge = {1: "1x128", 2: "128x128"}
+            text += (
+                f", blocks: input {edge[self.x_block_scaling_dim]}, weight "
+                f"{edge[self.w_block_scaling_dim]}, grad {edge[self.grad_block_scaling_dim]}"
+            )
+        return text
+
+    @property
     def amax_algo(self) -> AmaxAlgo:
         """The parsed ``amax_compute_algo``."""
         return _parse_amax_algo(self.amax_compute_algo)

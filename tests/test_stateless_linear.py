@@ -161,3 +161,44 @@ def test_maps_to_te_recipe_objects():
     assert block.fp8_format == te_recipe.Format.HYBRID
     mx = to_te_recipe(RECIPES["mxfp8"])
     assert type(mx).__name__ == "MXFP8BlockScaling" and mx.fp8_format == te_recipe.Format.E4M3
+
+
+def test_current_scaling_runs_on_scaled_mm_as_on_the_emulation():
+    """torch._scaled_mm (oneDNN on a CPU) takes current scaling's per-tensor casts as it takes
+    delayed scaling's: the same casts, products equal up to accumulation order."""
+    from fp8ops.precision import ScaledMmGemm, scaled_mm_unsupported
+
+    if scaled_mm_unsupported("cpu") is not None:
+        pytest.skip(f"no FP8 torch._scaled_mm here: {scaled_mm_unsupported('cpu')}")
+    recipe = RECIPES["current"]
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(64, 128, generator=g), torch.randn(32, 128, generator=g) * 0.1
+    grad = torch.randn(64, 32, generator=g)
+    results = []
+    for gemm in (ScaledMmGemm(), None):
+        layer = Fp8Linear(128, 32, recipe, bias=False, gemm=gemm)
+        with torch.no_grad():
+            layer.weight.copy_(w)
+        xi = x.clone().requires_grad_(True)
+        with Fp8Scope(recipe)():
+            out = layer(xi)
+        out.backward(grad)
+        results.append((out, xi.grad, layer.weight.grad))
+    for native, emulated in zip(*results, strict=True):
+        assert (native - emulated).norm() / emulated.norm() < 2.0**-10
+
+
+def test_mxfp8_pads_the_tokens_to_32_as_megatron_does():
+    """40 tokens: padded with zero rows to 64 for the casts (zeros change no block's amax), the
+    padding cut from the output and the input's gradient."""
+    recipe = RECIPES["mxfp8"]
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(40, 64, generator=g), torch.randn(32, 64, generator=g)
+    grad = torch.randn(40, 32, generator=g)
+    out, dx, dw = run(recipe, x, w, grad)
+    assert out.shape == (40, 32) and dx.shape == (40, 64)
+    padded_x = torch.nn.functional.pad(x, (0, 0, 0, 24))
+    padded_grad = torch.nn.functional.pad(grad, (0, 0, 0, 24))
+    expected, _, expected_dw = run(recipe, padded_x, w, padded_grad)
+    torch.testing.assert_close(out, expected[:40])
+    torch.testing.assert_close(dw, expected_dw)

@@ -1147,10 +1147,16 @@ def test_recipes_rank_passing_first_then_by_loss_gap():
         return CandidateVerdict(label, "run", "0" * 64, 4, gates, [], None, None, None)
 
     rows = rank_recipes(
-        [candidate("a", 0.03), candidate("b", -0.01), candidate("c", 0.01, passed=False)],
-        {"a": "delayed", "b": "mxfp8", "c": "block"},
+        [
+            candidate("a", 0.03),
+            candidate("b", -0.02),
+            candidate("d", 0.01),
+            candidate("c", 0.01, passed=False),
+        ],
+        {"a": "delayed", "b": "mxfp8", "c": "block", "d": "current"},
     )
-    assert [(r.label, r.rank) for r in rows] == [("b", 1), ("a", 2), ("c", 3)]
-    assert rows[2].failed_gates == ("loss_gap",)
+    # a negative gap (lower loss than the reference) ranks above a small positive one
+    assert [(r.label, r.rank) for r in rows] == [("b", 1), ("d", 2), ("a", 3), ("c", 4)]
+    assert rows[3].failed_gates == ("loss_gap",)
     assert rows[0].published == {"H200": None, "B300": 1.42}  # MXFP8 is not Hopper's
     assert rank_recipes([candidate("a", 0.0)], {"a": "delayed"}) == []  # one recipe: no ranking

@@ -46,7 +46,7 @@ class RecipeRow:
 
 def rank_recipes(candidates: list[CandidateVerdict], scalings: dict[str, str]) -> list[RecipeRow]:
     """The candidates ranked: those that pass every gate first, then by fewer failed gates, then
-    by the smaller loss gap (a missing gap last). ``scalings``: label -> precision.scaling. Empty
+    by the lower loss gap (candidate minus reference; a missing gap last). ``scalings``: label -> precision.scaling. Empty
     unless at least two candidates run different recipes."""
     if len({scalings[c.label] for c in candidates}) < 2:
         return []
@@ -58,7 +58,8 @@ def rank_recipes(candidates: list[CandidateVerdict], scalings: dict[str, str]) -
     def order(c: CandidateVerdict):
         failed = sum(not g.passed for g in c.gates)
         value = gap(c)
-        return (not c.passed, failed, value is None, abs(value) if value is not None else 0.0)
+        # the gap is the candidate's loss minus the reference's: lower is better, below 0 too
+        return (not c.passed, failed, value is None, value if value is not None else 0.0)
 
     rows = []
     for rank, c in enumerate(sorted(candidates, key=order), start=1):

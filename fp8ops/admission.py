@@ -294,11 +294,12 @@ def _refuse_unaligned(
     if not unaligned:
         return
     more = f"; and {len(unaligned) - 4} more" if unaligned[4:] else ""
-    way_out = (
-        "precision.scaling 'block' or 'current'"
-        if precision.scaling == "mxfp8"
-        else "precision.backend 'emulated'"
-    )
+    if precision.scaling != "mxfp8":
+        way_out = "precision.backend 'emulated'"
+    elif precision.backend == "scaled_mm":  # which runs no block scaling
+        way_out = "precision.scaling 'current'"
+    else:
+        way_out = "precision.scaling 'block' or 'current'"
     raise ManifestError(
         f"{_under(precision)}: every FP8 module's GEMM needs K in multiples "
         f"of {sizes.k_multiple} and N in multiples of {sizes.n_multiple} per rank ({sizes.why}), "

@@ -197,6 +197,11 @@ def test_mxfp8_pads_the_tokens_to_32_as_megatron_does():
     grad = torch.randn(40, 32, generator=g)
     out, dx, dw = run(recipe, x, w, grad)
     assert out.shape == (40, 32) and dx.shape == (40, 64)
+    layer = Fp8Linear(64, 32, recipe, bias=False)
+    layer.track_stats = True
+    with Fp8Scope(recipe)(), torch.no_grad():
+        layer(x)
+    assert layer.last_cast_stats["input"].numel == 40 * 64  # the padding is not counted
     padded_x = torch.nn.functional.pad(x, (0, 0, 0, 24))
     padded_grad = torch.nn.functional.pad(grad, (0, 0, 0, 24))
     expected, _, expected_dw = run(recipe, padded_x, w, padded_grad)

@@ -183,6 +183,7 @@ def test_the_manifest_refuses_what_a_recipe_cannot_do():
     refused({**ok, "precision.scaling": "block", "precision.backend": "scaled_mm"}, "scaled_mm")
     refused({**ok, "precision.scaling": "current", "precision.backend": "te"}, "Transformer")
     refused({"precision.power_2_scale": True}, "not of scaling 'delayed'")
+    refused({**ok, "precision.scaling": "block", "precision.reduce_amax": False}, "reduce_amax")
     current = derive(base, {**ok, "precision.scaling": "current"}, "test")
     assert current.precision.scaling == "current"
 

@@ -430,6 +430,7 @@ class PrecisionPolicy(_Section):
             "amax_history_len": ("delayed",),
             "amax_compute_algo": ("delayed",),
             "margin": ("delayed",),
+            "reduce_amax": ("delayed",),
             "power_2_scale": ("current", "block"),
             "amax_epsilon": ("current", "block"),
             "x_block_scaling_dim": ("block",),

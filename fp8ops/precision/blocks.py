@@ -173,10 +173,11 @@ def _whole(block_amax: torch.Tensor) -> torch.Tensor:
     return block_amax.amax() if block_amax.numel() else torch.zeros(())
 
 
-def block_cast_stats(x: torch.Tensor, q: BlockQuantized) -> CastStats:
+def block_cast_stats(x: torch.Tensor, q: BlockQuantized, *, rows: int | None = None) -> CastStats:
     """What a block cast did (``CastStats``, as the per-tensor casts report it): the amax, and
     the elements it saturated (``|x * scale| > fp8 max``), sent to zero from non-zero, and the
-    NaN and inf inputs."""
+    NaN and inf inputs. ``rows``: only the first rows count (the rest is zero padding, which
+    none of the counts sees, but the element count would)."""
     flat = x.detach().float()
     scaled = flat * expand(q.scale, q.block, flat.shape)
     zero = (q.data.view(torch.uint8) & 0x7F) == 0
@@ -188,4 +189,5 @@ def block_cast_stats(x: torch.Tensor, q: BlockQuantized) -> CastStats:
             torch.isinf(flat).sum(),
         ]
     )
-    return CastStats(amax=q.amax, counts=counts, numel=flat.numel())
+    numel = flat.numel() if rows is None else rows * flat.shape[1]
+    return CastStats(amax=q.amax, counts=counts, numel=numel)

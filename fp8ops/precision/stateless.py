@@ -128,10 +128,12 @@ class StatelessRecipe:
         columnwise: bool = False,
         track: dict | None = None,
         record: CastRecord | None = None,
+        rows: int | None = None,
     ) -> Quantized:
         """Cast a 2-D tensor of ``role``, blocked along its rows (the default) or its columns;
         with ``track`` the cast's statistics are stored there under ``role``; ``record`` notes
-        its amax (and, per tensor, its scale) for the step's telemetry."""
+        its amax (and, per tensor, its scale) for the step's telemetry. ``rows``: how many of
+        ``x``'s rows are real, the rest padding (MXFP8's tokens), which the statistics leave out."""
         fp8 = self.fp8(role)
         if self.kind == "current":
             amax = tensor_amax(x)
@@ -155,7 +157,7 @@ class StatelessRecipe:
         if record is not None:
             record.note(role, q.amax, None)
         if track is not None:
-            track[role] = block_cast_stats(x, q)
+            track[role] = block_cast_stats(x, q, rows=rows)
         return q
 
     def columnwise(self, x: torch.Tensor, role: str, rowwise: Quantized) -> Quantized:
@@ -211,7 +213,7 @@ class StatelessFp8LinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, weight_casts, recipe, gemm, track, record, wgrad):
         tokens = x.numel() // weight.shape[1]
         x2d = _pad_rows(x.reshape(tokens, weight.shape[1]), recipe.divisor())
-        qx = recipe.quantize(x2d, "input", track=track, record=record)
+        qx = recipe.quantize(x2d, "input", track=track, record=record, rows=tokens)
         qw, qw_columnwise = weight_casts
         out = gemm(qx, qw, out_dtype=x.dtype, bias=bias)[:tokens]
         # The FP8 copies backward multiplies are all it keeps, as in TE.
@@ -228,7 +230,9 @@ class StatelessFp8LinearFunction(torch.autograd.Function):
         grad2d = grad_out.reshape(ctx.tokens, ctx.out_features)
         padded = _pad_rows(grad2d, recipe.divisor())
         needs_input, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        qg = recipe.quantize(padded, "grad_output", track=ctx.track, record=ctx.record)
+        qg = recipe.quantize(
+            padded, "grad_output", track=ctx.track, record=ctx.record, rows=ctx.tokens
+        )
         grad_input = grad_weight = grad_bias = None
         if needs_input:
             grad_input = ctx.gemm(qg, ctx.w_t, out_dtype=ctx.x_dtype)[: ctx.tokens]

@@ -323,13 +323,13 @@ def _unloadable(drift: Drift) -> str | None:
         if path == "precision.enabled" and change.new is False:
             continue  # FP8 off: the saved FP8 state is simply not used
         if path == "data.pad_to":
-            continue
+            continue  # how far batches are padded: the same rows, in the same order
         if path == "precision.scaling" and change.new == "delayed":
             return (
                 f"precision.scaling changed ({change.old!r} -> 'delayed'): the checkpoint of a "
                 "stateless recipe holds no amax history for delayed scaling to start from; start "
                 "a new run from its weights instead (model.init_checkpoint)"
-            )  # how far batches are padded: the same rows, in the same order
+            )
         if path.startswith(_ARCHITECTURE) and not path.startswith(_NOT_ARCHITECTURE):
             return (
                 f"{path} changed ({change.old!r} -> {change.new!r}): the checkpoint's weights "

@@ -51,7 +51,13 @@ class TelemetryCollector:
         self.cfg = telemetry_cfg
         # A stateless recipe's modules (current, block, MXFP8) keep no amax history: their row
         # reads what the step's casts saw (``CastRecord``), and the window metrics do not apply.
-        self.stateless = any(getattr(m, "fp8_meta", None) is None for m in modules.values())
+        stateless = [getattr(m, "fp8_meta", None) is None for m in modules.values()]
+        if any(stateless) and not all(stateless):
+            raise ValueError(
+                "telemetry reads modules of one recipe: some of these keep delayed-scaling "
+                "state and some do not (build them from the same manifest)"
+            )
+        self.stateless = any(stateless)
         self._history_len = 1 if self.stateless else _history_len(modules)
         self._columns = self._state_columns()
         # The state copy of the last observed row (None before the first): for scale_change.

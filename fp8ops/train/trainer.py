@@ -164,7 +164,8 @@ class Trainer:
             manifest.alerts,
             self.collector.names,
             [module.fp8_enabled for module in self.collector.modules.values()],
-            amax_compute_algo=precision.amax_compute_algo,
+            # A recipe without a window jumps from the last amax, as most_recent does.
+            amax_compute_algo=precision.amax_compute_algo if self.stateful else "most_recent",
         )
         self.amax_group = amax_reduction_group(manifest.topology)
         # On TE, Megatron's TransformerBlock enters TE's own delayed-scaling autocast, which

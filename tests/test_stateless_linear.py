@@ -42,8 +42,8 @@ def deq(q) -> torch.Tensor:
     return q.dequantize() if hasattr(q, "block") else q.data.float() * q.scale_inv
 
 
-def run(recipe, x, w, grad):
-    layer = Fp8Linear(w.shape[1], w.shape[0], recipe, bias=False)
+def run(recipe, x, w, grad, gemm=None):
+    layer = Fp8Linear(w.shape[1], w.shape[0], recipe, bias=False, gemm=gemm)
     with torch.no_grad():
         layer.weight.copy_(w)
     x = x.clone().requires_grad_(True)
@@ -174,17 +174,8 @@ def test_current_scaling_runs_on_scaled_mm_as_on_the_emulation():
     g = torch.Generator().manual_seed(4)
     x, w = torch.randn(64, 128, generator=g), torch.randn(32, 128, generator=g) * 0.1
     grad = torch.randn(64, 32, generator=g)
-    results = []
-    for gemm in (ScaledMmGemm(), None):
-        layer = Fp8Linear(128, 32, recipe, bias=False, gemm=gemm)
-        with torch.no_grad():
-            layer.weight.copy_(w)
-        xi = x.clone().requires_grad_(True)
-        with Fp8Scope(recipe)():
-            out = layer(xi)
-        out.backward(grad)
-        results.append((out, xi.grad, layer.weight.grad))
-    for native, emulated in zip(*results, strict=True):
+    native_and_emulated = (run(recipe, x, w, grad, ScaledMmGemm()), run(recipe, x, w, grad))
+    for native, emulated in zip(*native_and_emulated, strict=True):
         assert (native - emulated).norm() / emulated.norm() < 2.0**-10
 
 

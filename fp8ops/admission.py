@@ -188,11 +188,12 @@ def decide_admission(
     found = _walk(model, tensor_parallel)
     _check_globs(precision, [f.fqn for f in found])
     formats = _formats(precision.fp8_format)
-    sizes = fp8_gemm_sizes(precision.backend, precision.scaling)
     rows = []
     for f in found:
         rank_shape = per_rank_shape(f.parallel, f.global_shape, tensor_parallel)
-        reason = _decide(f, rank_shape, precision, sizes)
+        own = module_recipe(precision, f.fqn)
+        scaling = own[1].scaling if own else precision.scaling
+        reason = _decide(f, rank_shape, precision, fp8_gemm_sizes(precision.backend, scaling))
         rows.append(
             AdmissionRow(
                 fqn=f.fqn,
@@ -204,10 +205,21 @@ def decide_admission(
                 precision="fp8" if reason.code == "fp8" else precision.base_dtype,
                 formats=formats if reason.code == "fp8" else None,
                 reason=reason,
+                scaling=own[1].scaling if own and reason.code == "fp8" else None,
             )
         )
-    _refuse_unaligned(rows, precision, sizes)
+    _refuse_unaligned(rows, precision)
     return AdmissionTable(rows=tuple(rows), tensor_parallel=tensor_parallel)
+
+
+def module_recipe(precision: PrecisionPolicy, fqn: str) -> tuple[int, Any] | None:
+    """``(index, entry)`` of the first ``precision.module_recipes`` entry with a glob matching
+    ``fqn`` (the order Megatron-Core's matchers follow when they hand the module its recipe),
+    else None: the module runs ``precision.scaling``."""
+    for index, entry in enumerate(precision.module_recipes):
+        if any(fnmatchcase(fqn, glob) for glob in entry.modules):
+            return index, entry
+    return None
 
 
 def admitted_under(rows: Sequence[AdmissionRow], precision: PrecisionPolicy) -> list[str]:
@@ -272,44 +284,59 @@ def _decide(
         text += f"; K={rank_shape.k}, N={rank_shape.n} per rank passes precision.small_gemm"
     else:
         text += "; precision.small_gemm is off"
+    own = module_recipe(precision, f.fqn)
     if sizes is not None and not sizes.fits(rank_shape):
         return Reason(
             code="unaligned",
-            text=f"K={rank_shape.k}, N={rank_shape.n} per rank; {_under(precision)} needs K in "
-            f"multiples of {sizes.k_multiple} and N in multiples of {sizes.n_multiple}",
+            text=f"K={rank_shape.k}, N={rank_shape.n} per rank; "
+            f"{_under(precision, own[1].scaling if own else None)} needs K in multiples of "
+            f"{sizes.k_multiple} and N in multiples of {sizes.n_multiple}",
+        )
+    if own is not None:
+        index, entry = own
+        text += (
+            f"; {entry.scaling} scaling, not {precision.scaling}, by "
+            f"precision.module_recipes[{index}] ({entry.reason})"
         )
     return Reason(code="fp8", text=text)
 
 
-def _refuse_unaligned(
-    rows: list[AdmissionRow], precision: PrecisionPolicy, sizes: GemmSizes | None
-) -> None:
-    """Refuse a decision in which a module that would run FP8 does not fit the backend's GEMM
-    (reason ``unaligned``), naming each with its per-rank shape and the two ways out."""
-    unaligned = [
-        f"{row.fqn} (K x N = {row.rank_shape} per rank)"
-        for row in rows
-        if row.reason.code == "unaligned"
-    ]
-    if not unaligned:
+def _refuse_unaligned(rows: list[AdmissionRow], precision: PrecisionPolicy) -> None:
+    """Refuse a decision in which a module that would run FP8 does not fit its GEMM (reason
+    ``unaligned``), naming each with its per-rank shape and the two ways out. The modules of
+    one recipe are named together (a per-module MXFP8 entry has its own rule)."""
+    by_scaling: dict[str | None, list[str]] = {}
+    for row in rows:
+        if row.reason.code == "unaligned":
+            own = module_recipe(precision, row.fqn)
+            by_scaling.setdefault(own[1].scaling if own else None, []).append(
+                f"{row.fqn} (K x N = {row.rank_shape} per rank)"
+            )
+    if not by_scaling:
         return
+    own_scaling, unaligned = next(iter(by_scaling.items()))
+    scaling = own_scaling or precision.scaling
+    sizes = fp8_gemm_sizes(precision.backend, scaling)
     more = f"; and {len(unaligned) - 4} more" if unaligned[4:] else ""
-    if precision.scaling != "mxfp8":
+    field = "their precision.module_recipes entry" if own_scaling else "precision.scaling"
+    if scaling != "mxfp8":
         way_out = "precision.backend 'emulated'"
     elif precision.backend == "scaled_mm":  # which runs no block scaling
-        way_out = "precision.scaling 'current'"
+        way_out = f"{field} 'current'"
     else:
-        way_out = "precision.scaling 'block' or 'current'"
+        way_out = f"{field} 'block' or 'current'"
     raise ManifestError(
-        f"{_under(precision)}: every FP8 module's GEMM needs K in multiples "
+        f"{_under(precision, own_scaling)}: every FP8 module's GEMM needs K in multiples "
         f"of {sizes.k_multiple} and N in multiples of {sizes.n_multiple} per rank ({sizes.why}), "
         f"and {len(unaligned)} are not: {'; '.join(unaligned[:4])}{more}. Keep them in "
         f"{precision.base_dtype} (precision.exclude_modules), or use {way_out}"
     )
 
 
-def _under(precision: PrecisionPolicy) -> str:
-    if precision.scaling == "mxfp8":
+def _under(precision: PrecisionPolicy, own_scaling: str | None = None) -> str:
+    if own_scaling == "mxfp8":
+        return f"MXFP8 by precision.module_recipes on precision.backend {precision.backend!r}"
+    if precision.scaling == "mxfp8" and own_scaling is None:
         return f"precision.scaling 'mxfp8' on precision.backend {precision.backend!r}"
     return f"precision.backend {precision.backend!r}"
 
@@ -449,6 +476,13 @@ def _check_globs(precision: PrecisionPolicy, fqns: list[str]) -> None:
         for index, glob in enumerate(getattr(precision, field)):
             if not any(fnmatchcase(fqn, glob) for fqn in fqns):
                 problems.append(f"  precision.{field}[{index}] '{glob}': {_hint(glob, fqns)}")
+    for index, entry in enumerate(precision.module_recipes):
+        for j, glob in enumerate(entry.modules):
+            if not any(fnmatchcase(fqn, glob) for fqn in fqns):
+                problems.append(
+                    f"  precision.module_recipes[{index}].modules[{j}] '{glob}': "
+                    f"{_hint(glob, fqns)}"
+                )
     for index, override in enumerate(precision.overrides):
         if override.module not in fqns:
             close = difflib.get_close_matches(override.module, fqns, n=1)
@@ -557,6 +591,20 @@ def apply_admission(table: AdmissionTable, model: nn.Module) -> None:
         raise AdmissionError(
             f"the admission table runs {_few(wrong)} in FP8, but the model built them from the "
             "plain spec (build the model with a recipe)"
+        )
+    # Megatron handed each module its per-module recipe (quant_config.py); the table decided
+    # the same from the same globs. A model built otherwise must not run under this table.
+    own = fp8_modules(model)
+    wrong = [
+        f"{row.fqn} (the table: {row.scaling or 'the run recipe'}; the model: "
+        f"{own[row.fqn].own_scaling or 'the run recipe'})"
+        for row in table.rows
+        if row.fp8 and row.fqn in own and own[row.fqn].own_scaling != row.scaling
+    ]
+    if wrong:
+        raise AdmissionError(
+            f"the model's modules run other recipes than the admission table says: {_few(wrong)} "
+            "(build the model from the manifest the table was decided for)"
         )
     for fqn, module in capable.items():
         module.fp8_enabled = table.row(fqn).fp8

@@ -209,6 +209,22 @@ def test_approval_by_the_same_operator_is_refused_and_another_one_approves(run_c
     assert "approved" in app.ledger_table.value
 
 
+def test_a_module_staged_to_current_scaling_previews_a_module_recipe(run_copy):
+    app = console(run_copy, user="ana")
+    module = app.module.value
+    app.stage_reason.value = "saturates; current scaling follows it"
+    app.stage_to.value = "current"
+    app.stage_button.click()
+    (staged,) = ledger_lines(run_copy)
+    assert (staged["dtype"], staged["scaling"]) == ("fp8", "current")
+    assert f"staged {module} to current scaling" in app.message.value
+    app.user.value = "ben"
+    app.approve_button.click()
+    preview = app.resume_preview.value
+    assert "precision.module_recipes" in preview and "precision.overrides" not in preview
+    assert f"applies {staged['hash'][:12]}: {module} -&gt; current scaling" in preview
+
+
 def test_self_approval_when_the_manifest_allows_it(run_copy):
     solo = derive(
         load_manifest(run_copy / "manifest.yaml"),

@@ -141,7 +141,7 @@ def test_pick_a_module_stage_and_approve_in_the_browser(served, tmp_path):
             page.locator(".fp8ops-stage-reason input").fill("e2e: input saturation")
             page.locator("button.fp8ops-stage-button").click()
             message = page.locator(".fp8ops-message")
-            expect(message).to_contain_text(f"staged {module} in BF16")
+            expect(message).to_contain_text(f"staged {module} to bf16")
             page.locator(".fp8ops-user input").fill("ben")
             page.locator("button.fp8ops-approve-button").click()
             expect(message).to_contain_text("approved")

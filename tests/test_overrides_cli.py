@@ -41,19 +41,29 @@ def test_stage_approve_list_verify(cli, run_dir):
     result = cli("overrides", "stage", run_dir, FC1, QKV, "--reason", "saturation since step 110")
     assert result.code == 0, result.err
     fc1 = staged_id(run_dir)
-    assert f"staged {fc1[:12]}: {FC1} (staged)" in result.out
+    assert f"staged {fc1[:12]}: {FC1} to bf16 (staged)" in result.out
     assert f"approve: fp8ops overrides approve {run_dir} {fc1[:12]}" in result.out
     assert Ledger(run_dir).get(fc1).who == "ana"  # from FP8OPS_USER
 
     result = cli("overrides", "approve", run_dir, fc1[:7], "--user", "ben", "--note", "agreed")
-    assert (result.code, result.out) == (0, f"approved {fc1[:12]}: {FC1} (approved)\n")
+    assert (result.code, result.out) == (0, f"approved {fc1[:12]}: {FC1} to bf16 (approved)\n")
 
     result = cli("overrides", "list", run_dir)
     assert result.code == 0
     header, _, *rows = result.out.splitlines()
-    assert header.split() == ["id", "module", "status", "who", "decided", "by", "reason", "step"]
-    assert rows[0].split()[:5] == [fc1[:12], FC1, "approved", "ana", "ben"]
-    assert rows[1].split()[2:4] == ["staged", "ana"] and rows[1].split()[-1] == "120"
+    assert header.split() == [
+        "id",
+        "module",
+        "to",
+        "status",
+        "who",
+        "decided",
+        "by",
+        "reason",
+        "step",
+    ]
+    assert rows[0].split()[:6] == [fc1[:12], FC1, "bf16", "approved", "ana", "ben"]
+    assert rows[1].split()[3:5] == ["staged", "ana"] and rows[1].split()[-1] == "120"
 
     records = [
         json.loads(line)
@@ -76,12 +86,12 @@ def test_reject_revoke_and_list_all(cli, run_dir):
     cli("overrides", "stage", run_dir, FC1, QKV, "--reason", "r")
     fc1, qkv = staged_id(run_dir), staged_id(run_dir, QKV)
     result = cli("overrides", "reject", run_dir, fc1, "--reason", "transient", "--user", "ben")
-    assert result.out == f"rejected {fc1[:12]}: {FC1} (rejected)\n"
+    assert result.out == f"rejected {fc1[:12]}: {FC1} to bf16 (rejected)\n"
     cli("overrides", "approve", run_dir, qkv, "--user", "ben")
     Ledger(run_dir).record_applied([qkv], step=150, revision="e" * 64)
     result = cli("overrides", "revoke", run_dir, qkv, "--reason", "fixed upstream")
     assert result.out.splitlines() == [
-        f"revoked {qkv[:12]}: {QKV} (revoked)",
+        f"revoked {qkv[:12]}: {QKV} to bf16 (revoked)",
         f"  {QKV} runs in BF16 until the next resume, then in FP8 again",
     ]
     listed = cli("overrides", "list", run_dir).out

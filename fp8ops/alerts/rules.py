@@ -601,6 +601,12 @@ class AlertEngine:
             )
         return alerts
 
+    def _base_name(self, i: int, j: int, rows: np.ndarray) -> str:
+        """What module ``i``'s slot ``j`` scales by, as the jump message says it."""
+        if self._jump_base == "window_max" and not np.isnan(rows[i, _columns("window_max")][j]):
+            return "window max"
+        return "amax"
+
     def _check_amax_jump(self, step, rows) -> list[Alert]:
         """Early warning: this step's amax far above what its scale was computed from."""
         amax = rows[:, _columns("amax")]
@@ -611,13 +617,16 @@ class AlertEngine:
         with np.errstate(invalid="ignore"):
             fired = self._jump.update(amax > threshold, known)
         base = rows[:, _columns(self._jump_base)]
+        # A module without a window (a per-module stateless recipe in a delayed run) scales by
+        # its last amax, as most_recent does.
+        base = np.where(np.isnan(base), amax, base)
         self._previous_base = np.where(np.isnan(base), previous, base)
         alerts = []
         for i, j in np.argwhere(fired):
             metric = f"{SLOTS[j]}.amax"
             message = (
                 f"Step {step}: {self.modules[i]} {metric} was {format_value(_py(amax[i, j]))}, "
-                f"above {factor:g}x the previous step's {self._jump_base.replace('_', ' ')} "
+                f"above {factor:g}x the previous step's {self._base_name(i, j, rows)} "
                 f"{format_value(_py(previous[i, j]))} (threshold "
                 f"{format_value(_py(threshold[i, j]))}): the scale in use was set from that "
                 f"value, {factor:g}x below, so the cast clipped unless the margin leaves that "

@@ -260,12 +260,18 @@ class ConsoleApp:
         self.stage_reason = W.Text(
             description="reason",
             layout=W.Layout(width="60%"),
-            placeholder="why BF16 (required; kept in the ledger)",
+            placeholder="why (required; kept in the ledger)",
+        )
+        self.stage_to = W.ToggleButtons(
+            options=[("BF16", "bf16"), ("current scaling", "current")],
+            value="bf16",
+            description="to",
+            tooltip="where the staged modules go: BF16, or FP8 under current scaling",
         )
         self.stage_button = W.Button(
-            description="Stage BF16",
+            description="Stage",
             button_style="warning",
-            tooltip="stage the selected modules in BF16",
+            tooltip="stage the selected modules (another operator approves)",
         )
         self.override_pick = W.Dropdown(description="override", layout=W.Layout(width="60%"))
         self.decision_reason = W.Text(
@@ -336,6 +342,7 @@ class ConsoleApp:
                 section("Overrides"),
                 self.stage_modules,
                 self.stage_reason,
+                self.stage_to,
                 self.stage_button,
                 self.ledger_table,
                 self.override_pick,
@@ -365,6 +372,7 @@ class ConsoleApp:
             "alerts_list",
             "stage_modules",
             "stage_reason",
+            "stage_to",
             "stage_button",
             "override_pick",
             "decision_reason",
@@ -620,10 +628,12 @@ class ConsoleApp:
         modules = list(self.stage_modules.value)
         if not modules:
             raise Fp8opsError("choose the modules to stage (the list above the reason)")
-        staged = self._ledger().stage_many(modules, self.stage_reason.value, who=self._operator())
+        staged = self._ledger().stage_many(
+            modules, self.stage_reason.value, who=self._operator(), to=self.stage_to.value
+        )
         self.stage_reason.value = ""
         return "; ".join(
-            f"staged {o.module} in BF16 as {o.id[:12]} by {o.who} "
+            f"staged {o.module} to {o.target} as {o.id[:12]} by {o.who} "
             f"({len(o.triggers)} trigger(s) attached)"
             for o in staged
         )
@@ -710,7 +720,7 @@ class ConsoleApp:
             raise Fp8opsError("choose a run with telemetry and a module first")
         if run.manifest is None or not run.manifest.precision.enabled:
             raise Fp8opsError("this run has no FP8 recipe to compare with")
-        refuse_stateless(run.run_dir, run.manifest.precision)
+        refuse_stateless(run.run_dir, run.manifest.precision, [module])
         own = run_window(run.telemetry, run.manifest.precision)
         if self.whatif_recipe.value == "current":
             other = what_if_setting(own, "current")

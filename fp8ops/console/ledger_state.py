@@ -42,7 +42,9 @@ def module_states(run_dir: Path) -> list[ModuleState]:
     rows = []
     for row in read_layers_json(run_dir).rows:
         if row.fp8 or row.reason.code == "override" or row.fqn in newest:
-            rows.append(ModuleState(row.fqn, row.precision, row.reason.code, newest.get(row.fqn)))
+            # A module under a per-module recipe says which: "fp8 (current)".
+            precision = row.precision if row.scaling is None else f"fp8 ({row.scaling})"
+            rows.append(ModuleState(row.fqn, precision, row.reason.code, newest.get(row.fqn)))
     return rows
 
 

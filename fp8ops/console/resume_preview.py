@@ -48,7 +48,7 @@ class ResumePreview:
         for r in self.revisions:
             out.append(f"new revision {r.number} ({r.sha256[:12]}): {r.reason}")
             out += [f"  {_change(c)}" for c in r.changes]
-        out += [f"  applies {o.id[:12]}: {o.module} -> bf16" for o in self.applied]
+        out += [f"  applies {o.id[:12]}: {o.module} -> {o.target}" for o in self.applied]
         out += [f"  lifts {o.id[:12]}: {o.module} -> fp8 (revoked)" for o in self.lifted]
         return out
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fp8ops.admission import module_recipe
 from fp8ops.amax_algo import parse_amax_algo
 from fp8ops.errors import Fp8opsError
 from fp8ops.precision.scaling import FLT_MAX, scaled_max
@@ -468,15 +469,28 @@ class Report:
         }
 
 
-def refuse_stateless(run_dir, precision) -> None:
+def refuse_stateless(run_dir, precision, modules: Sequence[str] = ()) -> None:
     """A what-if replays a delayed-scaling run; a run of another recipe scaled every cast by its
-    own amax, so there is no window to replay and nothing delayed to compare with."""
+    own amax, so there is no window to replay and nothing delayed to compare with. The same for
+    ``modules`` that ran a per-module recipe (``precision.module_recipes``)."""
     if precision.scaling != "delayed":
         raise Fp8opsError(
             f"{run_dir}: this run used {precision.scaling} scaling, which scales every cast by "
             "its own amax: there is no delayed window to replay (the what-if compares a delayed "
             "run with other settings; compare recipes with fp8ops dualtrack --tracks)"
         )
+    own = [m for m in modules if module_recipe(precision, m) is not None]
+    if own and len(own) == len(modules):
+        recipe = module_recipe(precision, own[0])[1].scaling
+        raise Fp8opsError(
+            f"{run_dir}: {own[0]} ran {recipe} scaling (precision.module_recipes), which scales "
+            "every cast by its own amax: there is no delayed window to replay for it"
+        )
+
+
+def delayed_modules(precision, modules: Sequence[str]) -> list[str]:
+    """The ``modules`` that ran the run's delayed scaling (not a per-module recipe)."""
+    return [m for m in modules if module_recipe(precision, m) is None]
 
 
 def setting_json(setting: Setting) -> dict:
@@ -555,6 +569,8 @@ def report(
         raise Fp8opsError(f"{run_dir}: FP8 is off in this run; there are no scales to replay")
     refuse_stateless(run_dir, precision)
     telemetry = open_run(run_dir)
+    chosen = select_modules(telemetry, module)
+    refuse_stateless(run_dir, precision, chosen)
     own = run_window(telemetry, precision)
     other = what_if_setting(
         own,
@@ -570,7 +586,7 @@ def report(
     start = max(telemetry.first_step, last - steps + 1) if steps else telemetry.first_step
     replays = replay_slots(
         telemetry,
-        select_modules(telemetry, module),
+        delayed_modules(precision, chosen),
         check_slots(slots),
         own,
         other,

@@ -256,6 +256,46 @@ class Bf16Override(_Section):
     )
 
 
+class ModuleRecipe(_Section):
+    """Some modules under another FP8 recipe than ``precision.scaling``: Megatron-Core's
+    per-module quantization config (TE's nested autocast), with its rules.
+
+    Only the stateless recipes, at TE's defaults for the run's ``fp8_format``, as Megatron-Core
+    builds them for a module (``Float8CurrentScaling``, ``Float8BlockScaling``,
+    ``MXFP8BlockScaling``); delayed scaling is never per module (Megatron refuses it: its
+    per-module autocasts would reduce amaxes once per module). A resume writes one of these from
+    an approved ledger record that staged a module in ``current`` (``approval`` its hash).
+    """
+
+    modules: Globs = Field(description="fnmatch globs on module names, as in layers.json.")
+    scaling: Literal["current", "block", "mxfp8"] = Field(
+        description="The recipe these modules run instead of precision.scaling."
+    )
+    reason: NonEmptyStr = Field(description="Why these modules need it (reviewed with the rest).")
+    approval: Sha256 | None = Field(
+        None, description="sha256 of the ledger record that approved it; null if hand-written."
+    )
+
+    @field_validator("scaling", mode="before")
+    @classmethod
+    def _not_delayed(cls, value: Any) -> Any:
+        if value == "delayed":
+            raise ValueError(
+                "delayed scaling is never a per-module recipe (Megatron-Core refuses it: a "
+                "module's own autocast would reduce its amaxes apart from the others'); make "
+                "delayed the run's recipe (precision.scaling) and give these modules 'current', "
+                "'block' or 'mxfp8'"
+            )
+        return value
+
+    @field_validator("modules")
+    @classmethod
+    def _some_module(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("must list at least one module glob, e.g. 'decoder.layers.0.*'")
+        return value
+
+
 class PrecisionPolicy(_Section):
     """Which modules run FP8 and how their scales are kept: one of TE's FP8 recipes."""
 
@@ -378,6 +418,19 @@ class PrecisionPolicy(_Section):
             "by a resume from approved ledger records; see docs/resume.md)."
         ),
     )
+    module_recipes: Annotated[tuple[ModuleRecipe, ...], BeforeValidator(_list_to_tuple)] = (
+        added_field(
+            (),
+            added_in="0.1.0",
+            description=(
+                "Modules that run another recipe than precision.scaling (e.g. current scaling "
+                "for the first and last layers, delayed elsewhere): the first entry whose glob "
+                "matches a module decides, as Megatron-Core's matchers do. Only modules that run "
+                "FP8 are affected; exclude_modules and overrides still keep a module in "
+                "base_dtype."
+            ),
+        )
+    )
 
     @field_validator("fp8_format", mode="before")
     @classmethod
@@ -411,6 +464,7 @@ class PrecisionPolicy(_Section):
         problems += _duplicate_globs("exclude_modules", self.exclude_modules)
         problems += _duplicate_globs("overrides", tuple(o.module for o in self.overrides))
         problems += self._recipe_fields()
+        problems += self._module_recipe_rules()
         algo = self.amax_algo
         if algo.kind == "trimmed_max" and algo.k >= self.amax_history_len:
             problems.append(
@@ -480,9 +534,64 @@ class PrecisionPolicy(_Section):
                 )
         return problems
 
+    def _module_recipe_rules(self) -> list:
+        """What ``module_recipes`` may not ask for: a module's recipe the backend cannot run,
+        or the run's own recipe again (nothing would change)."""
+        problems = []
+        seen: set[str] = set()
+        for i, entry in enumerate(self.module_recipes):
+            where = ("module_recipes", i, "scaling")
+            for glob in entry.modules:
+                if glob in seen:
+                    problems.append(
+                        (
+                            ("module_recipes", i, "modules"),
+                            glob,
+                            f"{glob!r} is in an earlier entry already; the first matching entry "
+                            "decides, so this one would never apply",
+                        )
+                    )
+                seen.add(glob)
+            if entry.scaling == self.scaling:
+                problems.append(
+                    (
+                        where,
+                        entry.scaling,
+                        f"'{entry.scaling}' is the run's own recipe (precision.scaling): these "
+                        "modules run it without the entry; remove it",
+                    )
+                )
+            elif self.backend == "te":
+                problems.append(
+                    (
+                        where,
+                        entry.scaling,
+                        "per-module recipes are not wired to Transformer Engine's layers in "
+                        "fp8ops yet (Megatron-Core's quant_recipe would run them, unchecked "
+                        "here); use backend 'emulated'",
+                    )
+                )
+            elif self.backend == "scaled_mm" and entry.scaling in ("block", "mxfp8"):
+                problems.append(
+                    (
+                        where,
+                        entry.scaling,
+                        f"'{entry.scaling}' needs torch._scaled_mm's block scales, not wired "
+                        "yet; on backend 'scaled_mm' a module may run 'current'",
+                    )
+                )
+        return problems
+
     @property
     def recipe_summary(self) -> str:
-        """The recipe in one line, with the fields that apply to it."""
+        """The recipe in one line, with the fields that apply to it, and the modules that run
+        another one."""
+        text = self._base_recipe_summary()
+        for entry in self.module_recipes:
+            text += f"; {entry.scaling} for {', '.join(entry.modules)}"
+        return text
+
+    def _base_recipe_summary(self) -> str:
         fmt = self.fp8_format
         if self.scaling == "delayed":
             return (

@@ -58,6 +58,7 @@ from fp8ops.megatron.compat import (
     reduce_from_tensor_model_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from fp8ops.megatron.quant_config import recipe_from_quant_config
 from fp8ops.megatron.te_extra_state import read_extra_state, recipe_differences
 from fp8ops.precision import (
     CastRecord,
@@ -105,6 +106,7 @@ class _Fp8LocalGemm:
         # ShardedTensor with replica semantics to define; the state travels in _extra_state.
         # A stateless recipe keeps no state (fp8_meta None), only what its casts saw this step.
         self.recipe = recipe
+        self.own_scaling: str | None = None  # a per-module recipe's kind (finish_init)
         delayed = isinstance(recipe, DelayedScalingRecipe)
         self.fp8_meta = Fp8Meta.fresh(recipe) if delayed else None
         self.cast_record = None if delayed else CastRecord()
@@ -114,6 +116,14 @@ class _Fp8LocalGemm:
         self.probe: Probe | None = None  # telemetry attaches one (fp8ops.telemetry.probe)
         self._weight_fp8 = None  # the step's FP8 weight (delayed: one cast; stateless: two)
         self._weight_fp8_version = -1  # the weight's version counter when it was cast
+
+    def finish_init(self, quantization_config) -> None:
+        """Megatron-Core's per-module quantization config, which ``GPTModel`` hands every
+        module once the model is built (``TransformerConfig.quant_recipe``, first matching glob;
+        ``quant_config.py``): a module it matches runs that recipe instead of the spec's."""
+        if quantization_config is not None:
+            self._init_fp8(recipe_from_quant_config(quantization_config), self.gemm)
+            self.own_scaling = self.recipe.kind
 
     def _apply(self, fn, recurse=True):
         # What model.to(...), .cuda() and .cpu() go through: the FP8 state follows the weights
@@ -168,6 +178,7 @@ class _Fp8LocalGemm:
             cached_weight=cached,
             track=track,
             record=self.cast_record,
+            recipe=None if self.fp8_meta is not None else self.recipe,
         )
         if self.probe is not None:
             self.probe.fp8_call(x, out, weight, bias)

@@ -37,6 +37,7 @@ from fp8ops.megatron.compat import (
 )
 from fp8ops.megatron.cpu_shims import apply_cpu_shims
 from fp8ops.megatron.layers import fp8_modules
+from fp8ops.megatron.quant_config import quant_recipe
 from fp8ops.megatron.rope import set_rope_scaling
 from fp8ops.megatron.spec import with_fp8_projections
 from fp8ops.megatron.te_backend import build_gpt_te, te_projections
@@ -92,8 +93,12 @@ def build_gpt(
         layer_spec = local_spec
     else:
         layer_spec = with_fp8_projections(local_spec, recipe, GEMMS[backend]())
+    config = transformer_config(manifest)
+    if recipe is not None:
+        # Megatron's GPTModel hands each matched projection its per-module recipe itself.
+        config.quant_recipe = quant_recipe(manifest.precision)
     model = GPTModel(
-        config=transformer_config(manifest),
+        config=config,
         transformer_layer_spec=layer_spec,
         **gpt_model_args(manifest),
     )

@@ -53,7 +53,7 @@ def _ledger(run_dir: Path):
 
 
 def _line(verb: str, o: Override) -> str:
-    return f"{verb} {o.id[:12]}: {o.module} ({o.status})"
+    return f"{verb} {o.id[:12]}: {o.module} to {o.target} ({o.status})"
 
 
 @overrides_app.command()
@@ -64,9 +64,17 @@ def stage(
     ],
     reason: Reason,
     user: User = None,
+    to: Annotated[
+        str,
+        typer.Option(
+            help="Where the modules go: 'bf16', or 'current' (FP8 under current scaling, a "
+            "per-module recipe)."
+        ),
+    ] = "bf16",
 ) -> None:
-    """Ask for MODULE... to run in BF16 from the next resume; another operator approves."""
-    for o in _ledger(run_dir).stage_many(modules, reason, who=user):
+    """Ask for MODULE... to run in BF16 (or under current scaling) from the next resume;
+    another operator approves."""
+    for o in _ledger(run_dir).stage_many(modules, reason, who=user, to=to):
         print(_line("staged", o))
         print(f"  approve: fp8ops overrides approve {run_dir} {o.id[:12]}")
 
@@ -78,7 +86,7 @@ def approve(
     user: User = None,
     note: Annotated[str | None, typer.Option(help="A note kept with the approval.")] = None,
 ) -> None:
-    """Approve an override: the next resume runs its module in BF16."""
+    """Approve an override: the next resume runs its module in BF16 (or its staged recipe)."""
     print(_line("approved", _ledger(run_dir).approve(override, who=user, note=note)))
 
 
@@ -94,7 +102,10 @@ def revoke(run_dir: RunDir, override: OverrideId, reason: Reason, user: User = N
     o = _ledger(run_dir).revoke(override, reason, who=user)
     print(_line("revoked", o))
     if o.to_lift:
-        print(f"  {o.module} runs in BF16 until the next resume, then in FP8 again")
+        if o.scaling is None:
+            print(f"  {o.module} runs in BF16 until the next resume, then in FP8 again")
+        else:
+            print(f"  {o.module} runs {o.target} until the next resume, then the run's recipe")
 
 
 @overrides_app.command("list")
@@ -117,13 +128,14 @@ def list_(
         out.print(f"{ledger.path}: no {'' if all_ else 'open '}overrides")
         return
     grid = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
-    for name in ("id", "module", "status", "who", "decided by", "reason", "step"):
+    for name in ("id", "module", "to", "status", "who", "decided by", "reason", "step"):
         grid.add_column(name, overflow="fold", justify="right" if name == "step" else "left")
     for o in overrides:
         status = "revoked, lift at resume" if o.to_lift else o.status
         grid.add_row(
             o.id[:12],
             o.module,
+            o.target,
             status,
             o.who,
             o.decided_by or "",

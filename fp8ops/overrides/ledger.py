@@ -39,7 +39,7 @@ from typing import IO, Any, Literal
 from fp8ops.alerts.files import read_alerts
 from fp8ops.alerts.records import Alert, decode_float, encode_float
 from fp8ops.errors import Fp8opsError
-from fp8ops.manifest.schema import Bf16Override
+from fp8ops.manifest.schema import Bf16Override, ModuleRecipe
 from fp8ops.overrides.chain import GENESIS, LedgerError, canonical_json, parse_chain, record_hash
 from fp8ops.run import RunLayout, RunRecordError, find_status, locked_manifest, read_run_record
 from fp8ops.run.layout import OVERRIDES
@@ -123,7 +123,7 @@ class Override:
 
     id: str
     module: str
-    dtype: str
+    dtype: str  # "bf16", or "fp8" under another recipe (``scaling``)
     status: Status
     origin: Literal["proposed", "staged"]  # proposed by the alert engine, or staged by a person
     reason: str
@@ -141,6 +141,12 @@ class Override:
     revoke_reason: str | None = None
     lifted_step: int | None = None  # after revocation: the resume that returned it to FP8
     lifted_revision: str | None = None
+    scaling: str | None = None  # "current": the module stays FP8 under current scaling
+
+    @property
+    def target(self) -> str:
+        """Where the override puts the module, in words: "bf16" or "current scaling"."""
+        return "bf16" if self.scaling is None else f"{self.scaling} scaling"
 
     @property
     def is_open(self) -> bool:
@@ -154,8 +160,17 @@ class Override:
             self.status == "revoked" and self.applied_step is not None and self.lifted_step is None
         )
 
-    def as_manifest_override(self) -> Bf16Override:
-        """The manifest entry a resume writes for this (approved) override."""
+    def as_manifest_override(self) -> Bf16Override | ModuleRecipe:
+        """The manifest entry a resume writes for this (approved) override: a
+        ``precision.overrides`` entry, or for current scaling a ``precision.module_recipes``
+        one naming just this module."""
+        if self.scaling is not None:
+            return ModuleRecipe(
+                modules=(self.module,),
+                scaling=self.scaling,
+                reason=self.reason,
+                approval=self.approval,
+            )
         return Bf16Override(
             module=self.module, dtype="bf16", reason=self.reason, approval=self.approval
         )
@@ -207,6 +222,7 @@ def _apply(overrides: dict[str, Override], record: Mapping[str, Any]) -> None:
             id=record["hash"],
             module=record["module"],
             dtype=record["dtype"],
+            scaling=record.get("scaling"),  # records written before current staging lack it
             status=kind,
             origin=kind,
             reason=record["reason"],
@@ -335,13 +351,15 @@ class Ledger:
         who: str | None = None,
         triggers: Iterable[Trigger | Alert] | None = None,
         step: int | None = None,
+        to: Literal["bf16", "current"] = "bf16",
     ) -> Override:
-        """An operator asks for ``module`` in BF16; another operator must approve it.
+        """An operator asks for ``module`` in BF16 (or, ``to="current"``, in FP8 under current
+        scaling); another operator must approve it.
 
         ``triggers`` default to the latest alert per metric for the module in ``alerts.jsonl``;
         ``step`` to ``status.json``'s step.
         """
-        return self.stage_many([module], reason, who, triggers=triggers, step=step)[0]
+        return self.stage_many([module], reason, who, triggers=triggers, step=step, to=to)[0]
 
     def stage_many(
         self,
@@ -350,8 +368,11 @@ class Ledger:
         who: str | None = None,
         triggers: Iterable[Trigger | Alert] | None = None,
         step: int | None = None,
+        to: Literal["bf16", "current"] = "bf16",
     ) -> list[Override]:
         """:meth:`stage` for several modules at once: all are staged or none is."""
+        if to not in ("bf16", "current"):
+            raise OverrideError(f"an override takes a module to 'bf16' or 'current', not {to!r}")
         reason, who = _text(reason, "a reason"), _text(who or default_user(), "a user name")
         if _same_person(who, ALERT_ENGINE):
             raise OverrideError(
@@ -366,7 +387,7 @@ class Ledger:
 
         def build(overrides: dict[str, Override]) -> list[dict[str, Any]]:
             for module in modules:
-                self._check_module(overrides, module)
+                self._check_module(overrides, module, to)
             return [
                 self._proposal(
                     "staged",
@@ -375,6 +396,7 @@ class Ledger:
                     who,
                     step,
                     given if given is not None else self._alert_triggers(module),
+                    to,
                 )
                 for module in modules
             ]
@@ -536,12 +558,17 @@ class Ledger:
             )
         return found[0]
 
-    def _check_module(self, overrides: Mapping[str, Override], module: str) -> None:
-        """``module`` must be a module of this run that runs FP8 and has no open override."""
+    def _check_module(
+        self, overrides: Mapping[str, Override], module: str, to: str = "bf16"
+    ) -> None:
+        """``module`` must be a module of this run that runs FP8 and has no open override; for
+        ``to="current"``, one that does not run current scaling already, on a backend that runs
+        per-module recipes."""
         existing = _open_conflict(overrides, module)
         if existing is not None:
             raise OverrideError(_conflict_message(existing))
-        rows = {row.fqn: row for row in read_layers_json(self.run_dir).rows}
+        layers = read_layers_json(self.run_dir)
+        rows = {row.fqn: row for row in layers.rows}
         row = rows.get(module)
         if row is None:
             close = difflib.get_close_matches(module, list(rows), n=3)
@@ -559,6 +586,20 @@ class Ledger:
                 f"{module} already runs in {row.precision}, not FP8 ({row.reason.code}: "
                 f"{row.reason.text}); there is nothing to override"
             )
+        if to == "current":
+            self._check_current(module, row.scaling or layers.recipe.scaling)
+
+    def _check_current(self, module: str, scaling: str) -> None:
+        if scaling == "current":
+            raise OverrideError(
+                f"{module} already runs current scaling (layers.json); stage it to 'bf16' instead"
+            )
+        backend = locked_manifest(self.run_dir).precision.backend
+        if backend == "te":
+            raise OverrideError(
+                f"{module}: this run's precision.backend is 'te', which runs no per-module "
+                "recipes in fp8ops yet; stage it to 'bf16' instead"
+            )
 
     def _proposal(
         self,
@@ -568,11 +609,13 @@ class Ledger:
         who: str,
         step: int | None,
         triggers: list[Trigger],
+        to: str = "bf16",
     ) -> dict[str, Any]:
+        target = {"dtype": "bf16"} if to == "bf16" else {"dtype": "fp8", "scaling": to}
         return {
             "kind": kind,
             "module": module,
-            "dtype": "bf16",
+            **target,
             "reason": reason,
             "who": who,
             "triggers": [t.to_json() for t in triggers],

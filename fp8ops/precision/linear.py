@@ -264,25 +264,28 @@ def fp8_linear(
     cached_weight: QuantizedTensor | None = None,
     track: dict | None = None,
     record: CastRecord | None = None,
+    recipe: StatelessRecipe | None = None,
 ) -> tuple[torch.Tensor, QuantizedTensor]:
     """Run one FP8 linear inside ``scope``: under delayed scaling with the module's ``meta``,
-    under a stateless recipe (the scope's) with ``meta=None``.
+    under a stateless recipe with ``meta=None`` — the module's own ``recipe`` (a per-module
+    recipe, TE's nested autocast), else the scope's.
 
     Returns the output and the FP8 weight used; pass that back as ``cached_weight`` on later
     micro-batches of the same step to skip the weight cast (and its amax), as TE does when
     ``is_first_microbatch`` is False.
     """
     if meta is None:  # a module of a stateless recipe: nothing to record or update
-        if not isinstance(scope.recipe, StatelessRecipe):
+        recipe = scope.recipe if recipe is None else recipe
+        if not isinstance(recipe, StatelessRecipe):
             raise ValueError(
-                f"a module without delayed-scaling state cannot run under {scope.recipe}; "
+                f"a module without delayed-scaling state cannot run under {recipe}; "
                 "build the module and the scope from the same recipe"
             )
         return stateless_fp8_linear(
             x,
             weight,
             bias,
-            scope.recipe,
+            recipe,
             gemm=gemm,
             cached_weight=cached_weight,
             track=track,

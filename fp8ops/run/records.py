@@ -236,6 +236,9 @@ class AdmissionRow(_LayersRecord):
     precision: Literal["fp8", "bf16", "fp16", "fp32"]  # "fp8" or precision.base_dtype
     formats: Formats | None  # None unless precision is "fp8"
     reason: Reason
+    # The module's own recipe (precision.module_recipes) where it runs FP8 under another than
+    # the run's; None: the run's (and every table written before per-module recipes).
+    scaling: Literal["current", "block", "mxfp8"] | None = None
 
     @property
     def fp8(self) -> bool:
@@ -360,12 +363,17 @@ def table_hash(rows: tuple[AdmissionRow, ...], recipe: RecipeRecord) -> str:
     content = {
         # Unset fields left out: a delayed recipe hashes as it did before the others existed.
         "recipe": recipe.model_dump(mode="json", exclude_defaults=True),
-        "rows": [
-            row.model_dump(mode="json", by_alias=True, exclude={"reason": {"text"}}) for row in rows
-        ],
+        "rows": [_hashed_row(row) for row in rows],
     }
     text = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def _hashed_row(row: AdmissionRow) -> dict:
+    content = row.model_dump(mode="json", by_alias=True, exclude={"reason": {"text"}})
+    if content["scaling"] is None:  # the run's recipe: a row hashes as it did before the field
+        del content["scaling"]
+    return content
 
 
 def write_layers_json(

@@ -27,6 +27,7 @@ from fp8ops.manifest import ManifestStore, load_manifest, manifest_hash
 from fp8ops.manifest.schema import Manifest
 from fp8ops.run import RunLayout, RunRecordError, find_status, read_run_record, trained_now
 from fp8ops.run.layout import MANIFEST
+from fp8ops.run.records import read_layers_json
 from fp8ops.start.drift import Change, Drift, DriftRefused, manifest_drift, refuse
 
 if TYPE_CHECKING:
@@ -357,6 +358,44 @@ def _store_problem(drift: Drift, run_dir: Path) -> str | None:
                 "it, or move the store aside (a new one is then made with the new size)"
             )
     return None
+
+
+def check_fp8_state_saved(plan: Resume) -> None:
+    """After the ledger's overrides are applied (a revoked current-scaling override comes off
+    there): every module the resumed manifest runs under delayed scaling has saved state."""
+    problem = _fp8_state_missing(plan.meta, plan.manifest, plan.run_dir)
+    if problem:
+        raise DriftRefused(f"refusing to resume from {plan.checkpoint}: {problem}")
+
+
+def _fp8_state_missing(meta: CheckpointMeta, requested: Manifest, run_dir: Path) -> str | None:
+    """A module that resumes under delayed scaling needs its amax history from the checkpoint:
+    one that ran a per-module stateless recipe (``precision.module_recipes``) when it was saved
+    has none, so moving it back to delayed scaling cannot continue this run."""
+    precision = requested.precision
+    if meta.fp8.layout == "none" or not precision.enabled or precision.scaling != "delayed":
+        return None
+    from fp8ops.admission import module_recipe
+
+    saved = set(meta.fp8.modules)
+    projections = {"qkv", "proj", "fc1", "fc2"}
+    missing = [
+        row.fqn
+        for row in read_layers_json(run_dir).rows
+        if row.kind in projections
+        and row.reason.code != "not_fp8_capable"
+        and module_recipe(precision, row.fqn) is None
+        and row.fqn not in saved
+    ]
+    if not missing:
+        return None
+    more = f" and {len(missing) - 3} more" if missing[3:] else ""
+    return (
+        f"{', '.join(missing[:3])}{more} would run delayed scaling, but the checkpoint holds no "
+        "amax history for them (they ran a per-module stateless recipe, "
+        "precision.module_recipes, when it was saved); keep their module_recipes entry, or "
+        "start a new run from its weights (model.init_checkpoint)"
+    )
 
 
 def _fp8_mapping(meta: CheckpointMeta, requested: Manifest) -> tuple[str, str | None]:

@@ -291,25 +291,32 @@ def plan_resume(
         seen=checks.where_the_run_is(run_dir),
     )
     _apply_ledger(plan)
+    checks.check_fp8_state_saved(plan)
     checks.check_stop_answered(plan)
     return plan
 
 
 def _with_ledger_overrides(requested: Manifest, saved: Manifest) -> Manifest:
-    """``requested`` with the overrides the checkpoint's run applied from its ledger.
+    """``requested`` with the overrides the checkpoint's run applied from its ledger (BF16
+    ``precision.overrides`` and current-scaling ``precision.module_recipes`` entries).
 
     A manifest file (``train MANIFEST --resume``, every SLURM requeue) never lists them: a resume
     wrote them into the run's own revision, reviewed in the ledger, so they are not drift.
     """
-    ledger_backed = [o for o in saved.precision.overrides if o.approval is not None]
-    own = [o for o in requested.precision.overrides if o.approval is None]
-    # In the saved list's order (manifests compare lists as written; their order means nothing),
-    # the file's own overrides the checkpoint does not hold after them.
-    order = {o: i for i, o in enumerate(saved.precision.overrides)}
-    merged = sorted(ledger_backed + own, key=lambda o: order.get(o, len(order)))
-    if not ledger_backed or requested.precision.overrides == tuple(merged):
+    changes = {}
+    for name in ("overrides", "module_recipes"):
+        entries_saved = getattr(saved.precision, name)
+        entries_requested = getattr(requested.precision, name)
+        ledger_backed = [o for o in entries_saved if o.approval is not None]
+        own = [o for o in entries_requested if o.approval is None]
+        # In the saved list's order (manifests compare lists as written; for module recipes the
+        # order decides), the file's own entries the checkpoint does not hold after them.
+        order = {o: i for i, o in enumerate(entries_saved)}
+        merged = sorted(ledger_backed + own, key=lambda o: order.get(o, len(order)))
+        if ledger_backed and entries_requested != tuple(merged):
+            changes[f"precision.{name}"] = [o.model_dump(mode="json") for o in merged]
+    if not changes:
         return requested
-    changes = {"precision.overrides": [o.model_dump(mode="json") for o in merged]}
     return derive(requested, changes, "overrides from the run's ledger")
 
 
@@ -337,7 +344,10 @@ def _apply_ledger(plan: Resume) -> None:
     from fp8ops.overrides import Ledger, LedgerError
 
     ledger = Ledger(plan.run_dir)
-    in_force = {o.module: o for o in plan.manifest.precision.overrides if o.approval is not None}
+    precision = plan.manifest.precision
+    # The ledger's entries in force: BF16 overrides, and one-module current-scaling recipes.
+    in_force = {o.module: o for o in precision.overrides if o.approval is not None}
+    in_force |= {r.modules[0]: r for r in precision.module_recipes if r.approval is not None}
     if not ledger.path.exists() and not in_force:
         return
     overrides = ledger.overrides() if ledger.path.exists() else {}
@@ -349,8 +359,12 @@ def _apply_ledger(plan: Resume) -> None:
                 if not ledger.path.exists()
                 else "no longer holds it: its last records were removed"
             )
+            module = override.modules[0] if hasattr(override, "modules") else override.module
+            where = (
+                f"under {override.scaling} scaling" if hasattr(override, "modules") else "in BF16"
+            )
             raise LedgerError(
-                f"{ledger.path}: the checkpoint's manifest runs {override.module} in BF16 under "
+                f"{ledger.path}: the checkpoint's manifest runs {module} {where} under "
                 f"approval {override.approval[:12]}, but the ledger {lost}. Restore the file "
                 "from a backup before resuming."
             )
@@ -370,27 +384,46 @@ def _apply_ledger(plan: Resume) -> None:
     ]
     if not applied and not lifted:
         return
-    keep = [
-        o
-        for o in plan.manifest.precision.overrides
-        if o.module not in {lift.module for lift in lifted}
+    lifted_modules = {lift.module for lift in lifted}
+    overrides_now = [
+        o.model_dump(mode="json")
+        for o in precision.overrides
+        if not (o.approval is not None and o.module in lifted_modules)
     ]
-    overrides_now = [o.model_dump(mode="json") for o in keep]
-    overrides_now += [o.as_manifest_override().model_dump(mode="json") for o in applied]
+    overrides_now += [
+        o.as_manifest_override().model_dump(mode="json") for o in applied if o.scaling is None
+    ]
+    # The ledger's recipes go first: the first matching entry decides, and an approved one for
+    # a single module must win over a glob written in the manifest.
+    recipes_now = [
+        o.as_manifest_override().model_dump(mode="json") for o in applied if o.scaling is not None
+    ]
+    recipes_now += [
+        r.model_dump(mode="json")
+        for r in precision.module_recipes
+        if not (r.approval is not None and r.modules[0] in lifted_modules)
+    ]
     revoked = {o.module: o for o in lifted}
     replaced = revoked.keys() & {o.module for o in applied}
-    words = [f"{o.module} to bf16 ({o.id[:12]})" for o in applied if o.module not in replaced]
+    words = [f"{o.module} to {o.target} ({o.id[:12]})" for o in applied if o.module not in replaced]
     words += [
-        f"{o.module} back to fp8 ({o.id[:12]} revoked)" for o in lifted if o.module not in replaced
+        f"{o.module} back to {plan.manifest.precision.scaling} FP8 ({o.id[:12]} revoked)"
+        for o in lifted
+        if o.module not in replaced
     ]
     words += [
-        f"{o.module} stays bf16 under {o.id[:12]} ({revoked[o.module].id[:12]} revoked)"
+        f"{o.module} stays {o.target} under {o.id[:12]} ({revoked[o.module].id[:12]} revoked)"
         for o in applied
         if o.module in replaced
     ]
+    changes = {}
+    if overrides_now != [o.model_dump(mode="json") for o in precision.overrides]:
+        changes["precision.overrides"] = overrides_now
+    if recipes_now != [r.model_dump(mode="json") for r in precision.module_recipes]:
+        changes["precision.module_recipes"] = recipes_now
     child = derive(
         plan.manifest,
-        {"precision.overrides": overrides_now},
+        changes,
         "resume applies approved overrides: " + "; ".join(words),
         source="the overrides ledger",
     )

@@ -49,16 +49,15 @@ class TelemetryCollector:
         self.modules = modules
         self.names = list(modules)
         self.cfg = telemetry_cfg
-        # A stateless recipe's modules (current, block, MXFP8) keep no amax history: their row
-        # reads what the step's casts saw (``CastRecord``), and the window metrics do not apply.
-        stateless = [getattr(m, "fp8_meta", None) is None for m in modules.values()]
-        if any(stateless) and not all(stateless):
-            raise ValueError(
-                "telemetry reads modules of one recipe: some of these keep delayed-scaling "
-                "state and some do not (build them from the same manifest)"
-            )
-        self.stateless = any(stateless)
-        self._history_len = 1 if self.stateless else _history_len(modules)
+        # A stateless recipe's modules (current, block, MXFP8; the run's, or a module's own)
+        # keep no amax history: their rows read what the step's casts saw (``CastRecord``), and
+        # the window metrics do not apply. The two kinds are read apart and put in one row.
+        stateless = np.array([getattr(m, "fp8_meta", None) is None for m in modules.values()])
+        self._delayed = {n: m for n, m in modules.items() if m.fp8_meta is not None}
+        self._stateless = {n: m for n, m in modules.items() if m.fp8_meta is None}
+        self._delayed_rows = np.flatnonzero(~stateless) if len(stateless) else np.arange(0)
+        self._stateless_rows = np.flatnonzero(stateless) if len(stateless) else np.arange(0)
+        self._history_len = _history_len(self._delayed)
         self._columns = self._state_columns()
         # The state copy of the last observed row (None before the first): for scale_change.
         self._previous: _HostCopy | None = None
@@ -99,8 +98,8 @@ class TelemetryCollector:
         for module in self.modules.values():
             module.probe.measure = measure
             module.probe.sample_error = sample and module.fp8_enabled
-            if self.stateless:
-                module.cast_record.clear()
+        for module in self._stateless.values():
+            module.cast_record.clear()
 
     def take_records(self) -> list[Probe]:
         """Every probe's record of the step so far, in module order; the probes start empty."""
@@ -121,6 +120,7 @@ class TelemetryCollector:
         if not self.active:
             return PendingRow(self, None, None, [], {}, [])
         state = _HostCopy(self._state_tensor())
+        casts = _HostCopy(self._cast_tensor()) if self._stateless else None
         if records is None:
             records = self.take_records()
         elif len(records) != len(self.names):
@@ -134,7 +134,7 @@ class TelemetryCollector:
             self._counts(module, record) for module, record in zip(self.modules.values(), records)
         ]
         pending = PendingRow(
-            self, state, self._previous, measured, _measured_copy(measured), counts
+            self, state, self._previous, measured, _measured_copy(measured), counts, casts
         )
         self._previous = state
         return pending
@@ -144,13 +144,15 @@ class TelemetryCollector:
         row = np.full((len(self.names), len(MODULE_METRIC_NAMES)), np.nan, dtype=np.float32)
         if pending.state is None:  # an unobserved step
             return row
-        if self.stateless:
-            metrics = self._cast_metrics(pending.state.get().numpy()[:, self._columns])
-        else:
+        if self._delayed:
             previous = None if pending.previous is None else self._slot_scales(pending.previous)
             metrics = self._state_metrics(self._slot_arrays(pending.state), previous)
-        for metric, values in metrics.items():
-            row[:, COLUMN[metric]] = values
+            for metric, values in metrics.items():
+                row[self._delayed_rows, COLUMN[metric]] = values
+        if self._stateless:
+            metrics = self._cast_metrics(pending.casts.get().numpy()[:, self._cast_columns()])
+            for metric, values in metrics.items():
+                row[self._stateless_rows, COLUMN[metric]] = values
         for metric in ("fp8_gemms", "fallback_gemms", "fp8_enabled"):
             row[:, COLUMN[metric]] = [counts[metric] for counts in pending.counts]
         measured = _values(pending.measured, pending.measured_copy)
@@ -162,24 +164,30 @@ class TelemetryCollector:
     # -- the three kinds of metrics --------------------------------------------------------
 
     def _state_tensor(self) -> torch.Tensor:
-        """Every module's FP8 state in one new ``[L + 1, 5 * modules]`` float32 tensor on its
-        device (three kernels, however many modules): the amax histories as columns, forward
-        slots of every module then backward slots, and their scales as the last row. A new
-        tensor, so the next step's updates, made in place, do not reach it."""
-        if self.stateless:  # [2, 3 * modules]: each module's CastRecord table side by side
-            if not self.modules:
-                return torch.zeros(2, 0)
-            return torch.cat([module.cast_record.table for module in self.modules.values()], 1)
+        """Every delayed-scaling module's FP8 state in one new ``[L + 1, 5 * modules]`` float32
+        tensor on its device (three kernels, however many modules): the amax histories as
+        columns, forward slots of every module then backward slots, and their scales as the last
+        row. A new tensor, so the next step's updates, made in place, do not reach it."""
         states = [
             module.fp8_meta.direction(forward)
             for forward in (True, False)
-            for module in self.modules.values()
+            for module in self._delayed.values()
         ]
         if not states:
             return torch.zeros(self._history_len + 1, 0)
         histories = torch.cat([state.amax_history for state in states], dim=1)
         scales = torch.cat([state.scale for state in states])
         return torch.cat([histories, scales.unsqueeze(0)])
+
+    def _cast_tensor(self) -> torch.Tensor:
+        """``[2, 3 * modules]``: each stateless module's ``CastRecord`` table side by side."""
+        return torch.cat([module.cast_record.table for module in self._stateless.values()], 1)
+
+    def _cast_columns(self) -> np.ndarray:
+        """``[modules, slots]``: the column of each stateless module's role in
+        :meth:`_cast_tensor` (one per role, in ``_SLOTS`` order)."""
+        modules = np.arange(len(self._stateless))[:, None]
+        return 3 * modules + np.arange(len(_SLOTS))[None, :]
 
     def _slot_arrays(self, copy: _HostCopy) -> tuple[np.ndarray, np.ndarray]:
         """From a :meth:`_state_tensor` copy: ``[modules, slots, L-1]`` float32 amax histories
@@ -193,12 +201,11 @@ class TelemetryCollector:
         return copy.get().numpy()[-1, self._columns]
 
     def _state_columns(self) -> np.ndarray:
-        """``[modules, slots]``: the column of each module's slot in :meth:`_state_tensor`."""
-        modules = np.arange(len(self.names))[:, None]
-        if self.stateless:  # CastRecord: one column per role, in _SLOTS order
-            return 3 * modules + np.arange(len(_SLOTS))[None, :]
+        """``[modules, slots]``: the column of each delayed module's slot in
+        :meth:`_state_tensor`."""
+        modules = np.arange(len(self._delayed))[:, None]
         forward_width, backward_width = 3, 2  # slots per direction (state.py)
-        backward_start = forward_width * len(self.names)
+        backward_start = forward_width * len(self._delayed)
         return np.concatenate(
             [
                 forward_width * modules + index
@@ -375,6 +382,7 @@ class PendingRow:
     measured: list[dict]  # per module: _Counts / _Norm of device tensors (what was measured)
     measured_copy: dict[tuple, _HostCopy]  # their tensors (_measured_copy)
     counts: list[dict[str, float]]
+    casts: _HostCopy | None = None  # the stateless modules' CastRecord tables (_cast_tensor)
     _row: np.ndarray | None = None
 
     def result(self) -> np.ndarray:
@@ -385,7 +393,8 @@ class PendingRow:
 
 
 def _history_len(modules: dict) -> int:
-    """The amax history length every module shares (one recipe per scope, so one length)."""
+    """The amax history length every delayed module shares (one delayed recipe per scope, so
+    one length); 1 without any."""
     lengths = {
         module.fp8_meta.direction(forward).amax_history.shape[0]
         for module in modules.values()

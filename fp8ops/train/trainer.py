@@ -176,7 +176,7 @@ class Trainer:
             self.model, manifest.optimizer, tp_group=self.tp_group, dp_group=self.dp_group
         )
         self.fp8_layout = Fp8Layout.for_run(
-            fp8=precision.enabled and self.stateful and bool(self.collector.names),
+            fp8=precision.enabled and bool(self.fp8_state_modules),
             reduce_amax=precision.reduce_amax,
             topology=manifest.topology,
             ranks=ranks,
@@ -255,7 +255,7 @@ class Trainer:
         saved = plan.saved_manifest.precision
         both_delayed = saved.scaling == "delayed" and self.stateful
         if saved.enabled and self.manifest.precision.enabled and both_delayed:
-            metas = [module.fp8_meta for module in self.collector.modules.values()]
+            metas = [module.fp8_meta for module in self.fp8_state_modules.values()]
             old = DelayedScalingRecipe.from_precision(saved)
             self.carried_scales = carry_scales(metas, old, self.recipe)
         self.collector.seed_previous_scales()  # the next row's scale_change continues
@@ -442,9 +442,11 @@ class Trainer:
         (:func:`~fp8ops.checkpoint.state.fp8_states_agree`); a disagreement is a Stop alert.
         Returns the state's digest, or None when not checked (FP8 off, or amaxes not reduced,
         so ranks may differ by design)."""
-        if not self.manifest.precision.enabled or not self.stateful or not self.recipe.reduce_amax:
+        if not self.manifest.precision.enabled or not self.fp8_state_modules:
             return None
-        found = fp8_states_agree(self.collector.modules, self.amax_group)
+        if not self.recipe.reduce_amax:
+            return None
+        found = fp8_states_agree(self.fp8_state_modules, self.amax_group)
         self.run.event(
             "fp8_state_checked",
             step=step,
@@ -745,9 +747,11 @@ class Trainer:
 
     @property
     def fp8_state_modules(self) -> dict:
-        """The modules whose FP8 state is checkpointed and restored: none under a stateless
-        recipe."""
-        return self.collector.modules if self.stateful else {}
+        """The modules whose FP8 state is checkpointed and restored: those under delayed
+        scaling (none under a stateless recipe, nor a module under a per-module one)."""
+        if not self.stateful:
+            return {}
+        return {n: m for n, m in self.collector.modules.items() if m.fp8_meta is not None}
 
     def _gemms(self):
         # bf16 GEMMs in float32 where the CPU has no bf16 GEMM instructions (cpu_gemm.py).

@@ -467,7 +467,9 @@ def test_te_debug_yaml_disables_fp8_in_exactly_the_overridden_layers(run_dir, ad
         ledger.stage(m, "x", who="ana", triggers=[])
         for m in (FC1, QKV, "decoder.layers.2.mlp.linear_fc2", "decoder.layers.0.mlp.linear_fc2")
     )
-    for o in (applied, approved, revoked):
+    # approved, but to current scaling: the module stays FP8, so TE's switch leaves it alone
+    current = ledger.stage("decoder.layers.1.mlp.linear_fc2", "x", who="ana", to="current")
+    for o in (applied, approved, revoked, current):
         ledger.approve(o.id, who="ben")
     ledger.record_applied([applied.id], step=150, revision=REVISION)
     ledger.revoke(revoked.id, "not needed", who="ana")

@@ -40,8 +40,14 @@ SECTION = "fp8ops_bf16_overrides"  # any section name will do; a layer may be in
 
 
 def exported_overrides(ledger: Ledger) -> list[Override]:
-    """The overrides a TE run should honour: applied (active) and approved (pending resume)."""
-    return [o for o in ledger.overrides().values() if o.status in ("applied", "approved")]
+    """The BF16 overrides a TE run should honour: applied (active) and approved (pending
+    resume). One staged in current scaling keeps its module in FP8, which TE's DisableFP8Layer
+    cannot say: it is left out (on TE it would be a per-module recipe, Megatron's quant_recipe)."""
+    return [
+        o
+        for o in ledger.overrides().values()
+        if o.status in ("applied", "approved") and o.scaling is None
+    ]
 
 
 def te_layer_name(fqn: str, naming: Naming = "fqn") -> str:

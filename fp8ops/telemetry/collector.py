@@ -52,11 +52,13 @@ class TelemetryCollector:
         # A stateless recipe's modules (current, block, MXFP8; the run's, or a module's own)
         # keep no amax history: their rows read what the step's casts saw (``CastRecord``), and
         # the window metrics do not apply. The two kinds are read apart and put in one row.
-        stateless = np.array([getattr(m, "fp8_meta", None) is None for m in modules.values()])
+        stateless = np.array([m.fp8_meta is None for m in modules.values()], dtype=bool)
         self._delayed = {n: m for n, m in modules.items() if m.fp8_meta is not None}
         self._stateless = {n: m for n, m in modules.items() if m.fp8_meta is None}
-        self._delayed_rows = np.flatnonzero(~stateless) if len(stateless) else np.arange(0)
-        self._stateless_rows = np.flatnonzero(stateless) if len(stateless) else np.arange(0)
+        self._delayed_rows, self._stateless_rows = (
+            np.flatnonzero(~stateless),
+            np.flatnonzero(stateless),
+        )
         self._history_len = _history_len(self._delayed)
         self._columns = self._state_columns()
         # The state copy of the last observed row (None before the first): for scale_change.

@@ -50,4 +50,15 @@ if ! command -v chromium >/dev/null 2>&1; then
     fi
 fi
 
+# Signed ledger records are made by ssh-keygen (tests/test_ledger_signing.py skips without it).
+if ! command -v ssh-keygen >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        { apt-get install -y -qq openssh-client >/dev/null 2>&1 \
+            || { apt-get update -qq && apt-get install -y -qq openssh-client >/dev/null; }; } \
+            || echo "ci/setup.sh: could not install ssh-keygen; the signing tests will skip" >&2
+    else
+        echo "ci/setup.sh: no ssh-keygen and no root apt-get; the signing tests will skip" >&2
+    fi
+fi
+
 .venv/bin/python -c "import fp8ops, torch; print(f'fp8ops {fp8ops.__version__} with torch {torch.__version__}')"

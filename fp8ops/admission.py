@@ -275,6 +275,8 @@ def _decide(
             if override.approval
             else ("written in the manifest")
         )
+        if override.policy:
+            approval += f" by the auto-degrade policy of revision {override.policy[:12]}"
         return Reason(code="override", text=f"BF16 override ({approval}): {override.reason}")
     text = f"included by {include}"
     if precision.small_gemm.enabled:

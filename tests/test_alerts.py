@@ -498,7 +498,9 @@ def test_degrade_proposes_one_override_per_module():
         MODULES[FC1_0],
         alerts[0].message,
         {"input.saturation": 0.004, "weight.underflow": 0.06},
+        rule=alerts[0].rule,  # the rule an auto-degrade policy acts by
     )
+    assert proposal.rule == "saturation"
     # Cleared and fired again: proposed again (the ledger, not the engine, refuses a second
     # open override for a module, and takes one after the first was rejected or revoked).
     again = feed(eng, [row()] * 3 + [both] * 3, first=4)

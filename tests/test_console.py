@@ -244,6 +244,55 @@ def test_self_approval_when_the_manifest_allows_it(run_copy):
     assert [r["who"] for r in ledger_lines(run_copy)] == ["ana", "ana"]
 
 
+def _lock_to(run, manifest):
+    """Lock ``run`` to a new revision, as a resume with accepted drift does (RunDir.reopen)."""
+    ManifestStore(run / "manifests").put(manifest)
+    (run / "manifest.yaml").unlink()  # (write_manifest never overwrites)
+    write_manifest(manifest, run / "manifest.yaml")
+    status = json.loads((run / "status.json").read_text())
+    (run / "status.json").write_text(json.dumps({**status, "manifest": manifest_hash(manifest)}))
+
+
+@pytest.mark.skipif(shutil.which("ssh-keygen") is None, reason="needs ssh-keygen")
+def test_the_console_signs_with_the_key_it_is_given_and_flags_what_does_not_verify(
+    run_copy, tmp_path
+):
+    import hashlib
+
+    from fp8ops.overrides.signing import NAMESPACE
+
+    lines = []
+    for name in ("ana", "ben"):
+        key = tmp_path / name
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", name, "-f", str(key)],
+            check=True,
+        )
+        lines.append(f'{name} namespaces="{NAMESPACE}" {(tmp_path / f"{name}.pub").read_text()}')
+    allowed = tmp_path / "allowed_signers"
+    allowed.write_text("".join(lines))
+    signed = derive(
+        load_manifest(run_copy / "manifest.yaml"),
+        {
+            "review.allowed_signers": str(allowed),
+            "review.allowed_signers_sha256": hashlib.sha256(allowed.read_bytes()).hexdigest(),
+        },
+        "operators sign",
+    )
+    _lock_to(run_copy, signed)
+    app = console(run_copy, user="ana")
+    app.signing_key.value = str(tmp_path / "ana")
+    app.stage_reason.value = "saturation"
+    app.stage_button.click()
+    (staged,) = ledger_lines(run_copy)
+    assert staged["signature"].startswith("-----BEGIN SSH SIGNATURE-----")
+    assert "unverified" not in app.ledger_table.value
+    app.user.value, app.signing_key.value = "ben", ""  # approves without a key: flagged
+    app.approve_button.click()
+    assert "signature" not in ledger_lines(run_copy)[1]
+    assert "unverified" in app.ledger_table.value and "not signed" in app.ledger_table.value
+
+
 def test_reject_and_revoke_need_a_reason(run_copy):
     app = console(run_copy)
     app.stage_reason.value = "first try"

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -117,9 +118,9 @@ def test_self_approval_does_not_follow_an_edited_manifest_file(run_dir):
     manifest.yaml says now."""
     file = run_dir / "manifest.yaml"
     locked = file.read_text()
-    file.write_text(locked.replace("allow_self_approval: false", "allow_self_approval: true"))
     ledger = Ledger(run_dir)
     o = ledger.stage(FC1, "saturation", who="ana")
+    file.write_text(locked.replace("allow_self_approval: false", "allow_self_approval: true"))
     with pytest.raises(
         OverrideError,
         match=r"manifest.yaml hashes to .* the run is locked to .* "
@@ -199,7 +200,7 @@ def _resume_ledger(run_dir, manifest):
     plan = Resume(
         run_dir,
         run_dir / "checkpoints" / "step_00000120",
-        None,
+        SimpleNamespace(step=120, ledger=None),  # the checkpoint's record: what is read here
         manifest,
         manifest,
         [],

@@ -87,6 +87,7 @@ class Proposal:
     module: str
     reason: str
     metrics: dict[str, float | None] = field(default_factory=dict)
+    rule: str = ""  # the rule of the alert it answers (an auto-degrade policy acts by rule)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -316,7 +316,17 @@ class AlertEngine:
             stops += [latch for level, (_, latch) in leveled.latches.items() if level == "stop"]
         for latch in stops:
             latch.rearm(latch.open.copy())  # only the open ones: the rest continue as before
-        held = ~self.fp8
+        self._forget(~self.fp8)
+
+    def hold(self, modules: Iterable[str]) -> None:
+        """``modules`` run in BF16 from the next step on (an auto-degrade switch): the FP8-only
+        rules skip them, and their FP8 history is forgotten, as a resume forgets it for a module
+        held by an override, so a switched run and its resume judge alike."""
+        held = np.isin(np.array(self.modules), list(modules))
+        self.fp8 = self.fp8 & ~held
+        self._forget(held)
+
+    def _forget(self, held: np.ndarray) -> None:
         for _, leveled in self._leveled.values():
             for _, latch in leveled.latches.values():
                 latch.rearm(held)
@@ -368,7 +378,7 @@ class AlertEngine:
                 for a in alerts
                 if a.module == module and a.metric is not None and a.step == alert.step
             }
-            new[module] = Proposal(alert.step, module, alert.message, metrics)
+            new[module] = Proposal(alert.step, module, alert.message, metrics, rule=alert.rule)
         return list(new.values())
 
     # -- rules --------------------------------------------------------------------------------

@@ -47,6 +47,14 @@ class Fp8StateRecord(_Record):
     digests: dict[str, list[str]]  # module -> one sha256 per group
 
 
+class LedgerAnchor(_Record):
+    """The override ledger as the checkpoint saw it: a rewritten chain no longer has ``head`` as
+    its record number ``records`` (fp8ops.overrides.Ledger.check_anchor)."""
+
+    records: int = Field(ge=1)
+    head: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
 class CheckpointMeta(_Record):
     format: Literal[1] = FORMAT
     step: int = Field(ge=0, description="Optimizer steps completed; training resumes at step+1.")
@@ -67,6 +75,8 @@ class CheckpointMeta(_Record):
     telemetry_committed: int | None = Field(description="Last step readers see in the store.")
     per_rank_state: bool = Field(description="Per-rank alert windows and RNG were saved.")
     files: dict[str, dict[str, int | str]]
+    # Checkpoints written before anchors existed, and runs without a ledger, hold none.
+    ledger: LedgerAnchor | None = None
 
 
 def write_meta(directory: Path, meta: CheckpointMeta) -> None:

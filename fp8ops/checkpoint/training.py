@@ -56,6 +56,7 @@ def save_checkpoint(
     sampler: dict,
     telemetry_committed: int | None,
     keep: int,
+    ledger: dict | None = None,
 ) -> tuple[Path, float]:
     """Write the checkpoint of ``step`` and publish it; returns its path and the seconds taken."""
     from megatron.core import dist_checkpointing
@@ -109,6 +110,7 @@ def save_checkpoint(
             telemetry_committed=telemetry_committed,
             per_rank_state=True,
             files=file_digests(partial),
+            ledger=ledger,
         )
         write_meta(partial, meta)
         return store.publish(partial, step, keep)

@@ -46,6 +46,7 @@ from fp8ops.console.runs import RunHeader, find_runs, open_telemetry, read_heade
 from fp8ops.errors import Fp8opsError
 from fp8ops.manifest import Manifest, load_manifest
 from fp8ops.overrides import Ledger, Override, default_user
+from fp8ops.overrides.signing import KEY_ENV
 from fp8ops.run import RunLayout
 from fp8ops.run.layout import ALERTS, CHECKPOINTS, LAYERS, MANIFEST, OVERRIDES, STATUS
 from fp8ops.telemetry import MODULE_METRIC_NAMES, TelemetryRun
@@ -94,6 +95,7 @@ class LedgerView:
     open: list[Override]
     preview: ResumePreview
     problem: str | None = None  # no layers.json yet, a damaged ledger
+    unverified: list[str] = field(default_factory=list)  # records whose signer is not proven
 
 
 def read_ledger(run_dir: Path) -> LedgerView:
@@ -103,9 +105,11 @@ def read_ledger(run_dir: Path) -> LedgerView:
             fp8_modules(run_dir),
             open_overrides(run_dir),
         )
+        ledger = Ledger(run_dir)
+        unverified = ledger.unverified() if ledger.path.exists() else []
     except Fp8opsError as exc:
         return LedgerView([], [], [], preview_resume(run_dir), problem=str(exc))
-    return LedgerView(states, stageable, open_, preview_resume(run_dir))
+    return LedgerView(states, stageable, open_, preview_resume(run_dir), unverified=unverified)
 
 
 @dataclass
@@ -226,6 +230,13 @@ class ConsoleApp:
         wide = W.Layout(width="98%")
         self.picker = W.Dropdown(description="run", layout=W.Layout(width="60%"))
         self.user = W.Text(value=user, description="operator", layout=W.Layout(width="25%"))
+        # Records are signed as on the command line (--key, $FP8OPS_SIGNING_KEY): ssh-keygen.
+        self.signing_key = W.Text(
+            value=os.environ.get(KEY_ENV, ""),
+            description="SSH key",
+            placeholder="signing key (a file, or a .pub in ssh-agent)",
+            layout=W.Layout(width="40%"),
+        )
         self.reload = W.Button(
             description="rescan", tooltip="look for new runs", layout=W.Layout(width="9%")
         )
@@ -340,6 +351,7 @@ class ConsoleApp:
                 self.alert_level,
                 self.alerts_list,
                 section("Overrides"),
+                self.signing_key,
                 self.stage_modules,
                 self.stage_reason,
                 self.stage_to,
@@ -370,6 +382,7 @@ class ConsoleApp:
             "module",
             "slot",
             "alerts_list",
+            "signing_key",
             "stage_modules",
             "stage_reason",
             "stage_to",
@@ -622,7 +635,7 @@ class ConsoleApp:
     # ----------------------------------------------------------------------------------
 
     def _ledger(self) -> Ledger:
-        return Ledger(self.run.run_dir)
+        return Ledger(self.run.run_dir, key=self.signing_key.value.strip() or None)
 
     def _stage(self) -> str:
         modules = list(self.stage_modules.value)
@@ -685,7 +698,11 @@ class ConsoleApp:
                 f"<span style='color:#b00'>{html.escape(ledger.problem)}</span>"
             )
         else:
-            self.ledger_table.value = _ledger_table(ledger.states)
+            flagged = "".join(
+                f"<div style='color:#b00'>unverified: {html.escape(line)}</div>"
+                for line in ledger.unverified
+            )
+            self.ledger_table.value = flagged + _ledger_table(ledger.states)
         keep = [m for m in self.stage_modules.value if m in ledger.stageable]
         with self._quietly():
             self.stage_modules.options = ledger.stageable

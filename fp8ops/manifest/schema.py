@@ -254,6 +254,14 @@ class Bf16Override(_Section):
     approval: Sha256 | None = Field(
         None, description="sha256 of the ledger record that approved it; null if hand-written."
     )
+    policy: Sha256 | None = added_field(
+        None,
+        added_in="0.1.0",
+        description=(
+            "sha256 of the manifest revision whose alerts.auto_degrade policy applied it during "
+            "training (no person approved it); null: approved by an operator, or hand-written."
+        ),
+    )
 
 
 class ModuleRecipe(_Section):
@@ -1136,6 +1144,48 @@ class Fp8ErrorLevels(Levels):
     )
 
 
+# The Degrade rules an auto-degrade policy may let act alone (fp8ops.alerts: the module-level
+# rules that propose a BF16 override).
+DegradeRule = Literal[
+    "saturation", "underflow", "scale_jitter", "fp8_error", "fp8_error_growing", "grad_spike"
+]
+
+
+class AutoDegrade(_Section):
+    """A reviewed policy under which the run takes a module out of FP8 itself: a Degrade alert
+    of one of ``rules`` switches that module to BF16 at the next step boundary, without a
+    restart and without a person, recorded in the ledger as approved by this manifest revision.
+    A person can revoke it; the module returns to FP8 at the next resume."""
+
+    rules: Annotated[tuple[DegradeRule, ...], BeforeValidator(_list_to_tuple)] = Field(
+        description="The Degrade rules that may act alone, e.g. [saturation, underflow]."
+    )
+    max_modules: int = Field(
+        ge=1,
+        description=(
+            "At most this many modules switched by the policy in the run (counted over every "
+            "revision's policy); later alerts only propose, as without a policy."
+        ),
+    )
+    until_step: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "The policy acts on alerts up to this training step; after it (overnight is "
+            "over) they only propose. null: for the whole run."
+        ),
+    )
+
+    @field_validator("rules")
+    @classmethod
+    def _some_rule(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("must name at least one Degrade rule, e.g. [saturation]")
+        if len(set(value)) != len(value):
+            raise ValueError("names a rule twice")
+        return value
+
+
 class Alerts(_Section):
     """Per-layer alert thresholds, evaluated on every telemetry step (rules: ``fp8ops.alerts``).
 
@@ -1253,6 +1303,15 @@ class Alerts(_Section):
             "Observed steps before the lowest loss starts to count: the first steps of a run "
             "swing widely. A resume continues the count (its FP8 scales are restored exactly); "
             "one at another world size or alert configuration starts it again."
+        ),
+    )
+
+    auto_degrade: AutoDegrade | None = added_field(
+        None,
+        added_in="0.1.0",
+        description=(
+            "A policy under which a Degrade alert switches its module to BF16 during training, "
+            "approved by this revision (docs/overrides.md). null: Degrade only proposes."
         ),
     )
 
@@ -1436,6 +1495,53 @@ class Review(_Section):
             "by default another operator must."
         ),
     )
+    allowed_signers: NonEmptyStr | None = added_field(
+        None,
+        added_in="0.1.0",
+        description=(
+            "An SSH allowed-signers file (ssh-keygen(1), ALLOWED SIGNERS; a line per operator: "
+            'principal namespaces="fp8ops-ledger" ssh-ed25519 AAAA...): operators sign '
+            "their ledger records with their SSH key, and the review rule compares the principals "
+            "this file binds to the keys that signed (docs/overrides.md). A relative path is read "
+            "from the current directory. null: records are not signed and names are typed."
+        ),
+    )
+    allowed_signers_sha256: Sha256 | None = added_field(
+        None,
+        added_in="0.1.0",
+        description=(
+            "sha256 of the allowed_signers file, checked whenever it is read: a swapped or edited "
+            "file is refused. Required with allowed_signers."
+        ),
+    )
+    require_signatures: bool = added_field(
+        False,
+        added_in="0.1.0",
+        description=(
+            "true: an operator's record (staged, approved, rejected, revoked) that is unsigned or "
+            "does not verify is refused when written and an error on every read (verify, the "
+            "console, a resume). false: it is written and flagged. Needs allowed_signers."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _signers_pinned(self) -> Review:
+        problems = []
+        if (self.allowed_signers is None) != (self.allowed_signers_sha256 is None):
+            missing = (
+                "allowed_signers" if self.allowed_signers is None else "allowed_signers_sha256"
+            )
+            problems.append(
+                (
+                    (missing,),
+                    None,
+                    "allowed_signers and allowed_signers_sha256 go together (sha256sum FILE)",
+                )
+            )
+        if self.require_signatures and self.allowed_signers is None:
+            problems.append((("require_signatures",), True, "needs allowed_signers (who may sign)"))
+        _raise_problems("Review", problems)
+        return self
 
 
 # --------------------------------------------------------------------------------------

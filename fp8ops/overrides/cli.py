@@ -37,6 +37,14 @@ User = Annotated[
     typer.Option(help="Who acts (default: $FP8OPS_USER, else the login name).", show_default=False),
 ]
 Reason = Annotated[str, typer.Option(help="Why (recorded in the ledger).", show_default=False)]
+Key = Annotated[
+    Path | None,
+    typer.Option(
+        help="Sign the record with this SSH key: a private key file, or a public key whose "
+        "private key is in ssh-agent (default: $FP8OPS_SIGNING_KEY; none: unsigned).",
+        show_default=False,
+    ),
+]
 
 
 def _console() -> Console:
@@ -44,12 +52,12 @@ def _console() -> Console:
     return Console(highlight=False, markup=False, width=None if sys.stdout.isatty() else 160)
 
 
-def _ledger(run_dir: Path):
+def _ledger(run_dir: Path, key: Path | None = None):
     # Imported when a command runs: the ledger reads alerts and layers.json, whose modules
     # take a third of a second to import, and every `fp8ops` command would pay for it.
     from fp8ops.overrides.ledger import Ledger
 
-    return Ledger(run_dir)
+    return Ledger(run_dir, key=key)
 
 
 def _line(verb: str, o: Override) -> str:
@@ -71,10 +79,11 @@ def stage(
             "per-module recipe)."
         ),
     ] = "bf16",
+    key: Key = None,
 ) -> None:
     """Ask for MODULE... to run in BF16 (or under current scaling) from the next resume;
     another operator approves."""
-    for o in _ledger(run_dir).stage_many(modules, reason, who=user, to=to):
+    for o in _ledger(run_dir, key).stage_many(modules, reason, who=user, to=to):
         print(_line("staged", o))
         print(f"  approve: fp8ops overrides approve {run_dir} {o.id[:12]}")
 
@@ -85,21 +94,26 @@ def approve(
     override: OverrideId,
     user: User = None,
     note: Annotated[str | None, typer.Option(help="A note kept with the approval.")] = None,
+    key: Key = None,
 ) -> None:
     """Approve an override: the next resume runs its module in BF16 (or its staged recipe)."""
-    print(_line("approved", _ledger(run_dir).approve(override, who=user, note=note)))
+    print(_line("approved", _ledger(run_dir, key).approve(override, who=user, note=note)))
 
 
 @overrides_app.command()
-def reject(run_dir: RunDir, override: OverrideId, reason: Reason, user: User = None) -> None:
+def reject(
+    run_dir: RunDir, override: OverrideId, reason: Reason, user: User = None, key: Key = None
+) -> None:
     """Reject a proposed or staged override (final)."""
-    print(_line("rejected", _ledger(run_dir).reject(override, reason, who=user)))
+    print(_line("rejected", _ledger(run_dir, key).reject(override, reason, who=user)))
 
 
 @overrides_app.command()
-def revoke(run_dir: RunDir, override: OverrideId, reason: Reason, user: User = None) -> None:
+def revoke(
+    run_dir: RunDir, override: OverrideId, reason: Reason, user: User = None, key: Key = None
+) -> None:
     """Withdraw an override; an applied one is lifted (back to FP8) at the next resume."""
-    o = _ledger(run_dir).revoke(override, reason, who=user)
+    o = _ledger(run_dir, key).revoke(override, reason, who=user)
     print(_line("revoked", o))
     if o.to_lift:
         if o.scaling is None:
@@ -147,15 +161,24 @@ def list_(
 
 @overrides_app.command()
 def verify(run_dir: RunDir) -> None:
-    """Check the ledger's hash chain and records; exit 2 naming the first bad line."""
+    """Check the ledger's hash chain, records, signatures and the checkpoints' anchors; exit 2 naming
+    the first bad line (an unproven signature too, where the manifest requires signatures)."""
     ledger = _ledger(run_dir)
     if not ledger.path.exists():
         print(f"{ledger.path}: no ledger yet (nothing was proposed or staged)")
         return
+    from fp8ops.start.checks import check_ledger_anchors
+
     count = ledger.verify()
+    check_ledger_anchors(run_dir, ledger)
     statuses = [o.status for o in ledger.overrides().values()]
     summary = ", ".join(f"{statuses.count(s)} {s}" for s in dict.fromkeys(statuses))
     print(f"{ledger.path}: {count} record(s), hash chain intact; {summary or 'no overrides'}")
+    flagged = ledger.unverified()
+    for line in flagged:
+        print(f"  unverified: {line}")
+    if flagged:
+        print(f"  {len(flagged)} record(s) do not prove who wrote them (review.allowed_signers)")
 
 
 @overrides_app.command("export-te")

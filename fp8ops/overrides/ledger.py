@@ -39,8 +39,17 @@ from typing import IO, Any, Literal
 from fp8ops.alerts.files import read_alerts
 from fp8ops.alerts.records import Alert, decode_float, encode_float
 from fp8ops.errors import Fp8opsError
-from fp8ops.manifest.schema import Bf16Override, ModuleRecipe
+from fp8ops.manifest import ManifestStore
+from fp8ops.manifest.schema import Bf16Override, ModuleRecipe, Review
 from fp8ops.overrides.chain import GENESIS, LedgerError, canonical_json, parse_chain, record_hash
+from fp8ops.overrides.signing import (
+    KEY_ENV,
+    SIGNED_KINDS,
+    AllowedSigners,
+    sign,
+    signed_body,
+    signing_key,
+)
 from fp8ops.run import RunLayout, RunRecordError, find_status, locked_manifest, read_run_record
 from fp8ops.run.layout import OVERRIDES
 from fp8ops.run.records import read_layers_json
@@ -56,6 +65,11 @@ class OverrideError(Fp8opsError):
 
 Status = Literal["proposed", "staged", "approved", "applied", "rejected", "revoked"]
 OPEN: frozenset[str] = frozenset({"proposed", "staged", "approved", "applied"})
+
+
+def policy_approver(revision: str) -> str:
+    """Who approves in the ledger when the auto-degrade policy of manifest ``revision`` acts."""
+    return f"auto-degrade policy of revision {revision[:12]}"
 
 
 def default_user() -> str:
@@ -142,6 +156,7 @@ class Override:
     lifted_step: int | None = None  # after revocation: the resume that returned it to FP8
     lifted_revision: str | None = None
     scaling: str | None = None  # "current": the module stays FP8 under current scaling
+    policy: str | None = None  # approved by the auto-degrade policy of this manifest revision
 
     @property
     def target(self) -> str:
@@ -172,7 +187,11 @@ class Override:
                 approval=self.approval,
             )
         return Bf16Override(
-            module=self.module, dtype="bf16", reason=self.reason, approval=self.approval
+            module=self.module,
+            dtype="bf16",
+            reason=self.reason,
+            approval=self.approval,
+            policy=self.policy,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -240,6 +259,7 @@ def _apply(overrides: dict[str, Override], record: Mapping[str, Any]) -> None:
                 "decided_by": who,
                 "decision_note": record["note"],
                 "approval": record["hash"],
+                "policy": record.get("policy"),  # only a policy's approvals carry one
             }
         elif kind == "rejected":
             change = {"decided_by": who, "decision_note": record["reason"]}
@@ -295,8 +315,9 @@ class Ledger:
     directory readable and leaves no stray file behind.
     """
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, key: str | Path | None = None):
         self.run_dir = Path(run_dir)
+        self.key = signing_key(key)  # signs this operator's records (signing.py); None: unsigned
         self.layout = RunLayout(self.run_dir)
         self.path = self.layout.overrides
         if not self.run_dir.is_dir():
@@ -316,13 +337,54 @@ class Ledger:
             return []
         with open(self.path, "rb") as f:
             fcntl.flock(f, fcntl.LOCK_SH)  # an append in flight is never read half-written
-            return parse_chain(self.path, f.read())
+            records = parse_chain(self.path, f.read())
+        self._require_signed(records)
+        return records
 
     def verify(self) -> int:
-        """Check the whole chain and the state machine; the number of records."""
+        """Check the whole chain, the state machine and the signatures the run requires; the
+        number of records. (The checkpoints' anchors: ``fp8ops.start.checks``.)"""
         records = self.records()
         self._fold(records)
         return len(records)
+
+    def unverified(self) -> list[str]:
+        """Every record whose signature does not prove who wrote it, one line each (empty when
+        the manifest names no allowed signers; with ``review.require_signatures`` reading
+        the ledger already refuses the first)."""
+        signers = self._signers(self._review())
+        if signers is None:
+            return []
+        records = self.records()
+        return [
+            f"{self.path}, line {n}: {_what(record)}: {problem}"
+            for n, record, problem in self._problems(records, signers)
+        ]
+
+    def anchor(self) -> dict[str, Any] | None:
+        """What a checkpoint records of the ledger: its number of records and the last one's
+        hash (None: no ledger yet). A chain rewritten from the first line with fresh hashes no
+        longer has that hash at that position."""
+        records = self.records()
+        return {"records": len(records), "head": records[-1]["hash"]} if records else None
+
+    def check_anchor(self, anchor, checkpoint: Path, records=None) -> None:
+        """The ledger still holds the records ``checkpoint`` saw (its ``ledger`` anchor)."""
+        if anchor is None:
+            return
+        records = self.records() if records is None else records
+        n, head = anchor.records, anchor.head
+        if len(records) < n or records[n - 1]["hash"] != head:
+            found = (
+                f"it has {len(records)} record(s)"
+                if len(records) < n
+                else f"its record {n} has hash {records[n - 1]['hash'][:12]}"
+            )
+            raise LedgerError(
+                f"{self.path}: checkpoint {checkpoint.name} saw {n} ledger record(s) ending in "
+                f"{head[:12]}, but {found}: the ledger was rewritten or cut short after that "
+                "checkpoint. Restore it from a copy; nothing reads it until then."
+            )
 
     def overrides(self) -> dict[str, Override]:
         """Every override, id -> :class:`Override`, in the order they were proposed or staged."""
@@ -428,10 +490,19 @@ class Ledger:
         written, overrides = self._append(build)
         return overrides[written[0]["hash"]] if written else None
 
-    def approve(self, ref: str, who: str | None = None, note: str | None = None) -> Override:
+    def approve(
+        self,
+        ref: str,
+        who: str | None = None,
+        note: str | None = None,
+        policy: str | None = None,
+    ) -> Override:
         """Approve an override; the approver must not be who staged it, unless the run's
-        manifest sets ``review.allow_self_approval: true``."""
+        manifest sets ``review.allow_self_approval: true``. ``policy``: the sha256 of the
+        manifest revision whose auto-degrade policy approves it (the trainer's, not a person's)."""
         who = _text(who or default_user(), "a user name")
+        if policy is not None and not re.fullmatch(r"[0-9a-f]{64}", policy):
+            raise OverrideError(f"approve: policy {policy!r} is not a manifest sha256")
 
         def build(overrides: dict[str, Override]) -> list[dict[str, Any]]:
             o = overrides[self._resolve(overrides, ref)]
@@ -442,7 +513,8 @@ class Ledger:
                     "must (a one-person team sets review.allow_self_approval: true in the run's "
                     "manifest)"
                 )
-            return [{"kind": "approved", "override": o.id, "who": who, "note": note or None}]
+            record = {"kind": "approved", "override": o.id, "who": who, "note": note or None}
+            return [record if policy is None else {**record, "policy": policy}]
 
         return _decided(*self._append(build))
 
@@ -506,15 +578,21 @@ class Ledger:
         """Under the lock: read and verify, let ``build`` make records from the current state,
         chain and check them, and write them in one ``write`` followed by ``fsync``. A refused
         record (OverrideError) writes nothing. The records written and the state after them."""
+        review = self._review()
+        signers = self._signers(review)
         with self._locked() as f:
             f.seek(0)
             records = parse_chain(self.path, f.read())
+            self._require_signed(records, review, signers)
             overrides = self._fold(records)
             prev = records[-1]["hash"] if records else GENESIS
             now = datetime.now(timezone.utc).isoformat(timespec="seconds")
             sealed, lines = [], []
             for body in build(overrides):
                 record = {**body, "seq": len(records) + len(sealed), "prev": prev, "time": now}
+                if _by_a_person(record) and self.key is not None:
+                    record["signature"] = sign(signed_body(record), self.key)
+                self._refuse_unsigned(record, review, signers)
                 record["hash"] = prev = record_hash(record)
                 _apply(overrides, record)
                 sealed.append(record)
@@ -525,6 +603,64 @@ class Ledger:
                 f.flush()
                 os.fsync(f.fileno())
         return sealed, overrides
+
+    def _review(self) -> Review:
+        try:
+            return locked_manifest(self.run_dir).review
+        except Fp8opsError as exc:
+            raise OverrideError(str(exc)) from None
+
+    def _signers(self, review: Review) -> AllowedSigners | None:
+        if review.allowed_signers is None:
+            return None
+        return AllowedSigners.load(review.allowed_signers, review.allowed_signers_sha256)
+
+    def _problems(self, records, signers: AllowedSigners):
+        """(line, record, why) for each record whose author is not proven: a person's record
+        not signed by a key the allowed signers bind to its ``who``, or a policy's approval
+        naming no policy of this run."""
+        policies = None
+        for n, record in enumerate(records, 1):
+            if _by_a_person(record):
+                problem = signers.problem(record)
+            elif record["kind"] == "approved":  # the auto-degrade policy's
+                policies = self._policies() if policies is None else policies
+                problem = _policy_problem(record, policies)
+            else:
+                problem = None
+            if problem is not None:
+                yield n, record, problem
+
+    def _policies(self) -> set[str]:
+        """The run's manifest revisions that hold an auto-degrade policy."""
+        store = ManifestStore(self.layout.manifests)
+        return {h for h in store.hashes() if store.get(h).alerts.auto_degrade is not None}
+
+    def _require_signed(self, records, review: Review | None = None, signers=None) -> None:
+        review = self._review() if review is None else review
+        if not review.require_signatures:
+            return
+        signers = self._signers(review) if signers is None else signers
+        for n, record, problem in self._problems(records, signers):
+            raise LedgerError(
+                f"{self.path}, line {n}: {_what(record)}: {problem}. The run's manifest requires "
+                "signed records (review.require_signatures): the ledger cannot be trusted or "
+                "appended to; restore it from a copy"
+            )
+
+    def _refuse_unsigned(self, record, review: Review, signers) -> None:
+        if signers is None or not review.require_signatures:
+            return  # written, and flagged by unverified() when there are allowed signers
+        problem = next((p for _, _, p in self._problems([record], signers)), None)
+        if problem is not None:
+            how = (
+                f"sign with --key KEY (or ${KEY_ENV}): a key {signers.path} lists for "
+                f"{record['who']}"
+            )
+            raise OverrideError(
+                f"refused: the {record['kind']} record by {record['who']} is {problem} "
+                f"(review.require_signatures); {how}"
+            )
 
     def _fold(self, records: list[dict[str, Any]]) -> dict[str, Override]:
         overrides: dict[str, Override] = {}
@@ -651,6 +787,29 @@ class Ledger:
             return reader(self.run_dir)
         except RunRecordError as exc:
             raise OverrideError(str(exc)) from None
+
+
+def _by_a_person(record: Mapping[str, Any]) -> bool:
+    """An operator's record, which is signed; the alert engine's proposals, a resume's
+    ``applied`` and the auto-degrade policy's approvals are not."""
+    return record["kind"] in SIGNED_KINDS and "policy" not in record
+
+
+def _policy_problem(record: Mapping[str, Any], policies: set[str]) -> str | None:
+    policy = record["policy"]
+    if policy not in policies:
+        return (
+            f"approved as an auto-degrade policy, but {str(policy)[:12]} is no revision of this "
+            "run with alerts.auto_degrade"
+        )
+    if record["who"] != policy_approver(policy):
+        return f"a policy's approval written as {record['who']!r}"
+    return None
+
+
+def _what(record: Mapping[str, Any]) -> str:
+    about = record.get("override") or record.get("hash", "")
+    return f"the {record['kind']} record by {record['who']} (override {str(about)[:12]})"
 
 
 def _decided(records: list[dict[str, Any]], overrides: Mapping[str, Override]) -> Override:

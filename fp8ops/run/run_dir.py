@@ -108,6 +108,16 @@ class RunDir:
         )
         return run
 
+    def advance_manifest(self, revision: Manifest) -> None:
+        """A revision made during training (an auto-degrade switch) becomes the run's: stored
+        in ``manifests/``, written to ``manifest.yaml`` and named in ``status.json``, as a
+        resume does with the revisions it adds (rank 0 only)."""
+        if not self.writer:
+            return
+        ManifestStore(self.layout.manifests).put(revision)
+        atomic_write_text(self.layout.manifest, to_yaml(revision))
+        self.set_status("running", manifest=manifest_hash(revision))
+
     @classmethod
     def set_aside_unfinished(cls, path: Path, manifest: Manifest) -> Path | None:
         """``train --resume`` with nothing to resume from: an unfinished attempt of this same

@@ -344,6 +344,15 @@ def _apply_ledger(plan: Resume) -> None:
     from fp8ops.overrides import Ledger, LedgerError
 
     ledger = Ledger(plan.run_dir)
+    anchor = plan.meta.ledger
+    if anchor is not None and not ledger.path.exists():
+        raise LedgerError(
+            f"{ledger.path}: checkpoint {plan.checkpoint.name} saw {anchor.records} ledger "
+            "record(s), but the ledger is gone. Restore the file from a backup before resuming."
+        )
+    if ledger.path.exists():
+        ledger.verify()  # the chain and the signatures the run requires
+        checks.check_ledger_anchors(plan.run_dir, ledger)
     precision = plan.manifest.precision
     # The ledger's entries in force: BF16 overrides, and one-module current-scaling recipes.
     in_force = {o.module: o for o in precision.overrides if o.approval is not None}
@@ -368,7 +377,11 @@ def _apply_ledger(plan: Resume) -> None:
                 f"approval {override.approval[:12]}, but the ledger {lost}. Restore the file "
                 "from a backup before resuming."
             )
-    wanted = {o.module: o for o in overrides.values() if o.status in ("approved", "applied")}
+    wanted = {
+        o.module: o
+        for o in overrides.values()
+        if o.status in ("approved", "applied") and not _redone_by_policy(o, in_force, plan.step)
+    }
     # A module in force under another approval than the one wanted now (its override revoked,
     # then a new one approved before a resume lifted it) is lifted and applied again: the
     # revision then names the approval that holds it, and both reach the ledger's records.
@@ -430,3 +443,16 @@ def _apply_ledger(plan: Resume) -> None:
     plan.manifest = child
     plan.new_revisions.append(child)
     plan.applied_overrides, plan.lifted_overrides = applied, lifted
+
+
+def _redone_by_policy(override, in_force: dict, step: int) -> bool:
+    """An override the auto-degrade policy applied during training after the checkpoint's
+    ``step``: the resumed run meets the same alert at the same step and the policy switches the
+    module again there, so the resume equals the straight run instead of switching it early."""
+    return (
+        override.policy is not None
+        and override.status == "applied"
+        and override.applied_step is not None
+        and override.applied_step > step
+        and override.module not in in_force
+    )

@@ -58,6 +58,7 @@ from fp8ops.telemetry.catalogue import STEP_METRIC_NAMES
 from fp8ops.telemetry.collector import TelemetryCollector
 from fp8ops.telemetry.store import TelemetryError, rank_group
 from fp8ops.train.cpu_gemm import Fp32Gemm, check_compiled_casts, cpu_bf16_gemm
+from fp8ops.train.degrade import auto_degrade
 from fp8ops.train.distributed import Ranks
 from fp8ops.train.inputs import Inputs
 from fp8ops.train.optimizer import MainParamsOptimizer, learning_rate
@@ -436,6 +437,8 @@ class Trainer:
         stops = [a for a in everyone if a["level"] == "stop"]
         if stops:
             raise StopRun(stops[0]["message"], stops)
+        # A reviewed policy may switch modules to BF16 before the next step (degrade.py).
+        auto_degrade(self, step, self.alert_engine.proposals(everyone))
 
     def check_fp8_agreement(self, step: int) -> str | None:
         """Every rank of the amax reduction group must hold the same FP8 state
@@ -589,6 +592,7 @@ class Trainer:
             sampler=self.sampler.state_dict(),
             telemetry_committed=committed,
             keep=self.manifest.schedule.keep_checkpoints,
+            ledger=self._ledger_anchor(),
         )
         self.run.event(
             "checkpoint_saved", step=step, path=path.name, reason=reason, seconds=round(seconds, 3)
@@ -783,6 +787,17 @@ class Trainer:
             ranks=self.ranks,
             tp_group=self.tp_group,
         )
+
+    def _ledger_anchor(self) -> dict | None:
+        """Rank 0: the ledger's length and head for the checkpoint (Ledger.anchor); a damaged
+        ledger is left to the next resume to refuse, and the checkpoint is saved without."""
+        if not self.run.writer:
+            return None
+        try:
+            return self.ledger.anchor()
+        except Fp8opsError as exc:
+            self.run.event("ledger_not_anchored", error=str(exc))
+            return None
 
     def _revision_hashes(self) -> list[str]:
         """The manifest's revision chain, root first, as far as the run knows it (a manifest

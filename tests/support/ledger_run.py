@@ -39,11 +39,14 @@ def admit_tiny_gpt():
     return manifest, recipe, table
 
 
-def make_run_dir(path, admitted, *, allow_self_approval=False):
-    """A run directory as training leaves it: manifest, layers.json, run.json, status, alerts."""
+def make_run_dir(path, admitted, *, allow_self_approval=False, review=None):
+    """A run directory as training leaves it: manifest, layers.json, run.json, status, alerts.
+    ``review``: fields of the manifest's review section (allowed signers, say)."""
     manifest, recipe, table = admitted
     if allow_self_approval:
         manifest = derive(manifest, {"review.allow_self_approval": True}, "one-person team")
+    if review:
+        manifest = derive(manifest, {f"review.{k}": v for k, v in review.items()}, "signers")
     path.mkdir(parents=True, exist_ok=True)
     write_manifest(manifest, path / "manifest.yaml")
     ManifestStore(path / "manifests").put(manifest)

@@ -1,0 +1,169 @@
+"""Degrade that acts: the manifest's ``alerts.auto_degrade`` policy switching modules to BF16
+between two steps, without a restart.
+
+After a step's alerts are gathered (every rank holds them all), :func:`policy_switches` picks
+the same proposals on every rank. Then, before the next step:
+
+1. rank 0 records each in the override ledger: the alert engine's proposal, approved by the
+   policy (the approver names the policy's manifest revision), and broadcasts the approvals;
+2. every rank derives the same manifest revision, the modules added to ``precision.overrides``
+   with their approval and the policy's revision, and decides admission again from it, so the
+   modules' ``fp8_enabled`` flags go off together (their FP8 state stays, frozen, and the amax
+   reduction goes on over the others, as for any BF16 override);
+3. the alert rules forget the modules' FP8 history, as a resume does for a held module;
+4. rank 0 makes the revision the run's (``manifests/``, ``manifest.yaml``, ``status.json``),
+   rewrites ``layers.json`` and records the ledger's ``applied`` and an event.
+
+A checkpoint after the switch carries the revision, so a resume runs the modules in BF16 from
+its first step, and the run continues as the straight one. Revoking such an override returns the
+module to FP8 at the next resume, as for any other.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from fp8ops.admission import apply_admission, decide_admission
+from fp8ops.alerts.policy import policy_switches
+from fp8ops.alerts.records import Proposal
+from fp8ops.errors import Fp8opsError
+from fp8ops.manifest import derive, manifest_hash
+from fp8ops.manifest.schema import Bf16Override
+from fp8ops.overrides.ledger import policy_approver
+from fp8ops.run.records import write_layers_json
+
+if TYPE_CHECKING:
+    from fp8ops.train.trainer import Trainer
+
+
+def switched_by_policy(manifest) -> int:
+    """How many modules a policy has switched in this run (they stay in the overrides)."""
+    return sum(o.policy is not None for o in manifest.precision.overrides)
+
+
+def auto_degrade(trainer: Trainer, step: int, proposals: list[Proposal]) -> list[str]:
+    """Switch the modules the policy lets act among ``proposals`` (collective); returns them."""
+    manifest = trainer.manifest
+    switching = policy_switches(
+        manifest.alerts.auto_degrade,
+        [p for p in proposals if p.module not in _held(manifest)],
+        step=step,
+        switched=switched_by_policy(manifest),
+    )
+    if not switching:
+        return []
+    revision = manifest_hash(manifest)
+    # Rank 0 decides with the ledger (an operator's open staging to another target keeps the
+    # module out) and every rank follows its answer: {module: approval hash, or None}.
+    approvals, fresh = (
+        _approve_all(trainer, switching, revision) if trainer.run.writer else ({}, [])
+    )
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [approvals]
+        dist.broadcast_object_list(box, src=0)
+        approvals = box[0]
+    switching = [p for p in switching if p.module in approvals]
+    if not switching:
+        return []
+    added = [
+        Bf16Override(
+            module=p.module,
+            reason=f"{p.rule} at step {p.step}: {p.reason}",
+            approval=approvals[p.module],
+            policy=revision,
+        )
+        for p in switching
+    ]
+    modules = [p.module for p in switching]
+    child = derive(
+        manifest,
+        {
+            "precision.overrides": [
+                o.model_dump(mode="json") for o in (*manifest.precision.overrides, *added)
+            ]
+        },
+        f"{policy_approver(revision)}: {', '.join(modules)} to bf16 after step {step}",
+        source="the auto-degrade policy",
+    )
+    trainer.manifest = child
+    trainer.admission = decide_admission(
+        trainer.model, child.precision, tensor_parallel=child.topology.tensor_parallel
+    )
+    apply_admission(trainer.admission, trainer.model)
+    trainer.alert_engine.hold(modules)
+    run = trainer.run
+    if run.writer:
+        run.advance_manifest(child)
+        write_layers_json(
+            run.path,
+            trainer.admission,
+            trainer.recipe,
+            tensor_parallel=child.topology.tensor_parallel,
+            manifest_hash=manifest_hash(child),
+        )
+        if fresh:
+            trainer.ledger.record_applied(
+                fresh, step=step, revision=manifest_hash(child), who=policy_approver(revision)
+            )
+        run.event(
+            "auto_degraded",
+            step=step,
+            modules=modules,
+            rules=[p.rule for p in switching],
+            policy=revision,
+            revision=manifest_hash(child),
+        )
+    return modules
+
+
+def _held(manifest) -> set[str]:
+    return {o.module for o in manifest.precision.overrides}
+
+
+def _approve_all(
+    trainer: Trainer, switching: list[Proposal], revision: str
+) -> tuple[dict[str, str | None], list[str]]:
+    """Rank 0: ``{module: approval}`` for the modules the policy switches, and the ids of the
+    overrides approved now (the ledger records them applied at this step).
+
+    The approval is the module's open proposal (the alert engine's, or an operator's BF16
+    staging) approved by the policy; an override already approved or applied (by an operator, or
+    by the policy before a resume from an earlier checkpoint) keeps its approval. None when the
+    ledger cannot take it (damaged: the switch still happens, and an event says why nothing was
+    recorded). A module an operator staged to another target (current scaling) is left to the
+    operator."""
+    ledger, approvals, fresh = trainer.ledger, {}, []
+    for proposal in switching:
+        try:
+            open_ = [o for o in ledger.overrides().values() if o.module == proposal.module]
+            open_ = [o for o in open_ if o.is_open]
+            if not open_:
+                open_ = [ledger.propose(proposal.module, proposal.reason, [], proposal.step)]
+            (override,) = open_
+            if override.scaling is not None:
+                trainer.run.event(
+                    "auto_degrade_skipped",
+                    module=proposal.module,
+                    step=proposal.step,
+                    why=f"override {override.id[:12]} stages it to {override.target}",
+                )
+                continue
+            if override.status in ("proposed", "staged"):
+                note = f"{proposal.rule} at step {proposal.step}, within the policy's limits"
+                override = ledger.approve(
+                    override.id, who=policy_approver(revision), note=note, policy=revision
+                )
+            if override.status == "approved":
+                fresh.append(override.id)
+            approvals[proposal.module] = override.approval
+        except Fp8opsError as exc:
+            trainer.run.event(
+                "auto_degrade_not_recorded",
+                module=proposal.module,
+                step=proposal.step,
+                error=str(exc),
+            )
+            approvals[proposal.module] = None
+    return approvals, fresh

@@ -1,0 +1,308 @@
+"""The auto-degrade policy (``alerts.auto_degrade``): a Degrade alert switches its module to BF16
+at the next step boundary, recorded in the ledger and as a manifest revision; the same run
+without the policy stops; a stop and resume equals the straight run bit for bit."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import fp8ops.megatron  # noqa: F401  (before Megatron-Core: TE's meta-package otherwise)
+from fp8ops.alerts import read_alerts
+from fp8ops.alerts.policy import policy_switches
+from fp8ops.alerts.records import Proposal
+from fp8ops.checkpoint import CheckpointDir, read_meta
+from fp8ops.errors import ManifestError
+from fp8ops.files import read_jsonl
+from fp8ops.manifest import derive, load_manifest, manifest_hash
+from fp8ops.manifest.schema import AutoDegrade
+from fp8ops.overrides import Ledger
+from fp8ops.overrides.ledger import policy_approver
+from fp8ops.run.records import read_layers_json
+from fp8ops.start import New
+from fp8ops.start.plan import ResumeRequest, plan_start
+from fp8ops.train import open_trainer
+from fp8ops.train.distributed import init_distributed, shutdown_distributed
+from fp8ops.train.trainer import StopRun
+
+MANIFESTS = Path(__file__).resolve().parents[1] / "manifests"
+SMALL = {
+    "model.num_layers": 2,
+    "model.hidden_size": 64,
+    "model.ffn_hidden_size": 256,
+    "model.seq_length": 64,
+    "model.init_checkpoint": None,
+    "data.num_examples": 600,
+    "schedule.train_steps": 10,
+    "schedule.warmup_steps": 1,
+    "schedule.micro_batch_size": 4,
+    "schedule.global_batch_size": 8,
+    "schedule.eval_interval": 1000,
+    "schedule.eval_iters": 2,
+    "schedule.log_interval": 1,
+    "schedule.checkpoint_interval": 1000,
+    "telemetry.every_steps": 1,
+    "telemetry.error_sample_every": 2,
+    "telemetry.flush_steps": 4,
+    # Its forwards would run the injection below between steps.
+    "capability.enabled": False,
+}
+TARGET = "decoder.layers.1.mlp.linear_fc1"
+POLICY = {"rules": ["saturation", "fp8_error"], "max_modules": 1}
+DEGRADE_STEP = 4  # saturation above the degrade level (not the stop level) for 3 steps by then
+STOP_STEP = 8  # past the stop level for 3 steps, without the policy
+
+
+@pytest.fixture(scope="module")
+def manifest():
+    return derive(load_manifest(MANIFESTS / "tiny-gpt-cpu.yaml"), SMALL, "auto-degrade test")
+
+
+def _with_policy(manifest, **policy):
+    return derive(manifest, {"alerts.auto_degrade": {**POLICY, **policy}}, "auto-degrade on")
+
+
+def _growth(step: int) -> float:
+    """The injected weight factor at (1-based) ``step``: 1.3x a step from step 2 to 5 (a
+    weight saturation between Degrade's 1e-3 and Stop's 1e-2), then 4x a step (far past Stop)."""
+    factor = 1.0
+    for k in range(2, step + 1):
+        factor *= 1.3 if k <= 5 else 4.0
+    return factor
+
+
+def _inject(trainer) -> None:
+    """Saturate TARGET's FP8 weight cast: before each step's first micro-batch (when the weight
+    is cast) the weight is scaled by ``_growth``, while the module runs FP8. The optimizer writes
+    the weight back from its main copy after each step, so the factor does not accumulate."""
+    module = dict(trainer.model.named_modules())[TARGET]
+    calls = {"n": 2 * trainer.start_step}  # two micro-batches a step
+
+    def grow(mod, args):
+        calls["n"] += 1
+        step = (calls["n"] + 1) // 2
+        if calls["n"] % 2 == 1 and mod.fp8_enabled:
+            with torch.no_grad():
+                mod.weight.mul_(_growth(step))
+
+    module.register_forward_pre_hook(grow)
+
+
+def _train(plan, stop_at=None):
+    ranks = init_distributed(plan.manifest.topology, source="test")
+    trainer = open_trainer(plan, ranks, progress=False)
+    _inject(trainer)
+    try:
+        trainer.train(stop_at=stop_at)
+    finally:
+        shutdown_distributed()
+    return trainer
+
+
+def _new(manifest, run_dir, stop_at=None):
+    return _train(New(manifest, [manifest], run_dir, "test"), stop_at)
+
+
+def _resume(run_dir):
+    return _train(plan_start(ResumeRequest(run_dir)))
+
+
+def _losses(run_dir):
+    return {r["step"]: r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl")}
+
+
+def _weights(trainer):
+    return {k: v.clone() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)}
+
+
+def _without_approvals(manifest):
+    data = manifest.model_dump(mode="json")
+    for entry in data["precision"]["overrides"]:
+        entry["approval"] = None
+    return data
+
+
+@pytest.fixture(scope="module")
+def straight(manifest, tmp_path_factory):
+    """The policy's run, straight through: (run directory, trainer)."""
+    run = tmp_path_factory.mktemp("straight") / "run"
+    return run, _new(_with_policy(manifest), run)
+
+
+def test_without_the_policy_the_injected_saturation_stops_the_run(manifest, tmp_path):
+    with pytest.raises(StopRun) as stop:
+        _new(manifest, tmp_path / "run")
+    first = stop.value.alerts[0]
+    assert (first["step"], first["module"], first["rule"]) == (STOP_STEP, TARGET, "saturation")
+    degrade = [a for a in read_alerts(tmp_path / "run") if a.level == "degrade"]
+    assert (degrade[0].step, degrade[0].module) == (DEGRADE_STEP, TARGET)
+    # Only proposed: nobody approved it, the module ran FP8 to the stop.
+    (proposal,) = [o for o in Ledger(tmp_path / "run").overrides().values() if o.module == TARGET]
+    assert proposal.status == "proposed"
+
+
+def test_the_policy_switches_the_module_after_its_degrade_alert_and_the_run_finishes(
+    manifest, straight
+):
+    run, trainer = straight
+    status = json.loads((run / "status.json").read_text())
+    assert (status["state"], status["step"]) == ("completed", SMALL["schedule.train_steps"])
+    policy_revision = manifest_hash(_with_policy(manifest))
+    # The switch: from the step after the alert on, the module runs BF16 and its FP8 rules rest.
+    assert not dict(trainer.model.named_modules())[TARGET].fp8_enabled
+    alerts = read_alerts(run)
+    assert [(a.step, a.level) for a in alerts if a.module == TARGET and a.level != "observe"] == [
+        (DEGRADE_STEP, "degrade")
+    ]
+    assert not [a for a in alerts if a.level == "stop"]
+    # The ledger: the alert engine's proposal, approved by the policy, applied at that step.
+    (override,) = Ledger(run).overrides().values()
+    assert (override.module, override.status, override.who) == (TARGET, "applied", "fp8ops-alerts")
+    assert override.decided_by == policy_approver(policy_revision)
+    assert override.policy == policy_revision
+    assert override.applied_step == DEGRADE_STEP
+    # A manifest revision, the run's now, holds the override with its approval and policy.
+    final = load_manifest(run / "manifest.yaml")
+    assert override.applied_revision == manifest_hash(final) == status["manifest"]
+    assert final.revision.parent == policy_revision
+    assert manifest_hash(trainer.manifest) == manifest_hash(final)
+    (entry,) = final.precision.overrides
+    assert (entry.module, entry.approval, entry.policy) == (
+        TARGET,
+        override.approval,
+        policy_revision,
+    )
+    assert (run / "manifests" / f"{manifest_hash(final)}.yaml").is_file()
+    # layers.json says why the module is in BF16 now.
+    row = next(r for r in read_layers_json(run).rows if r.fqn == TARGET)
+    assert (row.precision, row.reason.code) == ("bf16", "override")
+    assert "auto-degrade policy" in row.reason.text
+    # The final checkpoint anchors the ledger as it was: three records, ending in "applied".
+    anchor = read_meta(CheckpointDir(run).latest()).ledger
+    assert (anchor.records, anchor.head) == (3, Ledger(run).records()[-1]["hash"])
+    (event,) = [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "auto_degraded"]
+    assert (event["step"], event["modules"], event["rules"]) == (
+        DEGRADE_STEP,
+        [TARGET],
+        ["saturation"],
+    )
+
+
+@pytest.mark.parametrize("stop_at", [DEGRADE_STEP + 2, DEGRADE_STEP - 1])
+def test_a_stop_and_resume_equals_the_straight_run(manifest, straight, tmp_path, stop_at):
+    # After the switch (the checkpoint holds the revision) and before it (the resumed run meets
+    # the alert again and the policy switches the module at the same step).
+    run = tmp_path / "run"
+    _new(_with_policy(manifest), run, stop_at=stop_at)
+    resumed = _resume(run)
+    straight_run, straight_trainer = straight
+    assert _losses(run) == _losses(straight_run)
+    expected = _weights(straight_trainer)
+    got = _weights(resumed)
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    # The same revision, but for the approval: a ledger record's hash, which covers its time.
+    assert _without_approvals(resumed.manifest) == _without_approvals(straight_trainer.manifest)
+    # One override, approved and applied once: a replayed switch records nothing twice.
+    kinds = [r["kind"] for r in Ledger(run).records()]
+    assert kinds == ["proposed", "approved", "applied"]
+
+
+def test_a_person_revokes_the_policys_switch_and_the_next_resume_returns_it_to_fp8(
+    manifest, tmp_path
+):
+    run = tmp_path / "run"
+    _new(_with_policy(manifest), run, stop_at=DEGRADE_STEP + 1)
+    ledger = Ledger(run)
+    (override,) = ledger.overrides().values()
+    ledger.revoke(override.id[:12], "the weight was fixed upstream", who="ana")
+    plan = plan_start(ResumeRequest(run))
+    assert [o.module for o in plan.lifted_overrides] == [TARGET]
+    assert plan.manifest.precision.overrides == ()
+
+
+def test_a_policy_past_its_until_step_only_proposes(manifest, tmp_path):
+    with pytest.raises(StopRun):
+        _new(_with_policy(manifest, until_step=DEGRADE_STEP - 1), tmp_path / "run")
+    overrides = Ledger(tmp_path / "run").overrides().values()
+    assert TARGET in {o.module for o in overrides}
+    assert {o.status for o in overrides} == {"proposed"}
+
+
+# -- the policy's choice, without training -----------------------------------------------------
+
+
+def _proposal(module, rule, step=5):
+    return Proposal(step, module, f"{rule} of {module}", rule=rule)
+
+
+def test_the_policy_acts_on_its_rules_only_within_its_limits():
+    policy = AutoDegrade(rules=["saturation", "underflow"], max_modules=2, until_step=100)
+    proposals = [
+        _proposal("a", "saturation"),
+        _proposal("b", "grad_spike"),
+        _proposal("c", "underflow"),
+        _proposal("d", "saturation"),
+    ]
+    chosen = policy_switches(policy, proposals, step=5, switched=0)
+    assert [p.module for p in chosen] == ["a", "c"]  # in order, up to max_modules
+    assert [p.module for p in policy_switches(policy, proposals, step=5, switched=1)] == ["a"]
+    assert policy_switches(policy, proposals, step=5, switched=2) == []
+    assert policy_switches(policy, proposals, step=101, switched=0) == []
+    assert policy_switches(None, proposals, step=5, switched=0) == []
+
+
+@pytest.mark.parametrize(
+    "policy, field, words",
+    [
+        ({"rules": [], "max_modules": 1}, "rules", "at least one"),
+        ({"rules": ["saturation", "saturation"], "max_modules": 1}, "rules", "twice"),
+        ({"rules": ["amax_jump"], "max_modules": 1}, "rules", "saturation"),
+        ({"rules": ["saturation"], "max_modules": 0}, "max_modules", ">= 1"),
+        ({"rules": ["saturation"], "max_modules": 1, "until_step": 0}, "until_step", ">= 1"),
+        ({"rules": ["saturation"]}, "max_modules", "required"),
+    ],
+)
+def test_a_bad_policy_is_refused_naming_the_field(manifest, policy, field, words):
+    with pytest.raises(ManifestError) as refused:
+        derive(manifest, {"alerts.auto_degrade": policy}, "bad policy")
+    message = str(refused.value)
+    assert f"alerts.auto_degrade.{field}" in message and words in message
+
+
+def test_on_tes_path_the_switch_turns_the_projection_off_and_freezes_its_state(manifest):
+    # TE's projections take the switch through the same flag (te_backend.bf16_capable's
+    # fp8_enabled, set by apply_admission from the policy's revision): against TE's stand-in.
+    from support.te_stand_in import TeLikeLinear, decoder
+
+    from fp8ops.admission import apply_admission, decide_admission
+
+    te = derive(
+        manifest,
+        {"precision.include_modules": ["*.linear_qkv", "*.linear_proj"]},
+        "the stand-in's projections",
+    )
+    model = decoder(features=64)
+    held = "decoder.layers.0.linear_qkv"
+    modules = dict(model.named_modules())
+    x = torch.randn(4, 64)
+    TeLikeLinear.autocast = True
+    try:
+        model.decoder.layers[0].linear_qkv(x)
+        model.decoder.layers[1].linear_qkv(x)
+        switched = derive(
+            te,
+            {"precision.overrides": [{"module": held, "reason": "saturation", "policy": "a" * 64}]},
+            "the policy's revision",
+        )
+        apply_admission(decide_admission(model, switched.precision, tensor_parallel=1), model)
+        frozen = modules[held].fp8_meta["scaling_fwd"].amax_history.clone()
+        model.decoder.layers[0].linear_qkv(3 * x)
+        model.decoder.layers[1].linear_qkv(3 * x)
+    finally:
+        TeLikeLinear.autocast = False
+    assert not modules[held].fp8 and modules["decoder.layers.1.linear_qkv"].fp8
+    assert torch.equal(modules[held].fp8_meta["scaling_fwd"].amax_history, frozen)
+    other = modules["decoder.layers.1.linear_qkv"].fp8_meta["scaling_fwd"].amax_history
+    assert other[0, 0] == (3 * x).abs().amax()

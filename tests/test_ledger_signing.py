@@ -1,0 +1,284 @@
+"""Signed ledger records: operators sign with their SSH key (``ssh-keygen -Y sign``), the
+manifest's allowed-signers file says whose key is whose, and the review rule compares verified
+signers. Throwaway ed25519 keys are made per test module; ssh-keygen's own ``-Y verify`` is the
+oracle that the signatures are the ones git-style tooling accepts."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+import subprocess
+
+import pytest
+from support.ledger_run import FC1, QKV, admit_tiny_gpt, make_run_dir
+
+if importlib.util.find_spec("megatron") is None:  # the layer table comes from the real model
+    pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
+if shutil.which("ssh-keygen") is None:
+    pytest.skip("needs ssh-keygen (apt install openssh-client)", allow_module_level=True)
+
+from fp8ops.checkpoint.meta import (
+    CheckpointMeta,
+    Fp8StateRecord,
+    LedgerAnchor,
+    TopologyRecord,
+    write_meta,
+)
+from fp8ops.errors import Fp8opsError, ManifestError
+from fp8ops.manifest import derive
+from fp8ops.overrides import Ledger, LedgerError, OverrideError
+from fp8ops.overrides.chain import GENESIS, canonical_json, record_hash
+from fp8ops.overrides.signing import NAMESPACE, signed_body
+from fp8ops.start.checks import check_ledger_anchors
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
+]
+
+
+@pytest.fixture(scope="module")
+def admitted(megatron_tp1):
+    return admit_tiny_gpt()
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    """Private keys of ana and ben (allowed signers), eve (not listed) and carl (listed for git
+    only), and the allowed-signers file."""
+    home = tmp_path_factory.mktemp("keys")
+    paths = {}
+    for name in ("ana", "ben", "eve", "carl"):
+        paths[name] = home / name
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", name, "-f", str(paths[name])],
+            check=True,
+        )
+    public = {name: (home / f"{name}.pub").read_text().strip() for name in paths}
+    allowed = home / "allowed_signers"
+    allowed.write_text(
+        "# operators of this run\n"
+        f'ana namespaces="{NAMESPACE}" {public["ana"]}\n'
+        f'ben namespaces="{NAMESPACE}" {public["ben"]}\n'
+        f'carl namespaces="git" {public["carl"]}\n'
+    )
+    return paths, allowed
+
+
+def _review(allowed, required=True):
+    return {
+        "allowed_signers": str(allowed),
+        "allowed_signers_sha256": hashlib.sha256(allowed.read_bytes()).hexdigest(),
+        "require_signatures": required,
+    }
+
+
+@pytest.fixture
+def signed_run(tmp_path, admitted, keys):
+    return make_run_dir(tmp_path / "run", admitted, review=_review(keys[1]))
+
+
+def _lines(run):
+    return (run / "overrides.jsonl").read_text().splitlines()
+
+
+def test_signed_records_verify_here_and_with_ssh_keygen(signed_run, keys, tmp_path):
+    paths, allowed = keys
+    staged = Ledger(signed_run, key=paths["ana"]).stage(FC1, "saturation", who="ana")
+    Ledger(signed_run, key=paths["ben"]).approve(staged.id[:12], who="ben")
+    ledger = Ledger(signed_run)
+    assert ledger.verify() == 2 and ledger.unverified() == []
+    assert ledger.get(staged.id[:12]).status == "approved"
+    # The oracle: OpenSSH's own verification of each record's signed body.
+    for record, who in zip(ledger.records(), ("ana", "ben"), strict=True):
+        sig = tmp_path / f"{who}.sig"
+        sig.write_text(record["signature"])
+        done = subprocess.run(
+            ["ssh-keygen", "-Y", "verify", "-f", str(allowed), "-I", who, "-n", NAMESPACE]
+            + ["-s", str(sig)],
+            input=signed_body(record),
+            capture_output=True,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    "signer, words",
+    [
+        ("ana", "written as 'ben' but signed by the key of ana"),  # another operator's key
+        (None, "not signed"),
+        ("eve", "not an allowed signer"),
+        ("carl", "not an allowed signer"),  # carl's key is listed for git, not for fp8ops
+    ],
+)
+def test_an_approval_not_signed_by_its_author_is_refused_and_nothing_is_written(
+    signed_run, keys, monkeypatch, signer, words
+):
+    paths, _ = keys
+    monkeypatch.delenv("FP8OPS_SIGNING_KEY", raising=False)
+    staged = Ledger(signed_run, key=paths["ana"]).stage(FC1, "saturation", who="ana")
+    key = None if signer is None else paths[signer]
+    with pytest.raises(OverrideError, match="refused: the approved record by ben") as refused:
+        Ledger(signed_run, key=key).approve(staged.id[:12], who="ben")
+    assert words in str(refused.value) and "review.require_signatures" in str(refused.value)
+    assert len(_lines(signed_run)) == 1
+    assert Ledger(signed_run).get(staged.id[:12]).status == "staged"
+
+
+def test_the_review_rule_compares_verified_signers(signed_run, keys):
+    paths, _ = keys
+    staged = Ledger(signed_run, key=paths["ana"]).stage(FC1, "saturation", who="ana")
+    with pytest.raises(OverrideError, match="cannot approve it too"):
+        Ledger(signed_run, key=paths["ana"]).approve(staged.id[:12], who="ana")
+    # Typing another name does not help: the key says who signed.
+    with pytest.raises(OverrideError, match="signed by the key of ana"):
+        Ledger(signed_run, key=paths["ana"]).approve(staged.id[:12], who="Ben")
+
+
+def _rechain(records):
+    """Records re-linked and re-hashed from the first, as a forger who rewrites the file does."""
+    prev, out, renamed = GENESIS, [], {}
+    for seq, record in enumerate(records):
+        record = {**record, "seq": seq, "prev": prev}
+        if record.get("override") in renamed:  # a decision follows its override's new id
+            record["override"] = renamed[record["override"]]
+        old, record["hash"] = record.get("hash"), record_hash(record)
+        renamed[old] = prev = record["hash"]
+        out.append(record)
+    return out
+
+
+def _write(run, records):
+    (run / "overrides.jsonl").write_text("".join(canonical_json(r) + "\n" for r in records))
+
+
+def test_a_signature_moved_onto_another_record_is_refused_naming_its_line(signed_run, keys):
+    paths, _ = keys
+    ana = Ledger(signed_run, key=paths["ana"])
+    first = ana.stage(FC1, "saturation", who="ana")
+    ana.stage(QKV, "saturation", who="ana")
+    Ledger(signed_run, key=paths["ben"]).approve(first.id[:12], who="ben")
+    records = Ledger(signed_run).records()
+    # The forger wants QKV approved: ben's approval of FC1 is re-aimed at QKV, its signature
+    # kept, and the chain re-hashed so that it holds together.
+    forged = [*records[:2], {**records[2], "override": records[1]["hash"]}]
+    _write(signed_run, _rechain(forged))
+    with pytest.raises(LedgerError, match=r"line 3: the approved record by ben .*does not verify"):
+        Ledger(signed_run).overrides()
+    with pytest.raises(LedgerError, match="line 3"):  # nothing appends to it either
+        Ledger(signed_run, key=paths["ana"]).revoke(first.id[:12], "x", who="ana")
+
+
+def test_without_required_signatures_an_unsigned_record_is_written_and_flagged(
+    tmp_path, admitted, keys, cli
+):
+    paths, allowed = keys
+    run = make_run_dir(tmp_path / "run", admitted, review=_review(allowed, required=False))
+    staged = Ledger(run, key=paths["ana"]).stage(FC1, "saturation", who="ana")
+    Ledger(run, key=None).approve(staged.id[:12], who="ben")  # unsigned: typed name only
+    (flag,) = Ledger(run).unverified()
+    assert "line 2: the approved record by ben" in flag and "not signed" in flag
+    result = cli("overrides", "verify", str(run))
+    assert result.code == 0
+    assert "unverified:" in result.out and "1 record(s) do not prove" in result.out
+
+
+def test_a_forged_policy_approval_is_refused(signed_run, keys):
+    # The auto-degrade policy's approvals are not signed; they must name a policy of the run.
+    paths, _ = keys
+    staged = Ledger(signed_run, key=paths["ana"]).stage(FC1, "saturation", who="ana")
+    with pytest.raises(OverrideError, match="no revision of this run with alerts.auto_degrade"):
+        Ledger(signed_run).approve(
+            staged.id[:12], who="auto-degrade policy of revision aaaaaaaaaaaa", policy="a" * 64
+        )
+    assert len(_lines(signed_run)) == 1
+
+
+def _checkpoint_with_anchor(run, anchor):
+    directory = run / "checkpoints" / "step_00000120"
+    directory.mkdir(parents=True)
+    manifest = json.loads((run / "status.json").read_text())["manifest"]
+    write_meta(
+        directory,
+        CheckpointMeta(
+            step=120,
+            saved_at="2026-12-02T00:00:00+0000",
+            reason="periodic",
+            manifest=manifest,
+            revisions=[manifest],
+            environment={},
+            topology=TopologyRecord(
+                tensor_parallel=1,
+                pipeline_parallel=1,
+                data_parallel=1,
+                world_size=1,
+                amax_reduction="tp_dp",
+                reduce_amax=True,
+            ),
+            admission=None,
+            weights_fingerprint="0" * 64,
+            fp8=Fp8StateRecord(layout="none", groups=1, history_len=0, modules=[], digests={}),
+            sampler={},
+            optimizer_steps=120,
+            optimizer_main=False,
+            telemetry_committed=None,
+            per_rank_state=True,
+            files={},
+            ledger=LedgerAnchor(**anchor),
+        ),
+    )
+    return directory
+
+
+def test_a_chain_rewritten_with_fresh_hashes_is_caught_by_a_checkpoints_anchor(
+    tmp_path, admitted, cli
+):
+    run = make_run_dir(tmp_path / "run", admitted)  # no signatures: the chain alone
+    ledger = Ledger(run)
+    staged = ledger.stage(FC1, "saturation", who="ana")
+    ledger.approve(staged.id[:12], who="ben")
+    _checkpoint_with_anchor(run, ledger.anchor())
+    check_ledger_anchors(run, ledger)
+    assert cli("overrides", "verify", str(run)).code == 0
+    # Rewritten from the first line: another reason, every hash fresh. The chain holds.
+    records = ledger.records()
+    _write(run, _rechain([{**records[0], "reason": "ben asked for it"}, records[1]]))
+    assert ledger.verify() == 2  # the chain alone cannot tell
+    with pytest.raises(LedgerError, match="checkpoint step_00000120 saw 2 ledger record"):
+        check_ledger_anchors(run, ledger)
+    result = cli("overrides", "verify", str(run))
+    assert result.code == 2 and "rewritten" in result.err + result.out
+    # Cut short after the checkpoint: caught too.
+    _write(run, records[:1])
+    with pytest.raises(LedgerError, match="it has 1 record"):
+        check_ledger_anchors(run, ledger)
+
+
+def test_an_edited_allowed_signers_file_is_refused_naming_the_field(signed_run, keys):
+    paths, allowed = keys
+    original = allowed.read_text()
+    try:
+        allowed.write_text(original + f'mallory namespaces="{NAMESPACE}" ssh-ed25519 AAAA\n')
+        with pytest.raises(Fp8opsError, match="review.allowed_signers_sha256") as refused:
+            Ledger(signed_run, key=paths["ana"]).stage(FC1, "saturation", who="ana")
+        assert str(allowed) in str(refused.value) and "edited or swapped" in str(refused.value)
+    finally:
+        allowed.write_text(original)
+    assert not (signed_run / "overrides.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "review, words",
+    [
+        ({"allowed_signers": "signers"}, "review.allowed_signers_sha256"),
+        ({"allowed_signers_sha256": "a" * 64}, "review.allowed_signers"),
+        ({"require_signatures": True}, "needs allowed_signers"),
+    ],
+)
+def test_a_review_section_that_cannot_verify_is_refused(admitted, review, words):
+    manifest = admitted[0]
+    with pytest.raises(ManifestError, match=words):
+        derive(manifest, {f"review.{k}": v for k, v in review.items()}, "bad review")

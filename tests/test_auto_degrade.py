@@ -2,11 +2,16 @@
 at the next step boundary, recorded in the ledger and as a manifest revision; the same run
 without the policy stops; a stop and resume equals the straight run bit for bit."""
 
+import hashlib
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from support.small_model import MANIFESTS, SCHEDULE, SMALL_MODEL
 
 import fp8ops.megatron  # noqa: F401  (before Megatron-Core: TE's meta-package otherwise)
 from fp8ops.alerts import read_alerts
@@ -15,10 +20,12 @@ from fp8ops.alerts.records import Proposal
 from fp8ops.checkpoint import CheckpointDir, read_meta
 from fp8ops.errors import ManifestError
 from fp8ops.files import read_jsonl
-from fp8ops.manifest import derive, load_manifest, manifest_hash
+from fp8ops.manifest import derive, load_manifest, manifest_hash, write_manifest
 from fp8ops.manifest.schema import AutoDegrade
-from fp8ops.overrides import Ledger
+from fp8ops.overrides import Ledger, LedgerError, OverrideError
+from fp8ops.overrides.chain import canonical_json, record_hash
 from fp8ops.overrides.ledger import policy_approver
+from fp8ops.overrides.signing import NAMESPACE
 from fp8ops.run.records import read_layers_json
 from fp8ops.start import New
 from fp8ops.start.plan import ResumeRequest, plan_start
@@ -26,21 +33,13 @@ from fp8ops.train import open_trainer
 from fp8ops.train.distributed import init_distributed, shutdown_distributed
 from fp8ops.train.trainer import StopRun
 
-MANIFESTS = Path(__file__).resolve().parents[1] / "manifests"
 SMALL = {
-    "model.num_layers": 2,
-    "model.hidden_size": 64,
-    "model.ffn_hidden_size": 256,
-    "model.seq_length": 64,
+    **SMALL_MODEL,
+    **SCHEDULE,
     "model.init_checkpoint": None,
     "data.num_examples": 600,
     "schedule.train_steps": 10,
-    "schedule.warmup_steps": 1,
-    "schedule.micro_batch_size": 4,
-    "schedule.global_batch_size": 8,
     "schedule.eval_interval": 1000,
-    "schedule.eval_iters": 2,
-    "schedule.log_interval": 1,
     "schedule.checkpoint_interval": 1000,
     "telemetry.every_steps": 1,
     "telemetry.error_sample_every": 2,
@@ -306,3 +305,70 @@ def test_on_tes_path_the_switch_turns_the_projection_off_and_freezes_its_state(m
     assert torch.equal(modules[held].fp8_meta["scaling_fwd"].amax_history, frozen)
     other = modules["decoder.layers.1.linear_qkv"].fp8_meta["scaling_fwd"].amax_history
     assert other[0, 0] == (3 * x).abs().amax()
+
+
+@pytest.mark.skipif(shutil.which("ssh-keygen") is None, reason="needs ssh-keygen")
+def test_under_required_signatures_the_policy_acts_and_a_resume_refuses_a_forged_record(
+    manifest, tmp_path
+):
+    key = tmp_path / "ana"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    allowed = tmp_path / "allowed_signers"
+    allowed.write_text(f'ana namespaces="{NAMESPACE}" {(tmp_path / "ana.pub").read_text()}')
+    review = {
+        "review.allowed_signers": str(allowed),
+        "review.allowed_signers_sha256": hashlib.sha256(allowed.read_bytes()).hexdigest(),
+    }
+    # Flagged only: the policy's approval is no person's and passes; an unsigned one is flagged.
+    run = tmp_path / "flagged"
+    _new(derive(_with_policy(manifest), review, "signers"), run, stop_at=DEGRADE_STEP + 1)
+    assert Ledger(run).unverified() == []
+    (override,) = Ledger(run).overrides().values()
+    Ledger(run).revoke(override.id[:12], "typed, not signed", who="ben")
+    plan = plan_start(ResumeRequest(run))
+    (flag,) = plan.unverified_records
+    assert "the revoked record by ben" in flag and "not signed" in flag
+    # Required: the policy still acts alone; a record forged into the file stops the resume.
+    run = tmp_path / "required"
+    required = derive(
+        _with_policy(manifest), {**review, "review.require_signatures": True}, "signers"
+    )
+    _new(required, run, stop_at=DEGRADE_STEP + 1)
+    (override,) = Ledger(run).overrides().values()
+    assert override.status == "applied"
+    with pytest.raises(OverrideError, match="not signed"):
+        Ledger(run, key=None).revoke(override.id[:12], "typed, not signed", who="ben")
+    records = Ledger(run).records()
+    forged = {"kind": "revoked", "override": override.id, "who": "ana", "reason": "forged"}
+    forged = {**forged, "seq": len(records), "prev": records[-1]["hash"], "time": "now"}
+    forged["hash"] = record_hash(forged)
+    with open(run / "overrides.jsonl", "a") as f:
+        f.write(canonical_json(forged) + "\n")
+    with pytest.raises(LedgerError, match=r"line 4: the revoked record by ana .*not signed"):
+        plan_start(ResumeRequest(run))
+
+
+@pytest.mark.slow  # two processes under torchrun
+def test_at_tp2_every_rank_switches_at_the_same_step_when_one_shard_saturates(manifest, tmp_path):
+    tp2 = derive(_with_policy(manifest), {"topology.tensor_parallel": 2}, "TP=2")
+    path = write_manifest(tp2, tmp_path / "tp2.yaml")
+    worker = Path(__file__).parent / "workers" / "auto_degrade.py"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        + [str(worker), str(path), str(tmp_path / "run"), str(tmp_path), "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    steps = range(1, SMALL["schedule.train_steps"] + 1)
+    assert [r["ended"] for r in ranks] == ["finished", "finished"]
+    # Only rank 1's shard saturates; both ranks run it in BF16 from the step after the alert.
+    for r in ranks:
+        assert [r["fp8_by_step"][str(s)] for s in steps] == [s <= DEGRADE_STEP for s in steps]
+    degrade = [a for a in read_alerts(tmp_path / "run") if a.level == "degrade"]
+    assert (degrade[0].step, degrade[0].module) == (DEGRADE_STEP, TARGET)
+    (override,) = Ledger(tmp_path / "run").overrides().values()
+    assert (override.status, override.applied_step) == ("applied", DEGRADE_STEP)

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import shutil
 import subprocess
+import time
 
 import pytest
 from support.ledger_run import FC1, QKV, admit_tiny_gpt, make_run_dir
@@ -282,3 +283,27 @@ def test_a_review_section_that_cannot_verify_is_refused(admitted, review, words)
     manifest = admitted[0]
     with pytest.raises(ManifestError, match=words):
         derive(manifest, {f"review.{k}": v for k, v in review.items()}, "bad review")
+
+
+@pytest.mark.skipif(shutil.which("ssh-agent") is None, reason="needs ssh-agent")
+def test_a_key_held_by_ssh_agent_signs_through_its_public_half(
+    signed_run, keys, tmp_path, monkeypatch
+):
+    paths, _ = keys
+    socket = tmp_path / "agent.sock"
+    agent = subprocess.Popen(["ssh-agent", "-D", "-a", str(socket)], stdout=subprocess.DEVNULL)
+    try:
+        for _ in range(100):  # the socket appears once the agent listens
+            if socket.exists():
+                break
+            time.sleep(0.05)
+        monkeypatch.setenv("SSH_AUTH_SOCK", str(socket))
+        subprocess.run(["ssh-add", "-q", str(paths["ana"])], check=True, capture_output=True)
+        public = tmp_path / "only-public.pub"  # no private key beside it: the agent signs
+        shutil.copy(paths["ana"].with_suffix(".pub"), public)
+        staged = Ledger(signed_run, key=public).stage(FC1, "saturation", who="ana")
+    finally:
+        agent.terminate()
+        agent.wait(timeout=10)
+    assert Ledger(signed_run).get(staged.id[:12]).status == "staged"  # verified on read
+    assert Ledger(signed_run).unverified() == []

@@ -110,6 +110,7 @@ class Resume:
     accepted_reason: str | None
     applied_overrides: list = field(default_factory=list)  # ledger Overrides applied now
     lifted_overrides: list = field(default_factory=list)  # ledger Overrides revoked after use
+    unverified_records: list = field(default_factory=list)  # ledger records not proven signed
     fp8_read: str = "own"  # "own": each state group reads its slice; "group0": all read slice 0
     accept_drift: str | None = None  # the operator's reason, for drift found after the plan
     after_stop: str | None = None  # the operator's reason to resume a stopped run as it is
@@ -353,6 +354,7 @@ def _apply_ledger(plan: Resume) -> None:
     if ledger.path.exists():
         ledger.verify()  # the chain and the signatures the run requires
         checks.check_ledger_anchors(plan.run_dir, ledger)
+        plan.unverified_records = ledger.unverified()  # signatures not required: flagged
     precision = plan.manifest.precision
     # The ledger's entries in force: BF16 overrides, and one-module current-scaling recipes.
     in_force = {o.module: o for o in precision.overrides if o.approval is not None}

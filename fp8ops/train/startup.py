@@ -343,6 +343,7 @@ def _record_resume(plan: Resume, trainer: Trainer, run: RunDir) -> None:
         cpu_bf16_gemm=trainer.cpu_bf16_gemm,
         overrides_applied=[o.module for o in plan.applied_overrides],
         overrides_lifted=[o.module for o in plan.lifted_overrides],
+        unverified_ledger_records=plan.unverified_records,
         superseded=[p.name for p in superseded],
         fp8_state=plan.fp8_read,
         scales_carried=trainer.carried_scales,
@@ -361,6 +362,7 @@ def resume_summary(plan: Resume, trainer: Trainer) -> list[str]:
         lines.append(f"accepted drift: {plan.drift.summary()} ({plan.accepted_reason})")
     lines += [f"fallback: {o.module} -> bf16 ({o.reason})" for o in plan.applied_overrides]
     lines += [f"lifted: {o.module} -> fp8" for o in plan.lifted_overrides]
+    lines += [f"unverified ledger record: {line}" for line in plan.unverified_records]
     lines += [
         f"{direction} scales carried to the new recipe: x{factor:g}"
         for direction, factor in trainer.carried_scales.items()

@@ -28,7 +28,7 @@ from fp8ops.overrides.ledger import policy_approver
 from fp8ops.overrides.signing import NAMESPACE
 from fp8ops.run.records import read_layers_json
 from fp8ops.start import New
-from fp8ops.start.plan import ResumeRequest, plan_start
+from fp8ops.start.plan import ResumeRequest, plan_resume, plan_start
 from fp8ops.train import open_trainer
 from fp8ops.train.distributed import init_distributed, shutdown_distributed
 from fp8ops.train.trainer import StopRun
@@ -236,7 +236,7 @@ def _proposal(module, rule, step=5):
     return Proposal(step, module, f"{rule} of {module}", rule=rule)
 
 
-def test_the_policy_acts_on_its_rules_only_within_its_limits():
+def test_the_policy_acts_on_its_rules_only_up_to_its_until_step():
     policy = AutoDegrade(rules=["saturation", "underflow"], max_modules=2, until_step=100)
     proposals = [
         _proposal("a", "saturation"),
@@ -244,12 +244,10 @@ def test_the_policy_acts_on_its_rules_only_within_its_limits():
         _proposal("c", "underflow"),
         _proposal("d", "saturation"),
     ]
-    chosen = policy_switches(policy, proposals, step=5, switched=0)
-    assert [p.module for p in chosen] == ["a", "c"]  # in order, up to max_modules
-    assert [p.module for p in policy_switches(policy, proposals, step=5, switched=1)] == ["a"]
-    assert policy_switches(policy, proposals, step=5, switched=2) == []
-    assert policy_switches(policy, proposals, step=101, switched=0) == []
-    assert policy_switches(None, proposals, step=5, switched=0) == []
+    chosen = policy_switches(policy, proposals, step=5)
+    assert [p.module for p in chosen] == ["a", "c", "d"]  # in order; max_modules: the ledger's
+    assert policy_switches(policy, proposals, step=101) == []
+    assert policy_switches(None, proposals, step=5) == []
 
 
 @pytest.mark.parametrize(
@@ -372,3 +370,22 @@ def test_at_tp2_every_rank_switches_at_the_same_step_when_one_shard_saturates(ma
     assert (degrade[0].step, degrade[0].module) == (DEGRADE_STEP, TARGET)
     (override,) = Ledger(tmp_path / "run").overrides().values()
     assert (override.status, override.applied_step) == ("applied", DEGRADE_STEP)
+
+
+def test_a_resume_from_before_the_switch_leaves_it_to_the_policy_only_if_it_would_act(
+    manifest, tmp_path
+):
+    run = tmp_path / "run"
+    every_two = derive(
+        _with_policy(manifest),
+        {"schedule.checkpoint_interval": 2, "schedule.keep_checkpoints": 5},
+        "checkpoints at steps 2, 4, ...",
+    )
+    _new(every_two, run, stop_at=DEGRADE_STEP + 2)
+    before = "step_00000002"
+    assert plan_resume(run, checkpoint=before).applied_overrides == []  # replayed at step 4
+    # Without the policy (or with one that would not act) nothing would switch it again: the
+    # resume applies the ledger's override from its first step, as for an operator's.
+    for change in ({"alerts.auto_degrade": None}, {"alerts.auto_degrade.until_step": 2}):
+        plan = plan_resume(run, checkpoint=before, assignments=change, accept_drift="test")
+        assert [o.module for o in plan.applied_overrides] == [TARGET]

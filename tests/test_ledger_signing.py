@@ -191,7 +191,7 @@ def test_a_forged_policy_approval_is_refused(signed_run, keys):
     # The auto-degrade policy's approvals are not signed; they must name a policy of the run.
     paths, _ = keys
     staged = Ledger(signed_run, key=paths["ana"]).stage(FC1, "saturation", who="ana")
-    with pytest.raises(OverrideError, match="no revision of this run with alerts.auto_degrade"):
+    with pytest.raises(OverrideError, match="no revision of this run's manifest chain"):
         Ledger(signed_run).approve(
             staged.id[:12], who="auto-degrade policy of revision aaaaaaaaaaaa", policy="a" * 64
         )
@@ -307,3 +307,114 @@ def test_a_key_held_by_ssh_agent_signs_through_its_public_half(
         agent.wait(timeout=10)
     assert Ledger(signed_run).get(staged.id[:12]).status == "staged"  # verified on read
     assert Ledger(signed_run).unverified() == []
+
+
+def _sealed(records, body, key=None):
+    """``body`` as the next record after ``records``, signed with ``key`` when given."""
+    from fp8ops.overrides.signing import sign
+
+    prev = records[-1]["hash"] if records else GENESIS
+    record = {**body, "seq": len(records), "prev": prev, "time": "2026-12-02T00:00:00+00:00"}
+    if key is not None:
+        record["signature"] = sign(signed_body(record), key)
+    record["hash"] = record_hash(record)
+    return [*records, record]
+
+
+def _forged_proposal(records, module=FC1, rule="saturation"):
+    trigger = {"metric": "input.saturation", "value": 0.5, "threshold": 0.1, "level": "degrade"}
+    body = {
+        "kind": "proposed",
+        "module": module,
+        "dtype": "bf16",
+        "reason": "forged",
+        "who": "fp8ops-alerts",
+        "triggers": [{**trigger, "rule": rule, "step": 100}],
+        "step": 100,
+        "data_version": None,
+    }
+    return _sealed(records, body)
+
+
+def _policy_revision(run, **policy):
+    """A revision of the run with an auto-degrade policy, made the run's locked one."""
+    from fp8ops.manifest import ManifestStore, load_manifest, manifest_hash, write_manifest
+
+    current = load_manifest(run / "manifest.yaml")
+    child = derive(
+        current,
+        {"alerts.auto_degrade": {"rules": ["saturation"], "max_modules": 1, **policy}},
+        "a policy",
+    )
+    ManifestStore(run / "manifests").put(child)
+    (run / "manifest.yaml").unlink()
+    write_manifest(child, run / "manifest.yaml")
+    status = json.loads((run / "status.json").read_text())
+    (run / "status.json").write_text(json.dumps({**status, "manifest": manifest_hash(child)}))
+    return manifest_hash(child)
+
+
+def _policy_approval(records, policy, override):
+    from fp8ops.overrides.ledger import policy_approver
+
+    body = {
+        "kind": "approved",
+        "override": override,
+        "who": policy_approver(policy),
+        "note": None,
+        "policy": policy,
+    }
+    return _sealed(records, body)
+
+
+def test_forged_records_that_claim_a_policy_are_refused_on_read(signed_run, keys):
+    """Records no person signs (a proposal, a policy's approval) may say only what the alert
+    engine and the run's own policy could have written."""
+    paths, _ = keys
+    policy = _policy_revision(signed_run)
+    ledger = Ledger(signed_run)
+
+    def refused(records, words):
+        _write(signed_run, records)
+        with pytest.raises(LedgerError, match=words):
+            ledger.overrides()
+
+    staged = _sealed(
+        [],
+        {
+            "kind": "staged",
+            "module": FC1,
+            "dtype": "bf16",
+            "reason": "r",
+            "who": "ana",
+            "triggers": [],
+            "step": 1,
+            "data_version": None,
+        },
+        paths["ana"],
+    )
+    # A person's record with a policy key, unsigned: not exempt.
+    revoke = {"kind": "revoked", "override": staged[0]["hash"], "who": "ben", "reason": "x"}
+    refused(_sealed(staged, {**revoke, "policy": policy}), "carries a policy")
+    # The policy approves only the alert engine's proposals, not an operator's staging.
+    refused(_policy_approval(staged, policy, staged[0]["hash"]), "only the alert engine's")
+    # A policy that is no revision of the run's chain (a file dropped into manifests/).
+    proposal = _forged_proposal([])
+    refused(_policy_approval(proposal, "b" * 64, proposal[0]["hash"]), "no revision of this run")
+    # A proposal of another rule than the policy's.
+    other = _forged_proposal([], rule="underflow")
+    refused(_policy_approval(other, policy, other[0]["hash"]), "none of the policy's rules")
+    # Past max_modules (1): the second policy approval of the run.
+    two = _forged_proposal([])
+    two = _policy_approval(two, policy, two[0]["hash"])
+    two = _forged_proposal(two, module=QKV)
+    two = _policy_approval(two, policy, two[2]["hash"])
+    refused(two, "past its max_modules 1")
+    # The two-person rule holds on read too: ana approving her own staging, signed by her.
+    mine = {"kind": "approved", "override": staged[0]["hash"], "who": "ana", "note": None}
+    refused(_sealed(staged, mine, paths["ana"]), "approves what the same operator staged")
+    # A malformed signature is a refusal naming the line, not a crash.
+    refused(_sealed(staged, {**revoke, "signature": 5}), "line 2: .*not a valid record")
+    # What the policy could have written passes.
+    _write(signed_run, _policy_approval(proposal, policy, proposal[0]["hash"]))
+    assert ledger.verify() == 2 and ledger.unverified() == []

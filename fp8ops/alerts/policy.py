@@ -12,15 +12,11 @@ from collections.abc import Sequence
 from fp8ops.alerts.records import Proposal
 
 
-def policy_switches(
-    policy, proposals: Sequence[Proposal], *, step: int, switched: int
-) -> list[Proposal]:
+def policy_switches(policy, proposals: Sequence[Proposal], *, step: int) -> list[Proposal]:
     """The proposals of ``step`` that ``policy`` (the manifest's ``alerts.auto_degrade``, or
-    None) lets act: an alert of one of its rules, at a step up to ``until_step``, while fewer
-    than ``max_modules`` modules have been ``switched`` by a policy in this run; in the
-    proposals' order (most severe first), one per module."""
+    None) lets act: an alert of one of its rules, at a step up to ``until_step``; in the
+    proposals' order (most severe first). Its ``max_modules`` counts what the run's ledger holds,
+    which only rank 0 reads (fp8ops.train.degrade)."""
     if policy is None or (policy.until_step is not None and step > policy.until_step):
         return []
-    room = policy.max_modules - switched
-    acting = [p for p in proposals if p.rule in policy.rules]
-    return acting[: max(room, 0)]
+    return [p for p in proposals if p.rule in policy.rules]

@@ -39,7 +39,7 @@ from typing import IO, Any, Literal
 from fp8ops.alerts.files import read_alerts
 from fp8ops.alerts.records import Alert, decode_float, encode_float
 from fp8ops.errors import Fp8opsError
-from fp8ops.manifest import ManifestStore
+from fp8ops.manifest import ManifestStore, manifest_hash
 from fp8ops.manifest.schema import Bf16Override, ModuleRecipe, Review
 from fp8ops.overrides.chain import GENESIS, LedgerError, canonical_json, parse_chain, record_hash
 from fp8ops.overrides.signing import (
@@ -592,8 +592,9 @@ class Ledger:
                 record = {**body, "seq": len(records) + len(sealed), "prev": prev, "time": now}
                 if _by_a_person(record) and self.key is not None:
                     record["signature"] = sign(signed_body(record), self.key)
-                self._refuse_unsigned(record, review, signers)
-                record["hash"] = prev = record_hash(record)
+                record["hash"] = record_hash(record)
+                self._refuse_unsigned([*records, *sealed], record, review, signers)
+                prev = record["hash"]
                 _apply(overrides, record)
                 sealed.append(record)
                 lines.append(canonical_json(record) + "\n")
@@ -615,46 +616,83 @@ class Ledger:
             return None
         return AllowedSigners.load(review.allowed_signers, review.allowed_signers_sha256)
 
-    def _problems(self, records, signers: AllowedSigners):
+    def _problems(self, records, signers: AllowedSigners, review: Review | None = None):
         """(line, record, why) for each record whose author is not proven: a person's record
-        not signed by a key the allowed signers bind to its ``who``, or a policy's approval
-        naming no policy of this run."""
-        policies = None
+        not signed by a key the allowed signers bind to its ``who`` (or approving what the same
+        person staged), a ``policy`` key where only a policy's approval may carry one, or a
+        policy's approval that its policy did not allow (:meth:`_policy_problem`)."""
+        review = self._review() if review is None else review
+        opened: dict[str, Mapping[str, Any]] = {}  # override id -> its proposed/staged record
+        by_policy: Counter = Counter()  # policy revision -> approvals so far
+        revisions = None
         for n, record in enumerate(records, 1):
-            if _by_a_person(record):
-                problem = signers.problem(record)
-            elif record["kind"] == "approved":  # the auto-degrade policy's
-                policies = self._policies() if policies is None else policies
-                problem = _policy_problem(record, policies)
-            else:
-                problem = None
+            try:
+                kind = record["kind"]
+                if "policy" in record and kind != "approved":
+                    problem = f"a {kind} record carries a policy: only a policy's approval does"
+                elif "policy" in record:
+                    revisions = self._revisions() if revisions is None else revisions
+                    by_policy[record["policy"]] += 1
+                    problem = _policy_problem(
+                        record, opened, revisions, by_policy[record["policy"]]
+                    )
+                elif kind in SIGNED_KINDS:
+                    problem = signers.problem(record)
+                    origin = opened.get(record.get("override"))
+                    if (
+                        problem is None
+                        and kind == "approved"
+                        and origin is not None
+                        and _same_person(origin["who"], record["who"])
+                        and not review.allow_self_approval
+                    ):
+                        problem = "approves what the same operator staged (review rule)"
+                else:
+                    problem = None
+                if kind in ("proposed", "staged"):
+                    opened[record["hash"]] = record
+            except (KeyError, TypeError, AttributeError, ValueError) as exc:
+                problem = f"not a valid record ({type(exc).__name__}: {exc})"
             if problem is not None:
                 yield n, record, problem
 
-    def _policies(self) -> set[str]:
-        """The run's manifest revisions that hold an auto-degrade policy."""
+    def _revisions(self) -> dict[str, Any]:
+        """The revisions the run is locked to, by hash: the locked one and its stored parents."""
         store = ManifestStore(self.layout.manifests)
-        return {h for h in store.hashes() if store.get(h).alerts.auto_degrade is not None}
+        try:
+            current = locked_manifest(self.run_dir)
+        except Fp8opsError as exc:
+            raise OverrideError(str(exc)) from None
+        chain = {manifest_hash(current): current}
+        while (
+            current.revision.parent is not None and store.path_for(current.revision.parent).exists()
+        ):
+            current = store.get(current.revision.parent)
+            chain[manifest_hash(current)] = current
+        return chain
 
     def _require_signed(self, records, review: Review | None = None, signers=None) -> None:
         review = self._review() if review is None else review
         if not review.require_signatures:
             return
         signers = self._signers(review) if signers is None else signers
-        for n, record, problem in self._problems(records, signers):
+        for n, record, problem in self._problems(records, signers, review):
             raise LedgerError(
                 f"{self.path}, line {n}: {_what(record)}: {problem}. The run's manifest requires "
                 "signed records (review.require_signatures): the ledger cannot be trusted or "
                 "appended to; restore it from a copy"
             )
 
-    def _refuse_unsigned(self, record, review: Review, signers) -> None:
+    def _refuse_unsigned(self, records, record, review: Review, signers) -> None:
         if signers is None or not review.require_signatures:
             return  # written, and flagged by unverified() when there are allowed signers
-        problem = next((p for _, _, p in self._problems([record], signers)), None)
+        checked = self._problems([*records, record], signers, review)
+        problem = next((p for n, _, p in checked if n == len(records) + 1), None)
         if problem is not None:
             how = (
-                f"sign with --key KEY (or ${KEY_ENV}): a key {signers.path} lists for "
+                "only the run's own auto-degrade policy writes a policy's approval"
+                if "policy" in record
+                else f"sign with --key KEY (or ${KEY_ENV}): a key {signers.path} lists for "
                 f"{record['who']}"
             )
             raise OverrideError(
@@ -795,15 +833,35 @@ def _by_a_person(record: Mapping[str, Any]) -> bool:
     return record["kind"] in SIGNED_KINDS and "policy" not in record
 
 
-def _policy_problem(record: Mapping[str, Any], policies: set[str]) -> str | None:
-    policy = record["policy"]
-    if policy not in policies:
+def _policy_problem(
+    record: Mapping[str, Any], opened: Mapping[str, Mapping[str, Any]], revisions, nth: int
+) -> str | None:
+    """Why the auto-degrade policy could not have written this approval (None: it could): the
+    policy must be a revision of the run's chain, the approval its own, of an alert engine's
+    BF16 proposal triggered by one of its rules by its until_step, within its max_modules."""
+    policy = str(record["policy"])
+    manifest = revisions.get(policy)
+    rules = None if manifest is None else manifest.alerts.auto_degrade
+    if rules is None:
         return (
-            f"approved as an auto-degrade policy, but {str(policy)[:12]} is no revision of this "
-            "run with alerts.auto_degrade"
+            f"approved as an auto-degrade policy, but {policy[:12]} is no revision of this "
+            "run's manifest chain with alerts.auto_degrade"
         )
     if record["who"] != policy_approver(policy):
         return f"a policy's approval written as {record['who']!r}"
+    origin = opened.get(record["override"])
+    if origin is None or origin["kind"] != "proposed" or origin["who"] != ALERT_ENGINE:
+        return "a policy approves only the alert engine's proposals"
+    if origin.get("scaling") is not None:
+        return "a policy approves only BF16 proposals"
+    if rules.until_step is not None and (origin["step"] or 0) > rules.until_step:
+        return f"proposed at step {origin['step']}, after the policy's until_step"
+    if not {t["rule"] for t in origin["triggers"]} & set(rules.rules):
+        return (
+            f"its proposal was triggered by none of the policy's rules ({', '.join(rules.rules)})"
+        )
+    if nth > rules.max_modules:
+        return f"the policy's approval number {nth}, past its max_modules {rules.max_modules}"
     return None
 
 

@@ -382,7 +382,8 @@ def _apply_ledger(plan: Resume) -> None:
     wanted = {
         o.module: o
         for o in overrides.values()
-        if o.status in ("approved", "applied") and not _redone_by_policy(o, in_force, plan.step)
+        if o.status in ("approved", "applied")
+        and not _redone_by_policy(o, in_force, plan.step, plan.manifest.alerts.auto_degrade)
     }
     # A module in force under another approval than the one wanted now (its override revoked,
     # then a new one approved before a resume lifted it) is lifted and applied again: the
@@ -447,14 +448,19 @@ def _apply_ledger(plan: Resume) -> None:
     plan.applied_overrides, plan.lifted_overrides = applied, lifted
 
 
-def _redone_by_policy(override, in_force: dict, step: int) -> bool:
+def _redone_by_policy(override, in_force: dict, step: int, policy) -> bool:
     """An override the auto-degrade policy applied during training after the checkpoint's
-    ``step``: the resumed run meets the same alert at the same step and the policy switches the
-    module again there, so the resume equals the straight run instead of switching it early."""
+    ``step``, which the resumed run's own ``policy`` will apply again: the resumed run meets the
+    same alert at the same step and the policy switches the module there, so the resume equals
+    the straight run instead of switching it early. Under a policy that would not act on it (none,
+    other rules, an earlier until_step), the resume applies it now."""
     return (
         override.policy is not None
         and override.status == "applied"
         and override.applied_step is not None
         and override.applied_step > step
         and override.module not in in_force
+        and policy is not None
+        and (policy.until_step is None or override.applied_step <= policy.until_step)
+        and any(t.rule in policy.rules for t in override.triggers)
     )

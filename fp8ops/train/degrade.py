@@ -5,7 +5,8 @@ After a step's alerts are gathered (every rank holds them all), :func:`policy_sw
 the same proposals on every rank. Then, before the next step:
 
 1. rank 0 records each in the override ledger: the alert engine's proposal, approved by the
-   policy (the approver names the policy's manifest revision), and broadcasts the approvals;
+   policy (the approver names the policy's manifest revision) while the ledger holds fewer than
+   ``max_modules`` policy approvals, and broadcasts the approvals;
 2. every rank derives the same manifest revision, the modules added to ``precision.overrides``
    with their approval and the policy's revision, and decides admission again from it, so the
    modules' ``fp8_enabled`` flags go off together (their FP8 state stays, frozen, and the amax
@@ -28,7 +29,6 @@ import torch.distributed as dist
 from fp8ops.admission import apply_admission, decide_admission
 from fp8ops.alerts.policy import policy_switches
 from fp8ops.alerts.records import Proposal
-from fp8ops.errors import Fp8opsError
 from fp8ops.manifest import derive, manifest_hash
 from fp8ops.manifest.schema import Bf16Override
 from fp8ops.overrides.ledger import policy_approver
@@ -38,27 +38,22 @@ if TYPE_CHECKING:
     from fp8ops.train.trainer import Trainer
 
 
-def switched_by_policy(manifest) -> int:
-    """How many modules a policy has switched in this run (they stay in the overrides)."""
-    return sum(o.policy is not None for o in manifest.precision.overrides)
-
-
 def auto_degrade(trainer: Trainer, step: int, proposals: list[Proposal]) -> list[str]:
     """Switch the modules the policy lets act among ``proposals`` (collective); returns them."""
     manifest = trainer.manifest
+    policy = manifest.alerts.auto_degrade
     switching = policy_switches(
-        manifest.alerts.auto_degrade,
-        [p for p in proposals if p.module not in _held(manifest)],
-        step=step,
-        switched=switched_by_policy(manifest),
+        policy, [p for p in proposals if p.module not in _held(manifest)], step=step
     )
     if not switching:
         return []
     revision = manifest_hash(manifest)
-    # Rank 0 decides with the ledger (an operator's open staging to another target keeps the
-    # module out) and every rank follows its answer: {module: approval hash, or None}.
+    # Rank 0 decides with the ledger (its limit, an operator's open staging) and every rank
+    # follows its answer: {module: approval hash, or None}.
     approvals, fresh = (
-        _approve_all(trainer, switching, revision) if trainer.run.writer else ({}, [])
+        _approve_all(trainer, switching, revision, policy.max_modules)
+        if trainer.run.writer
+        else ({}, [])
     )
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [approvals]
@@ -104,9 +99,12 @@ def auto_degrade(trainer: Trainer, step: int, proposals: list[Proposal]) -> list
             manifest_hash=manifest_hash(child),
         )
         if fresh:
-            trainer.ledger.record_applied(
-                fresh, step=step, revision=manifest_hash(child), who=policy_approver(revision)
-            )
+            try:
+                trainer.ledger.record_applied(
+                    fresh, step=step, revision=manifest_hash(child), who=policy_approver(revision)
+                )
+            except Exception as exc:  # noqa: BLE001 - the switch stands; training goes on
+                run.event("auto_degrade_not_recorded", modules=modules, step=step, error=str(exc))
         run.event(
             "auto_degraded",
             step=step,
@@ -123,18 +121,24 @@ def _held(manifest) -> set[str]:
 
 
 def _approve_all(
-    trainer: Trainer, switching: list[Proposal], revision: str
+    trainer: Trainer, switching: list[Proposal], revision: str, max_modules: int
 ) -> tuple[dict[str, str | None], list[str]]:
     """Rank 0: ``{module: approval}`` for the modules the policy switches, and the ids of the
     overrides approved now (the ledger records them applied at this step).
 
-    The approval is the module's open proposal (the alert engine's, or an operator's BF16
-    staging) approved by the policy; an override already approved or applied (by an operator, or
-    by the policy before a resume from an earlier checkpoint) keeps its approval. None when the
-    ledger cannot take it (damaged: the switch still happens, and an event says why nothing was
-    recorded). A module an operator staged to another target (current scaling) is left to the
-    operator."""
+    The policy approves the alert engine's open proposal of the module, while fewer than
+    ``max_modules`` overrides in the run's ledger were approved by a policy. An override already
+    approved by an operator, or applied by the policy before a resume from an earlier checkpoint
+    (the replay of the same switch), keeps its approval and takes no room. A module an operator
+    staged is left to the operator's review. None when the ledger cannot take it (damaged: the
+    switch still happens, and an event says why nothing was recorded). Nothing here raises:
+    the other ranks wait for this answer."""
     ledger, approvals, fresh = trainer.ledger, {}, []
+    try:
+        used = sum(o.policy is not None for o in ledger.overrides().values())
+    except Exception as exc:  # noqa: BLE001 - see above
+        trainer.run.event("auto_degrade_not_recorded", step=switching[0].step, error=str(exc))
+        return {p.module: None for p in switching[:max_modules]}, []
     for proposal in switching:
         try:
             open_ = [o for o in ledger.overrides().values() if o.module == proposal.module]
@@ -142,23 +146,31 @@ def _approve_all(
             if not open_:
                 open_ = [ledger.propose(proposal.module, proposal.reason, [], proposal.step)]
             (override,) = open_
-            if override.scaling is not None:
+            replay = override.policy is not None and override.status == "applied"
+            if override.status == "approved" or replay:
+                approvals[proposal.module] = override.approval  # an operator's, or a replay
+                if override.status == "approved":
+                    fresh.append(override.id)
+                continue
+            if override.origin == "staged":
                 trainer.run.event(
                     "auto_degrade_skipped",
                     module=proposal.module,
                     step=proposal.step,
-                    why=f"override {override.id[:12]} stages it to {override.target}",
+                    why=f"override {override.id[:12]} was staged by {override.who}: theirs to "
+                    "review",
                 )
                 continue
-            if override.status in ("proposed", "staged"):
-                note = f"{proposal.rule} at step {proposal.step}, within the policy's limits"
-                override = ledger.approve(
-                    override.id, who=policy_approver(revision), note=note, policy=revision
-                )
-            if override.status == "approved":
-                fresh.append(override.id)
+            if used >= max_modules:
+                continue  # past the policy's limit: Degrade only proposes, as without a policy
+            note = f"{proposal.rule} at step {proposal.step}, within the policy's limits"
+            override = ledger.approve(
+                override.id, who=policy_approver(revision), note=note, policy=revision
+            )
+            used += 1
+            fresh.append(override.id)
             approvals[proposal.module] = override.approval
-        except Fp8opsError as exc:
+        except Exception as exc:  # noqa: BLE001 - see above
             trainer.run.event(
                 "auto_degrade_not_recorded",
                 module=proposal.module,

@@ -404,12 +404,18 @@ def test_forged_records_that_claim_a_policy_are_refused_on_read(signed_run, keys
     # A proposal of another rule than the policy's.
     other = _forged_proposal([], rule="underflow")
     refused(_policy_approval(other, policy, other[0]["hash"]), "none of the policy's rules")
-    # Past max_modules (1): the second policy approval of the run.
+    # Past max_modules (1): the second policy approval of the run, though under the revision
+    # the first switch made (max_modules counts the run, not a revision).
+    switched = _policy_revision(signed_run, until_step=1000)
     two = _forged_proposal([])
     two = _policy_approval(two, policy, two[0]["hash"])
     two = _forged_proposal(two, module=QKV)
-    two = _policy_approval(two, policy, two[2]["hash"])
+    two = _policy_approval(two, switched, two[2]["hash"])
     refused(two, "past its max_modules 1")
+    # A proposal is the alert engine's: one written as a person is flagged.
+    refused(_sealed([], {**proposal[0], "who": "ana"}), "only the alert engine proposes")
+    # A record without a kind: refused naming its line.
+    refused(_sealed([], {"who": "ana"}), "line 1: the unknown record by ana")
     # The two-person rule holds on read too: ana approving her own staging, signed by her.
     mine = {"kind": "approved", "override": staged[0]["hash"], "who": "ana", "note": None}
     refused(_sealed(staged, mine, paths["ana"]), "approves what the same operator staged")

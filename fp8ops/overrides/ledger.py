@@ -616,14 +616,13 @@ class Ledger:
             return None
         return AllowedSigners.load(review.allowed_signers, review.allowed_signers_sha256)
 
-    def _problems(self, records, signers: AllowedSigners, review: Review | None = None):
+    def _problems(self, records, signers: AllowedSigners):
         """(line, record, why) for each record whose author is not proven: a person's record
         not signed by a key the allowed signers bind to its ``who`` (or approving what the same
         person staged), a ``policy`` key where only a policy's approval may carry one, or a
         policy's approval that its policy did not allow (:meth:`_policy_problem`)."""
-        review = self._review() if review is None else review
         opened: dict[str, Mapping[str, Any]] = {}  # override id -> its proposed/staged record
-        by_policy: Counter = Counter()  # policy revision -> approvals so far
+        by_policy = 0  # policy approvals so far, under any revision: max_modules is run-wide
         revisions = None
         for n, record in enumerate(records, 1):
             try:
@@ -632,9 +631,11 @@ class Ledger:
                     problem = f"a {kind} record carries a policy: only a policy's approval does"
                 elif "policy" in record:
                     revisions = self._revisions() if revisions is None else revisions
-                    by_policy[record["policy"]] += 1
-                    problem = _policy_problem(
-                        record, opened, revisions, by_policy[record["policy"]]
+                    by_policy += 1
+                    problem = _policy_problem(record, opened, revisions, by_policy)
+                elif kind == "proposed" and record["who"] != ALERT_ENGINE:
+                    problem = (
+                        f"a proposal written as {record['who']!r}: only the alert engine proposes"
                     )
                 elif kind in SIGNED_KINDS:
                     problem = signers.problem(record)
@@ -644,9 +645,11 @@ class Ledger:
                         and kind == "approved"
                         and origin is not None
                         and _same_person(origin["who"], record["who"])
-                        and not review.allow_self_approval
                     ):
-                        problem = "approves what the same operator staged (review rule)"
+                        revisions = self._revisions() if revisions is None else revisions
+                        # Refused unless some revision of the run allowed it then.
+                        if not any(m.review.allow_self_approval for m in revisions.values()):
+                            problem = "approves what the same operator staged (review rule)"
                 else:
                     problem = None
                 if kind in ("proposed", "staged"):
@@ -676,7 +679,7 @@ class Ledger:
         if not review.require_signatures:
             return
         signers = self._signers(review) if signers is None else signers
-        for n, record, problem in self._problems(records, signers, review):
+        for n, record, problem in self._problems(records, signers):
             raise LedgerError(
                 f"{self.path}, line {n}: {_what(record)}: {problem}. The run's manifest requires "
                 "signed records (review.require_signatures): the ledger cannot be trusted or "
@@ -686,7 +689,7 @@ class Ledger:
     def _refuse_unsigned(self, records, record, review: Review, signers) -> None:
         if signers is None or not review.require_signatures:
             return  # written, and flagged by unverified() when there are allowed signers
-        checked = self._problems([*records, record], signers, review)
+        checked = self._problems([*records, record], signers)
         problem = next((p for n, _, p in checked if n == len(records) + 1), None)
         if problem is not None:
             how = (
@@ -867,7 +870,8 @@ def _policy_problem(
 
 def _what(record: Mapping[str, Any]) -> str:
     about = record.get("override") or record.get("hash", "")
-    return f"the {record['kind']} record by {record['who']} (override {str(about)[:12]})"
+    kind, who = record.get("kind", "unknown"), record.get("who", "nobody")
+    return f"the {kind} record by {who} (override {str(about)[:12]})"
 
 
 def _decided(records: list[dict[str, Any]], overrides: Mapping[str, Override]) -> Override:

@@ -31,7 +31,7 @@ from fp8ops.alerts.policy import policy_switches
 from fp8ops.alerts.records import Proposal
 from fp8ops.manifest import derive, manifest_hash
 from fp8ops.manifest.schema import Bf16Override
-from fp8ops.overrides.ledger import policy_approver
+from fp8ops.overrides.ledger import Trigger, policy_approver
 from fp8ops.run.records import write_layers_json
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ def auto_degrade(trainer: Trainer, step: int, proposals: list[Proposal]) -> list
         return []
     revision = manifest_hash(manifest)
     # Rank 0 decides with the ledger (its limit, an operator's open staging) and every rank
-    # follows its answer: {module: approval hash, or None}.
+    # follows its answer: {module: approval hash}.
     approvals, fresh = (
         _approve_all(trainer, switching, revision, policy.max_modules)
         if trainer.run.writer
@@ -122,7 +122,7 @@ def _held(manifest) -> set[str]:
 
 def _approve_all(
     trainer: Trainer, switching: list[Proposal], revision: str, max_modules: int
-) -> tuple[dict[str, str | None], list[str]]:
+) -> tuple[dict[str, str], list[str]]:
     """Rank 0: ``{module: approval}`` for the modules the policy switches, and the ids of the
     overrides approved now (the ledger records them applied at this step).
 
@@ -130,21 +130,25 @@ def _approve_all(
     ``max_modules`` overrides in the run's ledger were approved by a policy. An override already
     approved by an operator, or applied by the policy before a resume from an earlier checkpoint
     (the replay of the same switch), keeps its approval and takes no room. A module an operator
-    staged is left to the operator's review. None when the ledger cannot take it (damaged: the
-    switch still happens, and an event says why nothing was recorded). Nothing here raises:
-    the other ranks wait for this answer."""
+    staged is left to the operator's review. Nothing switches unrecorded: a module the ledger
+    cannot take (damaged, or refusing the record) keeps running FP8, an event says why, and the
+    Stop rules still guard it. Nothing here raises: the other ranks wait for this answer."""
     ledger, approvals, fresh = trainer.ledger, {}, []
     try:
         used = sum(o.policy is not None for o in ledger.overrides().values())
     except Exception as exc:  # noqa: BLE001 - see above
         trainer.run.event("auto_degrade_not_recorded", step=switching[0].step, error=str(exc))
-        return {p.module: None for p in switching[:max_modules]}, []
+        return {}, []
     for proposal in switching:
         try:
             open_ = [o for o in ledger.overrides().values() if o.module == proposal.module]
             open_ = [o for o in open_ if o.is_open]
-            if not open_:
-                open_ = [ledger.propose(proposal.module, proposal.reason, [], proposal.step)]
+            if not open_:  # the alert's proposal was not recorded when it was raised: now
+                open_ = [
+                    ledger.propose(
+                        proposal.module, proposal.reason, [_trigger(proposal)], proposal.step
+                    )
+                ]
             (override,) = open_
             replay = override.policy is not None and override.status == "applied"
             if override.status == "approved" or replay:
@@ -177,5 +181,17 @@ def _approve_all(
                 step=proposal.step,
                 error=str(exc),
             )
-            approvals[proposal.module] = None
     return approvals, fresh
+
+
+def _trigger(proposal: Proposal) -> Trigger:
+    """The proposal's alert as a ledger trigger (its first metric), naming the rule."""
+    metric, value = next(iter(proposal.metrics.items()), (proposal.rule, None))
+    return Trigger(
+        metric=metric,
+        value=value,
+        threshold=None,
+        level="degrade",
+        rule=proposal.rule,
+        step=proposal.step,
+    )

@@ -8,7 +8,7 @@ Default mode, with the real ``TelemetryWriter`` and ``open_run`` (``fp8ops.telem
    the background writer keeps up, and the background thread's write time per step; then the
    step time with and without telemetry when the step itself is pure Python and holds the GIL
    (the worst case for a writer thread in the same process);
-2. a store of ``--steps`` x ``--modules`` x 40 metrics built by appending as fast as the
+2. a store of ``--steps`` x ``--modules`` x all metrics built by appending as fast as the
    writer accepts (build time, size, files), then read latencies, median of ``--reps``, each
    including ``open_run``: one module's full history, one step's snapshot, one metric over the
    last 1000 steps; then ``2047 - steps % 2048`` more steps so the module history reads the
@@ -44,35 +44,57 @@ from fp8ops.telemetry import (
     TelemetryWriter,
     open_run,
 )
+from fp8ops.telemetry.catalogue import COLUMN, SLOTS
 from fp8ops.telemetry.store import FLUSH_EVERY, STEPS_PER_SHARD
 
 GOALS_MS = {"history": 100.0, "snapshot": 100.0, "window": 300.0}
 GEN_BLOCK = 4096  # steps of synthetic data generated at once
+RECIPE = "delayed"  # whose columns the synthetic rows fill (--recipe)
 N_METRICS = len(MODULE_METRIC_NAMES)
 
 
 def synthetic(first: int, steps: int, modules: int) -> np.ndarray:
-    """[steps, modules, 40] float32 telemetry-like values for steps first..first+steps-1."""
+    """[steps, modules, metrics] float32 telemetry-like values for steps first..first+steps-1,
+    column by column by name, as a run of ``RECIPE`` fills them: delayed scaling's window
+    metrics and scale changes, or a block recipe's block exponents (the other recipe's columns
+    NaN, as the collector leaves them)."""
     rng = np.random.default_rng(first)
     t = np.arange(first, first + steps, dtype=np.float32)[:, None]
     m = np.arange(modules, dtype=np.float32)[None, :]
     noise = rng.standard_normal((steps, modules, 6), dtype=np.float32)
-    out = np.empty((steps, modules, N_METRICS), np.float32)
-    for s in range(3):  # input, weight, grad_output: 11 columns each (catalogue order)
-        c = 11 * s
+    out = np.full((steps, modules, N_METRICS), np.nan, np.float32)
+
+    def put(name, values):
+        out[..., COLUMN[name]] = values
+
+    for s, slot in enumerate(SLOTS):
         amax = (1 + m % 17) * np.exp(0.3 * np.sin(t / 900 + m + s)) * (1 + 0.05 * noise[..., s])
-        scale = 448.0 / np.exp2(np.ceil(np.log2(amax * 1.02)))
-        out[..., c + 0], out[..., c + 1], out[..., c + 2] = amax, scale, 1 / scale
-        out[..., c + 3], out[..., c + 4], out[..., c + 5] = amax * 1.1, amax * 0.9, amax * 1.05
-        out[:, :, c + 6] = 1
-        out[1:, :, c + 6] = np.maximum(scale[1:] / scale[:-1], scale[:-1] / scale[1:])
-        out[..., c + 7] = np.where(noise[..., 3 + s] > 2.5, 1e-4, 0)  # saturation, rare
-        out[..., c + 8] = np.abs(noise[..., 3 + s]) * 1e-3  # underflow
-        out[..., c + 9] = out[..., c + 10] = 0  # nan, inf
-    out[..., 33:36] = np.abs(noise[..., 0:3]) * 10  # input, weight, grad norms
-    out[..., 36], out[..., 37] = 12, 0  # fp8 and fallback GEMMs
-    out[..., 38] = np.where(t % 100 == 0, np.abs(noise[..., 5]) * 0.01, np.nan)  # sampled error
-    out[..., 39] = 1  # fp8_enabled
+        put(f"{slot}.amax", amax)
+        if RECIPE == "delayed":
+            scale = 448.0 / np.exp2(np.ceil(np.log2(amax * 1.02)))
+            put(f"{slot}.scale", scale)
+            put(f"{slot}.scale_inv", 1 / scale)
+            for name, factor in (("window_max", 1.1), ("window_p50", 0.9), ("window_p90", 1.05)):
+                put(f"{slot}.{name}", amax * factor)
+            change = np.ones_like(scale)
+            change[1:] = np.maximum(scale[1:] / scale[:-1], scale[:-1] / scale[1:])
+            put(f"{slot}.scale_change", change)
+        else:  # blocks: no single scale; exponents of the decode scales
+            top = np.floor(np.log2(amax / 448.0))
+            put(f"{slot}.block_exp_max", top)
+            put(f"{slot}.block_exp_median", top - 3 - (noise[..., s] > 1))
+            put(f"{slot}.block_exp_min", top - 9 - (noise[..., s] > 0))
+            put(f"{slot}.blocks_at_floor", np.where(noise[..., 3 + s] > 3, 1 / 4096, 0))
+        put(f"{slot}.saturation", np.where(noise[..., 3 + s] > 2.5, 1e-4, 0))  # rare
+        put(f"{slot}.underflow", np.abs(noise[..., 3 + s]) * 1e-3)
+        put(f"{slot}.nan", 0)
+        put(f"{slot}.inf", 0)
+    for k, name in enumerate(("input_norm", "weight_norm", "grad_norm")):
+        put(name, np.abs(noise[..., k]) * 10)
+    put("fp8_gemms", 12)
+    put("fallback_gemms", 0)
+    put("fp8_rel_error", np.where(t % 100 == 0, np.abs(noise[..., 5]) * 0.01, np.nan))  # sampled
+    put("fp8_enabled", 1)
     return out
 
 
@@ -407,9 +429,17 @@ def main() -> None:
     parser.add_argument("--gil-steps", type=int, default=1024, help="steps of a GIL round")
     parser.add_argument("--gil-step-ms", type=float, default=10.0, help="its step time")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--recipe",
+        choices=("delayed", "block"),
+        default="delayed",
+        help="whose metrics the rows fill: delayed scaling's, or a block recipe's",
+    )
     parser.add_argument("--dir", type=Path, help="where to build (kept); default: a temp dir")
     parser.add_argument("--layouts", action="store_true", help="compare candidate layouts")
     args = parser.parse_args()
+    global RECIPE
+    RECIPE = args.recipe
 
     console = Console(width=160)
     workdir = args.dir or Path(tempfile.mkdtemp(prefix="bench_telemetry_"))

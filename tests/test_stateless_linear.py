@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from fp8ops.precision import Fp8Format, Fp8Linear, Fp8Scope
+from fp8ops.precision import E4M3, Fp8Format, Fp8Linear, Fp8Scope
 from fp8ops.precision.blocks import quantize_mxfp8, quantize_scaled
 from fp8ops.precision.quantize import quantize_current
 from fp8ops.precision.stateless import StatelessRecipe
@@ -198,3 +198,41 @@ def test_mxfp8_pads_the_tokens_to_32_as_megatron_does():
     expected, _, expected_dw = run(recipe, padded_x, w, padded_grad)
     torch.testing.assert_close(out, expected[:40])
     torch.testing.assert_close(dw, expected_dw)
+
+
+def _block_record(q):
+    from fp8ops.precision.stateless import CastRecord
+
+    record = CastRecord()
+    record.note("input", q.amax, None, q)
+    return dict(zip(CastRecord.ROWS, record.table[:, 0].tolist(), strict=True))
+
+
+def test_the_cast_record_reports_block_exponents_over_live_blocks_and_the_floor():
+    # Four 1x32 MXFP8 blocks: ordinary, all zero (left out), one so small its E8M0 exponent
+    # sits at the floor, and one large.
+    x = torch.zeros(32, 128)  # MXFP8 takes multiples of 32: the other rows' blocks are zero
+    x[0, :32] = torch.linspace(-3.0, 3.0, 32)
+    x[0, 64:96] = 1e-41  # amax / 448 below 2**-127
+    x[0, 96:] = 1000.0
+    q = quantize_mxfp8(x, E4M3)
+    got = _block_record(q)
+    live = [0, 2, 3]
+    exponents = (q.exponent.view(-1).to(torch.int32) - 127)[live].tolist()  # scale_inv 2**(e-127)
+    assert exponents[1] == -127
+    assert (got["exp_min"], got["exp_max"]) == (min(exponents), max(exponents))
+    assert got["exp_median"] == sorted(exponents)[1]
+    assert (got["at_floor"], got["blocks"]) == (1.0, 3.0)
+    # Block scaling (1x128, float32 scales): fp8_max / 1e-41 overflows, the substitute is taken.
+    y = torch.cat([torch.full((1, 128), 2.0), torch.full((1, 128), 1e-41)])
+    q = quantize_scaled(y, (1, 128), E4M3, power_2_scale=True)
+    got = _block_record(q)
+    assert (got["at_floor"], got["blocks"]) == (1.0, 2.0)
+    expected = torch.frexp(q.scale_inv.view(-1)).exponent - 1
+    assert (got["exp_min"], got["exp_max"]) == (expected.min().item(), expected.max().item())
+    # A per-tensor scale notes no block metrics.
+    from fp8ops.precision.stateless import CastRecord
+
+    record = CastRecord()
+    record.note("input", torch.tensor(2.0), torch.tensor(224.0))
+    assert all(math.isnan(v) for v in record.table[2:, 0].tolist())

@@ -6,6 +6,7 @@ readable up to the last commit."""
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -325,3 +326,43 @@ def test_evaluations_between_steps_stay_out_of_the_telemetry(manifest, tmp_path)
     assert (history["fp8_gemms"] == 6).all()  # the training micro-batches' GEMMs only
     assert history.loc[[1, 3], "input.saturation"].isna().all()  # not measuring steps
     assert history.loc[[1, 3], "fp8_rel_error"].isna().all()
+
+
+def test_a_store_of_another_catalogue_refuses_the_resume_saying_what_to_do(manifest, tmp_path):
+    """A store written before the block metrics existed (40 module metrics, not 52): the resume
+    cannot append rows of another layout to it, and says so before training."""
+    from fp8ops.start.plan import ResumeRequest, plan_start
+    from fp8ops.telemetry import TelemetryWriter
+    from fp8ops.telemetry.catalogue import STEP_METRIC_NAMES
+
+    run = tmp_path / "run"
+    trainer = _trainer(manifest, run, steps=4)
+    try:
+        trainer.train(stop_at=2)
+    finally:
+        shutdown_distributed()
+        trainer.run.release()  # as the process's end would: the resume below claims the run
+    store = run / "telemetry.zarr"
+    modules = open_run(run).modules
+    old = [m for m in MODULE_METRIC_NAMES if ".block_" not in m and "blocks_at" not in m]
+    assert len(old) == 40 and len(MODULE_METRIC_NAMES) == 52
+    shutil.rmtree(store)
+    writer = TelemetryWriter(store, rank=0, modules=modules, module_metrics=old)
+    for step in (1, 2):
+        writer.append(
+            step,
+            np.zeros((len(modules), len(old)), np.float32),
+            np.zeros(len(STEP_METRIC_NAMES), np.float32),
+        )
+    writer.close()
+    plan = plan_start(ResumeRequest(run))
+    ranks = init_distributed(plan.manifest.topology, source="test")
+    try:
+        with pytest.raises(TelemetryError) as refused:
+            open_trainer(plan, ranks, progress=False)
+    finally:
+        shutdown_distributed()
+    message = str(refused.value)
+    assert "holds 40 module metrics per row" in message and "writes 52" in message
+    assert "input.block_exp_min" in message and f"mv {store} {store}.old" in message
+    assert open_run(run).committed_steps == {0: 2}  # the store is left as it was

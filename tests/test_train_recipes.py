@@ -99,6 +99,20 @@ def test_each_recipe_trains_and_records_what_applies(runs, name):
             assert np.isnan(scale).all()
         for delayed_only in ("window_max", "window_p90", "scale_change"):
             assert np.isnan(history[f"{slot}.{delayed_only}"].to_numpy()).all()
+        low, median, high, floor = (
+            history[f"{slot}.{m}"].to_numpy()
+            for m in ("block_exp_min", "block_exp_median", "block_exp_max", "blocks_at_floor")
+        )
+        if name == "current":  # no blocks: not applicable, never zero
+            assert all(np.isnan(v).all() for v in (low, median, high, floor))
+        else:
+            assert (low <= median).all() and (median <= high).all(), slot
+            assert ((floor >= 0) & (floor <= 1)).all(), slot
+            # The largest block's decode scale covers the tensor's amax: max x 2^(e+1) > amax
+            # (gradients are E5M2 under the hybrid format).
+            hybrid = load_manifest(run / "manifest.yaml").precision.fp8_format == "hybrid"
+            fp8_max = 57344.0 if slot == "grad_output" and hybrid else 448.0
+            assert (fp8_max * np.exp2(high + 1) > amax).all(), slot
     saturation = history["input.saturation"].to_numpy()
     assert np.isfinite(saturation[1::2]).all()  # measured every second step
     meta = read_meta(run / "checkpoints" / checkpoint_name(2 * N))

@@ -55,6 +55,10 @@ class BlockQuantized:
     amax: torch.Tensor  # float32 0-dim: the tensor's amax (NaN skipped), for telemetry
     # MXFP8 only: the E8M0 exponent bytes (uint8) the scales are 2**(e - 127) of
     exponent: torch.Tensor | None = None
+    # For telemetry, on the scale grid: each block's amax, and whether its scale sat at the
+    # floor (no larger scale representable: block scaling's inf-scale substitute, E8M0 byte 0)
+    block_amax: torch.Tensor | None = None
+    at_floor: torch.Tensor | None = None
 
     def expanded_scale_inv(self) -> torch.Tensor:
         """``scale_inv`` repeated over each block's elements, ``[M, K]``."""
@@ -67,7 +71,10 @@ class BlockQuantized:
         """The same values transposed, blocks included: a 128x1-blocked ``[M, K]`` becomes a
         1x128-blocked ``[K, M]``. Exact, unlike casting the transpose afresh with the other
         blocking: that is the column-wise copy, quantized from high precision."""
-        exponent = None if self.exponent is None else self.exponent.t().contiguous()
+
+        def t(grid):
+            return None if grid is None else grid.t().contiguous()
+
         return BlockQuantized(
             self.data.t().contiguous(),
             self.scale_inv.t().contiguous(),
@@ -75,7 +82,9 @@ class BlockQuantized:
             self.fp8,
             self.scale.t().contiguous(),
             self.amax,
-            exponent,
+            t(self.exponent),
+            t(self.block_amax),
+            t(self.at_floor),
         )
 
 
@@ -147,7 +156,20 @@ def quantize_scaled(
     # Correctly rounded (TE: __frcp_rn; the 1-D block kernel divides in double, the same
     # value), and exact for a power of two.
     data = _cast(blocks, scale, x.shape, fp8)
-    return BlockQuantized(data, torch.reciprocal(scale), block, fp8, scale, _whole(amax))
+    # The blocks whose fp8_max / amax overflowed: their scale is the substitute, the largest
+    # there is, and still too small to lift their values clear of the flush to zero.
+    kept = torch.where(amax < epsilon, torch.tensor(epsilon), amax)
+    at_floor = (amax > 0) & torch.isfinite(amax) & torch.isinf(torch.tensor(fp8.max) / kept)
+    return BlockQuantized(
+        data,
+        torch.reciprocal(scale),
+        block,
+        fp8,
+        scale,
+        _whole(amax),
+        block_amax=amax,
+        at_floor=at_floor,
+    )
 
 
 def quantize_mxfp8(x: torch.Tensor, fp8: Fp8Dtype, *, columnwise: bool = False) -> BlockQuantized:
@@ -165,7 +187,15 @@ def quantize_mxfp8(x: torch.Tensor, fp8: Fp8Dtype, *, columnwise: bool = False) 
     multiplier = e8m0_multiplier(e)
     data = _cast(blocks, multiplier, x.shape, fp8)
     return BlockQuantized(
-        data, e8m0_scale_inv(e), block, fp8, multiplier, _whole(amax), e.to(torch.uint8)
+        data,
+        e8m0_scale_inv(e),
+        block,
+        fp8,
+        multiplier,
+        _whole(amax),
+        e.to(torch.uint8),
+        block_amax=amax,
+        at_floor=(amax > 0) & (e == 0),  # E8M0's smallest scale, 2**-127
     )
 
 

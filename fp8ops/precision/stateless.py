@@ -155,7 +155,7 @@ class StatelessRecipe:
                 x, block, fp8, power_2_scale=self.power_2_scale, epsilon=self.amax_epsilon
             )
         if record is not None:
-            record.note(role, q.amax, None)
+            record.note(role, q.amax, None, q)
         if track is not None:
             track[role] = block_cast_stats(x, q, rows=rows)
         return q
@@ -175,22 +175,47 @@ class StatelessRecipe:
 
 
 class CastRecord:
-    """What one module's casts of a step were, for telemetry: per role (``ROLES``) the amax (the
-    largest over the step's micro-batches) and the scale of a per-tensor cast (NaN for blocks,
-    which have many). Two tensor ops per cast, on the cast's device: no host sync."""
+    """What one module's casts of a step were, for telemetry, per role (``ROLES``): the amax
+    (the largest over the step's micro-batches) and the scale of a per-tensor cast (NaN for
+    blocks, which have many); for block casts, the exponent of the blocks' decode scales
+    (``scale_inv``) over the blocks that hold a non-zero finite value: the lowest and highest
+    over the step, the (lower) median of the last cast, and how many of those blocks sat at
+    the scale floor out of how many. A few tensor ops per cast, on its device: no host sync."""
+
+    ROWS = ("amax", "scale", "exp_min", "exp_median", "exp_max", "at_floor", "blocks")
 
     def __init__(self, device: torch.device | str | None = None):
-        # row 0: amax, row 1: scale; NaN until a cast notes one
-        self.table = torch.full((2, len(ROLES)), float("nan"), device=device)
+        # NaN until a cast notes one
+        self.table = torch.full((len(self.ROWS), len(ROLES)), float("nan"), device=device)
 
     def clear(self) -> None:
         self.table.fill_(float("nan"))
 
-    def note(self, role: str, amax: torch.Tensor, scale: torch.Tensor | None) -> None:
-        i = ROLES.index(role)
-        self.table[0, i] = torch.fmax(self.table[0, i], amax.to(self.table.device))
+    def note(
+        self,
+        role: str,
+        amax: torch.Tensor,
+        scale: torch.Tensor | None,
+        blocks: BlockQuantized | None = None,
+    ) -> None:
+        i, t = ROLES.index(role), self.table
+        t[0, i] = torch.fmax(t[0, i], amax.to(t.device))
         if scale is not None:
-            self.table[1, i] = scale.to(self.table.device)
+            t[1, i] = scale.to(t.device)
+        if blocks is None or blocks.block_amax is None or not blocks.block_amax.numel():
+            return
+        live = (blocks.block_amax > 0) & torch.isfinite(blocks.block_amax)
+        exponent = torch.frexp(blocks.scale_inv).exponent.float() - 1  # floor(log2) of a normal
+        inf = torch.tensor(float("inf"), device=exponent.device)
+        lowest = torch.where(live, exponent, inf).amin()
+        highest = torch.where(live, exponent, -inf).amax()
+        any_live = live.any()
+        nan = torch.tensor(float("nan"), device=exponent.device)
+        t[2, i] = torch.fmin(t[2, i], torch.where(any_live, lowest, nan).to(t.device))
+        t[3, i] = torch.where(live, exponent, nan).nanmedian().to(t.device)
+        t[4, i] = torch.fmax(t[4, i], torch.where(any_live, highest, nan).to(t.device))
+        for row, count in ((5, (blocks.at_floor & live).sum()), (6, live.sum())):
+            t[row, i] = torch.nan_to_num(t[row, i], nan=0.0) + count.to(t.device)
 
     def to(self, device) -> CastRecord:
         self.table = self.table.to(device)

@@ -6,7 +6,7 @@ to label what it reads.
 
 Module metrics are one row per FP8-capable module per step (a ``[modules, metrics]`` array).
 For each FP8 slot a module uses (``input`` and ``weight`` in forward, ``grad_output`` in
-backward) there are the same eleven metrics, named ``<slot>.<metric>``; then seven metrics of the
+backward) there are the same fifteen metrics, named ``<slot>.<metric>``; then seven metrics of the
 module itself. Step metrics are one row per step for the whole run. Values are float32; a
 metric with nothing to report this step (an unsampled error, a BF16 module's saturation) is NaN.
 """
@@ -66,6 +66,26 @@ SLOT_METRICS = (
     ),
     Metric("nan", "count", "NaN elements in this step's casts (the cast keeps them)."),
     Metric("inf", "count", "Infinite elements in this step's casts (saturated to the FP8 max)."),
+    # Block recipes (block scaling, MXFP8) only: NaN for per-tensor scales, which have no blocks.
+    Metric(
+        "block_exp_min",
+        "log2",
+        "Lowest exponent (floor of log2) of the block decode scales (scale_inv) in this step's "
+        "casts, over the blocks holding a non-zero finite value.",
+    ),
+    Metric(
+        "block_exp_median",
+        "log2",
+        "Median (the lower one) of those exponents in the step's last cast.",
+    ),
+    Metric("block_exp_max", "log2", "Highest of those exponents in this step's casts."),
+    Metric(
+        "blocks_at_floor",
+        "fraction",
+        "Share of those blocks whose scale sat at its floor: no larger scale was representable "
+        "(block scaling: fp8_max / amax overflowed and took the substitute; MXFP8: E8M0 byte 0, "
+        "2^-127), so their small values flush to zero.",
+    ),
 )
 
 MODULE_OWN_METRICS = (

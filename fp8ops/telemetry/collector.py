@@ -182,7 +182,7 @@ class TelemetryCollector:
         return torch.cat([histories, scales.unsqueeze(0)])
 
     def _cast_tensor(self) -> torch.Tensor:
-        """``[2, 3 * modules]``: each stateless module's ``CastRecord`` table side by side."""
+        """``[rows, 3 * modules]``: each stateless module's ``CastRecord`` table side by side."""
         return torch.cat([module.cast_record.table for module in self._stateless.values()], 1)
 
     def _cast_columns(self) -> np.ndarray:
@@ -220,11 +220,22 @@ class TelemetryCollector:
 
     @staticmethod
     def _cast_metrics(table: np.ndarray) -> dict[str, np.ndarray]:
-        """A stateless recipe's metrics from its ``CastRecord`` columns (``[2, modules, slots]``):
-        the step's amax and, for a per-tensor scale, the scale; the window metrics and
-        scale_change are delayed scaling's and stay NaN (not applicable)."""
-        amax, scale = table[0], table[1]
-        columns = {"amax": amax, "scale": scale, "scale_inv": np.float32(1.0) / scale}
+        """A stateless recipe's metrics from its ``CastRecord`` columns (``[rows, modules,
+        slots]``): the step's amax and, for a per-tensor scale, the scale; for blocks, their
+        scale exponents and the share at the floor. The window metrics and scale_change are
+        delayed scaling's and stay NaN (not applicable)."""
+        amax, scale, low, median, high, at_floor, blocks = table
+        with np.errstate(divide="ignore", invalid="ignore"):  # no live block: NaN, as wanted
+            share = np.where(blocks > 0, at_floor / blocks, np.nan).astype(np.float32)
+        columns = {
+            "amax": amax,
+            "scale": scale,
+            "scale_inv": np.float32(1.0) / scale,
+            "block_exp_min": low,
+            "block_exp_median": median,
+            "block_exp_max": high,
+            "blocks_at_floor": share,
+        }
         return {
             f"{slot}.{metric}": values[:, k]
             for metric, values in columns.items()

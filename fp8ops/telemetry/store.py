@@ -16,7 +16,7 @@ Why two copies of the module metrics: a chunk is the unit zarr reads, and zarr s
 step" and "one metric over a window" in a few chunks, but a module's full history would read
 every chunk of the run; a module-major chunk is the opposite. Writing both costs a second
 compression per step (in the background) and twice the disk, and keeps all three reads well
-within their goals at 100k steps x 256 modules x 40 metrics while every step becomes readable
+within their goals at 100k steps x 256 modules x 52 metrics while every step becomes readable
 within one block. Of the single layouts we measured, step-major ones read a history in
 0.4-2 s; module-major ones must be sharded (or make thousands of files), take 80-85 ms for a
 snapshot, and can only be written in whole shards (point 3 below): thousands of steps that
@@ -81,7 +81,7 @@ HISTORY = "history_steps"  # steps written to module_history (whole shards only)
 WRITTEN_FROM = "written_from"  # rows before it were never written: a rank that joined mid-run
 
 FLUSH_EVERY = 256  # steps per block: the freshness of what readers see, and a chunk's length
-STEPS_PER_SHARD = 2048  # module_history's shard length: 2048 x 256 x 40 x 4 B = 84 MB in memory
+STEPS_PER_SHARD = 2048  # module_history's shard length: 2048 x 256 x 52 x 4 B = 109 MB in memory
 MODULES_PER_CHUNK = 64  # module_metrics chunks split modules, so a history's tail reads 1/4
 MAX_PENDING_BLOCKS = 4  # blocks queued for the writer before append waits (10 MB each above)
 RANK_WAIT_S = 120.0  # how long a rank > 0 waits for rank 0 to create the store
@@ -461,6 +461,11 @@ class TelemetryWriter:
         return self._schema.first_step + self._filled
 
     # -- set-up --------------------------------------------------------------------------
+
+    @property
+    def schema(self) -> StoreSchema:
+        """What the store holds (a resumed store's own, which may predate this catalogue)."""
+        return self._schema
 
     def _start(
         self,

@@ -54,7 +54,7 @@ from fp8ops.run import EvalRow, MetricsRow, RunDir, read_metrics
 from fp8ops.run.environment import environment_fingerprint
 from fp8ops.run.records import RecipeRecord, table_hash
 from fp8ops.telemetry import TelemetryWriter
-from fp8ops.telemetry.catalogue import STEP_METRIC_NAMES
+from fp8ops.telemetry.catalogue import MODULE_METRIC_NAMES, STEP_METRIC_NAMES
 from fp8ops.telemetry.collector import TelemetryCollector
 from fp8ops.telemetry.store import TelemetryError, rank_group
 from fp8ops.train.cpu_gemm import Fp32Gemm, check_compiled_casts, cpu_bf16_gemm
@@ -704,19 +704,22 @@ class Trainer:
             dist.barrier()  # rank 0 may have rewritten nothing yet; all ranks see one store
             try:
                 if (path / rank_group(self.ranks.rank)).exists():
-                    return TelemetryWriter.resume(path, rank=self.ranks.rank, next_step=first)
-                return TelemetryWriter.join(
-                    path,
-                    rank=self.ranks.rank,
-                    next_step=first,
-                    flush_every=self.manifest.telemetry.flush_steps,
-                )
+                    writer = TelemetryWriter.resume(path, rank=self.ranks.rank, next_step=first)
+                else:
+                    writer = TelemetryWriter.join(
+                        path,
+                        rank=self.ranks.rank,
+                        next_step=first,
+                        flush_every=self.manifest.telemetry.flush_steps,
+                    )
             except TelemetryError as exc:
                 raise TelemetryError(
                     f"{exc}. The checkpoint is not affected: to resume without the damaged "
                     f"store, move it aside (mv {path} {path}.damaged); a new one then records "
                     f"from step {first}"
                 ) from None
+            _check_catalogue(path, writer.schema.module_metrics, first)
+            return writer
         committed = resumed.meta.telemetry_committed if resumed is not None else None
         if committed and self.ranks.is_main:
             # The run had a store and it is gone: say so, rather than start a new one quietly.
@@ -819,3 +822,32 @@ def _peak_memory_mib() -> float:
         return torch.cuda.max_memory_allocated() / 2**20
     # Linux reports the peak resident set size in KiB.
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _check_catalogue(path, stored: tuple[str, ...], first: int) -> None:
+    """A resumed store must hold this catalogue's module metrics, in its order: the rows the
+    collector writes are laid out by it."""
+    if stored == MODULE_METRIC_NAMES:
+        return
+    added = [m for m in MODULE_METRIC_NAMES if m not in stored]
+    gone = [m for m in stored if m not in MODULE_METRIC_NAMES]
+    change = (
+        "; ".join(
+            part
+            for part in (
+                f"this version adds {', '.join(added[:4])}{' ...' if len(added) > 4 else ''}"
+                if added
+                else "",
+                f"drops {', '.join(gone[:4])}" if gone else "",
+            )
+            if part
+        )
+        or "the same metrics in another order"
+    )
+    raise TelemetryError(
+        f"{path} holds {len(stored)} module metrics per row, written by another fp8ops version; "
+        f"this one writes {len(MODULE_METRIC_NAMES)} ({change}), so it cannot append to it. "
+        "The checkpoint is not affected: resume with the fp8ops version that wrote the store, "
+        f"or move it aside (mv {path} {path}.old; its steps stay readable there) and a new one "
+        f"records from step {first}"
+    )

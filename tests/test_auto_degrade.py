@@ -3,6 +3,7 @@ at the next step boundary, recorded in the ledger and as a manifest revision; th
 without the policy stops; a stop and resume equals the straight run bit for bit."""
 
 import hashlib
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -389,3 +390,15 @@ def test_a_resume_from_before_the_switch_leaves_it_to_the_policy_only_if_it_woul
     for change in ({"alerts.auto_degrade": None}, {"alerts.auto_degrade.until_step": 2}):
         plan = plan_resume(run, checkpoint=before, assignments=change, accept_drift="test")
         assert [o.module for o in plan.applied_overrides] == [TARGET]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ipywidgets") is None, reason="needs the console")
+def test_the_console_shows_the_policys_switch(straight):
+    from fp8ops.console import ConsoleApp
+
+    run, _ = straight
+    app = ConsoleApp(run.parent, user="ana", follow=False)
+    assert app.run is not None and app.run.run_dir == run
+    table = app.ledger_table.value
+    assert TARGET in table and "applied" in table and "auto-degrade policy of revision" in table
+    assert "unverified" not in table

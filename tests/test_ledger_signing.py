@@ -424,3 +424,17 @@ def test_forged_records_that_claim_a_policy_are_refused_on_read(signed_run, keys
     # What the policy could have written passes.
     _write(signed_run, _policy_approval(proposal, policy, proposal[0]["hash"]))
     assert ledger.verify() == 2 and ledger.unverified() == []
+
+
+def test_a_missing_key_or_an_unusable_signers_file_is_refused_naming_it(
+    signed_run, keys, tmp_path, admitted, cli
+):
+    missing = tmp_path / "no-such-key"
+    result = cli("overrides", "stage", str(signed_run), FC1, "--reason", "r", "--key", missing)
+    assert result.code == 2 and f"{missing}: no such signing key" in result.err + result.out
+    assert not (signed_run / "overrides.jsonl").exists() or not _lines(signed_run)
+    garbage = tmp_path / "garbage_signers"
+    garbage.write_text('ana namespaces="fp8ops-ledger" ssh-ed25519\n')  # no key
+    run = make_run_dir(tmp_path / "garbage", admitted, review=_review(garbage))
+    with pytest.raises(Fp8opsError, match="not an allowed-signers file fp8ops can use"):
+        Ledger(run, key=keys[0]["ana"]).stage(FC1, "r", who="ana")

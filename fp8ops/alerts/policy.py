@@ -1,8 +1,8 @@
 """The auto-degrade policy (``alerts.auto_degrade``): which Degrade proposals switch their module
 to BF16 during training, without a person.
 
-Pure and deterministic: every rank decides from the same gathered alerts and the same manifest,
-so every rank switches the same modules at the same step boundary with no extra collective.
+Pure and deterministic: every rank picks the same proposals from the same gathered alerts and
+the same manifest; rank 0 then checks them against the ledger (fp8ops.train.degrade).
 """
 
 from __future__ import annotations
@@ -17,6 +17,6 @@ def policy_switches(policy, proposals: Sequence[Proposal], *, step: int) -> list
     None) lets act: an alert of one of its rules, at a step up to ``until_step``; in the
     proposals' order (most severe first). Its ``max_modules`` counts what the run's ledger holds,
     which only rank 0 reads (fp8ops.train.degrade)."""
-    if policy is None or (policy.until_step is not None and step > policy.until_step):
+    if policy is None:
         return []
-    return [p for p in proposals if p.rule in policy.rules]
+    return [p for p in proposals if policy.acts_on(p.rule, step)]

@@ -1176,6 +1176,11 @@ class AutoDegrade(_Section):
         ),
     )
 
+    def acts_on(self, rule: str, step: int) -> bool:
+        """Whether an alert of ``rule`` at ``step`` is one this policy may act on alone (its
+        ``max_modules`` is counted in the run's ledger)."""
+        return rule in self.rules and (self.until_step is None or step <= self.until_step)
+
     @field_validator("rules")
     @classmethod
     def _some_rule(cls, value: tuple[str, ...]) -> tuple[str, ...]:

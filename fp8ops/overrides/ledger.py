@@ -605,11 +605,15 @@ class Ledger:
                 os.fsync(f.fileno())
         return sealed, overrides
 
-    def _review(self) -> Review:
+    def _locked_manifest(self):
+        """The revision the run is locked to (review rules and policies are read from it)."""
         try:
-            return locked_manifest(self.run_dir).review
+            return locked_manifest(self.run_dir)
         except Fp8opsError as exc:
             raise OverrideError(str(exc)) from None
+
+    def _review(self) -> Review:
+        return self._locked_manifest().review
 
     def _signers(self, review: Review) -> AllowedSigners | None:
         if review.allowed_signers is None:
@@ -661,11 +665,7 @@ class Ledger:
 
     def _revisions(self) -> dict[str, Any]:
         """The revisions the run is locked to, by hash: the locked one and its stored parents."""
-        store = ManifestStore(self.layout.manifests)
-        try:
-            current = locked_manifest(self.run_dir)
-        except Fp8opsError as exc:
-            raise OverrideError(str(exc)) from None
+        store, current = ManifestStore(self.layout.manifests), self._locked_manifest()
         chain = {manifest_hash(current): current}
         while (
             current.revision.parent is not None and store.path_for(current.revision.parent).exists()
@@ -806,10 +806,7 @@ class Ledger:
         return [Trigger.from_alert(latest[metric]) for metric in sorted(latest)]
 
     def _self_approval_allowed(self) -> bool:
-        try:
-            return locked_manifest(self.run_dir).review.allow_self_approval
-        except Fp8opsError as exc:
-            raise OverrideError(str(exc)) from None
+        return self._review().allow_self_approval
 
     def _status_step(self) -> int | None:
         status = self._read(find_status)
@@ -857,11 +854,10 @@ def _policy_problem(
         return "a policy approves only the alert engine's proposals"
     if origin.get("scaling") is not None:
         return "a policy approves only BF16 proposals"
-    if rules.until_step is not None and (origin["step"] or 0) > rules.until_step:
-        return f"proposed at step {origin['step']}, after the policy's until_step"
-    if not {t["rule"] for t in origin["triggers"]} & set(rules.rules):
+    if not any(rules.acts_on(t["rule"], origin["step"] or 0) for t in origin["triggers"]):
         return (
-            f"its proposal was triggered by none of the policy's rules ({', '.join(rules.rules)})"
+            f"its proposal (step {origin['step']}) was triggered by none of the policy's rules "
+            f"({', '.join(rules.rules)}) by its until_step"
         )
     if nth > rules.max_modules:
         return f"the policy's approval number {nth}, past its max_modules {rules.max_modules}"

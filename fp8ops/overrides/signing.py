@@ -28,6 +28,7 @@ from sshsig import InvalidSignature, PublicKey, check_signature
 from sshsig.allowed_signers import load_allowed_signers_file
 
 from fp8ops.errors import Fp8opsError
+from fp8ops.overrides.chain import canonical_json
 
 NAMESPACE = "fp8ops-ledger"  # ssh-keygen -n: a signature made for git or ssh never verifies here
 SIGNED_KINDS = frozenset({"staged", "approved", "rejected", "revoked"})  # what a person writes
@@ -51,8 +52,6 @@ def signing_key(key: str | Path | None = None) -> Path | None:
 
 def signed_body(record: dict) -> bytes:
     """What a signature covers: the record's canonical JSON without ``hash`` and ``signature``."""
-    from fp8ops.overrides.chain import canonical_json
-
     body = {k: v for k, v in record.items() if k not in ("hash", "signature")}
     return canonical_json(body).encode("utf-8")
 
@@ -95,7 +94,7 @@ class _Entry:
 class AllowedSigners:
     """An allowed-signers file (ssh-keygen(1), ALLOWED SIGNERS), read once, sha256 checked."""
 
-    def __init__(self, path: Path, entries: list[_Entry], sha256: str = ""):
+    def __init__(self, path: Path, entries: list[_Entry], sha256: str):
         self.path, self.entries, self.sha256 = path, entries, sha256
 
     @classmethod
@@ -142,13 +141,10 @@ class AllowedSigners:
 
     def problem(self, record: dict) -> str | None:
         """Why ``record``'s signature does not prove that its ``who`` wrote it; None if it does."""
-        known = (self.sha256, record.get("hash"))
-        if known[1] is not None and known in _VERDICTS:
-            return _VERDICTS[known]
-        verdict = self._check(record)
-        if known[1] is not None and self.sha256:
-            _VERDICTS[known] = verdict
-        return verdict
+        known = (self.sha256, record["hash"])  # records are checked sealed
+        if known not in _VERDICTS:
+            _VERDICTS[known] = self._check(record)
+        return _VERDICTS[known]
 
     def _check(self, record: dict) -> str | None:
         signature = record.get("signature")

@@ -156,10 +156,10 @@ def quantize_scaled(
     # Correctly rounded (TE: __frcp_rn; the 1-D block kernel divides in double, the same
     # value), and exact for a power of two.
     data = _cast(blocks, scale, x.shape, fp8)
-    # The blocks whose fp8_max / amax overflowed: their scale is the substitute, the largest
-    # there is, and still too small to lift their values clear of the flush to zero.
-    kept = torch.where(amax < epsilon, torch.tensor(epsilon), amax)
-    at_floor = (amax > 0) & torch.isfinite(amax) & torch.isinf(torch.tensor(fp8.max) / kept)
+    # The blocks whose fp8_max / amax overflowed (scale_from_amax then takes the substitute, the
+    # largest scale there is, and still too small to lift their values clear of the flush).
+    overflowed = torch.isinf(fp8.max / amax.clamp_min(epsilon))
+    at_floor = (amax > 0) & torch.isfinite(amax) & overflowed
     return BlockQuantized(
         data,
         torch.reciprocal(scale),

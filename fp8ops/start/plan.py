@@ -461,6 +461,5 @@ def _redone_by_policy(override, in_force: dict, step: int, policy) -> bool:
         and override.applied_step > step
         and override.module not in in_force
         and policy is not None
-        and (policy.until_step is None or override.applied_step <= policy.until_step)
-        and any(t.rule in policy.rules for t in override.triggers)
+        and any(policy.acts_on(t.rule, override.applied_step) for t in override.triggers)
     )

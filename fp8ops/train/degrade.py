@@ -30,8 +30,7 @@ from fp8ops.admission import apply_admission, decide_admission
 from fp8ops.alerts.policy import policy_switches
 from fp8ops.alerts.records import Proposal
 from fp8ops.manifest import derive, manifest_hash
-from fp8ops.manifest.schema import Bf16Override
-from fp8ops.overrides.ledger import Trigger, policy_approver
+from fp8ops.overrides.ledger import Override, Trigger, policy_approver
 from fp8ops.run.records import write_layers_json
 
 if TYPE_CHECKING:
@@ -49,28 +48,19 @@ def auto_degrade(trainer: Trainer, step: int, proposals: list[Proposal]) -> list
         return []
     revision = manifest_hash(manifest)
     # Rank 0 decides with the ledger (its limit, an operator's open staging) and every rank
-    # follows its answer: {module: approval hash}.
-    approvals, fresh = (
-        _approve_all(trainer, switching, revision, policy.max_modules)
-        if trainer.run.writer
-        else ({}, [])
+    # follows its answer: {module: the ledger's approved override}.
+    approved = (
+        _approve_all(trainer, switching, revision, policy.max_modules) if trainer.run.writer else {}
     )
     if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [approvals]
+        box = [approved]
         dist.broadcast_object_list(box, src=0)
-        approvals = box[0]
-    switching = [p for p in switching if p.module in approvals]
+        approved = box[0]
+    switching = [p for p in switching if p.module in approved]
     if not switching:
         return []
-    added = [
-        Bf16Override(
-            module=p.module,
-            reason=f"{p.rule} at step {p.step}: {p.reason}",
-            approval=approvals[p.module],
-            policy=revision,
-        )
-        for p in switching
-    ]
+    # The entries a resume would write for them (the policy's revision where it approved).
+    added = [approved[p.module].as_manifest_override() for p in switching]
     modules = [p.module for p in switching]
     child = derive(
         manifest,
@@ -98,6 +88,7 @@ def auto_degrade(trainer: Trainer, step: int, proposals: list[Proposal]) -> list
             tensor_parallel=child.topology.tensor_parallel,
             manifest_hash=manifest_hash(child),
         )
+        fresh = [o.id for o in approved.values() if o.status == "approved"]  # not replays
         if fresh:
             try:
                 trainer.ledger.record_applied(
@@ -122,39 +113,40 @@ def _held(manifest) -> set[str]:
 
 def _approve_all(
     trainer: Trainer, switching: list[Proposal], revision: str, max_modules: int
-) -> tuple[dict[str, str], list[str]]:
-    """Rank 0: ``{module: approval}`` for the modules the policy switches, and the ids of the
-    overrides approved now (the ledger records them applied at this step).
+) -> dict[str, Override]:
+    """Rank 0: ``{module: override}``, the approved ledger override of each module the policy
+    switches now.
 
     The policy approves the alert engine's open proposal of the module, while fewer than
     ``max_modules`` overrides in the run's ledger were approved by a policy. An override already
     approved by an operator, or applied by the policy before a resume from an earlier checkpoint
-    (the replay of the same switch), keeps its approval and takes no room. A module an operator
+    (the replay of the same switch), is taken as it is and takes no room. A module an operator
     staged is left to the operator's review. Nothing switches unrecorded: a module the ledger
     cannot take (damaged, or refusing the record) keeps running FP8, an event says why, and the
     Stop rules still guard it. Nothing here raises: the other ranks wait for this answer."""
-    ledger, approvals, fresh = trainer.ledger, {}, []
+    ledger, approved = trainer.ledger, {}
     try:
         used = sum(o.policy is not None for o in ledger.overrides().values())
     except Exception as exc:  # noqa: BLE001 - see above
         trainer.run.event("auto_degrade_not_recorded", step=switching[0].step, error=str(exc))
-        return {}, []
+        return {}
     for proposal in switching:
         try:
-            open_ = [o for o in ledger.overrides().values() if o.module == proposal.module]
-            open_ = [o for o in open_ if o.is_open]
-            if not open_:  # the alert's proposal was not recorded when it was raised: now
-                open_ = [
-                    ledger.propose(
-                        proposal.module, proposal.reason, [_trigger(proposal)], proposal.step
-                    )
-                ]
-            (override,) = open_
+            override = next(
+                (
+                    o
+                    for o in ledger.overrides().values()
+                    if o.module == proposal.module and o.is_open
+                ),
+                None,
+            )
+            if override is None:  # the alert's proposal was not recorded when it was raised
+                override = ledger.propose(
+                    proposal.module, proposal.reason, [_trigger(proposal)], proposal.step
+                )
             replay = override.policy is not None and override.status == "applied"
             if override.status == "approved" or replay:
-                approvals[proposal.module] = override.approval  # an operator's, or a replay
-                if override.status == "approved":
-                    fresh.append(override.id)
+                approved[proposal.module] = override  # an operator's approval, or a replay
                 continue
             if override.origin == "staged":
                 trainer.run.event(
@@ -168,12 +160,10 @@ def _approve_all(
             if used >= max_modules:
                 continue  # past the policy's limit: Degrade only proposes, as without a policy
             note = f"{proposal.rule} at step {proposal.step}, within the policy's limits"
-            override = ledger.approve(
+            approved[proposal.module] = ledger.approve(
                 override.id, who=policy_approver(revision), note=note, policy=revision
             )
             used += 1
-            fresh.append(override.id)
-            approvals[proposal.module] = override.approval
         except Exception as exc:  # noqa: BLE001 - see above
             trainer.run.event(
                 "auto_degrade_not_recorded",
@@ -181,7 +171,7 @@ def _approve_all(
                 step=proposal.step,
                 error=str(exc),
             )
-    return approvals, fresh
+    return approved
 
 
 def _trigger(proposal: Proposal) -> Trigger:

@@ -831,19 +831,12 @@ def _check_catalogue(path, stored: tuple[str, ...], first: int) -> None:
         return
     added = [m for m in MODULE_METRIC_NAMES if m not in stored]
     gone = [m for m in stored if m not in MODULE_METRIC_NAMES]
-    change = (
-        "; ".join(
-            part
-            for part in (
-                f"this version adds {', '.join(added[:4])}{' ...' if len(added) > 4 else ''}"
-                if added
-                else "",
-                f"drops {', '.join(gone[:4])}" if gone else "",
-            )
-            if part
-        )
-        or "the same metrics in another order"
-    )
+    parts = []
+    if added:
+        parts.append(f"this version adds {', '.join(added[:4])}{' ...' if len(added) > 4 else ''}")
+    if gone:
+        parts.append(f"drops {', '.join(gone[:4])}")
+    change = "; ".join(parts) or "the same metrics in another order"
     raise TelemetryError(
         f"{path} holds {len(stored)} module metrics per row, written by another fp8ops version; "
         f"this one writes {len(MODULE_METRIC_NAMES)} ({change}), so it cannot append to it. "

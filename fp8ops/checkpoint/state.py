@@ -5,8 +5,9 @@ state reshard when the tensor-parallel size changes):
 
 * **weights**: Megatron's own sharded state dict of the model, without ``_extra_state``
   (Megatron would pickle it as a ``ShardedObject``).
-* **optimizer**: float32 main weights and the AdamW moments, each sharded exactly like its
-  parameter (``optimizer.<kind>.<parameter key>``), so they reshard with it.
+* **optimizer**: float32 main weights and the AdamW moments, each parameter's whole state sharded
+  exactly like the parameter (``optimizer.<kind>.<parameter key>``), so it reshards with it on a
+  TP change, and a DP change or the other optimizer cuts its own slices out of it.
 * **FP8 state**: every module's scales and full forward/backward amax histories, stored once per
   *state group* (the ranks that share one state because their amaxes are reduced together) as
   ``fp8.<module>.<tensor>`` with a leading group axis. See :class:`Fp8Layout`.
@@ -113,17 +114,19 @@ def weights_state(model: nn.Module) -> dict:
     return {k: v for k, v in model.sharded_state_dict().items() if not k.endswith("_extra_state")}
 
 
-def optimizer_state(model: nn.Module, optimizer, weights: dict) -> dict:
-    """The optimizer's tensors, each a ``ShardedTensor`` shaped like its parameter's."""
-    ensure_optimizer_state(optimizer)
+def optimizer_state(optimizer, weights: dict, *, for_load: bool = False) -> dict:
+    """The optimizer's state, each tensor a ``ShardedTensor`` shaped like its parameter's.
+
+    ``optimizer.canonical_state()`` gives every parameter's whole float32 state by kind (the
+    moments, and "main" where separate main weights are kept), whichever optimizer holds it
+    (a distributed one gathers its slices), so checkpoints move between optimizers and DP sizes.
+    """
     state = {}
-    for param, main in zip(optimizer.model_params, optimizer.main_params, strict=True):
+    canonical = optimizer.canonical_state(for_load=for_load)
+    for param, tensors in zip(optimizer.model_params, canonical, strict=True):
         # Dict keys are unique per parameter; ShardedTensor keys are not (a layer's tensors
         # share one key and differ by their offset on the layer axis).
         name, sharded = _sharded_param(weights, param)
-        tensors = {kind: optimizer.inner.state[main][kind] for kind in moment_kinds(optimizer)}
-        if main is not param:
-            tensors["main"] = main.detach()
         for kind, tensor in tensors.items():
             fields = {"key": f"optimizer.{kind}.{sharded.key}", "data": tensor}
             # A SwiGLU linear_fc1 is a ShardedTensorFactory (it splits into gate and up when
@@ -143,42 +146,6 @@ def _sharded_param(weights: dict, param: torch.Tensor):
         f"a trained parameter of shape {tuple(param.shape)} has no entry in the model's sharded "
         "state dict, so its optimizer state has no checkpoint key"
     )
-
-
-def moment_kinds(optimizer) -> tuple[str, ...]:
-    if isinstance(optimizer.inner, torch.optim.AdamW):
-        return ("exp_avg", "exp_avg_sq")
-    return ("momentum_buffer",) if optimizer.cfg.beta1 else ()
-
-
-def ensure_optimizer_state(optimizer) -> None:
-    """Create the optimizer's state as torch would at its first step (zeros, step 0), so that a
-    checkpoint before any step, and a load into a fresh optimizer, have tensors to fill."""
-    for main in optimizer.main_params:
-        state = optimizer.inner.state[main]
-        for kind in moment_kinds(optimizer):
-            if state.get(kind) is None:
-                state[kind] = torch.zeros_like(main, memory_format=torch.preserve_format)
-        if isinstance(optimizer.inner, torch.optim.AdamW) and "step" not in state:
-            state["step"] = torch.tensor(0.0)
-
-
-def optimizer_steps(optimizer) -> int:
-    """How many steps the optimizer has taken (AdamW's per-parameter count; all agree)."""
-    if not isinstance(optimizer.inner, torch.optim.AdamW):
-        return 0
-    counts = {
-        int(optimizer.inner.state[m].get("step", torch.tensor(0.0))) for m in optimizer.main_params
-    }
-    if len(counts) != 1:
-        raise RuntimeError(f"optimizer parameters disagree on their step count: {sorted(counts)}")
-    return counts.pop()
-
-
-def set_optimizer_steps(optimizer, steps: int) -> None:
-    if isinstance(optimizer.inner, torch.optim.AdamW):
-        for main in optimizer.main_params:
-            optimizer.inner.state[main]["step"] = torch.tensor(float(steps))
 
 
 def fp8_state(modules: dict[str, nn.Module], layout: Fp8Layout) -> dict:
@@ -261,13 +228,11 @@ def restore_per_rank(loaded: dict, alert_engine) -> None:
 
 
 def restore_optimizer(optimizer, weights: dict, loaded: dict) -> None:
-    """Copy the loaded main weights and moments into the optimizer's tensors."""
-    with torch.no_grad():
-        for param, main in zip(optimizer.model_params, optimizer.main_params, strict=True):
-            key, _ = _sharded_param(weights, param)
-            for kind in moment_kinds(optimizer):
-                optimizer.inner.state[main][kind].copy_(loaded[f"optimizer.{kind}.{key}"])
-            if main is not param:
-                saved = loaded.get(f"optimizer.main.{key}")
-                # A checkpoint of a float32 model has no separate main copy: the weights are it.
-                main.copy_(saved if saved is not None else param.float())
+    """Hand each parameter's loaded state to the optimizer, which takes its own part; "main"
+    is absent from a checkpoint of a float32 model (its weights are the main weights)."""
+    state = []
+    for param in optimizer.model_params:
+        name, _ = _sharded_param(weights, param)
+        keys = {kind: f"optimizer.{kind}.{name}" for kind in (*optimizer.moment_kinds, "main")}
+        state.append({kind: loaded[key] for kind, key in keys.items() if key in loaded})
+    optimizer.load_canonical_state(state)

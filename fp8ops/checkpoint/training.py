@@ -34,7 +34,7 @@ class TrainingParts:
     """What a checkpoint saves from, and loads into."""
 
     model: nn.Module
-    optimizer: object  # fp8ops.train.optimizer.MainParamsOptimizer
+    optimizer: object  # fp8ops.train.optimizer's (canonical_state, steps, keeps_main_copy)
     fp8_modules: dict[str, nn.Module]
     alert_engine: object | None
     layout: state.Fp8Layout
@@ -70,20 +70,19 @@ def save_checkpoint(
     weights = state.weights_state(parts.model)
     sharded = {
         **weights,
-        **state.optimizer_state(parts.model, parts.optimizer, weights),
+        **state.optimizer_state(parts.optimizer, weights),
         **state.fp8_state(parts.fp8_modules, parts.layout),
         **state.per_rank_state(parts.alert_engine, parts.ranks),
     }
     digests = state.group_digests(parts.fp8_modules, parts.layout)
     fingerprint = weights_fingerprint(parts.model, parts.tp_group, scheme=FINGERPRINT_SCHEME)
-    optimizer_steps = state.optimizer_steps(parts.optimizer)
+    optimizer_steps = parts.optimizer.steps
     with _quiet_dcp():
         dist_checkpointing.save(sharded, str(partial))
     dist.barrier()
 
     def publish() -> Path:
         write_manifest(manifest, partial / MANIFEST)
-        optimizer = parts.optimizer
         meta = CheckpointMeta(
             step=step,
             saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -104,9 +103,7 @@ def save_checkpoint(
             ),
             sampler=sampler,
             optimizer_steps=optimizer_steps,
-            optimizer_main=any(
-                m is not p for m, p in zip(optimizer.main_params, optimizer.model_params)
-            ),
+            optimizer_main=parts.optimizer.keeps_main_copy,
             telemetry_committed=telemetry_committed,
             per_rank_state=True,
             files=file_digests(partial),
@@ -145,8 +142,7 @@ def load_checkpoint(
     started = time.perf_counter()
     _agree_files_verified(directory, meta, parts.ranks.is_main)
     weights = state.weights_state(parts.model)
-    state.ensure_optimizer_state(parts.optimizer)
-    optimizer = state.optimizer_state(parts.model, parts.optimizer, weights)
+    optimizer = state.optimizer_state(parts.optimizer, weights, for_load=True)
     if not meta.optimizer_main:
         optimizer = {k: v for k, v in optimizer.items() if not k.startswith("optimizer.main.")}
     if fp8_read == "own":
@@ -170,7 +166,7 @@ def load_checkpoint(
             f"{unexpected[:5]})"
         )
     state.restore_optimizer(parts.optimizer, weights, loaded)
-    state.set_optimizer_steps(parts.optimizer, meta.optimizer_steps)
+    parts.optimizer.set_steps(meta.optimizer_steps)
     state.restore_fp8(parts.fp8_modules, loaded)
     if same_world:
         state.restore_per_rank(loaded, alerts)

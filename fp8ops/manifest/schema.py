@@ -954,6 +954,13 @@ class OptimizerConfig(_Section):
     clip_grad: float | None = Field(
         1.0, gt=0, description="Global gradient-norm clip; null turns clipping off."
     )
+    distributed: bool = added_field(
+        False,
+        added_in="0.1.0",
+        description="Shard the float32 main weights and moments over data-parallel ranks "
+        "(Megatron's distributed optimizer, use_distributed_optimizer): 12/DP bytes per "
+        "parameter per rank instead of 12; the same results and checkpoints.",
+    )
 
     @model_validator(mode="after")
     def _min_below_peak(self) -> OptimizerConfig:

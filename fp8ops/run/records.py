@@ -84,6 +84,12 @@ class RunModel(_Record):
     parameters: int | None = None
 
 
+class RunOptimizer(_Record):
+    distributed: bool = False  # optimizer.distributed: state sharded over data parallel
+    # Bytes of float32 main weights and moments each rank holds, by global rank.
+    state_bytes_per_rank: list[int] | None = None
+
+
 class RunTokenizer(_Record):
     kind: str
     fingerprint: str | None = None
@@ -111,6 +117,7 @@ class RunRecord(_Record):
     topology: RunTopology = RunTopology()
     seeds: dict[str, int] | None = None
     model: RunModel = RunModel()
+    optimizer: RunOptimizer | None = None  # None: written before it was recorded
     tokenizer: RunTokenizer | None = None
     data: RunData | None = None
     admission: dict[str, int] | None = None

@@ -37,7 +37,123 @@ def learning_rate(step: int, optimizer_cfg, schedule) -> float:
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-class MainParamsOptimizer:
+def inner_optimizer(cfg, *, decay: list, no_decay: list) -> torch.optim.Optimizer:
+    """The torch optimizer over float32 main tensors. Megatron's default: no weight decay on
+    biases and norm weights (1-D parameters), so the caller splits them."""
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.beta1)
+
+
+def main_grad(param: nn.Parameter) -> torch.Tensor:
+    """The parameter's gradient in float32 (zeros for one this step's batches never reached)."""
+    if param.grad is None:
+        return torch.zeros_like(param, dtype=torch.float32)
+    return param.grad.detach().float()
+
+
+def global_norm(
+    tensors: Iterable[torch.Tensor], is_shard: list[bool], tp_group, device: torch.device
+) -> float:
+    """The global L2 norm of per-parameter ``tensors``: TP shards summed over the TP group,
+    replicas (the same on every TP rank) counted once (Megatron's
+    ``param_is_not_tensor_parallel_duplicate``).
+
+    Accumulated in float64 on ``device``, where the tensors are, then brought to the host (one
+    sync, free on the CPU), so the TP sum is a CPU scalar and goes over gloo like fp8ops' other
+    small collectives. ``tensors`` may be a generator: zipped first, it runs to its end.
+    """
+    shards = torch.zeros((), dtype=torch.float64, device=device)
+    replicas = torch.zeros((), dtype=torch.float64, device=device)
+    for tensor, shard in zip(tensors, is_shard):
+        if shard:
+            shards += tensor.double().pow(2).sum()
+        else:
+            replicas += tensor.double().pow(2).sum()
+    shards, replicas = shards.cpu(), replicas.cpu()
+    if dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(shards, group=tp_group)
+    return math.sqrt((shards + replicas).item())
+
+
+class _MainParams:
+    """What both optimizers share: a torch optimizer stepping float32 ``main_params`` for the
+    model's ``model_params``, and its state as checkpoints read it."""
+
+    cfg: object
+    inner: torch.optim.Optimizer
+    model_params: list[nn.Parameter]
+    main_params: list[torch.Tensor]
+    last_update_norm: float | None
+
+    @property
+    def moment_kinds(self) -> tuple[str, ...]:
+        if isinstance(self.inner, torch.optim.AdamW):
+            return ("exp_avg", "exp_avg_sq")
+        return ("momentum_buffer",) if self.cfg.beta1 else ()
+
+    @property
+    def keeps_main_copy(self) -> bool:
+        """Whether separate float32 main weights exist (a float32 model's are its own)."""
+        return any(p.dtype != torch.float32 for p in self.model_params)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds: separate main weights and the moments."""
+        self.ensure_state()
+        total = 0
+        for param, main in zip(self._owners(), self.main_params):
+            copies = len(self.moment_kinds) + (param.dtype != torch.float32)
+            total += main.numel() * main.element_size() * copies
+        return total
+
+    def ensure_state(self) -> None:
+        """Create the state as torch would at its first step (zeros, step 0), so that a
+        checkpoint before any step, and a load into a fresh optimizer, have tensors to fill."""
+        for main in self.main_params:
+            state = self.inner.state[main]
+            for kind in self.moment_kinds:
+                if state.get(kind) is None:
+                    state[kind] = torch.zeros_like(main, memory_format=torch.preserve_format)
+            if isinstance(self.inner, torch.optim.AdamW) and "step" not in state:
+                state["step"] = torch.tensor(0.0)
+
+    @property
+    def steps(self) -> int:
+        """How many steps were taken (AdamW's per-tensor count; all agree). SGD keeps none: 0.
+        A distributed rank owning no elements has none either; rank 0, whose count is the one
+        recorded, always owns the first."""
+        if not isinstance(self.inner, torch.optim.AdamW):
+            return 0
+        counts = {int(self.inner.state[m].get("step", torch.tensor(0.0))) for m in self.main_params}
+        if len(counts) > 1:
+            raise RuntimeError(
+                f"optimizer parameters disagree on their step count: {sorted(counts)}"
+            )
+        return counts.pop() if counts else 0
+
+    def set_steps(self, steps: int) -> None:
+        if isinstance(self.inner, torch.optim.AdamW):
+            for main in self.main_params:
+                self.inner.state[main]["step"] = torch.tensor(float(steps))
+
+    def zero_grad(self) -> None:
+        for p in self.model_params:
+            p.grad = None
+
+    @property
+    def _device(self) -> torch.device:
+        return self.model_params[0].device if self.model_params else torch.device("cpu")
+
+    def _owners(self) -> list[nn.Parameter]:
+        """The model parameter each main tensor belongs to."""
+        raise NotImplementedError
+
+
+class MainParamsOptimizer(_MainParams):
     """AdamW (or SGD) on float32 copies of the model's parameters.
 
     ``step()`` takes the model's gradients as they are after backward (already summed over
@@ -59,37 +175,22 @@ class MainParamsOptimizer:
             p if p.dtype == torch.float32 else p.detach().float().requires_grad_()
             for p in self.model_params
         ]
-        # Megatron's default: no weight decay on biases and norm weights (1-D parameters).
-        decay = [m for p, m in zip(self.model_params, self.main_params) if p.dim() > 1]
-        no_decay = [m for p, m in zip(self.model_params, self.main_params) if p.dim() <= 1]
-        groups = [
-            {"params": decay, "weight_decay": optimizer_cfg.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        if optimizer_cfg.name == "adamw":
-            self.inner = torch.optim.AdamW(
-                groups,
-                lr=optimizer_cfg.lr,
-                betas=(optimizer_cfg.beta1, optimizer_cfg.beta2),
-                eps=optimizer_cfg.eps,
-            )
-        else:
-            self.inner = torch.optim.SGD(groups, lr=optimizer_cfg.lr, momentum=optimizer_cfg.beta1)
+        self.inner = inner_optimizer(
+            optimizer_cfg,
+            decay=[m for p, m in zip(self.model_params, self.main_params) if p.dim() > 1],
+            no_decay=[m for p, m in zip(self.model_params, self.main_params) if p.dim() <= 1],
+        )
         # Whether each parameter is a TP shard (Megatron marks them) or a replica.
         self._is_shard = [
             bool(getattr(p, "tensor_model_parallel", False)) for p in self.model_params
         ]
         self.last_update_norm: float | None = None
 
-    def zero_grad(self) -> None:
-        for p in self.model_params:
-            p.grad = None
-
     def step(self, lr: float) -> tuple[float, bool]:
         """One optimizer step at ``lr``; returns (gradient norm before clipping, skipped)."""
-        grads = [self._main_grad(p) for p in self.model_params]
+        grads = [main_grad(p) for p in self.model_params]
         self._sum_over_data_parallel(grads)
-        norm = self._global_norm(grads)
+        norm = global_norm(grads, self._is_shard, self.tp_group, self._device)
         skipped = not math.isfinite(norm)
         if not skipped:
             if self.cfg.clip_grad is not None and norm > self.cfg.clip_grad:
@@ -107,7 +208,9 @@ class MainParamsOptimizer:
                 for p, m in zip(self.model_params, self.main_params)
             ]
             self.inner.step()
-            self.last_update_norm = self._global_norm(self._copy_back(before))
+            self.last_update_norm = global_norm(
+                self._copy_back(before), self._is_shard, self.tp_group, self._device
+            )
         else:
             self.last_update_norm = None  # nothing changed: no update, rather than a zero one
         for main in self.main_params:
@@ -127,17 +230,34 @@ class MainParamsOptimizer:
                 yield new.float() - param.float()
                 param.copy_(new)
 
-    def state_dict(self) -> dict:
-        return {
-            "inner": self.inner.state_dict(),
-            "main_params": [m.detach() for m in self.main_params],
-        }
+    # -- checkpoints: each parameter's whole state (here, the optimizer's own tensors) ------
 
-    @staticmethod
-    def _main_grad(param: nn.Parameter) -> torch.Tensor:
-        if param.grad is None:  # a parameter this step's batches never reached
-            return torch.zeros_like(param, dtype=torch.float32)
-        return param.grad.detach().float()
+    def canonical_state(self, *, for_load: bool = False) -> list[dict[str, torch.Tensor]]:
+        """Per model parameter, its float32 state by kind: the moments, and "main" where a
+        separate copy is kept. Loads fill these tensors in place (``for_load`` changes
+        nothing here)."""
+        self.ensure_state()
+        state = []
+        for param, main in zip(self.model_params, self.main_params):
+            tensors = {kind: self.inner.state[main][kind] for kind in self.moment_kinds}
+            if main is not param:
+                tensors["main"] = main.detach()
+            state.append(tensors)
+        return state
+
+    def load_canonical_state(self, loaded: list[dict[str, torch.Tensor]]) -> None:
+        """Take each parameter's loaded state; without "main" (a float32 checkpoint), the main
+        weights are the model's."""
+        self.ensure_state()
+        with torch.no_grad():
+            for param, main, state in zip(self.model_params, self.main_params, loaded, strict=True):
+                for kind in self.moment_kinds:
+                    self.inner.state[main][kind].copy_(state[kind])
+                if main is not param:
+                    main.copy_(state.get("main", param.float()))
+
+    def _owners(self) -> list[nn.Parameter]:
+        return self.model_params
 
     def _sum_over_data_parallel(self, grads: list[torch.Tensor]) -> None:
         if dist.get_world_size(self.dp_group) == 1:
@@ -148,22 +268,3 @@ class MainParamsOptimizer:
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
-
-    def _global_norm(self, tensors: Iterable[torch.Tensor]) -> float:
-        # [shards' sum of squares, replicas' sum of squares]: shards sum over the TP group,
-        # replicas are the same on every TP rank and count once. Accumulated where the
-        # gradients are, then brought to the host (one sync, free on the CPU), so the TP sum is
-        # a CPU scalar and goes over gloo like fp8ops' other small collectives.
-        # ``tensors`` may be a generator (``_copy_back``): zipped first, it runs to its end.
-        device = self.model_params[0].device if self.model_params else torch.device("cpu")
-        shards = torch.zeros((), dtype=torch.float64, device=device)
-        replicas = torch.zeros((), dtype=torch.float64, device=device)
-        for tensor, is_shard in zip(tensors, self._is_shard):
-            if is_shard:
-                shards += tensor.double().pow(2).sum()
-            else:
-                replicas += tensor.double().pow(2).sum()
-        shards, replicas = shards.cpu(), replicas.cpu()
-        if dist.get_world_size(self.tp_group) > 1:
-            dist.all_reduce(shards, group=self.tp_group)
-        return math.sqrt((shards + replicas).item())

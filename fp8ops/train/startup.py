@@ -270,6 +270,8 @@ def _run_record(trainer: Trainer) -> RunRecord:
     if precision.enabled:
         casts = "transformer_engine" if precision.backend == "te" else cast_path(trainer.device)
     data = trainer.data
+    state_bytes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(state_bytes, trainer.optimizer.state_bytes())
     return RunRecord.model_validate(
         {
             "manifest": manifest_hash(manifest),
@@ -296,6 +298,10 @@ def _run_record(trainer: Trainer) -> RunRecord:
                 "initial_weights_fingerprint": initial,
                 "initial_weights_fingerprint_scheme": scheme,
                 "parameters": sum(p.numel() for p in trainer.model.parameters()),
+            },
+            "optimizer": {
+                "distributed": manifest.optimizer.distributed,
+                "state_bytes_per_rank": state_bytes,
             },
             "tokenizer": {
                 "kind": manifest.tokenizer.kind,

@@ -60,6 +60,7 @@ from fp8ops.telemetry.store import TelemetryError, rank_group
 from fp8ops.train.cpu_gemm import Fp32Gemm, check_compiled_casts, cpu_bf16_gemm
 from fp8ops.train.degrade import auto_degrade
 from fp8ops.train.distributed import Ranks
+from fp8ops.train.distributed_optimizer import DistributedMainParamsOptimizer
 from fp8ops.train.inputs import Inputs
 from fp8ops.train.optimizer import MainParamsOptimizer, learning_rate
 from fp8ops.train.progress import StepLogger
@@ -173,7 +174,12 @@ class Trainer:
         # reduces and updates; fp8ops' scope is for fp8ops' own FP8 layers.
         own_scope = precision.enabled and precision.backend != "te"
         self.scope = Fp8Scope(self.recipe, group=self.amax_group) if own_scope else None
-        self.optimizer = MainParamsOptimizer(
+        optimizer_class = (
+            DistributedMainParamsOptimizer
+            if manifest.optimizer.distributed
+            else MainParamsOptimizer
+        )
+        self.optimizer = optimizer_class(
             self.model, manifest.optimizer, tp_group=self.tp_group, dp_group=self.dp_group
         )
         self.fp8_layout = Fp8Layout.for_run(

@@ -25,6 +25,7 @@ same tokens and stops rows at the same steps, and their collectives stay in step
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -100,6 +101,8 @@ def evaluate_capability(
         from fp8ops.megatron.te_backend import FP8_TOKEN_MULTIPLE
 
         length_multiple = FP8_TOKEN_MULTIPLE
+    if manifest.topology.sequence_parallel:  # each TP rank takes an equal part of the sequence
+        length_multiple = math.lcm(length_multiple, manifest.topology.tensor_parallel)
     predictions = []
     for start in range(0, len(examples), batch_size):
         batch = examples[start : start + batch_size]

@@ -28,9 +28,11 @@ def transformers_available() -> bool:
     return importlib.util.find_spec("transformers") is not None
 
 
-def prompt(vocab_size: int, seq_length: int) -> torch.Tensor:
-    """The fixed prompt: ``min(128, seq_length)`` token ids drawn from seed 0."""
+def prompt(vocab_size: int, seq_length: int, multiple: int = 1) -> torch.Tensor:
+    """The fixed prompt: ``min(128, seq_length)`` token ids drawn from seed 0, cut to a multiple
+    of ``multiple`` (under sequence parallelism every TP rank takes an equal part)."""
     length = min(PROMPT_TOKENS, seq_length)
+    length -= length % multiple
     generator = torch.Generator().manual_seed(PROMPT_SEED)
     return torch.randint(0, vocab_size, (1, length), generator=generator)
 
@@ -71,7 +73,9 @@ def compare(model, hf_dir: Path, model_cfg, *, tp_group, what: str) -> dict:
     runs on global rank 0). Returns the record: the largest difference, the bound, the argmax
     agreement and whether both held."""
     dtype = next(model.parameters()).dtype
-    tokens = prompt(model_cfg.vocab_size, model_cfg.seq_length)
+    sequence_parallel = getattr(getattr(model, "config", None), "sequence_parallel", False)
+    multiple = dist.get_world_size(tp_group) if sequence_parallel else 1
+    tokens = prompt(model_cfg.vocab_size, model_cfg.seq_length, multiple)
     ours = our_logits(model, tokens, model_cfg.vocab_size, tp_group)
     result = [None]
     if dist.get_rank() == 0:

@@ -1037,6 +1037,16 @@ class Topology(_Section):
     )
     pipeline_parallel: int = Field(1, ge=1, description="Pipeline stages; must divide num_layers.")
     data_parallel: int = Field(1, ge=1, description="Data-parallel replicas.")
+    sequence_parallel: bool = added_field(
+        False,
+        added_in="0.1.0",
+        description=(
+            "Megatron's sequence parallelism: norms and the residual stream split the sequence "
+            "over the tensor-parallel ranks (all-gather before the column-parallel linears, "
+            "reduce-scatter after the row-parallel ones). Needs tensor_parallel > 1, amaxes "
+            "reduced over TP (precision.reduce_amax), and sequences padded to seq_length."
+        ),
+    )
     amax_reduction: Literal["tp_dp_cp", "tp_cp"] = Field(
         "tp_dp_cp",
         description=(
@@ -1633,9 +1643,62 @@ class Manifest(_Section):
             schedule.micro_batch_size * topology.data_parallel,
             "schedule.micro_batch_size * topology.data_parallel",
         )
+        if topology.sequence_parallel:
+            problems.extend(self._sequence_parallel_problems())
         if self.tokenizer.kind == "byte" and self.model.vocab_size < 256:
             problems.append(
                 (("model", "vocab_size"), self.model.vocab_size, "must be >= 256 for byte tokens")
             )
         _raise_problems("Manifest", problems)
         return self
+
+    def _sequence_parallel_problems(self) -> list:
+        """What sequence parallelism needs, each at the field to change."""
+        problems, tp = [], self.topology.tensor_parallel
+        where = ("topology", "sequence_parallel")
+        if tp == 1:
+            problems.append(
+                (
+                    where,
+                    True,
+                    "needs topology.tensor_parallel > 1 (it splits the sequence "
+                    "over the tensor-parallel ranks); set it to false at tensor_parallel 1",
+                )
+            )
+        elif self.model.seq_length % tp:
+            problems.append(
+                (
+                    ("model", "seq_length"),
+                    self.model.seq_length,
+                    f"must be divisible by topology.tensor_parallel ({tp}) under "
+                    "topology.sequence_parallel",
+                )
+            )
+        if self.data.pad_to != "seq_length":
+            problems.append(
+                (
+                    ("data", "pad_to"),
+                    self.data.pad_to,
+                    "must be 'seq_length' under topology.sequence_parallel (every batch's length "
+                    "must divide by tensor_parallel)",
+                )
+            )
+        if self.precision.enabled and not self.precision.reduce_amax:
+            problems.append(
+                (
+                    ("precision", "reduce_amax"),
+                    False,
+                    "must be true under topology.sequence_parallel: each rank casts part of the "
+                    "sequence, and Transformer Engine requires the amax reduced over TP for it",
+                )
+            )
+        if self.precision.enabled and self.precision.backend == "te":
+            problems.append(
+                (
+                    ("precision", "backend"),
+                    "te",
+                    "'te' with topology.sequence_parallel is not supported yet (not checked on a "
+                    "GPU); use 'emulated' or 'scaled_mm'",
+                )
+            )
+        return problems

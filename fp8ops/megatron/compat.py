@@ -86,11 +86,14 @@ with _import_guard():
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.tensor_parallel.mappings import (
         copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
         gather_from_tensor_model_parallel_region,
         reduce_from_tensor_model_parallel_region,
+        reduce_scatter_to_sequence_parallel_region,
         scatter_to_tensor_model_parallel_region,
     )
     from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from megatron.core.transformer.transformer_config import TransformerConfig
 
 MEGATRON_CORE_VERSION: str = megatron.core.__version__
@@ -182,6 +185,7 @@ __all__ = [
     "GPTModel",
     "ModuleSpec",
     "RowParallelLinear",
+    "TransformerBlockSubmodules",
     "TransformerConfig",
     "amax_reduction_group",
     "block_submodules",
@@ -189,11 +193,13 @@ __all__ = [
     "filesystem_async",
     "fully_parallel",
     "fused_softmax",
+    "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
     "get_gpt_layer_local_spec",
     "megatron_random",
     "parallel_state",
     "reduce_from_tensor_model_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
     "set_rng_tracker",
     "te_gpt_layer_spec",

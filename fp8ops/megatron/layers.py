@@ -11,6 +11,12 @@ tensor-parallel communication, so the collectives are Megatron's::
     row:     x ─[scatter_to_tp]─► FP8 GEMM with the W shard ─reduce_from_tp─► (+ bias) ─► y
              (reduce_from_tp: all-reduce of the partial sums forward, identity backward)
 
+Under sequence parallelism (``config.sequence_parallel``) the residual stream between them holds
+each rank's part of the sequence: the column layer all-gathers it first (its input gradient is
+reduce-scattered back) and the row layer reduce-scatters its partial sums instead of all-reducing
+them. The FP8 cast then sees the gathered input, whose amax is the max of the ranks' parts: the
+one TE reaches by reducing each rank's amax over TP, which sequence parallelism requires.
+
 Each rank casts its own shard with the module's scales; the scope all-reduces (MAX) the amaxes
 over its group, which contains the TP group, so every shard of a tensor shares one scale, as in TE.
 Return values follow Megatron's ``(output, bias)`` convention, ``skip_bias_add`` included.
@@ -54,8 +60,10 @@ from fp8ops.megatron.compat import (
     ColumnParallelLinear,
     RowParallelLinear,
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
 from fp8ops.megatron.quant_config import recipe_from_quant_config
@@ -148,7 +156,6 @@ class _Fp8LocalGemm:
         # Fail when the model is built, not at the first step.
         unsupported = {
             **unsupported,
-            "sequence_parallel": self.sequence_parallel,
             "expert layers (is_expert)": self.is_expert,
             # The recomputed forward would run in backward, outside the scope, in high precision.
             "activation recomputation": self.config.recompute_granularity is not None,
@@ -249,8 +256,14 @@ class Fp8ColumnParallelLinear(_Fp8LocalGemm, ColumnParallelLinear):
             return super().forward(input_, weight, runtime_gather_output)
         if weight is None:
             weight = self.weight
-        # [s, b, h] replicated on every TP rank; backward all-reduces its gradient.
-        input_parallel = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        if self.sequence_parallel:
+            # [s/tp, b, h] -> [s, b, h]: gathered; backward reduce-scatters its gradient.
+            input_parallel = gather_from_sequence_parallel_region(
+                input_, tensor_parallel_output_grad=True, group=self.tp_group
+            )
+        else:
+            # [s, b, h] replicated on every TP rank; backward all-reduces its gradient.
+            input_parallel = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
         bias = None if self.skip_bias_add else self.bias
         output_parallel = self._fp8_local_gemm(input_parallel, weight, bias, scope)  # [s, b, h/tp]
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
@@ -276,7 +289,12 @@ class Fp8RowParallelLinear(_Fp8LocalGemm, RowParallelLinear):
             input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
         # The bias is added once, after the reduction, not on every rank's partial sum.
         output_parallel = self._fp8_local_gemm(input_parallel, self.weight, None, scope)
-        output = reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+        if self.sequence_parallel:  # partial sums -> this rank's [s/tp, b, h], summed
+            output = reduce_scatter_to_sequence_parallel_region(
+                output_parallel, group=self.tp_group
+            )
+        else:
+            output = reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
         if self.skip_bias_add:
             return output, self.bias
         return (output + self.bias if self.bias is not None else output), None

@@ -39,7 +39,7 @@ from fp8ops.megatron.cpu_shims import apply_cpu_shims
 from fp8ops.megatron.layers import fp8_modules
 from fp8ops.megatron.quant_config import quant_recipe
 from fp8ops.megatron.rope import set_rope_scaling
-from fp8ops.megatron.spec import with_fp8_projections
+from fp8ops.megatron.spec import with_fp8_projections, with_sequence_parallel_norms
 from fp8ops.megatron.te_backend import build_gpt_te, te_projections
 from fp8ops.megatron.te_telemetry import te_telemetry_modules
 from fp8ops.precision import DelayedScalingRecipe, EmulatedGemm, ScaledMmGemm, StatelessRecipe
@@ -93,6 +93,8 @@ def build_gpt(
         layer_spec = local_spec
     else:
         layer_spec = with_fp8_projections(local_spec, recipe, GEMMS[backend]())
+    if topology.sequence_parallel:
+        layer_spec = with_sequence_parallel_norms(layer_spec, model_cfg.num_layers)
     config = transformer_config(manifest)
     if recipe is not None:
         # Megatron's GPTModel hands each matched projection its per-module recipe itself.
@@ -161,6 +163,7 @@ def transformer_config(manifest) -> TransformerConfig:
         activation_func=F.silu if swiglu else F.gelu,
         gated_linear_unit=swiglu,
         tensor_model_parallel_size=manifest.topology.tensor_parallel,
+        sequence_parallel=manifest.topology.sequence_parallel,
         params_dtype=dtype,
         bf16=dtype is torch.bfloat16,
         fp16=dtype is torch.float16,

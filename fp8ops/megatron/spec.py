@@ -21,11 +21,13 @@ from fp8ops.megatron.compat import (
     ColumnParallelLinear,
     ModuleSpec,
     RowParallelLinear,
+    TransformerBlockSubmodules,
     block_submodules,
     get_gpt_layer_local_spec,
     with_block_submodules,
 )
 from fp8ops.megatron.layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear
+from fp8ops.megatron.norm import SequenceParallelNorm
 from fp8ops.precision import DelayedScalingRecipe, Fp8Gemm, StatelessRecipe
 
 
@@ -62,6 +64,32 @@ def with_fp8_projections(
     attention = with_block_submodules(attention, linear_qkv=column, linear_proj=row)
     mlp = with_block_submodules(mlp, linear_fc1=column, linear_fc2=row)
     return replace(layer_spec, submodules=replace(layer, self_attention=attention, mlp=mlp))
+
+
+def with_sequence_parallel_norms(
+    layer_spec: ModuleSpec, num_layers: int
+) -> TransformerBlockSubmodules:
+    """The decoder block of ``num_layers`` copies of a local-spec layer whose norms (input, pre-MLP,
+    query/key where it has them, and the block's final norm) are :class:`SequenceParallelNorm`:
+    torch's norms, which Megatron's local spec refuses under sequence parallelism without Apex."""
+    layer = layer_spec.submodules
+    attention = layer.self_attention
+    qk = {
+        slot: SequenceParallelNorm
+        for slot in ("q_layernorm", "k_layernorm")
+        if getattr(block_submodules(attention), slot, None) is not None
+        and getattr(block_submodules(attention), slot).__name__ != "IdentityOp"
+    }
+    layer = replace(
+        layer,
+        input_layernorm=SequenceParallelNorm,
+        pre_mlp_layernorm=SequenceParallelNorm,
+        self_attention=with_block_submodules(attention, **qk) if qk else attention,
+    )
+    return TransformerBlockSubmodules(
+        layer_specs=[replace(layer_spec, submodules=layer)] * num_layers,
+        layer_norm=SequenceParallelNorm,
+    )
 
 
 def _expect(block, name: str, **slots: type) -> None:

@@ -29,7 +29,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fp8ops.train.optimizer import _MainParams, global_norm, inner_optimizer, main_grad
+from fp8ops.train.optimizer import (
+    _MainParams,
+    global_norm,
+    inner_optimizer,
+    main_grad,
+    partial_over_tensor_parallel,
+    sum_over_tensor_parallel,
+)
 
 PARAM_ALIGN = 64  # elements: Megatron starts each parameter at a 128-byte address (16-bit)
 BUCKET_ALIGN = 128  # elements: and pads the bucket to lcm(DP, 128) so DP parts are equal
@@ -99,6 +106,7 @@ class DistributedMainParamsOptimizer(_MainParams):
         self._is_shard = [
             bool(getattr(p, "tensor_model_parallel", False)) for p in self.model_params
         ]
+        self._partial_over_tp = partial_over_tensor_parallel(model)
         self.dp_rank, dp = dist.get_rank(dp_group), dist.get_world_size(dp_group)
         self.layout = BufferLayout.build([p.numel() for p in self.model_params], dp)
         self.pieces = self.layout.pieces(self.dp_rank)
@@ -186,10 +194,13 @@ class DistributedMainParamsOptimizer(_MainParams):
     # -- the step's parts -------------------------------------------------------------------
 
     def _reduce_scatter_grads(self) -> torch.Tensor:
-        """This rank's slice of the DP-summed float32 gradients (padding is zeros)."""
+        """This rank's slice of the DP-summed float32 gradients (padding is zeros); the
+        gradients that are partial over TP summed there first."""
         buffer = torch.zeros(self.layout.numel, dtype=torch.float32, device=self._device)
         for param, (start, stop) in zip(self.model_params, self.layout.ranges):
             buffer[start:stop] = main_grad(param).reshape(-1)
+        views = [buffer[start:stop] for start, stop in self.layout.ranges]
+        sum_over_tensor_parallel(views, self._partial_over_tp, self.tp_group)
         if self.layout.dp == 1:
             return buffer
         shard = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=self._device)

@@ -80,6 +80,35 @@ def global_norm(
     return math.sqrt((shards + replicas).item())
 
 
+def partial_over_tensor_parallel(model: nn.Module) -> list[bool]:
+    """Per trainable parameter, whether its gradient is a partial sum over the TP group that
+    must be summed there before the step (Megatron's ``finalize_model_grads`` rule): the norms
+    under sequence parallelism (each rank saw part of the sequence; they carry
+    ``sequence_parallel``) and the query/key norms (each rank saw its own heads)."""
+    config = getattr(model, "config", None)
+    sequence_parallel = getattr(config, "sequence_parallel", False)
+    qk_layernorm = getattr(config, "qk_layernorm", False)
+    return [
+        (sequence_parallel and getattr(param, "sequence_parallel", False))
+        or (qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name))
+        for name, param in model.named_parameters()
+        if param.requires_grad
+    ]
+
+
+def sum_over_tensor_parallel(grads: list[torch.Tensor], partial: list[bool], tp_group) -> None:
+    """Sum, in place and in one collective, the float32 gradients ``partial`` marks."""
+    chosen = [g for g, is_partial in zip(grads, partial, strict=True) if is_partial]
+    if not chosen or dist.get_world_size(tp_group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in chosen])
+    dist.all_reduce(flat, group=tp_group)
+    offset = 0
+    for g in chosen:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 class _MainParams:
     """What both optimizers share: a torch optimizer stepping float32 ``main_params`` for the
     model's ``model_params``, and its state as checkpoints read it."""
@@ -184,11 +213,13 @@ class MainParamsOptimizer(_MainParams):
         self._is_shard = [
             bool(getattr(p, "tensor_model_parallel", False)) for p in self.model_params
         ]
+        self._partial_over_tp = partial_over_tensor_parallel(model)
         self.last_update_norm: float | None = None
 
     def step(self, lr: float) -> tuple[float, bool]:
         """One optimizer step at ``lr``; returns (gradient norm before clipping, skipped)."""
         grads = [main_grad(p) for p in self.model_params]
+        sum_over_tensor_parallel(grads, self._partial_over_tp, self.tp_group)
         self._sum_over_data_parallel(grads)
         norm = global_norm(grads, self._is_shard, self.tp_group, self._device)
         skipped = not math.isfinite(norm)

@@ -103,14 +103,45 @@ def test_the_partial_gradients_follow_megatrons_rule(sequence_parallel, qk_layer
     }
 
 
+@needs_megatron
+@pytest.mark.slow
+def test_a_built_tp2_model_splits_the_sequence_and_marks_its_norms(tmp_path):
+    worker = Path(__file__).parent / "workers" / "sequence_parallel.py"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        + [str(worker), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in range(2):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert found["norm_input_shape"] == [32, 2, 64]  # [s / TP, b, h]: half the sequence
+        assert found["logits_shape"] == [2, 64, 256]  # gathered back for the LM head
+        summed = set(found["summed_over_tp"])
+        for layer in (0, 1):
+            prefix = f"decoder.layers.{layer}."
+            for norm in ("input_layernorm", "pre_mlp_layernorm"):
+                assert {f"{prefix}{norm}.weight", f"{prefix}{norm}.bias"} <= summed
+            for norm in ("self_attention.q_layernorm", "self_attention.k_layernorm"):
+                assert f"{prefix}{norm}.weight" in summed
+            # Row-parallel biases are added after the reduce-scatter: partial too (Megatron).
+            assert f"{prefix}self_attention.linear_proj.bias" in summed
+            assert f"{prefix}mlp.linear_fc2.bias" in summed
+            assert f"{prefix}self_attention.linear_qkv.weight" not in summed
+        assert "decoder.final_layernorm.weight" in summed
+
+
 # -- end to end at TP 2 -----------------------------------------------------------------------
 
 FP32 = {"precision.base_dtype": "fp32"}
 
 
-def _torchrun(*args: object) -> None:
+def _torchrun(*args: object, ranks: int = 2) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
         + ["-m", "fp8ops", *map(str, args), "--no-progress"],
         capture_output=True,
         text=True,
@@ -149,7 +180,7 @@ def tp2_manifest(small_base, tmp_path_factory) -> Path:
 
 @needs_megatron
 @pytest.mark.slow
-def test_sequence_parallelism_trains_as_tensor_parallelism_alone(tp2_manifest, tmp_path):
+def test_sequence_parallelism_trains_as_tensor_parallelism_alone(tp2_manifest, tmp_path, cli):
     plain, sp, resumed = tmp_path / "tp2", tmp_path / "tp2-sp", tmp_path / "tp2-sp-resumed"
     _torchrun("train", tp2_manifest, "--run-dir", plain)
     on = ("--set", "topology.sequence_parallel=true")
@@ -170,6 +201,16 @@ def test_sequence_parallelism_trains_as_tensor_parallelism_alone(tp2_manifest, t
     checks = [e for e in read_jsonl(sp / "events.jsonl") if e["event"] == "fp8_state_checked"]
     assert [(c["ranks"], c["agree"]) for c in checks] == [(2, True), (2, True)]
     assert load_manifest(sp / "manifest.yaml").topology.sequence_parallel
+
+    # Exported by one process (TP 1, where sequence parallelism does not apply): the weights
+    # the last checkpoint holds.
+    from fp8ops.checkpoint import read_meta
+
+    result = cli("checkpoints", "export", sp, "--out", tmp_path / "weights")
+    assert result.code == 0, result.err
+    exported = json.loads((tmp_path / "weights" / "fp8ops_weights.json").read_text())
+    last = read_meta(sorted((sp / "checkpoints").glob("step_*"))[-1])
+    assert exported["fingerprint"] == last.weights_fingerprint
 
     _torchrun("train", tp2_manifest, "--run-dir", resumed, *on, "--stop-at", 3)
     _torchrun("resume", resumed)
@@ -203,3 +244,23 @@ def test_query_key_norms_train_at_tp2_as_at_tp1(tmp_path, cli):
     assert tp2 == pytest.approx(tp1, rel=5e-7, abs=0)  # measured: within 5.1e-8
     info = json.loads((tmp_path / "tp2" / "run.json").read_text())
     assert info["topology"]["tensor_parallel"] == 2
+
+
+@needs_megatron
+@pytest.mark.slow
+def test_tp2_dp2_with_sequence_parallelism_and_the_distributed_optimizer(tp2_manifest, tmp_path):
+    """Four ranks: both features at once train as neither does (each alone is bit for bit at
+    this size: the sums they reorder are of two terms, or of norm gradients only)."""
+    dp2 = ("--set", "topology.data_parallel=2")
+    _torchrun("train", tp2_manifest, "--run-dir", tmp_path / "plain", *dp2, ranks=4)
+    _torchrun(
+        "train", tp2_manifest, "--run-dir", tmp_path / "both", *dp2,
+        "--set", "topology.sequence_parallel=true", "--set", "optimizer.distributed=true",
+        ranks=4,
+    )  # fmt: skip
+    plain, both = tmp_path / "plain", tmp_path / "both"
+    assert _metrics(both, "loss") == _metrics(plain, "loss")
+    assert _metrics(both, "grad_norm") == pytest.approx(_metrics(plain, "grad_norm"), rel=1e-7)
+    held = json.loads((both / "run.json").read_text())["optimizer"]["state_bytes_per_rank"]
+    replicated = json.loads((plain / "run.json").read_text())["optimizer"]["state_bytes_per_rank"]
+    assert len(held) == 4 and max(held) < 0.51 * replicated[0]

@@ -1688,8 +1688,8 @@ class Manifest(_Section):
                 (
                     ("precision", "reduce_amax"),
                     False,
-                    "must be true under topology.sequence_parallel: each rank casts part of the "
-                    "sequence, and Transformer Engine requires the amax reduced over TP for it",
+                    "must be true under topology.sequence_parallel: Transformer Engine requires "
+                    "the amax reduced over TP for it, and fp8ops runs TE's arithmetic",
                 )
             )
         if self.precision.enabled and self.precision.backend == "te":

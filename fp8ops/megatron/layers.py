@@ -252,7 +252,11 @@ class Fp8ColumnParallelLinear(_Fp8LocalGemm, ColumnParallelLinear):
         scope = active_scope()
         if scope is None or not self.fp8_enabled:
             if self.probe is not None:
-                self.probe.fallback_call(input_, self.weight if weight is None else weight)
+                self.probe.fallback_call(
+                    input_,
+                    self.weight if weight is None else weight,
+                    sequence_group=self.tp_group if self.sequence_parallel else None,
+                )
             return super().forward(input_, weight, runtime_gather_output)
         if weight is None:
             weight = self.weight

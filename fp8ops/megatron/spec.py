@@ -71,7 +71,9 @@ def with_sequence_parallel_norms(
 ) -> TransformerBlockSubmodules:
     """The decoder block of ``num_layers`` copies of a local-spec layer whose norms (input, pre-MLP,
     query/key where it has them, and the block's final norm) are :class:`SequenceParallelNorm`:
-    torch's norms, which Megatron's local spec refuses under sequence parallelism without Apex."""
+    torch's norms, which Megatron's local spec refuses under sequence parallelism without Apex.
+    Where Apex is installed its ``FusedLayerNorm`` is replaced too, so a run's norms are the same
+    kernels on every machine."""
     layer = layer_spec.submodules
     attention = layer.self_attention
     qk = {

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 
@@ -56,11 +57,18 @@ class Probe:
                 # without a float32 copy of the output.
                 self.rel_error = _norm(out_rows - reference) / _norm(reference)
 
-    def fallback_call(self, x: torch.Tensor, weight) -> None:
-        """After a forward in the base dtype (the module is held out of FP8, or no scope)."""
+    def fallback_call(self, x: torch.Tensor, weight, sequence_group=None) -> None:
+        """After a forward in the base dtype (the module is held out of FP8, or no scope).
+        ``sequence_group``: the TP group ``x``'s sequence is split over (sequence parallelism),
+        whose parts make up the input the FP8 path measures after gathering it (collective)."""
         self.fallback_gemms += _gemms(x, weight)
         if self.measure:
-            self.input_norm = _norm(x)
+            if sequence_group is None or dist.get_world_size(sequence_group) == 1:
+                self.input_norm = _norm(x)
+                return
+            square = _norm(x).square()
+            dist.all_reduce(square, group=sequence_group)
+            self.input_norm = square.sqrt()
 
     def take(self) -> Probe:
         """This step's record; the probe starts the next step empty (same cadence flags)."""

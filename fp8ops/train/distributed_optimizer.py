@@ -103,6 +103,12 @@ class DistributedMainParamsOptimizer(_MainParams):
         self.cfg = optimizer_cfg
         self.tp_group, self.dp_group = tp_group, dp_group
         self.model_params = [p for p in model.parameters() if p.requires_grad]
+        dtypes = {p.dtype for p in self.model_params}
+        if len(dtypes) > 1:  # the new weights are gathered in one buffer of the model's dtype
+            raise ValueError(
+                f"the distributed optimizer needs one parameter dtype, the model has "
+                f"{sorted(map(str, dtypes))}"
+            )
         self._is_shard = [
             bool(getattr(p, "tensor_model_parallel", False)) for p in self.model_params
         ]
@@ -158,10 +164,8 @@ class DistributedMainParamsOptimizer(_MainParams):
         copies = self.moment_kinds + (("main",) if self.keeps_main_copy else ())
         whole = {}
         for kind in copies:
-            if for_load:
-                whole[kind] = torch.empty(
-                    self.layout.numel, dtype=torch.float32, device=self._device
-                )
+            if for_load:  # on the host: loading must not need the whole state on the device
+                whole[kind] = torch.empty(self.layout.numel, dtype=torch.float32)
                 continue
             local = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self._device)
             for piece, main in zip(self.pieces, self.main_params):

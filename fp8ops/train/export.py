@@ -70,7 +70,9 @@ def checkpoint_model(
             f"({meta.manifest[:12]}); the checkpoint is damaged"
         )
     # One process: the weights are the same at any topology (Megatron reshards on load).
-    one = manifest.topology.model_copy(update={"tensor_parallel": 1, "data_parallel": 1})
+    one = manifest.topology.model_copy(
+        update={"tensor_parallel": 1, "data_parallel": 1, "sequence_parallel": False}
+    )
     alone = manifest.model_copy(update={"topology": one})
     built = alone
     if float32:

@@ -131,11 +131,12 @@ class _MainParams:
         return any(p.dtype != torch.float32 for p in self.model_params)
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds: separate main weights and the moments."""
+        """Bytes of optimizer state this rank holds: the moments, and main weights where they
+        are separate tensors (a distributed optimizer's slices always are)."""
         self.ensure_state()
         total = 0
         for param, main in zip(self._owners(), self.main_params):
-            copies = len(self.moment_kinds) + (param.dtype != torch.float32)
+            copies = len(self.moment_kinds) + (main is not param)
             total += main.numel() * main.element_size() * copies
         return total
 

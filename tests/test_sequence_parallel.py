@@ -59,6 +59,16 @@ def test_the_manifest_refuses_what_sequence_parallelism_cannot_run_with(changes,
     assert field in message and says in message, message
 
 
+def test_context_parallelism_is_refused_by_name():
+    manifest = load_manifest(MANIFESTS / "tiny-gpt-cpu.yaml")
+    with pytest.raises(ManifestError) as refused:
+        derive(manifest, {"topology.context_parallel": 2}, "test")
+    assert "topology.context_parallel: context parallelism is not supported yet" in str(
+        refused.value
+    )
+    assert derive(manifest, {"topology.context_parallel": 1, "seeds.data": 7}, "test")
+
+
 def test_sequence_parallelism_at_tp2_is_accepted():
     manifest = load_manifest(MANIFESTS / "tiny-gpt-cpu.yaml")
     changes = {"topology.tensor_parallel": 2, "topology.sequence_parallel": True}

@@ -1047,6 +1047,16 @@ class Topology(_Section):
             "reduced over TP (precision.reduce_amax), and sequences padded to seq_length."
         ),
     )
+    context_parallel: int = added_field(
+        1,
+        added_in="0.1.0",
+        ge=1,
+        description=(
+            "Megatron's context parallelism (the sequence split over ranks inside attention "
+            "too). Only 1 so far: fp8ops' attention and data path do not split sequences; "
+            "for long sequences use tensor_parallel with sequence_parallel."
+        ),
+    )
     amax_reduction: Literal["tp_dp_cp", "tp_cp"] = Field(
         "tp_dp_cp",
         description=(
@@ -1055,6 +1065,18 @@ class Topology(_Section):
             "may then drift to different scales)."
         ),
     )
+
+    @field_validator("context_parallel")
+    @classmethod
+    def _no_context_parallel(cls, value: int) -> int:
+        if value != 1:
+            raise PydanticCustomError(
+                "manifest_rule",
+                "context parallelism is not supported yet (fp8ops' attention and data path do "
+                "not split sequences); set it to 1, and for long sequences use "
+                "topology.sequence_parallel with tensor_parallel > 1",
+            )
+        return value
 
     @property
     def world_size(self) -> int:

@@ -560,7 +560,7 @@ def build_stack(shape: dict, recipe, gemm, device, attention: str):
     """The FP8-capable layer stack on ``device``, weights drawn as ``build_gpt`` draws them."""
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-    from fp8ops.manifest.schema import ModelConfig
+    from fp8ops.manifest.schema import ModelConfig, Topology
     from fp8ops.megatron.compat import tensor_parallel
     from fp8ops.megatron.model import transformer_config
     from fp8ops.megatron.spec import get_gpt_layer_fp8_emulated_spec
@@ -578,7 +578,7 @@ def build_stack(shape: dict, recipe, gemm, device, attention: str):
             activation="swiglu",
             position_embedding="rope",
         ),
-        topology=SimpleNamespace(tensor_parallel=1),
+        topology=Topology(),  # one rank, every parallelism at its default
         precision=SimpleNamespace(base_dtype="bf16"),
     )
     torch.manual_seed(1234)

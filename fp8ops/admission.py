@@ -382,10 +382,13 @@ def _params_dtype(module: Any) -> str:
 
 
 def _walk(model: nn.Module, tensor_parallel: int) -> list[_Found]:
-    """The linear-like modules of ``model``: projections, LM head, embeddings, norms."""
+    """The linear-like modules of ``model``: projections, LM head, embeddings, norms, each layer's
+    named by its global number (a pipeline stage's local layers start at its offset)."""
+    from fp8ops.megatron.layers import global_layer_name
+
     found = []
     for fqn, module in model.named_modules():
-        item = _classify(fqn, module)
+        item = _classify(global_layer_name(model, fqn), module)
         if item is not None:
             _check_shard(item, tensor_parallel)
             found.append(item)

@@ -82,6 +82,7 @@ with _import_guard():
     from megatron.core.fusions import fused_softmax
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
     from megatron.core.tensor_parallel import random as megatron_random
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.tensor_parallel.mappings import (
@@ -195,12 +196,14 @@ __all__ = [
     "fused_softmax",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
+    "get_forward_backward_func",
     "get_gpt_layer_local_spec",
     "megatron_random",
     "parallel_state",
     "reduce_from_tensor_model_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
+    "schedules",
     "set_rng_tracker",
     "te_gpt_layer_spec",
     "tensor_parallel",

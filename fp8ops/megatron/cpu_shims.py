@@ -9,16 +9,24 @@ megatron-core 0.16.1; ``compat.py`` covers 0.17-0.19).
 2. ``torch.cuda.current_device``: Megatron passes it as a device argument in ~40 places.
 3. Default causal mask: built with ``device="cuda"`` when the caller passes no attention mask.
 4. Checkpoint writer: ``torch.cuda.synchronize()`` after the tensors are copied to host memory.
+5. Pipeline schedules: each schedule's token counter is created with ``device="cuda"``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterator
 
 import torch
 
-from fp8ops.megatron.compat import filesystem_async, fused_softmax, megatron_random, set_rng_tracker
+from fp8ops.megatron.compat import (
+    filesystem_async,
+    fused_softmax,
+    megatron_random,
+    schedules,
+    set_rng_tracker,
+)
 
 
 def apply_cpu_shims() -> None:
@@ -29,6 +37,7 @@ def apply_cpu_shims() -> None:
     _current_device_is_cpu()
     _default_causal_mask_on_cpu()
     _checkpoint_preload_without_cuda_sync()
+    _schedules_count_tokens_on_cpu()
 
 
 # -- 1. RNG tracker --------------------------------------------------------------------------
@@ -125,3 +134,27 @@ def _checkpoint_preload_without_cuda_sync() -> None:
     filesystem_async.FileSystemWriterAsync.preload_tensors = staticmethod(
         _preload_tensors_without_cuda_sync
     )
+
+
+# -- 5. pipeline schedules -------------------------------------------------------------------
+
+
+class _TorchWithCpuZeros(types.ModuleType):
+    """``torch`` as ``schedules.py`` sees it, except that ``zeros(..., device="cuda")`` makes a
+    CPU tensor."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*size, device=None, **kwargs) -> torch.Tensor:
+        return torch.zeros(*size, device="cpu" if device == "cuda" else device, **kwargs)
+
+
+def _schedules_count_tokens_on_cpu() -> None:
+    # Every schedule in pipeline_parallel/schedules.py (no pipelining, 1F1B, interleaved) starts
+    # with total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda"), which raises on a
+    # CPU build; it only sums the token counts loss functions return. The module's other torch
+    # calls take their devices from the tensors they are given.
+    if not isinstance(schedules.torch, _TorchWithCpuZeros):
+        schedules.torch = _TorchWithCpuZeros("torch")

@@ -308,8 +308,29 @@ FP8_PARALLEL_LINEARS = (Fp8ColumnParallelLinear, Fp8RowParallelLinear)
 
 
 def fp8_modules(model: nn.Module) -> dict[str, Fp8ColumnParallelLinear | Fp8RowParallelLinear]:
-    """The model's FP8 linears by fully qualified name, in module order."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, FP8_PARALLEL_LINEARS)}
+    """The model's FP8 linears by fully qualified name, in module order, with each layer named
+    by its global number: under pipeline parallelism a stage's ``decoder.layers.0`` is the
+    model's layer ``offset + 0`` (Megatron's ``layer_number``, 1-based), as checkpoints,
+    telemetry and manifests name it."""
+    return {
+        global_layer_name(model, name): m
+        for name, m in model.named_modules()
+        if isinstance(m, FP8_PARALLEL_LINEARS)
+    }
+
+
+def global_layer_name(model: nn.Module, name: str) -> str:
+    """``decoder.layers.{i}.rest`` with this stage's local ``i`` replaced by the global layer
+    (Megatron's ``layer_number`` - 1); other names, and layers without a number (a model not
+    built by Megatron's ``TransformerBlock``), as they are."""
+    prefix = "decoder.layers."
+    if not name.startswith(prefix):
+        return name
+    local, _, rest = name[len(prefix) :].partition(".")
+    number = getattr(model.get_submodule(prefix + local), "layer_number", None)
+    if number is None:
+        return name
+    return f"{prefix}{number - 1}.{rest}" if rest else f"{prefix}{number - 1}"
 
 
 def mark_first_microbatch(model: nn.Module) -> None:

@@ -77,6 +77,7 @@ def build_gpt(
     apply_cpu_shims()
     model_cfg, topology = manifest.model, manifest.topology
     _check_parallel_state(topology)
+    _check_stages(manifest)
     device = torch.device("cpu" if device is None else device)
     if recipe is not None and backend == "scaled_mm":
         _check_scaled_mm_runs(device)
@@ -102,6 +103,9 @@ def build_gpt(
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
+        # This pipeline stage's part: the embedding on the first, the LM head on the last.
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
         **gpt_model_args(manifest),
     )
     set_rope_scaling(model, model_cfg)
@@ -164,6 +168,14 @@ def transformer_config(manifest) -> TransformerConfig:
         gated_linear_unit=swiglu,
         tensor_model_parallel_size=manifest.topology.tensor_parallel,
         sequence_parallel=manifest.topology.sequence_parallel,
+        pipeline_model_parallel_size=manifest.topology.pipeline_parallel,
+        # What stages send each other (fp8ops.train.pipeline): activations in the base dtype.
+        pipeline_dtype=dtype,
+        # Without CUDA there is nothing to synchronise after the batched sends and receives.
+        batch_p2p_sync=torch.cuda.is_available(),
+        # The pipeline's loss functions return losses already divided by the global batch's
+        # token count (fp8ops' per-token loss): the schedule must not divide them again.
+        calculate_per_token_loss=True,
         params_dtype=dtype,
         bf16=dtype is torch.bfloat16,
         fp16=dtype is torch.float16,
@@ -200,6 +212,15 @@ def amax_reduction_group(topology) -> torch.distributed.ProcessGroup:
     return compat.amax_reduction_group(tp_only=topology.amax_reduction == "tp_cp")
 
 
+def _check_stages(manifest) -> None:
+    if manifest.topology.pipeline_parallel != 1 and manifest.model.tied_embeddings:
+        # The last stage's copy of the embedding would need Megatron's embedding-group
+        # gradient sum, which fp8ops' optimizers do not do yet.
+        raise NotImplementedError(
+            "pipeline parallelism with model.tied_embeddings is not supported yet"
+        )
+
+
 def _check_parallel_state(topology) -> None:
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError(
@@ -218,5 +239,3 @@ def _check_parallel_state(topology) -> None:
             f"topology (tensor_parallel, pipeline_parallel, data_parallel) = {wanted}, but "
             f"Megatron's parallel state was initialised with TP, PP, DP = {layout}"
         )
-    if topology.pipeline_parallel != 1:
-        raise NotImplementedError("pipeline parallelism is not supported yet (PP must be 1)")

@@ -99,9 +99,9 @@ class DistributedMainParamsOptimizer(_MainParams):
     and writes the new weights into every replica; it returns (norm before clipping, skipped).
     """
 
-    def __init__(self, model: nn.Module, optimizer_cfg, *, tp_group, dp_group):
+    def __init__(self, model: nn.Module, optimizer_cfg, *, tp_group, dp_group, pp_group=None):
         self.cfg = optimizer_cfg
-        self.tp_group, self.dp_group = tp_group, dp_group
+        self.tp_group, self.dp_group, self.pp_group = tp_group, dp_group, pp_group
         self.model_params = [p for p in model.parameters() if p.requires_grad]
         dtypes = {p.dtype for p in self.model_params}
         if len(dtypes) > 1:  # the new weights are gathered in one buffer of the model's dtype
@@ -145,7 +145,7 @@ class DistributedMainParamsOptimizer(_MainParams):
                 group["lr"] = lr
             self.inner.step()
             self.last_update_norm = global_norm(
-                self._copy_back(), self._is_shard, self.tp_group, self._device
+                self._copy_back(), self._is_shard, self.tp_group, self._device, self.pp_group
             )
         else:
             self.last_update_norm = None
@@ -223,7 +223,10 @@ class DistributedMainParamsOptimizer(_MainParams):
         shards, replicas = sums[0], sums[1]
         if dist.get_world_size(self.tp_group) > 1:
             dist.all_reduce(shards, group=self.tp_group)
-        return math.sqrt((shards + replicas).item())
+        total = shards + replicas
+        if self.pp_group is not None and dist.get_world_size(self.pp_group) > 1:
+            dist.all_reduce(total, group=self.pp_group)  # the stages' parameters are disjoint
+        return math.sqrt(total.item())
 
     def _copy_back(self) -> Iterator[torch.Tensor]:
         """Gather every rank's new weights (in the model's dtype) into each replica, yielding

@@ -57,7 +57,11 @@ def main_grad(param: nn.Parameter) -> torch.Tensor:
 
 
 def global_norm(
-    tensors: Iterable[torch.Tensor], is_shard: list[bool], tp_group, device: torch.device
+    tensors: Iterable[torch.Tensor],
+    is_shard: list[bool],
+    tp_group,
+    device: torch.device,
+    pp_group=None,
 ) -> float:
     """The global L2 norm of per-parameter ``tensors``: TP shards summed over the TP group,
     replicas (the same on every TP rank) counted once (Megatron's
@@ -66,6 +70,7 @@ def global_norm(
     Accumulated in float64 on ``device``, where the tensors are, then brought to the host (one
     sync, free on the CPU), so the TP sum is a CPU scalar and goes over gloo like fp8ops' other
     small collectives. ``tensors`` may be a generator: zipped first, it runs to its end.
+    ``pp_group``: the pipeline stages, whose parameters are disjoint, summed last.
     """
     shards = torch.zeros((), dtype=torch.float64, device=device)
     replicas = torch.zeros((), dtype=torch.float64, device=device)
@@ -77,7 +82,10 @@ def global_norm(
     shards, replicas = shards.cpu(), replicas.cpu()
     if dist.get_world_size(tp_group) > 1:
         dist.all_reduce(shards, group=tp_group)
-    return math.sqrt((shards + replicas).item())
+    total = shards + replicas
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total, group=pp_group)
+    return math.sqrt(total.item())
 
 
 def partial_over_tensor_parallel(model: nn.Module) -> list[bool]:
@@ -196,9 +204,9 @@ class MainParamsOptimizer(_MainParams):
     weights, in their own dtype: an update that rounds away in bf16 does not count.
     """
 
-    def __init__(self, model: nn.Module, optimizer_cfg, *, tp_group, dp_group):
+    def __init__(self, model: nn.Module, optimizer_cfg, *, tp_group, dp_group, pp_group=None):
         self.cfg = optimizer_cfg
-        self.tp_group, self.dp_group = tp_group, dp_group
+        self.tp_group, self.dp_group, self.pp_group = tp_group, dp_group, pp_group
         self.model_params = [p for p in model.parameters() if p.requires_grad]
         # Float32 params are their own main copy: no second copy to keep in sync.
         self.main_params = [
@@ -222,7 +230,7 @@ class MainParamsOptimizer(_MainParams):
         grads = [main_grad(p) for p in self.model_params]
         sum_over_tensor_parallel(grads, self._partial_over_tp, self.tp_group)
         self._sum_over_data_parallel(grads)
-        norm = global_norm(grads, self._is_shard, self.tp_group, self._device)
+        norm = global_norm(grads, self._is_shard, self.tp_group, self._device, self.pp_group)
         skipped = not math.isfinite(norm)
         if not skipped:
             if self.cfg.clip_grad is not None and norm > self.cfg.clip_grad:
@@ -241,7 +249,7 @@ class MainParamsOptimizer(_MainParams):
             ]
             self.inner.step()
             self.last_update_norm = global_norm(
-                self._copy_back(before), self._is_shard, self.tp_group, self._device
+                self._copy_back(before), self._is_shard, self.tp_group, self._device, self.pp_group
             )
         else:
             self.last_update_norm = None  # nothing changed: no update, rather than a zero one

@@ -3,11 +3,11 @@
 with fp8ops' FP8 scope around every micro-batch's forward on every stage.
 
 Against the unpipelined model (the same weights by global name, the same batches), at TP 1 and
-at TP 2 (four ranks): losses and
-every module's FP8 state (scales and amax histories) bit for bit after four steps, gradient norms
-to float64 summation noise (the stages' sums of squares are added last); modules and parameters
-named by global layer; each stage's amax group agreeing on its state. The trainer does not run
-pipelines yet (``topology.pipeline_parallel`` is refused when a run starts).
+at TP 2 (four ranks): losses and every module's FP8 state (scales and amax histories) bit for
+bit after four steps, gradient norms to float64 summation noise (the stages' sums of squares are
+added last); FP8 modules named by global layer (parameters keep Megatron's local names); each
+stage's amax group agreeing on its state. The trainer does not run pipelines yet
+(``topology.pipeline_parallel`` is refused when a run starts).
 """
 
 import importlib.util
@@ -78,7 +78,7 @@ def test_tp2_pp2_on_four_ranks_equals_tp2_pp1(tmp_path):
     assert all(r["agree"] for r in both)  # each stage's amax group (its two TP ranks)
 
 
-def test_pipeline_with_tied_embeddings_is_refused_when_the_model_is_built():
+def test_what_a_pipelined_model_cannot_have_yet_is_refused_when_it_is_built():
     # The last stage's copy of the embedding would need Megatron's embedding-group gradient sum.
     from fp8ops.megatron import model as megatron_model
 
@@ -89,6 +89,9 @@ def test_pipeline_with_tied_embeddings_is_refused_when_the_model_is_built():
     )
     with pytest.raises(NotImplementedError, match="tied_embeddings"):
         megatron_model._check_stages(manifest)
+    on_te = derive(manifest, {"model.tied_embeddings": False, "precision.backend": "te"}, "te")
+    with pytest.raises(NotImplementedError, match="precision.backend te"):
+        megatron_model._check_stages(on_te)
 
 
 def test_a_run_with_pipeline_parallelism_is_still_refused_at_start():

@@ -62,8 +62,13 @@ def forward_backward(
 
         return output, loss_func
 
-    first = micro_batches[0]
-    micro_batch_size, seq_length = first.tokens.shape
+    shapes = {tuple(mb.tokens.shape) for mb in micro_batches}
+    if len(shapes) != 1:  # the stages exchange activations of one fixed shape
+        raise ValueError(
+            f"every micro-batch of a pipelined step must have one shape, got {sorted(shapes)} "
+            "(pad sequences to seq_length: data.pad_to)"
+        )
+    micro_batch_size, seq_length = shapes.pop()
     reported = get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=batches,

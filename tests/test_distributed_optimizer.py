@@ -15,14 +15,13 @@ import json
 import math
 import random
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from support.small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
 from support.test_tier import examples
+from support.torchrun import fp8ops_ranks, worker_records
 
 from fp8ops.manifest.schema import OptimizerConfig
 from fp8ops.train.distributed_optimizer import BufferLayout, DistributedMainParamsOptimizer
@@ -115,18 +114,7 @@ def test_one_rank_steps_as_the_replicated_optimizer(gloo_world_of_one, dtype, na
 
 
 def _run_worker(tmp_path: Path, ranks: int, dtype: str) -> list[dict]:
-    out = tmp_path / f"dp{ranks}-{dtype}"
-    out.mkdir()
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        + [f"--nproc-per-node={ranks}", str(WORKER), str(out), dtype],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+    return worker_records(WORKER, tmp_path / f"dp{ranks}-{dtype}", dtype, ranks=ranks)
 
 
 def _exact(found: dict) -> None:
@@ -182,18 +170,6 @@ def test_dp4_bf16_is_exact_and_fp32_dp3_rounds_the_sums_otherwise(tmp_path):
 N = 3  # steps before the stop, and after it
 
 
-def _torchrun(*args: object, ranks: int = 2) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        + [f"--nproc-per-node={ranks}", "-m", "fp8ops", *map(str, args), "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
-
 @pytest.fixture(scope="module")
 def dp2_manifest(small_base, tmp_path_factory) -> Path:
     """The small model's FP8 fine-tuning at DP 2, checkpointing every N steps."""
@@ -222,12 +198,12 @@ def test_a_dp2_run_trains_checkpoints_and_resumes_as_without_it(dp2_manifest, tm
     from fp8ops.run import read_metrics
 
     replicated, distributed = tmp_path / "replicated", tmp_path / "distributed"
-    _torchrun("train", dp2_manifest, "--run-dir", replicated)
-    _torchrun(
+    fp8ops_ranks("train", dp2_manifest, "--run-dir", replicated)
+    fp8ops_ranks(
         "train", dp2_manifest, "--run-dir", distributed,
         "--set", "optimizer.distributed=true", "--stop-at", N,
     )  # fmt: skip
-    _torchrun("resume", distributed)
+    fp8ops_ranks("resume", distributed)
 
     def metrics(run: Path) -> list[tuple]:
         return [(m.step, m.loss, m.grad_norm, m.update_norm) for m in read_metrics(run)]

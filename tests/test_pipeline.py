@@ -11,12 +11,10 @@ stage's amax group agreeing on its state. The trainer does not run pipelines yet
 """
 
 import importlib.util
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.torchrun import worker_records
 
 from fp8ops.errors import ManifestError
 from fp8ops.manifest import derive, load_manifest
@@ -30,17 +28,7 @@ MANIFESTS = Path(__file__).resolve().parents[1] / "manifests"
 
 def _run(tmp_path: Path, ranks: int, tensor_parallel: int = 1) -> list[dict]:
     out = tmp_path / f"ranks{ranks}-tp{tensor_parallel}"
-    out.mkdir()
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        + [f"--nproc-per-node={ranks}", str(WORKER), str(out), str(tensor_parallel)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+    return worker_records(WORKER, out, tensor_parallel, ranks=ranks)
 
 
 @pytest.mark.slow

@@ -12,14 +12,13 @@ over tensor parallelism.
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from support.small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
+from support.torchrun import fp8ops_ranks, worker_records
 
 from fp8ops.errors import ManifestError
 from fp8ops.files import read_jsonl
@@ -117,17 +116,7 @@ def test_the_partial_gradients_follow_megatrons_rule(sequence_parallel, qk_layer
 @pytest.mark.slow
 def test_a_built_tp2_model_splits_the_sequence_and_marks_its_norms(tmp_path):
     worker = Path(__file__).parent / "workers" / "sequence_parallel.py"
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-        + [str(worker), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    for rank in range(2):
-        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for found in worker_records(worker, tmp_path / "out", ranks=2):
         assert found["norm_input_shape"] == [32, 2, 64]  # [s / TP, b, h]: half the sequence
         assert found["logits_shape"] == [2, 64, 256]  # gathered back for the LM head
         summed = set(found["summed_over_tp"])
@@ -147,18 +136,6 @@ def test_a_built_tp2_model_splits_the_sequence_and_marks_its_norms(tmp_path):
 # -- end to end at TP 2 -----------------------------------------------------------------------
 
 FP32 = {"precision.base_dtype": "fp32"}
-
-
-def _torchrun(*args: object, ranks: int = 2) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-        + ["-m", "fp8ops", *map(str, args), "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 def _metrics(run: Path, key: str) -> list:
@@ -192,9 +169,9 @@ def tp2_manifest(small_base, tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_sequence_parallelism_trains_as_tensor_parallelism_alone(tp2_manifest, tmp_path, cli):
     plain, sp, resumed = tmp_path / "tp2", tmp_path / "tp2-sp", tmp_path / "tp2-sp-resumed"
-    _torchrun("train", tp2_manifest, "--run-dir", plain)
+    fp8ops_ranks("train", tp2_manifest, "--run-dir", plain)
     on = ("--set", "topology.sequence_parallel=true")
-    _torchrun("train", tp2_manifest, "--run-dir", sp, *on)
+    fp8ops_ranks("train", tp2_manifest, "--run-dir", sp, *on)
     # The same GEMMs on the same rows, and the residual stream's partial sums reduce-scattered
     # instead of all-reduced (a sum of two: the same bits). Only the norms' weight gradients
     # are summed in another order (per-rank parts, then over TP).
@@ -222,8 +199,8 @@ def test_sequence_parallelism_trains_as_tensor_parallelism_alone(tp2_manifest, t
     last = read_meta(sorted((sp / "checkpoints").glob("step_*"))[-1])
     assert exported["fingerprint"] == last.weights_fingerprint
 
-    _torchrun("train", tp2_manifest, "--run-dir", resumed, *on, "--stop-at", 3)
-    _torchrun("resume", resumed)
+    fp8ops_ranks("train", tp2_manifest, "--run-dir", resumed, *on, "--stop-at", 3)
+    fp8ops_ranks("resume", resumed)
     assert _metrics(resumed, "loss") == _metrics(sp, "loss")
     assert _metrics(resumed, "grad_norm") == _metrics(sp, "grad_norm")
 
@@ -247,7 +224,7 @@ def test_query_key_norms_train_at_tp2_as_at_tp1(tmp_path, cli):
         },
     )
     assert cli("train", manifest, "--run-dir", tmp_path / "tp1", "--no-progress").code == 0
-    _torchrun(
+    fp8ops_ranks(
         "train", manifest, "--run-dir", tmp_path / "tp2", "--set", "topology.tensor_parallel=2"
     )
     tp1, tp2 = _metrics(tmp_path / "tp1", "loss"), _metrics(tmp_path / "tp2", "loss")
@@ -262,8 +239,8 @@ def test_tp2_dp2_with_sequence_parallelism_and_the_distributed_optimizer(tp2_man
     """Four ranks: both features at once train as neither does (each alone is bit for bit at
     this size: the sums they reorder are of two terms, or of norm gradients only)."""
     dp2 = ("--set", "topology.data_parallel=2")
-    _torchrun("train", tp2_manifest, "--run-dir", tmp_path / "plain", *dp2, ranks=4)
-    _torchrun(
+    fp8ops_ranks("train", tp2_manifest, "--run-dir", tmp_path / "plain", *dp2, ranks=4)
+    fp8ops_ranks(
         "train", tp2_manifest, "--run-dir", tmp_path / "both", *dp2,
         "--set", "topology.sequence_parallel=true", "--set", "optimizer.distributed=true",
         ranks=4,

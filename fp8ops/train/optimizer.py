@@ -105,16 +105,22 @@ def partial_over_tensor_parallel(model: nn.Module) -> list[bool]:
 
 
 def sum_over_tensor_parallel(grads: list[torch.Tensor], partial: list[bool], tp_group) -> None:
-    """Sum, in place and in one collective, the float32 gradients ``partial`` marks."""
-    chosen = [g for g, is_partial in zip(grads, partial, strict=True) if is_partial]
-    if not chosen or dist.get_world_size(tp_group) == 1:
+    """Sum, in place, the float32 gradients ``partial`` marks."""
+    all_reduce_flat(
+        [g for g, is_partial in zip(grads, partial, strict=True) if is_partial], tp_group
+    )
+
+
+def all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
+    """Sum ``tensors`` over ``group`` in place, in one collective rather than one per tensor."""
+    if not tensors or dist.get_world_size(group) == 1:
         return
-    flat = torch.cat([g.reshape(-1) for g in chosen])
-    dist.all_reduce(flat, group=tp_group)
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
     offset = 0
-    for g in chosen:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 class _MainParams:
@@ -140,8 +146,8 @@ class _MainParams:
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds: the moments, and main weights where they
-        are separate tensors (a distributed optimizer's slices always are)."""
-        self.ensure_state()
+        are separate tensors (a distributed optimizer's slices always are); counted from the
+        main tensors, whose shapes the moments share, so nothing is allocated to count it."""
         total = 0
         for param, main in zip(self._owners(), self.main_params):
             copies = len(self.moment_kinds) + (main is not param)
@@ -229,7 +235,7 @@ class MainParamsOptimizer(_MainParams):
         """One optimizer step at ``lr``; returns (gradient norm before clipping, skipped)."""
         grads = [main_grad(p) for p in self.model_params]
         sum_over_tensor_parallel(grads, self._partial_over_tp, self.tp_group)
-        self._sum_over_data_parallel(grads)
+        all_reduce_flat(grads, self.dp_group)
         norm = global_norm(grads, self._is_shard, self.tp_group, self._device, self.pp_group)
         skipped = not math.isfinite(norm)
         if not skipped:
@@ -298,13 +304,3 @@ class MainParamsOptimizer(_MainParams):
 
     def _owners(self) -> list[nn.Parameter]:
         return self.model_params
-
-    def _sum_over_data_parallel(self, grads: list[torch.Tensor]) -> None:
-        if dist.get_world_size(self.dp_group) == 1:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])  # one collective, not one per tensor
-        dist.all_reduce(flat, group=self.dp_group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()

@@ -184,9 +184,13 @@ def decide_admission(
     reason ``unaligned``, and then the whole decision is refused (:class:`ManifestError`,
     naming every such module with the two ways out): an unaligned table is never applied or
     written. Only the modules that would run FP8 count: an excluded one never reaches the GEMM.
+
+    Under pipeline parallelism ``model`` is this rank's stage; the globs are checked against,
+    and the table lists, the modules of every stage (collective over the pipeline group), so
+    every stage decides and records the same table.
     """
     found = _walk(model, tensor_parallel)
-    _check_globs(precision, [f.fqn for f in found])
+    _check_globs(precision, _every_stage([f.fqn for f in found]))
     formats = _formats(precision.fp8_format)
     rows = []
     for f in found:
@@ -208,8 +212,26 @@ def decide_admission(
                 scaling=own[1].scaling if own and reason.code == "fp8" else None,
             )
         )
+    rows = _every_stage(rows)
     _refuse_unaligned(rows, precision)
     return AdmissionTable(rows=tuple(rows), tensor_parallel=tensor_parallel)
+
+
+def _every_stage(items: list) -> list:
+    """``items`` of every pipeline stage, first stage first (this stage's alone without
+    pipelining)."""
+    import torch.distributed as dist
+
+    from fp8ops.megatron.compat import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return items
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return items
+    stages = parallel_state.get_pipeline_model_parallel_group()
+    everyone: list = [None] * dist.get_world_size(stages)
+    dist.all_gather_object(everyone, items, group=stages)
+    return [item for stage in everyone for item in stage]
 
 
 def module_recipe(precision: PrecisionPolicy, fqn: str) -> tuple[int, Any] | None:
@@ -576,22 +598,25 @@ def apply_admission(table: AdmissionTable, model: nn.Module) -> None:
 
     The table must list exactly the model's linear-like modules (one decided for, or read from
     the ``layers.json`` of, the same model); otherwise nothing is changed and
-    :class:`AdmissionError` says which names differ.
+    :class:`AdmissionError` says which names differ. A pipeline stage's model holds some of the
+    table's modules: the others are another stage's.
     """
     from fp8ops.megatron.layers import fp8_modules
     from fp8ops.megatron.te_backend import te_projections
 
     in_model = [f.fqn for f in _walk(model, table.tensor_parallel)]
     in_table = [row.fqn for row in table.rows]
-    if set(in_model) != set(in_table):
-        only_table = sorted(set(in_table) - set(in_model))
-        only_model = sorted(set(in_model) - set(in_table))
+    whole = getattr(model, "pre_process", True) and getattr(model, "post_process", True)
+    only_table = sorted(set(in_table) - set(in_model)) if whole else []
+    only_model = sorted(set(in_model) - set(in_table))
+    if only_table or only_model:
         raise AdmissionError(
             "the admission table does not fit the model (was it decided for another model?): "
             f"only in the table: {_few(only_table)}; only in the model: {_few(only_model)}"
         )
     capable = fp8_modules(model) | te_projections(model)
-    wrong = [row.fqn for row in table.rows if row.fp8 and row.fqn not in capable]
+    here = [row for row in table.rows if row.fqn in set(in_model)]  # a stage: its own rows
+    wrong = [row.fqn for row in here if row.fp8 and row.fqn not in capable]
     if wrong:
         raise AdmissionError(
             f"the admission table runs {_few(wrong)} in FP8, but the model built them from the "
@@ -603,7 +628,7 @@ def apply_admission(table: AdmissionTable, model: nn.Module) -> None:
     wrong = [
         f"{row.fqn} (the table: {row.scaling or 'the run recipe'}; the model: "
         f"{own[row.fqn].own_scaling or 'the run recipe'})"
-        for row in table.rows
+        for row in here
         if row.fp8 and row.fqn in own and own[row.fqn].own_scaling != row.scaling
     ]
     if wrong:

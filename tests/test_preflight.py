@@ -161,6 +161,11 @@ def test_a_clean_committed_manifest_passes_every_item(cli, pinned, repo, tmp_pat
     assert "group0" in _texts(topology)
     gaps = topology["facts"]["relative_loss_gaps"]
     assert list(gaps) == ["3", "4"] and 0 <= max(gaps.values()) <= 2e-2
+    # And at two pipeline stages, one layer each (torchrun's one thread per process against
+    # this process's threads: close, not bitwise).
+    assert "resumed at PP 2 from the PP 1 checkpoint of step 2 (2 processes)" in _texts(topology)
+    gaps = topology["facts"]["pipeline_relative_loss_gaps"]
+    assert list(gaps) == ["3", "4"] and 0 <= max(gaps.values()) <= 2e-2
     assert results["work_dir"] is None  # the rehearsal runs are gone
 
 

@@ -34,7 +34,9 @@ class Fp8Layout:
     """Which state group this rank's FP8 state belongs to, and how many groups there are.
 
     The group is the set of ranks whose amaxes are all-reduced together: their states are
-    identical, so one of them (``replica == 0``) writes the group's copy.
+    identical, so one of them (``replica == 0``) writes the group's copy. Under pipeline
+    parallelism every stage holds other modules, so groups and replicas are counted within a
+    stage (over its TP x DP ranks), and each stage's modules are written by that stage.
     """
 
     name: str  # "shared" | "per_dp_replica" | "per_rank" | "none"
@@ -44,14 +46,14 @@ class Fp8Layout:
 
     @classmethod
     def for_run(cls, *, fp8: bool, reduce_amax: bool, topology, ranks) -> Fp8Layout:
+        in_stage = ranks.dp_rank * topology.tensor_parallel + ranks.tp_rank
         if not fp8:
-            return cls("none", 1, 0, ranks.rank)
+            return cls("none", 1, 0, in_stage)
         if not reduce_amax:
-            index = ranks.dp_rank * topology.tensor_parallel + ranks.tp_rank
-            return cls("per_rank", topology.world_size, index, 0)
+            return cls("per_rank", topology.stage_ranks, in_stage, 0)
         if topology.amax_reduction == "tp_cp" and topology.data_parallel > 1:
             return cls("per_dp_replica", topology.data_parallel, ranks.dp_rank, ranks.tp_rank)
-        return cls("shared", 1, 0, ranks.rank)
+        return cls("shared", 1, 0, in_stage)
 
 
 # -- FP8 state digests --------------------------------------------------------------------
@@ -98,12 +100,18 @@ def fp8_states_agree(modules: dict[str, nn.Module], group) -> Agreement:
 
 
 def group_digests(modules: dict[str, nn.Module], layout: Fp8Layout) -> dict[str, list[str]]:
-    """Module -> one digest per state group, as its group's first rank holds it (collective)."""
+    """Every module of every pipeline stage -> one digest per state group, as the group's first
+    rank holds it (collective). Ranks are gathered in rank order, and Megatron numbers the first
+    stage's ranks first, so the modules come in the model's order."""
     mine = {name: fp8_digest(module) for name, module in modules.items()}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (layout.group, layout.replica, mine))
-    by_group = {group: digests for group, replica, digests in everyone if replica == 0}
-    return {name: [by_group[g][name] for g in range(layout.groups)] for name in modules}
+    by_group: dict[int, dict[str, str]] = {}
+    for group, replica, digests in everyone:
+        if replica == 0:  # one writer per group and stage; the stages' modules differ
+            by_group.setdefault(group, {}).update(digests)
+    names = dict.fromkeys(name for _, _, digests in everyone for name in digests)
+    return {name: [by_group[g][name] for g in range(layout.groups)] for name in names}
 
 
 # -- building the sharded state dict ---------------------------------------------------------

@@ -40,6 +40,7 @@ class TrainingParts:
     layout: state.Fp8Layout
     ranks: object  # fp8ops.train.distributed.Ranks
     tp_group: object
+    stages: int = 1  # topology.pipeline_parallel
 
 
 def save_checkpoint(
@@ -98,7 +99,7 @@ def save_checkpoint(
                 layout=parts.layout.name,
                 groups=parts.layout.groups,
                 history_len=_history_len(parts.fp8_modules),
-                modules=list(parts.fp8_modules),
+                modules=list(digests),  # every stage's
                 digests=digests,
             ),
             sampler=sampler,
@@ -132,7 +133,8 @@ def load_checkpoint(
 
     ``fp8_read`` is ``resume.plan_resume``'s mapping: "own" (each state group reads its own
     slice) or "group0" (a topology change over identical groups: every rank reads slice 0).
-    Per-rank state (RNG, alert windows) is restored at the same world size only, and the alert
+    Per-rank state (RNG, alert windows) is restored at the same world size and pipeline size
+    only, and the alert
     windows only when ``alert_windows`` (the alert configuration is unchanged).
     """
     from megatron.core import dist_checkpointing
@@ -151,7 +153,11 @@ def load_checkpoint(
         fp8 = state.fp8_state_all_groups(parts.fp8_modules, meta.fp8.groups, parts.ranks.rank)
         read_group = 0
     sharded = {**weights, **optimizer, **fp8}
-    same_world = meta.topology.world_size == parts.ranks.world_size
+    # Rank r holds the same modules only at the same world size and the same stages.
+    same_world = (
+        meta.topology.world_size == parts.ranks.world_size
+        and meta.topology.pipeline_parallel == parts.stages
+    )
     alerts = parts.alert_engine if alert_windows else None
     if same_world:
         sharded.update(state.per_rank_state(alerts, parts.ranks))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import pickle
 import re
@@ -81,6 +82,10 @@ def weights_fingerprint(
     still hashes as the bf16 it was saved as). Each tensor-parallel shard is gathered one
     parameter at a time (peak memory: one full parameter), which is collective: every rank of
     the TP group must call this.
+
+    Under pipeline parallelism each stage holds some of the parameters: the first stage hashes
+    them all in the same order, each received from the stage that holds it, and tells the
+    others the digest, so a checkpoint hashes alike at every pipeline size too.
     """
     gated = set()
     if scheme == CHECKPOINT_KEYS:
@@ -92,14 +97,78 @@ def weights_fingerprint(
         named = list(model.named_parameters())
     else:
         raise ValueError(f"fingerprint scheme {scheme!r}: use one of {FINGERPRINT_SCHEMES}")
+
+    def full(name: str, param: torch.Tensor) -> torch.Tensor:
+        whole = _gather_full(param, tp_group, parts=2 if name in gated else 1)
+        return whole if dtype is None else whole.to(dtype)
+
+    stages = _pipeline_group()
+    if stages is not None:
+        if scheme != CHECKPOINT_KEYS:  # module paths are a stage's own, not the model's
+            raise ValueError(
+                f"a fingerprint of scheme {scheme!r} cannot be taken under pipeline "
+                "parallelism; train with pipeline_parallel 1, or save the weights again"
+            )
+        return _pipelined_fingerprint(named, full, tp_group, stages, dtype)
     digest = hashlib.sha256()
     for name, param in named:
-        full = _gather_full(param, tp_group, parts=2 if name in gated else 1)
-        if dtype is not None:
-            full = full.to(dtype)
-        digest.update(f"{name}|{full.dtype}|{tuple(full.shape)}|".encode())
-        digest.update(full.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+        _hash_tensor(digest, name, full(name, param))
     return digest.hexdigest()
+
+
+def _hash_tensor(digest, name: str, tensor: torch.Tensor) -> None:
+    digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+    digest.update(tensor.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+
+
+def _pipeline_group():
+    """The pipeline group when the model is split over stages, else None."""
+    from fp8ops.megatron.compat import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_pipeline_model_parallel_group()
+
+
+def _pipelined_fingerprint(named, full, tp_group, stages, dtype) -> str:
+    """:func:`weights_fingerprint` over the stages of ``stages`` (collective over the world):
+    each parameter, in the global order of names, is hashed by the first stage, which receives
+    it from the stage holding it (one full parameter in flight at a time)."""
+    tp = dist.get_world_size(tp_group)
+    shapes = {}
+    for name, param in named:
+        shape = list(param.shape)
+        if getattr(param, "tensor_model_parallel", False) and tp > 1:
+            shape[param.partition_dim] *= tp
+        shapes[name] = (tuple(shape), dtype or param.dtype)
+    everyone: list = [None] * dist.get_world_size(stages)
+    dist.all_gather_object(everyone, shapes, group=stages)
+    owner = {name: stage for stage, held in enumerate(everyone) for name in held}
+    mine, first = dist.get_rank(stages), dist.get_global_rank(stages, 0)
+    params = dict(named)
+    device = next(iter(params.values())).device
+    digest = hashlib.sha256()
+    for name in sorted(owner):
+        shape, held_dtype = everyone[owner[name]][name]
+        if owner[name] == mine:
+            tensor = full(name, params[name])
+            if mine != 0:
+                # As bytes: every dtype travels, over gloo as over NCCL.
+                dist.send(tensor.contiguous().view(-1).view(torch.uint8), dst=first, group=stages)
+                continue
+        elif mine == 0:
+            size = math.prod(shape) * torch.empty((), dtype=held_dtype).element_size()
+            raw = torch.empty(size, dtype=torch.uint8, device=device)
+            dist.recv(raw, src=dist.get_global_rank(stages, owner[name]), group=stages)
+            tensor = raw.view(held_dtype).view(shape)
+        else:
+            continue
+        _hash_tensor(digest, name, tensor)
+    found = [digest.hexdigest() if mine == 0 else None]
+    dist.broadcast_object_list(found, src=first, group=stages)
+    return found[0]
 
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")  # a module path's layer number
@@ -110,12 +179,15 @@ def checkpoint_names(model: nn.Module) -> dict[int, str]:
     """Each parameter's checkpoint name, by its storage: the key of its entry in Megatron's
     sharded state dict (layers share one key, stacked on a layer axis), with its layer number:
     ``decoder.layers.mlp.linear_fc1.weight[3]``. The layer comes from the entry's module path,
-    the same in either spec (fp8ops runs one pipeline stage, so the path's number is global)."""
+    the same in either spec, made global under pipeline parallelism (a stage's local layer 0
+    is the model's layer at the stage's offset)."""
     names = {}
+    from fp8ops.megatron.layers import global_layer_name
+
     for path, sharded in _weights_only(model.sharded_state_dict()).items():
         if not isinstance(getattr(sharded, "data", None), torch.Tensor):
             continue  # an object, not a tensor: no parameter of its own
-        layer = _LAYER.search(path)
+        layer = _LAYER.search(global_layer_name(model, path))
         # A layer number in the key itself (Megatron's heterogeneous layers) moves to the end.
         key = _LAYER.sub(".layers.", sharded.key)
         names[sharded.data.data_ptr()] = key + (f"[{layer.group(1)}]" if layer else "")

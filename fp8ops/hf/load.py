@@ -102,13 +102,15 @@ def check_coverage(model_cfg, padded_vocab: int, tp: int) -> None:
 def load_hf_weights(model: nn.Module, directory: Path, model_cfg, *, tp_group, field: str) -> dict:
     """Read a Hugging Face checkpoint into ``model`` (this rank's shard; collective for the
     fingerprint) and return what the base's record holds: its fingerprint and dtype."""
+    from fp8ops.megatron.layers import global_layer_name  # Megatron: only once a model exists
+
     directory = Path(directory)
     config = check_config(directory, model_cfg, field=field)
     where = check_tensors(directory, model_cfg)
     tp, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
     check_coverage(model_cfg, model.vocab_size, tp)
-    plan = shard_plan(model_cfg, model.vocab_size, tp, rank)
-    params = dict(model.named_parameters())
+    params = {global_layer_name(model, n): p for n, p in model.named_parameters()}
+    plan = _this_stage(shard_plan(model_cfg, model.vocab_size, tp, rank), model, params)
     names = parameter_names(plan, set(params))
     unfilled = sorted(set(params) - set(names.values()))
     absent = sorted(set(names.values()) - set(params))
@@ -131,6 +133,22 @@ def load_hf_weights(model: nn.Module, directory: Path, model_cfg, *, tp_group, f
         "dtype": str(config.get("dtype") or config.get("torch_dtype") or "float32"),
         "verified": True,
     }
+
+
+def _this_stage(plan: dict, model: nn.Module, params: dict) -> dict:
+    """The plan's parameters of this pipeline stage (all of them without pipelining): the
+    embedding on the first stage, the final norm and LM head on the last, and the stage's
+    layers, named by their global number."""
+    layers = {name.split(".")[2] for name in params if name.startswith("decoder.layers.")}
+
+    def here(name: str) -> bool:
+        if name.startswith("decoder.layers."):
+            return name.split(".")[2] in layers
+        if name.startswith("embedding."):
+            return model.pre_process
+        return model.post_process  # decoder.final_layernorm, output_layer
+
+    return {name: shard for name, shard in plan.items() if here(name)}
 
 
 def _read_shard(shard, where: dict[str, Path], param) -> torch.Tensor:

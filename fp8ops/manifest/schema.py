@@ -1082,6 +1082,11 @@ class Topology(_Section):
     def world_size(self) -> int:
         return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
 
+    @property
+    def stage_ranks(self) -> int:
+        """The ranks of one pipeline stage (all of them without pipelining)."""
+        return self.tensor_parallel * self.data_parallel
+
 
 # --------------------------------------------------------------------------------------
 # Alerts, gates, telemetry
@@ -1667,12 +1672,58 @@ class Manifest(_Section):
         )
         if topology.sequence_parallel:
             problems.extend(self._sequence_parallel_problems())
+        if topology.pipeline_parallel > 1:
+            problems.extend(self._pipeline_problems())
         if self.tokenizer.kind == "byte" and self.model.vocab_size < 256:
             problems.append(
                 (("model", "vocab_size"), self.model.vocab_size, "must be >= 256 for byte tokens")
             )
         _raise_problems("Manifest", problems)
         return self
+
+    def _pipeline_problems(self) -> list:
+        """What pipeline parallelism cannot run with yet, each at the field to change."""
+        problems, pp = [], self.topology.pipeline_parallel
+        if self.model.tied_embeddings:
+            # The last stage's copy of the embedding would need Megatron's embedding-group
+            # gradient sum, which fp8ops' optimizers do not do yet.
+            problems.append(
+                (
+                    ("model", "tied_embeddings"),
+                    True,
+                    f"must be false at topology.pipeline_parallel {pp}: tied embeddings across "
+                    "pipeline stages are not supported yet",
+                )
+            )
+        if self.data.pad_to != "seq_length":
+            problems.append(
+                (
+                    ("data", "pad_to"),
+                    self.data.pad_to,
+                    f"must be 'seq_length' at topology.pipeline_parallel {pp} (the stages "
+                    "exchange activations of one fixed shape)",
+                )
+            )
+        if self.precision.enabled and self.precision.backend == "te":
+            problems.append(
+                (
+                    ("precision", "backend"),
+                    "te",
+                    f"'te' at topology.pipeline_parallel {pp} is not supported yet (Megatron's "
+                    "TE spec is built without stages here); use 'emulated' or 'scaled_mm'",
+                )
+            )
+        if self.precision.module_recipes:
+            # Megatron matches per-module recipes against a stage's local layer names.
+            problems.append(
+                (
+                    ("precision", "module_recipes"),
+                    f"{len(self.precision.module_recipes)} entries",
+                    f"must be empty at topology.pipeline_parallel {pp}: per-module recipes "
+                    "across pipeline stages are not supported yet",
+                )
+            )
+        return problems
 
     def _sequence_parallel_problems(self) -> list:
         """What sequence parallelism needs, each at the field to change."""

@@ -72,7 +72,6 @@ def build_gpt(
     fits the backend is admission's to decide (``fp8ops.admission.fp8_gemm_sizes``), not this.
     """
     backend = manifest.precision.backend
-    _check_stages(manifest)
     if recipe is not None and backend == "te":
         return build_gpt_te(manifest)
     apply_cpu_shims()
@@ -210,24 +209,6 @@ def amax_reduction_group(topology) -> torch.distributed.ProcessGroup:
     """The group an :class:`~fp8ops.precision.Fp8Scope` reduces amaxes over, per
     ``topology.amax_reduction``: Megatron's TP x DP x CP group, or TP x CP for ``tp_cp``."""
     return compat.amax_reduction_group(tp_only=topology.amax_reduction == "tp_cp")
-
-
-def _check_stages(manifest) -> None:
-    """What a pipelined model cannot be built with yet, each refused by name."""
-    if manifest.topology.pipeline_parallel == 1:
-        return
-    unsupported = {
-        # The last stage's copy of the embedding would need Megatron's embedding-group
-        # gradient sum, which fp8ops' optimizers do not do yet.
-        "model.tied_embeddings": manifest.model.tied_embeddings,
-        # Megatron's TE spec is built without stages here.
-        "precision.backend te": manifest.precision.enabled and manifest.precision.backend == "te",
-        # Megatron matches per-module recipes against a stage's local layer names.
-        "precision.module_recipes": bool(manifest.precision.module_recipes),
-    }
-    for setting, is_on in unsupported.items():
-        if is_on:
-            raise NotImplementedError(f"pipeline parallelism with {setting} is not supported yet")
 
 
 def _check_parallel_state(topology) -> None:

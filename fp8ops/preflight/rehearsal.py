@@ -1,13 +1,14 @@
 """The rehearsals: the manifest trained for real, shortened to K steps, in a scratch directory.
 
 Items 4 (FP8 state survives a stop and resume), 5 (the BF16 control reproduces), 8 (a BF16
-fallback through the ledger) and 9 (a restore at another tensor-parallel size) share two runs
-of the shortened manifest, trained when an item first needs them: ``straight`` (K steps) and
-``paused`` (stopped at K/2 with a checkpoint, never resumed itself; each resume works on a copy).
+fallback through the ledger) and 9 (restores at another tensor- and pipeline-parallel size)
+share two runs of the shortened manifest, trained when an item first needs them: ``straight``
+(K steps) and ``paused`` (stopped at K/2 with a checkpoint, never resumed itself; each resume
+works on a copy).
 
 A one-rank manifest trains in this process (``run_training``/``resume_training``, exactly what
-``fp8ops train``/``resume`` run); a manifest whose topology needs more ranks, and the restore at
-another TP size, run ``fp8ops`` under ``python -m torch.distributed.run`` with that many
+``fp8ops train``/``resume`` run); a manifest whose topology needs more ranks, and the restores at
+another TP or PP size, run ``fp8ops`` under ``python -m torch.distributed.run`` with that many
 processes (gloo on a CPU, NCCL on GPUs), their output kept in ``WORK_DIR/logs/``.
 """
 
@@ -31,7 +32,8 @@ from fp8ops.preflight.results import Evidence
 from fp8ops.run import RunLayout, find_status, read_events, read_fallbacks, read_metrics
 
 OPERATOR, REVIEWER = "preflight-operator", "preflight-reviewer"  # who stages, who approves
-# Another TP size sums in another order: the CPU default's first resumed losses differ by 1e-4
+# Another TP size sums in another order (and a torchrun process computes on one thread where this
+# one may use several): the CPU default's first resumed losses differ by 1e-4
 # to 1e-3 (tests/test_resume.py allows 2% too). The comparison catches a gross restore (other
 # weights, another data position, a fresh optimizer); the FP8 state is checked exactly, by the
 # load's digests.
@@ -430,68 +432,96 @@ def fallback(r: Rehearsal) -> Evidence:
 def other_tensor_parallel(manifest: Manifest) -> tuple[int | None, list[str], list[str]]:
     """TP x2 where the model divides and this machine has the GPUs, else TP /2. Returns the
     size, or None with the sizes the model does not divide into and those that lack GPUs."""
+    tp = manifest.topology.tensor_parallel
+    return _other_size(manifest, "tensor_parallel", (tp * 2, tp // 2) if tp % 2 == 0 else (tp * 2,))
+
+
+def other_pipeline_parallel(manifest: Manifest) -> tuple[int | None, list[str], list[str]]:
+    """PP 1 for a pipelined manifest, else PP 2 where the model can be split so (and the
+    machine has the GPUs); as :func:`other_tensor_parallel`."""
+    pp = manifest.topology.pipeline_parallel
+    return _other_size(manifest, "pipeline_parallel", (1,) if pp > 1 else (2,))
+
+
+_SHORT = {"tensor_parallel": "TP", "pipeline_parallel": "PP"}
+
+
+def _other_size(
+    manifest: Manifest, field: str, candidates: tuple[int, ...]
+) -> tuple[int | None, list[str], list[str]]:
     import torch
 
     from fp8ops.errors import ManifestError
 
-    tp = manifest.topology.tensor_parallel
-    indivisible, too_big = [], []
-    for candidate in (tp * 2, tp // 2) if tp % 2 == 0 else (tp * 2,):
+    short = _SHORT[field]
+    invalid, too_big = [], []
+    for candidate in candidates:
         try:
-            moved = derive(manifest, {"topology.tensor_parallel": candidate}, "preflight")
+            moved = derive(manifest, {f"topology.{field}": candidate}, "preflight")
         except ManifestError as exc:
-            indivisible.append(f"TP {candidate}: {str(exc).splitlines()[-1].strip()}")
+            invalid.append(f"{short} {candidate}: {str(exc).splitlines()[-1].strip()}")
             continue
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else None
         if gpus is not None and moved.topology.world_size > gpus:
             too_big.append(
-                f"TP {candidate} needs {moved.topology.world_size} GPUs, this machine has {gpus}"
+                f"{short} {candidate} needs {moved.topology.world_size} GPUs, this machine has "
+                f"{gpus}"
             )
             continue
-        return candidate, indivisible, too_big
-    return None, indivisible, too_big
+        return candidate, invalid, too_big
+    return None, invalid, too_big
 
 
 def topology_change(r: Rehearsal) -> Evidence:
-    """The K/2 checkpoint resumed at another TP size: it completes, the first losses match the
-    straight run closely, and the FP8 state was mapped (the ``resumed`` event)."""
+    """The K/2 checkpoint resumed at another TP size, and at another PP size: each completes,
+    its first losses match the straight run closely, and the FP8 state was mapped (the
+    ``resumed`` event)."""
     ev = Evidence()
-    tp = r.manifest.topology.tensor_parallel
-    new_tp, indivisible, too_big = other_tensor_parallel(r.manifest)
-    if new_tp is None and too_big:  # possible, just not here
-        ev.fail(
-            "cannot rehearse a TP change on this machine: "
-            + "; ".join(too_big)
-            + "; run preflight on a node with that many GPUs, or --skip topology"
-        )
-        return ev
-    if new_tp is None:  # this model never runs at another TP size
-        ev.na("the model runs at no other tensor-parallel size: " + "; ".join(indivisible))
-        return ev
-    world = r.world_size // tp * new_tp
+    for field, (size, invalid, too_big) in (
+        ("tensor_parallel", other_tensor_parallel(r.manifest)),
+        ("pipeline_parallel", other_pipeline_parallel(r.manifest)),
+    ):
+        short = _SHORT[field]
+        if size is None and too_big:  # possible, just not here
+            ev.fail(
+                f"cannot rehearse a {short} change on this machine: "
+                + "; ".join(too_big)
+                + "; run preflight on a node with that many GPUs, or --skip topology"
+            )
+        elif size is None:  # this model never runs at another size
+            ev.na(f"the model runs at no other {short} size: " + "; ".join(invalid))
+        else:
+            _rehearse_change(r, ev, field, size)
+    return ev
+
+
+def _rehearse_change(r: Rehearsal, ev: Evidence, field: str, size: int) -> None:
+    """Resume a copy of *paused* at ``topology.<field>`` ``size`` and check it (into ``ev``)."""
+    short = _SHORT[field]
+    saved = getattr(r.manifest.topology, field)
+    world = r.world_size // saved * size
     try:
         straight = r.straight()
-        run = r.copy_of_paused("topology")
-        r.resume(
-            run, {"topology.tensor_parallel": new_tp}, accept_drift="preflight", world_size=world
-        )
+        run = r.copy_of_paused(f"topology-{short.lower()}")
+        r.resume(run, {f"topology.{field}": size}, accept_drift="preflight", world_size=world)
     except RehearsalError as exc:
         ev.fail(str(exc))
-        return ev
-    if not _completed(ev, run, r.steps, f"the copy resumed at TP {new_tp}"):
-        return ev
+        return
+    if not _completed(ev, run, r.steps, f"the copy resumed at {short} {size}"):
+        return
     event = _resumed_event(run) or {}
-    drift = [c for c in event.get("drift", []) if c["path"] == "topology.tensor_parallel"]
+    drift = [c for c in event.get("drift", []) if c["path"] == f"topology.{field}"]
     ev.check(
         bool(drift),
-        f"resumed at TP {new_tp} from the TP {tp} checkpoint of step {r.half} ({world} processes)",
-        "the resumed event records no TP change",
+        f"resumed at {short} {size} from the {short} {saved} checkpoint of step {r.half} "
+        f"({world} processes)",
+        f"the resumed event records no {short} change",
     )
     if r.fp8:
         mapping = event.get("fp8_state")
         ev.check(
             mapping in ("group0", "own"),
-            f"FP8 state mapped onto TP {new_tp} ({mapping}: "
+            f"FP8 state mapped onto {short} {size} ({mapping}: "
             + (
                 "every rank took the one saved state group"
                 if mapping == "group0"
@@ -507,14 +537,14 @@ def topology_change(r: Rehearsal) -> Evidence:
     # Relative gaps. A straight loss of 0 divides by a tiny floor instead of raising; a
     # non-finite loss makes a NaN gap, which fails the check below.
     gaps = {s: abs(b[s] - a[s]) / max(abs(a[s]), 1e-12) for s in compared if s in a and s in b}
-    ev.facts["relative_loss_gaps"] = gaps
+    key = "relative_loss_gaps" if field == "tensor_parallel" else "pipeline_relative_loss_gaps"
+    ev.facts[key] = gaps
     ev.check(
         len(gaps) == len(compared) and all(g <= TP_LOSS_TOLERANCE for g in gaps.values()),
-        f"losses of steps {compared.start}-{compared[-1]} at TP {new_tp} within "
+        f"losses of steps {compared.start}-{compared[-1]} at {short} {size} within "
         f"{TP_LOSS_TOLERANCE:.0%} of the straight run (largest gap "
         f"{max(gaps.values(), default=0):.2e})",
-        f"losses after the TP change differ from the straight run by more than "
+        f"losses after the {short} change differ from the straight run by more than "
         f"{TP_LOSS_TOLERANCE:.0%}: "
         + ", ".join(f"step {s}: {a.get(s)} vs {b.get(s)}" for s in compared),
     )
-    return ev

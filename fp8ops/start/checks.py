@@ -200,11 +200,6 @@ def check_inputs(manifest: Manifest, source: str, *, resuming: bool) -> None:
             f"{source}: precision.base_dtype is fp16, but fp8ops trains without loss scaling, "
             "which fp16 gradients need; use bf16 (or fp32)"
         )
-    if manifest.topology.pipeline_parallel != 1:
-        raise ManifestError(
-            f"{source}: topology.pipeline_parallel is {manifest.topology.pipeline_parallel}, but "
-            "fp8ops trains without pipeline parallelism so far; set it to 1"
-        )
     if manifest.model.init_checkpoint is not None and not resuming:
         from fp8ops.checkpoint.weights import read_base_meta
 
@@ -412,7 +407,7 @@ def _fp8_mapping(meta: CheckpointMeta, requested: Manifest) -> tuple[str, str | 
         )
     topology, precision = requested.topology, requested.precision
     if not precision.reduce_amax:
-        layout, groups = "per_rank", topology.world_size
+        layout, groups = "per_rank", topology.stage_ranks
     elif topology.amax_reduction == "tp_cp" and topology.data_parallel > 1:
         layout, groups = "per_dp_replica", topology.data_parallel
     else:

@@ -70,21 +70,34 @@ def global_norm(
     Accumulated in float64 on ``device``, where the tensors are, then brought to the host (one
     sync, free on the CPU), so the TP sum is a CPU scalar and goes over gloo like fp8ops' other
     small collectives. ``tensors`` may be a generator: zipped first, it runs to its end.
-    ``pp_group``: the pipeline stages, whose parameters are disjoint, summed last.
+    ``pp_group``: the pipeline stages, whose parameters are disjoint. Each stage goes on from
+    the sums of the stages before it, so the parameters are added in the whole model's order and
+    the norm is the one without pipelining, bit for bit; the last stage's is everyone's.
     """
-    shards = torch.zeros((), dtype=torch.float64, device=device)
-    replicas = torch.zeros((), dtype=torch.float64, device=device)
+    stages = pp_group is not None and dist.get_world_size(pp_group) > 1
+    sums = torch.zeros(2, dtype=torch.float64)  # shards, replicas
+    if stages and dist.get_rank(pp_group) > 0:
+        dist.recv(sums, src=dist.get_global_rank(pp_group, dist.get_rank(pp_group) - 1))
+    shards, replicas = (value.to(device) for value in sums)
     for tensor, shard in zip(tensors, is_shard):
         if shard:
             shards += tensor.double().pow(2).sum()
         else:
             replicas += tensor.double().pow(2).sum()
     shards, replicas = shards.cpu(), replicas.cpu()
-    if dist.get_world_size(tp_group) > 1:
+    last = not stages or dist.get_rank(pp_group) == dist.get_world_size(pp_group) - 1
+    if not last:
+        next_stage = dist.get_global_rank(pp_group, dist.get_rank(pp_group) + 1)
+        dist.send(torch.stack([shards, replicas]), dst=next_stage)
+    elif dist.get_world_size(tp_group) > 1:  # the TP group is within one stage
         dist.all_reduce(shards, group=tp_group)
     total = shards + replicas
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(total, group=pp_group)
+    if stages:
+        dist.broadcast(
+            total,
+            src=dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1),
+            group=pp_group,
+        )
     return math.sqrt(total.item())
 
 

@@ -20,8 +20,7 @@ The loss function divides each micro-batch's summed loss by the global batch's l
 (fp8ops' per-token loss), and the model's config sets ``calculate_per_token_loss`` so that the
 schedule does not divide it again by the number of micro-batches.
 
-Status: the trainer does not run this yet (``topology.pipeline_parallel`` other than 1 is refused
-when a run starts); ``tests/test_pipeline.py`` checks it against the unpipelined step.
+Evaluation runs forward only through the same schedule (:func:`sequence_losses`).
 """
 
 from __future__ import annotations
@@ -46,6 +45,36 @@ def forward_backward(
     """Run ``micro_batches`` (fp8ops' ``MicroBatch``es, the same on every stage) through the
     pipeline; backward too unless ``forward_only``. Returns the step's loss, a float64 scalar on
     the host, on every stage (the last stage's, broadcast over the pipeline group; collective)."""
+
+    def measure(per_token: torch.Tensor, mb) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = (per_token.float() * mb.loss_mask).sum() / loss_tokens.to(per_token.device)
+        return loss, loss.detach()
+
+    reported = _through_stages(model, micro_batches, measure, fp8=fp8, forward_only=forward_only)
+    loss = torch.zeros((), dtype=torch.float64)
+    for value in reported:  # only the last stage has any
+        loss += value.double().cpu()
+    return _from_last_stage(loss)
+
+
+def sequence_losses(model, mb, *, fp8: Callable = contextlib.nullcontext) -> torch.Tensor:
+    """Forward only, one micro-batch: each sequence's loss summed over its loss-bearing tokens,
+    float32 on the host, on every stage (collective over the pipeline group)."""
+
+    def measure(per_token: torch.Tensor, mb) -> tuple[torch.Tensor, torch.Tensor]:
+        per_sequence = (per_token.float() * mb.loss_mask).sum(dim=1)
+        return per_sequence.sum(), per_sequence
+
+    reported = _through_stages(model, [mb], measure, fp8=fp8, forward_only=True)
+    values = reported[0].cpu() if reported else torch.zeros(mb.tokens.shape[0])
+    return _from_last_stage(values)
+
+
+def _through_stages(
+    model, micro_batches: Sequence, measure: Callable, *, fp8: Callable, forward_only: bool
+) -> list[torch.Tensor]:
+    """Megatron's schedule over ``micro_batches``; on the last stage, what ``measure(per_token,
+    micro_batch)`` reported of each (its first value is the loss backward starts from)."""
     device = next(model.parameters()).device
     batches = iter(micro_batches)
 
@@ -56,9 +85,9 @@ def forward_backward(
             output = stage_model(mb.tokens, mb.position_ids, None, labels=mb.labels)
 
         def loss_func(per_token: torch.Tensor):
-            loss = (per_token.float() * mb.loss_mask).sum() / loss_tokens.to(device)
+            loss, reported = measure(per_token, mb)
             # (loss, tokens, reported): the per-token form the schedule leaves undivided.
-            return loss, torch.ones((), dtype=torch.int), {"loss": loss.detach()}
+            return loss, torch.ones((), dtype=torch.int), {"value": reported}
 
         return output, loss_func
 
@@ -69,7 +98,7 @@ def forward_backward(
             "(pad sequences to seq_length: data.pad_to)"
         )
     micro_batch_size, seq_length = shapes.pop()
-    reported = get_forward_backward_func()(
+    records = get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=batches,
         model=[model],
@@ -78,10 +107,12 @@ def forward_backward(
         micro_batch_size=micro_batch_size,
         forward_only=forward_only,
     )
-    loss = torch.zeros((), dtype=torch.float64)
-    for record in reported:  # only the last stage has any
-        loss += record["loss"].double().cpu()
+    return [record["value"] for record in records]
+
+
+def _from_last_stage(value: torch.Tensor) -> torch.Tensor:
+    """``value`` as the last stage holds it, on every stage (a host tensor)."""
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         last = parallel_state.get_pipeline_model_parallel_last_rank()
-        dist.broadcast(loss, src=last, group=parallel_state.get_pipeline_model_parallel_group())
-    return loss
+        dist.broadcast(value, src=last, group=parallel_state.get_pipeline_model_parallel_group())
+    return value

@@ -297,7 +297,7 @@ def _run_record(trainer: Trainer) -> RunRecord:
                 "init_hf_verification": base.get("verification") if base else None,
                 "initial_weights_fingerprint": initial,
                 "initial_weights_fingerprint_scheme": scheme,
-                "parameters": sum(p.numel() for p in trainer.model.parameters()),
+                "parameters": _model_parameters(trainer),
             },
             "optimizer": {
                 "distributed": manifest.optimizer.distributed,
@@ -316,6 +316,18 @@ def _run_record(trainer: Trainer) -> RunRecord:
             "fp8_casts": casts,
         }
     )
+
+
+def _model_parameters(trainer: Trainer) -> int:
+    """The whole model's parameter count (collective): every TP shard and every stage."""
+    import torch.distributed as dist
+
+    tp = dist.get_world_size(trainer.tp_group)
+    mine = sum(
+        p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+        for p in trainer.model.parameters()
+    )
+    return sum(trainer.every_stage([mine]))
 
 
 def _record_resume(plan: Resume, trainer: Trainer, run: RunDir) -> None:

@@ -63,6 +63,7 @@ from fp8ops.train.distributed import Ranks
 from fp8ops.train.distributed_optimizer import DistributedMainParamsOptimizer
 from fp8ops.train.inputs import Inputs
 from fp8ops.train.optimizer import MainParamsOptimizer, learning_rate
+from fp8ops.train.pipeline import forward_backward, sequence_losses
 from fp8ops.train.progress import StepLogger
 
 
@@ -131,6 +132,18 @@ class Trainer:
             check_compiled_casts(self.device, self.cpu_bf16_gemm)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
+        # Under pipeline parallelism this rank holds one stage of the model, and Megatron's
+        # schedule runs the micro-batches through the stages (fp8ops.train.pipeline).
+        self.pipelined = manifest.topology.pipeline_parallel > 1
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.first_stage = parallel_state.is_pipeline_first_stage()
+        if self.pipelined and inputs.capability_examples:
+            raise ManifestError(
+                "capability evaluation generates answers token by token on a whole model, "
+                "which fp8ops does not run through pipeline stages yet; set "
+                "capability.enabled: false (the held-out loss and its buckets are still "
+                "evaluated), or train at topology.pipeline_parallel 1"
+            )
         self.start_step = 0  # the step a checkpoint restores (restore())
         self.resumed_from = None  # the fp8ops.start.Resume plan restore() loaded
         self.capability_accuracy: float | None = None
@@ -162,6 +175,8 @@ class Trainer:
         self.collector = TelemetryCollector(
             fp8_state_modules(self.model, self.recipe), manifest.telemetry
         )
+        # The store holds every stage's modules: the first stage writes them (observe()).
+        self.telemetry_modules = self.every_stage(list(self.collector.names))
         self.alert_engine = AlertEngine(
             manifest.alerts,
             self.collector.names,
@@ -180,7 +195,11 @@ class Trainer:
             else MainParamsOptimizer
         )
         self.optimizer = optimizer_class(
-            self.model, manifest.optimizer, tp_group=self.tp_group, dp_group=self.dp_group
+            self.model,
+            manifest.optimizer,
+            tp_group=self.tp_group,
+            dp_group=self.dp_group,
+            pp_group=self.pp_group if self.pipelined else None,
         )
         self.fp8_layout = Fp8Layout.for_run(
             fp8=precision.enabled and bool(self.fp8_state_modules),
@@ -202,6 +221,12 @@ class Trainer:
         logits (``verify``: None where transformers is installed, True required to match,
         False not at all)."""
         path = self.manifest.model.init_checkpoint
+        if verify and self.pipelined:
+            raise ManifestError(
+                "--verify compares the whole model's logits with transformers, which fp8ops "
+                "does not run through pipeline stages yet: verify the import at "
+                "topology.pipeline_parallel 1, or leave --verify out"
+            )
         if verify and (path is None or not weights.is_hf_base(Path(path))):
             raise ManifestError(
                 "--verify compares a Hugging Face model.init_checkpoint with transformers, and "
@@ -223,7 +248,7 @@ class Trainer:
                 f"model.fingerprint is {wanted} but {path} holds weights {found}; point "
                 "model.init_checkpoint at the intended base or update model.fingerprint"
             )
-        if base.get("format") == "hf" and verify is not False:
+        if base.get("format") == "hf" and verify is not False and not self.pipelined:
             base["verification"] = self._verify_hf_base(Path(path), bool(verify))
         return base
 
@@ -270,7 +295,7 @@ class Trainer:
 
     def admission_hash(self) -> str | None:
         """The identity of the per-layer decisions (``layers.json``'s table hash)."""
-        if not self.collector.names:
+        if not self.telemetry_modules:
             return None
         return table_hash(self.admission.rows, RecipeRecord.from_recipe(self.recipe))
 
@@ -354,17 +379,13 @@ class Trainer:
         loss_tokens = self._dp_sum(sum(mb.loss_mask.sum() for mb in micro_batches))
         mark_first_microbatch(self.model)
         self.collector.begin_step(step + 1)
-        # Accumulated where the losses are (no host sync per micro-batch); summed over DP on the
-        # host by _dp_sum.
-        step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         with self._gemms():
-            for mb in micro_batches:
-                mb = mb.to(self.device)
-                with self._fp8():
-                    per_token = self.model(mb.tokens, mb.position_ids, None, labels=mb.labels)
-                loss = (per_token.float() * mb.loss_mask).sum() / loss_tokens
-                loss.backward()
-                step_loss += loss.detach().double()
+            if self.pipelined:  # the same losses, the micro-batches passed through the stages
+                step_loss = forward_backward(
+                    self.model, micro_batches, loss_tokens=loss_tokens, fp8=self._fp8
+                )
+            else:
+                step_loss = self._forward_backward(micro_batches, loss_tokens)
         step_loss = self._dp_sum(step_loss)
         # Read before the optimizer step: it zeroes the gradients the row reports. The row's
         # copies to the host run on; the loss below syncs anyway, so observe() does not wait.
@@ -386,6 +407,19 @@ class Trainer:
             peak_memory_mib=_peak_memory_mib(),
         )
 
+    def _forward_backward(self, micro_batches, loss_tokens: torch.Tensor) -> torch.Tensor:
+        """The step's forward and backward on a whole model; its loss on this DP rank."""
+        # Accumulated where the losses are (no host sync per micro-batch).
+        step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        for mb in micro_batches:
+            mb = mb.to(self.device)
+            with self._fp8():
+                per_token = self.model(mb.tokens, mb.position_ids, None, labels=mb.labels)
+            loss = (per_token.float() * mb.loss_mask).sum() / loss_tokens
+            loss.backward()
+            step_loss += loss.detach().double()
+        return step_loss
+
     def observe(self, row: MetricsRow) -> None:
         """After :meth:`train_step`: hand the step's telemetry row to the store and the alert
         rules.
@@ -403,9 +437,11 @@ class Trainer:
             "step_seconds": row.seconds,
         }
         telemetry_row = self._telemetry_row.result()
+        if self.telemetry_modules:
+            stored = self._to_first_stage(telemetry_row)  # every stage's modules, first stage
         if self.telemetry is not None:
             scalars = np.array([step_values[m] for m in STEP_METRIC_NAMES], dtype=np.float32)
-            self.telemetry.append(row.step, telemetry_row, scalars)
+            self.telemetry.append(row.step, stored, scalars)
         if self.collector.active:  # an unobserved step (a benchmark's) has nothing to judge
             alerts = self.alert_engine.observe(row.step, telemetry_row, step_values)
             self._raise_alerts(row.step, alerts)
@@ -488,11 +524,14 @@ class Trainer:
         schedule = self.manifest.schedule
         batches = self.data.eval_batches(schedule.micro_batch_size)
         for mb in itertools.islice(batches, schedule.eval_iters):  # None: all of them
-            mb = mb.to(self.device)
-            with self._fp8():
-                per_token = self.model(mb.tokens, mb.position_ids, None, labels=mb.labels)
-            # On the host once, not one device sync per sequence below (free on the CPU).
-            per_sequence = (per_token.float() * mb.loss_mask).sum(dim=1).cpu()
+            if self.pipelined:
+                per_sequence = sequence_losses(self.model, mb, fp8=self._fp8)
+            else:
+                mb = mb.to(self.device)
+                with self._fp8():
+                    per_token = self.model(mb.tokens, mb.position_ids, None, labels=mb.labels)
+                # On the host once, not one device sync per sequence below (free on the CPU).
+                per_sequence = (per_token.float() * mb.loss_mask).sum(dim=1).cpu()
             tokens = mb.loss_mask.sum(dim=1).cpu()
             loss_sum += per_sequence.sum().item()
             token_sum += tokens.sum().item()
@@ -703,11 +742,15 @@ class Trainer:
     def _open_telemetry(self) -> TelemetryWriter | None:
         """The store, or None for a run without FP8-capable modules (FP8 off: the per-step
         metrics are in metrics.jsonl, and there is no per-module FP8 state to record)."""
-        if not self.collector.names:
+        if not self.telemetry_modules:
             return None
         path, first, resumed = self.run.layout.telemetry, self.start_step + 1, self.resumed_from
-        if resumed is not None and path.exists():
+        reopened = resumed is not None and path.exists()
+        if reopened:
             dist.barrier()  # rank 0 may have rewritten nothing yet; all ranks see one store
+        if not self.first_stage:  # the first stage writes every stage's modules (observe())
+            return None
+        if reopened:
             try:
                 if (path / rank_group(self.ranks.rank)).exists():
                     writer = TelemetryWriter.resume(path, rank=self.ranks.rank, next_step=first)
@@ -739,7 +782,7 @@ class Trainer:
             path,
             rank=self.ranks.rank,
             first_step=first,
-            modules=self.collector.names,
+            modules=self.telemetry_modules,
             flush_every=self.manifest.telemetry.flush_steps,
             attrs={"manifest": manifest_hash(self.manifest), "world_size": self.ranks.world_size},
         )
@@ -778,6 +821,27 @@ class Trainer:
         for name, module in self.fp8_state_modules.items():
             module.fp8_meta.load_state_dict(saved[name])
 
+    def every_stage(self, items: list) -> list:
+        """``items`` of every pipeline stage, first stage first (collective over the pipeline
+        group; this rank's own without pipelining)."""
+        if not self.pipelined:
+            return items
+        everyone: list = [None] * dist.get_world_size(self.pp_group)
+        dist.all_gather_object(everyone, items, group=self.pp_group)
+        return [item for stage in everyone for item in stage]
+
+    def _to_first_stage(self, row: np.ndarray) -> np.ndarray | None:
+        """A telemetry row of every stage's modules, on the first stage (which writes the
+        store; None elsewhere); this rank's row without pipelining."""
+        if not self.pipelined:
+            return row
+        first = dist.get_global_rank(self.pp_group, 0)
+        rows: list | None = (
+            [None] * dist.get_world_size(self.pp_group) if self.first_stage else None
+        )
+        dist.gather_object(row, rows, dst=first, group=self.pp_group)
+        return np.concatenate(rows) if self.first_stage else None
+
     def _dp_sum(self, value) -> torch.Tensor:
         # A CPU float64 scalar from any device: the sum goes over gloo, as every small control
         # collective does (distributed.py), and .item() on it costs no device sync.
@@ -795,6 +859,7 @@ class Trainer:
             layout=self.fp8_layout,
             ranks=self.ranks,
             tp_group=self.tp_group,
+            stages=self.manifest.topology.pipeline_parallel,
         )
 
     def _ledger_anchor(self) -> dict | None:

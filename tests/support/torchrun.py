@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,11 @@ from pathlib import Path
 
 def torchrun(*args: object, ranks: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
     """``python -m torch.distributed.run --standalone --nproc-per-node RANKS ARGS...``; fails the
-    test with the end of its output unless every rank exits 0."""
+    test with the end of its output unless every rank exits 0.
+
+    Every process computes on one thread: torchrun sets that for several processes, and one
+    process gets the same, so runs at different sizes reduce in the same order (a CPU
+    kernel's reductions, a layer norm's backward, split work across threads)."""
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         + [f"--nproc-per-node={ranks}", *map(str, args)],
@@ -18,6 +23,7 @@ def torchrun(*args: object, ranks: int = 2, timeout: float = 300) -> subprocess.
         text=True,
         timeout=timeout,
         check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done

@@ -1,0 +1,203 @@
+"""Training with pipeline parallelism, end to end: ``fp8ops train`` and ``resume`` at
+``topology.pipeline_parallel`` 2 under torchrun over gloo, on the small model (one layer per
+stage), against the same run without pipelining.
+
+Every process computes on one thread (tests/support/torchrun.py), so the runs reduce in the same
+order, and a pipelined run is the unpipelined one bit for bit: losses, gradient norms, held-out
+losses and buckets, every module's FP8 state, the weights, the telemetry of every module (the
+first stage writes the store, every stage's modules in it) and the admission table. So is a
+stop and resume at PP 2, and a PP 2 checkpoint resumed at PP 1 or the reverse (a drift to
+accept): checkpoints name modules and layers globally. What a pipelined run cannot do yet
+(generation, the logit comparison of an import) is refused before anything is written.
+"""
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from support.small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
+from support.torchrun import fp8ops_ranks
+
+from fp8ops.checkpoint import read_meta
+from fp8ops.checkpoint.directory import checkpoint_name
+from fp8ops.run import read_evals, read_metrics
+from fp8ops.telemetry import open_run
+
+if importlib.util.find_spec("megatron") is None:
+    pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
+
+pytestmark = [
+    pytest.mark.slow,  # every test runs torchrun
+    pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
+]
+
+N = 4  # steps before a stop, and after it
+PP2 = ("--set", "topology.pipeline_parallel=2")
+
+
+@pytest.fixture(scope="module")
+def manifest(small_base, tmp_path_factory) -> Path:
+    """The CPU default's FP8 fine-tuning on the small model for 2N steps, checkpointing and
+    evaluating every N, telemetry every step; generation off (refused under pipelining)."""
+    return write_derived(
+        tmp_path_factory.mktemp("pipeline") / "finetune.yaml",
+        MANIFESTS / "tiny-gpt-cpu.yaml",
+        {
+            **SMALL_MODEL,
+            **SCHEDULE,
+            "model.init_checkpoint": str(small_base / "final"),
+            "data.num_examples": 400,
+            "schedule.train_steps": 2 * N,
+            "schedule.eval_interval": N,
+            "schedule.eval_iters": 2,
+            "schedule.checkpoint_interval": N,
+            "optimizer.lr": 2e-3,
+            "telemetry.every_steps": 1,
+            "telemetry.error_sample_every": 2,
+            "capability.enabled": False,
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def pp1(manifest, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("pp1") / "run"
+    fp8ops_ranks("train", manifest, "--run-dir", run, ranks=1)
+    return run
+
+
+@pytest.fixture(scope="module")
+def pp2(manifest, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("pp2") / "run"
+    fp8ops_ranks("train", manifest, "--run-dir", run, *PP2)
+    return run
+
+
+def _metrics(run: Path) -> dict[int, tuple]:
+    return {m.step: (m.loss, m.grad_norm, m.update_norm) for m in read_metrics(run)}
+
+
+def _meta(run: Path, step: int):
+    return read_meta(run / "checkpoints" / checkpoint_name(step))
+
+
+def assert_same_training(a: Path, b: Path) -> None:
+    """Two runs that trained alike, bit for bit."""
+    assert _metrics(a) == _metrics(b)
+    assert list(_metrics(a)) == list(range(1, 2 * N + 1))
+    assert [e.model_dump() for e in read_evals(a)] == [e.model_dump() for e in read_evals(b)]
+    for step in (N, 2 * N):
+        assert _meta(a, step).fp8.digests == _meta(b, step).fp8.digests
+        assert _meta(a, step).weights_fingerprint == _meta(b, step).weights_fingerprint
+    ta, tb = open_run(a), open_run(b)
+    assert ta.modules == tb.modules
+    for module in ta.modules:
+        ha, hb = ta.module_history(module).to_numpy(), tb.module_history(module).to_numpy()
+        assert np.array_equal(ha, hb, equal_nan=True), module
+
+
+def test_pp2_trains_as_pp1_bit_for_bit(pp1, pp2):
+    assert_same_training(pp1, pp2)
+    # One store, written by the first stage, with both stages' modules named by global layer.
+    store = open_run(pp2)
+    assert store.ranks == (0,)
+    assert {m.split(".")[2] for m in store.modules if m.startswith("decoder.layers.")} == {"0", "1"}
+    assert len(_meta(pp2, 2 * N).fp8.modules) == 8  # four projections in each layer
+    rows = json.loads((pp2 / "layers.json").read_text())["rows"]
+    assert rows == json.loads((pp1 / "layers.json").read_text())["rows"]
+    assert _meta(pp2, 2 * N).topology.pipeline_parallel == 2
+    final = json.loads((pp2 / "final" / "fp8ops_weights.json").read_text())
+    assert (
+        final["fingerprint"]
+        == json.loads((pp1 / "final" / "fp8ops_weights.json").read_text())["fingerprint"]
+    )
+
+
+def test_pp2_stop_and_resume_equals_the_straight_pp2_run(manifest, pp2, tmp_path):
+    run = tmp_path / "run"
+    fp8ops_ranks("train", manifest, "--run-dir", run, *PP2, "--stop-at", N)
+    fp8ops_ranks("resume", run)
+    assert_same_training(pp2, run)
+
+
+def test_a_pp2_checkpoint_resumes_at_pp1_and_a_pp1_checkpoint_at_pp2(pp1, pp2, tmp_path):
+    down = tmp_path / "down"
+    shutil.copytree(pp2, down)
+    accept = ("--accept-drift", "one stage")
+    fp8ops_ranks(
+        "resume", down, "--checkpoint", N, "--set", "topology.pipeline_parallel=1", *accept, ranks=1
+    )
+    event = [json.loads(line) for line in (down / "events.jsonl").read_text().splitlines()]
+    resumed = [e for e in event if e["event"] == "resumed"][-1]
+    assert [c["path"] for c in resumed["drift"]] == ["topology.pipeline_parallel"]
+    assert _metrics(down) == _metrics(pp1)  # steps N+1.. as the run that never pipelined
+    assert _meta(down, 2 * N).fp8.digests == _meta(pp1, 2 * N).fp8.digests
+
+    up = tmp_path / "up"
+    shutil.copytree(pp1, up)
+    fp8ops_ranks("resume", up, "--checkpoint", N, *PP2, "--accept-drift", "two stages")
+    assert _metrics(up) == _metrics(pp2)
+    assert _meta(up, 2 * N).fp8.digests == _meta(pp2, 2 * N).fp8.digests
+    assert _meta(up, 2 * N).topology.pipeline_parallel == 2
+
+
+def test_tp2_pp2_on_four_ranks_trains_as_tp2(manifest, tmp_path):
+    tp2, both = tmp_path / "tp2", tmp_path / "tp2pp2"
+    fp8ops_ranks("train", manifest, "--run-dir", tp2, "--set", "topology.tensor_parallel=2")
+    fp8ops_ranks(
+        "train", manifest, "--run-dir", both, "--set", "topology.tensor_parallel=2", *PP2, ranks=4
+    )
+    assert_same_training(tp2, both)
+    assert open_run(both).ranks == (0, 1)  # the first stage's two TP ranks write the store
+
+
+def _refused(*args: object) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        + ["-m", "fp8ops", *map(str, args), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_generation_and_the_import_comparison_are_refused_under_pipelining(manifest, tmp_path):
+    run = tmp_path / "run"
+    done = _refused("train", manifest, "--run-dir", run, *PP2, "--set", "capability.enabled=true")
+    assert done.returncode != 0
+    assert "capability evaluation" in done.stderr and "capability.enabled: false" in done.stderr
+    assert not run.exists() or not any(run.iterdir())  # refused before anything was written
+    done = _refused("train", manifest, "--run-dir", run, *PP2, "--verify")
+    assert done.returncode != 0
+    assert "--verify" in done.stderr and "pipeline" in done.stderr
+
+
+def test_a_hugging_face_base_loads_into_the_stages_as_into_one_model(tmp_path, cli):
+    pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
+    from support.hf_models import make_hf_model
+
+    from fp8ops.run import read_run_record
+
+    hf_dir, manifest = tmp_path / "llama", tmp_path / "llama.yaml"
+    make_hf_model(hf_dir, "llama-untied")
+    assert cli("manifest", "from-hf", hf_dir, "--out", manifest, "--seq-length", 64).code == 0
+    short = [
+        *("--set", "schedule.train_steps=2", "--set", "schedule.warmup_steps=1"),
+        *("--set", "schedule.eval_iters=1", "--set", "capability.enabled=false"),
+        *("--set", "precision.small_gemm.enabled=false", "--set", "data.pad_to=seq_length"),
+    ]
+    one, two = tmp_path / "pp1", tmp_path / "pp2"
+    fp8ops_ranks("train", manifest, "--run-dir", one, *short, ranks=1)
+    fp8ops_ranks("train", manifest, "--run-dir", two, *short, *PP2)
+    # Each stage read its own layers' tensors: the weights hash as the unpipelined import's.
+    first, second = read_run_record(one).model, read_run_record(two).model
+    assert first.initial_weights_fingerprint == second.initial_weights_fingerprint
+    assert first.parameters == second.parameters
+    assert _metrics(one) == _metrics(two)

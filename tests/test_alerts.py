@@ -523,6 +523,19 @@ def test_which_alerts_propose():
     assert [p.module for p in eng.proposals([record])] == [MODULES[FC1_0]]
 
 
+def test_under_pipelining_every_stage_proposes_alike_for_another_stages_modules():
+    # Two stages: this engine's modules, and the other stage's, one of them held in BF16.
+    other = {"decoder.layers.9.mlp.linear_fc1": True, "decoder.layers.9.mlp.linear_fc2": False}
+    eng = AlertEngine(Alerts(), list(MODULES), ALL_FP8, other_stages=other)
+    fp8, bf16 = (
+        eng.report(1, "grad_spike", "degrade", "m", module=name, metric="grad_norm")
+        for name in other
+    )
+    assert [p.module for p in eng.proposals([fp8, bf16])] == ["decoder.layers.9.mlp.linear_fc1"]
+    eng.hold(["decoder.layers.9.mlp.linear_fc1"])  # a switch that every rank makes
+    assert eng.proposals([fp8]) == []
+
+
 # -- resume ---------------------------------------------------------------------------------------
 
 

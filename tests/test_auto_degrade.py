@@ -373,6 +373,34 @@ def test_at_tp2_every_rank_switches_at_the_same_step_when_one_shard_saturates(ma
     assert (override.status, override.applied_step) == ("applied", DEGRADE_STEP)
 
 
+@pytest.mark.slow
+def test_at_pp2_the_last_stages_alert_switches_its_module_on_every_rank(manifest, tmp_path):
+    pp2 = derive(_with_policy(manifest), {"topology.pipeline_parallel": 2}, "PP=2")
+    path = write_manifest(pp2, tmp_path / "pp2.yaml")
+    worker = Path(__file__).parent / "workers" / "auto_degrade.py"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        + [str(worker), str(path), str(tmp_path / "run"), str(tmp_path), "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, last = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    steps = range(1, SMALL["schedule.train_steps"] + 1)
+    assert [first["ended"], last["ended"]] == ["finished", "finished"]
+    assert first["fp8_by_step"] == {}  # layer 1 is on the last stage
+    assert [last["fp8_by_step"][str(s)] for s in steps] == [s <= DEGRADE_STEP for s in steps]
+    # Rank 0 (the first stage) recorded the last stage's alert and its override.
+    degrade = [a for a in read_alerts(tmp_path / "run") if a.level == "degrade"]
+    assert (degrade[0].step, degrade[0].module) == (DEGRADE_STEP, TARGET)
+    (override,) = Ledger(tmp_path / "run").overrides().values()
+    assert (override.status, override.applied_step) == ("applied", DEGRADE_STEP)
+    rows = {row.fqn: row for row in read_layers_json(tmp_path / "run").rows}
+    assert rows[TARGET].precision == "bf16" and rows[TARGET].reason.code == "override"
+
+
 def test_a_resume_from_before_the_switch_leaves_it_to_the_policy_only_if_it_would_act(
     manifest, tmp_path
 ):

@@ -541,7 +541,7 @@ def test_an_unfinished_run_directory_is_refused_with_advice(
             r"finetune.yaml.*: tokenizer.path: /nonexistent/tok.json: no such file",
         ),
         (
-            ["topology.pipeline_parallel=2", "data.pad_to=longest"],
+            ["topology.pipeline_parallel=2", "capability.enabled=false", "data.pad_to=longest"],
             r"finetune.yaml.*data.pad_to.*pipeline_parallel 2.*one fixed shape",
         ),
         (["precision.base_dtype=fp16"], r"finetune.yaml.*base_dtype is fp16.*loss scaling"),

@@ -148,6 +148,9 @@ class AlertEngine:
     them run FP8: the others are skipped by the FP8-only rules. ``amax_compute_algo`` (the
     manifest's) says what the scales are computed from, which ``amax_jump`` compares with: the
     last amax under ``most_recent``, else the window max (an upper bound of every statistic).
+    ``other_stages``: under pipeline parallelism, the other stages' modules and whether each
+    runs FP8, so that every rank proposes overrides (:meth:`proposals`) for any stage's alerts
+    alike.
     """
 
     def __init__(
@@ -157,8 +160,10 @@ class AlertEngine:
         fp8_enabled: Sequence[bool],
         *,
         amax_compute_algo: str = "max",
+        other_stages: Mapping[str, bool] | None = None,
     ):
         self.config = config
+        self.other_stages = dict(other_stages or {})
         self._jump_base = "amax" if amax_compute_algo == "most_recent" else "window_max"
         self.modules = tuple(modules)
         self.fp8 = np.array(list(fp8_enabled), dtype=bool)
@@ -322,9 +327,13 @@ class AlertEngine:
         """``modules`` run in BF16 from the next step on (an auto-degrade switch): the FP8-only
         rules skip them, and their FP8 history is forgotten, as a resume forgets it for a module
         held by an override, so a switched run and its resume judge alike."""
-        held = np.isin(np.array(self.modules), list(modules))
+        modules = list(modules)
+        held = np.isin(np.array(self.modules), modules)
         self.fp8 = self.fp8 & ~held
         self._forget(held)
+        for module in modules:
+            if module in self.other_stages:
+                self.other_stages[module] = False
 
     def _forget(self, held: np.ndarray) -> None:
         for _, leveled in self._leveled.values():
@@ -362,7 +371,7 @@ class AlertEngine:
         fires again.
         """
         alerts = [a if isinstance(a, Alert) else Alert.from_json(a) for a in alerts]
-        fp8 = dict(zip(self.modules, self.fp8.tolist(), strict=True))
+        fp8 = self.other_stages | dict(zip(self.modules, self.fp8.tolist(), strict=True))
         new: dict[str, Proposal] = {}
         for alert in sorted(alerts, key=lambda a: -SEVERITY[a.level]):
             module = alert.module

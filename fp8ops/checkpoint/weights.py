@@ -105,9 +105,10 @@ def weights_fingerprint(
     stages = _pipeline_group()
     if stages is not None:
         if scheme != CHECKPOINT_KEYS:  # module paths are a stage's own, not the model's
-            raise ValueError(
-                f"a fingerprint of scheme {scheme!r} cannot be taken under pipeline "
-                "parallelism; train with pipeline_parallel 1, or save the weights again"
+            raise ManifestError(
+                f"weights fingerprinted by module path (scheme {scheme!r}, written by an older "
+                "fp8ops) cannot be checked under pipeline parallelism, where module paths are "
+                "a stage's own: load them at topology.pipeline_parallel 1, or save them again"
             )
         return _pipelined_fingerprint(named, full, tp_group, stages, dtype)
     digest = hashlib.sha256()

@@ -1695,6 +1695,18 @@ class Manifest(_Section):
                     "pipeline stages are not supported yet",
                 )
             )
+        if self.capability.enabled and self.data.kind in ("tasks", "chat"):
+            # SFT data: there are answers to generate (a jsonl file's kind shows only in its
+            # lines: the trainer refuses that case).
+            problems.append(
+                (
+                    ("capability", "enabled"),
+                    True,
+                    f"must be false at topology.pipeline_parallel {pp}: capability evaluation "
+                    "generates answers token by token on a whole model, which fp8ops does not "
+                    "run through pipeline stages yet (held-out losses are still evaluated)",
+                )
+            )
         if self.data.pad_to != "seq_length":
             problems.append(
                 (

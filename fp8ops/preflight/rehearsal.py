@@ -429,46 +429,60 @@ def fallback(r: Rehearsal) -> Evidence:
 # -- 9. topology-change restore -------------------------------------------------------------------
 
 
-def other_tensor_parallel(manifest: Manifest) -> tuple[int | None, list[str], list[str]]:
+def other_tensor_parallel(manifest: Manifest) -> tuple[dict | None, list[str], list[str]]:
     """TP x2 where the model divides and this machine has the GPUs, else TP /2. Returns the
-    size, or None with the sizes the model does not divide into and those that lack GPUs."""
+    topology changes, or None with the sizes the model does not divide into and those that
+    lack GPUs."""
     tp = manifest.topology.tensor_parallel
-    return _other_size(manifest, "tensor_parallel", (tp * 2, tp // 2) if tp % 2 == 0 else (tp * 2,))
+    sizes = (tp * 2, tp // 2) if tp % 2 == 0 else (tp * 2,)
+    return _other_topology(manifest, [{"tensor_parallel": size} for size in sizes])
 
 
-def other_pipeline_parallel(manifest: Manifest) -> tuple[int | None, list[str], list[str]]:
-    """PP 1 for a pipelined manifest, else PP 2 where the model can be split so (and the
-    machine has the GPUs); as :func:`other_tensor_parallel`."""
-    pp = manifest.topology.pipeline_parallel
-    return _other_size(manifest, "pipeline_parallel", (1,) if pp > 1 else (2,))
+def other_pipeline_parallel(manifest: Manifest) -> tuple[dict | None, list[str], list[str]]:
+    """PP 1 for a pipelined manifest; else PP 2 where the manifest allows it, on twice the
+    ranks, or on the same ranks with half the data-parallel replicas where twice is more than
+    the machine has; as :func:`other_tensor_parallel`."""
+    topology = manifest.topology
+    if topology.pipeline_parallel > 1:
+        return _other_topology(manifest, [{"pipeline_parallel": 1}])
+    candidates = [{"pipeline_parallel": 2}]
+    if topology.data_parallel % 2 == 0:
+        candidates.append({"pipeline_parallel": 2, "data_parallel": topology.data_parallel // 2})
+    return _other_topology(manifest, candidates)
 
 
-_SHORT = {"tensor_parallel": "TP", "pipeline_parallel": "PP"}
+_SHORT = {"tensor_parallel": "TP", "pipeline_parallel": "PP", "data_parallel": "DP"}
 
 
-def _other_size(
-    manifest: Manifest, field: str, candidates: tuple[int, ...]
-) -> tuple[int | None, list[str], list[str]]:
+def _label(changes: dict) -> str:
+    return " x ".join(f"{_SHORT[field]} {size}" for field, size in changes.items())
+
+
+def _other_topology(
+    manifest: Manifest, candidates: list[dict]
+) -> tuple[dict | None, list[str], list[str]]:
+    """The first of ``candidates`` (topology changes) the manifest allows and this machine
+    has the GPUs for."""
     import torch
 
     from fp8ops.errors import ManifestError
 
-    short = _SHORT[field]
     invalid, too_big = [], []
-    for candidate in candidates:
+    for changes in candidates:
         try:
-            moved = derive(manifest, {f"topology.{field}": candidate}, "preflight")
+            moved = derive(
+                manifest, {f"topology.{f}": size for f, size in changes.items()}, "preflight"
+            )
         except ManifestError as exc:
-            invalid.append(f"{short} {candidate}: {str(exc).splitlines()[-1].strip()}")
+            invalid.append(f"{_label(changes)}: {str(exc).splitlines()[-1].strip()}")
             continue
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else None
         if gpus is not None and moved.topology.world_size > gpus:
             too_big.append(
-                f"{short} {candidate} needs {moved.topology.world_size} GPUs, this machine has "
-                f"{gpus}"
+                f"{_label(changes)} needs {moved.topology.world_size} GPUs, this machine has {gpus}"
             )
             continue
-        return candidate, invalid, too_big
+        return changes, invalid, too_big
     return None, invalid, too_big
 
 
@@ -477,51 +491,51 @@ def topology_change(r: Rehearsal) -> Evidence:
     its first losses match the straight run closely, and the FP8 state was mapped (the
     ``resumed`` event)."""
     ev = Evidence()
-    for field, (size, invalid, too_big) in (
+    for field, (changes, invalid, too_big) in (
         ("tensor_parallel", other_tensor_parallel(r.manifest)),
         ("pipeline_parallel", other_pipeline_parallel(r.manifest)),
     ):
         short = _SHORT[field]
-        if size is None and too_big:  # possible, just not here
+        if changes is None and too_big:  # possible, just not here
             ev.fail(
                 f"cannot rehearse a {short} change on this machine: "
                 + "; ".join(too_big)
                 + "; run preflight on a node with that many GPUs, or --skip topology"
             )
-        elif size is None:  # this model never runs at another size
+        elif changes is None:  # this model never runs at another size
             ev.na(f"the model runs at no other {short} size: " + "; ".join(invalid))
         else:
-            _rehearse_change(r, ev, field, size)
+            _rehearse_change(r, ev, field, changes)
     return ev
 
 
-def _rehearse_change(r: Rehearsal, ev: Evidence, field: str, size: int) -> None:
-    """Resume a copy of *paused* at ``topology.<field>`` ``size`` and check it (into ``ev``)."""
-    short = _SHORT[field]
-    saved = getattr(r.manifest.topology, field)
-    world = r.world_size // saved * size
+def _rehearse_change(r: Rehearsal, ev: Evidence, field: str, changes: dict) -> None:
+    """Resume a copy of *paused* with the topology ``changes`` and check it (into ``ev``)."""
+    short, label = _SHORT[field], _label(changes)
+    saved = _label({f: getattr(r.manifest.topology, f) for f in changes})
+    assignments = {f"topology.{f}": size for f, size in changes.items()}
+    world = derive(r.manifest, assignments, "preflight").topology.world_size
     try:
         straight = r.straight()
         run = r.copy_of_paused(f"topology-{short.lower()}")
-        r.resume(run, {f"topology.{field}": size}, accept_drift="preflight", world_size=world)
+        r.resume(run, assignments, accept_drift="preflight", world_size=world)
     except RehearsalError as exc:
         ev.fail(str(exc))
         return
-    if not _completed(ev, run, r.steps, f"the copy resumed at {short} {size}"):
+    if not _completed(ev, run, r.steps, f"the copy resumed at {label}"):
         return
     event = _resumed_event(run) or {}
     drift = [c for c in event.get("drift", []) if c["path"] == f"topology.{field}"]
     ev.check(
         bool(drift),
-        f"resumed at {short} {size} from the {short} {saved} checkpoint of step {r.half} "
-        f"({world} processes)",
+        f"resumed at {label} from the {saved} checkpoint of step {r.half} ({world} processes)",
         f"the resumed event records no {short} change",
     )
     if r.fp8:
         mapping = event.get("fp8_state")
         ev.check(
             mapping in ("group0", "own"),
-            f"FP8 state mapped onto {short} {size} ({mapping}: "
+            f"FP8 state mapped onto {label} ({mapping}: "
             + (
                 "every rank took the one saved state group"
                 if mapping == "group0"
@@ -541,7 +555,7 @@ def _rehearse_change(r: Rehearsal, ev: Evidence, field: str, size: int) -> None:
     ev.facts[key] = gaps
     ev.check(
         len(gaps) == len(compared) and all(g <= TP_LOSS_TOLERANCE for g in gaps.values()),
-        f"losses of steps {compared.start}-{compared[-1]} at {short} {size} within "
+        f"losses of steps {compared.start}-{compared[-1]} at {label} within "
         f"{TP_LOSS_TOLERANCE:.0%} of the straight run (largest gap "
         f"{max(gaps.values(), default=0):.2e})",
         f"losses after the {short} change differ from the straight run by more than "

@@ -71,7 +71,12 @@ def checkpoint_model(
         )
     # One process: the weights are the same at any topology (Megatron reshards on load).
     one = manifest.topology.model_copy(
-        update={"tensor_parallel": 1, "data_parallel": 1, "sequence_parallel": False}
+        update={
+            "tensor_parallel": 1,
+            "pipeline_parallel": 1,
+            "data_parallel": 1,
+            "sequence_parallel": False,
+        }
     )
     alone = manifest.model_copy(update={"topology": one})
     built = alone

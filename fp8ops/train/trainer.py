@@ -175,14 +175,18 @@ class Trainer:
         self.collector = TelemetryCollector(
             fp8_state_modules(self.model, self.recipe), manifest.telemetry
         )
-        # The store holds every stage's modules: the first stage writes them (observe()).
-        self.telemetry_modules = self.every_stage(list(self.collector.names))
+        fp8_enabled = [module.fp8_enabled for module in self.collector.modules.values()]
+        # Every stage's modules, in the model's order: the store holds them all (the first
+        # stage writes them, observe()), and every rank proposes overrides for them alike.
+        everywhere = self.every_stage(list(zip(self.collector.names, fp8_enabled)))
+        self.telemetry_modules = [name for name, _ in everywhere]
         self.alert_engine = AlertEngine(
             manifest.alerts,
             self.collector.names,
-            [module.fp8_enabled for module in self.collector.modules.values()],
+            fp8_enabled,
             # A recipe without a window jumps from the last amax, as most_recent does.
             amax_compute_algo=precision.amax_compute_algo if self.stateful else "most_recent",
+            other_stages={n: on for n, on in everywhere if n not in self.collector.modules},
         )
         self.amax_group = amax_reduction_group(manifest.topology)
         # On TE, Megatron's TransformerBlock enters TE's own delayed-scaling autocast, which

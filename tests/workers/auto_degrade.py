@@ -1,7 +1,9 @@
-"""torchrun worker: the auto-degrade policy's run at TP=2 with the injected saturation on one
-rank's weight shard only (tests/test_auto_degrade.py).
+"""torchrun worker: the auto-degrade policy's run on two ranks with the injected saturation on one
+rank's TARGET only (tests/test_auto_degrade.py): at TP 2 one weight shard; at PP 2 the last
+stage's, the only one that holds TARGET.
 
-Writes OUT_DIR/rank{r}.json: per step, whether TARGET ran FP8 on this rank, and how the run ended.
+Writes OUT_DIR/rank{r}.json: per step, whether TARGET ran FP8 on this rank (nothing on a stage
+without it), and how the run ended.
 Usage: torchrun --standalone --nproc_per_node 2 auto_degrade.py MANIFEST RUN_DIR OUT_DIR RANK
 (RANK: the rank whose shard is inflated).
 """
@@ -14,6 +16,7 @@ import torch
 
 import fp8ops.megatron  # noqa: F401  (before Megatron-Core: TE's meta-package otherwise)
 from fp8ops.manifest import load_manifest
+from fp8ops.megatron import fp8_modules
 from fp8ops.start import New
 from fp8ops.train import open_trainer
 from fp8ops.train.distributed import init_distributed, shutdown_distributed
@@ -34,7 +37,7 @@ def main(manifest_path: Path, run_dir: Path, out_dir: Path, inflated: int) -> No
     manifest = load_manifest(manifest_path)
     ranks = init_distributed(manifest.topology, source=str(manifest_path))
     trainer = open_trainer(New(manifest, [manifest], run_dir, "test"), ranks, progress=False)
-    module = dict(trainer.model.named_modules())[TARGET]
+    module = fp8_modules(trainer.model).get(TARGET)  # named by its global layer
     calls, fp8_by_step = {"n": 0}, {}
 
     def grow(mod, args):
@@ -46,7 +49,8 @@ def main(manifest_path: Path, run_dir: Path, out_dir: Path, inflated: int) -> No
                 with torch.no_grad():
                     mod.weight.mul_(growth(step))
 
-    module.register_forward_pre_hook(grow)
+    if module is not None:
+        module.register_forward_pre_hook(grow)
     try:
         trainer.train()
         ended = "finished"

@@ -163,6 +163,28 @@ def test_a_world_size_that_differs_from_the_topology_is_refused(eight_rank_manif
     assert "--set topology.data_parallel=2" in result.err  # how to make one that fits
 
 
+def test_a_pipelined_topology_counts_its_stages_in_the_ranks(tmp_path, cli):
+    staged = write_derived(  # TP 2 x PP 2 x DP 2: eight ranks
+        tmp_path / "staged.yaml",
+        MANIFESTS / "tiny-gpt-cpu.yaml",
+        {
+            "topology.tensor_parallel": 2,
+            "topology.pipeline_parallel": 2,
+            "topology.data_parallel": 2,
+            "schedule.micro_batch_size": 2,
+            "capability.enabled": False,
+        },
+    )
+    launch = ("launch", "slurm", staged, "--time", "1:00:00", "--dry-run")
+    result = cli(*launch, "--nodes", 1, "--gpus-per-node", 4)
+    assert result.code == LaunchError.exit_code
+    assert "pipeline_parallel 2" in result.err and "starts 4" in result.err
+    assert "--set topology.data_parallel=1" in result.err  # TP x PP = 4 fits four GPUs
+    result = cli(*launch, "--nodes", 2, "--gpus-per-node", 4)
+    assert result.code == 0, result.err
+    assert {"--nodes=2", "--gpus-per-node=4"} <= set(_directives(result.out))
+
+
 def test_a_tensor_parallel_group_wider_than_a_node_is_warned_about(eight_rank_manifest, cli):
     result = cli(
         "launch",

@@ -1,4 +1,4 @@
-"""torchrun worker: the small GPT trained a few FP8 steps at TP ``TP`` (default 1) with
+"""torchrun worker (ci/bench_pipeline.py's): the small GPT trained a few FP8 steps at TP ``TP`` (default 1) with
 ``pipeline_parallel`` = the processes / TP, each step through Megatron's pipeline schedule
 (``fp8ops.train.pipeline``).
 
@@ -76,6 +76,7 @@ def main(out_dir: Path, tensor_parallel: int) -> None:
         "topology.tensor_parallel": tensor_parallel,
         "topology.pipeline_parallel": world // tensor_parallel,
         "optimizer.clip_grad": 1.0,
+        "capability.enabled": False,  # not under pipelining
     }
     manifest = derive(load_manifest(TINY), changes, "test: pipeline")
     ranks = init_distributed(manifest.topology, source="test")

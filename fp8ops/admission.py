@@ -189,8 +189,10 @@ def decide_admission(
     and the table lists, the modules of every stage (collective over the pipeline group), so
     every stage decides and records the same table.
     """
+    from fp8ops.megatron.stages import every_stage
+
     found = _walk(model, tensor_parallel)
-    _check_globs(precision, _every_stage([f.fqn for f in found]))
+    _check_globs(precision, every_stage([f.fqn for f in found]))
     formats = _formats(precision.fp8_format)
     rows = []
     for f in found:
@@ -212,26 +214,9 @@ def decide_admission(
                 scaling=own[1].scaling if own and reason.code == "fp8" else None,
             )
         )
-    rows = _every_stage(rows)
+    rows = every_stage(rows)
     _refuse_unaligned(rows, precision)
     return AdmissionTable(rows=tuple(rows), tensor_parallel=tensor_parallel)
-
-
-def _every_stage(items: list) -> list:
-    """``items`` of every pipeline stage, first stage first (this stage's alone without
-    pipelining)."""
-    import torch.distributed as dist
-
-    from fp8ops.megatron.compat import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return items
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        return items
-    stages = parallel_state.get_pipeline_model_parallel_group()
-    everyone: list = [None] * dist.get_world_size(stages)
-    dist.all_gather_object(everyone, items, group=stages)
-    return [item for stage in everyone for item in stage]
 
 
 def module_recipe(precision: PrecisionPolicy, fqn: str) -> tuple[int, Any] | None:

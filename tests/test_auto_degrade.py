@@ -7,12 +7,12 @@ import importlib.util
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from support.small_model import MANIFESTS, SCHEDULE, SMALL_MODEL
+from support.torchrun import torchrun
 
 import fp8ops.megatron  # noqa: F401  (before Megatron-Core: TE's meta-package otherwise)
 from fp8ops.alerts import read_alerts
@@ -49,6 +49,7 @@ SMALL = {
     "capability.enabled": False,
 }
 TARGET = "decoder.layers.1.mlp.linear_fc1"
+WORKER = Path(__file__).parent / "workers" / "auto_degrade.py"
 POLICY = {"rules": ["saturation", "fp8_error"], "max_modules": 1}
 DEGRADE_STEP = 4  # saturation above the degrade level (not the stop level) for 3 steps by then
 STOP_STEP = 8  # past the stop level for 3 steps, without the policy
@@ -351,16 +352,7 @@ def test_under_required_signatures_the_policy_acts_and_a_resume_refuses_a_forged
 def test_at_tp2_every_rank_switches_at_the_same_step_when_one_shard_saturates(manifest, tmp_path):
     tp2 = derive(_with_policy(manifest), {"topology.tensor_parallel": 2}, "TP=2")
     path = write_manifest(tp2, tmp_path / "tp2.yaml")
-    worker = Path(__file__).parent / "workers" / "auto_degrade.py"
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-        + [str(worker), str(path), str(tmp_path / "run"), str(tmp_path), "1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun(WORKER, path, tmp_path / "run", tmp_path, 1)  # rank 1's TARGET inflated
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     steps = range(1, SMALL["schedule.train_steps"] + 1)
     assert [r["ended"] for r in ranks] == ["finished", "finished"]
@@ -377,16 +369,7 @@ def test_at_tp2_every_rank_switches_at_the_same_step_when_one_shard_saturates(ma
 def test_at_pp2_the_last_stages_alert_switches_its_module_on_every_rank(manifest, tmp_path):
     pp2 = derive(_with_policy(manifest), {"topology.pipeline_parallel": 2}, "PP=2")
     path = write_manifest(pp2, tmp_path / "pp2.yaml")
-    worker = Path(__file__).parent / "workers" / "auto_degrade.py"
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-        + [str(worker), str(path), str(tmp_path / "run"), str(tmp_path), "1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun(WORKER, path, tmp_path / "run", tmp_path, 1)  # rank 1's TARGET inflated
     first, last = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     steps = range(1, SMALL["schedule.train_steps"] + 1)
     assert [first["ended"], last["ended"]] == ["finished", "finished"]

@@ -7,21 +7,20 @@ order, and a pipelined run is the unpipelined one bit for bit: losses, gradient 
 losses and buckets, every module's FP8 state, the weights, the telemetry of every module (the
 first stage writes the store, every stage's modules in it) and the admission table. So is a
 stop and resume at PP 2, and a PP 2 checkpoint resumed at PP 1 or the reverse (a drift to
-accept): checkpoints name modules and layers globally. The logit comparison of an import, which
-a pipelined run cannot do yet, is refused before anything is written.
+accept): checkpoints name modules and layers globally. What a pipelined run cannot do yet (the
+logit comparison of an import, generation) is refused before anything is written.
 """
 
 import importlib.util
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from support.small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
-from support.torchrun import fp8ops_ranks
+from support.torchrun import fp8ops_ranks, torchrun
 
 from fp8ops.checkpoint import read_meta
 from fp8ops.checkpoint.directory import checkpoint_name
@@ -180,23 +179,27 @@ def test_a_pipelined_checkpoint_exports_as_one_model(pp2, tmp_path, cli):
 
 
 def _refused(*args: object) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-        + ["-m", "fp8ops", *map(str, args), "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    done = torchrun("-m", "fp8ops", *args, "--no-progress", ok=False)
+    assert done.returncode != 0
+    return done
 
 
-def test_the_import_comparison_is_refused_under_pipelining(manifest, tmp_path):
-    # (Generation is refused by the manifest: tests/test_pipeline.py.)
+def test_the_import_comparison_and_generation_are_refused_under_pipelining(manifest, tmp_path):
     run = tmp_path / "run"
     done = _refused("train", manifest, "--run-dir", run, *PP2, "--verify")
-    assert done.returncode != 0
     assert "--verify" in done.stderr and "pipeline" in done.stderr
     assert not run.exists() or not any(run.iterdir())  # refused before anything was written
+    # SFT data from a jsonl file: only its lines say so, so the run refuses generation when it
+    # starts (the manifest refuses it for the built-in tasks and chat: tests/test_pipeline.py).
+    data = tmp_path / "sft.jsonl"
+    lines = [{"prompt": f"{i} + 1 =", "answer": f" {i + 1}"} for i in range(200)]
+    data.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    sft = ("--set", "data.kind=jsonl", "--set", f"data.path={data}")
+    done = _refused(
+        "train", manifest, "--run-dir", run, *PP2, *sft, "--set", "capability.enabled=true"
+    )
+    assert "capability evaluation" in done.stderr and "capability.enabled: false" in done.stderr
+    assert not run.exists() or not any(run.iterdir())
 
 
 def test_a_hugging_face_base_loads_into_the_stages_as_into_one_model(tmp_path, cli):

@@ -102,7 +102,9 @@ def weights_fingerprint(
         whole = _gather_full(param, tp_group, parts=2 if name in gated else 1)
         return whole if dtype is None else whole.to(dtype)
 
-    stages = _pipeline_group()
+    from fp8ops.megatron.stages import pipeline_group
+
+    stages = pipeline_group()
     if stages is not None:
         if scheme != CHECKPOINT_KEYS:  # module paths are a stage's own, not the model's
             raise ManifestError(
@@ -120,17 +122,6 @@ def weights_fingerprint(
 def _hash_tensor(digest, name: str, tensor: torch.Tensor) -> None:
     digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
     digest.update(tensor.contiguous().view(torch.uint8).cpu().numpy().tobytes())
-
-
-def _pipeline_group():
-    """The pipeline group when the model is split over stages, else None."""
-    from fp8ops.megatron.compat import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return None
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        return None
-    return parallel_state.get_pipeline_model_parallel_group()
 
 
 def _pipelined_fingerprint(named, full, tp_group, stages, dtype) -> str:

@@ -322,12 +322,14 @@ def _model_parameters(trainer: Trainer) -> int:
     """The whole model's parameter count (collective): every TP shard and every stage."""
     import torch.distributed as dist
 
+    from fp8ops.megatron.stages import every_stage
+
     tp = dist.get_world_size(trainer.tp_group)
     mine = sum(
         p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
         for p in trainer.model.parameters()
     )
-    return sum(trainer.every_stage([mine]))
+    return sum(every_stage([mine]))
 
 
 def _record_resume(plan: Resume, trainer: Trainer, run: RunDir) -> None:

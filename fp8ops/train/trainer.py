@@ -47,6 +47,7 @@ from fp8ops.megatron import (
     mark_first_microbatch,
 )
 from fp8ops.megatron.compat import parallel_state
+from fp8ops.megatron.stages import every_stage
 from fp8ops.overrides import Ledger
 from fp8ops.precision import DelayedScalingRecipe, Fp8Scope, recipe_from_precision
 from fp8ops.precision.state import carry_scales
@@ -178,7 +179,7 @@ class Trainer:
         fp8_enabled = [module.fp8_enabled for module in self.collector.modules.values()]
         # Every stage's modules, in the model's order: the store holds them all (the first
         # stage writes them, observe()), and every rank proposes overrides for them alike.
-        everywhere = self.every_stage(list(zip(self.collector.names, fp8_enabled)))
+        everywhere = every_stage(list(zip(self.collector.names, fp8_enabled)))
         self.telemetry_modules = [name for name, _ in everywhere]
         self.alert_engine = AlertEngine(
             manifest.alerts,
@@ -203,7 +204,7 @@ class Trainer:
             manifest.optimizer,
             tp_group=self.tp_group,
             dp_group=self.dp_group,
-            pp_group=self.pp_group if self.pipelined else None,
+            pp_group=self.pp_group,
         )
         self.fp8_layout = Fp8Layout.for_run(
             fp8=precision.enabled and bool(self.fp8_state_modules),
@@ -824,15 +825,6 @@ class Trainer:
     def _restore_fp8_state(self, saved: dict[str, dict[str, torch.Tensor]]) -> None:
         for name, module in self.fp8_state_modules.items():
             module.fp8_meta.load_state_dict(saved[name])
-
-    def every_stage(self, items: list) -> list:
-        """``items`` of every pipeline stage, first stage first (collective over the pipeline
-        group; this rank's own without pipelining)."""
-        if not self.pipelined:
-            return items
-        everyone: list = [None] * dist.get_world_size(self.pp_group)
-        dist.all_gather_object(everyone, items, group=self.pp_group)
-        return [item for stage in everyone for item in stage]
 
     def _to_first_stage(self, row: np.ndarray) -> np.ndarray | None:
         """A telemetry row of every stage's modules, on the first stage (which writes the

@@ -9,9 +9,11 @@ import sys
 from pathlib import Path
 
 
-def torchrun(*args: object, ranks: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+def torchrun(
+    *args: object, ranks: int = 2, timeout: float = 300, ok: bool = True
+) -> subprocess.CompletedProcess:
     """``python -m torch.distributed.run --standalone --nproc-per-node RANKS ARGS...``; fails the
-    test with the end of its output unless every rank exits 0.
+    test with the end of its output unless every rank exits 0 (``ok=False``: the caller checks).
 
     Every process computes on one thread: torchrun sets that for several processes, and one
     process gets the same, so runs at different sizes reduce in the same order (a CPU
@@ -25,7 +27,8 @@ def torchrun(*args: object, ranks: int = 2, timeout: float = 300) -> subprocess.
         check=False,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    if ok:
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 
 

@@ -135,6 +135,25 @@ def test_megatrons_recipe_config_matches_the_first_entry_in_the_manifests_order(
     assert quant_recipe(load_manifest(MANIFESTS / "tiny-gpt-cpu.yaml").precision) is None
 
 
+def test_a_pipeline_stage_matches_its_layers_by_their_global_numbers():
+    from fp8ops.megatron.quant_config import global_name, quant_recipe  # first: shims
+
+    from megatron.core.quantization.utils import get_quant_config_or_none  # isort: skip
+
+    manifest = derive(load_manifest(MANIFESTS / "tiny-gpt-cpu.yaml"), MIXED, "test")
+    # The second stage of two: Megatron names the model's layer 1 "decoder.layers.0" there.
+    second = quant_recipe(manifest.precision, layer_offset=1)
+    assert get_quant_config_or_none("decoder.layers.0.self_attention.linear_qkv", second) is None
+    fc2 = get_quant_config_or_none("decoder.layers.0.mlp.linear_fc2", second)
+    assert fc2.config_key == "module_recipes[1]"  # not [0]: this is not the model's layer 0
+    first = quant_recipe(manifest.precision, layer_offset=0)
+    assert get_quant_config_or_none(QKV0, first).config_key == "module_recipes[0]"
+    assert global_name("decoder.layers.0.mlp.linear_fc2", 3) == "decoder.layers.3.mlp.linear_fc2"
+    assert global_name("decoder.layers.1", 2) == "decoder.layers.3"
+    assert global_name("output_layer", 3) == "output_layer"
+    assert global_name("decoder.final_layernorm", 3) == "decoder.final_layernorm"
+
+
 @pytest.mark.parametrize(
     "payload, message",
     [

@@ -16,26 +16,15 @@ MANIFESTS = Path(__file__).resolve().parents[1] / "manifests"
     ("changes", "field", "says"),
     [
         ({"model.tied_embeddings": True}, "model.tied_embeddings", "must be false"),
-        ({"capability.enabled": True}, "capability.enabled", "token by token"),
         ({"data.pad_to": "longest"}, "data.pad_to", "one fixed shape"),
         ({"precision.backend": "te"}, "precision.backend", "not supported yet"),
         ({"model.num_layers": 3}, "model.num_layers", "divisible by topology.pipeline_parallel"),
-        (
-            {
-                "precision.module_recipes": [
-                    {"modules": ["decoder.layers.0.*"], "scaling": "current", "reason": "test"}
-                ]
-            },
-            "precision.module_recipes",
-            "must be empty",
-        ),
     ],
 )
 def test_the_manifest_refuses_what_pipelining_cannot_run_with(changes, field, says):
     manifest = load_manifest(MANIFESTS / "tiny-gpt-cpu.yaml")
-    off = {"capability.enabled": False}  # the CPU default pipelines without generation
     with pytest.raises(ManifestError) as refused:
-        derive(manifest, {**off, **changes, "topology.pipeline_parallel": 2}, "test")
+        derive(manifest, {**changes, "topology.pipeline_parallel": 2}, "test")
     message = str(refused.value)
     assert field in message and says in message, message
-    assert derive(manifest, {**off, "topology.pipeline_parallel": 2}, "test")
+    assert derive(manifest, {"topology.pipeline_parallel": 2}, "test")

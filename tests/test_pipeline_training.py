@@ -4,26 +4,26 @@ stage), against the same run without pipelining.
 
 Every process computes on one thread (tests/support/torchrun.py), so the runs reduce in the same
 order, and a pipelined run is the unpipelined one bit for bit: losses, gradient norms, held-out
-losses and buckets, every module's FP8 state, the weights, the telemetry of every module (the
-first stage writes the store, every stage's modules in it) and the admission table. So is a
-stop and resume at PP 2, and a PP 2 checkpoint resumed at PP 1 or the reverse (a drift to
-accept): checkpoints name modules and layers globally. What a pipelined run cannot do yet (the
-logit comparison of an import, generation) is refused before anything is written.
+losses and buckets, the generated answers, every module's FP8 state, the weights, the telemetry
+of every module (the first stage writes the store, every stage's modules in it) and the
+admission table. So is a stop and resume at PP 2, and a PP 2 checkpoint resumed at PP 1 or the
+reverse (a drift to accept): checkpoints name modules and layers globally. An imported Hugging
+Face model compares with transformers through the stages as in one piece.
 """
 
 import importlib.util
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 from support.small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
-from support.torchrun import fp8ops_ranks, torchrun
+from support.torchrun import fp8ops_ranks
 
 from fp8ops.checkpoint import read_meta
 from fp8ops.checkpoint.directory import checkpoint_name
+from fp8ops.evaluate.records import read_capability, read_predictions
 from fp8ops.run import read_evals, read_metrics
 from fp8ops.telemetry import open_run
 
@@ -38,12 +38,13 @@ pytestmark = [
 
 N = 4  # steps before a stop, and after it
 PP2 = ("--set", "topology.pipeline_parallel=2")
+OWN_RECIPE = "decoder.layers.1.mlp.linear_fc1"
 
 
 @pytest.fixture(scope="module")
 def manifest(small_base, tmp_path_factory) -> Path:
     """The CPU default's FP8 fine-tuning on the small model for 2N steps, checkpointing and
-    evaluating every N, telemetry every step; generation off (refused under pipelining)."""
+    evaluating (held-out loss and generation) every N, telemetry every step."""
     return write_derived(
         tmp_path_factory.mktemp("pipeline") / "finetune.yaml",
         MANIFESTS / "tiny-gpt-cpu.yaml",
@@ -59,7 +60,12 @@ def manifest(small_base, tmp_path_factory) -> Path:
             "optimizer.lr": 2e-3,
             "telemetry.every_steps": 1,
             "telemetry.error_sample_every": 2,
-            "capability.enabled": False,
+            "capability.items": 8,
+            "capability.interval": N,
+            # A module on the second stage runs a recipe of its own, matched by its global name.
+            "precision.module_recipes": [
+                {"modules": [OWN_RECIPE], "scaling": "current", "reason": "the pipeline tests"}
+            ],
         },
     )
 
@@ -86,11 +92,21 @@ def _meta(run: Path, step: int):
     return read_meta(run / "checkpoints" / checkpoint_name(step))
 
 
+def _answers(run: Path) -> list[tuple[int, list[str]]]:
+    """Each capability evaluation's step and generated answers."""
+    return [
+        (record["step"], [p["generated"] for p in read_predictions(run, record)])
+        for record in read_capability(run)
+    ]
+
+
 def assert_same_training(a: Path, b: Path) -> None:
     """Two runs that trained alike, bit for bit."""
     assert _metrics(a) == _metrics(b)
     assert list(_metrics(a)) == list(range(1, 2 * N + 1))
     assert [e.model_dump() for e in read_evals(a)] == [e.model_dump() for e in read_evals(b)]
+    assert _answers(a) == _answers(b)
+    assert [step for step, _ in _answers(a)] == [N, 2 * N]
     for step in (N, 2 * N):
         assert _meta(a, step).fp8.digests == _meta(b, step).fp8.digests
         assert _meta(a, step).weights_fingerprint == _meta(b, step).weights_fingerprint
@@ -107,9 +123,16 @@ def test_pp2_trains_as_pp1_bit_for_bit(pp1, pp2):
     store = open_run(pp2)
     assert store.ranks == (0,)
     assert {m.split(".")[2] for m in store.modules if m.startswith("decoder.layers.")} == {"0", "1"}
-    assert len(_meta(pp2, 2 * N).fp8.modules) == 8  # four projections in each layer
+    # Four projections in each layer keep delayed-scaling state, but the one of its own recipe.
+    assert set(_meta(pp2, 2 * N).fp8.modules) == set(store.modules) - {OWN_RECIPE}
     rows = json.loads((pp2 / "layers.json").read_text())["rows"]
     assert rows == json.loads((pp1 / "layers.json").read_text())["rows"]
+    # The second stage's local layer 0 is the model's layer 1: its fc1 ran current scaling.
+    assert [row["fqn"] for row in rows if row.get("scaling")] == [OWN_RECIPE]
+    # (a stateless recipe keeps no history window: its window metrics are NaN, a delayed one's not)
+    assert np.isnan(store.module_history(OWN_RECIPE)["input.window_max"]).all()
+    delayed = store.module_history("decoder.layers.0.mlp.linear_fc1")
+    assert not np.isnan(delayed["input.window_max"]).any()
     assert _meta(pp2, 2 * N).topology.pipeline_parallel == 2
     final = json.loads((pp2 / "final" / "fp8ops_weights.json").read_text())
     assert (
@@ -178,30 +201,6 @@ def test_a_pipelined_checkpoint_exports_as_one_model(pp2, tmp_path, cli):
     assert exported["fingerprint"] == _meta(pp2, 2 * N).weights_fingerprint
 
 
-def _refused(*args: object) -> subprocess.CompletedProcess:
-    done = torchrun("-m", "fp8ops", *args, "--no-progress", ok=False)
-    assert done.returncode != 0
-    return done
-
-
-def test_the_import_comparison_and_generation_are_refused_under_pipelining(manifest, tmp_path):
-    run = tmp_path / "run"
-    done = _refused("train", manifest, "--run-dir", run, *PP2, "--verify")
-    assert "--verify" in done.stderr and "pipeline" in done.stderr
-    assert not run.exists() or not any(run.iterdir())  # refused before anything was written
-    # SFT data from a jsonl file: only its lines say so, so the run refuses generation when it
-    # starts (the manifest refuses it for the built-in tasks and chat: tests/test_pipeline.py).
-    data = tmp_path / "sft.jsonl"
-    lines = [{"prompt": f"{i} + 1 =", "answer": f" {i + 1}"} for i in range(200)]
-    data.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    sft = ("--set", "data.kind=jsonl", "--set", f"data.path={data}")
-    done = _refused(
-        "train", manifest, "--run-dir", run, *PP2, *sft, "--set", "capability.enabled=true"
-    )
-    assert "capability evaluation" in done.stderr and "capability.enabled: false" in done.stderr
-    assert not run.exists() or not any(run.iterdir())
-
-
 def test_a_hugging_face_base_loads_into_the_stages_as_into_one_model(tmp_path, cli):
     pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
     from support.hf_models import make_hf_model
@@ -213,7 +212,7 @@ def test_a_hugging_face_base_loads_into_the_stages_as_into_one_model(tmp_path, c
     assert cli("manifest", "from-hf", hf_dir, "--out", manifest, "--seq-length", 64).code == 0
     short = [
         *("--set", "schedule.train_steps=2", "--set", "schedule.warmup_steps=1"),
-        *("--set", "schedule.eval_iters=1", "--set", "capability.enabled=false"),
+        *("--set", "schedule.eval_iters=1", "--set", "capability.items=4"),
         *("--set", "precision.small_gemm.enabled=false", "--set", "data.pad_to=seq_length"),
     ]
     one, two = tmp_path / "pp1", tmp_path / "pp2"
@@ -224,3 +223,7 @@ def test_a_hugging_face_base_loads_into_the_stages_as_into_one_model(tmp_path, c
     assert first.initial_weights_fingerprint == second.initial_weights_fingerprint
     assert first.parameters == second.parameters
     assert _metrics(one) == _metrics(two)
+    assert _answers(one) == _answers(two) and _answers(two)
+    # The logits, computed on the last stage, compared with transformers' on rank 0.
+    assert second.init_hf_verification["passed"]
+    assert second.init_hf_verification == first.init_hf_verification

@@ -19,7 +19,9 @@ out of step.
 The caller decides the precision and the bookkeeping around it (``Trainer.evaluate_capability``:
 FP8 with the training scales, FP8 state restored afterwards, telemetry paused). At TP>1 every
 rank runs this together: the logits are gathered across the TP group, so every rank picks the
-same tokens and stops rows at the same steps, and their collectives stay in step.
+same tokens and stops rows at the same steps, and their collectives stay in step. Under pipeline
+parallelism each forward goes through Megatron's schedule, the last stage picks the tokens, and
+every stage receives them (``fp8ops.megatron.pipeline``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from fp8ops.data.batches import TokenizedData
 from fp8ops.data.tasks import Example, check
 from fp8ops.data.tokenizer import Tokenizer
 from fp8ops.errors import ManifestError
+from fp8ops.megatron.pipeline import Prompts, last_stage_output
+from fp8ops.megatron.stages import pipeline_group
 
 
 def capability_examples(data: TokenizedData, config, tokenizer: Tokenizer) -> list[Example]:
@@ -196,9 +200,23 @@ def next_tokens(
         tokens[i, : len(row)] = torch.tensor(row)
     tokens = tokens.to(device)
     positions = torch.arange(s, device=device).expand(b, s)
+    if pipeline_group() is not None:
+        chosen = last_stage_output(
+            model,
+            Prompts(tokens, positions),
+            lambda logits: greedy(logits, lengths, vocab_size),
+            like=torch.zeros(b, dtype=torch.int64),
+            fp8=fp8,
+        )
+        return chosen.tolist()
     with fp8():
         # labels=None: Megatron returns the logits, [b, s, padded vocab / TP] unless gathered;
         # gathered, every TP rank holds the whole vocabulary and picks the same tokens.
         logits = model(tokens, positions, None, runtime_gather_output=True)
-    last = logits[torch.arange(b, device=device), lengths - 1, :vocab_size]  # [b, real vocab]
-    return last.argmax(dim=-1).tolist()
+    return greedy(logits, lengths, vocab_size).tolist()
+
+
+def greedy(logits: torch.Tensor, lengths: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Each row's argmax over the real vocabulary at its last real token: [b] int64."""
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    return logits[rows, lengths - 1, :vocab_size].argmax(dim=-1)

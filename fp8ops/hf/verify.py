@@ -39,13 +39,25 @@ def prompt(vocab_size: int, seq_length: int, multiple: int = 1) -> torch.Tensor:
 
 @torch.no_grad()
 def our_logits(model, tokens: torch.Tensor, vocab_size: int, tp_group) -> torch.Tensor:
-    """fp8ops' logits for ``tokens`` (collective over ``tp_group``): vocab-parallel shards
-    gathered, padding rows dropped, as float32 on the CPU."""
+    """fp8ops' logits for ``tokens`` (collective over ``tp_group``, and over the pipeline
+    stages, the last of which computes them): vocab-parallel shards gathered, padding rows
+    dropped, as float32 on the CPU."""
+    # Here, not at the top: a GGUF conversion checks its prompt without Megatron installed.
+    from fp8ops.megatron.pipeline import Prompts, last_stage_output
+    from fp8ops.megatron.stages import pipeline_group
+
     device = next(model.parameters()).device
+    positions = torch.arange(tokens.shape[1], device=device)[None]
     was_training = model.training
     model.eval()
     try:
-        positions = torch.arange(tokens.shape[1], device=device)[None]
+        if pipeline_group() is not None:
+            return last_stage_output(
+                model,
+                Prompts(tokens.to(device), positions),
+                lambda logits: logits[..., :vocab_size].float().cpu(),
+                like=torch.zeros((*tokens.shape, vocab_size)),
+            )
         local = model(tokens.to(device), positions, attention_mask=None)
     finally:
         model.train(was_training)

@@ -1695,18 +1695,6 @@ class Manifest(_Section):
                     "pipeline stages are not supported yet",
                 )
             )
-        if self.capability.enabled and self.data.kind in ("tasks", "chat"):
-            # SFT data: there are answers to generate (a jsonl file's kind shows only in its
-            # lines: the trainer refuses that case).
-            problems.append(
-                (
-                    ("capability", "enabled"),
-                    True,
-                    f"must be false at topology.pipeline_parallel {pp}: capability evaluation "
-                    "generates answers token by token on a whole model, which fp8ops does not "
-                    "run through pipeline stages yet (held-out losses are still evaluated)",
-                )
-            )
         if self.data.pad_to != "seq_length":
             problems.append(
                 (
@@ -1723,16 +1711,6 @@ class Manifest(_Section):
                     "te",
                     f"'te' at topology.pipeline_parallel {pp} is not supported yet (Megatron's "
                     "TE spec is built without stages here); use 'emulated' or 'scaled_mm'",
-                )
-            )
-        if self.precision.module_recipes:
-            # Megatron matches per-module recipes against a stage's local layer names.
-            problems.append(
-                (
-                    ("precision", "module_recipes"),
-                    f"{len(self.precision.module_recipes)} entries",
-                    f"must be empty at topology.pipeline_parallel {pp}: per-module recipes "
-                    "across pipeline stages are not supported yet",
                 )
             )
         return problems

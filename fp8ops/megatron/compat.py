@@ -96,6 +96,7 @@ with _import_guard():
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 MEGATRON_CORE_VERSION: str = megatron.core.__version__
 
@@ -198,6 +199,7 @@ __all__ = [
     "gather_from_tensor_model_parallel_region",
     "get_forward_backward_func",
     "get_gpt_layer_local_spec",
+    "get_transformer_layer_offset",
     "megatron_random",
     "parallel_state",
     "reduce_from_tensor_model_parallel_region",

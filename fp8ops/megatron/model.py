@@ -32,6 +32,7 @@ from fp8ops.megatron.compat import (
     GPTModel,
     TransformerConfig,
     get_gpt_layer_local_spec,
+    get_transformer_layer_offset,
     parallel_state,
     tensor_parallel,
 )
@@ -97,8 +98,11 @@ def build_gpt(
         layer_spec = with_sequence_parallel_norms(layer_spec, model_cfg.num_layers)
     config = transformer_config(manifest)
     if recipe is not None:
-        # Megatron's GPTModel hands each matched projection its per-module recipe itself.
-        config.quant_recipe = quant_recipe(manifest.precision)
+        # Megatron's GPTModel hands each matched projection its per-module recipe itself,
+        # matching this stage's layers by their global numbers.
+        config.quant_recipe = quant_recipe(
+            manifest.precision, layer_offset=get_transformer_layer_offset(config)
+        )
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -168,7 +172,7 @@ def transformer_config(manifest) -> TransformerConfig:
         tensor_model_parallel_size=manifest.topology.tensor_parallel,
         sequence_parallel=manifest.topology.sequence_parallel,
         pipeline_model_parallel_size=manifest.topology.pipeline_parallel,
-        # What stages send each other (fp8ops.train.pipeline): activations in the base dtype.
+        # What stages send each other (fp8ops.megatron.pipeline): activations in the base dtype.
         pipeline_dtype=dtype,
         # Without CUDA there is nothing to synchronise after the batched sends and receives.
         batch_p2p_sync=torch.cuda.is_available(),

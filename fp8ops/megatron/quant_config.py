@@ -7,6 +7,11 @@ whose glob matches the module's name (None where none does). fp8ops' FP8 linears
 (``layers.py``), so the manifest's entries reach a module through Megatron's own mechanism, in
 Megatron's order, and not by fp8ops walking the model afterwards.
 
+Megatron matches a module by its name on its own pipeline stage, where a stage's layers count
+from 0; the manifest names layers globally. Each glob is therefore matched by a
+:class:`StageGlob`, Megatron's ``Matcher`` extension point, against the name with the stage's
+layer offset added: the same module gets the same recipe at any ``pipeline_parallel``.
+
 The configs are written in the payload Megatron's Transformer Engine layers parse
 (``TEQuantizationParams``: ``fp8_quantization_recipe`` one of Megatron's ``Fp8Recipe`` values,
 ``fp8_format``), so the same ``RecipeConfig`` means the same to both: TE builds
@@ -17,8 +22,10 @@ there, and so does the manifest.
 
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
+
 from megatron.core.enums import Fp8Recipe
-from megatron.core.quantization.quant_config import RecipeConfig
+from megatron.core.quantization.quant_config import MatchContext, Matcher, RecipeConfig
 
 from fp8ops.precision import Fp8Format, StatelessRecipe
 
@@ -32,13 +39,42 @@ _FP8OPS_RECIPES = {value: kind for kind, value in MEGATRON_RECIPES.items()}
 _CONFIG_TYPE = ("transformer_engine_config_type", "TEQuantizationParams")
 
 
-def quant_recipe(precision) -> RecipeConfig | None:
-    """Megatron's ``RecipeConfig`` for a manifest's ``precision`` section: one config per
-    ``module_recipes`` entry and one glob matcher per glob, in the manifest's order (the first
-    match decides in both). None without entries."""
+class StageGlob(Matcher):
+    """A manifest glob matched against a module's global name: its stage's local
+    ``decoder.layers.{i}`` renumbered ``i + layer_offset`` (the admission table's and
+    checkpoints' names), then ``fnmatchcase`` as admission matches it."""
+
+    def __init__(self, pattern: str, config_key: str, layer_offset: int):
+        self.pattern, self.config_key, self.layer_offset = pattern, config_key, layer_offset
+
+    def match(self, context: MatchContext) -> str | None:
+        name = global_name(context.module_path, self.layer_offset)
+        return self.config_key if fnmatchcase(name, self.pattern) else None
+
+    def __repr__(self) -> str:
+        return f"StageGlob({self.pattern!r}, {self.config_key!r}, offset {self.layer_offset})"
+
+
+def global_name(local: str, layer_offset: int) -> str:
+    """``decoder.layers.{i}.rest`` on a stage whose first layer is ``layer_offset``, named as
+    in the whole model; any other name as it is."""
+    prefix = "decoder.layers."
+    if layer_offset == 0 or not local.startswith(prefix):
+        return local
+    number, dot, rest = local[len(prefix) :].partition(".")
+    if not number.isdigit():
+        return local
+    return f"{prefix}{int(number) + layer_offset}{dot}{rest}"
+
+
+def quant_recipe(precision, layer_offset: int = 0) -> RecipeConfig | None:
+    """Megatron's ``RecipeConfig`` for a manifest's ``precision`` section on the pipeline stage
+    whose first layer is ``layer_offset``: one config per ``module_recipes`` entry and one
+    matcher per glob, in the manifest's order (the first match decides in both). None without
+    entries."""
     if not precision.module_recipes:
         return None
-    configs, matchers = {}, {}
+    configs, matchers = {}, []
     for i, entry in enumerate(precision.module_recipes):
         key = f"module_recipes[{i}]"
         configs[key] = {
@@ -48,14 +84,8 @@ def quant_recipe(precision) -> RecipeConfig | None:
                 "fp8_format": precision.fp8_format,
             },
         }
-        for j, glob in enumerate(entry.modules):
-            matchers[f"{key}.modules[{j}]"] = {
-                "type": "glob",
-                "pattern": glob,
-                "config": key,
-                "enabled": True,
-            }
-    return RecipeConfig.from_config_dict({"configs": configs, "matchers": matchers})
+        matchers += [StageGlob(glob, key, layer_offset) for glob in entry.modules]
+    return RecipeConfig(matchers, configs)
 
 
 def recipe_from_quant_config(quant_config) -> StatelessRecipe:

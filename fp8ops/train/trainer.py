@@ -47,6 +47,7 @@ from fp8ops.megatron import (
     mark_first_microbatch,
 )
 from fp8ops.megatron.compat import parallel_state
+from fp8ops.megatron.pipeline import forward_backward, sequence_losses
 from fp8ops.megatron.stages import every_stage
 from fp8ops.overrides import Ledger
 from fp8ops.precision import DelayedScalingRecipe, Fp8Scope, recipe_from_precision
@@ -64,7 +65,6 @@ from fp8ops.train.distributed import Ranks
 from fp8ops.train.distributed_optimizer import DistributedMainParamsOptimizer
 from fp8ops.train.inputs import Inputs
 from fp8ops.train.optimizer import MainParamsOptimizer, learning_rate
-from fp8ops.train.pipeline import forward_backward, sequence_losses
 from fp8ops.train.progress import StepLogger
 
 
@@ -134,17 +134,10 @@ class Trainer:
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
         # Under pipeline parallelism this rank holds one stage of the model, and Megatron's
-        # schedule runs the micro-batches through the stages (fp8ops.train.pipeline).
+        # schedule runs the micro-batches through the stages (fp8ops.megatron.pipeline).
         self.pipelined = manifest.topology.pipeline_parallel > 1
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.first_stage = parallel_state.is_pipeline_first_stage()
-        if self.pipelined and inputs.capability_examples:
-            raise ManifestError(
-                "capability evaluation generates answers token by token on a whole model, "
-                "which fp8ops does not run through pipeline stages yet; set "
-                "capability.enabled: false (the held-out loss and its buckets are still "
-                "evaluated), or train at topology.pipeline_parallel 1"
-            )
         self.start_step = 0  # the step a checkpoint restores (restore())
         self.resumed_from = None  # the fp8ops.start.Resume plan restore() loaded
         self.capability_accuracy: float | None = None
@@ -226,12 +219,6 @@ class Trainer:
         logits (``verify``: None where transformers is installed, True required to match,
         False not at all)."""
         path = self.manifest.model.init_checkpoint
-        if verify and self.pipelined:
-            raise ManifestError(
-                "--verify compares the whole model's logits with transformers, which fp8ops "
-                "does not run through pipeline stages yet: verify the import at "
-                "topology.pipeline_parallel 1, or leave --verify out"
-            )
         if verify and (path is None or not weights.is_hf_base(Path(path))):
             raise ManifestError(
                 "--verify compares a Hugging Face model.init_checkpoint with transformers, and "
@@ -253,7 +240,7 @@ class Trainer:
                 f"model.fingerprint is {wanted} but {path} holds weights {found}; point "
                 "model.init_checkpoint at the intended base or update model.fingerprint"
             )
-        if base.get("format") == "hf" and verify is not False and not self.pipelined:
+        if base.get("format") == "hf" and verify is not False:
             base["verification"] = self._verify_hf_base(Path(path), bool(verify))
         return base
 

@@ -1,6 +1,6 @@
 """torchrun worker (ci/bench_pipeline.py's): the small GPT trained a few FP8 steps at TP ``TP`` (default 1) with
 ``pipeline_parallel`` = the processes / TP, each step through Megatron's pipeline schedule
-(``fp8ops.train.pipeline``).
+(``fp8ops.megatron.pipeline``).
 
 Every rank draws the same batches (two micro-batches per step). The model is built by
 ``build_gpt`` in float32 under delayed scaling (emulated FP8), per-layer admission applied, and
@@ -29,10 +29,10 @@ from fp8ops.manifest import derive, load_manifest
 from fp8ops.megatron import amax_reduction_group, build_gpt, fp8_modules, mark_first_microbatch
 from fp8ops.megatron.compat import parallel_state
 from fp8ops.megatron.layers import global_layer_name
+from fp8ops.megatron.pipeline import forward_backward
 from fp8ops.precision import Fp8Scope, recipe_from_precision
 from fp8ops.train.distributed import init_distributed, shutdown_distributed
 from fp8ops.train.optimizer import MainParamsOptimizer
-from fp8ops.train.pipeline import forward_backward
 
 TINY = Path(__file__).resolve().parents[2] / "manifests" / "tiny-gpt-cpu.yaml"
 STEPS, MICRO_BATCHES, B, S = 4, 2, 2, 64

@@ -1,4 +1,5 @@
-"""One step's forward and backward through Megatron-Core's pipeline schedule.
+"""Forward and backward through Megatron-Core's pipeline schedule: a training step, an
+evaluation batch, and forwards without labels (generation, the logit check of an import).
 
 Under pipeline parallelism each rank holds one stage (``build_gpt`` builds the embedding on the
 first, the LM head on the last, and the layers in between by Megatron's layer offset), and
@@ -20,13 +21,16 @@ The loss function divides each micro-batch's summed loss by the global batch's l
 (fp8ops' per-token loss), and the model's config sets ``calculate_per_token_loss`` so that the
 schedule does not divide it again by the number of micro-batches.
 
-Evaluation runs forward only through the same schedule (:func:`sequence_losses`).
+Evaluation runs forward only through the same schedule (:func:`sequence_losses`), and so do
+forwards that want the logits (:func:`last_stage_output`): Megatron's ``collect_non_loss_data``
+hands the last stage's logits to a function of the caller's, whose result every stage receives.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -70,22 +74,56 @@ def sequence_losses(model, mb, *, fp8: Callable = contextlib.nullcontext) -> tor
     return _from_last_stage(values)
 
 
+@dataclass(frozen=True)
+class Prompts:
+    """Token ids to run forward without labels: [b, s] each."""
+
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+    labels = None
+
+    def to(self, device: torch.device) -> Prompts:
+        return Prompts(self.tokens.to(device), self.position_ids.to(device))
+
+
+def last_stage_output(
+    model,
+    prompts: Prompts,
+    measure: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    like: torch.Tensor,
+    fp8: Callable = contextlib.nullcontext,
+) -> torch.Tensor:
+    """Forward only, no labels: ``measure(logits)`` of the last stage's logits ([b, s, padded
+    vocab], gathered over TP), a host tensor of ``like``'s shape and dtype, on every stage
+    (collective over the pipeline group)."""
+    reported = _through_stages(model, [prompts], measure, fp8=fp8, forward_only=True)
+    return _from_last_stage(reported[0].cpu() if reported else like.clone())
+
+
 def _through_stages(
     model, micro_batches: Sequence, measure: Callable, *, fp8: Callable, forward_only: bool
 ) -> list[torch.Tensor]:
-    """Megatron's schedule over ``micro_batches``; on the last stage, what ``measure(per_token,
-    micro_batch)`` reported of each (its first value is the loss backward starts from)."""
+    """Megatron's schedule over ``micro_batches``; on the last stage, what ``measure`` reported
+    of each. With labels, ``measure(per_token, micro_batch)`` returns the loss backward starts
+    from and what to report; without (:class:`Prompts`), ``measure(logits)`` what to report."""
     device = next(model.parameters()).device
     batches = iter(micro_batches)
+    no_labels = micro_batches[0].labels is None
 
     def forward_step(data_iterator, stage_model):
         mb = next(data_iterator).to(device)
         with fp8():
             # The first stage reads the tokens, the last the labels; the others neither.
-            output = stage_model(mb.tokens, mb.position_ids, None, labels=mb.labels)
+            if no_labels:  # every TP rank of the last stage holds the whole vocabulary
+                output = stage_model(mb.tokens, mb.position_ids, None, runtime_gather_output=True)
+            else:
+                output = stage_model(mb.tokens, mb.position_ids, None, labels=mb.labels)
 
-        def loss_func(per_token: torch.Tensor):
-            loss, reported = measure(per_token, mb)
+        def loss_func(output: torch.Tensor, non_loss_data: bool = False):
+            if non_loss_data:  # what the schedule keeps, as it is
+                return measure(output)
+            loss, reported = measure(output, mb)
             # (loss, tokens, reported): the per-token form the schedule leaves undivided.
             return loss, torch.ones((), dtype=torch.int), {"value": reported}
 
@@ -106,8 +144,9 @@ def _through_stages(
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
         forward_only=forward_only,
+        collect_non_loss_data=no_labels,
     )
-    return [record["value"] for record in records]
+    return records if no_labels else [record["value"] for record in records]
 
 
 def _from_last_stage(value: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ from fp8ops.megatron.compat import (
     ColumnParallelLinear,
     filesystem_async,
     get_gpt_layer_local_spec,
+    language_module,
     megatron_random,
 )
 from fp8ops.precision import DelayedScalingRecipe, Fp8Scope
@@ -270,6 +271,11 @@ def test_cpu_shims_are_idempotent_and_cover_what_megatron_needs(model, manifest)
     apply_cpu_shims()
     assert megatron_random.get_cuda_rng_tracker() is tracker  # seeds kept
     assert torch.cuda.current_device() == "cpu"
+    # Tied embeddings' last-stage copy stays on the CPU only inside Megatron's setup call.
+    setup = language_module.LanguageModule.setup_embeddings_and_output_layer
+    assert setup.cpu_shim and "cuda" not in torch.Tensor.__dict__
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        torch.zeros(1).cuda()
     # The checkpoint writer's host copy no longer waits on CUDA.
     assert filesystem_async.FileSystemWriterAsync.preload_tensors([], non_blocking=True) == []
     # No mask given: the shimmed default causal mask equals an explicit one.

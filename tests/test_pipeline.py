@@ -15,7 +15,6 @@ MANIFESTS = Path(__file__).resolve().parents[1] / "manifests"
 @pytest.mark.parametrize(
     ("changes", "field", "says"),
     [
-        ({"model.tied_embeddings": True}, "model.tied_embeddings", "must be false"),
         ({"data.pad_to": "longest"}, "data.pad_to", "one fixed shape"),
         ({"precision.backend": "te"}, "precision.backend", "not supported yet"),
         ({"model.num_layers": 3}, "model.num_layers", "divisible by topology.pipeline_parallel"),

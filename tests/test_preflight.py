@@ -172,15 +172,13 @@ def test_a_clean_committed_manifest_passes_every_item(cli, pinned, repo, tmp_pat
 def test_the_pipeline_rehearsal_picks_a_size_the_manifest_allows():
     from fp8ops.preflight.rehearsal import other_pipeline_parallel
 
-    plain = derive(
-        load_manifest(MANIFESTS / "tiny-gpt-cpu.yaml"), {"capability.enabled": False}, "t"
-    )
+    plain = load_manifest(MANIFESTS / "tiny-gpt-cpu.yaml")
     assert other_pipeline_parallel(plain)[0] == {"pipeline_parallel": 2}
     staged = derive(plain, {"topology.pipeline_parallel": 2}, "t")
     assert other_pipeline_parallel(staged)[0] == {"pipeline_parallel": 1}
-    tied = derive(plain, {"model.tied_embeddings": True}, "t")
-    changes, invalid, too_big = other_pipeline_parallel(tied)
-    assert changes is None and not too_big and "tied" in invalid[0], invalid
+    padded = derive(plain, {"data.pad_to": "longest"}, "t")
+    changes, invalid, too_big = other_pipeline_parallel(padded)
+    assert changes is None and not too_big and "one fixed shape" in invalid[0], invalid
 
 
 # -- record items fail on real inputs -------------------------------------------------------------

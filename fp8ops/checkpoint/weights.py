@@ -137,7 +137,11 @@ def _pipelined_fingerprint(named, full, tp_group, stages, dtype) -> str:
         shapes[name] = (tuple(shape), dtype or param.dtype)
     everyone: list = [None] * dist.get_world_size(stages)
     dist.all_gather_object(everyone, shapes, group=stages)
-    owner = {name: stage for stage, held in enumerate(everyone) for name in held}
+    # A tied embedding is on the first stage and, as a copy, on the last: hashed as the first's.
+    owner = {}
+    for stage, held in enumerate(everyone):
+        for name in held:
+            owner.setdefault(name, stage)
     mine, first = dist.get_rank(stages), dist.get_global_rank(stages, 0)
     params = dict(named)
     device = next(iter(params.values())).device

@@ -137,8 +137,9 @@ def load_hf_weights(model: nn.Module, directory: Path, model_cfg, *, tp_group, f
 
 def _this_stage(plan: dict, model: nn.Module, params: dict) -> dict:
     """The plan's parameters of this pipeline stage (all of them without pipelining): the
-    embedding on the first stage, the final norm and LM head on the last, and the stage's
-    layers, named by their global number."""
+    embedding on the first stage, the final norm and LM head on the last (with tied
+    embeddings, a copy of the embedding), and the stage's layers, named by their global
+    number."""
     layers = {name.split(".")[2] for name in params if name.startswith("decoder.layers.")}
 
     def here(name: str) -> bool:
@@ -148,7 +149,11 @@ def _this_stage(plan: dict, model: nn.Module, params: dict) -> dict:
             return model.pre_process
         return model.post_process  # decoder.final_layernorm, output_layer
 
-    return {name: shard for name, shard in plan.items() if here(name)}
+    mine = {name: shard for name, shard in plan.items() if here(name)}
+    if "output_layer.weight" in params and "output_layer.weight" not in plan:
+        # The last stage's copy of a tied embedding (Megatron's): read as the embedding is.
+        mine["output_layer.weight"] = plan["embedding.word_embeddings.weight"]
+    return mine
 
 
 def _read_shard(shard, where: dict[str, Path], param) -> torch.Tensor:

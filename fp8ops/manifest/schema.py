@@ -1684,17 +1684,6 @@ class Manifest(_Section):
     def _pipeline_problems(self) -> list:
         """What pipeline parallelism cannot run with yet, each at the field to change."""
         problems, pp = [], self.topology.pipeline_parallel
-        if self.model.tied_embeddings:
-            # The last stage's copy of the embedding would need Megatron's embedding-group
-            # gradient sum, which fp8ops' optimizers do not do yet.
-            problems.append(
-                (
-                    ("model", "tied_embeddings"),
-                    True,
-                    f"must be false at topology.pipeline_parallel {pp}: tied embeddings across "
-                    "pipeline stages are not supported yet",
-                )
-            )
         if self.data.pad_to != "seq_length":
             problems.append(
                 (

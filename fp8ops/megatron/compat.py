@@ -80,6 +80,7 @@ with _import_guard():
     # first called: imported here, under the guard.
     from megatron.core.dist_checkpointing.strategies import filesystem_async, fully_parallel
     from megatron.core.fusions import fused_softmax
+    from megatron.core.models.common.language_module import language_module
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
@@ -200,6 +201,7 @@ __all__ = [
     "get_forward_backward_func",
     "get_gpt_layer_local_spec",
     "get_transformer_layer_offset",
+    "language_module",
     "megatron_random",
     "parallel_state",
     "reduce_from_tensor_model_parallel_region",

@@ -10,6 +10,8 @@ megatron-core 0.16.1; ``compat.py`` covers 0.17-0.19).
 3. Default causal mask: built with ``device="cuda"`` when the caller passes no attention mask.
 4. Checkpoint writer: ``torch.cuda.synchronize()`` after the tensors are copied to host memory.
 5. Pipeline schedules: each schedule's token counter is created with ``device="cuda"``.
+6. Tied embeddings across pipeline stages: the last stage's copy is moved to CUDA before the
+   first stage's values are summed into it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from fp8ops.megatron.compat import (
     filesystem_async,
     fused_softmax,
+    language_module,
     megatron_random,
     schedules,
     set_rng_tracker,
@@ -38,6 +41,7 @@ def apply_cpu_shims() -> None:
     _default_causal_mask_on_cpu()
     _checkpoint_preload_without_cuda_sync()
     _schedules_count_tokens_on_cpu()
+    _tied_embedding_copy_on_cpu()
 
 
 # -- 1. RNG tracker --------------------------------------------------------------------------
@@ -158,3 +162,38 @@ def _schedules_count_tokens_on_cpu() -> None:
     # calls take their devices from the tensors they are given.
     if not isinstance(schedules.torch, _TorchWithCpuZeros):
         schedules.torch = _TorchWithCpuZeros("torch")
+
+
+# -- 6. tied embeddings across pipeline stages -----------------------------------------------
+
+
+@contextlib.contextmanager
+def _tensors_stay_on_the_cpu() -> Iterator[None]:
+    """``Tensor.cuda()`` returns the tensor itself, for the duration."""
+    saved = torch.Tensor.__dict__.get("cuda")
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        if saved is None:
+            del torch.Tensor.cuda
+        else:
+            torch.Tensor.cuda = saved
+
+
+def _tied_embedding_copy_on_cpu() -> None:
+    # LanguageModule.setup_embeddings_and_output_layer (models/common/language_module) gives the
+    # last pipeline stage its copy of tied embeddings: zeroed, then all-reduced over the
+    # embedding group with the first stage's, after `weight.data = weight.data.cuda()`, which
+    # raises on a CPU build. Only during that call, the copy stays on the CPU instead.
+    module = language_module.LanguageModule
+    original = module.setup_embeddings_and_output_layer
+    if getattr(original, "cpu_shim", False):
+        return
+
+    def setup_embeddings_and_output_layer(self) -> None:
+        with _tensors_stay_on_the_cpu():
+            original(self)
+
+    setup_embeddings_and_output_layer.cpu_shim = True
+    module.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer

@@ -34,8 +34,11 @@ from fp8ops.train.optimizer import (
     global_norm,
     inner_optimizer,
     main_grad,
+    norm_kinds,
     partial_over_tensor_parallel,
+    sum_over_embedding_group,
     sum_over_tensor_parallel,
+    tied_embedding,
 )
 
 PARAM_ALIGN = 64  # elements: Megatron starts each parameter at a 128-byte address (16-bit)
@@ -109,10 +112,9 @@ class DistributedMainParamsOptimizer(_MainParams):
                 f"the distributed optimizer needs one parameter dtype, the model has "
                 f"{sorted(map(str, dtypes))}"
             )
-        self._is_shard = [
-            bool(getattr(p, "tensor_model_parallel", False)) for p in self.model_params
-        ]
+        self._is_shard = norm_kinds(self.model_params)
         self._partial_over_tp = partial_over_tensor_parallel(model)
+        self._tied = tied_embedding(model, self.model_params)
         self.dp_rank, dp = dist.get_rank(dp_group), dist.get_world_size(dp_group)
         self.layout = BufferLayout.build([p.numel() for p in self.model_params], dp)
         self.pieces = self.layout.pieces(self.dp_rank)
@@ -205,6 +207,8 @@ class DistributedMainParamsOptimizer(_MainParams):
             buffer[start:stop] = main_grad(param).reshape(-1)
         views = [buffer[start:stop] for start, stop in self.layout.ranges]
         sum_over_tensor_parallel(views, self._partial_over_tp, self.tp_group)
+        # Whole, before the scatter: the two stages' buffers lay their parameters out apart.
+        sum_over_embedding_group(views, self._tied)
         if self.layout.dp == 1:
             return buffer
         shard = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=self._device)
@@ -216,7 +220,9 @@ class DistributedMainParamsOptimizer(_MainParams):
         # replicas once (they sit at the same place in every TP rank's buffer).
         sums = torch.zeros(2, dtype=torch.float64, device=self._device)
         for piece, grad in zip(self.pieces, grads):
-            sums[0 if self._is_shard[piece.param] else 1] += grad.double().pow(2).sum()
+            kind = self._is_shard[piece.param]
+            if kind is not None:  # not the last stage's copy of a tied embedding
+                sums[0 if kind else 1] += grad.double().pow(2).sum()
         sums = sums.cpu()
         if self.layout.dp > 1:
             dist.all_reduce(sums, group=self.dp_group)

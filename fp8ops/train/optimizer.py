@@ -9,6 +9,12 @@ copies, and after each step the copies are rounded back into the model.
 The gradient norm is the global one: tensor-parallel shards are summed across the TP group and
 replicated parameters counted once (Megatron's ``param_is_not_tensor_parallel_duplicate``), so
 TP=1 and TP=2 clip identically.
+
+Tied embeddings under pipeline parallelism: the first stage's embedding and the last stage's
+output layer are two copies of one weight (Megatron's ``setup_embeddings_and_output_layer``).
+Their gradients are summed over Megatron's embedding group before the step, as Megatron's
+``finalize_model_grads`` does, so both copies take the same step; the norms count the first
+stage's copy only (``param_is_not_shared``).
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from fp8ops.megatron.compat import parallel_state
+from fp8ops.megatron.stages import pipeline_group
 
 
 def learning_rate(step: int, optimizer_cfg, schedule) -> float:
@@ -56,16 +65,42 @@ def main_grad(param: nn.Parameter) -> torch.Tensor:
     return param.grad.detach().float()
 
 
+def norm_kinds(params: list[nn.Parameter]) -> list[bool | None]:
+    """How the global norm counts each parameter: True a TP shard (Megatron marks them), False
+    a replica, None not at all (the last stage's copy of a tied embedding, Megatron's
+    ``shared``: its first stage counts it)."""
+    return [
+        None if getattr(p, "shared", False) else bool(getattr(p, "tensor_model_parallel", False))
+        for p in params
+    ]
+
+
+def tied_embedding(model: nn.Module, params: list[nn.Parameter]) -> list[bool]:
+    """Per parameter, whether it is this stage's copy of a tied embedding held on two pipeline
+    stages, whose gradient is summed over the embedding group."""
+    if not getattr(model, "share_embeddings_and_output_weights", False) or pipeline_group() is None:
+        return [False] * len(params)
+    copy = model.shared_embedding_or_output_weight()  # None on the stages in between
+    return [p is copy for p in params]
+
+
+def sum_over_embedding_group(grads: list[torch.Tensor], tied: list[bool]) -> None:
+    """Sum, in place, the float32 gradients ``tied`` marks over the first and last stages."""
+    mine = [g for g, is_tied in zip(grads, tied, strict=True) if is_tied]
+    if mine:  # only the two stages holding a copy are in the group
+        all_reduce_flat(mine, parallel_state.get_embedding_group())
+
+
 def global_norm(
     tensors: Iterable[torch.Tensor],
-    is_shard: list[bool],
+    is_shard: list[bool | None],
     tp_group,
     device: torch.device,
     pp_group=None,
 ) -> float:
     """The global L2 norm of per-parameter ``tensors``: TP shards summed over the TP group,
     replicas (the same on every TP rank) counted once (Megatron's
-    ``param_is_not_tensor_parallel_duplicate``).
+    ``param_is_not_tensor_parallel_duplicate``), ``None`` ones not (:func:`norm_kinds`).
 
     Accumulated in float64 on ``device``, where the tensors are, then brought to the host (one
     sync, free on the CPU), so the TP sum is a CPU scalar and goes over gloo like fp8ops' other
@@ -80,6 +115,8 @@ def global_norm(
         dist.recv(sums, src=dist.get_global_rank(pp_group, dist.get_rank(pp_group) - 1))
     shards, replicas = (value.to(device) for value in sums)
     for tensor, shard in zip(tensors, is_shard):
+        if shard is None:
+            continue
         if shard:
             shards += tensor.double().pow(2).sum()
         else:
@@ -237,11 +274,9 @@ class MainParamsOptimizer(_MainParams):
             decay=[m for p, m in zip(self.model_params, self.main_params) if p.dim() > 1],
             no_decay=[m for p, m in zip(self.model_params, self.main_params) if p.dim() <= 1],
         )
-        # Whether each parameter is a TP shard (Megatron marks them) or a replica.
-        self._is_shard = [
-            bool(getattr(p, "tensor_model_parallel", False)) for p in self.model_params
-        ]
+        self._is_shard = norm_kinds(self.model_params)
         self._partial_over_tp = partial_over_tensor_parallel(model)
+        self._tied = tied_embedding(model, self.model_params)
         self.last_update_norm: float | None = None
 
     def step(self, lr: float) -> tuple[float, bool]:
@@ -249,6 +284,7 @@ class MainParamsOptimizer(_MainParams):
         grads = [main_grad(p) for p in self.model_params]
         sum_over_tensor_parallel(grads, self._partial_over_tp, self.tp_group)
         all_reduce_flat(grads, self.dp_group)
+        sum_over_embedding_group(grads, self._tied)
         norm = global_norm(grads, self._is_shard, self.tp_group, self._device, self.pp_group)
         skipped = not math.isfinite(norm)
         if not skipped:

@@ -319,7 +319,8 @@ def _run_record(trainer: Trainer) -> RunRecord:
 
 
 def _model_parameters(trainer: Trainer) -> int:
-    """The whole model's parameter count (collective): every TP shard and every stage."""
+    """The whole model's parameter count (collective): every TP shard and every stage, a tied
+    embedding's second copy (on the last stage) not counted again."""
     import torch.distributed as dist
 
     from fp8ops.megatron.stages import every_stage
@@ -328,6 +329,7 @@ def _model_parameters(trainer: Trainer) -> int:
     mine = sum(
         p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
         for p in trainer.model.parameters()
+        if not getattr(p, "shared", False)
     )
     return sum(every_stage([mine]))
 

@@ -37,8 +37,6 @@ from fp8ops.data.batches import TokenizedData
 from fp8ops.data.tasks import Example, check
 from fp8ops.data.tokenizer import Tokenizer
 from fp8ops.errors import ManifestError
-from fp8ops.megatron.pipeline import Prompts, last_stage_output
-from fp8ops.megatron.stages import pipeline_group
 
 
 def capability_examples(data: TokenizedData, config, tokenizer: Tokenizer) -> list[Example]:
@@ -200,6 +198,10 @@ def next_tokens(
         tokens[i, : len(row)] = torch.tensor(row)
     tokens = tokens.to(device)
     positions = torch.arange(s, device=device).expand(b, s)
+    # Here, not at the top: prompts are encoded (prompt_ids) without Megatron installed.
+    from fp8ops.megatron.pipeline import Prompts, last_stage_output
+    from fp8ops.megatron.stages import pipeline_group
+
     if pipeline_group() is not None:
         chosen = last_stage_output(
             model,

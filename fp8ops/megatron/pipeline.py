@@ -98,7 +98,15 @@ def last_stage_output(
     vocab], gathered over TP), a host tensor of ``like``'s shape and dtype, on every stage
     (collective over the pipeline group)."""
     reported = _through_stages(model, [prompts], measure, fp8=fp8, forward_only=True)
-    return _from_last_stage(reported[0].cpu() if reported else like.clone())
+    if reported:  # the last stage: what it sends must be what the others wait for
+        value = reported[0].cpu()
+        if value.shape != like.shape or value.dtype != like.dtype:
+            raise ValueError(
+                f"the last stage measured a {value.dtype} tensor of shape {tuple(value.shape)}; "
+                f"the other stages expect {like.dtype} of shape {tuple(like.shape)}"
+            )
+        return _from_last_stage(value)
+    return _from_last_stage(like.clone())
 
 
 def _through_stages(

@@ -2,10 +2,10 @@
 
 Reading order: ``startup`` (a start plan becomes ranks that train it), ``trainer`` (the loop),
 ``inputs`` (tokenizer, data, capability items), ``optimizer`` (float32 main weights, clipping,
-the learning-rate schedule), ``distributed_optimizer`` (the same, sharded over data parallel), ``pipeline`` (a step
-through Megatron's pipeline schedule), ``distributed`` (process groups), ``signals`` (stop requests),
-``progress`` (what a run prints), ``cpu_gemm`` (bf16 GEMMs on CPUs without them), ``export``
-(a checkpoint's weights as a weights checkpoint), ``cli`` (the commands).
+the learning-rate schedule), ``distributed_optimizer`` (the same, sharded over data parallel),
+``distributed`` (process groups), ``signals`` (stop requests), ``progress`` (what a run
+prints), ``cpu_gemm`` (bf16 GEMMs on CPUs without them), ``export`` (a checkpoint's weights as a
+weights checkpoint), ``cli`` (the commands).
 
 Only the command layer imports this package: the other packages read and write runs through
 ``fp8ops.run`` and decide how runs start in ``fp8ops.start``.

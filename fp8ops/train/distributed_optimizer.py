@@ -31,6 +31,7 @@ from torch import nn
 
 from fp8ops.train.optimizer import (
     _MainParams,
+    all_reduce_flat,
     global_norm,
     inner_optimizer,
     main_grad,
@@ -207,13 +208,27 @@ class DistributedMainParamsOptimizer(_MainParams):
             buffer[start:stop] = main_grad(param).reshape(-1)
         views = [buffer[start:stop] for start, stop in self.layout.ranges]
         sum_over_tensor_parallel(views, self._partial_over_tp, self.tp_group)
-        # Whole, before the scatter: the two stages' buffers lay their parameters out apart.
-        sum_over_embedding_group(views, self._tied)
+        self._sum_tied_embedding(views)
         if self.layout.dp == 1:
             return buffer
         shard = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=self._device)
         dist.reduce_scatter_tensor(shard, buffer, group=self.dp_group)
         return shard
+
+    def _sum_tied_embedding(self, views: list[torch.Tensor]) -> None:
+        """A tied embedding's two copies (first and last stage) must take the same step, so
+        their gradients must be equal bit for bit. The two stages' buffers place the copies
+        apart, where a reduce-scatter may add their DP parts in other orders: each copy is summed
+        whole here instead, over DP and then over the two stages (the replicated optimizer's
+        order), and passed to the reduce-scatter by DP rank 0 alone; adding zeros is exact."""
+        tied = [view for view, is_tied in zip(views, self._tied, strict=True) if is_tied]
+        if not tied:
+            return
+        all_reduce_flat(tied, self.dp_group)
+        sum_over_embedding_group(views, self._tied)
+        if self.dp_rank != 0:
+            for view in tied:
+                view.zero_()
 
     def _norm(self, grads: list[torch.Tensor]) -> float:
         # Each rank holds a disjoint slice: sum the squares over DP, then TP shards over TP,

@@ -552,7 +552,8 @@ class Trainer:
 
         A failing evaluation is recorded (event ``capability_failed``) and training goes on:
         hours of training are worth more than one measurement, and ``fp8ops compare`` fails a
-        run whose capability records are missing.
+        run whose capability records are missing. Under pipeline parallelism the failure ends
+        the run instead (the stages would otherwise wait on each other).
         """
         started = time.perf_counter()
         try:
@@ -564,7 +565,11 @@ class Trainer:
                     self.inputs.tokenizer,
                     fp8=self._fp8,
                 )
-        except Exception as exc:  # noqa: BLE001 - any failure of the measurement, not of training
+        except Exception as exc:  # any failure of the measurement, not of training
+            if self.pipelined:
+                # Only the last stage picks the tokens: a failure there leaves the other stages
+                # waiting for them, so going on would hang the run rather than save it.
+                raise
             if self.ranks.is_main:
                 print(f"capability evaluation at step {step} failed: {exc}", file=sys.stderr)
             self.run.event("capability_failed", step=step, error=f"{type(exc).__name__}: {exc}")

@@ -66,7 +66,7 @@ from fp8ops.megatron.compat import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from fp8ops.megatron.quant_config import recipe_from_quant_config
+from fp8ops.megatron.quant_config import global_name, recipe_from_quant_config
 from fp8ops.megatron.te_extra_state import read_extra_state, recipe_differences
 from fp8ops.precision import (
     CastRecord,
@@ -326,11 +326,11 @@ def global_layer_name(model: nn.Module, name: str) -> str:
     prefix = "decoder.layers."
     if not name.startswith(prefix):
         return name
-    local, _, rest = name[len(prefix) :].partition(".")
+    local = name[len(prefix) :].partition(".")[0]
     number = getattr(model.get_submodule(prefix + local), "layer_number", None)
     if number is None:
         return name
-    return f"{prefix}{number - 1}.{rest}" if rest else f"{prefix}{number - 1}"
+    return global_name(name, layer_offset=number - 1 - int(local))
 
 
 def mark_first_microbatch(model: nn.Module) -> None:

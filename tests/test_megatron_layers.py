@@ -4,6 +4,8 @@ local GPT outside a scope, and the CPU shims. The TP=2 checks are in test_megatr
 import functools
 import importlib.util
 import math
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -328,3 +330,21 @@ def test_vocabulary_padding_does_not_depend_on_tensor_parallel_size():
     assert {padded_vocab_size(128256, tp) for tp in (1, 2, 4, 8)} == {128256}
     # Only where TP does not divide the 128-padded size does it pad further, as Megatron-LM does.
     assert padded_vocab_size(100, 3) == 384
+
+
+def test_megatron_imports_on_the_cpu_with_its_jit_fuser_off():
+    """Megatron's fused functions stay plain (its own switch): no ``torch.compile`` at import,
+    so inductor is never loaded, and the import hook is gone afterwards."""
+    probe = (
+        "import sys, types, fp8ops.megatron\n"
+        "from megatron.core import jit\n"
+        "from megatron.core.fusions import fused_bias_geglu\n"
+        "assert jit.jit_fuser is jit.noop_decorator, jit.jit_fuser\n"
+        "assert isinstance(fused_bias_geglu.geglu, types.FunctionType)\n"
+        "assert 'torch._inductor' not in sys.modules\n"
+        "assert not any(type(f).__name__ == '_JitFuserOff' for f in sys.meta_path)\n"
+    )
+    if torch.cuda.is_available():
+        pytest.skip("a GPU machine imports Megatron as it is")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -1,6 +1,6 @@
 """The boundary with megatron-core: every Megatron name fp8ops uses is imported here.
 
-Two reasons for one module:
+Three reasons for one module:
 
 1. **Importing megatron-core next to Transformer Engine's recipe-only package.** ``ci/setup.sh``
    installs TE's pure-Python package (``--no-deps``) for ``fp8ops.precision.te_recipe``. Megatron
@@ -18,6 +18,10 @@ Two reasons for one module:
    (:func:`amax_reduction_group`), a layer spec's MLP block changed shape in 0.18
    (:func:`block_submodules`, :func:`with_block_submodules`), and a config field was renamed in
    0.18 (:func:`whole_layer_cuda_graphs`).
+3. **Megatron's JIT fuser off on the CPU.** Its fused functions are wrapped in ``torch.compile``
+   as they import, which loads inductor: a second of every process's start, for functions the
+   CPU path never calls. On a machine without CUDA Megatron is imported with its own
+   ``disable_jit_fuser()`` applied (:class:`_JitFuserOff`).
 
 Supported: megatron-core 0.16.1 (the newest release for Python 3.11; CI tests it) to 0.19, which
 need Python >= 3.12. The CPU suite passed against 0.18.2 and 0.19.2 too, and its Megatron, TE,
@@ -29,6 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.abc
+import importlib.machinery
 import sys
 import warnings
 from collections.abc import Iterator
@@ -58,6 +64,48 @@ def _transformer_engine_hidden() -> Iterator[None]:
                 sys.modules.pop(name, None)
 
 
+class _JitFuserOff(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Load ``megatron.core.jit`` as it is, then call its own ``disable_jit_fuser()``.
+
+    Megatron makes ``jit_fuser`` ``torch.compile`` and decorates about 40 fused functions with it
+    as their modules import; the first ``torch.compile`` call imports dynamo and inductor
+    (measured on 2 cores: ``import fp8ops.megatron`` takes 3.4 s with them, 2.2 s without).
+    None of those functions is on fp8ops' CPU path (its configs turn Megatron's fusions off),
+    so they are left plain, as Megatron's switch leaves them: the small base model trains to
+    the same weights fingerprint either way. Megatron's modules import ``jit_fuser`` by name, so the switch must come between
+    ``jit.py`` and its importers: hence a finder, not a call after the import.
+    """
+
+    NAME = "megatron.core.jit"
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.NAME:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        self._loader = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        module.disable_jit_fuser()
+
+
+@contextlib.contextmanager
+def _jit_fuser_off() -> Iterator[None]:
+    finder = _JitFuserOff()
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
+
+
 @contextlib.contextmanager
 def _import_guard() -> Iterator[None]:
     with warnings.catch_warnings():
@@ -68,7 +116,7 @@ def _import_guard() -> Iterator[None]:
             return
         # Expected on a CPU machine, and printed once per Megatron module that checks.
         warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
-        with _transformer_engine_hidden():
+        with _transformer_engine_hidden(), _jit_fuser_off():
             yield
 
 

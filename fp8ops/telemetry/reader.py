@@ -164,9 +164,9 @@ class TelemetryRun:
         if split < hi:
             tail = self._read(rank, MODULE_METRICS, np.s_[split:hi, m, :])
             values = np.concatenate([values, tail])
-        return pd.DataFrame(
-            values[:, cols], index=self._step_index(lo, hi), columns=_columns(names, "metric")
-        )
+        if cols != list(range(len(self.metrics))):  # a gather over columns: 18 ms at 100k steps
+            values = values[:, cols]
+        return _frame(values, self._step_index(lo, hi), _columns(names, "metric"))
 
     def step_snapshot(self, step: int | None = None, *, rank: int = 0) -> pd.DataFrame:
         """Every module at one step (default: the latest committed): index ``module``."""
@@ -181,10 +181,8 @@ class TelemetryRun:
                 f"to see newer ones)"
             )
         values = self._read(rank, MODULE_METRICS, np.s_[row])
-        return pd.DataFrame(
-            values,
-            index=pd.Index(self.modules, name="module"),
-            columns=_columns(self.metrics, "metric"),
+        return _frame(
+            values, pd.Index(self.modules, name="module"), _columns(self.metrics, "metric")
         )
 
     def metric_window(
@@ -194,9 +192,7 @@ class TelemetryRun:
         k = self._lookup(metric, self._metric_index, "metric")
         lo, hi = self._rows(start, stop, self._rank(rank))
         values = self._read(rank, MODULE_METRICS, np.s_[lo:hi, :, k])
-        return pd.DataFrame(
-            values, index=self._step_index(lo, hi), columns=_columns(self.modules, "module")
-        )
+        return _frame(values, self._step_index(lo, hi), _columns(self.modules, "module"))
 
     def step_metrics(
         self, start: int | None = None, stop: int | None = None, *, rank: int = 0
@@ -204,11 +200,7 @@ class TelemetryRun:
         """The whole-step metrics (loss, grad norm, ...): index ``step``."""
         lo, hi = self._rows(start, stop, self._rank(rank))
         values = self._read(rank, STEP_METRICS, np.s_[lo:hi])
-        return pd.DataFrame(
-            values,
-            index=self._step_index(lo, hi),
-            columns=_columns(self.step_metric_names, "metric"),
-        )
+        return _frame(values, self._step_index(lo, hi), _columns(self.step_metric_names, "metric"))
 
     def to_xarray(self, start: int | None = None, stop: int | None = None, rank: int = 0):
         """An ``xarray.Dataset`` over (step, module): one variable per module metric, and the
@@ -357,6 +349,13 @@ def _ceil_div(a: int, b: int) -> int:
 
 def _columns(names: Sequence[str], label: str) -> pd.Index:
     return pd.Index(list(names), name=label)
+
+
+def _frame(values: np.ndarray, index: pd.Index, columns: pd.Index) -> pd.DataFrame:
+    """The values as a DataFrame, without the copy pandas makes of an array by default: every
+    array here was just read, so nothing else holds it (the copy is 19 ms of a 100k-step
+    history)."""
+    return pd.DataFrame(values, index=index, columns=columns, copy=False)
 
 
 __all__ = ["StoreSchema", "TelemetryRun", "open_run"]

@@ -43,7 +43,8 @@ OWN_RECIPE = "decoder.layers.1.mlp.linear_fc1"
 # bf16 (autograd, in the parameter's dtype), PP 2 in float32 over the embedding group. Measured
 # 1.1e-5 (losses), 1.4e-4 (gradient norms), 7.6e-3 (update norms); without the sum, 1.1e-4,
 # 0.15 and 0.21. At DP 2 with the distributed optimizer: the same losses, norms within 1.6e-4
-# (0.15 without the sum).
+# (0.15 without the sum). TP 2 x PP 2 against TP 2: losses within 1.6e-6, gradient norms
+# 6.7e-4, update norms 5.0e-4.
 TIED_LOSS, TIED_NORM, TIED_UPDATE = 3e-5, 1e-3, 2e-2
 
 
@@ -237,7 +238,8 @@ def test_a_hugging_face_base_loads_into_the_stages_as_into_one_model(tmp_path, c
 
 def test_tied_embeddings_train_on_two_stages_as_on_one(tmp_path, cli):
     """The first stage's embedding and the last stage's output layer are one weight's two
-    copies: both read from the import, their gradients summed, one step for both."""
+    copies: both read from the import, their gradients summed, one step for both; alone, with
+    data parallelism and the distributed optimizer, and with tensor parallelism."""
     pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
     from support.hf_models import make_hf_model
 
@@ -282,3 +284,18 @@ def test_tied_embeddings_train_on_two_stages_as_on_one(tmp_path, cli):
     ):
         assert loss_b == pytest.approx(loss_a, rel=TIED_LOSS)
         assert norm_b == pytest.approx(norm_a, rel=TIED_NORM)
+    # Under TP each copy is split over the vocabulary alike: each TP rank sums its own slice.
+    tp = ("--set", "topology.tensor_parallel=2")
+    tp2, tp2pp2 = tmp_path / "tp2", tmp_path / "tp2pp2"
+    fp8ops_ranks("train", manifest, "--run-dir", tp2, *short, *tp)
+    fp8ops_ranks("train", manifest, "--run-dir", tp2pp2, *short, *tp, *PP2, ranks=4)
+    first, second = read_run_record(tp2).model, read_run_record(tp2pp2).model
+    assert first.initial_weights_fingerprint == second.initial_weights_fingerprint
+    assert first.parameters == second.parameters
+    assert second.init_hf_verification == first.init_hf_verification
+    for (loss_a, norm_a, update_a), (loss_b, norm_b, update_b) in zip(
+        _metrics(tp2).values(), _metrics(tp2pp2).values(), strict=True
+    ):
+        assert loss_b == pytest.approx(loss_a, rel=TIED_LOSS)
+        assert norm_b == pytest.approx(norm_a, rel=TIED_NORM)
+        assert update_b == pytest.approx(update_a, rel=TIED_UPDATE)

@@ -143,7 +143,10 @@ with _import_guard():
         scatter_to_tensor_model_parallel_region,
     )
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -248,6 +251,7 @@ __all__ = [
     "gather_from_tensor_model_parallel_region",
     "get_forward_backward_func",
     "get_gpt_layer_local_spec",
+    "get_num_layers_to_build",
     "get_transformer_layer_offset",
     "language_module",
     "megatron_random",

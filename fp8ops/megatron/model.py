@@ -32,6 +32,7 @@ from fp8ops.megatron.compat import (
     GPTModel,
     TransformerConfig,
     get_gpt_layer_local_spec,
+    get_num_layers_to_build,
     get_transformer_layer_offset,
     parallel_state,
     tensor_parallel,
@@ -94,9 +95,10 @@ def build_gpt(
         layer_spec = local_spec
     else:
         layer_spec = with_fp8_projections(local_spec, recipe, GEMMS[backend]())
-    if topology.sequence_parallel:
-        layer_spec = with_sequence_parallel_norms(layer_spec, model_cfg.num_layers)
     config = transformer_config(manifest)
+    if topology.sequence_parallel:
+        # A block spec lists the layers this pipeline stage builds, not the model's.
+        layer_spec = with_sequence_parallel_norms(layer_spec, get_num_layers_to_build(config))
     if recipe is not None:
         # Megatron's GPTModel hands each matched projection its per-module recipe itself,
         # matching this stage's layers by their global numbers.

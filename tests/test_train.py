@@ -143,6 +143,18 @@ def test_finetune_run_records_everything(fp8_run, base, finetune_manifest):
 
 
 @pytest.mark.slow
+def test_checkpoints_are_saved_without_a_helper_interpreter(fp8_run):
+    """``fp8_run`` trained and saved its checkpoints in this process, and no process of
+    Megatron's writer outlives a save: neither its forked file writers nor the multiprocessing
+    Manager it would otherwise spawn for the results (an interpreter importing torch, about 2 s
+    per rank)."""
+    import multiprocessing
+
+    assert list((fp8_run / "checkpoints").glob("step_*"))
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.slow
 def test_fp8_loss_falls_and_tracks_bf16(fp8_run, bf16_run):
     fp8, bf16 = _losses(fp8_run), _losses(bf16_run)
     assert len(fp8) == len(bf16) == FINETUNE_STEPS

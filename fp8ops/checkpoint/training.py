@@ -13,6 +13,7 @@ mis-mapped state can never pass.
 
 from __future__ import annotations
 
+import queue
 import time
 import warnings
 from contextlib import contextmanager
@@ -78,6 +79,7 @@ def save_checkpoint(
     digests = state.group_digests(parts.fp8_modules, parts.layout)
     fingerprint = weights_fingerprint(parts.model, parts.tp_group, scheme=FINGERPRINT_SCHEME)
     optimizer_steps = parts.optimizer.steps
+    _results_in_this_process()
     with _quiet_dcp():
         dist_checkpointing.save(sharded, str(partial))
     dist.barrier()
@@ -247,6 +249,19 @@ def _from_rank0(value):
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _results_in_this_process() -> None:
+    """Megatron's torch_dist writer passes its write results back through a queue that it makes,
+    on the first save of a process, in a multiprocessing Manager: a spawned interpreter, which
+    imports torch to unpickle them (about 2 s per rank, measured by ``ci/bench_checkpoint.py``:
+    the first save of a process). fp8ops saves synchronously, so the results never leave the
+    saving thread, and a thread queue carries them. Where a Megatron version holds no such
+    cache, or one was already made, nothing changes."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 @contextmanager

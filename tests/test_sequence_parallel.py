@@ -249,8 +249,8 @@ def test_query_key_norms_train_at_tp2_as_at_tp1(tmp_path, cli):
 @needs_megatron
 @pytest.mark.slow
 def test_tp2_dp2_with_sequence_parallelism_and_the_distributed_optimizer(tp2_manifest, tmp_path):
-    """Four ranks: both features at once train as neither does (each alone is bit for bit at
-    this size: the sums they reorder are of two terms, or of norm gradients only)."""
+    """Four ranks: both features at once train as neither does, to float32 summation noise (the
+    sums they reorder are of two terms, or of norm gradients only)."""
     dp2 = ("--set", "topology.data_parallel=2")
     fp8ops_ranks("train", tp2_manifest, "--run-dir", tmp_path / "plain", *dp2, ranks=4)
     fp8ops_ranks(
@@ -259,7 +259,9 @@ def test_tp2_dp2_with_sequence_parallelism_and_the_distributed_optimizer(tp2_man
         ranks=4,
     )  # fmt: skip
     plain, both = tmp_path / "plain", tmp_path / "both"
-    assert _metrics(both, "loss") == _metrics(plain, "loss")
+    # Measured: equal on one machine's base; on another's, equal to step 5 and 3.2e-8 relative
+    # apart at step 6 (the norms' reordered gradient sums reaching the weights).
+    assert _metrics(both, "loss") == pytest.approx(_metrics(plain, "loss"), rel=1e-7)
     assert _metrics(both, "grad_norm") == pytest.approx(_metrics(plain, "grad_norm"), rel=1e-7)
     held = json.loads((both / "run.json").read_text())["optimizer"]["state_bytes_per_rank"]
     replicated = json.loads((plain / "run.json").read_text())["optimizer"]["state_bytes_per_rank"]

@@ -181,7 +181,7 @@ def measure_saves(run_dir: Path, base: Path, steps: int, tmp: Path) -> tuple[Row
             "save, first of a process",
             "s",
             seconds[:1],
-            note="the first in its process (no Manager interpreter: fp8ops.checkpoint.training)",
+            note="the first in its process (no Manager interpreter: fp8ops.checkpoint.sharded_io)",
         ),
         Row(
             "save, later ones",

@@ -143,8 +143,7 @@ def test_the_trainer_reads_a_te_model_through_the_views():
 def test_a_te_models_fp8_state_round_trips_through_dist_checkpointing(tmp_path, megatron_tp1):
     """The trainer's own checkpoint functions: saved as fp8ops' ``fp8.<module>.<tensor>``
     tensors (not TE's pickle), loaded into a fresh TE model through TE's loader."""
-    from megatron.core import dist_checkpointing
-
+    from fp8ops.checkpoint.sharded_io import load_sharded, save_sharded
     from fp8ops.megatron import apply_cpu_shims
 
     apply_cpu_shims()  # as build_gpt does before the trainer saves anything on a CPU
@@ -156,11 +155,11 @@ def test_a_te_models_fp8_state_round_trips_through_dist_checkpointing(tmp_path, 
     layout = Fp8Layout("shared", groups=1, group=0, replica=0)
     directory = tmp_path / "checkpoint"
     directory.mkdir()
-    dist_checkpointing.save(fp8_state(views, layout), str(directory))
+    save_sharded(fp8_state(views, layout), directory)
 
     fresh = decoder()
     fresh_views = fp8_state_modules(fresh, RECIPE)
-    loaded = dist_checkpointing.load(fp8_state(fresh_views, layout), str(directory))
+    loaded = load_sharded(fp8_state(fresh_views, layout), directory)
     restore_fp8(fresh_views, loaded)
 
     for name, view in views.items():

@@ -149,9 +149,13 @@ def test_checkpoints_are_saved_without_a_helper_interpreter(fp8_run):
     Manager it would otherwise spawn for the results (an interpreter importing torch, about 2 s
     per rank)."""
     import multiprocessing
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     assert list((fp8_run / "checkpoints").glob("step_*"))
     assert multiprocessing.active_children() == []
+    assert type(filesystem_async._results_queue) is queue.Queue
 
 
 @pytest.mark.slow

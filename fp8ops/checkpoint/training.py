@@ -13,10 +13,7 @@ mis-mapped state can never pass.
 
 from __future__ import annotations
 
-import queue
 import time
-import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +23,7 @@ from torch import nn
 from fp8ops.checkpoint import state
 from fp8ops.checkpoint.directory import CheckpointDir, CheckpointError, file_digests, verify_files
 from fp8ops.checkpoint.meta import CheckpointMeta, Fp8StateRecord, TopologyRecord, write_meta
+from fp8ops.checkpoint.sharded_io import load_sharded, save_sharded
 from fp8ops.manifest import manifest_hash, write_manifest
 from fp8ops.run.layout import MANIFEST
 
@@ -61,7 +59,6 @@ def save_checkpoint(
     ledger: dict | None = None,
 ) -> tuple[Path, float]:
     """Write the checkpoint of ``step`` and publish it; returns its path and the seconds taken."""
-    from megatron.core import dist_checkpointing
 
     from fp8ops.checkpoint.weights import FINGERPRINT_SCHEME, weights_fingerprint
 
@@ -79,9 +76,7 @@ def save_checkpoint(
     digests = state.group_digests(parts.fp8_modules, parts.layout)
     fingerprint = weights_fingerprint(parts.model, parts.tp_group, scheme=FINGERPRINT_SCHEME)
     optimizer_steps = parts.optimizer.steps
-    _results_in_this_process()
-    with _quiet_dcp():
-        dist_checkpointing.save(sharded, str(partial))
+    save_sharded(sharded, partial)
     dist.barrier()
 
     def publish() -> Path:
@@ -139,7 +134,6 @@ def load_checkpoint(
     only, and the alert
     windows only when ``alert_windows`` (the alert configuration is unchanged).
     """
-    from megatron.core import dist_checkpointing
 
     from fp8ops.checkpoint.weights import weights_fingerprint
 
@@ -163,8 +157,7 @@ def load_checkpoint(
     alerts = parts.alert_engine if alert_windows else None
     if same_world:
         sharded.update(state.per_rank_state(alerts, parts.ranks))
-    with _quiet_dcp():
-        loaded = dist_checkpointing.load(sharded, str(directory))
+    loaded = load_sharded(sharded, directory)
     model_keys = {k: loaded[k] for k in weights}
     missing, unexpected = parts.model.load_state_dict(model_keys, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -249,24 +242,3 @@ def _from_rank0(value):
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _results_in_this_process() -> None:
-    """Megatron's torch_dist writer passes its write results back through a queue that it makes,
-    on the first save of a process, in a multiprocessing Manager: a spawned interpreter, which
-    imports torch to unpickle them (about 2 s per rank, measured by ``ci/bench_checkpoint.py``:
-    the first save of a process). fp8ops saves synchronously, so the results never leave the
-    saving thread, and a thread queue carries them. Where a Megatron version holds no such
-    cache, or one was already made, nothing changes."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if getattr(filesystem_async, "_results_queue", False) is None:
-        filesystem_async._results_queue = queue.Queue()
-
-
-@contextmanager
-def _quiet_dcp():
-    # Megatron 0.16 calls torch.distributed.checkpoint APIs torch 2.13 deprecates.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        yield

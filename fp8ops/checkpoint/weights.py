@@ -21,14 +21,13 @@ import os
 import pickle
 import re
 import shutil
-import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from fp8ops.checkpoint.sharded_io import load_sharded, save_sharded
 from fp8ops.errors import ManifestError
 from fp8ops.manifest.canonical import section_dict
 from fp8ops.run.layout import WEIGHTS_META
@@ -208,7 +207,6 @@ def save_weights(model: nn.Module, directory: Path, meta: dict, *, is_main: bool
     The checkpoint is written to a temporary sibling and renamed into place when complete, so
     ``directory`` is either absent or a whole checkpoint, never a half-written one.
     """
-    from megatron.core import dist_checkpointing
 
     directory = Path(directory)
     meta = {
@@ -221,8 +219,7 @@ def save_weights(model: nn.Module, directory: Path, meta: dict, *, is_main: bool
         shutil.rmtree(partial, ignore_errors=True)  # left by a crash: never a checkpoint
         partial.mkdir(parents=True)
     dist.barrier()
-    with _quiet_dcp():
-        dist_checkpointing.save(_weights_only(model.sharded_state_dict()), str(partial))
+    save_sharded(_weights_only(model.sharded_state_dict()), partial)
     dist.barrier()
     if is_main:
         (partial / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
@@ -362,11 +359,9 @@ def read_weights_into(model: nn.Module, directory: Path) -> tuple[list[str], lis
     weights checkpoint, or a training checkpoint, which holds them under the same keys.
     Returns the keys the checkpoint lacked and those the model lacks (``_extra_state`` aside);
     a read error is raised as torch's checkpoint raises it, for the caller to word."""
-    from megatron.core import dist_checkpointing
 
     sharded = _weights_only(model.sharded_state_dict())
-    with _quiet_dcp():
-        loaded = dist_checkpointing.load(sharded, str(directory))
+    loaded = load_sharded(sharded, directory)
     missing, unexpected = model.load_state_dict({k: loaded[k] for k in sharded}, strict=False)
     return [k for k in missing if not k.endswith("_extra_state")], list(unexpected)
 
@@ -409,15 +404,6 @@ def read_weights_meta(directory: Path, *, field: str) -> dict:
             f"{FINGERPRINT_SCHEMES}; the checkpoint is from a newer fp8ops, or damaged"
         )
     return meta
-
-
-@contextmanager
-def _quiet_dcp():
-    # Megatron 0.16 calls torch.distributed.checkpoint APIs that torch 2.13 deprecates
-    # (ShardedTensor, load_state_dict): a warning per call that the user cannot act on.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        yield
 
 
 def _weights_only(sharded_state_dict: dict) -> dict:

@@ -70,11 +70,10 @@ def with_sequence_parallel_norms(
     layer_spec: ModuleSpec, num_layers: int
 ) -> TransformerBlockSubmodules:
     """The decoder block of ``num_layers`` copies (a pipeline stage's layers) of a local-spec
-    layer whose norms (input, pre-MLP,
-    query/key where it has them, and the block's final norm) are :class:`SequenceParallelNorm`:
-    torch's norms, which Megatron's local spec refuses under sequence parallelism without Apex.
-    Where Apex is installed its ``FusedLayerNorm`` is replaced too, so a run's norms are the same
-    kernels on every machine."""
+    layer whose norms (input, pre-MLP, query/key where it has them, and the block's final norm)
+    are :class:`SequenceParallelNorm`: torch's norms, which Megatron's local spec refuses under
+    sequence parallelism without Apex. Where Apex is installed its ``FusedLayerNorm`` is replaced
+    too, so a run's norms are the same kernels on every machine."""
     layer = layer_spec.submodules
     attention = layer.self_attention
     qk = {

@@ -26,8 +26,7 @@ from typing import NoReturn
 
 
 def serve() -> None:
-    # Imported here, not at the top: Megatron's checkpoint writer starts a "spawn"
-    # multiprocessing manager, which re-imports this file as its main module.
+    # Imported once, before the forks: every forked trainer starts with them loaded.
     import fp8ops.checkpoint.training
     import fp8ops.train  # noqa: F401
     from fp8ops.cli import main

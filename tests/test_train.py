@@ -146,8 +146,8 @@ def test_finetune_run_records_everything(fp8_run, base, finetune_manifest):
 def test_checkpoints_are_saved_without_a_helper_interpreter(fp8_run):
     """``fp8_run`` trained and saved its checkpoints in this process, and no process of
     Megatron's writer outlives a save: neither its forked file writers nor the multiprocessing
-    Manager it would otherwise spawn for the results (an interpreter importing torch, about 2 s
-    per rank)."""
+    Manager it would otherwise spawn for the results (an interpreter importing torch: 1.7 s per
+    rank)."""
     import multiprocessing
     import queue
 

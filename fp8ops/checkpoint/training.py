@@ -59,7 +59,6 @@ def save_checkpoint(
     ledger: dict | None = None,
 ) -> tuple[Path, float]:
     """Write the checkpoint of ``step`` and publish it; returns its path and the seconds taken."""
-
     from fp8ops.checkpoint.weights import FINGERPRINT_SCHEME, weights_fingerprint
 
     started = time.perf_counter()
@@ -134,7 +133,6 @@ def load_checkpoint(
     only, and the alert
     windows only when ``alert_windows`` (the alert configuration is unchanged).
     """
-
     from fp8ops.checkpoint.weights import weights_fingerprint
 
     started = time.perf_counter()

@@ -207,7 +207,6 @@ def save_weights(model: nn.Module, directory: Path, meta: dict, *, is_main: bool
     The checkpoint is written to a temporary sibling and renamed into place when complete, so
     ``directory`` is either absent or a whole checkpoint, never a half-written one.
     """
-
     directory = Path(directory)
     meta = {
         **meta,
@@ -359,7 +358,6 @@ def read_weights_into(model: nn.Module, directory: Path) -> tuple[list[str], lis
     weights checkpoint, or a training checkpoint, which holds them under the same keys.
     Returns the keys the checkpoint lacked and those the model lacks (``_extra_state`` aside);
     a read error is raised as torch's checkpoint raises it, for the caller to word."""
-
     sharded = _weights_only(model.sharded_state_dict())
     loaded = load_sharded(sharded, directory)
     missing, unexpected = model.load_state_dict({k: loaded[k] for k in sharded}, strict=False)

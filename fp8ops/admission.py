@@ -330,8 +330,6 @@ def _refuse_unaligned(rows: list[AdmissionRow], precision: PrecisionPolicy) -> N
     field = "their precision.module_recipes entry" if own_scaling else "precision.scaling"
     if scaling != "mxfp8":
         way_out = "precision.backend 'emulated'"
-    elif precision.backend == "scaled_mm":  # which runs no block scaling
-        way_out = f"{field} 'current'"
     else:
         way_out = f"{field} 'block' or 'current'"
     raise ManifestError(

@@ -9,6 +9,7 @@ own numbers come from ``ci/gpu_check.py``.
 
 import importlib.util
 import math
+import re
 
 import pytest
 import torch
@@ -130,6 +131,59 @@ def test_two_e5m2_operands_are_refused():
         ScaledMmGemm()(a, b, torch.bfloat16)
 
 
+# Block-scaled operands a @ b.T: (M, K, N), a's block, b's block. Every K-block has its own
+# scale, so a scale applied to the wrong block shows; K = 300 ends in a partial block.
+BLOCK_GEMMS = {
+    "block: 1x128 x 128x128, K partial": ((256, 300, 192), (1, 128), (128, 128)),
+    "block: 1x128 x 1x128, N unaligned": ((250, 256, 40), (1, 128), (1, 128)),
+    "block: 128x128 x 1x128": ((256, 384, 192), (128, 128), (1, 128)),
+    "mxfp8: 1x32 x 1x32": ((64, 96, 32), (1, 32), (1, 32)),
+}
+
+
+def block_quantized(shape, block, seed):
+    from fp8ops.precision.blocks import quantize_mxfp8, quantize_scaled
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g) * torch.logspace(-3, 3, shape[1])
+    if block[1] == 32:
+        return quantize_mxfp8(x, E4M3)
+    return quantize_scaled(x, block, E4M3, power_2_scale=True)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", BLOCK_GEMMS)
+def test_block_scaled_gemm_agrees_with_the_emulation_element_by_element(case, out_dtype):
+    from fp8ops.precision import block_scaled_mm_unsupported
+
+    (m, k, n), block_a, block_b = BLOCK_GEMMS[case]
+    reason = block_scaled_mm_unsupported("mxfp8" if block_a[1] == 32 else "block", "cpu")
+    if reason is not None:
+        pytest.skip(f"no block-scaled torch._scaled_mm GEMM here: {reason}")
+    a, b = block_quantized((m, k), block_a, 1), block_quantized((n, k), block_b, 2)
+    bias = (torch.randn(n, generator=torch.Generator().manual_seed(3)) * 0.1).to(out_dtype)
+    native = ScaledMmGemm()(a, b, out_dtype, bias)
+    emulated = EmulatedGemm()(a, b, out_dtype, bias)
+    assert native.shape == (m, n) and native.dtype == out_dtype
+    # The bound of assert_gemms_agree on the dequantized operands (their scales are powers of
+    # two, so every product is still exact): the sums differ in order only, per K block here.
+    magnitude = a.dequantize().double().abs() @ b.dequantize().double().abs().t()
+    allowed = ACCUMULATION_SLACK * U32 * (magnitude + bias.double().abs())
+    native, emulated = native.double(), emulated.double()
+    if out_dtype is torch.bfloat16:
+        allowed = allowed + bf16_ulp(torch.maximum(native.abs(), emulated.abs()))
+    assert ((native - emulated).abs() <= allowed).all()
+    assert ((native - emulated).norm() / emulated.norm()).item() <= NORMWISE[out_dtype]
+
+
+def test_block_scaled_operands_must_share_their_k_blocks():
+    a = block_quantized((64, 256), (1, 128), 1)
+    with pytest.raises(ValueError, match="blocks along K differ"):
+        ScaledMmGemm()(a, block_quantized((32, 256), (1, 32), 2), torch.float32)
+    with pytest.raises(ValueError, match="two block-scaled operands"):
+        ScaledMmGemm()(a, quantized((32, 256), E4M3, 1.0, seed=2), torch.float32)
+
+
 # -- the FP8 linear: the GEMM never touches the delayed-scaling state ------------------------------
 
 
@@ -248,6 +302,34 @@ def test_scaled_mm_is_refused_where_it_cannot_run(small_manifest, megatron_world
     recipe = DelayedScalingRecipe.from_precision(small_manifest.precision)
     with pytest.raises(Fp8opsError, match="cannot run here: an old GPU; use precision.backend"):
         build_gpt(small_manifest, recipe)
+
+
+@needs_megatron
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"precision.scaling": "mxfp8"}, "precision.scaling 'mxfp8'"),
+        (
+            {
+                "precision.module_recipes": [
+                    {"modules": ["decoder.layers.0.*"], "scaling": "block", "reason": "r"}
+                ]
+            },
+            "precision.module_recipes[0].scaling 'block'",
+        ),
+    ],
+)
+def test_block_scaled_recipes_on_scaled_mm_are_refused_where_the_device_lacks_their_gemm(
+    small_manifest, megatron_world, monkeypatch, changes, field
+):
+    from fp8ops.errors import Fp8opsError
+    from fp8ops.megatron import build_gpt, model
+
+    monkeypatch.setattr(model, "block_scaled_mm_unsupported", lambda kind, device: "Hopper")
+    manifest = derive(small_manifest, {"precision.amax_history_len": 1024, **changes}, "t")
+    recipe = DelayedScalingRecipe.from_precision(small_manifest.precision)
+    with pytest.raises(Fp8opsError, match=rf"{re.escape(field)} on .* cannot run here: Hopper"):
+        build_gpt(manifest, recipe)
 
 
 @needs_megatron

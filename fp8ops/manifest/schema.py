@@ -401,7 +401,9 @@ class PrecisionPolicy(_Section):
             "are the same for 'emulated' and 'scaled_mm'. 'emulated': the FP8 values multiplied "
             "in float32 (any device; a CPU rehearsal). 'scaled_mm': torch._scaled_mm, FP8 tensor "
             "cores on GPUs of compute capability 8.9+ (H100/H200, Blackwell) and oneDNN on CPUs; "
-            "every FP8 module's per-rank K and N must be multiples of 16. 'te': Megatron's "
+            "every FP8 module's per-rank K and N must be multiples of 16; block and MXFP8 "
+            "scaling run one row-wise GEMM per K block where the device has them (checked when "
+            "the model is built). 'te': Megatron's "
             "Transformer Engine layer spec under TE's own fp8_autocast (GPU with Transformer "
             "Engine only; refused elsewhere)."
         ),
@@ -520,15 +522,6 @@ class PrecisionPolicy(_Section):
                     "fp8ops yet (TE runs delayed scaling here); use backend 'emulated'",
                 )
             )
-        if self.scaling in ("block", "mxfp8") and self.backend == "scaled_mm":
-            problems.append(
-                (
-                    ("backend",),
-                    self.backend,
-                    f"scaling '{self.scaling}' needs torch._scaled_mm's block scales, not wired "
-                    "yet; 'scaled_mm' runs delayed and current scaling, use backend 'emulated'",
-                )
-            )
         if self.scaling == "block":
             dims = [self.x_block_scaling_dim, self.w_block_scaling_dim, self.grad_block_scaling_dim]
             if dims.count(2) > 1:
@@ -577,15 +570,6 @@ class PrecisionPolicy(_Section):
                         "per-module recipes are not wired to Transformer Engine's layers in "
                         "fp8ops yet (Megatron-Core's quant_recipe would run them, unchecked "
                         "here); use backend 'emulated'",
-                    )
-                )
-            elif self.backend == "scaled_mm" and entry.scaling in ("block", "mxfp8"):
-                problems.append(
-                    (
-                        where,
-                        entry.scaling,
-                        f"'{entry.scaling}' needs torch._scaled_mm's block scales, not wired "
-                        "yet; on backend 'scaled_mm' a module may run 'current'",
                     )
                 )
         return problems

@@ -45,11 +45,12 @@ from fp8ops.megatron.spec import with_fp8_projections, with_sequence_parallel_no
 from fp8ops.megatron.te_backend import build_gpt_te, te_projections
 from fp8ops.megatron.te_telemetry import te_telemetry_modules
 from fp8ops.precision import DelayedScalingRecipe, EmulatedGemm, ScaledMmGemm, StatelessRecipe
-from fp8ops.precision.scaled_mm import scaled_mm_unsupported
+from fp8ops.precision.scaled_mm import block_scaled_mm_unsupported, scaled_mm_unsupported
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # precision.backend -> the GEMM of fp8ops' FP8 layers ("te" builds Transformer Engine's instead).
 GEMMS = {"emulated": EmulatedGemm, "scaled_mm": ScaledMmGemm}
+BLOCK_SCALED = ("block", "mxfp8")  # the recipes whose scales vary along a GEMM's K
 
 
 def build_gpt(
@@ -81,7 +82,7 @@ def build_gpt(
     _check_parallel_state(topology)
     device = torch.device("cpu" if device is None else device)
     if recipe is not None and backend == "scaled_mm":
-        _check_scaled_mm_runs(device)
+        _check_scaled_mm_runs(device, manifest.precision)
 
     # Seeds Megatron's RNG tracker as Megatron-LM's initialisation does; the weights below are
     # drawn from torch's default generator (use_cpu_initialization).
@@ -131,13 +132,25 @@ def fp8_state_modules(model: GPTModel, recipe: DelayedScalingRecipe) -> dict:
     return fp8_modules(model)
 
 
-def _check_scaled_mm_runs(device: torch.device) -> None:
+def _check_scaled_mm_runs(device: torch.device, precision) -> None:
+    """Refuse, before anything is built, a ``scaled_mm`` run whose GEMMs this device lacks:
+    FP8 ``_scaled_mm`` at all, or the block-scaled GEMMs a recipe of the run needs."""
     reason = scaled_mm_unsupported(device)
     if reason is not None:
         raise Fp8opsError(
             f"precision.backend 'scaled_mm' cannot run here: {reason}; use precision.backend "
             "'emulated' (the same FP8 casts and scaling, multiplied in float32)"
         )
+    uses = {precision.scaling: "precision.scaling"}
+    for i, entry in enumerate(precision.module_recipes):
+        uses.setdefault(entry.scaling, f"precision.module_recipes[{i}].scaling")
+    for kind, field in uses.items():
+        reason = block_scaled_mm_unsupported(kind, device) if kind in BLOCK_SCALED else None
+        if reason is not None:
+            raise Fp8opsError(
+                f"{field} '{kind}' on precision.backend 'scaled_mm' cannot run here: {reason}; "
+                "use precision.backend 'emulated' (the same casts, multiplied in float32)"
+            )
 
 
 def gpt_model_args(manifest) -> dict:

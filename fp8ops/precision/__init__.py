@@ -6,7 +6,11 @@ from fp8ops.precision.formats import E4M3, E5M2, Fp8Dtype, Fp8Format, saturating
 from fp8ops.precision.linear import EmulatedGemm, Fp8Gemm, Fp8Linear, fp8_linear
 from fp8ops.precision.quantize import CastStats, QuantizedTensor, amax_of, quantize
 from fp8ops.precision.recipe import DelayedScalingRecipe, recipe_from_precision
-from fp8ops.precision.scaled_mm import ScaledMmGemm, scaled_mm_unsupported
+from fp8ops.precision.scaled_mm import (
+    ScaledMmGemm,
+    block_scaled_mm_unsupported,
+    scaled_mm_unsupported,
+)
 from fp8ops.precision.scaling import AmaxAlgo, parse_amax_algo, update_delayed_scaling
 from fp8ops.precision.scope import Fp8Scope, active_scope
 from fp8ops.precision.state import Fp8Meta, ScalingState
@@ -32,6 +36,7 @@ __all__ = [
     "StatelessRecipe",
     "active_scope",
     "amax_of",
+    "block_scaled_mm_unsupported",
     "fp8_linear",
     "parse_amax_algo",
     "quantize",

@@ -25,6 +25,16 @@ backends changes only the multiply.
   cost more than a GEMM that small saves in FP8. The rule is applied on every device, so a CPU run makes the
   calls a GPU run makes.
 * **Scales.** Tensor-wise: float32 scalars on the operands' device, which the ``scale_inv``s are.
+* **Block scales** (block scaling's 1x128 and 128x128 blocks, MXFP8's 1x32): a block's scale
+  varies along K, which no single tensor-wise or row-wise GEMM can apply. The GEMM runs one
+  row-wise-scaled ``_scaled_mm`` per K block (a ``[M, 1]`` scale for ``a``'s rows, ``[1, N]``
+  for ``b``'s, each the scale of that row's block) with float32 output, and sums the K blocks'
+  partial products in float32: TE's block GEMM computes the same sum of scaled block products,
+  in one kernel. Row-wise GEMMs with float32 output run where torch has them: oneDNN on a CPU
+  and cuBLAS on Hopper (compute capability 9.0); :func:`block_scaled_mm_unsupported` tries one
+  and says where not. torch's one-call block-scaled GEMM (``ScalingType.BlockWise1x128``,
+  CUDA 12.9+ on Hopper) is not used yet. MXFP8 on a GPU is Blackwell's (TE refuses it
+  on Hopper), and refused there too.
 * **Bias and output dtype.** CUDA fuses a bias into the epilogue only for bf16 or fp16 output,
   with a bias of that dtype; the epilogue adds it to the float32 accumulator before the one
   rounding. In every other case (float32 output, a bias of another dtype) the GEMM writes
@@ -39,6 +49,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from fp8ops.precision.blocks import BlockQuantized
 from fp8ops.precision.quantize import QuantizedTensor
 
 # cuBLASLt's FP8 GEMMs need K and N (and the leading dimensions) to be multiples of 16 elements.
@@ -59,20 +70,14 @@ class ScaledMmGemm:
 
     def __call__(
         self,
-        a: QuantizedTensor,
-        b: QuantizedTensor,
+        a: QuantizedTensor | BlockQuantized,
+        b: QuantizedTensor | BlockQuantized,
         out_dtype: torch.dtype,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if a.data.dtype == b.data.dtype == torch.float8_e5m2:
-            raise ValueError(
-                "torch._scaled_mm has no E5M2 x E5M2 GEMM (cuBLASLt offers none); one operand "
-                "must be E4M3, as under the 'hybrid' and 'e4m3' recipes"
-            )
-        if a.data.shape[1] != b.data.shape[1]:
-            raise ValueError(
-                f"FP8 GEMM operands {tuple(a.data.shape)} and {tuple(b.data.shape)} do not share K"
-            )
+        _check_operands(a, b)
+        if isinstance(a, BlockQuantized) or isinstance(b, BlockQuantized):
+            return self._block_scaled(a, b, out_dtype, bias)
         n = b.data.shape[0]
         k_padded, n_padded = _aligned(a.data.shape[1]), _aligned(n)
         a_data = _pad(a.data, a.data.shape[0], k_padded)  # [M, K']
@@ -96,6 +101,67 @@ class ScaledMmGemm:
         if bias is not None and not fused:
             out = (out + bias.float()).to(out_dtype)
         return out
+
+    def _block_scaled(
+        self, a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype, bias
+    ) -> torch.Tensor:
+        """``a @ b.T`` of two block-scaled operands: one row-wise GEMM per K block, summed in
+        float32 (module docstring)."""
+        if not (isinstance(a, BlockQuantized) and isinstance(b, BlockQuantized)):
+            raise ValueError("a block-scaled GEMM takes two block-scaled operands")
+        width = a.block[1]
+        if b.block[1] != width:
+            raise ValueError(
+                f"FP8 GEMM operands blocked {a.block} and {b.block}: their blocks along K differ"
+            )
+        if width % ALIGNMENT:
+            raise ValueError(f"K blocks of {width}: _scaled_mm takes K in multiples of {ALIGNMENT}")
+        (m, k), n = a.data.shape, b.data.shape[0]
+        k_blocks, n_padded = -(-k // width), _aligned(n)
+        # Each K block's slice of an operand, contiguous; a partial last block zero-padded.
+        a_blocks = _k_blocks(a.data, m, k_blocks, width)
+        b_blocks = _k_blocks(b.data, n_padded, k_blocks, width)
+        # Each row's scale in each K block, K block first: [k_blocks, rows] (a 128x128 block
+        # covers 128 rows), so that a block's scales are one contiguous row.
+        device = a.data.device
+        scale_a = _on(a.scale_inv, device).repeat_interleave(a.block[0], dim=0)[:m]
+        scale_b = _on(b.scale_inv, device).repeat_interleave(b.block[0], dim=0)[:n]
+        scale_a = scale_a.t().contiguous()
+        scale_b = F.pad(scale_b.t(), (0, n_padded - n), value=1.0).contiguous()
+        out = torch.zeros(m, n_padded, dtype=torch.float32, device=device)
+        for j in range(k_blocks):
+            out += torch._scaled_mm(
+                a_blocks[j],
+                b_blocks[j].t(),
+                scale_a=scale_a[j].reshape(m, 1),
+                scale_b=scale_b[j].reshape(1, n_padded),
+                out_dtype=torch.float32,
+                use_fast_accum=self.use_fast_accum,
+            )
+        out = out[:, :n]
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(out_dtype)
+
+
+def _check_operands(a, b) -> None:
+    if a.data.dtype == b.data.dtype == torch.float8_e5m2:
+        raise ValueError(
+            "torch._scaled_mm has no E5M2 x E5M2 GEMM (cuBLASLt offers none); one operand "
+            "must be E4M3, as under the 'hybrid' and 'e4m3' recipes"
+        )
+    if a.data.shape[1] != b.data.shape[1]:
+        raise ValueError(
+            f"FP8 GEMM operands {tuple(a.data.shape)} and {tuple(b.data.shape)} do not share K"
+        )
+
+
+def _k_blocks(data: torch.Tensor, rows: int, k_blocks: int, width: int) -> torch.Tensor:
+    """``data`` ``[R, K]`` (FP8) as ``[k_blocks, rows, width]``, K block j at ``[j]``,
+    zero-padded to ``rows`` rows and whole blocks."""
+    padded = _pad(data, rows, k_blocks * width).view(torch.uint8)
+    blocks = padded.reshape(rows, k_blocks, width).transpose(0, 1)
+    return blocks.contiguous().view(data.dtype)
 
 
 def _aligned(size: int) -> int:
@@ -150,3 +216,48 @@ def scaled_mm_unsupported(device: torch.device | str = "cpu") -> str | None:
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     return _probe(device.type, device.index)
+
+
+# MXFP8's GEMMs are Blackwell's: TE refuses the recipe below compute capability 10.0.
+MXFP8_CAPABILITY = (10, 0)
+
+
+def block_scaled_mm_unsupported(kind: str, device: torch.device | str = "cpu") -> str | None:
+    """None when :class:`ScaledMmGemm` runs ``kind``'s block-scaled GEMMs (``block``,
+    ``mxfp8``) on ``device``, else why not: no FP8 ``_scaled_mm`` at all, MXFP8 on a GPU before
+    Blackwell, or no row-wise GEMM with float32 output (one is tried once per device)."""
+    reason = scaled_mm_unsupported(device)
+    if reason is not None:
+        return reason
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if kind == "mxfp8" and device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < MXFP8_CAPABILITY:
+            return (
+                f"MXFP8 GEMMs run natively from compute capability 10.0 (Blackwell), and "
+                f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}; "
+                "Transformer Engine refuses MXFP8 there too"
+            )
+    return _rowwise_probe(device.type, device.index)
+
+
+@functools.cache
+def _rowwise_probe(device_type: str, index: int | None) -> str | None:
+    device = torch.device(device_type, index) if index is not None else torch.device(device_type)
+    a = torch.ones(ALIGNMENT, ALIGNMENT, device=device).to(torch.float8_e4m3fn)
+    rows = torch.arange(1, ALIGNMENT + 1, dtype=torch.float32, device=device)
+    try:
+        out = torch._scaled_mm(
+            a, a.t(), scale_a=rows[:, None], scale_b=rows[None, :], out_dtype=torch.float32
+        )
+    except (RuntimeError, NotImplementedError, ValueError) as exc:
+        return (
+            f"torch {torch.__version__} has no row-wise scaled FP8 GEMM with float32 output on "
+            f"{device} ({str(exc).splitlines()[0]}); block scales are applied that way"
+        )
+    expected = ALIGNMENT * rows[:, None] * rows[None, :]  # exact: small integers
+    if not torch.equal(out, expected):
+        return f"torch {torch.__version__}'s row-wise scaled FP8 GEMM on {device} scales wrongly"
+    return None

@@ -10,9 +10,10 @@ copy and 128x128 weight tiles, MXFP8 1x32 row-wise and 32x1 column-wise. Median 
 (torch.utils.benchmark); millions of elements per second and the time relative to delayed.
 
 Then one forward GEMM ``x @ W^T`` (default 1024 x 1024 x 1024, bf16 output) of each recipe's
-casts on both CPU backends: ``emulated`` (float32 matmul of the FP8 values, or of the
-dequantized blocks) and ``scaled_mm`` (oneDNN's FP8 ``torch._scaled_mm``; block-scaled casts one
-row-wise GEMM per K block), with how many ``_scaled_mm`` calls that takes.
+casts on both CPU backends (current and block scaling: ``scaled_mm`` takes no MXFP8):
+``emulated`` (float32 matmul of the FP8 values, or of the dequantized blocks) and ``scaled_mm``
+(oneDNN's FP8 ``torch._scaled_mm``; block-scaled casts one row-wise GEMM per K block), with how
+many ``_scaled_mm`` calls that takes.
 """
 
 from __future__ import annotations
@@ -86,16 +87,15 @@ def gemm_table(m: int, k: int, n: int, *, min_time: float) -> Table:
             quantize_scaled(x, (1, 128), E4M3, power_2_scale=True),
             quantize_scaled(w, (128, 128), E4M3, power_2_scale=True),
         ),
-        "MXFP8 1x32 x 1x32": (quantize_mxfp8(x, E4M3), quantize_mxfp8(w, E4M3)),
     }
     table = Table(title=f"forward GEMM {m} x {k} x {n} of the casts, bf16 output")
     for column in ("recipe", "emulated ms", "scaled_mm ms", "_scaled_mm calls"):
         table.add_column(column, justify="right")
     for label, (a, b) in operands.items():
-        kind = "current" if "current" in label else ("mxfp8" if "MXFP8" in label else "block")
+        kind = "current" if "current" in label else "block"
         times = {}
         for name, gemm in (("emulated", EmulatedGemm()), ("scaled_mm", ScaledMmGemm())):
-            if name == "scaled_mm" and kind != "current" and block_scaled_mm_unsupported(kind):
+            if name == "scaled_mm" and kind == "block" and block_scaled_mm_unsupported():
                 times[name] = "n/a"
                 continue
             timer = Timer(

@@ -9,8 +9,8 @@ lines while it runs, then one table, last, and the same rows as JSON (``--out``)
 (a) gemm: ``torch._scaled_mm`` (``fp8ops.precision.ScaledMmGemm``) against the emulated GEMM on
     the same FP8 operands, at the forward, dgrad and wgrad shapes of an 8B layer: their relative
     difference, and each one's error against the float64 product of the same FP8 values. The
-    same for block scaling's (1x128 by 128x128 and by 1x128) and MXFP8's GEMMs, with their
-    speed, or the reason the device has none (MXFP8 before Blackwell).
+    same for block scaling's GEMMs (1x128 by 128x128 and by 1x128, E5M2 gradients as under
+    HYBRID), with their speed, or the reason the device has none.
 (b) scaling: fp8ops' delayed-scaling update run on the device, bit for bit against the same
     update on the CPU and against the independent oracle (``tests/support/te_update_oracle.py``), with zero,
     NaN, infinite and denormal amaxes; the saturating FP8 cast and the amax likewise.
@@ -74,7 +74,7 @@ from fp8ops.precision import (
     scaled_mm_unsupported,
     update_delayed_scaling,
 )
-from fp8ops.precision.blocks import quantize_mxfp8, quantize_scaled
+from fp8ops.precision.blocks import quantize_scaled
 from fp8ops.precision.compiled import same_bits, set_compiled_casts
 from fp8ops.precision.formats import saturating_cast
 from fp8ops.precision.linear import cast_and_record_status, set_cast_kernel
@@ -193,70 +193,68 @@ def check_gemms(device: torch.device, smoke: bool) -> list[Row]:
 
 
 def check_block_gemms(device: torch.device, smoke: bool) -> list[Row]:
-    """Block-scaled GEMMs (one row-wise ``_scaled_mm`` per K block) against the emulation on
-    the same casts, bf16 output, at an 8B layer's fprop, dgrad and wgrad shapes; each with its
-    TFLOP/s beside BF16 ``torch.mm``'s."""
+    """Block scaling's GEMMs (one row-wise ``_scaled_mm`` per K block) against the emulation
+    on the same casts, bf16 output, at an 8B layer's fprop, dgrad and wgrad shapes and formats
+    (HYBRID: E5M2 gradients), one with an odd token count; each with its TFLOP/s beside BF16
+    ``torch.mm``'s."""
+    reason = block_scaled_mm_unsupported(device)
+    if reason is not None:
+        return [Row("gemm", "block-scaled GEMMs", f"not run: {reason}")]
     t, h, ffn = (128, 64, 224) if smoke else (4096, 4096, 14336)
-    blocks = {
-        "block": (
-            ("fprop fc1  x 1x128 @ W 128x128", t, h, 2 * ffn, (1, 128), (128, 128)),
-            ("dgrad fc2  g 1x128 @ W 128x128", t, ffn, h, (1, 128), (128, 128)),
-            ("wgrad fc1  g^T 1x128 @ x 1x128", 2 * ffn, t, h, (1, 128), (1, 128)),
-        ),
-        "mxfp8": (("fprop fc1  x 1x32 @ W 1x32", t, h, 2 * ffn, (1, 32), (1, 32)),),
-    }
+    cases = (
+        ("fprop fc1  x 1x128 @ W 128x128", t, h, 2 * ffn, E4M3, (1, 128), (128, 128)),
+        ("fprop fc1, odd tokens", t - 1, h, 2 * ffn, E4M3, (1, 128), (128, 128)),
+        ("dgrad fc2  g 1x128 (E5M2) @ W 128x128", t, h, ffn, E5M2, (1, 128), (128, 128)),
+        ("wgrad fc1  g^T 1x128 (E5M2) @ x 1x128", 2 * ffn, t, h, E5M2, (1, 128), (1, 128)),
+    )
     rows = []
-    for kind, cases in blocks.items():
-        reason = block_scaled_mm_unsupported(kind, device)
-        if reason is not None:
-            rows.append(Row("gemm", f"{kind} GEMMs", f"not run: {reason}"))
-            continue
-        for name, m, k, n, block_a, block_b in cases:
-            a = block_operand((m, k), block_a, 1.0, seed=5, device=device)
-            b = block_operand((n, k), block_b, 0.02, seed=6, device=device)
-            native = ScaledMmGemm()(a, b, torch.bfloat16)
-            emulated = EmulatedGemm()(a, b, torch.bfloat16)
-            exact = a.dequantize().double() @ b.dequantize().double().t()
-            a16, b16 = a.dequantize(torch.bfloat16), b.dequantize(torch.bfloat16)
-            flops = 2.0 * m * k * n
-            speeds = {
-                "fp8": tflops(lambda a=a, b=b: ScaledMmGemm()(a, b, torch.bfloat16), flops, device),
-                "bf16": tflops(lambda a=a16, b=b16: a @ b.t(), flops, device),
-            }
-            values = {
-                "shape": [m, k, n],
-                "blocks": [list(block_a), list(block_b)],
-                "native_vs_emulated": relative(native, emulated),
-                "native_vs_exact": relative(native, exact),
-                "emulated_vs_exact": relative(emulated, exact),
-                "tflops": speeds,
-            }
-            bound = GEMM_BOUND[torch.bfloat16]
-            rows.append(
-                Row(
-                    "gemm",
-                    f"{kind}: {name} [{m}x{k}x{n}]",
-                    f"diff {values['native_vs_emulated']:.2e} (vs exact: native "
-                    f"{values['native_vs_exact']:.2e}); FP8 {speeds['fp8']:.0f}, BF16 "
-                    f"{speeds['bf16']:.0f} TFLOP/s",
-                    f"diff <= {bound:.1e}",
-                    values["native_vs_emulated"] <= bound,
-                    values,
-                )
+    for name, m, k, n, fmt_a, block_a, block_b in cases:
+        a = block_operand((m, k), block_a, fmt_a, 1.0, seed=5, device=device)
+        b = block_operand((n, k), block_b, E4M3, 0.02, seed=6, device=device)
+        native = ScaledMmGemm()(a, b, torch.bfloat16)
+        emulated = EmulatedGemm()(a, b, torch.bfloat16)
+        exact = a.dequantize().double() @ b.dequantize().double().t()
+        a16, b16 = a.dequantize(torch.bfloat16), b.dequantize(torch.bfloat16)
+        flops = 2.0 * m * k * n
+        speeds = {
+            "fp8": tflops(lambda a=a, b=b: ScaledMmGemm()(a, b, torch.bfloat16), flops, device),
+            "bf16": tflops(lambda a=a16, b=b16: a @ b.t(), flops, device),
+        }
+        values = {
+            "shape": [m, k, n],
+            "formats": [fmt_a.name, "E4M3"],
+            "blocks": [list(block_a), list(block_b)],
+            "native_vs_emulated": relative(native, emulated),
+            "native_vs_exact": relative(native, exact),
+            "emulated_vs_exact": relative(emulated, exact),
+            "tflops": speeds,
+        }
+        bound = GEMM_BOUND[torch.bfloat16]
+        rows.append(
+            Row(
+                "gemm",
+                f"block: {name} [{m}x{k}x{n}]",
+                f"diff {values['native_vs_emulated']:.2e} (vs exact: native "
+                f"{values['native_vs_exact']:.2e}); FP8 {speeds['fp8']:.0f}, BF16 "
+                f"{speeds['bf16']:.0f} TFLOP/s",
+                f"diff <= {bound:.1e}",
+                values["native_vs_emulated"] <= bound,
+                values,
             )
-            del a, b, a16, b16, native, emulated, exact
+        )
+        del a, b, a16, b16, native, emulated, exact
     return rows
 
 
-def block_operand(shape, block, magnitude, seed, device):
-    """A random tensor whose columns span six decades (every K block its own scale), cast with
-    block scaling's power-of-2 scales or MXFP8's."""
+def block_operand(shape, block, fp8, magnitude, seed, device):
+    """A random tensor whose rows span four decades and whose K blocks each have their own
+    power-of-2 level (every block its own scale), cast with block scaling's power-of-2 scales."""
+    rows, k = shape
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(*shape, generator=generator) * torch.logspace(-3, 3, shape[1]) * magnitude
-    x = x.to(device)
-    if block[1] == 32:
-        return quantize_mxfp8(x, E4M3)
-    return quantize_scaled(x, block, E4M3, power_2_scale=True)
+    level = 2.0 ** (torch.arange(k) // block[1] % 4)
+    x = torch.randn(rows, k, generator=generator) * torch.logspace(-2, 2, rows)[:, None]
+    x = (x * level * magnitude).to(device)
+    return quantize_scaled(x, block, fp8, power_2_scale=True)
 
 
 def gemm_speeds(device: torch.device, smoke: bool) -> list[Row]:

@@ -204,6 +204,28 @@ def test_a_world_of_the_wrong_size_is_refused_before_anything_is_written(
     assert not (tmp_path / "dt").exists()
 
 
+def test_a_track_whose_gemms_the_device_lacks_is_refused_before_anything_is_written(
+    cli, short_manifest, tmp_path, monkeypatch
+):
+    """The block track would train last; its refusal comes before the control trains."""
+    from fp8ops.megatron import model
+
+    monkeypatch.setattr(model, "block_scaled_mm_unsupported", lambda device: "an old cuBLAS")
+    native = write_derived(
+        tmp_path / "native.yaml", short_manifest, {"precision.backend": "scaled_mm"}
+    )
+    out = tmp_path / "dt"
+    result = cli(
+        "dualtrack", native, "--tracks", "bf16,delayed,block", "--out", out, "--no-progress"
+    )
+    assert result.code == 2
+    assert (
+        "precision.scaling 'block' on precision.backend 'scaled_mm' cannot run here: an old cuBLAS"
+        in result.err
+    )
+    assert not out.exists()
+
+
 @pytest.mark.slow
 def test_a_fallback_glob_typo_is_refused_before_the_candidate_trains(cli, short_manifest, tmp_path):
     typo = write_derived(

@@ -90,7 +90,14 @@ def test_the_manifest_refuses_what_megatron_or_the_backend_cannot_do():
         "the run's own recipe",
     )
     refused({"precision.backend": "te", "precision.module_recipes": [entry]}, "Transformer")
-    for scaling in ("current", "block", "mxfp8"):  # scaled_mm's device decides (build_gpt)
+    refused(
+        {
+            "precision.backend": "scaled_mm",
+            "precision.module_recipes": [{**entry, "scaling": "mxfp8"}],
+        },
+        "BlockWise1x32",
+    )
+    for scaling in ("current", "block"):  # whether the device has the GEMMs: build_gpt's to say
         allowed = derive(
             base,
             {

@@ -131,24 +131,31 @@ def test_two_e5m2_operands_are_refused():
         ScaledMmGemm()(a, b, torch.bfloat16)
 
 
-# Block-scaled operands a @ b.T: (M, K, N), a's block, b's block. Every K-block has its own
-# scale, so a scale applied to the wrong block shows; K = 300 ends in a partial block.
+# Block-scaled operands a @ b.T: (M, K, N), a's block, b's block, a's format. Rows spread over
+# four decades (every row block its own scale) and each K block has its own power-of-2 level,
+# a's inverse to b's, so every K block weighs the same in the sums: a scale applied to the
+# wrong block or the wrong rows shows. K = 300 ends in a partial block, M = 250 in partial rows.
 BLOCK_GEMMS = {
-    "block: 1x128 x 128x128, K partial": ((256, 300, 192), (1, 128), (128, 128)),
-    "block: 1x128 x 1x128, N unaligned": ((250, 256, 40), (1, 128), (1, 128)),
-    "block: 128x128 x 1x128": ((256, 384, 192), (128, 128), (1, 128)),
-    "mxfp8: 1x32 x 1x32": ((64, 96, 32), (1, 32), (1, 32)),
+    "block: 1x128 x 128x128, K partial": ((256, 300, 320), (1, 128), (128, 128), E4M3),
+    "block: E5M2 1x128 x 1x128, odd M, N unaligned": ((250, 256, 40), (1, 128), (1, 128), E5M2),
+    "block: 128x128 x 1x128, rows partial": ((200, 384, 192), (128, 128), (1, 128), E4M3),
+    "block: E5M2 1x128 x 128x128 (dgrad)": ((96, 256, 384), (1, 128), (128, 128), E5M2),
+    "mxfp8: 1x32 x 1x32": ((64, 96, 32), (1, 32), (1, 32), E4M3),
 }
 
 
-def block_quantized(shape, block, seed):
+def block_quantized(shape, block, seed, fp8=E4M3, level=1):
+    """A random [rows, K] tensor as the module comment above describes, cast with block
+    scaling's power-of-2 scales (or MXFP8's); ``level`` +1 or -1: the K blocks' levels."""
     from fp8ops.precision.blocks import quantize_mxfp8, quantize_scaled
 
+    rows, k = shape
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*shape, generator=g) * torch.logspace(-3, 3, shape[1])
+    k_level = 2.0 ** (level * (torch.arange(k) // block[1] % 4))
+    x = torch.randn(rows, k, generator=g) * torch.logspace(-2, 2, rows)[:, None] * k_level
     if block[1] == 32:
-        return quantize_mxfp8(x, E4M3)
-    return quantize_scaled(x, block, E4M3, power_2_scale=True)
+        return quantize_mxfp8(x, fp8)
+    return quantize_scaled(x, block, fp8, power_2_scale=True)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -156,18 +163,20 @@ def block_quantized(shape, block, seed):
 def test_block_scaled_gemm_agrees_with_the_emulation_element_by_element(case, out_dtype):
     from fp8ops.precision import block_scaled_mm_unsupported
 
-    (m, k, n), block_a, block_b = BLOCK_GEMMS[case]
-    reason = block_scaled_mm_unsupported("mxfp8" if block_a[1] == 32 else "block", "cpu")
-    if reason is not None:
-        pytest.skip(f"no block-scaled torch._scaled_mm GEMM here: {reason}")
-    a, b = block_quantized((m, k), block_a, 1), block_quantized((n, k), block_b, 2)
-    bias = (torch.randn(n, generator=torch.Generator().manual_seed(3)) * 0.1).to(out_dtype)
+    if block_scaled_mm_unsupported("cpu") is not None:
+        pytest.skip(f"no block-scaled torch._scaled_mm GEMM here: {block_scaled_mm_unsupported()}")
+    (m, k, n), block_a, block_b, fp8_a = BLOCK_GEMMS[case]
+    a = block_quantized((m, k), block_a, 1, fp8_a, level=1)
+    b = block_quantized((n, k), block_b, 2, level=-1)
+    magnitude = a.dequantize().double().abs() @ b.dequantize().double().abs().t()  # sum |a_i b_i|
+    # A bias as large as the products, so that it counts.
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(3)) * magnitude.mean().item()
+    bias = bias.to(out_dtype)
     native = ScaledMmGemm()(a, b, out_dtype, bias)
     emulated = EmulatedGemm()(a, b, out_dtype, bias)
     assert native.shape == (m, n) and native.dtype == out_dtype
     # The bound of assert_gemms_agree on the dequantized operands (their scales are powers of
     # two, so every product is still exact): the sums differ in order only, per K block here.
-    magnitude = a.dequantize().double().abs() @ b.dequantize().double().abs().t()
     allowed = ACCUMULATION_SLACK * U32 * (magnitude + bias.double().abs())
     native, emulated = native.double(), emulated.double()
     if out_dtype is torch.bfloat16:
@@ -308,7 +317,7 @@ def test_scaled_mm_is_refused_where_it_cannot_run(small_manifest, megatron_world
 @pytest.mark.parametrize(
     "changes, field",
     [
-        ({"precision.scaling": "mxfp8"}, "precision.scaling 'mxfp8'"),
+        ({"precision.scaling": "block"}, "precision.scaling 'block'"),
         (
             {
                 "precision.module_recipes": [
@@ -325,11 +334,12 @@ def test_block_scaled_recipes_on_scaled_mm_are_refused_where_the_device_lacks_th
     from fp8ops.errors import Fp8opsError
     from fp8ops.megatron import build_gpt, model
 
-    monkeypatch.setattr(model, "block_scaled_mm_unsupported", lambda kind, device: "Hopper")
+    monkeypatch.setattr(model, "block_scaled_mm_unsupported", lambda device: "an old cuBLAS")
     manifest = derive(small_manifest, {"precision.amax_history_len": 1024, **changes}, "t")
     recipe = DelayedScalingRecipe.from_precision(small_manifest.precision)
-    with pytest.raises(Fp8opsError, match=rf"{re.escape(field)} on .* cannot run here: Hopper"):
+    with pytest.raises(Fp8opsError, match=rf"{re.escape(field)} on .* cannot run here: an old"):
         build_gpt(manifest, recipe)
+    build_gpt(small_manifest, recipe)  # delayed scaling needs no block GEMM: built
 
 
 @needs_megatron

@@ -167,19 +167,24 @@ def test_maps_to_te_recipe_objects():
 def test_each_recipe_runs_on_scaled_mm_as_on_the_emulation(name):
     """torch._scaled_mm (oneDNN on a CPU) multiplies every recipe's casts: per tensor in one
     GEMM, block-scaled in one row-wise GEMM per K block. The same casts, so the outputs and
-    both gradients are equal up to accumulation order. 320 features and 72 tokens leave partial
-    128-blocks on the K of every GEMM (MXFP8 pads the tokens to 96)."""
+    both gradients are equal up to accumulation order. 320 features, 288 outputs and 72 tokens
+    leave partial 128-blocks on the K of every GEMM and on the weight's rows (MXFP8 pads the
+    tokens to 96); rows and K blocks of every tensor have their own magnitudes, so a scale
+    applied to the wrong block shows."""
     from fp8ops.precision import ScaledMmGemm, block_scaled_mm_unsupported
 
     recipe = RECIPES[name]
-    reason = block_scaled_mm_unsupported(recipe.kind, "cpu")
+    reason = block_scaled_mm_unsupported("cpu")
     if reason is not None:
         pytest.skip(f"no FP8 torch._scaled_mm GEMMs for {recipe.kind} here: {reason}")
     g = torch.Generator().manual_seed(4)
-    # Columns of very different magnitudes: every K block has its own scale.
-    x = torch.randn(72, 320, generator=g) * torch.logspace(-2, 2, 320)
-    w = torch.randn(96, 320, generator=g) * 0.1
-    grad = torch.randn(72, 96, generator=g) * torch.logspace(-3, 1, 96)
+
+    def level(n, sign=1):  # each 128 block of a dimension its own power of 2
+        return 2.0 ** (sign * (torch.arange(n) // 128 % 4))
+
+    x = torch.randn(72, 320, generator=g) * level(320) * torch.logspace(-1, 1, 72)[:, None]
+    w = torch.randn(288, 320, generator=g) * level(320, -1) * level(288)[:, None] * 0.1
+    grad = torch.randn(72, 288, generator=g) * level(288, -1) * torch.logspace(-1, 1, 72)[:, None]
     native_and_emulated = (run(recipe, x, w, grad, ScaledMmGemm()), run(recipe, x, w, grad))
     for native, emulated in zip(*native_and_emulated, strict=True):
         difference = (native.double() - emulated.double()).norm() / emulated.double().norm()

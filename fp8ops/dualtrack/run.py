@@ -71,7 +71,8 @@ def run_dualtrack(
     the manifest under that ``precision.scaling`` (same data, same tokens)."""
     import torch.distributed as dist
 
-    from fp8ops.train.distributed import shared_process_group
+    from fp8ops.megatron import check_gemms_run
+    from fp8ops.train.distributed import rank_device, shared_process_group
     from fp8ops.train.signals import stop_on_signals
 
     source = _source_manifest(Path(manifest_path), assignments or {})
@@ -81,6 +82,8 @@ def run_dualtrack(
     control_source = control_manifest(source)
     recipes = {name: recipe_manifest(source, name) for name in (tracks or ())[1:]}
     _check_world_size(source, manifest_path)
+    for manifest in (source, *recipes.values()):  # a track's GEMMs, before any track trains
+        check_gemms_run(manifest, rank_device())
     # Each track's training answers SIGUSR1/SIGTERM itself (checkpoint, exit 75); this catches
     # one that arrives between two tracks.
     with stop_on_signals() as between, shared_process_group():

@@ -304,6 +304,13 @@ class ModuleRecipe(_Section):
         return value
 
 
+_MXFP8_ON_SCALED_MM = (
+    "MXFP8 on backend 'scaled_mm' would need torch's MXFP8 GEMM (ScalingType.BlockWise1x32, "
+    "Blackwell only; Transformer Engine refuses MXFP8 before Blackwell), which fp8ops does not "
+    "call yet; use backend 'emulated'"
+)
+
+
 class PrecisionPolicy(_Section):
     """Which modules run FP8 and how their scales are kept: one of TE's FP8 recipes."""
 
@@ -401,9 +408,9 @@ class PrecisionPolicy(_Section):
             "are the same for 'emulated' and 'scaled_mm'. 'emulated': the FP8 values multiplied "
             "in float32 (any device; a CPU rehearsal). 'scaled_mm': torch._scaled_mm, FP8 tensor "
             "cores on GPUs of compute capability 8.9+ (H100/H200, Blackwell) and oneDNN on CPUs; "
-            "every FP8 module's per-rank K and N must be multiples of 16; block and MXFP8 "
-            "scaling run one row-wise GEMM per K block where the device has them (checked when "
-            "the model is built). 'te': Megatron's "
+            "every FP8 module's per-rank K and N must be multiples of 16; block scaling runs "
+            "one row-wise GEMM per K block where the device has them (checked when the model is "
+            "built); no MXFP8. 'te': Megatron's "
             "Transformer Engine layer spec under TE's own fp8_autocast (GPU with Transformer "
             "Engine only; refused elsewhere)."
         ),
@@ -522,6 +529,8 @@ class PrecisionPolicy(_Section):
                     "fp8ops yet (TE runs delayed scaling here); use backend 'emulated'",
                 )
             )
+        if self.scaling == "mxfp8" and self.backend == "scaled_mm":
+            problems.append((("backend",), self.backend, _MXFP8_ON_SCALED_MM))
         if self.scaling == "block":
             dims = [self.x_block_scaling_dim, self.w_block_scaling_dim, self.grad_block_scaling_dim]
             if dims.count(2) > 1:
@@ -572,6 +581,8 @@ class PrecisionPolicy(_Section):
                         "here); use backend 'emulated'",
                     )
                 )
+            elif self.backend == "scaled_mm" and entry.scaling == "mxfp8":
+                problems.append((where, entry.scaling, _MXFP8_ON_SCALED_MM))
         return problems
 
     @property

@@ -15,6 +15,7 @@ from fp8ops.megatron.layers import (
 from fp8ops.megatron.model import (
     amax_reduction_group,
     build_gpt,
+    check_gemms_run,
     fp8_state_modules,
     transformer_config,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "amax_reduction_group",
     "apply_cpu_shims",
     "build_gpt",
+    "check_gemms_run",
     "fp8_modules",
     "fp8_state_modules",
     "get_gpt_layer_fp8_emulated_spec",

@@ -50,7 +50,6 @@ from fp8ops.precision.scaled_mm import block_scaled_mm_unsupported, scaled_mm_un
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # precision.backend -> the GEMM of fp8ops' FP8 layers ("te" builds Transformer Engine's instead).
 GEMMS = {"emulated": EmulatedGemm, "scaled_mm": ScaledMmGemm}
-BLOCK_SCALED = ("block", "mxfp8")  # the recipes whose scales vary along a GEMM's K
 
 
 def build_gpt(
@@ -81,8 +80,8 @@ def build_gpt(
     model_cfg, topology = manifest.model, manifest.topology
     _check_parallel_state(topology)
     device = torch.device("cpu" if device is None else device)
-    if recipe is not None and backend == "scaled_mm":
-        _check_scaled_mm_runs(device, manifest.precision)
+    if recipe is not None:
+        check_gemms_run(manifest, device)
 
     # Seeds Megatron's RNG tracker as Megatron-LM's initialisation does; the weights below are
     # drawn from torch's default generator (use_cpu_initialization).
@@ -132,25 +131,31 @@ def fp8_state_modules(model: GPTModel, recipe: DelayedScalingRecipe) -> dict:
     return fp8_modules(model)
 
 
-def _check_scaled_mm_runs(device: torch.device, precision) -> None:
-    """Refuse, before anything is built, a ``scaled_mm`` run whose GEMMs this device lacks:
-    FP8 ``_scaled_mm`` at all, or the block-scaled GEMMs a recipe of the run needs."""
+def check_gemms_run(manifest, device: torch.device) -> None:
+    """Refuse a run whose FP8 GEMMs this device lacks, before anything is built or written
+    (``build_gpt`` calls it; so does ``fp8ops dualtrack`` for every track before the first):
+    on ``scaled_mm``, FP8 ``_scaled_mm`` at all, and the block-scaled GEMMs where the run or a
+    module of it runs block scaling. (``te`` refuses in ``build_gpt_te``.)"""
+    precision = manifest.precision
+    if not precision.enabled or precision.backend != "scaled_mm":
+        return
     reason = scaled_mm_unsupported(device)
     if reason is not None:
         raise Fp8opsError(
             f"precision.backend 'scaled_mm' cannot run here: {reason}; use precision.backend "
             "'emulated' (the same FP8 casts and scaling, multiplied in float32)"
         )
-    uses = {precision.scaling: "precision.scaling"}
-    for i, entry in enumerate(precision.module_recipes):
-        uses.setdefault(entry.scaling, f"precision.module_recipes[{i}].scaling")
-    for kind, field in uses.items():
-        reason = block_scaled_mm_unsupported(kind, device) if kind in BLOCK_SCALED else None
-        if reason is not None:
-            raise Fp8opsError(
-                f"{field} '{kind}' on precision.backend 'scaled_mm' cannot run here: {reason}; "
-                "use precision.backend 'emulated' (the same casts, multiplied in float32)"
-            )
+    fields = [("precision.scaling", precision.scaling)] + [
+        (f"precision.module_recipes[{i}].scaling", entry.scaling)
+        for i, entry in enumerate(precision.module_recipes)
+    ]
+    field = next((field for field, scaling in fields if scaling == "block"), None)
+    reason = None if field is None else block_scaled_mm_unsupported(device)
+    if reason is not None:
+        raise Fp8opsError(
+            f"{field} 'block' on precision.backend 'scaled_mm' cannot run here: {reason}; "
+            "use precision.backend 'emulated' (the same casts, multiplied in float32)"
+        )
 
 
 def gpt_model_args(manifest) -> dict:

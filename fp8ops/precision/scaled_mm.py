@@ -31,10 +31,11 @@ backends changes only the multiply.
   for ``b``'s, each the scale of that row's block) with float32 output, and sums the K blocks'
   partial products in float32: TE's block GEMM computes the same sum of scaled block products,
   in one kernel. Row-wise GEMMs with float32 output run where torch has them: oneDNN on a CPU
-  and cuBLAS on Hopper (compute capability 9.0); :func:`block_scaled_mm_unsupported` tries one
-  and says where not. torch's one-call block-scaled GEMM (``ScalingType.BlockWise1x128``,
-  CUDA 12.9+ on Hopper) is not used yet. MXFP8 on a GPU is Blackwell's (TE refuses it
-  on Hopper), and refused there too.
+  and, in torch's CUDA builds, cuBLAS on Hopper (compute capability 9.0) from CUDA 12.9;
+  :func:`block_scaled_mm_unsupported` tries one and says where not. torch's one-call
+  block-scaled GEMM (``ScalingType.BlockWise1x128``, CUDA 12.9+ on Hopper) is not used yet.
+  MXFP8 is refused on this backend by the manifest: its GPU GEMM is Blackwell's
+  ``BlockWise1x32``, not called yet.
 * **Bias and output dtype.** CUDA fuses a bias into the epilogue only for bf16 or fp16 output,
   with a bias of that dtype; the epilogue adds it to the float32 accumulator before the one
   rounding. In every other case (float32 output, a bias of another dtype) the GEMM writes
@@ -218,46 +219,40 @@ def scaled_mm_unsupported(device: torch.device | str = "cpu") -> str | None:
     return _probe(device.type, device.index)
 
 
-# MXFP8's GEMMs are Blackwell's: TE refuses the recipe below compute capability 10.0.
-MXFP8_CAPABILITY = (10, 0)
-
-
-def block_scaled_mm_unsupported(kind: str, device: torch.device | str = "cpu") -> str | None:
-    """None when :class:`ScaledMmGemm` runs ``kind``'s block-scaled GEMMs (``block``,
-    ``mxfp8``) on ``device``, else why not: no FP8 ``_scaled_mm`` at all, MXFP8 on a GPU before
-    Blackwell, or no row-wise GEMM with float32 output (one is tried once per device)."""
+def block_scaled_mm_unsupported(device: torch.device | str = "cpu") -> str | None:
+    """None when :class:`ScaledMmGemm` runs block-scaled GEMMs on ``device``, else why not: no
+    FP8 ``_scaled_mm`` at all, or no row-wise scaled GEMM with float32 output (one is tried,
+    and its result checked, once per device)."""
     reason = scaled_mm_unsupported(device)
     if reason is not None:
         return reason
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if kind == "mxfp8" and device.type == "cuda":
-        capability = torch.cuda.get_device_capability(device)
-        if capability < MXFP8_CAPABILITY:
-            return (
-                f"MXFP8 GEMMs run natively from compute capability 10.0 (Blackwell), and "
-                f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}; "
-                "Transformer Engine refuses MXFP8 there too"
-            )
     return _rowwise_probe(device.type, device.index)
 
 
 @functools.cache
 def _rowwise_probe(device_type: str, index: int | None) -> str | None:
+    """One GEMM as :meth:`ScaledMmGemm._block_scaled` makes them: E5M2 x E4M3 (a gradient's
+    GEMMs under HYBRID), an odd M, and scales that are a row of a larger grid (so they start
+    where the K block's row does, not at an aligned address)."""
     device = torch.device(device_type, index) if index is not None else torch.device(device_type)
-    a = torch.ones(ALIGNMENT, ALIGNMENT, device=device).to(torch.float8_e4m3fn)
-    rows = torch.arange(1, ALIGNMENT + 1, dtype=torch.float32, device=device)
+    m = ALIGNMENT + 1
+    a = torch.ones(m, ALIGNMENT, device=device).to(torch.float8_e5m2)
+    b = torch.ones(ALIGNMENT, ALIGNMENT, device=device).to(torch.float8_e4m3fn)
+    grid_a = torch.arange(1, 2 * m + 1, dtype=torch.float32, device=device).reshape(2, m)
+    grid_b = torch.arange(1, 2 * ALIGNMENT + 1, dtype=torch.float32, device=device)
+    grid_b = grid_b.reshape(2, ALIGNMENT)
+    scale_a, scale_b = grid_a[1].reshape(m, 1), grid_b[1].reshape(1, ALIGNMENT)
     try:
-        out = torch._scaled_mm(
-            a, a.t(), scale_a=rows[:, None], scale_b=rows[None, :], out_dtype=torch.float32
-        )
+        out = torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
     except (RuntimeError, NotImplementedError, ValueError) as exc:
         return (
             f"torch {torch.__version__} has no row-wise scaled FP8 GEMM with float32 output on "
             f"{device} ({str(exc).splitlines()[0]}); block scales are applied that way"
         )
-    expected = ALIGNMENT * rows[:, None] * rows[None, :]  # exact: small integers
+    expected = ALIGNMENT * scale_a * scale_b  # exact: small integers
     if not torch.equal(out, expected):
         return f"torch {torch.__version__}'s row-wise scaled FP8 GEMM on {device} scales wrongly"
     return None

@@ -188,7 +188,7 @@ def test_each_recipe_runs_on_scaled_mm_as_on_the_emulation(name):
     native_and_emulated = (run(recipe, x, w, grad, ScaledMmGemm()), run(recipe, x, w, grad))
     for native, emulated in zip(*native_and_emulated, strict=True):
         difference = (native.double() - emulated.double()).norm() / emulated.double().norm()
-        assert difference < 2.0**-20, difference.item()  # float32 GEMMs: measured <= 1.9e-7
+        assert difference < 2.0**-20, difference.item()  # float32 GEMMs: measured <= 2.3e-7
 
 
 def test_mxfp8_pads_the_tokens_to_32_as_megatron_does():

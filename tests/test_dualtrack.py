@@ -17,7 +17,13 @@ from support.small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
 
 from fp8ops.alerts import Alert, write_alerts
 from fp8ops.dualtrack.run import _train_fallback
-from fp8ops.dualtrack.tracks import CANDIDATE, Track, check_fallback_globs, fallback_modules
+from fp8ops.dualtrack.tracks import (
+    CANDIDATE,
+    Track,
+    check_fallback_globs,
+    fallback_modules,
+    recipe_manifest,
+)
 from fp8ops.errors import ManifestError
 from fp8ops.manifest import diff_manifests, load_manifest, manifest_hash
 from fp8ops.run import read_metrics, read_status
@@ -224,6 +230,16 @@ def test_a_track_whose_gemms_the_device_lacks_is_refused_before_anything_is_writ
         in result.err
     )
     assert not out.exists()
+
+
+def test_the_gemms_checked_are_those_of_the_fp8_tracks_that_train(short_manifest):
+    from fp8ops.dualtrack.run import _fp8_tracks
+
+    source = load_manifest(short_manifest)
+    assert _fp8_tracks(source, {}) == [source]  # the candidate (and its fallback)
+    current = recipe_manifest(source, "current")
+    # --tracks bf16,current: the source's own recipe never trains
+    assert _fp8_tracks(source, {"current": current}) == [current]
 
 
 @pytest.mark.slow
@@ -501,8 +517,6 @@ def test_parse_tracks_refuses_what_it_cannot_train():
 
 
 def test_a_recipe_track_resets_the_fields_of_other_recipes(short_manifest):
-    from fp8ops.dualtrack.tracks import recipe_manifest
-
     source = load_manifest(short_manifest)
     assert source.precision.amax_history_len == 16  # the CPU default's delayed window
     current = recipe_manifest(source, "current")

@@ -137,3 +137,21 @@ def test_a_tensor_parallel_checkpoint_exports_in_one_process(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     exported, final = weights_meta(tmp_path / "w"), weights_meta(tmp_path / "run" / "final")
     assert exported["fingerprint"] == final["fingerprint"]
+
+
+@pytest.mark.slow
+def test_a_scaled_mm_checkpoint_exports_where_scaled_mm_cannot_run(cli, tmp_path, monkeypatch):
+    """Export multiplies nothing in FP8: a checkpoint trained on scaled_mm exports on a machine
+    whose GEMMs the device check would refuse."""
+    from fp8ops.megatron import model
+
+    native = {**RUN, "schedule.train_steps": 2, "precision.backend": "scaled_mm"}
+    manifest = write_derived(tmp_path / "m.yaml", MANIFESTS / "tiny-gpt-cpu.yaml", native)
+    run_training(manifest, tmp_path / "run", progress=False)
+    monkeypatch.setattr(model, "scaled_mm_unsupported", lambda device: "no FP8 GEMM here")
+    exported = cli("checkpoints", "export", tmp_path / "run", "--out", tmp_path / "out")
+    assert exported.code == 0, exported.err
+    assert weights_meta(tmp_path / "out") == {
+        **weights_meta(tmp_path / "run" / "final"),
+        "exported_from": str(tmp_path / "run" / "checkpoints" / "step_00000002"),
+    }

@@ -95,7 +95,7 @@ def test_the_manifest_refuses_what_megatron_or_the_backend_cannot_do():
             "precision.backend": "scaled_mm",
             "precision.module_recipes": [{**entry, "scaling": "mxfp8"}],
         },
-        "BlockWise1x32",
+        "BlockWise1x32.*give these modules 'block' or 'current' instead",
     )
     for scaling in ("current", "block"):  # whether the device has the GEMMs: build_gpt's to say
         allowed = derive(

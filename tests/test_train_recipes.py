@@ -220,7 +220,10 @@ def test_the_manifest_refuses_what_a_recipe_cannot_do():
     refused({**ok, "precision.scaling": "block", "precision.reduce_amax": False}, "reduce_amax")
     current = derive(base, {**ok, "precision.scaling": "current"}, "test")
     assert current.precision.scaling == "current"
-    refused({**ok, "precision.scaling": "mxfp8", "precision.backend": "scaled_mm"}, "BlockWise1x32")
+    refused(
+        {**ok, "precision.scaling": "mxfp8", "precision.backend": "scaled_mm"},
+        "BlockWise1x32.*use precision.backend 'emulated'",
+    )
     # the device decides whether scaled_mm has block scaling's GEMMs (build_gpt), not the manifest
     native = derive(
         base, {**ok, "precision.scaling": "block", "precision.backend": "scaled_mm"}, "t"

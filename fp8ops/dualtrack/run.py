@@ -82,7 +82,7 @@ def run_dualtrack(
     control_source = control_manifest(source)
     recipes = {name: recipe_manifest(source, name) for name in (tracks or ())[1:]}
     _check_world_size(source, manifest_path)
-    for manifest in (source, *recipes.values()):  # a track's GEMMs, before any track trains
+    for manifest in _fp8_tracks(source, recipes):  # their GEMMs, before any track trains
         check_gemms_run(manifest, rank_device())
     # Each track's training answers SIGUSR1/SIGTERM itself (checkpoint, exit 75); this catches
     # one that arrives between two tracks.
@@ -205,6 +205,12 @@ def _train(track: Track, out_dir: Path, progress: bool, plan: dict) -> TrackOutc
         seconds = time.perf_counter() - started
         _record(plan, out_dir, track, state, seconds)
     return TrackOutcome(track, state, seconds)
+
+
+def _fp8_tracks(source: Manifest, recipes: dict[str, Manifest]) -> list[Manifest]:
+    """The manifests of the FP8 tracks that will train: one per recipe named by ``--tracks``,
+    else the candidate (the source; the fallback runs the same with some modules in BF16)."""
+    return list(recipes.values()) if recipes else [source]
 
 
 def _check_world_size(source: Manifest, path: Path) -> None:

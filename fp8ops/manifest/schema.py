@@ -304,11 +304,12 @@ class ModuleRecipe(_Section):
         return value
 
 
-_MXFP8_ON_SCALED_MM = (
-    "MXFP8 on backend 'scaled_mm' would need torch's MXFP8 GEMM (ScalingType.BlockWise1x32, "
-    "Blackwell only; Transformer Engine refuses MXFP8 before Blackwell), which fp8ops does not "
-    "call yet; use backend 'emulated'"
-)
+def _mxfp8_on_scaled_mm(way_out: str) -> str:
+    return (
+        "MXFP8 on precision.backend 'scaled_mm' would need torch's MXFP8 GEMM "
+        "(ScalingType.BlockWise1x32, Blackwell only; Transformer Engine refuses MXFP8 before "
+        f"Blackwell), which fp8ops does not call yet; {way_out}"
+    )
 
 
 class PrecisionPolicy(_Section):
@@ -530,7 +531,8 @@ class PrecisionPolicy(_Section):
                 )
             )
         if self.scaling == "mxfp8" and self.backend == "scaled_mm":
-            problems.append((("backend",), self.backend, _MXFP8_ON_SCALED_MM))
+            way_out = "use precision.backend 'emulated'"
+            problems.append((("backend",), self.backend, _mxfp8_on_scaled_mm(way_out)))
         if self.scaling == "block":
             dims = [self.x_block_scaling_dim, self.w_block_scaling_dim, self.grad_block_scaling_dim]
             if dims.count(2) > 1:
@@ -582,7 +584,8 @@ class PrecisionPolicy(_Section):
                     )
                 )
             elif self.backend == "scaled_mm" and entry.scaling == "mxfp8":
-                problems.append((where, entry.scaling, _MXFP8_ON_SCALED_MM))
+                way_out = "give these modules 'block' or 'current' instead"
+                problems.append((where, entry.scaling, _mxfp8_on_scaled_mm(way_out)))
         return problems
 
     @property

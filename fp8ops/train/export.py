@@ -83,6 +83,12 @@ def checkpoint_model(
     if float32:
         wide = alone.precision.model_copy(update={"base_dtype": "fp32"})
         built = alone.model_copy(update={"precision": wide})
+    if built.precision.backend == "scaled_mm":
+        # Nothing here multiplies in FP8 (the comparison with transformers runs outside any FP8
+        # scope), so the emulated GEMM's layers, the same parameters, spare a device check that
+        # could refuse the export for a GEMM it never runs.
+        emulated = built.precision.model_copy(update={"backend": "emulated"})
+        built = built.model_copy(update={"precision": emulated})
     precision = built.precision
     ranks = init_distributed(one, source=f"{source / MANIFEST}")
     try:

@@ -26,7 +26,7 @@ from rich.table import Table
 from torch.utils.benchmark import Timer
 
 from fp8ops.precision import E4M3, EmulatedGemm, ScaledMmGemm, block_scaled_mm_unsupported
-from fp8ops.precision.blocks import quantize_mxfp8, quantize_scaled
+from fp8ops.precision.blocks import BlockQuantized, quantize_mxfp8, quantize_scaled
 from fp8ops.precision.quantize import cast_and_amax, quantize_current
 
 CASTS = {
@@ -92,10 +92,10 @@ def gemm_table(m: int, k: int, n: int, *, min_time: float) -> Table:
     for column in ("recipe", "emulated ms", "scaled_mm ms", "_scaled_mm calls"):
         table.add_column(column, justify="right")
     for label, (a, b) in operands.items():
-        kind = "current" if "current" in label else "block"
+        blocked = isinstance(a, BlockQuantized)
         times = {}
         for name, gemm in (("emulated", EmulatedGemm()), ("scaled_mm", ScaledMmGemm())):
-            if name == "scaled_mm" and kind == "block" and block_scaled_mm_unsupported():
+            if name == "scaled_mm" and blocked and block_scaled_mm_unsupported():
                 times[name] = "n/a"
                 continue
             timer = Timer(
@@ -103,7 +103,7 @@ def gemm_table(m: int, k: int, n: int, *, min_time: float) -> Table:
                 globals={"gemm": gemm, "a": a, "b": b, "torch": torch},
             )
             times[name] = f"{timer.blocked_autorange(min_run_time=min_time).median * 1e3:.1f}"
-        calls = 1 if kind == "current" else -(-k // a.block[1])
+        calls = -(-k // a.block[1]) if blocked else 1
         table.add_row(label, times["emulated"], times["scaled_mm"], str(calls))
     return table
 

@@ -152,17 +152,16 @@ def test_block_scaling_trains_on_scaled_mm_as_on_the_emulation(runs, small_base,
     sums exact in float32, in any order)."""
     from fp8ops.precision import block_scaled_mm_unsupported
 
-    name = "block"
     reason = block_scaled_mm_unsupported("cpu")
     if reason is not None:
         pytest.skip(f"no block-scaled torch._scaled_mm GEMMs here: {reason}")
-    changes = {**RECIPES[name], "precision.backend": "scaled_mm"}
+    changes = {**RECIPES["block"], "precision.backend": "scaled_mm"}
     run_training(finetune(tmp_path, small_base, changes), tmp_path / "run", progress=False)
-    native, emulated = read_metrics(tmp_path / "run"), read_metrics(runs[name])
+    native, emulated = read_metrics(tmp_path / "run"), read_metrics(runs["block"])
     assert len(native) == len(emulated) == 2 * N
     gaps = [abs(a.loss - b.loss) / b.loss for a, b in zip(native, emulated, strict=True)]
     assert max(gaps) < 1e-3, gaps
-    assert read_layers_json(tmp_path / "run").recipe.scaling == name
+    assert read_layers_json(tmp_path / "run").recipe.scaling == "block"
 
 
 @pytest.mark.slow

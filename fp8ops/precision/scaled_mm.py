@@ -213,10 +213,7 @@ def _probe(device_type: str, index: int | None) -> str | None:
 def scaled_mm_unsupported(device: torch.device | str = "cpu") -> str | None:
     """None when ``torch._scaled_mm`` runs FP8 GEMMs on ``device``, else the reason it cannot
     (a tiny GEMM is tried once per device)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    return _probe(device.type, device.index)
+    return _probe(*_probe_key(device))
 
 
 def block_scaled_mm_unsupported(device: torch.device | str = "cpu") -> str | None:
@@ -224,12 +221,15 @@ def block_scaled_mm_unsupported(device: torch.device | str = "cpu") -> str | Non
     FP8 ``_scaled_mm`` at all, or no row-wise scaled GEMM with float32 output (one is tried,
     and its result checked, once per device)."""
     reason = scaled_mm_unsupported(device)
-    if reason is not None:
-        return reason
+    return reason if reason is not None else _rowwise_probe(*_probe_key(device))
+
+
+def _probe_key(device: torch.device | str) -> tuple[str, int | None]:
+    """The device a probe's answer is cached for: a bare ``cuda`` is the current GPU."""
     device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return _rowwise_probe(device.type, device.index)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return "cuda", torch.cuda.current_device()
+    return device.type, device.index
 
 
 @functools.cache

@@ -193,6 +193,120 @@ def test_block_scaled_operands_must_share_their_k_blocks():
         ScaledMmGemm()(a, quantized((32, 256), E4M3, 1.0, seed=2), torch.float32)
 
 
+# -- torch's one-call block GEMM: its layouts, checked without a GPU ---------------------------------
+
+# (M, K, N) with an odd M, a partial K block and N unaligned to 128; then one K block only.
+ONE_CALL_SHAPES = [(129, 320, 144), (33, 128, 256)]
+ONE_CALL_PAIRS = [((1, 128), (128, 128)), ((1, 128), (1, 128)), ((128, 128), (1, 128))]
+
+
+def exact_block_operand(rows, k, block, seed, device="cpu"):
+    """Small integers (exact in E4M3) and a different power-of-2 scale per block: every
+    product and every float32 sum is exact, so any summation order gives the same result."""
+    from fp8ops.precision.blocks import BlockQuantized
+
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randint(-3, 4, (rows, k), generator=g).float()
+    grid = (-(-rows // block[0]), -(-k // block[1]))
+    scale_inv = torch.exp2(torch.randint(-3, 4, grid, generator=g).float())
+    return BlockQuantized(
+        values.to(torch.float8_e4m3fn).to(device),
+        scale_inv.to(device),
+        block,
+        E4M3,
+        torch.reciprocal(scale_inv).to(device),
+        torch.tensor(3.0, device=device),
+    )
+
+
+def torch_block_scaled_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b, scale_recipe_b):
+    """What ``torch.nn.functional.scaled_mm`` computes for 1x128 and 128x128 block scales, by
+    the meaning of its scale shapes (torch's ``_meta_registrations``): a 1x128 scale is
+    ``[rows, K // 128]``, one per row and K block; a 128x128 scale is ``[L4, rows // 128]``,
+    one per K block and block of 128 rows. In float64, from the arguments alone."""
+    from torch.nn.functional import ScalingType
+
+    def dequantized(data, scale, recipe):  # data [rows, K]
+        k = data.shape[1]
+        if recipe == ScalingType.BlockWise1x128:
+            per_element = scale.repeat_interleave(128, dim=1)  # [rows, K]
+        else:
+            per_element = scale[: k // 128].t().repeat_interleave(128, 0).repeat_interleave(128, 1)
+        return data.double() * per_element.double()
+
+    a = dequantized(mat_a, scale_a, scale_recipe_a)
+    b = dequantized(mat_b.t(), scale_b, scale_recipe_b)
+    return a @ b.t()
+
+
+@pytest.mark.parametrize("shape", ONE_CALL_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("blocks", ONE_CALL_PAIRS, ids=lambda p: f"{p[0][0]}x{p[1][0]}")
+def test_one_call_block_gemm_arguments_pass_torchs_own_checks(shape, blocks):
+    """torch's shape and stride rules for block scales, run as torch runs them for a device it
+    has no kernel on: the meta device (the same checks as CUDA's)."""
+    from torch.nn.functional import scaled_mm
+
+    from fp8ops.precision.scaled_mm import one_call_block_gemm_args
+
+    m, k, n = shape
+    a = exact_block_operand(m, k, blocks[0], 1, device="meta")
+    b = exact_block_operand(n, k, blocks[1], 2, device="meta")
+    args = one_call_block_gemm_args(a, b)
+    out = scaled_mm(**args, output_dtype=torch.bfloat16)
+    assert out.shape[0] >= m and out.shape[1] >= n
+    # The checks are live: the same scales laid out row-major are refused.
+    refused = {**args, "scale_a": args["scale_a"].contiguous()}
+    if args["scale_a"].shape[1] > 1 and not args["scale_a"].is_contiguous():
+        with pytest.raises(RuntimeError, match="blockwise scaling"):
+            scaled_mm(**refused, output_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("shape", ONE_CALL_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("blocks", ONE_CALL_PAIRS, ids=lambda p: f"{p[0][0]}x{p[1][0]}")
+def test_one_call_block_gemm_arguments_mean_the_emulated_product(shape, blocks):
+    """Read as torch reads them, the arguments give the product the emulation computes (exact
+    operands: equal, not close); a grid transposed or a padding misplaced would not."""
+    from fp8ops.precision.scaled_mm import one_call_block_gemm_args
+
+    m, k, n = shape
+    a = exact_block_operand(m, k, blocks[0], 1)
+    b = exact_block_operand(n, k, blocks[1], 2)
+    out = torch_block_scaled_mm(**one_call_block_gemm_args(a, b))[:m, :n]
+    assert torch.equal(out.float(), EmulatedGemm()(a, b, torch.float32))
+
+
+def test_the_device_probe_rejects_a_wrong_layout_and_accepts_the_right_one():
+    """The probe's operands and its exact comparison: torch's arithmetic on the arguments
+    matches what the probe expects, and a 128x128 grid whose K blocks are not padded to 4 (a
+    plausible misreading) gives another product, which the probe would refuse."""
+    from fp8ops.precision import scaled_mm as module
+
+    for blocks in ONE_CALL_PAIRS:
+        a = module._probe_operand(129, 320, blocks[0], torch.float8_e4m3fn, "cpu", 1)
+        b = module._probe_operand(144, 320, blocks[1], torch.float8_e5m2, "cpu", 2)
+        expected = module._exact_product(a, b)
+        args = module.one_call_block_gemm_args(a, b)
+        assert torch.equal(torch_block_scaled_mm(**args)[:129, :144], expected)
+        if blocks[1] == (128, 128):
+            grid = args["scale_b"][:3].t().contiguous()  # [N blocks, 3]: K blocks unpadded
+            memory = torch.cat([grid.flatten(), torch.ones(4)])[: grid.shape[0] * 4]
+            misread = {**args, "scale_b": memory.reshape(grid.shape[0], 4).t()}  # stride 4
+            assert not torch.equal(torch_block_scaled_mm(**misread)[:129, :144], expected)
+
+
+def test_block_gemms_stay_per_k_block_where_the_device_has_no_one_call_gemm():
+    from fp8ops.precision.scaled_mm import one_call_block_gemm_unsupported
+
+    formats = (torch.float8_e4m3fn, torch.float8_e4m3fn)
+    reason = one_call_block_gemm_unsupported("cpu", formats, ONE_CALL_PAIRS[0], torch.bfloat16)
+    assert reason is not None and "one-call block-scaled GEMM" in reason  # no CPU kernel
+    blocks_128x128 = ((128, 128), (128, 128))
+    reason = one_call_block_gemm_unsupported("cpu", formats, blocks_128x128, torch.bfloat16)
+    assert "takes no (128, 128) x (128, 128) blocks" in reason
+    a, b = exact_block_operand(64, 320, (1, 128), 1), exact_block_operand(48, 320, (128, 128), 2)
+    assert ScaledMmGemm().block_calls(a, b, torch.bfloat16) == 3  # one GEMM per K block
+
+
 # -- the FP8 linear: the GEMM never touches the delayed-scaling state ------------------------------
 
 

@@ -9,6 +9,7 @@ from fp8ops.precision.recipe import DelayedScalingRecipe, recipe_from_precision
 from fp8ops.precision.scaled_mm import (
     ScaledMmGemm,
     block_scaled_mm_unsupported,
+    one_call_block_gemm_unsupported,
     scaled_mm_unsupported,
 )
 from fp8ops.precision.scaling import AmaxAlgo, parse_amax_algo, update_delayed_scaling
@@ -38,6 +39,7 @@ __all__ = [
     "amax_of",
     "block_scaled_mm_unsupported",
     "fp8_linear",
+    "one_call_block_gemm_unsupported",
     "parse_amax_algo",
     "quantize",
     "recipe_from_precision",

@@ -32,8 +32,19 @@ backends changes only the multiply.
   partial products in float32: TE's block GEMM computes the same sum of scaled block products,
   in one kernel. Row-wise GEMMs with float32 output run where torch has them: oneDNN on a CPU
   and, in torch's CUDA builds, cuBLAS on Hopper (compute capability 9.0) from CUDA 12.9;
-  :func:`block_scaled_mm_unsupported` tries one and says where not. torch's one-call
-  block-scaled GEMM (``ScalingType.BlockWise1x128``, CUDA 12.9+ on Hopper) is not used yet.
+  :func:`block_scaled_mm_unsupported` tries one and says where not.
+* **One call per block-scaled GEMM, where the device has it.** torch's
+  ``torch.nn.functional.scaled_mm`` takes 1x128 and 128x128 block scales in one GEMM
+  (``ScalingType.BlockWise1x128`` / ``BlockWise128x128``: cuBLAS 12.9+ on Hopper; not on a
+  CPU). Its scale layouts are its own: 1x128 scales outer-dim-major (``[rows, K / 128]`` with
+  stride ``(1, rows)``), 128x128 grids with their K blocks padded to a multiple of 4 and
+  stored K-block-major; K is padded to whole blocks, and the rows of a 128x128 operand too.
+  It is used for a combination of formats, blocks and output dtype only after
+  :func:`one_call_block_gemm_unsupported` has run that combination once on the device and
+  found every element exact (values and power-of-2 scales chosen so that any summation order
+  gives the same float32 sum): a layout misread, or a kernel the device lacks, leaves the GEMM
+  on the per-K-block path above. cuBLAS takes no fast accumulation with these scales, so the
+  one-call GEMM accumulates exactly as the per-K-block one does.
   MXFP8 is refused on this backend by the manifest: its GPU GEMM is Blackwell's
   ``BlockWise1x32``, not called yet.
 * **Bias and output dtype.** CUDA fuses a bias into the epilogue only for bf16 or fp16 output,
@@ -50,7 +61,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from fp8ops.precision.blocks import BlockQuantized
+from fp8ops.precision.blocks import BLOCK, BlockQuantized
+from fp8ops.precision.formats import E4M3, E5M2
 from fp8ops.precision.quantize import QuantizedTensor
 
 # cuBLASLt's FP8 GEMMs need K and N (and the leading dimensions) to be multiples of 16 elements.
@@ -66,8 +78,10 @@ class ScaledMmGemm:
     the emulation computes up to accumulation order; backends ignore it where it does not apply.
     """
 
-    def __init__(self, *, use_fast_accum: bool = False):
+    def __init__(self, *, use_fast_accum: bool = False, one_call_blocks: bool = True):
         self.use_fast_accum = use_fast_accum
+        # False keeps block-scaled GEMMs on the per-K-block path (to compare the two)
+        self.one_call_blocks = one_call_blocks
 
     def __call__(
         self,
@@ -117,6 +131,8 @@ class ScaledMmGemm:
             )
         if width % ALIGNMENT:
             raise ValueError(f"K blocks of {width}: _scaled_mm takes K in multiples of {ALIGNMENT}")
+        if self.one_call_blocks and _one_call_dtype(a, b, out_dtype, bias) is not None:
+            return _one_call_block_gemm(a, b, out_dtype, bias)
         (m, k), n = a.data.shape, b.data.shape[0]
         k_blocks, n_padded = -(-k // width), _aligned(n)
         # Each K block's slice of an operand, contiguous; a partial last block zero-padded.
@@ -143,6 +159,20 @@ class ScaledMmGemm:
         if bias is not None:
             out = out + bias.float()
         return out.to(out_dtype)
+
+    def block_calls(
+        self,
+        a: BlockQuantized,
+        b: BlockQuantized,
+        out_dtype: torch.dtype,
+        bias: torch.Tensor | None = None,
+    ) -> int:
+        """How many GEMMs ``a @ b.T`` of two block-scaled operands takes on their device: 1
+        where torch's one-call block GEMM runs that combination exactly, else one per K
+        block."""
+        if self.one_call_blocks and _one_call_dtype(a, b, out_dtype, bias) is not None:
+            return 1
+        return -(-a.data.shape[1] // a.block[1])
 
 
 def _check_operands(a, b) -> None:
@@ -256,3 +286,158 @@ def _rowwise_probe(device_type: str, index: int | None) -> str | None:
     if not torch.equal(out, expected):
         return f"torch {torch.__version__}'s row-wise scaled FP8 GEMM on {device} scales wrongly"
     return None
+
+
+# ----------------------------------------------------------------------------------------
+# torch's one-call block-scaled GEMM (torch.nn.functional.scaled_mm), checked on the device
+# ----------------------------------------------------------------------------------------
+
+# The block pairs (a's, b's) torch multiplies in one call; 128x128 by 128x128 is not one.
+ONE_CALL_PAIRS = {
+    ((1, BLOCK), (BLOCK, BLOCK)),
+    ((1, BLOCK), (1, BLOCK)),
+    ((BLOCK, BLOCK), (1, BLOCK)),
+}
+
+
+def one_call_block_gemm_unsupported(
+    device: torch.device | str,
+    formats: tuple[torch.dtype, torch.dtype],
+    blocks: tuple[tuple[int, int], tuple[int, int]],
+    out_dtype: torch.dtype,
+) -> str | None:
+    """None when torch's one-call block-scaled GEMM multiplies operands of these FP8
+    ``formats`` and ``blocks`` into ``out_dtype`` on ``device``, exactly; else why not. Tried
+    once per device and combination (module docstring)."""
+    key = (*_probe_key(device), formats, blocks, out_dtype)
+    return _one_call_probe(*key)
+
+
+def one_call_block_gemm_args(a: BlockQuantized, b: BlockQuantized) -> dict:
+    """The arguments of ``torch.nn.functional.scaled_mm`` for ``a @ b.T``: data padded to
+    whole blocks (zeros, exact), each scale grid in the layout torch reads for its block
+    (module docstring). Padded rows of ``b`` are cut off the output by the caller."""
+    from torch.nn.functional import ScalingType
+
+    (m, k), n = a.data.shape, b.data.shape[0]
+    k_blocks = -(-k // BLOCK)
+    k_padded = k_blocks * BLOCK
+    recipes, scales, rows = [], [], []
+    for operand, length in ((a, m), (b, n)):
+        grid = operand.scale_inv.float()  # [ceil(rows / block rows), k_blocks]
+        if operand.block == (1, BLOCK):
+            # Outer-dim-major: [rows, k_blocks] with stride (1, rows). M is free; N is aligned.
+            padded = length if operand is a else _aligned(length)
+            grid = F.pad(grid, (0, 0, 0, padded - length), value=1.0)
+            scale = grid.t().contiguous().t()
+            recipes.append(ScalingType.BlockWise1x128)
+        else:
+            # [L4, row blocks] with stride (1, L4): the K blocks padded to a multiple of 4.
+            padded = -(-length // BLOCK) * BLOCK
+            l4 = -(-k_blocks // 4) * 4
+            scale = F.pad(grid, (0, l4 - k_blocks), value=1.0).contiguous().t()
+            recipes.append(ScalingType.BlockWise128x128)
+        scales.append(_on(scale, operand.data.device))
+        rows.append(padded)
+    a_data = _pad(a.data, rows[0], k_padded)
+    b_data = _pad(b.data, rows[1], k_padded)
+    return {
+        "mat_a": a_data,
+        "mat_b": b_data.t(),  # [K', N'] column-major: a view
+        "scale_a": scales[0],
+        "scale_recipe_a": recipes[0],
+        "scale_b": scales[1],
+        "scale_recipe_b": recipes[1],
+    }
+
+
+def _one_call_block_gemm(
+    a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``a @ b.T (+ bias)`` in one ``scaled_mm``: written in ``out_dtype`` when there is no
+    bias, else in float32 with the bias added before the one rounding (as everywhere here)."""
+    out = _one_call(a, b, torch.float32 if bias is not None else out_dtype)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def _one_call(a: BlockQuantized, b: BlockQuantized, written: torch.dtype) -> torch.Tensor:
+    m, n = a.data.shape[0], b.data.shape[0]
+    return F.scaled_mm(**one_call_block_gemm_args(a, b), output_dtype=written)[:m, :n]
+
+
+def _one_call_dtype(
+    a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype, bias: torch.Tensor | None
+) -> torch.dtype | None:
+    """The dtype a one-call GEMM of ``a`` and ``b`` writes, or None where it cannot be used."""
+    if (a.block, b.block) not in ONE_CALL_PAIRS:
+        return None
+    written = torch.float32 if bias is not None else out_dtype
+    formats = (a.data.dtype, b.data.dtype)
+    if one_call_block_gemm_unsupported(a.data.device, formats, (a.block, b.block), written):
+        return None
+    return written
+
+
+@functools.cache
+def _one_call_probe(
+    device_type: str,
+    index: int | None,
+    formats: tuple[torch.dtype, torch.dtype],
+    blocks: tuple[tuple[int, int], tuple[int, int]],
+    out_dtype: torch.dtype,
+) -> str | None:
+    device = torch.device(device_type, index) if index is not None else torch.device(device_type)
+    if not hasattr(F, "scaled_mm"):
+        return f"torch {torch.__version__} has no torch.nn.functional.scaled_mm"
+    if blocks not in ONE_CALL_PAIRS:
+        return f"torch's one-call block GEMM takes no {blocks[0]} x {blocks[1]} blocks"
+    reason = scaled_mm_unsupported(device)
+    if reason is not None:
+        return reason
+    # An odd M, K of two and a half blocks (a partial block; 3 K blocks, padded to 4 in a
+    # 128x128 grid), N not a multiple of 128; every block its own power-of-2 scale.
+    a, b = (
+        _probe_operand(rows, 2 * BLOCK + 64, block, fp8, device, seed)
+        for rows, block, fp8, seed in zip((129, 144), blocks, formats, (1, 2), strict=True)
+    )
+    try:
+        out = _one_call(a, b, out_dtype)
+    except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
+        return (
+            f"torch {torch.__version__}'s one-call block-scaled GEMM fails on {device} for "
+            f"{blocks[0]} x {blocks[1]} blocks ({str(exc).splitlines()[0]})"
+        )
+    if not torch.equal(out.cpu(), _exact_product(a, b).to(out_dtype)):
+        return (
+            f"torch {torch.__version__}'s one-call block-scaled GEMM on {device} differs from "
+            f"the blocks' exact product for {blocks[0]} x {blocks[1]} blocks"
+        )
+    return None
+
+
+def _exact_product(a: BlockQuantized, b: BlockQuantized) -> torch.Tensor:
+    """The probe's expected result, on the host: exact in float64, and exact in float32 too
+    (small integers times powers of two, summed within float32's 24 bits)."""
+    return a.dequantize().cpu().double() @ b.dequantize().cpu().double().t()
+
+
+def _probe_operand(rows, k, block, fp8, device, seed) -> BlockQuantized:
+    """Small integers (exact in E4M3 and E5M2) and a different power-of-2 scale per block."""
+    i = torch.arange(rows)[:, None]
+    j = torch.arange(k)[None, :]
+    values = ((i * 7 + j * 3 + seed) % 7 - 3).float()
+    grid_rows, grid_cols = -(-rows // block[0]), -(-k // block[1])
+    r = torch.arange(grid_rows)[:, None]
+    c = torch.arange(grid_cols)[None, :]
+    scale_inv = torch.exp2(((r + 2 * c + seed) % 5 - 2).float())
+    data = values.to(fp8).to(device)
+    return BlockQuantized(
+        data=data,
+        scale_inv=scale_inv.to(device),
+        block=block,
+        fp8=E4M3 if fp8 == torch.float8_e4m3fn else E5M2,
+        scale=torch.reciprocal(scale_inv).to(device),
+        amax=torch.tensor(3.0, device=device),
+    )

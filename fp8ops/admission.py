@@ -215,6 +215,7 @@ def decide_admission(
             )
         )
     rows = every_stage(rows)
+    _refuse_idle_module_recipes(rows, precision)
     _refuse_unaligned(rows, precision)
     return AdmissionTable(rows=tuple(rows), tensor_parallel=tensor_parallel)
 
@@ -308,6 +309,67 @@ def _decide(
             f"precision.module_recipes[{index}] ({entry.reason})"
         )
     return Reason(code="fp8", text=text)
+
+
+# Modules no glob can put in FP8, whatever the manifest says.
+_NEVER_FP8 = ("embedding", "lm_head", "norm", "not_fp8_capable")
+
+
+def _refuse_idle_module_recipes(rows: list[AdmissionRow], precision: PrecisionPolicy) -> None:
+    """Refuse a hand-written ``module_recipes`` entry that would change nothing: one whose
+    globs match only modules that never run FP8, one whose every module an earlier
+    hand-written entry decides (the first match decides), or one that gives the run's own
+    recipe to modules no later entry would give another (the schema refuses the plain case).
+
+    The ledger's entries (``approval`` set) go first by design and may take a hand-written
+    entry's modules, so an entry is judged against the hand-written ones only. Modules that
+    could run FP8 but do not now (excluded, too small at this TP, a BF16 override) do not make
+    an entry idle: the entry applies again when they return."""
+    if not precision.enabled:
+        return
+    written = [(i, e) for i, e in enumerate(precision.module_recipes) if e.approval is None]
+    problems = []
+    for position, (index, entry) in enumerate(written):
+        matched = [r for r in rows if _matches(r.fqn, entry.modules)]
+        can_run = [r for r in matched if r.reason.code not in _NEVER_FP8]
+        # The earlier hand-written entry that decides each module, if one does.
+        taken = {r.fqn: _first_match_in(r.fqn, written[:position]) for r in can_run}
+        decided = [r for r in can_run if taken[r.fqn] is None]
+        where = (
+            f"  precision.module_recipes[{index}] ({entry.scaling} for {', '.join(entry.modules)})"
+        )
+        if not can_run:
+            kinds = ", ".join(sorted({r.kind for r in matched}))
+            problems.append(f"{where}: matches only modules that never run FP8 ({kinds})")
+        elif not decided:
+            first = ", ".join(str(i) for i in sorted(set(taken.values())))
+            problems.append(
+                f"{where}: every module it matches is decided by an earlier entry "
+                f"(precision.module_recipes[{first}]); the first matching entry decides"
+            )
+        elif entry.scaling == precision.scaling:
+            later = precision.module_recipes[index + 1 :]
+            if not any(_matches(r.fqn, e.modules) for r in decided for e in later):
+                problems.append(
+                    f"{where}: '{entry.scaling}' is the run's own recipe (precision.scaling), "
+                    "and no later entry would give these modules another"
+                )
+    if problems:
+        raise AdmissionError(
+            f"{len(problems)} precision.module_recipes entr{'y' if len(problems) == 1 else 'ies'} "
+            "would change no module's recipe:\n"
+            + "\n".join(problems)
+            + "\nRemove or narrow them in a new revision (fp8ops manifest derive --set "
+            "'precision.module_recipes=[...]' ...)."
+        )
+
+
+def _first_match_in(fqn: str, entries: list[tuple[int, Any]]) -> int | None:
+    return next((i for i, e in entries if _matches(fqn, e.modules)), None)
+
+
+def _matches(fqn: str, globs: Sequence[str]) -> bool:
+    return any(fnmatchcase(fqn, glob) for glob in globs)
 
 
 def _refuse_unaligned(rows: list[AdmissionRow], precision: PrecisionPolicy) -> None:

@@ -20,6 +20,7 @@ from fp8ops.admission import (
     small_gemm_verdict,
 )
 from fp8ops.cli import main
+from fp8ops.errors import ManifestError
 from fp8ops.manifest import SmallGemmRule, derive, manifest_hash, parse_manifest
 from fp8ops.megatron import amax_reduction_group, build_gpt, fp8_modules
 from fp8ops.precision import DelayedScalingRecipe, Fp8Scope
@@ -288,6 +289,73 @@ def test_globs_that_match_nothing_are_reported_together(model, manifest):
 
     with pytest.raises(AdmissionError, match=r"'\*\.linear_qvk'.*did you mean '\*\.linear_qkv'"):
         decide(model, manifest, include_modules=["*.linear_qvk"])
+
+
+def recipe_entry(globs, scaling="current", approval=None):
+    return {"modules": globs, "scaling": scaling, "reason": "r", "approval": approval}
+
+
+def test_module_recipe_entries_that_would_change_nothing_are_refused_together(model, manifest):
+    with pytest.raises(AdmissionError) as info:
+        decide(
+            model,
+            manifest,
+            module_recipes=[
+                recipe_entry(["decoder.layers.0.*"]),
+                recipe_entry(["decoder.layers.0.mlp.*"], "block"),  # all taken by [0]
+                recipe_entry(["decoder.final_layernorm", "output_layer"], "block"),
+                recipe_entry(["decoder.layers.1.mlp.*"], "mxfp8"),  # kept
+            ],
+        )
+    message = str(info.value)
+    assert message.startswith("2 precision.module_recipes entries would change no module's")
+    assert (
+        "module_recipes[1] (block for decoder.layers.0.mlp.*): every module it matches is "
+        "decided by an earlier entry (precision.module_recipes[0])"
+    ) in message
+    assert (
+        "module_recipes[2] (block for decoder.final_layernorm, output_layer): matches only "
+        "modules that never run FP8 (lm_head, norm)"
+    ) in message
+    assert "module_recipes[3]" not in message and "module_recipes[0]" not in message.split(":")[0]
+
+
+def test_a_module_recipe_in_the_runs_own_recipe_must_keep_modules_from_a_later_entry(
+    model, manifest
+):
+    """Under current scaling, 'current for layer 0's MLP, then block for layer 0' keeps the MLP
+    in current scaling: the first match decides. Alone, the same entry does nothing."""
+    current = {"scaling": "current", "amax_history_len": 1024}
+    carve_out = [
+        recipe_entry(["decoder.layers.0.mlp.*"]),
+        recipe_entry(["decoder.layers.0.*"], "block"),
+    ]
+    table = decide(model, manifest, **current, module_recipes=carve_out)
+    scaling = {row.fqn: row.scaling for row in table.rows if row.fp8}
+    assert scaling["decoder.layers.0.mlp.linear_fc1"] == "current"
+    assert scaling["decoder.layers.0.self_attention.linear_qkv"] == "block"
+    assert scaling["decoder.layers.1.mlp.linear_fc1"] is None  # the run's own
+    idle = [recipe_entry(["decoder.layers.1.*"]), recipe_entry(["decoder.layers.0.*"], "block")]
+    with pytest.raises(AdmissionError, match=r"module_recipes\[0\].*the run's own recipe"):
+        decide(model, manifest, **current, module_recipes=idle)
+    with pytest.raises(ManifestError, match="no later entry gives another"):  # the schema's
+        revised(manifest, **current, module_recipes=[recipe_entry(["decoder.layers.1.*"])])
+
+
+def test_the_ledgers_entries_may_take_every_module_of_a_written_one(model, manifest):
+    """An approved override that stages one module in current scaling goes first; the written
+    entry it empties is not refused (the override, not the manifest, moved its module), and a
+    ledger entry in the run's own recipe is what brings a module back from a glob."""
+    fc1 = "decoder.layers.0.mlp.linear_fc1"
+    entries = [recipe_entry([fc1], approval="a" * 64), recipe_entry([fc1], "block")]
+    table = decide(model, manifest, module_recipes=entries)
+    assert table.row(fc1).scaling == "current"
+    current = {"scaling": "current", "amax_history_len": 1024}
+    entries = [
+        recipe_entry([fc1], approval="b" * 64),
+        recipe_entry(["decoder.layers.0.*"], "block"),
+    ]
+    assert decide(model, manifest, **current, module_recipes=entries).row(fc1).scaling == "current"
 
 
 # -- applying it: fp8_enabled in training ------------------------------------------------------

@@ -313,6 +313,76 @@ def test_amax_jump_observes_at_once():
     assert "above 4x the previous step's amax 0.5" in alert.message
 
 
+def test_amax_jump_judges_only_modules_that_scale_from_a_history():
+    """Under current, block or MXFP8 scaling a cast is scaled by its own amax: a jump cannot
+    make it clip, so a stateless module (here QKV1, say one under a per-module recipe) is not
+    judged; the delayed ones beside it are."""
+    delayed = [True, True, False, True]
+    eng = AlertEngine(Alerts(), MODULES, ALL_FP8, delayed=delayed)
+    stateless = {(QKV1, "input.window_max"): np.nan, (QKV1, "input.scale_change"): np.nan}
+    calm = row(stateless)
+    jump = row({**stateless, (QKV1, "input.amax"): 50.0, (FC1_1, "input.amax"): 5.0})
+    jump[FC1_1, COLUMN["input.window_max"]] = 5.0
+    alert = only(feed(eng, [calm, jump]))
+    assert (alert.rule, alert.module) == ("amax_jump", MODULES[FC1_1])
+    with pytest.raises(ValueError, match="delayed has 2 entries for 4 modules"):
+        AlertEngine(Alerts(), MODULES, ALL_FP8, delayed=[True, False])
+
+
+# -- block recipes: blocks whose scale sat at its floor ------------------------------------------
+
+
+def block_row(cells: dict[tuple[int, str], float] | None = None) -> np.ndarray:
+    """A healthy module under block scaling: no window, a floor share of 0 measured."""
+    out = row(cells)
+    for slot in SLOTS:
+        for metric in ("window_max", "window_p50", "window_p90", "scale_change", "scale"):
+            out[:, COLUMN[f"{slot}.{metric}"]] = np.nan
+        out[:, COLUMN[f"{slot}.blocks_at_floor"]] = 0.0
+    for (module, metric), value in (cells or {}).items():
+        out[module, COLUMN[metric]] = value
+    return out
+
+
+def test_blocks_at_floor_degrades_after_patience_and_proposes_bf16():
+    floored = block_row({(FC1_0, "grad_output.blocks_at_floor"): 0.02})  # past degrade (1e-2)
+    eng = engine()
+    alert = only(feed(eng, [block_row(), floored, floored, floored]))
+    assert (alert.step, alert.level, alert.rule) == (4, "degrade", "blocks_at_floor")
+    assert (alert.metric, alert.value, alert.threshold) == (
+        "grad_output.blocks_at_floor",
+        0.02,
+        0.01,
+    )
+    assert [p.module for p in eng.proposals([alert])] == [MODULES[FC1_0]]
+    watch = block_row({(QKV0, "input.blocks_at_floor"): 0.002})  # observe only
+    assert only(feed(engine(), [watch] * 3)).level == "observe"
+    assert feed(engine(), [block_row({(QKV0, "input.blocks_at_floor"): 5e-4})] * 5) == {}
+    # Under delayed scaling the metric is NaN (not measured): never judged.
+    assert np.isnan(row()[QKV0, COLUMN["input.blocks_at_floor"]])
+    assert feed(engine(patience_steps=1), [row()] * 3) == {}
+    off = engine(blocks_at_floor={"observe": None, "degrade": None})
+    assert feed(off, [floored] * 5) == {}
+
+
+def test_a_checkpoint_without_a_rules_windows_resumes_with_that_rule_fresh():
+    """A checkpoint saved before a threshold rule existed holds none of its latches: the rule
+    starts afresh and every other window continues (a partial state of any other rule is
+    still refused)."""
+    eng = engine()
+    saturated = row({(FC1_0, "input.saturation"): 0.004})
+    feed(eng, [saturated] * 3)  # degrade open
+    old = {k: v for k, v in eng.state_dict().items() if not k.startswith("blocks_at_floor.")}
+    again = engine()
+    assert again.load_state_dict(old) == ["blocks_at_floor"]
+    assert feed(again, [saturated] * 3, first=4) == {}  # still open: not fired again
+    floored = block_row({(FC1_0, "input.blocks_at_floor"): 0.02})
+    assert only(feed(again, [floored] * 3, first=7)).rule == "blocks_at_floor"
+    broken = {k: v for k, v in old.items() if k != "saturation.degrade.open"}
+    with pytest.raises(ValueError, match="saturation.degrade.open"):
+        engine().load_state_dict(broken)
+
+
 # -- NaN / Inf -----------------------------------------------------------------------------------
 
 

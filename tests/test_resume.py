@@ -650,6 +650,32 @@ def test_other_alert_thresholds_resume_with_fresh_windows(paused, cli):
 
 
 @pytest.mark.slow
+def test_a_checkpoint_saved_before_an_alert_rule_existed_resumes(manifest, tmp_path, cli):
+    """The alert windows a checkpoint holds are those of the fp8ops that saved it: a rule added
+    since (here blocks_at_floor, its windows left out of the save as an older fp8ops would) is
+    not in the file. The resume loads the rest and starts that rule afresh."""
+    from fp8ops.alerts import AlertEngine
+    from fp8ops.checkpoint.sharded_io import saved_keys
+
+    state_dict = AlertEngine.state_dict
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            AlertEngine,
+            "state_dict",
+            lambda self: {
+                k: v for k, v in state_dict(self).items() if not k.startswith("blocks_at_floor.")
+            },
+        )
+        run_training(manifest, tmp_path / "run", progress=False, stop_at=N)
+    saved = saved_keys(tmp_path / "run" / "checkpoints" / checkpoint_name(N))
+    assert "rank.alerts.saturation.degrade.open" in saved
+    assert not any("blocks_at_floor" in key for key in saved)
+    result = cli("resume", tmp_path / "run", "--stop-at", N + 1, "--no-progress")
+    assert result.code == 0, result.err
+    assert CheckpointDir(tmp_path / "run").latest().name == checkpoint_name(N + 1)
+
+
+@pytest.mark.slow
 def test_stop_at_outside_the_remaining_steps_is_refused_up_front(paused, cli):
     for step in (N, 2 * N):
         result = cli("resume", paused, "--stop-at", step, "--no-progress")

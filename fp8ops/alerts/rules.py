@@ -34,7 +34,10 @@ underflow_rising    newer half of the window's mean underflow >=             obs
                     ``underflow_rise_floor``
 amax_jump           ``<slot>.amax`` > ``amax_jump_factor`` x the previous    observe, at once
                     step's ``<slot>.window_max`` (``<slot>.amax`` under
-                    ``most_recent``: what the scale is computed from)
+                    ``most_recent``: what the scale is computed from);
+                    delayed scaling's modules only
+blocks_at_floor     ``<slot>.blocks_at_floor`` > a level of                  its level, patience
+                    ``alerts.blocks_at_floor`` (block recipes only)
 ==================  =======================================================  ==================
 
 Modules held in the base dtype have no casts and no scales in use: every rule skips them except
@@ -69,7 +72,9 @@ from fp8ops.manifest.schema import Alerts, Levels
 from fp8ops.telemetry.catalogue import COLUMN, MODULE_METRIC_NAMES, SLOTS
 
 # Threshold rules that pass Degrade on their way to Stop: their Stop also proposes an override.
-_PROPOSING_STOPS = frozenset({"saturation", "underflow", "scale_jitter", "fp8_error"})
+_PROPOSING_STOPS = frozenset(
+    {"saturation", "underflow", "scale_jitter", "fp8_error", "blocks_at_floor"}
+)
 _FORWARD = tuple(slot for slot in SLOTS if slot != "grad_output")
 _BACKWARD = ("grad_output",)
 
@@ -148,7 +153,9 @@ class AlertEngine:
     them run FP8: the others are skipped by the FP8-only rules. ``amax_compute_algo`` (the
     manifest's) says what the scales are computed from, which ``amax_jump`` compares with: the
     last amax under ``most_recent``, else the window max (an upper bound of every statistic).
-    ``other_stages``: under pipeline parallelism, the other stages' modules and whether each
+    ``delayed`` says which modules scale from an amax history (delayed scaling; all of them
+    when not given): ``amax_jump`` judges only those, since a stateless recipe scales each cast
+    by its own amax and a jump cannot make it clip. ``other_stages``: under pipeline parallelism, the other stages' modules and whether each
     runs FP8, so that every rank proposes overrides (:meth:`proposals`) for any stage's alerts
     alike.
     """
@@ -160,6 +167,7 @@ class AlertEngine:
         fp8_enabled: Sequence[bool],
         *,
         amax_compute_algo: str = "max",
+        delayed: Sequence[bool] | None = None,
         other_stages: Mapping[str, bool] | None = None,
     ):
         self.config = config
@@ -171,6 +179,9 @@ class AlertEngine:
             raise ValueError(
                 f"fp8_enabled has {self.fp8.size} entries for {len(self.modules)} modules"
             )
+        self.delayed = np.ones_like(self.fp8) if delayed is None else np.array(delayed, bool)
+        if self.delayed.shape != self.fp8.shape:
+            raise ValueError(f"delayed has {self.delayed.size} entries for {self.fp8.size} modules")
         n, slots, patience = len(self.modules), len(SLOTS), config.patience_steps
         window = config.window_steps
         self._leveled = {
@@ -186,6 +197,11 @@ class AlertEngine:
             "fp8_error": (
                 [COLUMN["fp8_rel_error"]],
                 _Leveled(config.fp8_rel_error, (n, 1), patience),
+            ),
+            # Block recipes only; NaN (never measured) elsewhere, which no level judges.
+            "blocks_at_floor": (
+                _columns("blocks_at_floor"),
+                _Leveled(config.blocks_at_floor, (n, slots), patience),
             ),
         }
         self._nonfinite = _Latch((), 1, patience)
@@ -279,8 +295,16 @@ class AlertEngine:
             state[f"{name}.open"] = latch.open.astype(np.uint8)
         return {k: np.array(v, copy=True) for k, v in state.items()}
 
-    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> list[str]:
+        """Continue from ``state``; returns the threshold rules that start afresh because
+        ``state`` has none of their latches (saved by an fp8ops without those rules)."""
         expected = self.state_dict()
+        fresh = [
+            rule
+            for rule, (_, leveled) in self._leveled.items()
+            if not any(f"{rule}.{level}.open" in state for level in leveled.latches)
+        ]
+        expected = {k: v for k, v in expected.items() if k.split(".")[0] not in fresh}
         for key, value in expected.items():
             if key not in state or np.shape(state[key]) != value.shape:
                 raise ValueError(
@@ -300,10 +324,13 @@ class AlertEngine:
         self._recent_losses.clear()
         self._recent_losses.extend(float(x) for x in state["recent_losses"][:count])
         for name, latch in self._latches().items():
+            if name.split(".")[0] in fresh:
+                continue
             latch.streak = state[f"{name}.streak"].astype(np.int32)
             latch.calm = state[f"{name}.calm"].astype(np.int32)
             latch.open = state[f"{name}.open"].astype(bool)
         self._rearm_after_resume()
+        return fresh
 
     def _rearm_after_resume(self) -> None:
         """What a resumed run must hear again, unlike the straight run it otherwise continues.
@@ -632,13 +659,11 @@ class AlertEngine:
         previous = self._previous_base
         factor = self.config.amax_jump_factor
         threshold = np.float32(factor) * previous
-        known = self.fp8[:, None] & np.isfinite(amax) & np.isfinite(previous) & (previous > 0)
+        known = (self.fp8 & self.delayed)[:, None] & np.isfinite(amax) & np.isfinite(previous)
+        known &= previous > 0
         with np.errstate(invalid="ignore"):
             fired = self._jump.update(amax > threshold, known)
         base = rows[:, _columns(self._jump_base)]
-        # A module without a window (a per-module stateless recipe in a delayed run) scales by
-        # its last amax, as most_recent does.
-        base = np.where(np.isnan(base), amax, base)
         self._previous_base = np.where(np.isnan(base), previous, base)
         alerts = []
         for i, j in np.argwhere(fired):

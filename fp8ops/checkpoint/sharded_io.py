@@ -42,6 +42,14 @@ def load_sharded(sharded_state_dict: dict, directory: Path) -> dict:
         return dist_checkpointing.load(sharded_state_dict, str(directory))
 
 
+def saved_keys(directory: Path) -> set[str]:
+    """The keys of the tensors saved in ``directory`` (its metadata file; no tensor is read)."""
+    from megatron.core import dist_checkpointing
+
+    with _quiet_dcp():
+        return set(dist_checkpointing.load_tensors_metadata(str(directory)))
+
+
 @contextmanager
 def _quiet_dcp() -> Iterator[None]:
     with warnings.catch_warnings():

@@ -224,6 +224,8 @@ def restore_per_rank(loaded: dict, alert_engine) -> None:
     torch.set_rng_state(loaded["rank.rng.torch"].cpu().reshape(-1))
     if alert_engine is not None:
         # Reshaped to the engine's own shapes: a 0-d value comes back with the rank axis.
+        # Keys the checkpoint lacks (a rule added since) are left out: the engine starts those
+        # rules afresh.
         shapes = {k: v.shape for k, v in alert_engine.state_dict().items()}
         alert_engine.load_state_dict(
             {
@@ -231,6 +233,7 @@ def restore_per_rank(loaded: dict, alert_engine) -> None:
                 if np.prod(shape)
                 else np.empty(shape)
                 for k, shape in shapes.items()
+                if f"rank.alerts.{k}" in loaded or not np.prod(shape)
             }
         )
 

@@ -23,7 +23,7 @@ from torch import nn
 from fp8ops.checkpoint import state
 from fp8ops.checkpoint.directory import CheckpointDir, CheckpointError, file_digests, verify_files
 from fp8ops.checkpoint.meta import CheckpointMeta, Fp8StateRecord, TopologyRecord, write_meta
-from fp8ops.checkpoint.sharded_io import load_sharded, save_sharded
+from fp8ops.checkpoint.sharded_io import load_sharded, save_sharded, saved_keys
 from fp8ops.manifest import manifest_hash, write_manifest
 from fp8ops.run.layout import MANIFEST
 
@@ -154,7 +154,13 @@ def load_checkpoint(
     )
     alerts = parts.alert_engine if alert_windows else None
     if same_world:
-        sharded.update(state.per_rank_state(alerts, parts.ranks))
+        per_rank = state.per_rank_state(alerts, parts.ranks)
+        if alerts is not None:
+            # A rule added since the save has no windows there: it starts afresh (the others
+            # continue), instead of failing the load (AlertEngine.load_state_dict).
+            saved = saved_keys(directory)
+            per_rank = {k: v for k, v in per_rank.items() if k in saved or "alerts." not in k}
+        sharded.update(per_rank)
     loaded = load_sharded(sharded, directory)
     model_keys = {k: loaded[k] for k in weights}
     missing, unexpected = parts.model.load_state_dict(model_keys, strict=False)

@@ -553,7 +553,9 @@ class PrecisionPolicy(_Section):
         seen: set[str] = set()
         for i, entry in enumerate(self.module_recipes):
             where = ("module_recipes", i, "scaling")
-            for glob in entry.modules:
+            # The ledger's entries go first on purpose: a written glob they repeat still
+            # decides the modules they leave to it.
+            for glob in entry.modules if entry.approval is None else ():
                 if glob in seen:
                     problems.append(
                         (
@@ -564,13 +566,21 @@ class PrecisionPolicy(_Section):
                         )
                     )
                 seen.add(glob)
-            if entry.scaling == self.scaling:
+            later = self.module_recipes[i + 1 :]
+            if (
+                entry.scaling == self.scaling
+                and entry.approval is None
+                and all(e.scaling == self.scaling for e in later)
+            ):
+                # Before an entry of another recipe, it keeps modules from that entry's globs
+                # (the first match decides); admission checks that it keeps some.
                 problems.append(
                     (
                         where,
                         entry.scaling,
-                        f"'{entry.scaling}' is the run's own recipe (precision.scaling): these "
-                        "modules run it without the entry; remove it",
+                        f"'{entry.scaling}' is the run's own recipe (precision.scaling) and no "
+                        "later entry gives another: these modules run it without the entry; "
+                        "remove it",
                     )
                 )
             elif self.backend == "te":
@@ -1152,6 +1162,25 @@ class UnderflowLevels(Levels):
     )
 
 
+class BlocksAtFloorLevels(Levels):
+    """Share of a block-scaled tensor's non-zero blocks whose scale sat at its floor (block
+    scaling and MXFP8 only): no scale was large enough, so the block's values flush to zero."""
+
+    observe: Fraction | None = Field(
+        1e-3, description="One block in a thousand beyond any scale's reach: worth watching."
+    )
+    degrade: Fraction | None = Field(
+        1e-2,
+        description=(
+            "1% of blocks lost whole: values below 2^-127 times the FP8 range reach this tensor; "
+            "propose BF16."
+        ),
+    )
+    stop: Fraction | None = Field(
+        None, description="Off by default: like underflow, the evaluation gates catch the damage."
+    )
+
+
 class ScaleChangeLevels(Levels):
     """Step-to-step factor by which a tensor's scale moved (max(new/old, old/new), > 1)."""
 
@@ -1189,7 +1218,13 @@ class Fp8ErrorLevels(Levels):
 # The Degrade rules an auto-degrade policy may let act alone (fp8ops.alerts: the module-level
 # rules that propose a BF16 override).
 DegradeRule = Literal[
-    "saturation", "underflow", "scale_jitter", "fp8_error", "fp8_error_growing", "grad_spike"
+    "saturation",
+    "underflow",
+    "scale_jitter",
+    "fp8_error",
+    "fp8_error_growing",
+    "grad_spike",
+    "blocks_at_floor",
 ]
 
 
@@ -1254,6 +1289,14 @@ class Alerts(_Section):
     fp8_rel_error: Fp8ErrorLevels = Field(
         default_factory=Fp8ErrorLevels,
         description="Sampled FP8-vs-reference GEMM error (relative).",
+    )
+    blocks_at_floor: BlocksAtFloorLevels = added_field(
+        default_factory=BlocksAtFloorLevels,
+        added_in="0.1.0",
+        description=(
+            "Blocks whose scale sat at its floor (block scaling, MXFP8; fraction of the non-zero "
+            "blocks). Not measured under delayed or current scaling."
+        ),
     )
     nonfinite_stop: bool = Field(
         True,
@@ -1331,7 +1374,8 @@ class Alerts(_Section):
             "previous step's window max. The scale in use was computed from that history (under "
             "most_recent, from its last amax alone), so the cast clipped unless the margin leaves "
             "that much headroom; a per-layer amax spike is what precedes FP8 NaNs "
-            "(torchtitan#3109)."
+            "(torchtitan#3109). Delayed scaling only: a stateless recipe scales each cast by its "
+            "own amax."
         ),
     )
     divergence_factor: float = Field(

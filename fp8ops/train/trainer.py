@@ -178,8 +178,12 @@ class Trainer:
             manifest.alerts,
             self.collector.names,
             fp8_enabled,
-            # A recipe without a window jumps from the last amax, as most_recent does.
-            amax_compute_algo=precision.amax_compute_algo if self.stateful else "most_recent",
+            amax_compute_algo=precision.amax_compute_algo,
+            # The modules whose scales come from an amax history (amax_jump judges only those).
+            delayed=[
+                self.stateful and module.fp8_meta is not None
+                for module in self.collector.modules.values()
+            ],
             other_stages={n: on for n, on in everywhere if n not in self.collector.modules},
         )
         self.amax_group = amax_reduction_group(manifest.topology)

@@ -195,6 +195,34 @@ def test_trimmed_max_drops_the_k_largest():
     assert scale.item() == (448.0 / torch.tensor([3.0])).item()
 
 
+@settings(max_examples=examples(300), deadline=None)
+@given(
+    length=st.integers(1, 300),
+    columns=st.integers(1, 5),
+    q=st.one_of(st.floats(1e-6, 1.0), st.sampled_from([0.5, 0.9, 0.99, 0.999, 1.0, 1 / 3])),
+    k=st.integers(1, 400),
+    seed=st.integers(0, 2**31),
+)
+def test_window_statistics_are_torchs_quantile_and_the_trimmed_max(length, columns, q, k, seed):
+    """The order statistic the update selects (a top-k, or kthvalue) is exactly torch.quantile's
+    "higher" value and the (k+1)-th largest, whatever the window: ties, zeros, NaN (as 0) and
+    inf included, every length on both sides of the top-k threshold."""
+    from fp8ops.precision.scaling import window_amax
+
+    g = torch.Generator().manual_seed(seed)
+    history = torch.randint(0, 6, (length, columns), generator=g).float()  # ties
+    history *= torch.exp2(torch.randint(-30, 30, (length, columns), generator=g).float())
+    special = torch.rand(length, columns, generator=g)
+    history[special < 0.05] = math.inf
+    history[(special >= 0.05) & (special < 0.1)] = NAN
+    clean = history.nan_to_num(nan=0.0, posinf=math.inf)
+    expected = torch.quantile(clean, q, dim=0, interpolation="higher")
+    got = window_amax(parse_amax_algo(f"quantile:{q!r}"), history)
+    assert torch.equal(got, expected), (got, expected)
+    largest = clean.sort(dim=0, descending=True).values[min(k, length - 1)]
+    assert torch.equal(window_amax(parse_amax_algo(f"trimmed_max:{k}"), history), largest)
+
+
 def test_quantile_ignores_nan_as_zero():
     _, scale = update([[0.0], [NAN], [8.0], [8.0]], [1.0], [8.0], algo="quantile:0.5")
     assert scale.item() == 56.0

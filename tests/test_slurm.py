@@ -704,8 +704,11 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_result(
     assert (ended["JobState"], ended["Restarts"], ended["ExitCode"]) == ("COMPLETED", "1", "0:0"), (
         log
     )
-    assert "SIGUSR1: asked the run to checkpoint" in log and f"requeued job {job}" in log
-    assert "SLURM_RESTART_COUNT=1" in log
+    # One assertion per line, each showing the log: a requeue by preemption (another job in the
+    # 'urgent' partition) also ends COMPLETED after one restart, without these lines.
+    assert "SIGUSR1: asked the run to checkpoint" in log, log
+    assert f"requeued job {job}" in log, log
+    assert "SLURM_RESTART_COUNT=1" in log, log
     assert re.search(r"exitcode\s*: 75 ", log)  # torchrun's report of the stop, then ours:
     assert "(exitcode 75) is the ranks stopping after that checkpoint, as asked" in log
     # Rank 0's line for every step (log_interval 1), the first attempt's then the requeued one's.

@@ -607,3 +607,37 @@ def test_steps_a_resume_withdrew_under_a_reader_are_not_called_damage(tmp_path):
     assert not (path / "rank_00000" / "module_metrics" / "c" / "4" / "0" / "0").exists()
     assert np.isnan(run.step_snapshot(20).to_numpy()).all()
     assert np.isnan(run.module_history(MODULES[0], stop=9).to_numpy()).all()
+
+
+def test_inspect_worst_ranks_low_block_exponents_first_and_high_saturation_first(tmp_path):
+    """The worst end of a metric: a block exponent nearest the floor is the lowest, a
+    saturation the highest (``catalogue.worst_end``, which the console pools by too)."""
+    from fp8ops.telemetry.catalogue import COLUMN, MODULE_METRIC_NAMES, worst_end
+
+    modules = ["a", "b", "c"]
+    with TelemetryWriter(tmp_path / STORE_NAME, rank=0, modules=modules) as writer:
+        for step in (1, 2):
+            values = np.full((3, len(MODULE_METRIC_NAMES)), np.nan, np.float32)
+            values[:, COLUMN["input.block_exp_min"]] = [-7, -12, -5]
+            values[:, COLUMN["input.saturation"]] = [1e-3, 0.0, 1e-4]
+            writer.append(step, values, np.zeros(len(STEP_METRIC_NAMES), np.float32))
+    assert [worst_end(m) for m in ("input.block_exp_min", "weight.scale", "input.amax")] == [
+        "min",
+        "min",
+        "max",
+    ]
+
+    def order(metric: str) -> list[str]:  # what `fp8ops inspect RUN --worst METRIC` prints
+        import io
+
+        from rich.console import Console
+
+        from fp8ops.telemetry.cli import _print_worst
+
+        printed = io.StringIO()
+        _print_worst(Console(file=printed, width=200), tmp_path, metric, top=5, rank=0)
+        lines = [line.split() for line in printed.getvalue().splitlines()]
+        return [words[0] for words in lines if words and words[0] in modules]
+
+    assert order("input.block_exp_min") == ["b", "a", "c"]
+    assert order("input.saturation") == ["a", "c", "b"]

@@ -28,18 +28,13 @@ import numpy as np
 import pandas as pd
 
 from fp8ops.telemetry import TelemetryRun
+from fp8ops.telemetry.catalogue import worst_end
 from fp8ops.telemetry.store import FLUSH_EVERY
 
 MAX_COLUMNS = 1000  # heatmap columns: about one per screen pixel of a wide plot
 MAX_POINTS = 2000  # points per line of a module's history
 BLOCK = FLUSH_EVERY  # the overview's unit: one row of module_metrics chunks (256 steps)
 READ_SLAB = 25_600  # steps read at once while pooling the whole run: 26 MB per metric
-
-
-def worst_end(metric: str) -> str:
-    """Which end of a bin is the worst for a metric: "min" for a scale (it dropped because its
-    amax grew) and for fp8_enabled (the module left FP8), "max" for everything else."""
-    return "min" if metric.endswith(".scale") or metric == "fp8_enabled" else "max"
 
 
 def pool(values: np.ndarray, bin_steps: int, keep: str = "max") -> np.ndarray:

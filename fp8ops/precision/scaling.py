@@ -21,6 +21,7 @@ so a TE run given the same callable produces the same scales.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -46,13 +47,38 @@ def window_amax(algo: AmaxAlgo, amax_history: torch.Tensor) -> torch.Tensor:
     ignores them.
     """
     history = torch.nan_to_num(amax_history, nan=0.0, posinf=math.inf, neginf=0.0)
+    length = history.shape[0]
     if algo.kind == "quantile":
-        return torch.quantile(history, algo.q, dim=0, interpolation="higher")
+        # torch.quantile(history, q, dim=0, interpolation="higher"): the value at a sorted
+        # index, found without sorting every window.
+        return _order_statistic(history, _quantile_index(algo.q, length, history.dtype))
     if algo.kind == "trimmed_max":
         # The (k+1)-th largest value: drop the k largest outliers of the window.
-        k = min(algo.k, history.shape[0] - 1)
-        return history.topk(k + 1, dim=0).values[k]
+        return _order_statistic(history, length - 1 - min(algo.k, length - 1))
     raise ValueError(f"{algo.name!r} is a fused algorithm, not a window statistic")
+
+
+@functools.cache
+def _quantile_index(q: float, length: int, dtype: torch.dtype) -> int:
+    """The sorted index ``torch.quantile(..., interpolation="higher")`` takes in a window of
+    ``length``: asked of torch itself (on 0, 1, ..., length - 1), so that its rounding of
+    ``q * (length - 1)`` in ``dtype`` is the one used."""
+    ranks = torch.arange(length, dtype=dtype)
+    return int(torch.quantile(ranks, q, interpolation="higher").item())
+
+
+def _order_statistic(values: torch.Tensor, index: int) -> torch.Tensor:
+    """The ``index``-th smallest of ``values`` along dim 0 (0-based). A few values from either
+    end: a top-k (a 0.99 quantile of 1024 is the 11th largest); else torch's selection."""
+    above = values.shape[0] - index
+    if above <= _FEW:
+        return values.topk(above, dim=0).values[-1]
+    if index < _FEW:
+        return values.topk(index + 1, dim=0, largest=False).values[-1]
+    return values.kthvalue(index + 1, dim=0).values
+
+
+_FEW = 64  # up to here a top-k is faster than kthvalue (measured, docs/benchmarks/recipes.md)
 
 
 # --------------------------------------------------------------------------------------

@@ -131,6 +131,16 @@ COLUMN = {name: index for index, name in enumerate(MODULE_METRIC_NAMES)}
 STEP_COLUMN = {name: index for index, name in enumerate(STEP_METRIC_NAMES)}
 
 
+def worst_end(metric: str) -> str:
+    """Which end of a metric is the worst, for rankings and pooled views: "min" for a scale (it
+    dropped because its amax grew), for a block exponent (the low end is the one nearest the
+    floor, where values flush to zero) and for fp8_enabled (the module left FP8); "max" for
+    everything else."""
+    name = metric.rsplit(".", 1)[-1]
+    low_is_worse = name in ("scale", "fp8_enabled") or name.startswith("block_exp_")
+    return "min" if low_is_worse else "max"
+
+
 def describe() -> dict[str, list[dict[str, str]]]:
     """The catalogue as JSON-able lists (what the store keeps in its attributes)."""
     return {

@@ -78,19 +78,22 @@ def inspect_command(
 
 
 def _print_worst(out: Console, run_dir: Path, metric: str, top: int, rank: int) -> None:
-    """The ``top`` modules with the largest ``metric`` over the run (NaN: never measured)."""
+    """The ``top`` modules with the worst ``metric`` over the run: the largest, or the
+    smallest where low is worse (a scale, a block exponent); NaN (never measured) last."""
     import pandas as pd
 
     from fp8ops.telemetry import open_run  # zarr and pandas: only when a store is read
+    from fp8ops.telemetry.catalogue import worst_end
 
     store = open_run(run_dir)
     window = store.metric_window(metric, rank=rank)  # steps x modules
     if window.empty:
         out.print(f"telemetry: no committed steps yet on rank {rank}")
         return
+    end = worst_end(metric)
     summary = pd.DataFrame(
-        {"max": window.max(), "mean": window.mean(), "last": window.ffill().iloc[-1]}
-    ).sort_values("max", ascending=False)  # NaN (never measured) last
+        {end: getattr(window, end)(), "mean": window.mean(), "last": window.ffill().iloc[-1]}
+    ).sort_values(end, ascending=end == "min")  # NaN (never measured) last
     measured = window.notna().sum()
     grid = Table(
         box=box.SIMPLE_HEAD,
@@ -99,12 +102,12 @@ def _print_worst(out: Console, run_dir: Path, metric: str, top: int, rank: int) 
         title=f"worst {min(top, len(summary))} modules by {metric}, steps "
         f"{window.index[0]}-{window.index[-1]}, rank {rank}",
     )
-    for name in ("module", "max", "mean", "last", "measured steps"):
+    for name in ("module", end, "mean", "last", "measured steps"):
         grid.add_column(name, overflow="fold", justify="left" if name == "module" else "right")
     for module, row in summary.head(top).iterrows():
         grid.add_row(
             str(module),
-            f"{row['max']:.4g}",
+            f"{row[end]:.4g}",
             f"{row['mean']:.4g}",
             f"{row['last']:.4g}",
             str(int(measured[module])),

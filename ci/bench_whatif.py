@@ -25,6 +25,9 @@ PAIRS = [  # (the run's window, the what-if's)
     (Window(1024, "max", 0), Window(64, "max", 0)),
     (Window(16, "most_recent", 0), Window(1024, "max", 1)),
     (Window(1024, "max", 0), Window(128, "quantile:0.99", 0)),
+    (Window(1024, "max", 0), Window(1024, "quantile:0.99", 0)),  # a top-k per window
+    (Window(1024, "max", 0), Window(1024, "quantile:0.5", 0)),  # kthvalue per window
+    (Window(1024, "quantile:0.9", 0), Window(512, "trimmed_max:8", 0)),
 ]
 
 

@@ -385,21 +385,24 @@ def _refuse_unaligned(rows: list[AdmissionRow], precision: PrecisionPolicy) -> N
             )
     if not by_scaling:
         return
-    own_scaling, unaligned = next(iter(by_scaling.items()))
-    scaling = own_scaling or precision.scaling
-    sizes = fp8_gemm_sizes(precision.backend, scaling)
-    more = f"; and {len(unaligned) - 4} more" if unaligned[4:] else ""
-    field = "their precision.module_recipes entry" if own_scaling else "precision.scaling"
-    if scaling != "mxfp8":
-        way_out = "precision.backend 'emulated'"
-    else:
-        way_out = f"{field} 'block' or 'current'"
-    raise ManifestError(
-        f"{_under(precision, own_scaling)}: every FP8 module's GEMM needs K in multiples "
-        f"of {sizes.k_multiple} and N in multiples of {sizes.n_multiple} per rank ({sizes.why}), "
-        f"and {len(unaligned)} are not: {'; '.join(unaligned[:4])}{more}. Keep them in "
-        f"{precision.base_dtype} (precision.exclude_modules), or use {way_out}"
-    )
+    groups = []
+    for own_scaling, unaligned in by_scaling.items():
+        scaling = own_scaling or precision.scaling
+        sizes = fp8_gemm_sizes(precision.backend, scaling)
+        more = f"; and {len(unaligned) - 4} more" if unaligned[4:] else ""
+        field = "their precision.module_recipes entry" if own_scaling else "precision.scaling"
+        if scaling != "mxfp8":
+            way_out = "precision.backend 'emulated'"
+        else:
+            way_out = f"{field} 'block' or 'current'"
+        mixed = f"the {scaling}-scaling modules, " if len(by_scaling) > 1 else ""
+        groups.append(
+            f"{mixed}{_under(precision, own_scaling)}: every FP8 module's GEMM needs K in multiples "
+            f"of {sizes.k_multiple} and N in multiples of {sizes.n_multiple} per rank "
+            f"({sizes.why}), and {len(unaligned)} are not: {'; '.join(unaligned[:4])}{more}. "
+            f"Keep them in {precision.base_dtype} (precision.exclude_modules), or use {way_out}"
+        )
+    raise ManifestError("\n".join(groups))
 
 
 def _under(precision: PrecisionPolicy, own_scaling: str | None = None) -> str:

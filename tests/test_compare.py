@@ -1146,17 +1146,29 @@ def test_recipes_rank_passing_first_then_by_loss_gap():
         ]
         return CandidateVerdict(label, "run", "0" * 64, 4, gates, [], None, None, None)
 
-    rows = rank_recipes(
-        [
-            candidate("a", 0.03),
-            candidate("b", -0.02),
-            candidate("d", 0.01),
-            candidate("c", 0.01, passed=False),
-        ],
-        {"a": "delayed", "b": "mxfp8", "c": "block", "d": "current"},
-    )
+    candidates = [
+        candidate("a", 0.03),
+        candidate("b", -0.02),
+        candidate("d", 0.01),
+        candidate("c", 0.01, passed=False),
+    ]
+    scalings = {"a": "delayed", "b": "mxfp8", "c": "block", "d": "current"}
+    rows = rank_recipes(candidates, scalings)
     # a negative gap (lower loss than the reference) ranks above a small positive one
     assert [(r.label, r.rank) for r in rows] == [("b", 1), ("d", 2), ("a", 3), ("c", 4)]
     assert rows[3].failed_gates == ("loss_gap",)
     assert rows[0].published == {"H200": None, "B300": 1.42}  # MXFP8 is not Hopper's
     assert rank_recipes([candidate("a", 0.0)], {"a": "delayed"}) == []  # one recipe: no ranking
+
+    # Alerts come after the gates, before the gap: a Degrade outweighs any number of Observes.
+    def alert(level):
+        return Alert(1, level, "saturation", "m", "input.saturation", 0.1, 0.01, "message")
+
+    alerts = {"b": [alert("degrade")], "d": [alert("observe")] * 5}
+    rows = rank_recipes(candidates, scalings, alerts=alerts, gpu="H200")
+    assert [r.label for r in rows] == ["d", "a", "b", "c"]
+    assert rows[0].alerts == {"stop": 0, "degrade": 0, "observe": 5}
+    assert rows[2].alerts["degrade"] == 1
+    assert rows[0].published == {"H200": 1.58}  # the target GPU's only
+    with pytest.raises(ValueError, match="known: H200, B300"):
+        rank_recipes(candidates, scalings, gpu="A100")

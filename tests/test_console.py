@@ -140,8 +140,24 @@ def test_choosing_a_module_changes_the_figure_data(trained):
         np.asarray(app.detail_fig.data[2].y, np.float32),
         store.module_history(other, "weight.scale").to_numpy()[:, 0],
     )
-    error = app.detail_fig.data[6]  # sampled every 2nd step: the unmeasured steps are left out
+    traces = {trace.name: trace for trace in app.detail_fig.data}
+    error = traces["FP8 vs BF16 error"]  # sampled every 2nd step: the unmeasured are left out
     assert list(error.x) == list(range(2, STEPS + 1, 2))
+
+
+def test_metrics_the_recipe_does_not_have_are_named_not_applicable(trained):
+    """A delayed run has no block metrics: the module view says so on the line, and the heatmap
+    says so instead of "nothing measured"; the lines the recipe has carry no such mark."""
+    _, run = trained
+    app = console(run)
+    names = [trace.name for trace in app.detail_fig.data]
+    assert "blocks at floor (n/a: delayed scaling)" in names
+    assert "input window max" in names and "input scale" in names
+    assert "delayed scaling" in app.detail_fig.layout.title.text
+    app.metric.value = "input.blocks_at_floor"
+    assert "not applicable under delayed scaling" in app.heatmap_note.value
+    app.metric.value = "input.saturation"
+    assert "not applicable" not in app.heatmap_note.value
 
 
 def test_an_alert_row_leads_to_its_module(trained):

@@ -552,6 +552,15 @@ def test_recipe_tracks_train_and_compare_ranks_them(short_manifest, tmp_path, cl
     assert sorted(row["rank"] for row in verdict["recipes"]) == [1, 2]
     assert ranked["delayed"]["published_gemm_speedup"] == {"H200": 1.69, "B300": 1.64}
     assert ranked["current"]["published_gemm_speedup"] == {"H200": 1.58, "B300": 1.39}
+    assert set(ranked["current"]["alerts"]) == {"stop", "degrade", "observe"}
+    page = (out / "compare" / "report.html").read_text()
+    assert "<h3>Recipes</h3>" in page and "not measured here" in page
+    targeted = cli("compare", out, "--gpu", "h200", "--no-png")
+    assert targeted.code in (0, 1), targeted.err
+    verdict = json.loads((out / "compare" / "verdict.json").read_text())
+    assert verdict["target_gpu"] == "H200"
+    assert {tuple(row["published_gemm_speedup"]) for row in verdict["recipes"]} == {("H200",)}
+    assert cli("compare", out, "--gpu", "A100", "--no-png").code == 2
     # the same directory with other tracks is another evaluation
     again = cli("dualtrack", short_manifest, "--tracks", "bf16,block", "--out", out)
     assert again.code == 2 and "not bf16,block" in again.err

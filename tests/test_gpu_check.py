@@ -46,8 +46,11 @@ def test_the_smoke_run_passes_every_check_and_prints_the_table_last(tmp_path):
     assert parts == {"gemm", "scaling", "throughput", "goal"}
     checks = [row for row in report["rows"] if row["part"] in ("gemm", "scaling")]
     assert all(row["status"] in ("PASS", "info") for row in checks)
-    block = [row for row in checks if row["check"].startswith("block: ")]
-    assert len(block) == 4 and all(row["ok"] for row in block)  # oneDNN has them on a CPU
+    per_k_block = [row for row in checks if row["check"].startswith("block, per K block: ")]
+    assert len(per_k_block) == 4 and all(row["ok"] for row in per_k_block)  # oneDNN's, on a CPU
+    one_call = [row for row in checks if row["check"].startswith("block, one call: ")]
+    assert len(one_call) == 4  # no CPU kernel: each row says why, and fails nothing
+    assert all(row["ok"] is None and "not run: " in row["result"] for row in one_call)
     assert any("inductor cast+record" in row["check"] and row["status"] == "PASS" for row in checks)
     assert any(
         "inductor cast+record+count" in row["check"] and row["status"] == "PASS" for row in checks

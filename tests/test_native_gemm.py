@@ -562,6 +562,27 @@ def test_a_module_scaled_mm_cannot_take_is_refused_by_name_before_the_run_starts
     assert "precision.exclude_modules" in message and "'emulated'" in message
     assert not (tmp_path / "run").exists()
 
+    # Modules of two recipes: each recipe's are named, not only the first's.
+    mixed = write_manifest(
+        tmp_path,
+        "unaligned-mixed",
+        {
+            "model.hidden_size": 72,
+            "precision.backend": "scaled_mm",
+            "precision.module_recipes": [
+                {"modules": ["decoder.layers.0.*"], "scaling": "current", "reason": "r"}
+            ],
+        },
+    )
+    with pytest.raises(ManifestError) as refused:
+        run_training(mixed, tmp_path / "run", progress=False)
+    lines = str(refused.value).splitlines()
+    (current,) = [line for line in lines if "the current-scaling modules" in line]
+    (delayed,) = [line for line in lines if "the delayed-scaling modules" in line]
+    assert "decoder.layers.0.self_attention.linear_qkv (K x N = 72 x 216" in current
+    assert "decoder.layers.1." not in current
+    assert "decoder.layers.1.mlp.linear_fc2 (K x N = 256 x 72" in delayed
+
 
 @needs_megatron
 def test_the_te_backend_is_refused_where_transformer_engine_cannot_run(tmp_path):

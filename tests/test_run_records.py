@@ -123,3 +123,23 @@ def test_a_claimed_run_is_a_run_and_holds_its_locked_manifest(tmp_path):
         assert (layout.manifests / f"{manifest_hash(manifest)}.yaml").is_file()
     finally:
         run.release()
+
+
+def test_a_recipe_record_says_only_the_fields_its_recipe_has():
+    from fp8ops.run.records import RecipeRecord
+
+    mxfp8 = RecipeRecord(scaling="mxfp8", fp8_format="hybrid")
+    assert mxfp8.summary == "MXFP8 scaling, hybrid, 1x32 blocks, E8M0 scales"
+    block = RecipeRecord(
+        scaling="block",
+        fp8_format="e4m3",
+        power_2_scale=True,
+        x_block_scaling_dim=1,
+        w_block_scaling_dim=2,
+        grad_block_scaling_dim=1,
+    )
+    assert block.summary == (
+        "block scaling, e4m3, power-of-2 scales on, blocks (x, w, grad) 1x128, 128x128, 1x128"
+    )
+    current = RecipeRecord(scaling="current", fp8_format="hybrid", power_2_scale=False)
+    assert "None" not in current.summary + mxfp8.summary + block.summary

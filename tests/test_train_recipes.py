@@ -115,6 +115,11 @@ def test_each_recipe_trains_and_records_what_applies(runs, name):
             assert (fp8_max * np.exp2(high + 1) > amax).all(), slot
     saturation = history["input.saturation"].to_numpy()
     assert np.isfinite(saturation[1::2]).all()  # measured every second step
+    # What the console and inspect call not applicable is exactly what the store never fills.
+    from fp8ops.telemetry.catalogue import applies
+
+    for metric in history.columns:
+        assert applies(metric, name) == bool(history[metric].notna().any()), metric
     meta = read_meta(run / "checkpoints" / checkpoint_name(2 * N))
     assert meta.fp8.layout == "none" and not meta.fp8.digests  # stateless: no FP8 state
 

@@ -43,6 +43,14 @@ def compare_command(
             show_default=False,
         ),
     ] = None,
+    gpu: Annotated[
+        str | None,
+        typer.Option(
+            help="The target GPU (H200 or B300): a ranking of recipes shows its published GEMM "
+            "speedups only (default: both).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Judge FP8 candidates against a reference run with one set of release gates (the runs'
     manifests', or --gates); write verdict.json and report.html. Exit 0: all pass, 1: some
@@ -52,9 +60,15 @@ def compare_command(
     from rich.table import Table
 
     from fp8ops.compare.comparison import compare
+    from fp8ops.compare.recipes import GPUS
     from fp8ops.compare.report import format_value
+    from fp8ops.errors import Fp8opsError
 
-    result = compare(runs, out, png=png, gates=gates)
+    if gpu is not None and gpu.upper() not in GPUS:
+        raise Fp8opsError(
+            f"--gpu {gpu}: Transformer Engine publishes speedups for {' and '.join(GPUS)} only"
+        )
+    result = compare(runs, out, png=png, gates=gates, gpu=gpu and gpu.upper())
     verdict = result.verdict
     # Module names are not markup; a cause stays on one line (soft_wrap), for grep and CI logs.
     console = Console(
@@ -85,7 +99,8 @@ def compare_command(
     if verdict.recipes:
         ranking = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
         gpus = list(verdict.recipes[0].published)
-        for name in ("rank", "candidate", "scaling", "gates", "loss gap", *gpus):
+        columns = ("rank", "candidate", "scaling", "gates", "alerts s/d/o", "loss gap", *gpus)
+        for name in columns:
             ranking.add_column(name if name not in gpus else f"{name} GEMM x (published)")
         for row in verdict.recipes:
             ranking.add_row(
@@ -93,11 +108,17 @@ def compare_command(
                 row.label,
                 row.scaling,
                 "pass" if row.passed else "FAIL: " + ", ".join(row.failed_gates),
+                "/".join(str(row.alerts[level]) for level in ("stop", "degrade", "observe")),
                 format_value(row.loss_gap),
-                *(f"{row.published[g]:.2f}" if row.published[g] else "-" for g in gpus),
+                *(f"{row.published[g]:.2f}" if row.published[g] else "not native" for g in gpus),
             )
-        console.print("recipes, ranked by the gates (speedups: Transformer Engine's published")
-        console.print("GEMM times of a 5B-class layer over BF16, not measured here):")
+        console.print(
+            "recipes, ranked by the gates, then Stop and Degrade alerts, then the loss gap"
+        )
+        console.print(
+            "(speedups: Transformer Engine's published GEMM times of a 5B-class layer over "
+            "BF16, not measured here):"
+        )
         console.print(ranking)
     failed = sum(not c.passed for c in verdict.candidates)
     console.print(

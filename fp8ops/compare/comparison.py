@@ -41,11 +41,17 @@ class Comparison:
 
 
 def compare(
-    inputs: list[Path], out: Path | None = None, *, png: bool = True, gates: Path | None = None
+    inputs: list[Path],
+    out: Path | None = None,
+    *,
+    png: bool = True,
+    gates: Path | None = None,
+    gpu: str | None = None,
 ) -> Comparison:
     """Judge the runs in ``inputs`` (run directories, the reference first, or one dual-track
     directory) and write the verdict and the report into ``out``. The thresholds are the runs'
-    own gates, which must agree, or those of the manifest file ``gates``.
+    own gates, which must agree, or those of the manifest file ``gates``. ``gpu``: the target
+    GPU whose published speedups a ranking of recipes shows (default: every GPU's).
 
     Bad input raises :class:`Fp8opsError` before anything is written. A PNG export that fails
     (no kaleido, no browser) leaves verdict.json and report.html written and is reported in
@@ -74,8 +80,12 @@ def compare(
         gates={**source, **bar.model_dump()},
     )
     verdict.recipes = rank_recipes(
-        verdict.candidates, {run.label: run.manifest.precision.scaling for run in candidates}
+        verdict.candidates,
+        {run.label: run.manifest.precision.scaling for run in candidates},
+        alerts={run.label: run.alerts for run in candidates},
+        gpu=gpu,
     )
+    verdict.target_gpu = gpu
 
     out = Path(out) if out is not None else default_out(tracks, dualtrack)
     result = Comparison(verdict, out, out / VERDICT, out / REPORT)

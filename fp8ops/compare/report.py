@@ -409,6 +409,37 @@ def _verdict_html(verdict: Verdict) -> str:
         if candidate.fallback_modules:
             kept = ", ".join(f"{m} ({why})" for m, why in candidate.fallback_modules.items())
             rows.append(f'<p class="cause">kept in BF16: {html.escape(kept)}</p>')
+    if verdict.recipes:
+        rows.append(_recipes_html(verdict))
+    return "\n".join(rows)
+
+
+def _recipes_html(verdict: Verdict) -> str:
+    """The ranking of recipes, beside Transformer Engine's published speedups."""
+    gpus = list(verdict.recipes[0].published)
+    names = ["rank", "candidate", "scaling", "gates", "alerts (stop/degrade/observe)"]
+    names += ["loss gap", *(f"{g} GEMM speedup (published)" for g in gpus)]
+    header = "".join(f"<th>{html.escape(name)}</th>" for name in names)
+    rows = [
+        "<h3>Recipes</h3><p>Ranked by the gates, then by Stop and Degrade alerts, then by the "
+        "loss gap. The speedups are Transformer Engine's published GEMM times of a 5B-class "
+        "layer over BF16, <b>not measured here</b>.</p>",
+        f"<table><tr>{header}</tr>",
+    ]
+    for row in verdict.recipes:
+        gates = "pass" if row.passed else "fail: " + ", ".join(row.failed_gates)
+        alerts = "/".join(str(row.alerts[level]) for level in ("stop", "degrade", "observe"))
+        speedups = "".join(
+            f"<td>{row.published[g]:.2f}x</td>" if row.published[g] else "<td>not native</td>"
+            for g in gpus
+        )
+        rows.append(
+            f"<tr><td>{row.rank}</td><td>{html.escape(row.label)}</td>"
+            f"<td>{html.escape(row.scaling)}</td>"
+            f'<td class="{"pass" if row.passed else "fail"}">{html.escape(gates)}</td>'
+            f"<td>{alerts}</td><td>{html.escape(format_value(row.loss_gap))}</td>{speedups}</tr>"
+        )
+    rows.append("</table>")
     return "\n".join(rows)
 
 

@@ -28,6 +28,7 @@ class Verdict:
     created: str
     gates: dict[str, Any]  # the thresholds every candidate was judged by, and their source
     recipes: list[RecipeRow] = field(default_factory=list)  # candidates of different recipes
+    target_gpu: str | None = None  # whose published speedups the ranking shows (None: all)
 
     @property
     def verdict(self) -> str:
@@ -62,6 +63,7 @@ class Verdict:
         }
         if self.recipes:
             document["recipes"] = [row.to_json() for row in self.recipes]
+            document["target_gpu"] = self.target_gpu
         return _json_safe(document)
 
 

@@ -36,6 +36,7 @@ from typing import Any
 
 import ipywidgets as W
 
+from fp8ops.admission import module_recipe
 from fp8ops.alerts import Alert, read_alerts, select_alerts
 from fp8ops.alerts.records import format_value
 from fp8ops.console import figures
@@ -50,13 +51,15 @@ from fp8ops.overrides.signing import KEY_ENV
 from fp8ops.run import RunLayout
 from fp8ops.run.layout import ALERTS, CHECKPOINTS, LAYERS, MANIFEST, OVERRIDES, STATUS
 from fp8ops.telemetry import MODULE_METRIC_NAMES, TelemetryRun
-from fp8ops.telemetry.catalogue import SLOTS
+from fp8ops.telemetry.catalogue import SLOTS, applies
 
 RUNS_ENV, USER_ENV = "FP8OPS_CONSOLE_RUNS", "FP8OPS_USER"
 
 # The heatmap's first choices (the issue's list); every other module metric follows.
 HEATMAP_METRICS = [
-    f"{s}.{m}" for m in ("saturation", "underflow", "amax", "scale_change") for s in SLOTS
+    f"{s}.{m}"
+    for m in ("saturation", "underflow", "amax", "scale_change", "blocks_at_floor")
+    for s in SLOTS
 ] + ["fp8_rel_error"]
 DEFAULT_METRIC = "input.amax"
 WINDOWS = [
@@ -557,7 +560,15 @@ class ConsoleApp:
 
     def _show_heatmap(self, hm: Heatmap) -> None:
         if hm.empty:
-            self.heatmap_note.value = f"{hm.metric}: nothing measured in these steps"
+            scalings = self._run_scalings()
+            if scalings and not any(applies(hm.metric, s) for s in scalings):
+                under = " and ".join(sorted(scalings))
+                self.heatmap_note.value = (
+                    f"{hm.metric}: not applicable under {under} scaling (NaN in the store, "
+                    "never measured)"
+                )
+            else:
+                self.heatmap_note.value = f"{hm.metric}: nothing measured in these steps"
             return
         span = f"steps {hm.starts[0]:,}-{hm.ends[-1]:,}"
         per = (
@@ -603,10 +614,27 @@ class ConsoleApp:
 
     def _show_detail(self, module: str, slot: str, lines: dict[str, Series]) -> None:
         steps = lines[f"{slot}.amax"]
-        what = f"{module} · {slot}" + (
-            f" · {steps.bin_steps} steps per point" if steps.bin_steps > 1 else ""
-        )
-        figures.show_detail(self.detail_view, lines, slot, what)
+        scaling = self._module_scaling(module)
+        what = f"{module} · {slot}" + (f" · {scaling} scaling" if scaling else "")
+        what += f" · {steps.bin_steps} steps per point" if steps.bin_steps > 1 else ""
+        figures.show_detail(self.detail_view, lines, slot, what, scaling)
+
+    def _module_scaling(self, module: str) -> str | None:
+        """The recipe ``module`` runs under, by the manifest (its module_recipes entry, else the
+        run's); None when the run has no readable manifest or no FP8."""
+        manifest = self.run.manifest if self.run is not None else None
+        if manifest is None or not manifest.precision.enabled:
+            return None
+        own = module_recipe(manifest.precision, module)
+        return own[1].scaling if own else manifest.precision.scaling
+
+    def _run_scalings(self) -> set[str]:
+        """Every recipe some module of the run runs (empty: unknown, or no FP8)."""
+        manifest = self.run.manifest if self.run is not None else None
+        if manifest is None or not manifest.precision.enabled:
+            return set()
+        p = manifest.precision
+        return {p.scaling, *(entry.scaling for entry in p.module_recipes)}
 
     # ----------------------------------------------------------------------------------
     # Alerts

@@ -185,6 +185,7 @@ def detail_metrics(slot: str) -> list[str]:
         f"{slot}.scale",
         f"{slot}.saturation",
         f"{slot}.underflow",
+        f"{slot}.blocks_at_floor",
         "grad_norm",
         "fp8_rel_error",
         "fp8_enabled",

@@ -23,6 +23,7 @@ import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from fp8ops.console.data import MAX_POINTS, Heatmap, Series, bin_size, pool
+from fp8ops.telemetry.catalogue import applies
 
 FONT = {"size": 11}
 MARKERS_UP_TO = 200  # points; beyond, a line alone (each marker is an SVG element to draw)
@@ -133,6 +134,7 @@ DETAIL_TRACES = (
     ("scale", 1, True),
     ("saturation", 2, False),
     ("underflow", 2, False),
+    ("blocks at floor", 2, False),
     ("grad norm", 3, False),
     ("FP8 vs BF16 error", 4, False),
 )
@@ -182,25 +184,35 @@ def detail_figure() -> go.Figure:
     return fig
 
 
-def show_detail(view: FigureView, lines: dict[str, Series], slot: str, title: str) -> None:
-    """Fill the module view from ``data.module_history``'s lines."""
+def show_detail(
+    view: FigureView, lines: dict[str, Series], slot: str, title: str, scaling: str | None = None
+) -> None:
+    """Fill the module view from ``data.module_history``'s lines. ``scaling``, the module's
+    recipe, marks the lines it has no values for as not applicable (window max and scale
+    changes are delayed scaling's, a per-tensor scale is not a block recipe's, blocks at the
+    floor are block scaling's and MXFP8's)."""
     by_trace = {
         "amax": f"{slot}.amax",
         "window max": f"{slot}.window_max",
         "scale": f"{slot}.scale",
         "saturation": f"{slot}.saturation",
         "underflow": f"{slot}.underflow",
+        "blocks at floor": f"{slot}.blocks_at_floor",
         "grad norm": "grad_norm",
         "FP8 vs BF16 error": "fp8_rel_error",
     }
     fig = view.figure
     with fig.batch_update():
         for trace, (name, _, _) in zip(fig.data, DETAIL_TRACES, strict=True):
-            line = lines[by_trace[name]]
+            metric = by_trace[name]
+            line = lines[metric]
             trace.x, trace.y = line.steps, line.values
             if name not in ("amax", "window max", "scale"):  # SVG markers cost: few points only
                 trace.mode = "lines+markers" if len(line.steps) <= MARKERS_UP_TO else "lines"
-            trace.name = f"{slot} {name}" if name in ("amax", "window max", "scale") else name
+            label = f"{slot} {name}" if name in ("amax", "window max", "scale") else name
+            if scaling is not None and not applies(metric, scaling):
+                label += f" (n/a: {scaling} scaling)"
+            trace.name = label
         fig.layout.title.text = title
     view.publish()
 

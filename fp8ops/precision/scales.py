@@ -93,6 +93,7 @@ def e8m0_scale_inv(e: torch.Tensor) -> torch.Tensor:
 
 def e8m0_multiplier(e: torch.Tensor) -> torch.Tensor:
     """The encode multiplier the cast uses: 2**(127 - e) (TE's ``exp2f_rcp``); e = 254 gives
-    the denormal 2**-127."""
+    the denormal 2**-127. As TE has it since 2.13; earlier versions gave 1 for e = 0 and 0 for
+    e = 254 (docs/precision.md)."""
     e = e.to(torch.int32)
     return torch.where(e >= 255, _power_of_two(e), _power_of_two(254 - e))

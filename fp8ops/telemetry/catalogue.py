@@ -141,6 +141,28 @@ def worst_end(metric: str) -> str:
     return "min" if low_is_worse else "max"
 
 
+# The metrics only some recipes have (by the name after the slot); NaN, never 0, elsewhere.
+_ONLY_UNDER = {
+    "window_max": ("delayed",),
+    "window_p50": ("delayed",),
+    "window_p90": ("delayed",),
+    "scale_change": ("delayed",),
+    "scale": ("delayed", "current"),  # one scale per tensor
+    "scale_inv": ("delayed", "current"),
+    "block_exp_min": ("block", "mxfp8"),
+    "block_exp_median": ("block", "mxfp8"),
+    "block_exp_max": ("block", "mxfp8"),
+    "blocks_at_floor": ("block", "mxfp8"),
+}
+
+
+def applies(metric: str, scaling: str) -> bool:
+    """Whether a module under ``scaling`` (delayed, current, block, mxfp8) has ``metric``: a
+    metric that does not apply is NaN in the store, which means "not applicable", not "not
+    measured yet"."""
+    return scaling in _ONLY_UNDER.get(metric.rsplit(".", 1)[-1], (scaling,))
+
+
 def describe() -> dict[str, list[dict[str, str]]]:
     """The catalogue as JSON-able lists (what the store keeps in its attributes)."""
     return {

@@ -42,10 +42,7 @@ def inspect_command(
         f"{run_dir}: manifest {document.manifest_hash[:12]}, tensor_parallel "
         f"{document.tensor_parallel}, layer table {document.table_hash[:12]}"
     )
-    out.print(
-        f"recipe: {recipe.fp8_format}, amax_history_len {recipe.amax_history_len}, "
-        f"{recipe.amax_compute_algo}, margin {recipe.margin}, reduce_amax {recipe.reduce_amax}"
-    )
+    out.print(f"recipe: {recipe.summary}")
     if layers:
         # Every column folds rather than crops: a narrow terminal loses no text.
         grid = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)

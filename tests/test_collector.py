@@ -40,7 +40,7 @@ def setup():
     return make_setup()
 
 
-def make_setup():
+def make_setup(**changes):
     manifest = derive(
         load_manifest(TINY),
         {
@@ -51,6 +51,7 @@ def make_setup():
             "model.init_checkpoint": None,
             "telemetry.every_steps": 2,
             "telemetry.error_sample_every": 2,
+            **changes,
         },
         "collector test",
     )
@@ -120,6 +121,33 @@ def test_a_measured_step_reports_state_casts_norms_and_error(setup):
     assert value(row, collector, qkv, "grad_norm") > 0
     error = value(row, collector, qkv, "fp8_rel_error")
     assert 0 < error < 0.2  # E4M3 operands: a few percent
+
+
+def test_the_amax_is_what_each_slot_fed_this_step_even_with_a_history_of_one():
+    """With amax_history_len 1 (Megatron's default) the update keeps no past amax, yet each
+    slot's amax is reported, and is its window. A step whose casts of a slot were all NaN fed
+    no amax (TE's kernel skips it, and leaves that history as it was): NaN, not the amax of the
+    step before, while the weight, cast as usual, still reports its own."""
+    _, model, scope, collector = make_setup(**{"precision.amax_history_len": 1})
+    qkv = "decoder.layers.1.self_attention.linear_qkv"
+    row = run_step(model, scope, collector, 1, seed=0)
+    weight = collector.modules[qkv].weight
+    assert value(row, collector, qkv, "weight.amax") == weight.detach().abs().max().float().item()
+    for slot in ("input", "weight", "grad_output"):
+        amax = value(row, collector, qkv, f"{slot}.amax")
+        assert np.isfinite(amax) and amax > 0, slot
+        assert value(row, collector, qkv, f"{slot}.window_max") == amax, slot
+
+    _, model, scope, collector = make_setup()
+    run_step(model, scope, collector, 1, seed=0)
+    input_history = collector.modules[qkv].fp8_meta.forward.amax_history[:, 0].clone()
+    with torch.no_grad():
+        model.embedding.word_embeddings.weight.fill_(math.nan)
+    row = run_step(model, scope, collector, 2, seed=1)
+    assert np.isnan(value(row, collector, qkv, "input.amax"))
+    assert value(row, collector, qkv, "input.nan") > 0  # what the cast statistics say
+    assert torch.equal(collector.modules[qkv].fp8_meta.forward.amax_history[:, 0], input_history)
+    assert value(row, collector, qkv, "weight.amax") > 0
 
 
 def test_the_error_sample_compares_every_kth_position_up_to_the_limit():
@@ -225,11 +253,14 @@ def previous_quantile(ordered: np.ndarray, q: float) -> float:
     return float(ordered[low] + (ordered[high] - ordered[low]) * (position - low))
 
 
-def scalar_state_metrics(history: np.ndarray, scale: float, previous: float | None) -> dict:
+def scalar_state_metrics(
+    history: np.ndarray, fed: float, scale: float, previous: float | None
+) -> dict:
     """One module slot's state metrics as the collector computed them before it was vectorised
-    (its loop body, verbatim but for the names). ``history``: the float32 window, no row 0."""
+    (its loop body, verbatim but for the names and the amax, now the one the slot fed this
+    step: NaN where it fed none). ``history``: the float32 window, no row 0."""
     values = {
-        "amax": history[-1],
+        "amax": fed if fed > 0 else np.nan,
         "scale": scale,
         "scale_inv": 1.0 / scale,
         "window_max": history.max(),
@@ -268,6 +299,9 @@ def test_the_state_metrics_of_all_modules_equal_those_computed_one_by_one():
                 h[1:, 0] = 0.0 if rng.random() < 0.3 else h[1:, 0]  # a slot that never ran
                 state.amax_history.copy_(torch.from_numpy(h))
                 state.scale.copy_(torch.from_numpy(rng.lognormal(0, 4, state.scale.shape)))
+                fed = rng.lognormal(0, 3, state.scale.shape).astype(np.float32)
+                fed = np.where(rng.random(fed.shape) < 0.3, rng.choice(special.ravel()), fed)
+                state.last_amax.copy_(torch.from_numpy(fed.astype(np.float32)))
         row = collector.end_step().result()
         current = {}
         for i, meta in enumerate(metas):
@@ -277,6 +311,7 @@ def test_the_state_metrics_of_all_modules_equal_those_computed_one_by_one():
                 current[(i, slot)] = scale
                 want = scalar_state_metrics(
                     state.amax_history[1:, index].numpy(),
+                    float(state.last_amax[index]),
                     scale,
                     None if previous is None else previous[(i, slot)],
                 )

@@ -146,6 +146,8 @@ class _Fp8LocalGemm:
             for state in (self.fp8_meta.forward, self.fp8_meta.backward):
                 state.amax_history = state.amax_history.to(device)
                 state.scale = state.scale.to(device)
+                if state.last_amax is not None:
+                    state.last_amax = state.last_amax.to(device)
         else:
             self.cast_record.to(device)
         if self._weight_fp8 is not None:

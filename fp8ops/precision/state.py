@@ -24,6 +24,10 @@ class ScalingState:
     amax_history: torch.Tensor  # [L, n] float32; row 0 accumulates since the last update
     scale: torch.Tensor  # [n] float32; what the next casts multiply by
     fp8: Fp8Dtype
+    # [n] float32: the amax each slot last fed an update (the reduced row 0 of an update in which
+    # it ran), for telemetry; NaN once the collector starts a step, until the slot feeds one.
+    # Not part of the state a checkpoint holds. None: not tracked (TE's own state).
+    last_amax: torch.Tensor | None = None
 
     @classmethod
     def fresh(
@@ -33,6 +37,7 @@ class ScalingState:
             amax_history=torch.zeros(history_len, num_slots, dtype=torch.float32, device=device),
             scale=torch.ones(num_slots, dtype=torch.float32, device=device),
             fp8=fp8,
+            last_amax=torch.full((num_slots,), math.nan, dtype=torch.float32, device=device),
         )
 
     def record_amax(self, slot: int, amax: torch.Tensor) -> None:

@@ -102,6 +102,10 @@ class TelemetryCollector:
             module.probe.sample_error = sample and module.fp8_enabled
         for module in self._stateless.values():
             module.cast_record.clear()
+        # A slot's amax is the one it feeds during this step: none yet (one kernel for all).
+        tracked = [s.last_amax for s in self._delayed_states() if s.last_amax is not None]
+        if tracked:
+            torch._foreach_mul_(tracked, math.nan)
 
     def take_records(self) -> list[Probe]:
         """Every probe's record of the step so far, in module order; the probes start empty."""
@@ -165,21 +169,27 @@ class TelemetryCollector:
 
     # -- the three kinds of metrics --------------------------------------------------------
 
-    def _state_tensor(self) -> torch.Tensor:
-        """Every delayed-scaling module's FP8 state in one new ``[L + 1, 5 * modules]`` float32
-        tensor on its device (three kernels, however many modules): the amax histories as
-        columns, forward slots of every module then backward slots, and their scales as the last
-        row. A new tensor, so the next step's updates, made in place, do not reach it."""
-        states = [
+    def _delayed_states(self) -> list:
+        return [
             module.fp8_meta.direction(forward)
             for forward in (True, False)
             for module in self._delayed.values()
         ]
+
+    def _state_tensor(self) -> torch.Tensor:
+        """Every delayed-scaling module's FP8 state in one new ``[L + 2, 5 * modules]`` float32
+        tensor on its device (four kernels, however many modules): the amax histories as
+        columns, forward slots of every module then backward slots, then the amax each slot
+        fed this step's updates (``ScalingState.last_amax``; the newest history entry where
+        the state has none, TE's), and their scales as the last row. A new tensor, so the next
+        step's updates, made in place, do not reach it."""
+        states = self._delayed_states()
         if not states:
-            return torch.zeros(self._history_len + 1, 0)
+            return torch.zeros(self._history_len + 2, 0)
         histories = torch.cat([state.amax_history for state in states], dim=1)
+        fed = [s.amax_history[-1] if s.last_amax is None else s.last_amax for s in states]
         scales = torch.cat([state.scale for state in states])
-        return torch.cat([histories, scales.unsqueeze(0)])
+        return torch.cat([histories, torch.cat(fed).unsqueeze(0), scales.unsqueeze(0)])
 
     def _cast_tensor(self) -> torch.Tensor:
         """``[rows, 3 * modules]``: each stateless module's ``CastRecord`` table side by side."""
@@ -191,12 +201,13 @@ class TelemetryCollector:
         modules = np.arange(len(self._stateless))[:, None]
         return 3 * modules + np.arange(len(_SLOTS))[None, :]
 
-    def _slot_arrays(self, copy: _HostCopy) -> tuple[np.ndarray, np.ndarray]:
+    def _slot_arrays(self, copy: _HostCopy) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """From a :meth:`_state_tensor` copy: ``[modules, slots, L-1]`` float32 amax histories
-        without the accumulator row 0, and ``[modules, slots]`` float32 scales, slots in
-        ``_SLOTS`` order."""
+        without the accumulator row 0, the ``[modules, slots]`` amaxes fed this step, and
+        ``[modules, slots]`` float32 scales, slots in ``_SLOTS`` order."""
         table = copy.get().numpy()
-        return table[1:-1, self._columns].transpose(1, 2, 0), table[-1, self._columns]
+        history = table[1:-2, self._columns].transpose(1, 2, 0)
+        return history, table[-2, self._columns], table[-1, self._columns]
 
     def _slot_scales(self, copy: _HostCopy) -> np.ndarray:
         """The scales alone of :meth:`_slot_arrays` (the previous row's, for scale_change)."""
@@ -244,18 +255,18 @@ class TelemetryCollector:
 
     @staticmethod
     def _state_metrics(
-        arrays: tuple[np.ndarray, np.ndarray], previous_scale: np.ndarray | None
+        arrays: tuple[np.ndarray, np.ndarray, np.ndarray], previous_scale: np.ndarray | None
     ) -> dict[str, np.ndarray]:
         """From the delayed-scaling state (:meth:`_slot_arrays`), every module at once: what the
         scales are and what they are based on, ``[modules]`` per metric. ``previous_scale``: the
         last row's scales, for scale_change (None: NaN)."""
         # Vectorised over modules and slots: this runs every step, and a numpy call per module
         # and slot cost more than a percent of a GPU step, which the host has to launch.
-        history, scale = arrays
+        history, fed, scale = arrays
         if not history.shape[0]:  # a model without FP8-capable modules
             return {}
-        if not history.shape[-1]:  # amax_history_len 1: the update keeps no past amax
-            history = np.full((*history.shape[:-1], 1), np.nan, dtype=np.float32)
+        if not history.shape[-1]:  # amax_history_len 1: the window is the amax fed alone
+            history = fed[..., None]
         seen = history > 0  # NaN and zero are no observation
         count = seen.sum(axis=-1)
         # Positive values first, ascending; the +inf filler sorts after them (and equals a +inf
@@ -266,7 +277,8 @@ class TelemetryCollector:
             previous_scale = np.full_like(scale64, np.nan)
         ratio = scale64 / previous_scale.astype(np.float64)
         columns = {
-            "amax": history[..., -1],
+            # NaN where the slot fed no update this step (an all-NaN cast, a weight not cast)
+            "amax": np.where(fed > 0, fed, np.nan) if fed.size else fed,
             "scale": scale,
             "scale_inv": np.float32(1.0) / scale,  # one float32 division: correctly rounded
             "window_max": history.max(axis=-1),

@@ -168,7 +168,11 @@ class _Found:
 
 
 def decide_admission(
-    model: nn.Module, precision: PrecisionPolicy, *, tensor_parallel: int
+    model: nn.Module,
+    precision: PrecisionPolicy,
+    *,
+    tensor_parallel: int,
+    refuse_idle_recipes: bool = True,
 ) -> AdmissionTable:
     """Decide, for every linear-like module of ``model``, whether it runs FP8.
 
@@ -184,6 +188,9 @@ def decide_admission(
     reason ``unaligned``, and then the whole decision is refused (:class:`ManifestError`,
     naming every such module with the two ways out): an unaligned table is never applied or
     written. Only the modules that would run FP8 count: an excluded one never reaches the GEMM.
+
+    A hand-written ``module_recipes`` entry that would change no module's recipe is refused
+    too (``refuse_idle_recipes``; a resume passes False: what its checkpoint ran, it runs).
 
     Under pipeline parallelism ``model`` is this rank's stage; the globs are checked against,
     and the table lists, the modules of every stage (collective over the pipeline group), so
@@ -215,7 +222,8 @@ def decide_admission(
             )
         )
     rows = every_stage(rows)
-    _refuse_idle_module_recipes(rows, precision)
+    if refuse_idle_recipes:
+        _refuse_idle_module_recipes(rows, precision)
     _refuse_unaligned(rows, precision)
     return AdmissionTable(rows=tuple(rows), tensor_parallel=tensor_parallel)
 
@@ -348,7 +356,7 @@ def _refuse_idle_module_recipes(rows: list[AdmissionRow], precision: PrecisionPo
                 f"(precision.module_recipes[{first}]); the first matching entry decides"
             )
         elif entry.scaling == precision.scaling:
-            later = precision.module_recipes[index + 1 :]
+            later = [e for e in precision.module_recipes[index + 1 :] if e.scaling != entry.scaling]
             if not any(_matches(r.fqn, e.modules) for r in decided for e in later):
                 problems.append(
                     f"{where}: '{entry.scaling}' is the run's own recipe (precision.scaling), "

@@ -340,6 +340,18 @@ def test_a_module_recipe_in_the_runs_own_recipe_must_keep_modules_from_a_later_e
         decide(model, manifest, **current, module_recipes=idle)
     with pytest.raises(ManifestError, match="no later entry gives another"):  # the schema's
         revised(manifest, **current, module_recipes=[recipe_entry(["decoder.layers.1.*"])])
+    # An entry runs its recipe at TE's defaults: with the run's own fields set otherwise, it
+    # would not keep these modules on the run's recipe.
+    with pytest.raises(ManifestError, match="at Transformer Engine's defaults.*power_2_scale"):
+        revised(manifest, **current, power_2_scale=True, module_recipes=carve_out)
+    # A resume runs what its checkpoint ran: the refusal is for new runs only.
+    idle_table = decide_admission(
+        model,
+        revised(manifest, **current, module_recipes=idle).precision,
+        tensor_parallel=1,
+        refuse_idle_recipes=False,
+    )
+    assert idle_table.row("decoder.layers.1.mlp.linear_fc1").scaling == "current"
 
 
 def test_the_ledgers_entries_may_take_every_module_of_a_written_one(model, manifest):

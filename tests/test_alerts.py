@@ -344,9 +344,13 @@ def block_row(cells: dict[tuple[int, str], float] | None = None) -> np.ndarray:
     return out
 
 
+FLOOR = {"blocks_at_floor": {"observe": 1e-3, "degrade": 1e-2}}  # the suggested levels
+
+
 def test_blocks_at_floor_degrades_after_patience_and_proposes_bf16():
     floored = block_row({(FC1_0, "grad_output.blocks_at_floor"): 0.02})  # past degrade (1e-2)
-    eng = engine()
+    assert feed(engine(), [floored] * 5) == {}  # off by default: runs before it stay as they ran
+    eng = engine(**FLOOR)
     alert = only(feed(eng, [block_row(), floored, floored, floored]))
     assert (alert.step, alert.level, alert.rule) == (4, "degrade", "blocks_at_floor")
     assert (alert.metric, alert.value, alert.threshold) == (
@@ -356,11 +360,11 @@ def test_blocks_at_floor_degrades_after_patience_and_proposes_bf16():
     )
     assert [p.module for p in eng.proposals([alert])] == [MODULES[FC1_0]]
     watch = block_row({(QKV0, "input.blocks_at_floor"): 0.002})  # observe only
-    assert only(feed(engine(), [watch] * 3)).level == "observe"
-    assert feed(engine(), [block_row({(QKV0, "input.blocks_at_floor"): 5e-4})] * 5) == {}
+    assert only(feed(engine(**FLOOR), [watch] * 3)).level == "observe"
+    assert feed(engine(**FLOOR), [block_row({(QKV0, "input.blocks_at_floor"): 5e-4})] * 5) == {}
     # Under delayed scaling the metric is NaN (not measured): never judged.
     assert np.isnan(row()[QKV0, COLUMN["input.blocks_at_floor"]])
-    assert feed(engine(patience_steps=1), [row()] * 3) == {}
+    assert feed(engine(patience_steps=1, **FLOOR), [row()] * 3) == {}
     off = engine(blocks_at_floor={"observe": None, "degrade": None})
     assert feed(off, [floored] * 5) == {}
 
@@ -369,18 +373,22 @@ def test_a_checkpoint_without_a_rules_windows_resumes_with_that_rule_fresh():
     """A checkpoint saved before a threshold rule existed holds none of its latches: the rule
     starts afresh and every other window continues (a partial state of any other rule is
     still refused)."""
-    eng = engine()
+    eng = engine(**FLOOR)
     saturated = row({(FC1_0, "input.saturation"): 0.004})
     feed(eng, [saturated] * 3)  # degrade open
     old = {k: v for k, v in eng.state_dict().items() if not k.startswith("blocks_at_floor.")}
-    again = engine()
-    assert again.load_state_dict(old) == ["blocks_at_floor"]
+    again = engine(**FLOOR)
+    assert again.load_state_dict(old) == ["blocks_at_floor"] == again.fresh_rules
     assert feed(again, [saturated] * 3, first=4) == {}  # still open: not fired again
     floored = block_row({(FC1_0, "input.blocks_at_floor"): 0.02})
     assert only(feed(again, [floored] * 3, first=7)).rule == "blocks_at_floor"
     broken = {k: v for k, v in old.items() if k != "saturation.degrade.open"}
     with pytest.raises(ValueError, match="saturation.degrade.open"):
-        engine().load_state_dict(broken)
+        engine(**FLOOR).load_state_dict(broken)
+    # A rule that existed all along, absent whole, is damage, not an older fp8ops.
+    no_saturation = {k: v for k, v in old.items() if not k.startswith("saturation.")}
+    with pytest.raises(ValueError, match="saturation"):
+        engine(**FLOOR).load_state_dict(no_saturation)
 
 
 # -- NaN / Inf -----------------------------------------------------------------------------------

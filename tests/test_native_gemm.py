@@ -305,6 +305,13 @@ def test_block_gemms_stay_per_k_block_where_the_device_has_no_one_call_gemm():
     assert "takes no (128, 128) x (128, 128) blocks" in reason
     a, b = exact_block_operand(64, 320, (1, 128), 1), exact_block_operand(48, 320, (128, 128), 2)
     assert ScaledMmGemm().block_calls(a, b, torch.bfloat16) == 3  # one GEMM per K block
+    # Asked up front for every combination a HYBRID bf16 run can use: 3 block pairs x 2 format
+    # pairs x (bf16, float32 for a bias), each answered (no CPU kernel: each with its reason).
+    from fp8ops.precision.scaled_mm import ask_one_call_block_gemms
+
+    answers = ask_one_call_block_gemms("cpu", hybrid=True, out_dtypes=(torch.bfloat16,))
+    assert len(answers) == 12 and all(answers.values())
+    assert len(ask_one_call_block_gemms("cpu", hybrid=False, out_dtypes=(torch.float32,))) == 3
 
 
 # -- the FP8 linear: the GEMM never touches the delayed-scaling state ------------------------------

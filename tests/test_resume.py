@@ -673,6 +673,8 @@ def test_a_checkpoint_saved_before_an_alert_rule_existed_resumes(manifest, tmp_p
     result = cli("resume", tmp_path / "run", "--stop-at", N + 1, "--no-progress")
     assert result.code == 0, result.err
     assert CheckpointDir(tmp_path / "run").latest().name == checkpoint_name(N + 1)
+    (event,) = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["event"] == "resumed"]
+    assert event["alert_rules_fresh"] == ["blocks_at_floor"]
 
 
 @pytest.mark.slow

@@ -71,6 +71,9 @@ from fp8ops.alerts.records import (
 from fp8ops.manifest.schema import Alerts, Levels
 from fp8ops.telemetry.catalogue import COLUMN, MODULE_METRIC_NAMES, SLOTS
 
+# Threshold rules added after alert windows were first checkpointed: a checkpoint saved before
+# one existed has none of its latches, and resumes with that rule afresh.
+_ADDED_RULES = frozenset({"blocks_at_floor"})
 # Threshold rules that pass Degrade on their way to Stop: their Stop also proposes an override.
 _PROPOSING_STOPS = frozenset(
     {"saturation", "underflow", "scale_jitter", "fp8_error", "blocks_at_floor"}
@@ -219,6 +222,7 @@ class AlertEngine:
         self._error_samples = np.zeros(n, np.int32)
         self._previous_base = np.full((n, slots), np.nan, np.float32)
         self._observed = 0
+        self.fresh_rules: list[str] = []  # rules a loaded state had no windows of
         self._lowest_loss = np.inf  # of the smoothed loss
         self._recent_losses: deque[float] = deque(maxlen=config.patience_steps)
 
@@ -296,13 +300,15 @@ class AlertEngine:
         return {k: np.array(v, copy=True) for k, v in state.items()}
 
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> list[str]:
-        """Continue from ``state``; returns the threshold rules that start afresh because
-        ``state`` has none of their latches (saved by an fp8ops without those rules)."""
+        """Continue from ``state``; returns the rules added since it was saved (``_ADDED_RULES``
+        of which it has no latch), which start afresh, also kept as :attr:`fresh_rules`. Any
+        other missing or misshapen entry is refused."""
         expected = self.state_dict()
         fresh = [
             rule
             for rule, (_, leveled) in self._leveled.items()
-            if not any(f"{rule}.{level}.open" in state for level in leveled.latches)
+            if rule in _ADDED_RULES
+            and not any(f"{rule}.{level}.open" in state for level in leveled.latches)
         ]
         expected = {k: v for k, v in expected.items() if k.split(".")[0] not in fresh}
         for key, value in expected.items():
@@ -330,6 +336,7 @@ class AlertEngine:
             latch.calm = state[f"{name}.calm"].astype(np.int32)
             latch.open = state[f"{name}.open"].astype(bool)
         self._rearm_after_resume()
+        self.fresh_rules = fresh
         return fresh
 
     def _rearm_after_resume(self) -> None:

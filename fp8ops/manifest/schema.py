@@ -567,11 +567,8 @@ class PrecisionPolicy(_Section):
                     )
                 seen.add(glob)
             later = self.module_recipes[i + 1 :]
-            if (
-                entry.scaling == self.scaling
-                and entry.approval is None
-                and all(e.scaling == self.scaling for e in later)
-            ):
+            own = entry.scaling == self.scaling and entry.approval is None
+            if own and all(e.scaling == self.scaling for e in later):
                 # Before an entry of another recipe, it keeps modules from that entry's globs
                 # (the first match decides); admission checks that it keeps some.
                 problems.append(
@@ -581,6 +578,17 @@ class PrecisionPolicy(_Section):
                         f"'{entry.scaling}' is the run's own recipe (precision.scaling) and no "
                         "later entry gives another: these modules run it without the entry; "
                         "remove it",
+                    )
+                )
+            elif own and self._stateless_fields_set():
+                problems.append(
+                    (
+                        where,
+                        entry.scaling,
+                        f"an entry runs '{entry.scaling}' at Transformer Engine's defaults (as "
+                        "Megatron builds a module's recipe), not with this run's "
+                        f"{', '.join(self._stateless_fields_set())}: these modules would not "
+                        "run the run's recipe. Narrow the later entry's globs instead",
                     )
                 )
             elif self.backend == "te":
@@ -597,6 +605,19 @@ class PrecisionPolicy(_Section):
                 way_out = "give these modules 'block' or 'current' instead"
                 problems.append((where, entry.scaling, _mxfp8_on_scaled_mm(way_out)))
         return problems
+
+    def _stateless_fields_set(self) -> list[str]:
+        """The run's current/block fields that differ from TE's defaults for its recipe."""
+        defaults = {
+            "power_2_scale": self.scaling == "block",
+            "amax_epsilon": 0.0,
+            "x_block_scaling_dim": 1,
+            "w_block_scaling_dim": 2,
+            "grad_block_scaling_dim": 1,
+        }
+        if self.power_2_scale is None:
+            defaults.pop("power_2_scale")
+        return [name for name, value in defaults.items() if getattr(self, name) != value]
 
     @property
     def recipe_summary(self) -> str:
@@ -1164,18 +1185,14 @@ class UnderflowLevels(Levels):
 
 class BlocksAtFloorLevels(Levels):
     """Share of a block-scaled tensor's non-zero blocks whose scale sat at its floor (block
-    scaling and MXFP8 only): no scale was large enough, so the block's values flush to zero."""
+    scaling and MXFP8 only): no scale was large enough, so the block's values flush to zero.
 
-    observe: Fraction | None = Field(
-        1e-3, description="One block in a thousand beyond any scale's reach: worth watching."
-    )
-    degrade: Fraction | None = Field(
-        1e-2,
-        description=(
-            "1% of blocks lost whole: values below 2^-127 times the FP8 range reach this tensor; "
-            "propose BF16."
-        ),
-    )
+    Every level is off by default: the rule came after runs of these recipes existed, and a
+    default must leave them as they ran (``added_field``). Suggested: observe 1e-3 (one block in
+    a thousand beyond any scale's reach), degrade 1e-2 (1% of blocks lost whole: propose BF16)."""
+
+    observe: Fraction | None = Field(None, description="Off by default; suggested 1e-3.")
+    degrade: Fraction | None = Field(None, description="Off by default; suggested 1e-2.")
     stop: Fraction | None = Field(
         None, description="Off by default: like underflow, the evaluation gates catch the damage."
     )
@@ -1295,7 +1312,8 @@ class Alerts(_Section):
         added_in="0.1.0",
         description=(
             "Blocks whose scale sat at its floor (block scaling, MXFP8; fraction of the non-zero "
-            "blocks). Not measured under delayed or current scaling."
+            "blocks). Not measured under delayed or current scaling. Off unless levels are set "
+            "(suggested: observe 1e-3, degrade 1e-2)."
         ),
     )
     nonfinite_stop: bool = Field(

@@ -45,7 +45,11 @@ from fp8ops.megatron.spec import with_fp8_projections, with_sequence_parallel_no
 from fp8ops.megatron.te_backend import build_gpt_te, te_projections
 from fp8ops.megatron.te_telemetry import te_telemetry_modules
 from fp8ops.precision import DelayedScalingRecipe, EmulatedGemm, ScaledMmGemm, StatelessRecipe
-from fp8ops.precision.scaled_mm import block_scaled_mm_unsupported, scaled_mm_unsupported
+from fp8ops.precision.scaled_mm import (
+    ask_one_call_block_gemms,
+    block_scaled_mm_unsupported,
+    scaled_mm_unsupported,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # precision.backend -> the GEMM of fp8ops' FP8 layers ("te" builds Transformer Engine's instead).
@@ -156,6 +160,9 @@ def check_gemms_run(manifest, device: torch.device) -> None:
             f"{field} 'block' on precision.backend 'scaled_mm' cannot run here: {reason}; "
             "use precision.backend 'emulated' (the same casts, multiplied in float32)"
         )
+    if field is not None:  # which block GEMMs run in one call: decided here, not mid-step
+        hybrid = precision.fp8_format == "hybrid"
+        ask_one_call_block_gemms(device, hybrid, (DTYPES[precision.base_dtype],))
 
 
 def gpt_model_args(manifest) -> dict:

@@ -313,6 +313,24 @@ def one_call_block_gemm_unsupported(
     return _one_call_probe(*key)
 
 
+def ask_one_call_block_gemms(
+    device: torch.device | str, hybrid: bool, out_dtypes: tuple[torch.dtype, ...]
+) -> dict[tuple, str | None]:
+    """Try, once and before training, every one-call block GEMM a run can ask for: each pair
+    of blocks, the formats of fprop (E4M3 x E4M3) and of dgrad and wgrad (the gradient first:
+    E5M2 under HYBRID), each output dtype and float32 (a GEMM with a bias). Otherwise the
+    first GEMM of a kind would try it mid-step, syncing the device there. Returns what each
+    combination's probe said."""
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    formats = [(e4m3, e4m3)] + ([(e5m2, e4m3)] if hybrid else [])
+    return {
+        (pair, blocks, dtype): one_call_block_gemm_unsupported(device, pair, blocks, dtype)
+        for pair in formats
+        for blocks in sorted(ONE_CALL_PAIRS)
+        for dtype in dict.fromkeys((*out_dtypes, torch.float32))
+    }
+
+
 def one_call_block_gemm_args(a: BlockQuantized, b: BlockQuantized) -> dict:
     """The arguments of ``torch.nn.functional.scaled_mm`` for ``a @ b.T``: data padded to
     whole blocks (zeros, exact), each scale grid in the layout torch reads for its block
@@ -396,24 +414,26 @@ def _one_call_probe(
     reason = scaled_mm_unsupported(device)
     if reason is not None:
         return reason
-    # An odd M, K of two and a half blocks (a partial block; 3 K blocks, padded to 4 in a
-    # 128x128 grid), N not a multiple of 128; every block its own power-of-2 scale.
-    a, b = (
-        _probe_operand(rows, 2 * BLOCK + 64, block, fp8, device, seed)
-        for rows, block, fp8, seed in zip((129, 144), blocks, formats, (1, 2), strict=True)
-    )
-    try:
-        out = _one_call(a, b, out_dtype)
-    except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
-        return (
-            f"torch {torch.__version__}'s one-call block-scaled GEMM fails on {device} for "
-            f"{blocks[0]} x {blocks[1]} blocks ({str(exc).splitlines()[0]})"
-        )
-    if not torch.equal(out.cpu(), _exact_product(a, b).to(out_dtype)):
-        return (
-            f"torch {torch.__version__}'s one-call block-scaled GEMM on {device} differs from "
-            f"the blocks' exact product for {blocks[0]} x {blocks[1]} blocks"
-        )
+    # Two shapes: an odd M, K of two and a half blocks (a partial block; 3 K blocks, padded to
+    # 4 in a 128x128 grid), N not a multiple of 128; and one K block (scales of one column).
+    for m, k, n in ((129, 2 * BLOCK + 64, 144), (17, BLOCK, 48)):
+        a = _probe_operand(m, k, blocks[0], formats[0], device, seed=1)
+        b = _probe_operand(n, k, blocks[1], formats[1], device, seed=2)
+        try:  # the comparison syncs: a kernel error on the device surfaces in it
+            exact = torch.equal(
+                _one_call(a, b, out_dtype).cpu(), _exact_product(a, b).to(out_dtype)
+            )
+        except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
+            return (
+                f"torch {torch.__version__}'s one-call block-scaled GEMM fails on {device} for "
+                f"{blocks[0]} x {blocks[1]} blocks ({str(exc).splitlines()[0]})"
+            )
+        if not exact:
+            return (
+                f"torch {torch.__version__}'s one-call block-scaled GEMM on {device} differs "
+                f"from the blocks' exact product for {blocks[0]} x {blocks[1]} blocks "
+                f"({m}x{k}x{n})"
+            )
     return None
 
 
@@ -424,14 +444,18 @@ def _exact_product(a: BlockQuantized, b: BlockQuantized) -> torch.Tensor:
 
 
 def _probe_operand(rows, k, block, fp8, device, seed) -> BlockQuantized:
-    """Small integers (exact in E4M3 and E5M2) and a different power-of-2 scale per block."""
+    """Small integers (exact in E4M3 and E5M2) and a scale per block that differs from its
+    neighbours': 1, 1.25, 1.5 or 1.75 times 2^-1, 1 or 2 (mantissa bits too, so a kernel that
+    rounded scales to powers of two would not pass). Every product is a multiple of 2^-6 below
+    37, so every sum of the probe's K products is exact in float32 (20 bits)."""
     i = torch.arange(rows)[:, None]
     j = torch.arange(k)[None, :]
     values = ((i * 7 + j * 3 + seed) % 7 - 3).float()
     grid_rows, grid_cols = -(-rows // block[0]), -(-k // block[1])
     r = torch.arange(grid_rows)[:, None]
     c = torch.arange(grid_cols)[None, :]
-    scale_inv = torch.exp2(((r + 2 * c + seed) % 5 - 2).float())
+    mantissa = 1 + ((r + 3 * c + seed) % 4).float() / 4
+    scale_inv = mantissa * torch.exp2(((r + 2 * c + seed) % 3 - 1).float())
     data = values.to(fp8).to(device)
     return BlockQuantized(
         data=data,

@@ -74,7 +74,10 @@ def auto_degrade(trainer: Trainer, step: int, proposals: list[Proposal]) -> list
     )
     trainer.manifest = child
     trainer.admission = decide_admission(
-        trainer.model, child.precision, tensor_parallel=child.topology.tensor_parallel
+        trainer.model,
+        child.precision,
+        tensor_parallel=child.topology.tensor_parallel,
+        refuse_idle_recipes=False,  # the switch adds a BF16 override, no module recipe
     )
     apply_admission(trainer.admission, trainer.model)
     trainer.alert_engine.hold(modules)

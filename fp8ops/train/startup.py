@@ -369,6 +369,8 @@ def _record_resume(plan: Resume, trainer: Trainer, run: RunDir) -> None:
         superseded=[p.name for p in superseded],
         fp8_state=plan.fp8_read,
         scales_carried=trainer.carried_scales,
+        # alert rules the checkpoint predates: their windows start empty
+        alert_rules_fresh=trainer.alert_engine.fresh_rules,
         environment=environment_fingerprint(),
         command=sys.argv,
         load_seconds=round(trainer.load_seconds, 3),

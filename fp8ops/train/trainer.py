@@ -161,7 +161,10 @@ class Trainer:
         # Decided before the base loads: it also refuses FP8 modules whose GEMM
         # precision.backend cannot take, which loading weights first would only delay.
         self.admission = decide_admission(
-            self.model, precision, tensor_parallel=manifest.topology.tensor_parallel
+            self.model,
+            precision,
+            tensor_parallel=manifest.topology.tensor_parallel,
+            refuse_idle_recipes=from_base,  # a resume runs what its checkpoint ran
         )
         apply_admission(self.admission, self.model)
         # Before the optimizer: it takes its float32 main weights from the model as it is now.

@@ -1,36 +1,19 @@
 """Two processes over gloo (torchrun): reduce_amax makes every rank's scales identical;
 without it each rank keeps its own."""
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.torchrun import worker_records
 
 WORKER = Path(__file__).parent / "workers" / "reduce_amax.py"
-
-
-def run_two_ranks(tmp_path: Path, mode: str) -> list[dict]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(WORKER),
-        str(tmp_path),
-        mode,
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     return {
-        mode: run_two_ranks(tmp_path_factory.mktemp(mode), mode) for mode in ("reduce", "local")
+        mode: worker_records(WORKER, tmp_path_factory.mktemp("runs") / mode, mode, ranks=2)
+        for mode in ("reduce", "local")
     }
 
 

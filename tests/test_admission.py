@@ -501,7 +501,7 @@ def test_inspect_layers_prints_every_module_and_the_summary(run_dir, capsys):
     assert "excluded by precision.exclude_modules[0] 'decoder.layers.0.*'" in out
     assert "64 x 192" in out  # qkv, global and per rank
     assert "4 of 16 modules FP8; 12 in bf16: 4 excluded, 2 embedding, 1 LM head, 5 norm" in out
-    assert "recipe: delayed scaling, hybrid, amax_history_len 8, max, margin 0" in out
+    assert "recipe: hybrid, amax_history_len 8, max, margin 0" in out
 
     code, out, _ = inspect(run_dir, capsys=capsys)
     assert code == 0 and "4 of 16 modules FP8" in out and "decoder.layers" not in out

@@ -139,7 +139,7 @@ def test_a_recipe_record_says_only_the_fields_its_recipe_has():
         grad_block_scaling_dim=1,
     )
     assert block.summary == (
-        "block scaling, e4m3, power-of-2 scales on, blocks (x, w, grad) 1x128, 128x128, 1x128"
+        "block scaling, e4m3, power-of-2 scales on, blocks: input 1x128, weight 128x128, grad 1x128"
     )
     current = RecipeRecord(scaling="current", fp8_format="hybrid", power_2_scale=False)
     assert "None" not in current.summary + mxfp8.summary + block.summary

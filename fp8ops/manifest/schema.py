@@ -304,6 +304,30 @@ class ModuleRecipe(_Section):
         return value
 
 
+def recipe_line(recipe: Any) -> str:
+    """A recipe in one line, with the fields it has (a stateless recipe has no window), read by
+    name from ``recipe``: the manifest's ``precision`` section and ``layers.json``'s recipe
+    record alike. A ``power_2_scale`` of None is the recipe's default (on for block only)."""
+    r, fmt = recipe, recipe.fp8_format
+    if r.scaling == "delayed":
+        return (
+            f"{fmt}, amax_history_len {r.amax_history_len}, {r.amax_compute_algo}, "
+            f"margin {r.margin}, reduce_amax {r.reduce_amax}"
+        )
+    if r.scaling == "mxfp8":
+        return f"MXFP8 scaling, {fmt}, 1x32 blocks, E8M0 scales"
+    pow2 = r.power_2_scale if r.power_2_scale is not None else r.scaling == "block"
+    text = f"{r.scaling} scaling, {fmt}, power-of-2 scales {'on' if pow2 else 'off'}"
+    if r.amax_epsilon:
+        text += f", amax_epsilon {r.amax_epsilon}"
+    if r.scaling == "block":
+        edge = {1: "1x128", 2: "128x128"}
+        dims = (r.x_block_scaling_dim, r.w_block_scaling_dim, r.grad_block_scaling_dim)
+        x, w, grad = (edge.get(d, edge[1]) for d in dims)
+        text += f", blocks: input {x}, weight {w}, grad {grad}"
+    return text
+
+
 def _mxfp8_on_scaled_mm(way_out: str) -> str:
     return (
         "MXFP8 on precision.backend 'scaled_mm' would need torch's MXFP8 GEMM "
@@ -623,30 +647,9 @@ class PrecisionPolicy(_Section):
     def recipe_summary(self) -> str:
         """The recipe in one line, with the fields that apply to it, and the modules that run
         another one."""
-        text = self._base_recipe_summary()
+        text = recipe_line(self)
         for entry in self.module_recipes:
             text += f"; {entry.scaling} for {', '.join(entry.modules)}"
-        return text
-
-    def _base_recipe_summary(self) -> str:
-        fmt = self.fp8_format
-        if self.scaling == "delayed":
-            return (
-                f"{fmt}, amax_history_len {self.amax_history_len}, {self.amax_compute_algo}, "
-                f"margin {self.margin}, reduce_amax {self.reduce_amax}"
-            )
-        if self.scaling == "mxfp8":
-            return f"MXFP8 scaling, {fmt}, 1x32 blocks, E8M0 scales"
-        pow2 = self.power_2_scale if self.power_2_scale is not None else self.scaling == "block"
-        text = f"{self.scaling} scaling, {fmt}, power-of-2 scales {'on' if pow2 else 'off'}"
-        if self.amax_epsilon:
-            text += f", amax_epsilon {self.amax_epsilon}"
-        if self.scaling == "block":
-            edge = {1: "1x128", 2: "128x128"}
-            text += (
-                f", blocks: input {edge[self.x_block_scaling_dim]}, weight "
-                f"{edge[self.w_block_scaling_dim]}, grad {edge[self.grad_block_scaling_dim]}"
-            )
         return text
 
     @property

@@ -346,24 +346,10 @@ class RecipeRecord(_LayersRecord):
 
     @property
     def summary(self) -> str:
-        """The recipe in one line, with the fields it has (a stateless recipe has no window)."""
-        if self.scaling == "delayed":
-            return (
-                f"delayed scaling, {self.fp8_format}, amax_history_len {self.amax_history_len}, "
-                f"{self.amax_compute_algo}, margin {self.margin}, reduce_amax {self.reduce_amax}"
-            )
-        if self.scaling == "mxfp8":
-            return f"MXFP8 scaling, {self.fp8_format}, 1x32 blocks, E8M0 scales"
-        text = f"{self.scaling} scaling, {self.fp8_format}, power-of-2 scales "
-        text += "on" if self.power_2_scale else "off"
-        if self.amax_epsilon:
-            text += f", amax_epsilon {self.amax_epsilon}"
-        if self.scaling == "block":
-            dims = (self.x_block_scaling_dim, self.w_block_scaling_dim, self.grad_block_scaling_dim)
-            text += ", blocks (x, w, grad) " + ", ".join(
-                "128x128" if d == 2 else "1x128" for d in dims
-            )
-        return text
+        """The recipe in one line, as the manifest says it (``recipe_line``)."""
+        from fp8ops.manifest.schema import recipe_line
+
+        return recipe_line(self)
 
 
 class LayersDocument(_LayersRecord):

@@ -233,7 +233,7 @@ def module_recipe(precision: PrecisionPolicy, fqn: str) -> tuple[int, Any] | Non
     ``fqn`` (the order Megatron-Core's matchers follow when they hand the module its recipe),
     else None: the module runs ``precision.scaling``."""
     for index, entry in enumerate(precision.module_recipes):
-        if any(fnmatchcase(fqn, glob) for glob in entry.modules):
+        if _matches(fqn, entry.modules):
             return index, entry
     return None
 

@@ -378,7 +378,8 @@ def test_a_checkpoint_without_a_rules_windows_resumes_with_that_rule_fresh():
     feed(eng, [saturated] * 3)  # degrade open
     old = {k: v for k, v in eng.state_dict().items() if not k.startswith("blocks_at_floor.")}
     again = engine(**FLOOR)
-    assert again.load_state_dict(old) == ["blocks_at_floor"] == again.fresh_rules
+    again.load_state_dict(old)
+    assert again.fresh_rules == ["blocks_at_floor"]
     assert feed(again, [saturated] * 3, first=4) == {}  # still open: not fired again
     floored = block_row({(FC1_0, "input.blocks_at_floor"): 0.02})
     assert only(feed(again, [floored] * 3, first=7)).rule == "blocks_at_floor"
@@ -831,9 +832,13 @@ def test_new_alert_fields_have_defaults_and_validate():
         {"error_growth_samples": 2},
         {"error_growth_floor": -0.1},
         {"window_steps": "20"},
+        {"blocks_at_floor": {"observe": 1.5}},  # a fraction
+        {"blocks_at_floor": {"observe": 0.1, "degrade": 0.01}},  # levels out of order
     ):
         with pytest.raises(ValidationError):
             Alerts.model_validate(bad)
+    with pytest.raises(ValidationError, match="blocks_at_floor"):
+        Alerts.model_validate({"blocks_at_floor": {"observe": 0.1, "degrade": 0.01}})
 
 
 def test_the_window_must_hold_twice_the_patience():

@@ -158,8 +158,8 @@ class AlertEngine:
     last amax under ``most_recent``, else the window max (an upper bound of every statistic).
     ``delayed`` says which modules scale from an amax history (delayed scaling; all of them
     when not given): ``amax_jump`` judges only those, since a stateless recipe scales each cast
-    by its own amax and a jump cannot make it clip. ``other_stages``: under pipeline parallelism, the other stages' modules and whether each
-    runs FP8, so that every rank proposes overrides (:meth:`proposals`) for any stage's alerts
+    by its own amax and a jump cannot make it clip. ``other_stages``: under pipeline
+    parallelism, the other stages' modules and whether each runs FP8, so that every rank proposes overrides (:meth:`proposals`) for any stage's alerts
     alike.
     """
 
@@ -299,10 +299,10 @@ class AlertEngine:
             state[f"{name}.open"] = latch.open.astype(np.uint8)
         return {k: np.array(v, copy=True) for k, v in state.items()}
 
-    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> list[str]:
-        """Continue from ``state``; returns the rules added since it was saved (``_ADDED_RULES``
-        of which it has no latch), which start afresh, also kept as :attr:`fresh_rules`. Any
-        other missing or misshapen entry is refused."""
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        """Continue from ``state``. The rules added since it was saved (``_ADDED_RULES`` of
+        which it has no latch) start afresh and are listed in :attr:`fresh_rules`; any other
+        missing or misshapen entry is refused."""
         expected = self.state_dict()
         fresh = [
             rule
@@ -337,7 +337,6 @@ class AlertEngine:
             latch.open = state[f"{name}.open"].astype(bool)
         self._rearm_after_resume()
         self.fresh_rules = fresh
-        return fresh
 
     def _rearm_after_resume(self) -> None:
         """What a resumed run must hear again, unlike the straight run it otherwise continues.

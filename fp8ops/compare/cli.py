@@ -110,7 +110,7 @@ def compare_command(
                 "pass" if row.passed else "FAIL: " + ", ".join(row.failed_gates),
                 "/".join(str(row.alerts[level]) for level in ("stop", "degrade", "observe")),
                 format_value(row.loss_gap),
-                *(f"{row.published[g]:.2f}" if row.published[g] else "not native" for g in gpus),
+                *(f"{row.published[g]:.2f}" if row.published[g] else "not published" for g in gpus),
             )
         console.print(
             "recipes, ranked by the gates, then Stop and Degrade alerts, then the loss gap"

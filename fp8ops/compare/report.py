@@ -430,7 +430,7 @@ def _recipes_html(verdict: Verdict) -> str:
         gates = "pass" if row.passed else "fail: " + ", ".join(row.failed_gates)
         alerts = "/".join(str(row.alerts[level]) for level in ("stop", "degrade", "observe"))
         speedups = "".join(
-            f"<td>{row.published[g]:.2f}x</td>" if row.published[g] else "<td>not native</td>"
+            f"<td>{row.published[g]:.2f}x</td>" if row.published[g] else "<td>not published</td>"
             for g in gpus
         )
         rows.append(

@@ -619,22 +619,23 @@ class ConsoleApp:
         what += f" · {steps.bin_steps} steps per point" if steps.bin_steps > 1 else ""
         figures.show_detail(self.detail_view, lines, slot, what, scaling)
 
-    def _module_scaling(self, module: str) -> str | None:
-        """The recipe ``module`` runs under, by the manifest (its module_recipes entry, else the
-        run's); None when the run has no readable manifest or no FP8."""
+    def _fp8_precision(self):
+        """The run's precision section when it runs FP8; None without a readable manifest."""
         manifest = self.run.manifest if self.run is not None else None
-        if manifest is None or not manifest.precision.enabled:
+        return manifest.precision if manifest and manifest.precision.enabled else None
+
+    def _module_scaling(self, module: str) -> str | None:
+        """The recipe ``module`` runs under (its module_recipes entry, else the run's)."""
+        p = self._fp8_precision()
+        if p is None:
             return None
-        own = module_recipe(manifest.precision, module)
-        return own[1].scaling if own else manifest.precision.scaling
+        own = module_recipe(p, module)
+        return own[1].scaling if own else p.scaling
 
     def _run_scalings(self) -> set[str]:
         """Every recipe some module of the run runs (empty: unknown, or no FP8)."""
-        manifest = self.run.manifest if self.run is not None else None
-        if manifest is None or not manifest.precision.enabled:
-            return set()
-        p = manifest.precision
-        return {p.scaling, *(entry.scaling for entry in p.module_recipes)}
+        p = self._fp8_precision()
+        return set() if p is None else {p.scaling, *(e.scaling for e in p.module_recipes)}
 
     # ----------------------------------------------------------------------------------
     # Alerts

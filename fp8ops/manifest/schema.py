@@ -323,7 +323,7 @@ def recipe_line(recipe: Any) -> str:
     if r.scaling == "block":
         edge = {1: "1x128", 2: "128x128"}
         dims = (r.x_block_scaling_dim, r.w_block_scaling_dim, r.grad_block_scaling_dim)
-        x, w, grad = (edge.get(d, edge[1]) for d in dims)
+        x, w, grad = (edge[d] for d in dims)
         text += f", blocks: input {x}, weight {w}, grad {grad}"
     return text
 
@@ -592,6 +592,7 @@ class PrecisionPolicy(_Section):
                 seen.add(glob)
             later = self.module_recipes[i + 1 :]
             own = entry.scaling == self.scaling and entry.approval is None
+            differing = self._stateless_fields_set() if own else []
             if own and all(e.scaling == self.scaling for e in later):
                 # Before an entry of another recipe, it keeps modules from that entry's globs
                 # (the first match decides); admission checks that it keeps some.
@@ -604,14 +605,14 @@ class PrecisionPolicy(_Section):
                         "remove it",
                     )
                 )
-            elif own and self._stateless_fields_set():
+            elif differing:
                 problems.append(
                     (
                         where,
                         entry.scaling,
                         f"an entry runs '{entry.scaling}' at Transformer Engine's defaults (as "
                         "Megatron builds a module's recipe), not with this run's "
-                        f"{', '.join(self._stateless_fields_set())}: these modules would not "
+                        f"{', '.join(differing)}: these modules would not "
                         "run the run's recipe. Narrow the later entry's globs instead",
                     )
                 )

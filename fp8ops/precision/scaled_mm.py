@@ -41,8 +41,8 @@ backends changes only the multiply.
   stored K-block-major; K is padded to whole blocks, and the rows of a 128x128 operand too.
   It is used for a combination of formats, blocks and output dtype only after
   :func:`one_call_block_gemm_unsupported` has run that combination once on the device and
-  found every element exact (values and power-of-2 scales chosen so that any summation order
-  gives the same float32 sum): a layout misread, or a kernel the device lacks, leaves the GEMM
+  found every element exact (small integers and block scales of 1 to 1.75 times a power of
+  two, so that any summation order gives the same float32 sum): a layout misread, or a kernel the device lacks, leaves the GEMM
   on the per-K-block path above. cuBLAS takes no fast accumulation with these scales, so the
   one-call GEMM accumulates exactly as the per-K-block one does.
   MXFP8 is refused on this backend by the manifest: its GPU GEMM is Blackwell's
@@ -131,7 +131,7 @@ class ScaledMmGemm:
             )
         if width % ALIGNMENT:
             raise ValueError(f"K blocks of {width}: _scaled_mm takes K in multiples of {ALIGNMENT}")
-        if self.one_call_blocks and _one_call_dtype(a, b, out_dtype, bias) is not None:
+        if self._in_one_call(a, b, out_dtype, bias):
             return _one_call_block_gemm(a, b, out_dtype, bias)
         (m, k), n = a.data.shape, b.data.shape[0]
         k_blocks, n_padded = -(-k // width), _aligned(n)
@@ -170,9 +170,21 @@ class ScaledMmGemm:
         """How many GEMMs ``a @ b.T`` of two block-scaled operands takes on their device: 1
         where torch's one-call block GEMM runs that combination exactly, else one per K
         block."""
-        if self.one_call_blocks and _one_call_dtype(a, b, out_dtype, bias) is not None:
+        if self._in_one_call(a, b, out_dtype, bias):
             return 1
         return -(-a.data.shape[1] // a.block[1])
+
+    def _in_one_call(self, a, b, out_dtype, bias) -> bool:
+        """Whether ``a @ b.T`` runs as torch's one-call block GEMM: its blocks are a pair torch
+        takes, and the device ran that combination exactly (written in float32 under a bias,
+        which is added there)."""
+        if not self.one_call_blocks or (a.block, b.block) not in ONE_CALL_PAIRS:
+            return False
+        written = torch.float32 if bias is not None else out_dtype
+        formats = (a.data.dtype, b.data.dtype)
+        return not one_call_block_gemm_unsupported(
+            a.data.device, formats, (a.block, b.block), written
+        )
 
 
 def _check_operands(a, b) -> None:
@@ -385,19 +397,6 @@ def _one_call(a: BlockQuantized, b: BlockQuantized, written: torch.dtype) -> tor
     return F.scaled_mm(**one_call_block_gemm_args(a, b), output_dtype=written)[:m, :n]
 
 
-def _one_call_dtype(
-    a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype, bias: torch.Tensor | None
-) -> torch.dtype | None:
-    """The dtype a one-call GEMM of ``a`` and ``b`` writes, or None where it cannot be used."""
-    if (a.block, b.block) not in ONE_CALL_PAIRS:
-        return None
-    written = torch.float32 if bias is not None else out_dtype
-    formats = (a.data.dtype, b.data.dtype)
-    if one_call_block_gemm_unsupported(a.data.device, formats, (a.block, b.block), written):
-        return None
-    return written
-
-
 @functools.cache
 def _one_call_probe(
     device_type: str,
@@ -438,8 +437,8 @@ def _one_call_probe(
 
 
 def _exact_product(a: BlockQuantized, b: BlockQuantized) -> torch.Tensor:
-    """The probe's expected result, on the host: exact in float64, and exact in float32 too
-    (small integers times powers of two, summed within float32's 24 bits)."""
+    """The probe's expected result, on the host: exact in float64, and in float32 too
+    (``_probe_operand``)."""
     return a.dequantize().cpu().double() @ b.dequantize().cpu().double().t()
 
 

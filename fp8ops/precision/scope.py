@@ -117,10 +117,8 @@ class Fp8Scope:
         if not self._metas:
             return
         states = [meta.direction(forward) for meta in self._metas]
-        local = torch.cat([s.amax_history[0] for s in states])  # this rank's
-        amax = local
+        amax = torch.cat([s.amax_history[0] for s in states])
         if self._should_reduce():
-            amax = local.clone()
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
         history, scale = update_delayed_scaling(
             torch.cat([s.amax_history for s in states], dim=1),
@@ -137,18 +135,19 @@ class Fp8Scope:
         # (otherwise _foreach_copy_ copies pair by pair).
         modules, width = len(states), states[0].scale.numel()
         per_module_history = history.reshape(history.shape[0], modules, width).transpose(0, 1)
-        destinations = [s.amax_history for s in states] + [s.scale for s in states]
-        sources = list(per_module_history.contiguous().unbind(0))
-        sources += list(scale.reshape(modules, width).unbind(0))
-        if all(s.last_amax is not None for s in states):
-            # What each slot fed the update, as TE's kernel takes it (the reduced amax, or this
-            # rank's row 0 where the reduction gave exactly 0), where it fed one (not 0): the
-            # amax telemetry reports, even with a history of length 1, which keeps no past.
-            fed = torch.where(amax != 0, amax, local)
-            last = torch.where(fed != 0, fed, torch.cat([s.last_amax for s in states]))
-            destinations += [s.last_amax for s in states]
-            sources += list(last.reshape(modules, width).unbind(0))
-        torch._foreach_copy_(destinations, sources)
+        # The amax each slot fed this update, where it fed one (TE's kernel skips a slot whose
+        # amax is 0): what telemetry reports, with a history of any length. (Row 0 is never
+        # negative or NaN, so a reduced 0 means every rank's was 0, which the kernel's fallback
+        # to this rank's row 0 would give too.)
+        last = torch.where(amax != 0, amax, torch.cat([s.last_amax for s in states]))
+        torch._foreach_copy_(
+            [s.amax_history for s in states]
+            + [s.scale for s in states]
+            + [s.last_amax for s in states],
+            list(per_module_history.contiguous().unbind(0))
+            + list(scale.reshape(modules, width).unbind(0))
+            + list(last.reshape(modules, width).unbind(0)),
+        )
 
     def _should_reduce(self) -> bool:
         return (

@@ -103,6 +103,7 @@ class TelemetryCollector:
         for module in self._stateless.values():
             module.cast_record.clear()
         # A slot's amax is the one it feeds during this step: none yet (one kernel for all).
+        # fp8ops' states keep it (ScalingState.last_amax); TE's, read afresh each time, do not.
         tracked = [s.last_amax for s in self._delayed_states() if s.last_amax is not None]
         if tracked:
             torch._foreach_mul_(tracked, math.nan)
@@ -278,7 +279,7 @@ class TelemetryCollector:
         ratio = scale64 / previous_scale.astype(np.float64)
         columns = {
             # NaN where the slot fed no update this step (an all-NaN cast, a weight not cast)
-            "amax": np.where(fed > 0, fed, np.nan) if fed.size else fed,
+            "amax": np.where(fed > 0, fed, np.nan),
             "scale": scale,
             "scale_inv": np.float32(1.0) / scale,  # one float32 division: correctly rounded
             "window_max": history.max(axis=-1),

@@ -169,6 +169,33 @@ def test_outside_a_scope_the_model_is_megatrons_local_gpt(model, manifest):
         assert torch.equal(param.grad, theirs[name].grad), name
 
 
+def test_each_weight_is_drawn_from_the_seed_and_its_global_name(model, manifest):
+    """fp8ops/megatron/init.py: a weight follows from ``seeds.model`` and its global name alone
+    (so a pipeline stage draws its layers as the whole model does), by Megatron's own
+    initialisation: fc2 and the attention output scaled by depth, norms and biases constant."""
+    from fp8ops.megatron.init import _seed, init_by_global_name
+
+    params = dict(model.named_parameters())
+    name = "decoder.layers.1.mlp.linear_fc1.weight"
+    torch.manual_seed(_seed(manifest.seeds.model, name))
+    alone = torch.empty(params[name].shape)
+    model.config.init_method(alone)
+    assert torch.equal(params[name], alone.to(params[name].dtype))  # the same draw, TP 1
+    std = model.config.init_method_std
+    fc2 = params["decoder.layers.0.mlp.linear_fc2.weight"].float()
+    assert fc2.std().item() == pytest.approx(
+        std / math.sqrt(2 * manifest.model.num_layers), rel=0.05
+    )
+    assert not torch.equal(params[name], params["decoder.layers.0.mlp.linear_fc1.weight"])
+
+    other = build_gpt(derive(manifest, {"seeds.model": manifest.seeds.model + 1}, "test"), None)
+    assert not torch.equal(dict(other.named_parameters())[name], params[name])
+
+    model.register_parameter("extra", torch.nn.Parameter(torch.randn(3)))
+    with pytest.raises(RuntimeError, match="extra: a parameter drawn at random"):
+        init_by_global_name(model, model.config, manifest.seeds.model, 0, 1)
+
+
 # -- inside a scope: FP8 -------------------------------------------------------------------------
 
 

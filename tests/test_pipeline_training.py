@@ -26,7 +26,7 @@ from support.torchrun import fp8ops_ranks
 from fp8ops.checkpoint import read_meta
 from fp8ops.checkpoint.directory import checkpoint_name
 from fp8ops.evaluate.records import read_capability, read_predictions
-from fp8ops.run import read_evals, read_metrics
+from fp8ops.run import read_evals, read_metrics, read_run_record
 from fp8ops.telemetry import open_run
 
 if importlib.util.find_spec("megatron") is None:
@@ -214,8 +214,6 @@ def test_a_hugging_face_base_loads_into_the_stages_as_into_one_model(tmp_path, c
     pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
     from support.hf_models import make_hf_model
 
-    from fp8ops.run import read_run_record
-
     hf_dir, manifest = tmp_path / "llama", tmp_path / "llama.yaml"
     make_hf_model(hf_dir, "llama-untied")
     assert cli("manifest", "from-hf", hf_dir, "--out", manifest, "--seq-length", 64).code == 0
@@ -244,8 +242,6 @@ def test_tied_embeddings_train_on_two_stages_as_on_one(tmp_path, cli):
     data parallelism and the distributed optimizer, and with tensor parallelism."""
     pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
     from support.hf_models import make_hf_model
-
-    from fp8ops.run import read_run_record
 
     hf_dir, manifest = tmp_path / "llama", tmp_path / "llama.yaml"
     make_hf_model(hf_dir, "llama-tied")
@@ -309,8 +305,6 @@ def test_tied_embeddings_on_four_stages_train_as_on_two(tmp_path, cli):
     pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
     from support.hf_models import make_hf_model
 
-    from fp8ops.run import read_run_record
-
     hf_dir, manifest = tmp_path / "llama", tmp_path / "llama.yaml"
     make_hf_model(hf_dir, "llama-tied", num_hidden_layers=4)
     assert cli("manifest", "from-hf", hf_dir, "--out", manifest, "--seq-length", 64).code == 0
@@ -333,3 +327,34 @@ def test_tied_embeddings_on_four_stages_train_as_on_two(tmp_path, cli):
     assert _answers(four) == _answers(two) and [step for step, _ in _answers(two)] == [3]
     final = [json.loads((run / "final" / "fp8ops_weights.json").read_text()) for run in (two, four)]
     assert final[0]["fingerprint"] == final[1]["fingerprint"]
+
+
+def test_a_model_from_random_weights_is_the_same_at_every_pipeline_size(tmp_path):
+    """Without a base, the model starts from ``seeds.model``: each stage draws its layers'
+    weights by their global names, so PP 2 and PP 4 start from the PP 1 model and train as it,
+    bit for bit (one thread per process: the same reductions)."""
+    manifest = write_derived(
+        tmp_path / "scratch.yaml",
+        MANIFESTS / "tiny-gpt-cpu.yaml",
+        {
+            **SMALL_MODEL,
+            **SCHEDULE,
+            "model.num_layers": 4,
+            "model.init_checkpoint": None,
+            "data.num_examples": 200,
+            "schedule.train_steps": 2,
+            "schedule.eval_interval": 2,
+            "schedule.eval_iters": 1,
+            "capability.enabled": False,
+        },
+    )
+    runs = {pp: tmp_path / f"pp{pp}" for pp in (1, 2, 4)}
+    for pp, run in runs.items():
+        topology = ("--set", f"topology.pipeline_parallel={pp}") if pp > 1 else ()
+        fp8ops_ranks("train", manifest, "--run-dir", run, *topology, ranks=pp)
+    records = {pp: read_run_record(run).model for pp, run in runs.items()}
+    assert len({r.initial_weights_fingerprint for r in records.values()}) == 1
+    assert records[4].parameters == records[1].parameters
+    metrics = {pp: _metrics(run) for pp, run in runs.items()}
+    assert list(metrics[1]) == [1, 2]
+    assert metrics[2] == metrics[1] and metrics[4] == metrics[1]

@@ -38,6 +38,7 @@ from fp8ops.megatron.compat import (
     tensor_parallel,
 )
 from fp8ops.megatron.cpu_shims import apply_cpu_shims
+from fp8ops.megatron.init import init_by_global_name
 from fp8ops.megatron.layers import fp8_modules
 from fp8ops.megatron.quant_config import quant_recipe
 from fp8ops.megatron.rope import set_rope_scaling
@@ -65,8 +66,8 @@ def build_gpt(
     """The manifest's GPT on this rank, its four projections per layer in FP8 under ``recipe``.
 
     ``recipe=None`` builds the same model from Megatron's plain local spec: the high-precision
-    reference. Both draw their initial weights from ``seeds.model`` in the same order, so they
-    start identical. Megatron's parallel state must be initialised (module docstring). On a
+    reference. Both draw each initial weight from ``seeds.model`` and its global name
+    (``init.py``), so they start identical, at every TP and PP. Megatron's parallel state must be initialised (module docstring). On a
     machine without CUDA this applies the CPU shims (``cpu_shims.py``) first. The model is in
     ``precision.base_dtype`` on ``device`` (default: the CPU), its FP8 state with it. All four
     projections of every layer are built FP8-capable; which of them run FP8 is per-layer
@@ -87,8 +88,9 @@ def build_gpt(
     if recipe is not None:
         check_gemms_run(manifest, device)
 
-    # Seeds Megatron's RNG tracker as Megatron-LM's initialisation does; the weights below are
-    # drawn from torch's default generator (use_cpu_initialization).
+    # Seeds Megatron's RNG tracker as Megatron-LM's initialisation does. Megatron draws the
+    # weights from torch's default generator (use_cpu_initialization) in build order, which
+    # depends on the pipeline stage; init_by_global_name below draws them again by name.
     torch.manual_seed(manifest.seeds.model)
     tensor_parallel.model_parallel_cuda_manual_seed(manifest.seeds.model)
 
@@ -118,6 +120,13 @@ def build_gpt(
         **gpt_model_args(manifest),
     )
     set_rope_scaling(model, model_cfg)
+    init_by_global_name(
+        model,
+        config,
+        manifest.seeds.model,
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+    )
     # The local spec's torch norms are created in float32 whatever params_dtype says; casting
     # the whole model is what Megatron's Float16Module does to the module it wraps (the wrapper
     # itself would prefix every name with "module."). The FP8 state follows the device only.

@@ -16,7 +16,6 @@ import json
 import os
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import torch
@@ -28,7 +27,6 @@ from fp8ops.data.batches import MicroBatch
 from fp8ops.manifest import derive, load_manifest
 from fp8ops.megatron import amax_reduction_group, build_gpt, fp8_modules, mark_first_microbatch
 from fp8ops.megatron.compat import parallel_state
-from fp8ops.megatron.layers import global_layer_name
 from fp8ops.megatron.pipeline import forward_backward
 from fp8ops.precision import Fp8Scope, recipe_from_precision
 from fp8ops.train.distributed import init_distributed, shutdown_distributed
@@ -47,21 +45,6 @@ def batches(step: int) -> list[MicroBatch]:
         positions = torch.arange(S).expand(B, S)
         out.append(MicroBatch(tokens[:, :-1], tokens[:, 1:], mask, positions, torch.arange(B)))
     return out
-
-
-def same_weights_by_global_name(model) -> None:
-    """Every parameter drawn from a seed of its global name: each stage initialises its own
-    layers from the start of one random stream (as Megatron does), so without this a stage's
-    layer 2 would start as the unpipelined model's layer 0."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            # Each TP shard its own values; a replicated parameter the same on every TP rank.
-            shard = getattr(param, "tensor_model_parallel", False)
-            tp_rank = parallel_state.get_tensor_model_parallel_rank() if shard else 0
-            seed = zlib.crc32(f"{global_layer_name(model, name)}|{tp_rank}".encode())
-            generator = torch.Generator().manual_seed(seed)
-            values = torch.randn(param.shape, generator=generator) * 0.05
-            param.copy_(values + (1.0 if name.endswith("layernorm.weight") else 0.0))
 
 
 def main(out_dir: Path, tensor_parallel: int) -> None:
@@ -83,7 +66,6 @@ def main(out_dir: Path, tensor_parallel: int) -> None:
     try:
         recipe = recipe_from_precision(manifest.precision)
         model = build_gpt(manifest, recipe)
-        same_weights_by_global_name(model)
         admission = decide_admission(model, manifest.precision, tensor_parallel=tensor_parallel)
         apply_admission(admission, model)
         group = amax_reduction_group(manifest.topology)

@@ -248,3 +248,19 @@ def test_the_cast_record_reports_block_exponents_over_live_blocks_and_the_floor(
     record = CastRecord()
     record.note("input", torch.tensor(2.0), torch.tensor(224.0))
     assert all(math.isnan(v) for v in record.table[2:, 0].tolist())
+
+
+def test_the_cast_record_keeps_the_scale_of_the_cast_whose_amax_it_reports():
+    """Current scaling casts input and grad_output once per micro-batch: the record's amax is
+    the step's largest and its scale that cast's, not the last cast's; a NaN cast (TE skips
+    its scale) changes neither once a finite one is noted."""
+    from fp8ops.precision.stateless import CastRecord
+
+    recipe = RECIPES["current"]
+    record = CastRecord()
+    for peak in (2.0, 8.0, 3.0, math.nan):
+        x = torch.linspace(-1.0, 1.0, 64).reshape(4, 16) * peak
+        recipe.quantize(x, "input", record=record)
+    amax, scale = record.table[0, 0].item(), record.table[1, 0].item()
+    assert amax == 8.0
+    assert scale == 448.0 / 8.0  # 56 exactly (the last cast's would be 448 / 3)

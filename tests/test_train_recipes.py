@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 if importlib.util.find_spec("megatron") is None:
     pytest.skip("needs the megatron extra", allow_module_level=True)
@@ -124,13 +125,21 @@ def test_each_recipe_trains_and_records_what_applies(runs, name):
     assert meta.fp8.layout == "none" and not meta.fp8.digests  # stateless: no FP8 state
 
 
-def test_current_scaling_scale_is_fp8_max_over_the_steps_amax(runs):
-    """Current scaling's recorded weight scale is 448 / that step's weight amax, one float32
-    division (the weight is cast once per step, so its amax is the step's)."""
+def test_current_scaling_rows_pair_each_amax_with_its_casts_scale(runs):
+    """Current scaling's row holds, per slot, the step's largest amax and the scale that cast
+    was cast with: fp8_max / amax, one float32 division, as the cast computed it (so exact). Two
+    micro-batches a step: input and grad_output are cast twice; the weight once."""
+    from fp8ops.precision.scales import scale_from_amax
+
     history = open_run(runs["current"]).module_history(FC1)
-    amax = history["weight.amax"].to_numpy().astype(np.float32)
-    scale = history["weight.scale"].to_numpy().astype(np.float32)
-    np.testing.assert_array_equal(scale, np.float32(448.0) / amax)
+    for slot, fp8_max in (("input", 448.0), ("weight", 448.0), ("grad_output", 57344.0)):
+        amax = history[f"{slot}.amax"].to_numpy().astype(np.float32)
+        scale = history[f"{slot}.scale"].to_numpy().astype(np.float32)
+        expected = scale_from_amax(torch.from_numpy(amax), fp8_max, power_2_scale=False).numpy()
+        np.testing.assert_array_equal(scale, expected, err_msg=slot)
+        np.testing.assert_array_equal(
+            history[f"{slot}.scale_inv"].to_numpy().astype(np.float32), np.float32(1) / scale
+        )
 
 
 @pytest.mark.slow

@@ -176,8 +176,8 @@ class StatelessRecipe:
 
 class CastRecord:
     """What one module's casts of a step were, for telemetry, per role (``ROLES``): the amax
-    (the largest over the step's micro-batches) and the scale of a per-tensor cast (NaN for
-    blocks, which have many); for block casts, the exponent of the blocks' decode scales
+    (the largest over the step's micro-batches) and the scale that cast was cast with, for a
+    per-tensor cast (NaN for blocks, which have many); for block casts, the exponent of the blocks' decode scales
     (``scale_inv``) over the blocks that hold a non-zero finite value: the lowest and highest
     over the step, the (lower) median of the last cast, and how many of those blocks sat at
     the scale floor out of how many. A few tensor ops per cast, on its device: no host sync."""
@@ -199,9 +199,13 @@ class CastRecord:
         blocks: BlockQuantized | None = None,
     ) -> None:
         i, t = ROLES.index(role), self.table
-        t[0, i] = torch.fmax(t[0, i], amax.to(t.device))
+        amax = amax.to(t.device)
         if scale is not None:
-            t[1, i] = scale.to(t.device)
+            # The scale of the cast whose amax the row reports (the first such cast on a tie,
+            # which had the same scale): a reader takes a row's amax and scale as one cast's.
+            largest = torch.isnan(t[0, i]) | (amax > t[0, i])
+            t[1, i] = torch.where(largest, scale.to(t.device), t[1, i])
+        t[0, i] = torch.fmax(t[0, i], amax)
         if blocks is None or blocks.block_amax is None or not blocks.block_amax.numel():
             return
         live = (blocks.block_amax > 0) & torch.isfinite(blocks.block_amax)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from fp8ops.manifest import (
     write_manifest,
 )
 from fp8ops.manifest.schema import Globs, _Section, added_field
+from fp8ops.manifest.yaml_io import load_yaml_value
 
 
 def with_change(m: Manifest, path: str, value: Any) -> Manifest:
@@ -527,3 +529,37 @@ def test_write_manifest_refuses_to_overwrite(tmp_path, tiny):
         write_manifest(with_change(tiny, "precision.margin", 1), out)
     assert manifest_hash(load_manifest(out)) == manifest_hash(tiny)
     assert yaml.safe_load(out.read_text())["precision"]["margin"] == 0
+
+
+def test_an_alias_bomb_is_refused_by_line_before_it_is_expanded():
+    """Nine anchors of nine aliases each: 9^9 nodes from a dozen lines. Every command reads
+    manifests through this loader; it must answer at once, naming the entry."""
+    lines = ["a: &a [x, x, x, x, x, x, x, x, x]"]
+    for previous, anchor in zip("abcdefgh", "bcdefghi"):
+        lines.append(f"{anchor}: &{anchor} [{', '.join([f'*{previous}'] * 9)}]")
+    text = MINIMAL.rstrip("\n") + "\n" + "\n".join(lines) + "\nextra: *i\n"
+    started = time.process_time()
+    with pytest.raises(ManifestError) as exc:
+        parse_manifest(text, "bomb.yaml")
+    assert time.process_time() - started < 5.0  # measured 0.01 s; expanding it takes hours
+    line = text.splitlines().index(lines[-1]) + 1
+    message = str(exc.value)
+    assert message.startswith(f"bomb.yaml: YAML aliases (*name) expand i (line {line})"), message
+    assert "more than the 100000 a manifest may hold" in message
+    # A --set value is read by the same loader.
+    value = "[&a [x, x, x, x, x, x, x, x, x, x]"
+    for previous, anchor in zip("abcde", "bcdef"):
+        value += f", &{anchor} [{', '.join([f'*{previous}'] * 10)}]"
+    with pytest.raises(yaml.YAMLError, match="expand"):
+        load_yaml_value(value + "]")
+    # A few anchors and merges, as a manifest may use them, load.
+    assert load_yaml_value("[&a [1, 2], *a, *a]") == [[1, 2]] * 3
+
+
+@pytest.mark.parametrize("depth", [150, 1000])
+def test_a_manifest_nested_past_the_depth_limit_is_refused_not_a_traceback(depth):
+    """Past 100 levels: refused by line; past what PyYAML's recursive composer can read (about
+    330 on CPython's default limit): refused all the same, not a RecursionError traceback."""
+    with pytest.raises(ManifestError, match="nest") as exc:
+        parse_manifest(MINIMAL + "notes: " + "[" * depth + "]" * depth + "\n", "deep.yaml")
+    assert str(exc.value).startswith("deep.yaml: YAML error: ")

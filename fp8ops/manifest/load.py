@@ -14,7 +14,13 @@ import yaml
 from fp8ops.errors import ManifestError
 from fp8ops.manifest.messages import dotted, format_problems, validate_manifest, yaml_type
 from fp8ops.manifest.schema import Manifest
-from fp8ops.manifest.yaml_io import DuplicateKeyError, Loc, ManifestLoader, key_lines
+from fp8ops.manifest.yaml_io import (
+    AliasExpansionError,
+    DuplicateKeyError,
+    Loc,
+    ManifestLoader,
+    key_lines,
+)
 
 
 def load_manifest(path: str | Path) -> Manifest:
@@ -66,6 +72,8 @@ def parse_yaml(text: str, source: str) -> tuple[Any, dict[Loc, int]]:
             for path, first, line in exc.duplicates
         ]
         raise ManifestError(format_problems(source, problems)) from None
+    except AliasExpansionError as exc:
+        raise ManifestError(f"{source}: {exc}") from None
     except yaml.MarkedYAMLError as exc:
         raise ManifestError(f"{source}: {_syntax_error(exc)}") from None
     except yaml.YAMLError as exc:  # ReaderError: control characters and the like

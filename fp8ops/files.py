@@ -1,8 +1,10 @@
-"""Files that survive crashes: whole files replaced atomically, logs read up to a torn last line."""
+"""Files that survive crashes: whole files replaced atomically, logs read up to a torn last line,
+and JSON lines that strict readers (jq, JavaScript) accept."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -83,8 +85,59 @@ def _after_last_newline(log, end: int) -> int:
     return 0
 
 
+# The key of a JSON line that names its non-finite numbers: JSON Pointer -> "nan", "inf", "-inf".
+NONFINITE = "nonfinite"
+
+
+def json_line(record: dict[str, Any]) -> str:
+    """``record`` as one line of strict JSON. JSON has no NaN or infinity, and Python's writer
+    would put bare ``NaN`` there, which strict readers refuse: each such number is written as
+    ``null`` and named under ``"nonfinite"`` with what it was (``{"loss": null, "nonfinite":
+    {"/loss": "nan"}}``); :func:`read_jsonl` puts it back."""
+    found: dict[str, str] = {}
+
+    def strict(value: Any, pointer: str) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            found[pointer] = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+            return None
+        if isinstance(value, dict):
+            return {k: strict(v, f"{pointer}/{_escape(str(k))}") for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [strict(v, f"{pointer}/{i}") for i, v in enumerate(value)]
+        return value
+
+    out = strict(record, "")
+    if found:
+        out[NONFINITE] = found
+    return json.dumps(out, sort_keys=True, allow_nan=False) + "\n"
+
+
+def _escape(key: str) -> str:  # RFC 6901
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def _restore_nonfinite(record: dict[str, Any]) -> dict[str, Any]:
+    """:func:`json_line`'s nulls back to the numbers they were (a record without the key, or
+    from a writer before it, as it is)."""
+    found = record.get(NONFINITE) if isinstance(record, dict) else None
+    if not isinstance(found, dict):
+        return record
+    record = {k: v for k, v in record.items() if k != NONFINITE}
+    for pointer, what in found.items():
+        *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in pointer.split("/")[1:]]
+        holder: Any = record
+        for part in parents:
+            holder = holder[int(part)] if isinstance(holder, list) else holder[part]
+        if isinstance(holder, list):
+            holder[int(last)] = float(what)
+        else:
+            holder[last] = float(what)
+    return record
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """The records of an append-only log; a torn last line (a crash mid-write) is skipped."""
+    """The records of an append-only log; a torn last line (a crash mid-write) is skipped, and
+    the non-finite numbers :func:`json_line` wrote as ``null`` are numbers again."""
     records = []
     try:
         with open(path, encoding="utf-8") as log:
@@ -95,10 +148,18 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             if number < len(lines) - 1:  # only the final, unterminated line may be torn
                 raise Fp8opsError(f"{path}:{number}: not valid JSON; the file is damaged") from None
+            continue
+        try:
+            records.append(_restore_nonfinite(record))
+        except (LookupError, TypeError, ValueError, AttributeError):
+            raise Fp8opsError(
+                f"{path}:{number}: its {NONFINITE!r} entry names a value the record does not "
+                "hold; the file is damaged"
+            ) from None
     return records
 
 

@@ -178,3 +178,30 @@ def _numbers(y) -> list[float]:
 
         return np.frombuffer(base64.b64decode(y["bdata"]), dtype=y["dtype"]).tolist()
     return json.loads(json.dumps(y))
+
+
+def test_a_page_viewer_sees_no_traceback_only_the_log_does(tmp_path):
+    """An error in the served notebook shows Voila's notice, not the traceback with its paths
+    and values; the operator finds it in Voila's log."""
+    import urllib.request
+
+    from fp8ops.console.server import start
+
+    notebook = tmp_path / "fails.ipynb"
+    cell = {"cell_type": "code", "execution_count": None, "id": "fails", "metadata": {}}
+    cell |= {"outputs": [], "source": ["raise RuntimeError('the-secret-in-a-traceback')"]}
+    kernel = {"display_name": "Python 3", "language": "python", "name": "python3"}
+    notebook.write_text(
+        json.dumps({"cells": [cell], "metadata": {"kernelspec": kernel}, "nbformat": 4,
+                    "nbformat_minor": 5})
+    )  # fmt: skip
+    (tmp_path / "runs").mkdir()
+    log = tmp_path / "voila.log"
+    server = start(tmp_path / "runs", log=log, notebook=notebook)
+    try:
+        page = urllib.request.urlopen(server.url, timeout=120).read().decode()
+    finally:
+        server.stop()
+    assert "There was an error when executing cell" in page
+    assert "the-secret-in-a-traceback" not in page and "RuntimeError" not in page
+    assert "the-secret-in-a-traceback" in log.read_text()

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from fp8ops.errors import Fp8opsError
-from fp8ops.files import append_lines, read_jsonl
+from fp8ops.files import NONFINITE, append_lines, json_line, read_jsonl
 from fp8ops.run import read_status
 
 
@@ -91,3 +92,38 @@ def test_a_manifest_written_to_a_directory_is_refused_as_such(tmp_path, cli):
     )
     assert result.code == 2
     assert result.err.strip() == f"{tmp_path}: is a directory; give the manifest file's path"
+
+
+def _strict(text: str):
+    """JSON as jq and JavaScript read it: NaN, Infinity and -Infinity are not JSON."""
+
+    def refuse(token):
+        raise ValueError(f"not JSON: {token}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_non_finite_numbers_are_written_null_with_what_they_were_and_read_back(tmp_path):
+    record = {
+        "step": 3,
+        "loss": math.nan,
+        "buckets": {"a/b": math.inf, "ok": 1.5},
+        "seq": [1.0, -math.inf],
+    }
+    line = json_line(record)
+    strict = _strict(line)  # a strict reader takes it
+    assert strict["loss"] is None and strict["buckets"]["a/b"] is None and strict["seq"][1] is None
+    assert strict[NONFINITE] == {"/loss": "nan", "/buckets/a~1b": "inf", "/seq/1": "-inf"}
+    log = tmp_path / "metrics.jsonl"
+    append_lines(log, line + json_line({"step": 4, "loss": 2.0}))
+    first, second = read_jsonl(log)
+    assert math.isnan(first["loss"]) and first["buckets"] == {"a/b": math.inf, "ok": 1.5}
+    assert first["seq"] == [1.0, -math.inf] and NONFINITE not in first
+    assert second == {"step": 4, "loss": 2.0}
+
+
+def test_a_nonfinite_entry_naming_nothing_is_damage_by_line(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "nonfinite": {"/buckets/x": "nan"}}\n')
+    with pytest.raises(Fp8opsError, match=r"metrics.jsonl:2: its 'nonfinite' entry names"):
+        read_jsonl(log)

@@ -7,14 +7,13 @@ readers skip such a torn last line (``fp8ops.files.read_jsonl``).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 from fp8ops.alerts.records import Alert
 from fp8ops.errors import Fp8opsError
-from fp8ops.files import append_lines, read_jsonl
+from fp8ops.files import append_lines, json_line, read_jsonl
 from fp8ops.run import RunLayout
 from fp8ops.run.layout import ALERTS
 
@@ -45,10 +44,7 @@ def read_run_alerts(run_dir: str | Path) -> list[Alert]:
 
 
 def _append(path: Path, records: Iterable[Any]) -> None:
-    lines = [
-        json.dumps(r.to_json() if hasattr(r, "to_json") else dict(r), sort_keys=True) + "\n"
-        for r in records
-    ]
+    lines = [json_line(r.to_json() if hasattr(r, "to_json") else dict(r)) for r in records]
     if lines:
         append_lines(path, "".join(lines))  # one write: a crash tears at most the last line
 

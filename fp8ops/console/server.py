@@ -67,8 +67,11 @@ def start(
     *,
     port: int | None = None,
     log: Path | None = None,
+    notebook: Path | None = None,
 ) -> Server:
-    """Start Voila on the console notebook and return once it accepts connections."""
+    """Start Voila on the console notebook (or ``notebook``) and return once it accepts
+    connections. A page viewer never sees a traceback (paths, environment, code): an error in
+    the notebook shows Voila's notice, and the traceback goes to the log."""
     if importlib.util.find_spec("voila") is None:
         raise Fp8opsError(
             "the console needs its extra: pip install -e '.[console]' (ipywidgets, plotly, voila)"
@@ -83,7 +86,7 @@ def start(
         env["FP8OPS_USER"] = user
     # The kernel is started as "python": keep this interpreter's environment first on PATH.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    notebook = console_notebook()
+    notebook = notebook or console_notebook()
     command = [
         sys.executable,
         "-m",
@@ -94,7 +97,7 @@ def start(
         f"--port={port}",
         "--Voila.port_retries=0",
         f"--Voila.token={token}",
-        "--show_tracebacks=True",
+        "--show_tracebacks=False",
     ]
     out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 (the child keeps it)
     # Its own session: a Ctrl-C in the terminal reaches only us, and we stop Voila (SIGTERM,

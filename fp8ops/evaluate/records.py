@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8ops.errors import Fp8opsError
-from fp8ops.files import append_lines, atomic_write_text, latest_per_step, read_jsonl
+from fp8ops.files import append_lines, atomic_write_text, json_line, latest_per_step, read_jsonl
 from fp8ops.run.layout import CAPABILITY as LOG
 from fp8ops.run.layout import CAPABILITY_ANSWERS as PREDICTIONS_DIR
 
@@ -73,7 +73,7 @@ def write_capability(
         "predictions_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
     }
     # One write of one line, as RunDir.append does: a crash loses at most this line.
-    append_lines(Path(run_dir) / LOG, json.dumps(record) + "\n")
+    append_lines(Path(run_dir) / LOG, json_line(record))
     return record
 
 

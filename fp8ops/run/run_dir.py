@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8ops.errors import Fp8opsError
-from fp8ops.files import append_lines, atomic_write_text
+from fp8ops.files import append_lines, atomic_write_text, json_line
 from fp8ops.manifest import ManifestStore, load_manifest, manifest_hash, write_manifest
 from fp8ops.manifest.canonical import to_yaml
 from fp8ops.manifest.schema import Manifest
@@ -252,7 +252,7 @@ class RunDir:
 
     def _append(self, file: Path, record: dict[str, Any]) -> None:
         if self.writer:
-            append_lines(file, json.dumps(record, sort_keys=True) + "\n")
+            append_lines(file, json_line(record))
 
 
 def trained_now(path: Path) -> bool:

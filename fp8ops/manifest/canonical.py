@@ -7,7 +7,7 @@ other comments, flow or block style, defaults written out or left implicit, ``1e
 changes it.
 
 One exception keeps hashes stable across fp8ops versions: a field added to the schema after
-its first release (``schema.added_field``) is left out while it holds its default. Without
+its first release (``base.added_field``) is left out while it holds its default. Without
 it, every new field would change the hash of every existing manifest, and with it every
 stored revision's name, every revision's parent link and every checkpoint's manifest lock:
 an upgrade would refuse every run's resume as drift. A default chosen for a new field
@@ -24,7 +24,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel
 
-from fp8ops.manifest.schema import ADDED_IN, Manifest
+from fp8ops.manifest.base import ADDED_IN
+from fp8ops.manifest.schema import Manifest
 from fp8ops.manifest.yaml_io import ManifestDumper
 
 

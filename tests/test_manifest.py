@@ -563,3 +563,25 @@ def test_a_manifest_nested_past_the_depth_limit_is_refused_not_a_traceback(depth
     with pytest.raises(ManifestError, match="nest") as exc:
         parse_manifest(MINIMAL + "notes: " + "[" * depth + "]" * depth + "\n", "deep.yaml")
     assert str(exc.value).startswith("deep.yaml: YAML error: ")
+
+
+@pytest.mark.parametrize(
+    ("changes", "says"),
+    [
+        ({"optimizer.lr": 3e38}, "optimizer.lr: must be <= 3.4e+37: AdamW's first step divides"),
+        ({"optimizer.lr": 1e39, "optimizer.name": "sgd"}, "optimizer.lr: must be <= 3.40282e+38"),
+        ({"optimizer.eps": 1e-50}, "optimizer.eps: must be >= 1.17549e-38"),
+        ({"optimizer.clip_grad": 1e39}, "optimizer.clip_grad: must be <= 3.40282e+38"),
+        ({"optimizer.lr": 1.0, "optimizer.weight_decay": 1e39}, "lr x weight_decay must be <="),
+        ({"seeds.model": 2**64}, "seeds.model: must be <= 4294967295"),
+        ({"seeds.data": -1}, "seeds.data: must be >= 0"),
+    ],
+)
+def test_numbers_the_optimizer_arithmetic_cannot_hold_are_refused_by_field(changes, says):
+    """float32 main weights: AdamW's step size lr / (1 - beta1) and lr x weight_decay must be
+    float32 numbers (3e38 crashed inside AdamW); eps below float32's smallest normal is lost."""
+    with pytest.raises(ManifestError) as exc:
+        derive(load_manifest(TINY), changes, "test")
+    assert says in str(exc.value), str(exc.value)
+    # The bound is the arithmetic's, not a guess: just inside it loads.
+    assert derive(load_manifest(TINY), {"optimizer.lr": 3.4e37}, "test").optimizer.lr == 3.4e37

@@ -66,7 +66,7 @@ def append_lines(path: str | Path, text: str) -> None:
 
 def _is_json(data: bytes) -> bool:
     try:
-        json.loads(data)
+        loads_json(data)
     except ValueError:  # JSONDecodeError and UnicodeDecodeError both are
         return False
     return True
@@ -83,6 +83,17 @@ def _after_last_newline(log, end: int) -> int:
             return start + found + 1
         position = start
     return 0
+
+
+def loads_json(text: str | bytes, **kwargs: Any) -> Any:
+    """``json.loads`` for what a file holds. Nesting deeper than Python's recursion limit raises
+    RecursionError, which handlers of JSONDecodeError miss, so a file anyone can write would end
+    a reader in a traceback; here it is a ``ValueError`` (JSONDecodeError's base class), as all
+    other unreadable JSON is, for the caller to name the file."""
+    try:
+        return json.loads(text, **kwargs)
+    except RecursionError:
+        raise ValueError("nested too deeply to read") from None
 
 
 # The key of a JSON line that names its non-finite numbers: JSON Pointer -> "nan", "inf", "-inf".
@@ -148,10 +159,12 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if number < len(lines) - 1:  # only the final, unterminated line may be torn
-                raise Fp8opsError(f"{path}:{number}: not valid JSON; the file is damaged") from None
+            record = loads_json(line)
+        except ValueError as exc:
+            if number < len(lines):  # only the final, unterminated line may be torn
+                raise Fp8opsError(
+                    f"{path}:{number}: not valid JSON ({exc}); the file is damaged"
+                ) from None
             continue
         try:
             records.append(_restore_nonfinite(record))

@@ -127,3 +127,25 @@ def test_a_nonfinite_entry_naming_nothing_is_damage_by_line(tmp_path):
     log.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "nonfinite": {"/buckets/x": "nan"}}\n')
     with pytest.raises(Fp8opsError, match=r"metrics.jsonl:2: its 'nonfinite' entry names"):
         read_jsonl(log)
+
+
+def test_json_nested_past_the_recursion_limit_is_named_damage_not_a_traceback(tmp_path):
+    """JSON nested 100,000 deep makes Python's parser raise RecursionError, which handlers of
+    JSONDecodeError miss: every reader of a file someone else may write names the file."""
+    from fp8ops.checkpoint.meta import read_meta
+    from fp8ops.hf.config import read_config
+    from fp8ops.run import read_run_record
+
+    deep = '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    for name in ("run.json", "config.json", "fp8ops_checkpoint.json", "log.jsonl"):
+        (tmp_path / name).write_text(deep + "\n")
+    (tmp_path / "status.json").write_text("{}")  # a run directory
+    readers = [
+        (lambda: read_run_record(tmp_path), "run.json"),
+        (lambda: read_config(tmp_path), "config.json"),
+        (lambda: read_meta(tmp_path), "fp8ops_checkpoint.json"),
+        (lambda: read_jsonl(tmp_path / "log.jsonl"), "log.jsonl"),
+    ]
+    for read, name in readers:
+        with pytest.raises(Fp8opsError, match=rf"{name}.*nested too deeply"):
+            read()

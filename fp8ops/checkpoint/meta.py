@@ -8,13 +8,13 @@ how to verify what the tensors restore (weights fingerprint, FP8 state digests, 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fp8ops.checkpoint.directory import META_FILE, CheckpointError
+from fp8ops.files import loads_json
 
 FORMAT = 1
 
@@ -93,14 +93,14 @@ def read_meta(directory: Path) -> CheckpointMeta:
             f"{path}: missing; {directory} is not a complete fp8ops checkpoint"
         ) from None
     try:
-        return CheckpointMeta.model_validate(json.loads(text))
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(
-            f"{path}: not valid JSON ({exc}); the checkpoint is damaged"
-        ) from None
+        return CheckpointMeta.model_validate(loads_json(text))
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "top level"
         raise CheckpointError(
             f"{path}: {where}: {first['msg']}; the checkpoint is damaged or from another fp8ops"
+        ) from None
+    except ValueError as exc:  # not JSON, nested too deeply (ValidationError is one: first)
+        raise CheckpointError(
+            f"{path}: not valid JSON ({exc}); the checkpoint is damaged"
         ) from None

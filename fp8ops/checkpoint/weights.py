@@ -29,6 +29,7 @@ from torch import nn
 
 from fp8ops.checkpoint.sharded_io import load_sharded, save_sharded
 from fp8ops.errors import ManifestError
+from fp8ops.files import loads_json
 from fp8ops.manifest.canonical import section_dict
 from fp8ops.run.layout import WEIGHTS_META
 
@@ -375,7 +376,7 @@ def read_weights_meta(directory: Path, *, field: str) -> dict:
         )
     meta_path = directory / META_FILE
     try:
-        meta = json.loads(meta_path.read_text())
+        meta = loads_json(meta_path.read_text())
     except FileNotFoundError:
         if (directory / "config.json").is_file():
             raise ManifestError(
@@ -388,7 +389,7 @@ def read_weights_meta(directory: Path, *, field: str) -> dict:
             "point it at the 'final' directory of a completed run, or at a Hugging Face "
             "checkpoint directory"
         ) from None
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # not JSON, not UTF-8, nested too deeply
         raise ManifestError(
             f"{meta_path}: not valid JSON ({exc}); the checkpoint is damaged"
         ) from None

@@ -11,7 +11,6 @@ before anything is judged; nothing here imports torch or Megatron.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from fp8ops.alerts import Alert, read_alerts
 from fp8ops.compare.layers import TelemetrySummary, summarise_telemetry
 from fp8ops.dualtrack.tracks import CANDIDATE, FALLBACK, LABELS, PLAN
 from fp8ops.errors import Fp8opsError
+from fp8ops.files import loads_json
 from fp8ops.manifest import Manifest, ManifestStore, manifest_hash
 from fp8ops.run import (
     RunLayout,
@@ -284,10 +284,10 @@ def _as_written(rows: list) -> list[dict[str, Any]]:
 
 def _read_json(file: Path) -> dict[str, Any]:
     try:
-        document = json.loads(file.read_text())
+        document = loads_json(file.read_text())
     except FileNotFoundError:
         raise Fp8opsError(f"{file}: no such file") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise Fp8opsError(f"{file}: cannot be read ({exc}); the file is damaged") from None
     if not isinstance(document, dict):
         raise Fp8opsError(f"{file}: not a JSON object; the file is damaged")

@@ -18,12 +18,12 @@ Both have the same surface (``kind``, ``eod``, ``pad``, ``vocab_size``, ``encode
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from fp8ops.errors import ManifestError, relative
+from fp8ops.files import loads_json
 
 if TYPE_CHECKING:
     from fp8ops.manifest.schema import TokenizerConfig
@@ -254,7 +254,7 @@ def _eos_from_config(file: Path) -> str:
         "token that ends a document (Llama 3: <|end_of_text|>)"
     )
     try:
-        eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+        eos = loads_json(config.read_text(encoding="utf-8")).get("eos_token")
     except FileNotFoundError:
         raise ManifestError(
             f"tokenizer.eod_token: not set, and there is no {config} to take an eos_token from; "

@@ -41,7 +41,7 @@ from fp8ops.dualtrack.tracks import (
     recipe_manifest,
 )
 from fp8ops.errors import Fp8opsError, ManifestError
-from fp8ops.files import atomic_write_text
+from fp8ops.files import atomic_write_text, loads_json
 from fp8ops.manifest import derive, load_manifest, manifest_hash, write_manifest
 from fp8ops.manifest.schema import Manifest
 from fp8ops.run import find_status
@@ -234,14 +234,13 @@ def _source_manifest(path: Path, assignments: dict) -> Manifest:
 def _open_plan(out_dir: Path, source: Manifest, tracks: tuple[str, ...] | None) -> dict:
     """dualtrack.json as an earlier invocation left it (then for the same manifest and
     tracks), or a new plan for a new or empty directory. Reads only."""
-    import json
 
     path = out_dir / PLAN
     digest = manifest_hash(source)
     if path.exists():
         try:
-            plan = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            plan = loads_json(path.read_text())
+        except (OSError, ValueError) as exc:
             raise Fp8opsError(f"{path}: unreadable ({exc}); move the directory aside") from None
         if plan.get("manifest") != digest:
             raise Fp8opsError(

@@ -8,10 +8,10 @@ through safetensors' lazy slices, so a rank reads only the rows it keeps.
 from __future__ import annotations
 
 import hashlib
-import json
 from contextlib import ExitStack
 from pathlib import Path
 
+from fp8ops.files import loads_json
 from fp8ops.hf.config import CONFIG, HfCheckpointError
 
 SINGLE = "model.safetensors"
@@ -43,9 +43,9 @@ def weight_files(directory: Path) -> dict[str, Path]:
     directory = Path(directory)
     if (directory / INDEX).is_file():
         try:
-            index = json.loads((directory / INDEX).read_text())
+            index = loads_json((directory / INDEX).read_text())
             weight_map = index["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError) as exc:
             raise HfCheckpointError(
                 f"{directory / INDEX}: not a safetensors index ({type(exc).__name__}: {exc}); "
                 "it must hold a 'weight_map' of tensor name to file"

@@ -11,11 +11,11 @@ wrong (a dropped rope scaling, a head width recomputed from hidden / heads).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from fp8ops.errors import Fp8opsError
+from fp8ops.files import loads_json
 
 CONFIG = "config.json"
 ARCHITECTURES = {
@@ -91,13 +91,13 @@ def read_config(directory: Path) -> dict[str, Any]:
     """``directory``'s ``config.json`` as a dict, with errors that name the file."""
     path = Path(directory) / CONFIG
     try:
-        config = json.loads(path.read_text())
+        config = loads_json(path.read_text())
     except FileNotFoundError:
         raise HfCheckpointError(
             f"{path}: not found; a Hugging Face checkpoint directory holds config.json beside "
             "its safetensors files"
         ) from None
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # not JSON, not UTF-8, nested too deeply
         raise HfCheckpointError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(config, dict):
         raise HfCheckpointError(f"{path}: must hold a JSON object")

@@ -22,7 +22,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fp8ops.errors import Fp8opsError
-from fp8ops.files import atomic_write_text, read_jsonl
+from fp8ops.files import atomic_write_text, loads_json, read_jsonl
 from fp8ops.run.layout import RunLayout
 
 
@@ -536,10 +536,10 @@ def _read_document(file: Path, model: type[R]) -> R:
 
 def _read_json(file: Path) -> dict[str, Any]:
     try:
-        document = json.loads(file.read_text(encoding="utf-8"))
+        document = loads_json(file.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise RunRecordError(f"{file}: no such file") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise RunRecordError(
             f"{file}: cannot be read: not valid JSON ({exc}); the file is damaged"
         ) from None

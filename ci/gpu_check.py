@@ -644,7 +644,7 @@ def build_stack(shape: dict, recipe, gemm, device, attention: str):
 
     from fp8ops.manifest.schema import ModelConfig, Topology
     from fp8ops.megatron.compat import tensor_parallel
-    from fp8ops.megatron.model import transformer_config
+    from fp8ops.megatron.config import transformer_config
     from fp8ops.megatron.spec import get_gpt_layer_fp8_emulated_spec
 
     manifest = SimpleNamespace(  # what transformer_config reads of a manifest

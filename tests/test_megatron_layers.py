@@ -333,7 +333,7 @@ def test_unsupported_megatron_settings_fail_at_build_time(
 ):
     import dataclasses
 
-    from fp8ops.megatron.model import transformer_config
+    from fp8ops.megatron.config import transformer_config
 
     config = dataclasses.replace(transformer_config(load_manifest(TINY)), **config_changes)
     with pytest.raises(NotImplementedError, match=message):
@@ -350,7 +350,7 @@ def test_unsupported_megatron_settings_fail_at_build_time(
 
 
 def test_vocabulary_padding_does_not_depend_on_tensor_parallel_size():
-    from fp8ops.megatron.model import padded_vocab_size
+    from fp8ops.megatron.config import padded_vocab_size
 
     assert {padded_vocab_size(256, tp) for tp in (1, 2, 4, 8)} == {256}
     assert {padded_vocab_size(50257, tp) for tp in (1, 2, 4, 8)} == {50304}

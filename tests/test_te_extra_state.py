@@ -186,8 +186,8 @@ def test_a_megatron_fp8_layer_loads_a_te_payload_and_refuses_another_recipe(mega
     from support.example_manifests import TINY
 
     from fp8ops.manifest import load_manifest
+    from fp8ops.megatron.config import transformer_config
     from fp8ops.megatron.layers import Fp8ColumnParallelLinear
-    from fp8ops.megatron.model import transformer_config
 
     config = transformer_config(load_manifest(TINY))
 

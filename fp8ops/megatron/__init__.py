@@ -2,9 +2,11 @@
 
 Reading order: ``compat`` (the one place Megatron is imported), ``cpu_shims`` (what a CPU-only
 torch needs), ``layers`` (the FP8 tensor-parallel linears), ``spec`` (where they go in a GPT
-layer), ``model`` (the GPT from a manifest).
+layer), ``config`` (Megatron's config of the manifest's model), ``model`` (the GPT from a
+manifest).
 """
 
+from fp8ops.megatron.config import transformer_config
 from fp8ops.megatron.cpu_shims import apply_cpu_shims
 from fp8ops.megatron.layers import (
     Fp8ColumnParallelLinear,
@@ -17,7 +19,6 @@ from fp8ops.megatron.model import (
     build_gpt,
     check_gemms_run,
     fp8_state_modules,
-    transformer_config,
 )
 from fp8ops.megatron.spec import get_gpt_layer_fp8_emulated_spec, with_fp8_projections
 

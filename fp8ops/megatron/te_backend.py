@@ -43,6 +43,8 @@ import torch
 
 from fp8ops.errors import Fp8opsError
 from fp8ops.megatron import compat
+from fp8ops.megatron.config import DTYPES, gpt_model_args, transformer_config
+from fp8ops.megatron.rope import set_rope_scaling
 from fp8ops.megatron.te_state import is_te_projection
 
 UNFUSED_UPDATE_ENV = "NVTE_UNFUSED_FP8_UPDATE"  # TE's switch to its Python scaling update
@@ -62,8 +64,6 @@ def te_available() -> bool:
 
 def te_transformer_config(manifest):
     """The manifest's TransformerConfig with Megatron's FP8 fields set from its recipe."""
-    from fp8ops.megatron.model import transformer_config
-
     precision = manifest.precision
     algo = precision.amax_algo
     # What Megatron's config cannot carry to TE must be refused, not dropped.
@@ -221,9 +221,6 @@ def build_gpt_te(manifest, bf16_modules: Iterable[str] = ()):
             "the Transformer Engine backend needs a CUDA GPU and transformer_engine.pytorch; "
             "neither is usable here, so use the emulated backend (fp8ops.megatron.build_gpt)"
         )
-    from fp8ops.megatron.model import DTYPES, gpt_model_args
-    from fp8ops.megatron.rope import set_rope_scaling
-
     names = bf16_module_names(manifest, bf16_modules)
     model_cfg = manifest.model
     torch.manual_seed(manifest.seeds.model)

@@ -53,7 +53,7 @@ def checkpoint_model(
     from fp8ops.manifest import load_manifest, manifest_hash
     from fp8ops.megatron import build_gpt
     from fp8ops.megatron.compat import parallel_state
-    from fp8ops.megatron.model import DTYPES
+    from fp8ops.megatron.config import DTYPES
     from fp8ops.precision import DelayedScalingRecipe
     from fp8ops.train.distributed import init_distributed, shutdown_distributed
 
@@ -151,7 +151,7 @@ def export_hf(
     from fp8ops.checkpoint.weights import is_hf_base
     from fp8ops.hf import verify as hf_verify
     from fp8ops.hf.export import write_hf
-    from fp8ops.megatron.model import DTYPES
+    from fp8ops.megatron.config import DTYPES
 
     out = Path(out)
     _refuse_existing(out)

@@ -18,7 +18,6 @@ In the order a start meets them:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from fp8ops.checkpoint.directory import LATEST, CheckpointDir, CheckpointError
 from fp8ops.checkpoint.meta import CheckpointMeta, read_meta
@@ -29,9 +28,7 @@ from fp8ops.run import RunLayout, RunRecordError, find_status, read_run_record, 
 from fp8ops.run.layout import MANIFEST
 from fp8ops.run.records import read_layers_json
 from fp8ops.start.drift import Change, Drift, DriftRefused, manifest_drift, refuse
-
-if TYPE_CHECKING:
-    from fp8ops.start.plan import Resume
+from fp8ops.start.plans import Resume
 
 
 class StopUnanswered(Fp8opsError):

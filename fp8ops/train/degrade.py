@@ -1,5 +1,7 @@
-"""Degrade that acts: the manifest's ``alerts.auto_degrade`` policy switching modules to BF16
-between two steps, without a restart.
+"""What a Degrade alert does: it proposes a BF16 override of its module into the run's ledger,
+for an operator to review (:func:`propose_overrides`); under the manifest's
+``alerts.auto_degrade`` policy it also acts, switching modules to BF16 between two steps,
+without a restart (:func:`auto_degrade`).
 
 After a step's alerts are gathered (every rank holds them all), :func:`policy_switches` picks
 the same proposals on every rank. Then, before the next step:
@@ -10,7 +12,8 @@ the same proposals on every rank. Then, before the next step:
 2. every rank derives the same manifest revision, the modules added to ``precision.overrides``
    with their approval and the policy's revision, and decides admission again from it, so the
    modules' ``fp8_enabled`` flags go off together (their FP8 state stays, frozen, and the amax
-   reduction goes on over the others, as for any BF16 override);
+   reduction goes on over the others, as for any BF16 override); the trainer runs on under the
+   revision and its admission (:class:`Switched`);
 3. the alert rules forget the modules' FP8 history, as a resume does for a held module;
 4. rank 0 makes the revision the run's (``manifests/``, ``manifest.yaml``, ``status.json``),
    rewrites ``layers.json`` and records the ledger's ``applied`` and an event.
@@ -22,35 +25,81 @@ module to FP8 at the next resume, as for any other.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch import nn
 
-from fp8ops.admission import apply_admission, decide_admission
+from fp8ops.admission import AdmissionTable, apply_admission, decide_admission
 from fp8ops.alerts.policy import policy_switches
-from fp8ops.alerts.records import Proposal
+from fp8ops.alerts.records import Alert, Proposal
+from fp8ops.alerts.rules import AlertEngine
+from fp8ops.errors import Fp8opsError
 from fp8ops.manifest import derive, manifest_hash
-from fp8ops.overrides.ledger import Override, Trigger, policy_approver
+from fp8ops.manifest.schema import Manifest
+from fp8ops.overrides.ledger import Ledger, Override, Trigger, policy_approver
+from fp8ops.precision import DelayedScalingRecipe, StatelessRecipe
+from fp8ops.run import RunDir
 from fp8ops.run.records import write_layers_json
 
-if TYPE_CHECKING:
-    from fp8ops.train.trainer import Trainer
+
+def propose_overrides(
+    run: RunDir, ledger: Ledger, proposals: list[Proposal], alerts: list[dict]
+) -> None:
+    """Rank 0: each proposal into the ledger as a BF16 override, its triggers the gathered
+    ``alerts`` of its module and step that name a metric. A ledger that refuses (an operator's
+    damaged ledger) is recorded as an event: it must not end training."""
+    for proposal in proposals:
+        triggers = [
+            Alert.from_json(a)
+            for a in alerts
+            if a.get("module") == proposal.module
+            and a["step"] == proposal.step
+            and a.get("metric") is not None
+        ]
+        try:
+            ledger.propose(proposal.module, proposal.reason, triggers, proposal.step)
+        except Fp8opsError as exc:
+            run.event(
+                "proposal_not_recorded", module=proposal.module, step=proposal.step, error=str(exc)
+            )
 
 
-def auto_degrade(trainer: Trainer, step: int, proposals: list[Proposal]) -> list[str]:
-    """Switch the modules the policy lets act among ``proposals`` (collective); returns them."""
-    manifest = trainer.manifest
+@dataclass(frozen=True)
+class Switched:
+    """What a switch changed: the run's manifest (the revision) and its admission table, which
+    the trainer runs on from the next step, and the modules now in BF16."""
+
+    manifest: Manifest
+    admission: AdmissionTable
+    modules: list[str]
+
+
+def auto_degrade(
+    step: int,
+    proposals: list[Proposal],
+    *,
+    manifest: Manifest,
+    model: nn.Module,
+    recipe: DelayedScalingRecipe | StatelessRecipe,
+    alert_engine: AlertEngine,
+    run: RunDir,
+    ledger: Ledger | None,
+) -> Switched | None:
+    """Switch the modules the policy of ``manifest`` lets act among ``proposals`` (collective);
+    None when it switches none. ``recipe``: the run's, recorded in ``layers.json``; ``ledger``:
+    rank 0's (None elsewhere)."""
     policy = manifest.alerts.auto_degrade
     switching = policy_switches(
         policy, [p for p in proposals if p.module not in _held(manifest)], step=step
     )
     if not switching:
-        return []
+        return None
     revision = manifest_hash(manifest)
     # Rank 0 decides with the ledger (its limit, an operator's open staging) and every rank
     # follows its answer: {module: the ledger's approved override}.
     approved = (
-        _approve_all(trainer, switching, revision, policy.max_modules) if trainer.run.writer else {}
+        _approve_all(ledger, run, switching, revision, policy.max_modules) if run.writer else {}
     )
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [approved]
@@ -58,7 +107,7 @@ def auto_degrade(trainer: Trainer, step: int, proposals: list[Proposal]) -> list
         approved = box[0]
     switching = [p for p in switching if p.module in approved]
     if not switching:
-        return []
+        return None
     # The entries a resume would write for them (the policy's revision where it approved).
     added = [approved[p.module].as_manifest_override() for p in switching]
     modules = [p.module for p in switching]
@@ -72,29 +121,27 @@ def auto_degrade(trainer: Trainer, step: int, proposals: list[Proposal]) -> list
         f"{policy_approver(revision)}: {', '.join(modules)} to bf16 after step {step}",
         source="the auto-degrade policy",
     )
-    trainer.manifest = child
-    trainer.admission = decide_admission(
-        trainer.model,
+    admission = decide_admission(
+        model,
         child.precision,
         tensor_parallel=child.topology.tensor_parallel,
         refuse_idle_recipes=False,  # the switch adds a BF16 override, no module recipe
     )
-    apply_admission(trainer.admission, trainer.model)
-    trainer.alert_engine.hold(modules)
-    run = trainer.run
+    apply_admission(admission, model)
+    alert_engine.hold(modules)
     if run.writer:
         run.advance_manifest(child)
         write_layers_json(
             run.path,
-            trainer.admission,
-            trainer.recipe,
+            admission,
+            recipe,
             tensor_parallel=child.topology.tensor_parallel,
             manifest_hash=manifest_hash(child),
         )
         fresh = [o.id for o in approved.values() if o.status == "approved"]  # not replays
         if fresh:
             try:
-                trainer.ledger.record_applied(
+                ledger.record_applied(
                     fresh, step=step, revision=manifest_hash(child), who=policy_approver(revision)
                 )
             except Exception as exc:  # noqa: BLE001 - the switch stands; training goes on
@@ -107,7 +154,7 @@ def auto_degrade(trainer: Trainer, step: int, proposals: list[Proposal]) -> list
             policy=revision,
             revision=manifest_hash(child),
         )
-    return modules
+    return Switched(child, admission, modules)
 
 
 def _held(manifest) -> set[str]:
@@ -115,7 +162,7 @@ def _held(manifest) -> set[str]:
 
 
 def _approve_all(
-    trainer: Trainer, switching: list[Proposal], revision: str, max_modules: int
+    ledger: Ledger, run: RunDir, switching: list[Proposal], revision: str, max_modules: int
 ) -> dict[str, Override]:
     """Rank 0: ``{module: override}``, the approved ledger override of each module the policy
     switches now.
@@ -127,11 +174,11 @@ def _approve_all(
     staged is left to the operator's review. Nothing switches unrecorded: a module the ledger
     cannot take (damaged, or refusing the record) keeps running FP8, an event says why, and the
     Stop rules still guard it. Nothing here raises: the other ranks wait for this answer."""
-    ledger, approved = trainer.ledger, {}
+    approved = {}
     try:
         used = sum(o.policy is not None for o in ledger.overrides().values())
     except Exception as exc:  # noqa: BLE001 - see above
-        trainer.run.event("auto_degrade_not_recorded", step=switching[0].step, error=str(exc))
+        run.event("auto_degrade_not_recorded", step=switching[0].step, error=str(exc))
         return {}
     for proposal in switching:
         try:
@@ -152,7 +199,7 @@ def _approve_all(
                 approved[proposal.module] = override  # an operator's approval, or a replay
                 continue
             if override.origin == "staged":
-                trainer.run.event(
+                run.event(
                     "auto_degrade_skipped",
                     module=proposal.module,
                     step=proposal.step,
@@ -168,7 +215,7 @@ def _approve_all(
             )
             used += 1
         except Exception as exc:  # noqa: BLE001 - see above
-            trainer.run.event(
+            run.event(
                 "auto_degrade_not_recorded",
                 module=proposal.module,
                 step=proposal.step,

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from fp8ops.admission import apply_admission, decide_admission
-from fp8ops.alerts import Alert, AlertEngine, write_alerts
+from fp8ops.alerts import AlertEngine, write_alerts
 from fp8ops.alerts.records import merge_rank_alerts
 from fp8ops.checkpoint import read_meta, weights
 from fp8ops.checkpoint.meta import TopologyRecord
@@ -60,7 +60,7 @@ from fp8ops.telemetry.catalogue import MODULE_METRIC_NAMES, STEP_METRIC_NAMES
 from fp8ops.telemetry.collector import TelemetryCollector
 from fp8ops.telemetry.store import TelemetryError, rank_group
 from fp8ops.train.cpu_gemm import Fp32Gemm, check_compiled_casts, cpu_bf16_gemm
-from fp8ops.train.degrade import auto_degrade
+from fp8ops.train.degrade import auto_degrade, propose_overrides
 from fp8ops.train.distributed import Ranks
 from fp8ops.train.distributed_optimizer import DistributedMainParamsOptimizer
 from fp8ops.train.inputs import Inputs
@@ -455,31 +455,27 @@ class Trainer:
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, [a.to_json() for a in alerts])
         everyone = merge_rank_alerts(gathered)
+        proposals = self.alert_engine.proposals(everyone)
         if self.run.writer:
             write_alerts(self.run.path, everyone)
             # Degrade proposes a BF16 override into the ledger, where an operator reviews it.
-            for proposal in self.alert_engine.proposals(everyone):
-                triggers = [
-                    Alert.from_json(a)
-                    for a in everyone
-                    if a.get("module") == proposal.module
-                    and a["step"] == proposal.step
-                    and a.get("metric") is not None
-                ]
-                try:
-                    self.ledger.propose(proposal.module, proposal.reason, triggers, proposal.step)
-                except Fp8opsError as exc:  # an operator's damaged ledger must not end training
-                    self.run.event(
-                        "proposal_not_recorded",
-                        module=proposal.module,
-                        step=proposal.step,
-                        error=str(exc),
-                    )
+            propose_overrides(self.run, self.ledger, proposals, everyone)
         stops = [a for a in everyone if a["level"] == "stop"]
         if stops:
             raise StopRun(stops[0]["message"], stops)
         # A reviewed policy may switch modules to BF16 before the next step (degrade.py).
-        auto_degrade(self, step, self.alert_engine.proposals(everyone))
+        switched = auto_degrade(
+            step,
+            proposals,
+            manifest=self.manifest,
+            model=self.model,
+            recipe=self.recipe,
+            alert_engine=self.alert_engine,
+            run=self.run,
+            ledger=self.ledger,
+        )
+        if switched is not None:
+            self.manifest, self.admission = switched.manifest, switched.admission
 
     def check_fp8_agreement(self, step: int) -> str | None:
         """Every rank of the amax reduction group must hold the same FP8 state

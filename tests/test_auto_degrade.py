@@ -32,7 +32,7 @@ from fp8ops.start import New
 from fp8ops.start.plan import ResumeRequest, plan_resume, plan_start
 from fp8ops.train import open_trainer
 from fp8ops.train.distributed import init_distributed, shutdown_distributed
-from fp8ops.train.trainer import StopRun
+from fp8ops.train.ending import StopRun
 
 SMALL = {
     **SMALL_MODEL,

@@ -140,7 +140,7 @@ def _prompts(trainer) -> list[list[int]]:
 def _generate(
     trainer, prompts, max_new_tokens=GENERATE, vocab_size=VOCAB, length_multiple=1
 ) -> list[list[int]]:
-    with trainer._held_out():
+    with trainer.evaluator.held_out():
         return generate(
             trainer.model,
             prompts,
@@ -148,7 +148,7 @@ def _generate(
             seq_length=SEQ_LENGTH,
             vocab_size=vocab_size,
             eod=EOD,
-            fp8=trainer._fp8,
+            fp8=trainer.fp8,
             length_multiple=length_multiple,
         )
 
@@ -157,12 +157,12 @@ def _reference(trainer, prompt: list[int], max_new_tokens: int = GENERATE) -> li
     """Greedy decoding the slow way: one row, every step a forward over all seq_length positions
     (the row right-padded, as in training), the next token read at the row's last one."""
     row, new = list(prompt), []
-    with trainer._held_out():
+    with trainer.evaluator.held_out():
         while len(new) < max_new_tokens and len(row) <= SEQ_LENGTH:
             tokens = torch.zeros(1, SEQ_LENGTH, dtype=torch.int64)
             tokens[0, : len(row)] = torch.tensor(row)
             positions = torch.arange(SEQ_LENGTH).unsqueeze(0)
-            with trainer._fp8():
+            with trainer.fp8():
                 logits = trainer.model(tokens, positions, None)  # [1, s, padded vocab]
             token = int(logits[0, len(row) - 1, :VOCAB].argmax())
             row.append(token)
@@ -216,13 +216,13 @@ def test_batching_and_order_do_not_change_answers(trainer):
             },
             "test",
         )
-        with trainer._held_out():
+        with trainer.evaluator.held_out():
             predictions = evaluate_capability(
                 trainer.model,
                 trainer.inputs.capability_examples,
                 manifest,
                 trainer.inputs.tokenizer,
-                fp8=trainer._fp8,
+                fp8=trainer.fp8,
             )
         assert [p["generated"] for p in predictions] == texts
         assert [p["index"] for p in predictions] == list(range(ITEMS))
@@ -263,13 +263,13 @@ def test_padded_vocabulary_ids_are_never_produced(manifest, tmp_path):
         assert padding_wins == plain and max(max(c) for c in plain) < 300
 
         def answers():
-            with trainer._held_out():
+            with trainer.evaluator.held_out():
                 return evaluate_capability(
                     trainer.model,
                     trainer.inputs.capability_examples,
                     trainer.manifest,
                     trainer.inputs.tokenizer,
-                    fp8=trainer._fp8,
+                    fp8=trainer.fp8,
                 )
 
         assert _with_hook(trainer, _winning(256), answers) == answers()  # decodable bytes only
@@ -537,13 +537,13 @@ def _tp2_worker(manifest_file: Path, out: Path) -> None:
             New(manifest, [manifest], out / "run", "test"), ranks, progress=False
         )
         trainer.train()
-        with trainer._held_out():
+        with trainer.evaluator.held_out():
             predictions = evaluate_capability(
                 trainer.model,
                 trainer.inputs.capability_examples,
                 manifest,
                 trainer.inputs.tokenizer,
-                fp8=trainer._fp8,
+                fp8=trainer.fp8,
             )
         (out / f"rank{ranks.rank}.json").write_text(json.dumps(predictions))
     finally:

@@ -31,7 +31,7 @@ from fp8ops.telemetry import TelemetryError, open_run
 from fp8ops.telemetry.catalogue import MODULE_METRIC_NAMES
 from fp8ops.train import open_trainer, run_training
 from fp8ops.train.distributed import init_distributed, shutdown_distributed
-from fp8ops.train.trainer import StopRun
+from fp8ops.train.ending import StopRun
 
 # Every test trains a run (several in a process that is signalled or killed): the full suite's.
 pytestmark = [

@@ -332,7 +332,7 @@ def test_bf16_gemms_run_as_the_cpu_choice_says(finetune_manifest, tmp_path, monk
         )
         with GemmLog() as log:
             trainer.train_step(0)
-            trainer.evaluate(1)
+            trainer.evaluator.loss(1, trainer.manifest)
     finally:
         shutdown_distributed()
     assert trainer.cpu_bf16_gemm == choice
@@ -341,10 +341,14 @@ def test_bf16_gemms_run_as_the_cpu_choice_says(finetune_manifest, tmp_path, monk
 
 
 def test_evaluation_leaves_fp8_state_untouched(trainer):
+    def fp8_state():  # state_dict() copies
+        return {n: m.fp8_meta.state_dict() for n, m in trainer.fp8_state_modules.items()}
+
     trainer.train_step(0)
-    before = trainer._fp8_state()
-    trainer.evaluate(1)
-    after = trainer._fp8_state()
+    before = fp8_state()
+    assert before  # not vacuous: the run has delayed-scaling state to keep
+    trainer.evaluator.loss(1, trainer.manifest)
+    after = fp8_state()
     for name, state in before.items():
         for key, value in state.items():
             assert torch.equal(value, after[name][key]), (name, key)

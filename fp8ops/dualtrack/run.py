@@ -178,7 +178,7 @@ def _train(track: Track, out_dir: Path, progress: bool, plan: dict) -> TrackOutc
     """Train one track to its end (or find it there). dualtrack.json says "running" while it
     trains and keeps the time of an attempt that is interrupted."""
     from fp8ops.train import run_training
-    from fp8ops.train.trainer import StopRun
+    from fp8ops.train.ending import StopRun
 
     before = find_status(track.run_dir) if track.run_dir.exists() else None
     if (

@@ -16,7 +16,7 @@ then leaves the batch, and the forward covers only the positions the live rows n
 every step recomputes the prefix, which on these short prompts is cheap and leaves nothing to get
 out of step.
 
-The caller decides the precision and the bookkeeping around it (``Trainer.evaluate_capability``:
+The caller decides the precision and the bookkeeping around it (``fp8ops.train.evaluation``:
 FP8 with the training scales, FP8 state restored afterwards, telemetry paused). At TP>1 every
 rank runs this together: the logits are gathered across the TP group, so every rank picks the
 same tokens and stops rows at the same steps, and their collectives stay in step. Under pipeline

@@ -1,6 +1,8 @@
 """Training: ``fp8ops train`` and ``fp8ops resume``, and the parts a run is built from.
 
 Reading order: ``startup`` (a start plan becomes ranks that train it), ``trainer`` (the loop),
+``evaluation`` (held-out loss and capability between steps), ``degrade`` (what a Degrade alert
+does: a proposal, or under a policy a switch to BF16), ``ending`` (the ways a run ends),
 ``inputs`` (tokenizer, data, capability items), ``optimizer`` (float32 main weights, clipping,
 the learning-rate schedule), ``distributed_optimizer`` (the same, sharded over data parallel),
 ``distributed`` (process groups), ``signals`` (stop requests), ``progress`` (what a run

@@ -34,7 +34,8 @@ from fp8ops.start import (
 )
 
 if TYPE_CHECKING:
-    from fp8ops.train.trainer import Trainer, TrainResult
+    from fp8ops.train.ending import TrainResult
+    from fp8ops.train.trainer import Trainer
 
 
 def run_training(

@@ -1,7 +1,9 @@
 """The training loop: :class:`Trainer` builds a run's parts in ``__init__`` (in the order they
 depend on each other) and :meth:`Trainer.train` is the loop, in execution order. How a run
 starts (the plan and its checks, the ranks, the run directory claimed, its records) is
-:mod:`fp8ops.train.startup`'s.
+:mod:`fp8ops.train.startup`'s; what the loop calls between steps is its own module's: the
+evaluations (:mod:`~fp8ops.train.evaluation`), what a Degrade alert does
+(:mod:`~fp8ops.train.degrade`), and the ways a run ends (:mod:`~fp8ops.train.ending`).
 
 Delayed scaling as Megatron uses it: one FP8 scope per micro-batch forward (input and gradient
 histories advance per micro-batch), the weight cast once per optimizer step
@@ -14,12 +16,10 @@ through ``fp8_state_modules``.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import resource
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,14 +29,12 @@ import torch.distributed as dist
 from fp8ops.admission import apply_admission, decide_admission
 from fp8ops.alerts import AlertEngine, write_alerts
 from fp8ops.alerts.records import merge_rank_alerts
-from fp8ops.checkpoint import read_meta, weights
+from fp8ops.checkpoint import weights
 from fp8ops.checkpoint.meta import TopologyRecord
 from fp8ops.checkpoint.state import Fp8Layout, fp8_states_agree
 from fp8ops.checkpoint.training import TrainingParts, load_checkpoint, save_checkpoint
 from fp8ops.data import TrainSampler
 from fp8ops.errors import Fp8opsError, ManifestError
-from fp8ops.evaluate.capability import evaluate_capability
-from fp8ops.evaluate.records import score, write_capability
 from fp8ops.hf import verify as hf_verify
 from fp8ops.manifest import ManifestStore, manifest_hash
 from fp8ops.manifest.schema import Manifest
@@ -47,53 +45,28 @@ from fp8ops.megatron import (
     mark_first_microbatch,
 )
 from fp8ops.megatron.compat import parallel_state
-from fp8ops.megatron.pipeline import forward_backward, sequence_losses
+from fp8ops.megatron.pipeline import forward_backward
 from fp8ops.megatron.stages import every_stage
 from fp8ops.overrides import Ledger
 from fp8ops.precision import DelayedScalingRecipe, Fp8Scope, recipe_from_precision
 from fp8ops.precision.state import carry_scales
-from fp8ops.run import EvalRow, MetricsRow, RunDir, read_metrics
+from fp8ops.run import MetricsRow, RunDir, read_metrics
 from fp8ops.run.environment import environment_fingerprint
 from fp8ops.run.records import RecipeRecord, table_hash
 from fp8ops.telemetry import TelemetryWriter
 from fp8ops.telemetry.catalogue import MODULE_METRIC_NAMES, STEP_METRIC_NAMES
 from fp8ops.telemetry.collector import TelemetryCollector
 from fp8ops.telemetry.store import TelemetryError, rank_group
+from fp8ops.train import ending
 from fp8ops.train.cpu_gemm import Fp32Gemm, check_compiled_casts, cpu_bf16_gemm
 from fp8ops.train.degrade import auto_degrade, propose_overrides
 from fp8ops.train.distributed import Ranks
 from fp8ops.train.distributed_optimizer import DistributedMainParamsOptimizer
+from fp8ops.train.ending import StopRun, TrainResult
+from fp8ops.train.evaluation import Evaluator
 from fp8ops.train.inputs import Inputs
 from fp8ops.train.optimizer import MainParamsOptimizer, learning_rate
 from fp8ops.train.progress import StepLogger
-
-
-class StopRun(Fp8opsError):
-    """A Stop alert: the run saved a checkpoint and its telemetry and ended (exit code 3)."""
-
-    exit_code = 3
-    collective = True  # every rank raises it; rank 0 says so
-
-    def __init__(self, message: str, alerts: list[dict]):
-        super().__init__(f"stopped by an alert: {message}")
-        self.alerts = alerts
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    """What a run (or a segment of it, between resumes) reports to the command line."""
-
-    run_dir: Path
-    steps: int  # the step the run stands at
-    first_loss: float
-    last_loss: float
-    last_eval_loss: float | None
-    seconds: float
-    first_step: int = 1  # of this segment
-    paused: bool = False  # --stop-at or a stop request: checkpointed and left to resume
-    interrupted_by: str | None = None  # the stop request (signal, request file) that ended it
-    resume_summary: list[str] | None = None
-    capability_accuracy: float | None = None  # the segment's last capability evaluation
 
 
 class Trainer:
@@ -129,6 +102,8 @@ class Trainer:
         # "float32" for a bf16 model on a CPU without bf16 GEMMs (cpu_gemm.py); None: no bf16.
         bf16 = precision.base_dtype == "bf16"
         self.cpu_bf16_gemm = cpu_bf16_gemm(self.device) if bf16 else None
+        # What the model's forwards and backwards run in: bf16 GEMMs in float32 there.
+        self.gemms = Fp32Gemm if self.cpu_bf16_gemm == "float32" else contextlib.nullcontext
         if precision.enabled and precision.backend != "te":
             check_compiled_casts(self.device, self.cpu_bf16_gemm)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -140,7 +115,6 @@ class Trainer:
         self.first_stage = parallel_state.is_pipeline_first_stage()
         self.start_step = 0  # the step a checkpoint restores (restore())
         self.resumed_from = None  # the fp8ops.start.Resume plan restore() loaded
-        self.capability_accuracy: float | None = None
 
         self.sampler = TrainSampler(
             self.data.train,
@@ -194,6 +168,9 @@ class Trainer:
         # reduces and updates; fp8ops' scope is for fp8ops' own FP8 layers.
         own_scope = precision.enabled and precision.backend != "te"
         self.scope = Fp8Scope(self.recipe, group=self.amax_group) if own_scope else None
+        # What each forward runs in. Not a bound method: the evaluator keeps it, and a cycle
+        # back to the trainer would hold a finished trainer's run.lock until a GC pass.
+        self.fp8 = self.scope if self.scope is not None else contextlib.nullcontext
         optimizer_class = (
             DistributedMainParamsOptimizer
             if manifest.optimizer.distributed
@@ -217,6 +194,7 @@ class Trainer:
         self.run: RunDir | None = None  # open()
         self.ledger: Ledger | None = None
         self.telemetry: TelemetryWriter | None = None
+        self.evaluator: Evaluator | None = None
 
     # -- before the loop: a checkpoint in, the run directory handed over ------------------------
 
@@ -299,12 +277,23 @@ class Trainer:
         return table_hash(self.admission.rows, RecipeRecord.from_recipe(self.recipe))
 
     def open(self, run: RunDir) -> None:
-        """Take over the claimed run directory: the ledger for alert proposals, and the
-        telemetry store (a resume's reopened at the step after its checkpoint)."""
+        """Take over the claimed run directory: the ledger for alert proposals, the telemetry
+        store (a resume's reopened at the step after its checkpoint), the evaluations."""
         self.run = run
         if run.writer:
             self.ledger = Ledger(run.path)
         self.telemetry = self._open_telemetry()
+        self.evaluator = Evaluator(
+            self.model,
+            self.inputs,
+            run,
+            device=self.device,
+            pipelined=self.pipelined,
+            fp8=self.fp8,
+            gemms=self.gemms,
+            fp8_modules=self.fp8_state_modules,
+            collector=self.collector,
+        )
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -325,10 +314,10 @@ class Trainer:
                 self.observe(row)  # telemetry and alerts; raises StopRun
                 finished = step + 1
                 if finished % schedule.eval_interval == 0 or finished == schedule.train_steps:
-                    last_eval = self.evaluate(finished)
+                    last_eval = self.evaluator.loss(finished, self.manifest)
                     self.check_fp8_agreement(finished)
-                if self._capability_due(finished):
-                    self.evaluate_capability(finished)
+                if self.evaluator.capability_due(finished, self.manifest):
+                    self.evaluator.capability(finished, self.manifest)
                 if finished == schedule.train_steps:
                     break
                 if finished == stop_at:
@@ -342,20 +331,15 @@ class Trainer:
                 self.telemetry.close()
             final = self.save_checkpoint(schedule.train_steps, "final")
             self._save_final_weights(final, losses[-1])
-        except StopRun as stop:
-            try:
-                self._stop(stop)
-            except BaseException as exc:  # the Stop path itself failed: say so, not "running"
-                self.run.failed(exc)
-                raise
+        except StopRun as stop:  # a checkpoint of the alert's step, status stopped
+            ending.stop(self.run, self.telemetry, self.save_checkpoint, stop)
             raise
-        except BaseException as exc:
-            self._close_telemetry_after(exc)  # keep what was measured up to the failure
-            self.run.failed(exc)
+        except BaseException as exc:  # what was measured up to the failure kept, status failed
+            ending.fail(self.run, self.telemetry, exc)
             raise
         finally:
             logger.close()
-        seconds = self._completed(started)
+        seconds = ending.complete(self.run, self.manifest, started)
         return TrainResult(
             self.run.path,
             schedule.train_steps,
@@ -364,7 +348,7 @@ class Trainer:
             last_eval,
             seconds,
             first_step=self.start_step + 1,
-            capability_accuracy=self.capability_accuracy,
+            capability_accuracy=self.evaluator.capability_accuracy,
         )
 
     def train_step(self, step: int) -> MetricsRow:
@@ -378,10 +362,10 @@ class Trainer:
         loss_tokens = self._dp_sum(sum(mb.loss_mask.sum() for mb in micro_batches))
         mark_first_microbatch(self.model)
         self.collector.begin_step(step + 1)
-        with self._gemms():
+        with self.gemms():
             if self.pipelined:  # the same losses, the micro-batches passed through the stages
                 step_loss = forward_backward(
-                    self.model, micro_batches, loss_tokens=loss_tokens, fp8=self._fp8
+                    self.model, micro_batches, loss_tokens=loss_tokens, fp8=self.fp8
                 )
             else:
                 step_loss = self._forward_backward(micro_batches, loss_tokens)
@@ -412,7 +396,7 @@ class Trainer:
         step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for mb in micro_batches:
             mb = mb.to(self.device)
-            with self._fp8():
+            with self.fp8():
                 per_token = self.model(mb.tokens, mb.position_ids, None, labels=mb.labels)
             loss = (per_token.float() * mb.loss_mask).sum() / loss_tokens
             loss.backward()
@@ -503,111 +487,6 @@ class Trainer:
             self._raise_alerts(step, [alert] if self.ranks.is_main else [])
         return found.digest
 
-    # -- evaluation ------------------------------------------------------------------------------
-
-    def evaluate(self, step: int) -> float | None:
-        """Mean loss over the held-out set, overall and per bucket; FP8 state left as it was
-        (:meth:`_held_out`). None when there is no held-out set (``data.eval_fraction: 0``)."""
-        if len(self.data.eval) == 0:
-            return None
-        with self._held_out():
-            return self._evaluate(step)
-
-    def _evaluate(self, step: int) -> float:
-        totals: dict[str, list[float]] = {}
-        loss_sum, token_sum = 0.0, 0.0
-        schedule = self.manifest.schedule
-        batches = self.data.eval_batches(schedule.micro_batch_size)
-        for mb in itertools.islice(batches, schedule.eval_iters):  # None: all of them
-            if self.pipelined:
-                per_sequence = sequence_losses(self.model, mb, fp8=self._fp8)
-            else:
-                mb = mb.to(self.device)
-                with self._fp8():
-                    per_token = self.model(mb.tokens, mb.position_ids, None, labels=mb.labels)
-                # On the host once, not one device sync per sequence below (free on the CPU).
-                per_sequence = (per_token.float() * mb.loss_mask).sum(dim=1).cpu()
-            tokens = mb.loss_mask.sum(dim=1).cpu()
-            loss_sum += per_sequence.sum().item()
-            token_sum += tokens.sum().item()
-            for index, seq_loss, seq_tokens in zip(mb.indices.tolist(), per_sequence, tokens):
-                buckets = self.data.eval.buckets[index] if self.data.eval.examples else {}
-                for name, value in buckets.items():
-                    entry = totals.setdefault(f"{name}={value}", [0.0, 0.0])
-                    entry[0] += seq_loss.item()
-                    entry[1] += seq_tokens.item()
-        loss = loss_sum / max(token_sum, 1.0)
-        buckets = {name: s / max(t, 1.0) for name, (s, t) in sorted(totals.items())}
-        self.run.log_eval(EvalRow(step=step, loss=loss, tokens=int(token_sum), buckets=buckets))
-        return loss
-
-    def _capability_due(self, step: int) -> bool:
-        interval = self.manifest.capability.interval
-        at_interval = interval is not None and step % interval == 0
-        return bool(self.inputs.capability_examples) and (
-            at_interval or step == self.manifest.schedule.train_steps
-        )
-
-    def evaluate_capability(self, step: int) -> float | None:
-        """Greedy answers to the held-out items, exact match overall and per bucket
-        (``fp8ops.evaluate``); rank 0 writes ``capability.jsonl`` and the step's predictions.
-        Every rank runs it (collective at TP>1), held out of training as :meth:`evaluate` is.
-
-        A failing evaluation is recorded (event ``capability_failed``) and training goes on:
-        hours of training are worth more than one measurement, and ``fp8ops compare`` fails a
-        run whose capability records are missing. Under pipeline parallelism the failure ends
-        the run instead (the stages would otherwise wait on each other).
-        """
-        started = time.perf_counter()
-        try:
-            with self._held_out():
-                predictions = evaluate_capability(
-                    self.model,
-                    self.inputs.capability_examples,
-                    self.manifest,
-                    self.inputs.tokenizer,
-                    fp8=self._fp8,
-                )
-        except Exception as exc:  # any failure of the measurement, not of training
-            if self.pipelined:
-                # Only the last stage picks the tokens: a failure there leaves the other stages
-                # waiting for them, so going on would hang the run rather than save it.
-                raise
-            if self.ranks.is_main:
-                print(f"capability evaluation at step {step} failed: {exc}", file=sys.stderr)
-            self.run.event("capability_failed", step=step, error=f"{type(exc).__name__}: {exc}")
-            return None
-        seconds = time.perf_counter() - started
-        self.capability_accuracy = score(predictions)["accuracy"]
-        if self.run.writer:
-            write_capability(self.run.path, step, predictions, seconds)
-        self.run.event(
-            "capability_evaluated",
-            step=step,
-            accuracy=self.capability_accuracy,
-            seconds=round(seconds, 3),
-        )
-        return self.capability_accuracy
-
-    @contextlib.contextmanager
-    def _held_out(self):
-        """Run evaluation forwards without changing the training run.
-
-        They run in FP8 with the training scales, but their amaxes are discarded: TE would fold
-        them into the next training update, so evaluating more or less often would change the
-        training run. Telemetry is paused, so the evaluation's GEMMs and casts do not show up in
-        the next step's row.
-        """
-        saved = self._fp8_state()
-        try:
-            with torch.no_grad(), self.collector.paused(), self._gemms():
-                self.model.eval()
-                mark_first_microbatch(self.model)  # cast the current weights once, reuse them
-                yield
-        finally:  # also when the evaluation fails: training must go on unchanged
-            self.model.train()
-            self._restore_fp8_state(saved)
-
     # -- checkpoints and the ways a run ends ------------------------------------------------------
 
     def save_checkpoint(self, step: int, reason: str) -> Path:
@@ -645,7 +524,8 @@ class Trainer:
         return path
 
     def finish(self) -> TrainResult:
-        """Complete a run whose checkpoint (the one :meth:`restore` loaded) is at its last step but which never wrote its final weights (``final/``) or its completed status:
+        """Complete a run whose checkpoint (the one :meth:`restore` loaded) is at its last step
+        but which never wrote its final weights (``final/``) or its completed status:
 
         * the process ended after the final checkpoint (a kill or a preemption while ``final/``
           is written, minutes on a large model): nothing is left but the weights;
@@ -661,18 +541,17 @@ class Trainer:
         last_loss, last_eval = logged.get(steps, float("nan")), None  # NaN: the line was lost
         try:
             if plan.meta.reason != "final":  # stopped before the last step's evaluations
-                last_eval = self.evaluate(steps)
+                last_eval = self.evaluator.loss(steps, self.manifest)
                 self.check_fp8_agreement(steps)
-                if self._capability_due(steps):
-                    self.evaluate_capability(steps)
+                if self.evaluator.capability_due(steps, self.manifest):
+                    self.evaluator.capability(steps, self.manifest)
             if self.telemetry is not None:
                 self.telemetry.close()
             self._save_final_weights(plan.checkpoint, last_loss)
         except BaseException as exc:
-            self._close_telemetry_after(exc)
-            self.run.failed(exc)
+            ending.fail(self.run, self.telemetry, exc)
             raise
-        seconds = self._completed(started)
+        seconds = ending.complete(self.run, self.manifest, started)
         return TrainResult(
             self.run.path,
             steps,
@@ -681,25 +560,15 @@ class Trainer:
             last_eval,
             seconds,
             first_step=steps + 1,
-            capability_accuracy=self.capability_accuracy,
+            capability_accuracy=self.evaluator.capability_accuracy,
         )
-
-    def _completed(self, started: float) -> float:
-        """Mark the run completed (final weights written); the seconds since ``started``."""
-        seconds = time.perf_counter() - started
-        self.run.completed(self.manifest.schedule.train_steps, seconds)
-        return seconds
 
     def _pause(
         self, step: int, losses: list[float], last_eval, started: float, why: str
     ) -> TrainResult:
         """Stop at a step boundary with a checkpoint, ready for ``fp8ops resume``: ``--stop-at``
         (status paused) or a stop request (status interrupted: requeue)."""
-        requested = why != "stop-at"
-        path = self.save_checkpoint(step, f"requested: {why}" if requested else why)
-        if self.telemetry is not None:
-            self.telemetry.close()
-        self.run.paused(step, path.name, why, requested=requested)
+        ending.pause(self.run, self.telemetry, self.save_checkpoint, step, why)
         seconds = time.perf_counter() - started
         return TrainResult(
             self.run.path,
@@ -710,32 +579,15 @@ class Trainer:
             seconds,
             first_step=self.start_step + 1,
             paused=True,
-            interrupted_by=why if requested else None,
-            capability_accuracy=self.capability_accuracy,
+            interrupted_by=None if why == "stop-at" else why,
+            capability_accuracy=self.evaluator.capability_accuracy,
         )
 
-    def _stop(self, stop: StopRun) -> None:
-        """The Stop path: telemetry flushed, a checkpoint of the step that raised the alert
-        (resumable, e.g. with an approved override), the run marked stopped."""
-        first = stop.alerts[0]
-        path = self.save_checkpoint(first["step"], f"alert-stop: {first['rule']}")
-        self._close_telemetry_after(stop)
-        self.run.stopped(first, path.name)
-
     def _save_final_weights(self, checkpoint: Path, last_loss: float) -> None:
-        """``final/``: the weights of the final ``checkpoint`` (the model holds them)."""
-        # The same weights: the checkpoint already gathered and hashed them.
-        saved = read_meta(checkpoint)
-        meta = {
-            "architecture": weights.architecture(self.manifest.model),
-            "fingerprint": saved.weights_fingerprint,
-            "fingerprint_scheme": saved.weights_fingerprint_scheme,
-            "manifest": saved.manifest,  # what trained them (a finish may run under a later one)
-            "steps": self.manifest.schedule.train_steps,
-            "last_loss": last_loss,
-        }
-        weights.save_weights(self.model, self.run.layout.final, meta, is_main=self.ranks.is_main)
-        self.run.event("weights_saved", path="final", fingerprint=saved.weights_fingerprint)
+        """``final/``: the weights of the final ``checkpoint``, which the model holds."""
+        ending.save_final_weights(
+            self.run, self.model, self.manifest, checkpoint, last_loss, is_main=self.ranks.is_main
+        )
 
     # -- telemetry ------------------------------------------------------------------------------
 
@@ -787,19 +639,7 @@ class Trainer:
             attrs={"manifest": manifest_hash(self.manifest), "world_size": self.ranks.world_size},
         )
 
-    def _close_telemetry_after(self, failure: BaseException) -> None:
-        """Flush telemetry on a failure path; a writer error then is recorded, not raised, so
-        the failure that stopped the run stays the one reported."""
-        try:
-            if self.telemetry is not None:
-                self.telemetry.close()
-        except Exception as exc:  # noqa: BLE001 - secondary to `failure`
-            self.run.event("telemetry_lost", error=str(exc), during=type(failure).__name__)
-
     # -- parts ---------------------------------------------------------------------------------
-
-    def _fp8(self):
-        return self.scope() if self.scope is not None else contextlib.nullcontext()
 
     @property
     def fp8_state_modules(self) -> dict:
@@ -808,18 +648,6 @@ class Trainer:
         if not self.stateful:
             return {}
         return {n: m for n, m in self.collector.modules.items() if m.fp8_meta is not None}
-
-    def _gemms(self):
-        # bf16 GEMMs in float32 where the CPU has no bf16 GEMM instructions (cpu_gemm.py).
-        return Fp32Gemm() if self.cpu_bf16_gemm == "float32" else contextlib.nullcontext()
-
-    def _fp8_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        # state_dict() copies, on both backends.
-        return {name: m.fp8_meta.state_dict() for name, m in self.fp8_state_modules.items()}
-
-    def _restore_fp8_state(self, saved: dict[str, dict[str, torch.Tensor]]) -> None:
-        for name, module in self.fp8_state_modules.items():
-            module.fp8_meta.load_state_dict(saved[name])
 
     def _to_first_stage(self, row: np.ndarray) -> np.ndarray | None:
         """A telemetry row of every stage's modules, on the first stage (which writes the

@@ -20,7 +20,7 @@ from fp8ops.megatron import fp8_modules
 from fp8ops.start import New
 from fp8ops.train import open_trainer
 from fp8ops.train.distributed import init_distributed, shutdown_distributed
-from fp8ops.train.trainer import StopRun
+from fp8ops.train.ending import StopRun
 
 TARGET = "decoder.layers.1.mlp.linear_fc1"
 

@@ -1,13 +1,16 @@
-"""Package dependencies point one way: the import graph between fp8ops' packages has no cycle.
+"""Dependencies point one way: the import graph between fp8ops' packages has no cycle, and
+neither has the graph between its modules.
 
-A node is a package under ``fp8ops`` (``fp8ops.megatron.layers`` is ``megatron``), or a
-top-level module (``fp8ops/errors.py`` is ``errors``). The command layer (``fp8ops/cli.py``,
-``fp8ops/__main__.py`` and every ``*/cli.py``) is one node of its own, ``cli``: it may import
-anything, and nothing else may import it. Every import counts: ``import x`` and ``from x
-import y``, relative ones resolved, inside functions and under ``TYPE_CHECKING`` too (a
-deferred import is still a dependency).
+In the package graph a node is a package under ``fp8ops`` (``fp8ops.megatron.layers`` is
+``megatron``), or a top-level module (``fp8ops/errors.py`` is ``errors``). The command layer
+(``fp8ops/cli.py``, ``fp8ops/__main__.py`` and every ``*/cli.py``) is one node of its own,
+``cli``: it may import anything, and nothing else may import it. Every import counts: ``import
+x`` and ``from x import y``, relative ones resolved, inside functions and under
+``TYPE_CHECKING`` too (a deferred import is still a dependency). In the module graph a node is
+a module (a package by its ``__init__.py``), and the same imports count.
 
-``python tests/test_imports.py`` prints the graph, each edge with the imports that make it.
+``python tests/test_imports.py`` prints the package graph, each edge with the imports that make
+it, then any cycle of either graph.
 """
 
 from __future__ import annotations
@@ -44,28 +47,35 @@ def node(module: str) -> str:
     return parts[1] if len(parts) > 1 else parts[0]
 
 
-def imported_modules(module: str, path: Path, known: set[str]) -> set[str]:
+def import_lines(module: str, path: Path, known: set[str]) -> dict[str, list[int]]:
     """The fp8ops modules ``module`` imports anywhere in its source, each resolved to the
     module it loads (``from fp8ops import errors`` is ``fp8ops.errors``; ``from fp8ops.megatron
-    import build_gpt`` is ``fp8ops.megatron``)."""
+    import build_gpt`` is ``fp8ops.megatron``), with the lines that import it."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    names = set()
+    names: dict[str, set[int]] = defaultdict(set)
     for statement in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
         if isinstance(statement, ast.Import):
-            names.update(alias.name for alias in statement.names)
+            for alias in statement.names:
+                names[alias.name].add(statement.lineno)
         elif isinstance(statement, ast.ImportFrom):
             base = statement.module or ""
             if statement.level:
                 anchor = package.split(".")[: len(package.split(".")) - (statement.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
-            names.update(f"{base}.{alias.name}" for alias in statement.names)
-    resolved = set()
-    for name in names:
+            for alias in statement.names:
+                names[f"{base}.{alias.name}"].add(statement.lineno)
+    resolved: dict[str, set[int]] = defaultdict(set)
+    for name, lines in names.items():
         while name and name not in known:  # the longest prefix that is a module
             name = name.rpartition(".")[0]
         if name:
-            resolved.add(name)
-    return resolved
+            resolved[name] |= lines
+    return {name: sorted(lines) for name, lines in resolved.items()}
+
+
+def imported_modules(module: str, path: Path, known: set[str]) -> set[str]:
+    """The fp8ops modules ``module`` imports anywhere in its source (:func:`import_lines`)."""
+    return set(import_lines(module, path, known))
 
 
 def package_edges(package_dir: Path = PACKAGE_DIR) -> Edges:
@@ -76,6 +86,18 @@ def package_edges(package_dir: Path = PACKAGE_DIR) -> Edges:
         for target in sorted(imported_modules(module, path, set(found))):
             if node(module) != node(target):
                 edges[node(module), node(target)].append((module, target))
+    return dict(sorted(edges.items()))
+
+
+def module_edges(package_dir: Path = PACKAGE_DIR) -> Edges:
+    """Edges between modules, each with the lines that make it (``fp8ops.a.x line 12`` imports
+    ``fp8ops.b.y``)."""
+    found = modules(package_dir)
+    edges: Edges = {}
+    for module, path in found.items():
+        for target, lines in sorted(import_lines(module, path, set(found)).items()):
+            if target != module:
+                edges[module, target] = [(f"{module} line {line}", target) for line in lines]
     return dict(sorted(edges.items()))
 
 
@@ -128,6 +150,18 @@ def describe(edges: Edges, only: set[str] | None = None) -> str:
 def test_the_package_graph_has_no_cycle():
     edges = package_edges()
     print(describe(edges))  # pytest -s: the whole graph
+    found = cycles(edges)
+    assert not found, "\n".join(
+        f"cycle between {', '.join(component)}:\n{describe(edges, set(component))}"
+        for component in found
+    )
+
+
+def test_no_modules_import_each_other_even_in_a_function():
+    """A cycle between modules, even one closed only by an import inside a function or under
+    ``TYPE_CHECKING``, leaves no module to read first: each needs the other understood. A
+    package's ``__init__.py`` is a module too."""
+    edges = module_edges()
     found = cycles(edges)
     assert not found, "\n".join(
         f"cycle between {', '.join(component)}:\n{describe(edges, set(component))}"
@@ -237,8 +271,34 @@ def test_the_graph_sees_every_kind_of_import(tmp_path):
     assert cycles(edges) == [["a", "b"]]
 
 
+def test_the_module_graph_sees_deferred_imports(tmp_path):
+    """A cycle closed by an import under ``TYPE_CHECKING`` and one inside a function, within one
+    package; a module importing its own package's ``__init__`` (which imports it) is one too."""
+    package = tmp_path / "fp8ops"
+    for name, text in {
+        "__init__.py": "",
+        "a/__init__.py": "from fp8ops.a.z import g\n",
+        "a/x.py": "import typing\nif typing.TYPE_CHECKING:\n    from fp8ops.a.y import Y\n",
+        "a/y.py": "def f():\n    from . import x\n",
+        "a/z.py": "from fp8ops.a import x\ndef g():\n    from fp8ops.a import g\n",
+    }.items():
+        (package / name).parent.mkdir(parents=True, exist_ok=True)
+        (package / name).write_text(text)
+    edges = module_edges(package)
+    assert edges == {
+        ("fp8ops.a", "fp8ops.a.z"): [("fp8ops.a line 1", "fp8ops.a.z")],
+        ("fp8ops.a.x", "fp8ops.a.y"): [("fp8ops.a.x line 3", "fp8ops.a.y")],
+        ("fp8ops.a.y", "fp8ops.a.x"): [("fp8ops.a.y line 2", "fp8ops.a.x")],
+        ("fp8ops.a.z", "fp8ops.a"): [("fp8ops.a.z line 3", "fp8ops.a")],
+        ("fp8ops.a.z", "fp8ops.a.x"): [("fp8ops.a.z line 1", "fp8ops.a.x")],
+    }
+    assert cycles(edges) == [["fp8ops.a", "fp8ops.a.z"], ["fp8ops.a.x", "fp8ops.a.y"]]
+
+
 if __name__ == "__main__":
     graph = package_edges()
     print(describe(graph))
     for component in cycles(graph):
         print("cycle:", ", ".join(component))
+    for component in cycles(module_edges()):
+        print("module cycle:", ", ".join(component))

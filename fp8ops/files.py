@@ -3,12 +3,14 @@ and JSON lines that strict readers (jq, JavaScript) accept."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import stat
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from fp8ops.errors import Fp8opsError
 
@@ -50,7 +52,7 @@ def append_lines(path: str | Path, text: str) -> None:
     mid-file, where it is damage, and every later read of the log would refuse. (A last line
     that is whole JSON, only its newline lost, is a record :func:`read_jsonl` returns: kept.)
     """
-    with open(path, "ab+") as log:  # writes go to the end
+    with open_log(path) as log:
         end = log.seek(0, os.SEEK_END)
         if end:
             log.seek(end - 1)
@@ -62,6 +64,26 @@ def append_lines(path: str | Path, text: str) -> None:
                 else:
                     log.truncate(start)
         log.write(text.encode("utf-8"))
+
+
+def open_log(path: str | Path) -> BinaryIO:
+    """``path`` opened to read and append (created if absent), as a regular file only: a log or
+    ledger replaced by a symbolic link (or a FIFO, a device) is refused, never followed, since
+    appending cuts a torn-looking last line first and would cut and write a file outside the
+    run, of whoever runs fp8ops."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise Fp8opsError(
+            f"{path}: is a symbolic link; fp8ops writes its logs only as regular files in the "
+            "run directory, never through a link: replace the link with the file it should be"
+        ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise Fp8opsError(f"{path}: not a regular file; replace it with the log it should be")
+    return os.fdopen(fd, "ab+")  # writes go to the end
 
 
 def _is_json(data: bytes) -> bool:

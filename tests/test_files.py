@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -149,3 +150,20 @@ def test_json_nested_past_the_recursion_limit_is_named_damage_not_a_traceback(tm
     for read, name in readers:
         with pytest.raises(Fp8opsError, match=rf"{name}.*nested too deeply"):
             read()
+
+
+def test_a_log_replaced_by_a_link_is_refused_and_the_target_untouched(tmp_path):
+    """An attacker who can write the run directory links metrics.jsonl to a file of whoever runs
+    fp8ops: appending would cut its last line (it looks torn) and write records into it."""
+    victim = tmp_path / "bashrc"
+    victim.write_text('export PATH=/usr/bin\nalias ll="ls -l"')  # no final newline
+    log = tmp_path / "run" / "metrics.jsonl"
+    log.parent.mkdir()
+    log.symlink_to(victim)
+    with pytest.raises(Fp8opsError, match="metrics.jsonl: is a symbolic link"):
+        append_lines(log, json_line({"step": 1, "loss": 1.0}))
+    assert victim.read_text() == 'export PATH=/usr/bin\nalias ll="ls -l"'
+    fifo = tmp_path / "run" / "events.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(Fp8opsError, match="events.jsonl: not a regular file"):
+        append_lines(fifo, json_line({"event": "x"}))

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8ops.errors import Fp8opsError
-from fp8ops.files import append_lines, atomic_write_text, json_line
+from fp8ops.files import append_lines, atomic_write_text, json_line, open_log
 from fp8ops.manifest import ManifestStore, load_manifest, manifest_hash, write_manifest
 from fp8ops.manifest.canonical import to_yaml
 from fp8ops.manifest.schema import Manifest
@@ -155,7 +155,7 @@ class RunDir:
     def _hold(self) -> None:
         """Hold an exclusive lock on ``run.lock`` while this process trains the run (the OS
         drops it when the process ends, however it ends): a second trainer is refused."""
-        self._lock = open(self.layout.lock, "a")  # noqa: SIM115 - held until release()
+        self._lock = open_log(self.layout.lock)  # held until release(); never written
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -247,12 +247,7 @@ def test_self_approval_when_the_manifest_allows_it(run_copy):
         {"review.allow_self_approval": True},
         "one-person team",
     )
-    # As a resume with accepted drift locks the run to a new revision (RunDir.reopen).
-    ManifestStore(run_copy / "manifests").put(solo)
-    (run_copy / "manifest.yaml").unlink()  # (write_manifest never overwrites)
-    write_manifest(solo, run_copy / "manifest.yaml")
-    status = json.loads((run_copy / "status.json").read_text())
-    (run_copy / "status.json").write_text(json.dumps({**status, "manifest": manifest_hash(solo)}))
+    _lock_to(run_copy, solo, accepted="one-person team")
     app = console(run_copy, user="ana")
     app.stage_reason.value = "trying"
     app.stage_button.click()
@@ -260,13 +255,19 @@ def test_self_approval_when_the_manifest_allows_it(run_copy):
     assert [r["who"] for r in ledger_lines(run_copy)] == ["ana", "ana"]
 
 
-def _lock_to(run, manifest):
-    """Lock ``run`` to a new revision, as a resume with accepted drift does (RunDir.reopen)."""
+def _lock_to(run, manifest, accepted=None):
+    """Lock ``run`` to a new revision, as a resume with accepted drift does (RunDir.reopen);
+    ``accepted``: the reason its ``resumed`` event records (a revision that loosens the review
+    rules holds only with it)."""
     ManifestStore(run / "manifests").put(manifest)
     (run / "manifest.yaml").unlink()  # (write_manifest never overwrites)
     write_manifest(manifest, run / "manifest.yaml")
     status = json.loads((run / "status.json").read_text())
     (run / "status.json").write_text(json.dumps({**status, "manifest": manifest_hash(manifest)}))
+    if accepted is not None:
+        event = {"event": "resumed", "new_revisions": [manifest_hash(manifest)]}
+        with (run / "events.jsonl").open("a") as events:
+            events.write(json.dumps({**event, "accepted": accepted}) + "\n")
 
 
 @pytest.mark.skipif(shutil.which("ssh-keygen") is None, reason="needs ssh-keygen")

@@ -22,13 +22,23 @@ from types import SimpleNamespace
 import pytest
 import yaml
 from support.example_manifests import ROOT
-from support.ledger_run import DATA, EXCLUDED, FC1, HAND, QKV, admit_tiny_gpt, make_run_dir
+from support.ledger_run import (
+    DATA,
+    EXCLUDED,
+    FC1,
+    HAND,
+    QKV,
+    admit_tiny_gpt,
+    append_by_hand,
+    forged_proposal,
+    make_run_dir,
+)
 
 if importlib.util.find_spec("megatron") is None:  # the layer table comes from the real model
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
 
 from fp8ops.alerts import Alert
-from fp8ops.manifest import load_manifest, manifest_hash
+from fp8ops.manifest import derive, load_manifest, manifest_hash
 from fp8ops.overrides import Ledger, LedgerError, OverrideError, Trigger, te_debug_yaml
 from fp8ops.overrides import ledger as ledger_module
 from fp8ops.overrides.chain import GENESIS, canonical_json, record_hash
@@ -191,19 +201,22 @@ def test_revoking_an_approved_and_an_applied_override(run_dir):
         ledger.record_applied([a.id], step=201, revision="f" * 64)
 
 
-def _resume_ledger(run_dir, manifest):
+def _resume_ledger(run_dir, manifest, accepted=None):
     """What a resume from a checkpoint saved under ``manifest`` makes of the ledger: the plan's
-    manifest, with the overrides it applies and lifts (``plan_resume``'s last step)."""
+    manifest, with the overrides it applies and lifts (``plan_resume``'s last step).
+    ``accepted``: a revision of ``manifest`` the resume accepts as drift."""
     from fp8ops.start.drift import Drift
     from fp8ops.start.plan import Resume, _apply_ledger
 
+    saved = manifest_hash(manifest)
     plan = Resume(
         run_dir,
         run_dir / "checkpoints" / "step_00000120",
-        SimpleNamespace(step=120, ledger=None),  # the checkpoint's record: what is read here
+        # The checkpoint's record: what is read here.
+        SimpleNamespace(step=120, ledger=None, manifest=saved, revisions=[saved]),
         manifest,
-        manifest,
-        [],
+        manifest if accepted is None else accepted,
+        [] if accepted is None else [accepted],
         Drift(),
         None,
     )
@@ -243,6 +256,56 @@ def test_a_deleted_ledger_refuses_a_resume_whose_manifest_names_its_approvals(ru
     ):
         _resume_ledger(run_dir, applied)
     assert _resume_ledger(run_dir, load_manifest(run_dir / "manifest.yaml")).new_revisions == []
+
+
+def _self_approval(run_dir):
+    staged = Ledger(run_dir).stage(FC1, "saturation", who="ana")
+    append_by_hand(run_dir, {"kind": "approved", "override": staged.id, "who": "ana", "note": None})
+
+
+def _policy_approval(run_dir):
+    from fp8ops.overrides.ledger import policy_approver
+
+    proposal = forged_proposal(run_dir)
+    policy = manifest_hash(load_manifest(run_dir / "manifest.yaml"))  # it has no auto_degrade
+    approval = {"who": policy_approver(policy), "note": None, "policy": policy}
+    append_by_hand(run_dir, {"kind": "approved", "override": proposal["hash"], **approval})
+
+
+def _persons_proposal(run_dir):
+    proposal = forged_proposal(run_dir, who="ana")
+    append_by_hand(
+        run_dir, {"kind": "approved", "override": proposal["hash"], "who": "ben", "note": None}
+    )
+
+
+@pytest.mark.parametrize(
+    "forge, words",
+    [
+        (_self_approval, "line 2: .*approves what the same operator staged"),
+        (_policy_approval, "line 2: .*no revision of this run's manifest chain"),
+        (_persons_proposal, "line 1: .*only the alert engine proposes"),
+    ],
+)
+def test_a_resume_refuses_records_written_by_hand_that_the_commands_refuse(run_dir, forge, words):
+    """An unsigned ledger's rules hold for the resume as for `overrides verify` (one reader):
+    what no command would write is refused, not applied."""
+    forge(run_dir)
+    with pytest.raises(LedgerError, match=words):
+        _resume_ledger(run_dir, load_manifest(run_dir / "manifest.yaml"))
+
+
+def test_a_resume_reads_the_ledger_under_the_drift_it_accepts(run_dir):
+    """A revision that loosens the review rules holds when a resume accepts it (the operator's
+    --accept-drift), not when it is merely written into the run directory."""
+    _self_approval(run_dir)
+    saved = load_manifest(run_dir / "manifest.yaml")
+    solo = derive(saved, {"review.allow_self_approval": True}, "resume accepted drift: solo")
+    with pytest.raises(LedgerError, match="approves what the same operator staged"):
+        _resume_ledger(run_dir, saved)
+    plan = _resume_ledger(run_dir, saved, accepted=solo)
+    assert [o.module for o in plan.applied_overrides] == [FC1]
+    assert plan.manifest.revision.parent == manifest_hash(solo)  # the overrides' revision
 
 
 def test_the_console_row_shows_a_pending_lift_over_a_later_rejected_override(run_dir):

@@ -13,26 +13,27 @@ import subprocess
 import time
 
 import pytest
-from support.ledger_run import FC1, QKV, admit_tiny_gpt, make_run_dir
+from support.example_manifests import TINY
+from support.ledger_run import (
+    FC1,
+    QKV,
+    admit_tiny_gpt,
+    append_by_hand,
+    checkpoint_record,
+    lock_to,
+    make_run_dir,
+)
 
 if importlib.util.find_spec("megatron") is None:  # the layer table comes from the real model
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
 if shutil.which("ssh-keygen") is None:
     pytest.skip("needs ssh-keygen (apt install openssh-client)", allow_module_level=True)
 
-from fp8ops.checkpoint.meta import (
-    CheckpointMeta,
-    Fp8StateRecord,
-    LedgerAnchor,
-    TopologyRecord,
-    write_meta,
-)
 from fp8ops.errors import Fp8opsError, ManifestError
 from fp8ops.manifest import derive
 from fp8ops.overrides import Ledger, LedgerError, OverrideError
 from fp8ops.overrides.chain import GENESIS, canonical_json, record_hash
 from fp8ops.overrides.signing import NAMESPACE, signed_body
-from fp8ops.start.checks import check_ledger_anchors
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
@@ -198,42 +199,6 @@ def test_a_forged_policy_approval_is_refused(signed_run, keys):
     assert len(_lines(signed_run)) == 1
 
 
-def _checkpoint_with_anchor(run, anchor):
-    directory = run / "checkpoints" / "step_00000120"
-    directory.mkdir(parents=True)
-    manifest = json.loads((run / "status.json").read_text())["manifest"]
-    write_meta(
-        directory,
-        CheckpointMeta(
-            step=120,
-            saved_at="2026-12-02T00:00:00+0000",
-            reason="periodic",
-            manifest=manifest,
-            revisions=[manifest],
-            environment={},
-            topology=TopologyRecord(
-                tensor_parallel=1,
-                pipeline_parallel=1,
-                data_parallel=1,
-                world_size=1,
-                amax_reduction="tp_dp",
-                reduce_amax=True,
-            ),
-            admission=None,
-            weights_fingerprint="0" * 64,
-            fp8=Fp8StateRecord(layout="none", groups=1, history_len=0, modules=[], digests={}),
-            sampler={},
-            optimizer_steps=120,
-            optimizer_main=False,
-            telemetry_committed=None,
-            per_rank_state=True,
-            files={},
-            ledger=LedgerAnchor(**anchor),
-        ),
-    )
-    return directory
-
-
 def test_a_chain_rewritten_with_fresh_hashes_is_caught_by_a_checkpoints_anchor(
     tmp_path, admitted, cli
 ):
@@ -241,21 +206,23 @@ def test_a_chain_rewritten_with_fresh_hashes_is_caught_by_a_checkpoints_anchor(
     ledger = Ledger(run)
     staged = ledger.stage(FC1, "saturation", who="ana")
     ledger.approve(staged.id[:12], who="ben")
-    _checkpoint_with_anchor(run, ledger.anchor())
-    check_ledger_anchors(run, ledger)
+    checkpoint_record(run, ledger.anchor())
+    assert ledger.verify() == 2
     assert cli("overrides", "verify", str(run)).code == 0
-    # Rewritten from the first line: another reason, every hash fresh. The chain holds.
+    # Rewritten from the first line: another reason, every hash fresh. The chain holds, and
+    # only the checkpoint's anchor can tell.
     records = ledger.records()
     _write(run, _rechain([{**records[0], "reason": "ben asked for it"}, records[1]]))
-    assert ledger.verify() == 2  # the chain alone cannot tell
     with pytest.raises(LedgerError, match="checkpoint step_00000120 saw 2 ledger record"):
-        check_ledger_anchors(run, ledger)
+        ledger.verify()
     result = cli("overrides", "verify", str(run))
     assert result.code == 2 and "rewritten" in result.err + result.out
-    # Cut short after the checkpoint: caught too.
+    # Cut short after the checkpoint: caught too, and nothing appends to it.
     _write(run, records[:1])
     with pytest.raises(LedgerError, match="it has 1 record"):
-        check_ledger_anchors(run, ledger)
+        ledger.overrides()
+    with pytest.raises(LedgerError, match="it has 1 record"):
+        ledger.reject(records[0]["hash"], "x", who="ben")
 
 
 def test_an_edited_allowed_signers_file_is_refused_naming_the_field(signed_run, keys):
@@ -338,20 +305,11 @@ def _forged_proposal(records, module=FC1, rule="saturation"):
 
 def _policy_revision(run, **policy):
     """A revision of the run with an auto-degrade policy, made the run's locked one."""
-    from fp8ops.manifest import ManifestStore, load_manifest, manifest_hash, write_manifest
+    from fp8ops.manifest import load_manifest
 
     current = load_manifest(run / "manifest.yaml")
-    child = derive(
-        current,
-        {"alerts.auto_degrade": {"rules": ["saturation"], "max_modules": 1, **policy}},
-        "a policy",
-    )
-    ManifestStore(run / "manifests").put(child)
-    (run / "manifest.yaml").unlink()
-    write_manifest(child, run / "manifest.yaml")
-    status = json.loads((run / "status.json").read_text())
-    (run / "status.json").write_text(json.dumps({**status, "manifest": manifest_hash(child)}))
-    return manifest_hash(child)
+    policy = {"rules": ["saturation"], "max_modules": 1, **policy}
+    return lock_to(run, derive(current, {"alerts.auto_degrade": policy}, "a policy"))
 
 
 def _policy_approval(records, policy, override):
@@ -438,3 +396,64 @@ def test_a_missing_key_or_an_unusable_signers_file_is_refused_naming_it(
     run = make_run_dir(tmp_path / "garbage", admitted, review=_review(garbage))
     with pytest.raises(Fp8opsError, match="not an allowed-signers file fp8ops can use"):
         Ledger(run, key=keys[0]["ana"]).stage(FC1, "r", who="ana")
+
+
+def _unsigned_revision(run):
+    """The run's locked revision without the review signing settings."""
+    from fp8ops.manifest import load_manifest
+
+    unsigned = {"allowed_signers": None, "allowed_signers_sha256": None}
+    changes = {f"review.{k}": v for k, v in {**unsigned, "require_signatures": False}.items()}
+    return derive(load_manifest(run / "manifest.yaml"), changes, "no signatures")
+
+
+def test_a_revision_forged_into_the_run_directory_waives_no_signature(signed_run, keys, cli):
+    """Issue 49, defect 6: a revision without the review signing settings, written into
+    manifests/ and named by manifest.yaml and status.json, made `verify` and `list` accept an
+    unsigned approval ("1 approved", exit 0) on a run whose checkpoint requires signatures."""
+    from fp8ops.console.ledger_state import module_states
+
+    paths, _ = keys
+    staged = Ledger(signed_run, key=paths["ana"]).stage(FC1, "saturation", who="ana")
+    checkpoint_record(signed_run, Ledger(signed_run).anchor())  # saved under signatures
+    forged = lock_to(signed_run, _unsigned_revision(signed_run))
+    approval = {"kind": "approved", "override": staged.id, "who": "ben", "note": None}
+    append_by_hand(signed_run, approval)  # unsigned: anyone can type "ben"
+    for command in ("verify", "list"):
+        result = cli("overrides", command, str(signed_run))
+        assert (result.code, result.out) == (2, ""), command
+        assert f"locked to revision {forged[:12]}" in result.err
+        assert "checkpoint step_00000120 was saved under" in result.err
+        assert "loosens review.require_signatures, review.allowed_signers" in result.err
+    with pytest.raises(OverrideError, match="loosens review.require_signatures"):
+        module_states(signed_run)  # the console's read
+    # A resume that accepted the same revision as drift records it in its `resumed` event: the
+    # change then holds, and the approval is read as the revision's rules say (typed names).
+    (signed_run / "events.jsonl").write_text(
+        json.dumps({"event": "resumed", "new_revisions": [forged], "accepted": "one signer"}) + "\n"
+    )
+    result = cli("overrides", "verify", str(signed_run))
+    assert result.code == 0 and "1 approved" in result.out
+
+
+def test_reads_hold_the_run_to_its_checkpoints_revision(signed_run, keys, cli):
+    """A revision written since the checkpoint that keeps the review rules (an auto-degrade
+    switch, a resume's applied overrides) is the run's; one that does not descend from the
+    checkpoint's revision is refused, and so is loosening self-approval."""
+    from fp8ops.manifest import load_manifest
+
+    paths, _ = keys
+    Ledger(signed_run, key=paths["ana"]).stage(FC1, "saturation", who="ana")
+    checkpoint_record(signed_run, Ledger(signed_run).anchor())
+    locked = load_manifest(signed_run / "manifest.yaml")
+    overrides = [{"module": QKV, "reason": "held in BF16"}]
+    lock_to(signed_run, derive(locked, {"precision.overrides": overrides}, "a switch"))
+    assert cli("overrides", "verify", str(signed_run)).code == 0
+
+    lock_to(signed_run, derive(locked, {"review.allow_self_approval": True}, "solo"))
+    result = cli("overrides", "verify", str(signed_run))
+    assert result.code == 2 and "loosens review.allow_self_approval" in result.err
+
+    lock_to(signed_run, load_manifest(TINY))  # another lineage's root, without signers
+    result = cli("overrides", "verify", str(signed_run))
+    assert result.code == 2 and "is a root: it does not descend from it" in result.err

@@ -12,7 +12,15 @@ import yaml
 if importlib.util.find_spec("megatron") is None:  # the layer table comes from the real model
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
 
-from support.ledger_run import FC1, QKV, admit_tiny_gpt, make_run_dir
+from support.ledger_run import (
+    FC1,
+    QKV,
+    admit_tiny_gpt,
+    append_by_hand,
+    checkpoint_record,
+    forged_proposal,
+    make_run_dir,
+)
 
 from fp8ops.overrides import Ledger
 
@@ -124,6 +132,84 @@ def test_verify_names_the_damaged_line(cli, run_dir):
     result = cli("overrides", "verify", run_dir)
     assert result.code == 2
     assert result.err.startswith(f"{path}, line 1: the record's hash does not match its content")
+
+
+def _refused_on_read(cli, run_dir, *words):
+    """``verify`` and ``list`` both exit 2 with ``words`` in the message, printing nothing."""
+    for command in ("verify", "list"):
+        result = cli("overrides", command, run_dir)
+        assert (result.code, result.out) == (2, ""), (command, result.out)
+        assert all(w in result.err for w in words), (command, result.err)
+        assert "Traceback" not in result.err
+
+
+def test_a_self_approval_written_by_hand_is_refused_on_an_unsigned_ledger(cli, run_dir):
+    """Issue 49, defect 2: the two-person rule held only for signed ledgers on read. The issue's
+    steps: ana stages, her `approve` is refused, and the same record appended by hand (chain
+    recomputed) passed `verify` ("1 approved", exit 0) and was applied by the next resume."""
+    cli("overrides", "stage", run_dir, FC1, "--reason", "x")  # as ana ($FP8OPS_USER)
+    fc1 = staged_id(run_dir)
+    assert cli("overrides", "approve", run_dir, fc1).code == 2  # the writer refuses
+    append_by_hand(run_dir, {"kind": "approved", "override": fc1, "who": "ana", "note": None})
+    _refused_on_read(
+        cli,
+        run_dir,
+        f"{run_dir}/overrides.jsonl, line 2: the approved record by ana",
+        "approves what the same operator staged",
+        "restore it from a copy",
+    )
+    # Nothing appends to it either, and a resume's read refuses it (tests/test_ledger.py).
+    result = cli("overrides", "reject", run_dir, fc1, "--reason", "r", "--user", "ben")
+    assert result.code == 2 and "line 2" in result.err
+
+
+def test_a_policy_approval_written_by_hand_is_refused_on_an_unsigned_ledger(cli, run_dir):
+    """No person's signature is asked of a policy's approval; on an unsigned ledger it must still
+    name a policy of the run's manifest chain that could have written it (this run has none)."""
+    from fp8ops.overrides.ledger import policy_approver
+
+    proposal = forged_proposal(run_dir)
+    policy = json.loads((run_dir / "status.json").read_text())["manifest"]
+    append_by_hand(
+        run_dir,
+        {
+            "kind": "approved",
+            "override": proposal["hash"],
+            "who": policy_approver(policy),
+            "note": None,
+            "policy": policy,
+        },
+    )
+    _refused_on_read(cli, run_dir, "line 2: the approved record by auto-degrade policy")
+    assert "no revision of this run's manifest chain with alerts.auto_degrade" in (
+        cli("overrides", "verify", run_dir).err
+    )
+
+
+def test_a_proposal_written_by_hand_as_a_person_is_refused_on_an_unsigned_ledger(cli, run_dir):
+    """Only the alert engine proposes: a ``proposed`` record in a person's name (which anyone
+    may approve, unlike a staging) is refused on read, as `propose` under that name is."""
+    forged_proposal(run_dir, who="ana")
+    _refused_on_read(cli, run_dir, "line 1: the proposed record by ana", "only the alert engine")
+
+
+def test_verify_refuses_a_deleted_ledger_that_a_checkpoint_anchored(cli, run_dir):
+    """Issue 49, defect 7: `verify` said "no ledger yet" (exit 0) where a resume refused."""
+    cli("overrides", "stage", run_dir, FC1, "--reason", "x")
+    cli("overrides", "approve", run_dir, staged_id(run_dir), "--user", "ben")
+    checkpoint_record(run_dir, Ledger(run_dir).anchor())
+    (run_dir / "overrides.jsonl").unlink()
+    _refused_on_read(
+        cli,
+        run_dir,
+        "checkpoint step_00000120 saw 2 ledger record(s)",
+        "the ledger is gone",
+        "Restore it from a copy",
+    )
+    # Staging does not start a new ledger in its place.
+    result = cli("overrides", "stage", run_dir, QKV, "--reason", "x")
+    assert result.code == 2 and "the ledger is gone" in result.err
+    assert not (run_dir / "overrides.jsonl").exists()
 
 
 def test_export_te(cli, run_dir, tmp_path):

@@ -419,6 +419,26 @@ def test_an_approved_override_is_applied_on_resume_and_a_revoke_lifts_it(paused,
     assert json.loads((paused / "fallbacks.json").read_text()) == {}
 
 
+@pytest.mark.slow
+def test_a_self_approval_written_by_hand_is_not_applied(paused, cli, monkeypatch):
+    """Issue 49, defect 2, as reported: on an unsigned ledger, ana's own approval appended by
+    hand (the chain recomputed) passed `overrides verify` and the resume applied it."""
+    from support.ledger_run import append_by_hand
+
+    fc1 = "decoder.layers.1.mlp.linear_fc1"
+    monkeypatch.setenv("FP8OPS_USER", "ana")
+    assert cli("overrides", "stage", paused, fc1, "--reason", "x").code == 0
+    (staged,) = Ledger(paused).overrides()
+    assert "cannot approve it too" in cli("overrides", "approve", paused, staged).err
+    append_by_hand(paused, {"kind": "approved", "override": staged, "who": "ana", "note": None})
+    verified = cli("overrides", "verify", paused)
+    assert verified.code == 2 and "approves what the same operator staged" in verified.err
+    before = {f.name: f.read_bytes() for f in paused.iterdir() if f.is_file()}
+    resumed = cli("resume", paused, "--no-progress")
+    assert resumed.code == 2 and "line 2: the approved record by ana" in resumed.err
+    assert {f.name: f.read_bytes() for f in paused.iterdir() if f.is_file()} == before
+
+
 # -- what the load verifies ----------------------------------------------------------------------
 
 

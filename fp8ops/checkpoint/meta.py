@@ -49,7 +49,7 @@ class Fp8StateRecord(_Record):
 
 class LedgerAnchor(_Record):
     """The override ledger as the checkpoint saw it: a rewritten chain no longer has ``head`` as
-    its record number ``records`` (fp8ops.overrides.Ledger.check_anchor)."""
+    its record number ``records`` (every read of fp8ops.overrides.Ledger checks it)."""
 
     records: int = Field(ge=1)
     head: str = Field(pattern=r"^[0-9a-f]{64}$")

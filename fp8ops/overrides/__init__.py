@@ -1,8 +1,9 @@
 """Per-layer BF16 overrides through a reviewed, append-only, hash-chained ledger.
 
 Reading order: ``ledger`` (:class:`Ledger` over ``RUN_DIR/overrides.jsonl``: the records, the
-state machine, the review rule), ``chain`` (the file format: sha256-chained JSON lines and how
-tampering shows), ``te_debug`` (the overrides as a Transformer Engine debug-API config), ``cli``
+state machine, the review rule), ``anchors`` (what a read is held to: the run's revisions and
+the ledger's length as its checkpoints saw them), ``chain`` (the file format: sha256-chained
+JSON lines and how tampering shows), ``signing`` (SSH-signed records), ``te_debug`` (the overrides as a Transformer Engine debug-API config), ``cli``
 (``fp8ops overrides ...``). See ``docs/overrides.md``.
 
 Nothing here imports torch or Megatron.

@@ -11,11 +11,14 @@ Operators take single modules out of FP8 into BF16 through a reviewed, append-on
 The file is a hash chain of JSON lines (``chain.py``: an edited, deleted or reordered line is
 found and named). Here is what the records mean: the kinds (``proposed``/``staged`` open an
 override, whose id is that record's hash; ``approved``, ``rejected``, ``revoked`` decide it;
-``applied`` records a resume), the state machine they drive (:func:`_apply`, the one place its
-rules live, used for appending and for reading alike), and the checks that need the run: the
-module against ``layers.json``, the approver against ``review.allow_self_approval``. Every read
-and every append verifies the whole file first: a damaged ledger is never appended to. The
-kinds and the states are tabled in ``docs/overrides.md``.
+``applied`` records a resume), the state machine they drive (:func:`_apply`), the rules a record
+must meet whoever wrote it (:func:`_problem`: the two-person rule, proposals by the alert engine
+only, a policy's approvals), and the checks that need the run: the module against
+``layers.json``, the approver against ``review.allow_self_approval``. One reader
+(:meth:`Ledger._read`) enforces all of it, signed ledger or not, for every read (``verify``,
+``list``, the console, a resume) and every append, held to the run's checkpoints
+(``anchors.py``): a record written by hand can do nothing the commands refuse, and a damaged
+ledger is never appended to. The kinds and the states are tabled in ``docs/overrides.md``.
 
 Reading needs neither torch nor Megatron: the module table comes from ``layers.json``.
 """
@@ -39,8 +42,8 @@ from typing import IO, Any, Literal
 from fp8ops.alerts.files import read_alerts
 from fp8ops.alerts.records import Alert, decode_float, encode_float
 from fp8ops.errors import Fp8opsError
-from fp8ops.manifest import ManifestStore, manifest_hash
 from fp8ops.manifest.schema import Bf16Override, ModuleRecipe, Review
+from fp8ops.overrides.anchors import AnchorError, RunAnchors, run_anchors
 from fp8ops.overrides.chain import GENESIS, LedgerError, canonical_json, parse_chain, record_hash
 from fp8ops.overrides.signing import (
     KEY_ENV,
@@ -50,7 +53,7 @@ from fp8ops.overrides.signing import (
     signed_body,
     signing_key,
 )
-from fp8ops.run import RunLayout, RunRecordError, find_status, locked_manifest, read_run_record
+from fp8ops.run import RunLayout, RunRecordError, find_status, read_run_record
 from fp8ops.run.layout import OVERRIDES
 from fp8ops.run.records import read_layers_json
 
@@ -301,6 +304,125 @@ def _conflict_message(existing: Override) -> str:
 
 
 # --------------------------------------------------------------------------------------
+# The rules a record must meet, signed or not
+# --------------------------------------------------------------------------------------
+
+# What a refusal says the rule is, on read (the ledger then cannot be trusted) and on write.
+_RULE = "No fp8ops command writes such a record, signed or not"
+_SIGNED = "The run's manifest requires signed records (review.require_signatures)"
+
+
+def _problem(
+    record: Mapping[str, Any],
+    overrides: Mapping[str, Override],
+    anchors: RunAnchors,
+    signers: AllowedSigners | None,
+) -> tuple[str, str] | None:
+    """(why, the rule) when ``record``, following the records that left ``overrides``, breaks a
+    rule the commands enforce when they write it; None when it does not. Checked on every read
+    and every append, whether the ledger is signed or not: a proposal is the alert engine's; a
+    ``policy`` key only on an approval its policy could have written (:func:`_policy_problem`);
+    nobody stages under the alert engine's name; an operator does not approve what they staged
+    unless a revision of the run allowed it (``anchors``: the run's revisions held to its
+    checkpoint). ``signers`` (where signatures are required): an operator's record must be
+    signed by a key they bind to its ``who``. The state machine is :func:`_apply`'s."""
+    try:
+        kind, who = record["kind"], record["who"]
+        if not isinstance(who, str) or not who.strip():
+            return "it names nobody as its writer", _RULE
+        if "policy" in record:
+            if kind != "approved":
+                return f"a {kind} record carries a policy: only a policy's approval does", _RULE
+            problem = _policy_problem(record, overrides, anchors)
+            return None if problem is None else (problem, _RULE)
+        if kind == "proposed" and who != ALERT_ENGINE:
+            return f"a proposal written as {who!r}: only the alert engine proposes", _RULE
+        if kind == "staged" and _same_person(who, ALERT_ENGINE):
+            return "staged under the alert engine's name: an operator stages as themselves", _RULE
+        if signers is not None and _by_a_person(record):
+            problem = _signature_problem(record, signers)
+            if problem is not None:
+                return problem, _SIGNED
+        origin = overrides.get(record["override"]) if kind == "approved" else None
+        if (
+            origin is not None
+            and _same_person(origin.who, who)
+            and not anchors.allows_self_approval()
+        ):
+            return "approves what the same operator staged (review.allow_self_approval)", _RULE
+    except Fp8opsError:
+        raise  # the run's files (a revision, events.jsonl) could not be read: not the record's
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        return f"not a valid record ({type(exc).__name__}: {exc})", _RULE
+    return None
+
+
+def _signature_problem(record: Mapping[str, Any], signers: AllowedSigners) -> str | None:
+    """Why an operator's record is not proven written by its ``who`` (None: it is, or no person
+    writes records of its kind)."""
+    if not _by_a_person(record):
+        return None
+    try:
+        return signers.problem(dict(record))
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        return f"not a valid record ({type(exc).__name__}: {exc})"
+
+
+def _refusal(
+    record: Mapping[str, Any], problem: str, rule: str, signers: AllowedSigners | None
+) -> str:
+    """An append's refusal of ``record``: what is wrong, and how to write it instead."""
+    said = f"refused: the {record['kind']} record by {record['who']}: {problem}"
+    if rule == _SIGNED and signers is not None:
+        return (
+            f"{said} (review.require_signatures); sign with --key KEY (or ${KEY_ENV}): a key "
+            f"{signers.path} lists for {record['who']}"
+        )
+    if "policy" in record:
+        return f"{said}; only the run's own auto-degrade policy writes a policy's approval"
+    return said
+
+
+def _by_a_person(record: Mapping[str, Any]) -> bool:
+    """An operator's record, which is signed; the alert engine's proposals, a resume's
+    ``applied`` and the auto-degrade policy's approvals are not."""
+    return record["kind"] in SIGNED_KINDS and "policy" not in record
+
+
+def _policy_problem(
+    record: Mapping[str, Any], overrides: Mapping[str, Override], anchors: RunAnchors
+) -> str | None:
+    """Why the auto-degrade policy could not have written this approval (None: it could): the
+    policy must be a revision of the run held to its checkpoint (``anchors``), the approval its
+    own, of an alert engine's BF16 proposal triggered by one of its rules by its until_step,
+    within its max_modules (policy approvals in the whole ledger, revoked ones too)."""
+    policy = str(record["policy"])
+    manifest = anchors.revision(policy)
+    rules = None if manifest is None else manifest.alerts.auto_degrade
+    if rules is None:
+        return (
+            f"approved as an auto-degrade policy, but {policy[:12]} is no revision of this "
+            "run's manifest chain with alerts.auto_degrade"
+        )
+    if record["who"] != policy_approver(policy):
+        return f"a policy's approval written as {record['who']!r}"
+    origin = overrides.get(record["override"])
+    if origin is None or origin.origin != "proposed" or origin.who != ALERT_ENGINE:
+        return "a policy approves only the alert engine's proposals"
+    if origin.scaling is not None:
+        return "a policy approves only BF16 proposals"
+    if not any(rules.acts_on(t.rule, origin.step or 0) for t in origin.triggers):
+        return (
+            f"its proposal (step {origin.step}) was triggered by none of the policy's rules "
+            f"({', '.join(rules.rules)}) by its until_step"
+        )
+    nth = 1 + sum(o.policy is not None for o in overrides.values())
+    if nth > rules.max_modules:
+        return f"the policy's approval number {nth}, past its max_modules {rules.max_modules}"
+    return None
+
+
+# --------------------------------------------------------------------------------------
 # The ledger
 # --------------------------------------------------------------------------------------
 
@@ -315,9 +437,16 @@ class Ledger:
     directory readable and leaves no stray file behind.
     """
 
-    def __init__(self, run_dir: str | Path, key: str | Path | None = None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        key: str | Path | None = None,
+        anchors: RunAnchors | None = None,
+    ):
         self.run_dir = Path(run_dir)
         self.key = signing_key(key)  # signs this operator's records (signing.py); None: unsigned
+        # The rules reads are held to (anchors.py); None: found afresh for each read and append.
+        self.given_anchors = anchors
         self.layout = RunLayout(self.run_dir)
         self.path = self.layout.overrides
         if not self.run_dir.is_dir():
@@ -332,33 +461,27 @@ class Ledger:
     # -- reading ------------------------------------------------------------------------------
 
     def records(self) -> list[dict[str, Any]]:
-        """Every record, verified (:class:`LedgerError` names the first bad line)."""
-        if not self.path.exists():
-            return []
-        with open(self.path, "rb") as f:
-            fcntl.flock(f, fcntl.LOCK_SH)  # an append in flight is never read half-written
-            records = parse_chain(self.path, f.read())
-        self._require_signed(records)
-        return records
+        """Every record, read under every rule (:meth:`_read`); :class:`LedgerError` names the
+        first bad line."""
+        return self._read()[0]
 
     def verify(self) -> int:
-        """Check the whole chain, the state machine and the signatures the run requires; the
-        number of records. (The checkpoints' anchors: ``fp8ops.start.checks``.)"""
-        records = self.records()
-        self._fold(records)
-        return len(records)
+        """Read the ledger under every rule (:meth:`_read`); the number of records."""
+        return len(self.records())
 
     def unverified(self) -> list[str]:
-        """Every record whose signature does not prove who wrote it, one line each (empty when
-        the manifest names no allowed signers; with ``review.require_signatures`` reading
-        the ledger already refuses the first)."""
-        signers = self._signers(self._review())
+        """Every operator's record whose signature does not prove who wrote it, one line each
+        (empty when the manifest names no allowed signers; with ``review.require_signatures``
+        reading the ledger already refuses the first)."""
+        anchors = self._anchors()
+        records = self._read(anchors)[0]
+        signers = self._signers(anchors.review)
         if signers is None:
             return []
-        records = self.records()
         return [
             f"{self.path}, line {n}: {_what(record)}: {problem}"
-            for n, record, problem in self._problems(records, signers)
+            for n, record in enumerate(records, 1)
+            if (problem := _signature_problem(record, signers)) is not None
         ]
 
     def anchor(self) -> dict[str, Any] | None:
@@ -368,27 +491,9 @@ class Ledger:
         records = self.records()
         return {"records": len(records), "head": records[-1]["hash"]} if records else None
 
-    def check_anchor(self, anchor, checkpoint: Path, records=None) -> None:
-        """The ledger still holds the records ``checkpoint`` saw (its ``ledger`` anchor)."""
-        if anchor is None:
-            return
-        records = self.records() if records is None else records
-        n, head = anchor.records, anchor.head
-        if len(records) < n or records[n - 1]["hash"] != head:
-            found = (
-                f"it has {len(records)} record(s)"
-                if len(records) < n
-                else f"its record {n} has hash {records[n - 1]['hash'][:12]}"
-            )
-            raise LedgerError(
-                f"{self.path}: checkpoint {checkpoint.name} saw {n} ledger record(s) ending in "
-                f"{head[:12]}, but {found}: the ledger was rewritten or cut short after that "
-                "checkpoint. Restore it from a copy; nothing reads it until then."
-            )
-
     def overrides(self) -> dict[str, Override]:
         """Every override, id -> :class:`Override`, in the order they were proposed or staged."""
-        return self._fold(self.records())
+        return self._read()[1]
 
     def get(self, ref: str) -> Override:
         """The override whose id is ``ref`` or starts with it (at least 6 hex digits)."""
@@ -575,16 +680,17 @@ class Ledger:
     def _append(
         self, build: Callable[[dict[str, Override]], list[dict[str, Any]]]
     ) -> tuple[list[dict[str, Any]], dict[str, Override]]:
-        """Under the lock: read and verify, let ``build`` make records from the current state,
-        chain and check them, and write them in one ``write`` followed by ``fsync``. A refused
-        record (OverrideError) writes nothing. The records written and the state after them."""
-        review = self._review()
-        signers = self._signers(review)
+        """Under the lock: read the ledger as :meth:`_read` does, let ``build`` make records
+        from the current state, hold each to the same rules, and write them in one ``write``
+        followed by ``fsync``. A refused record (OverrideError) writes nothing. The records
+        written and the state after them."""
+        anchors = self._anchors()
+        if not self.path.exists():
+            self._check_anchors([], anchors)  # a ledger a checkpoint saw is gone: not recreated
+        signers = self._required_signers(anchors)
         with self._locked() as f:
             f.seek(0)
-            records = parse_chain(self.path, f.read())
-            self._require_signed(records, review, signers)
-            overrides = self._fold(records)
+            records, overrides = self._checked(f.read(), anchors, signers)
             prev = records[-1]["hash"] if records else GENESIS
             now = datetime.now(timezone.utc).isoformat(timespec="seconds")
             sealed, lines = [], []
@@ -593,7 +699,9 @@ class Ledger:
                 if _by_a_person(record) and self.key is not None:
                     record["signature"] = sign(signed_body(record), self.key)
                 record["hash"] = record_hash(record)
-                self._refuse_unsigned([*records, *sealed], record, review, signers)
+                found = _problem(record, overrides, anchors, signers)
+                if found is not None:
+                    raise OverrideError(_refusal(record, *found, signers))
                 prev = record["hash"]
                 _apply(overrides, record)
                 sealed.append(record)
@@ -605,107 +713,51 @@ class Ledger:
                 os.fsync(f.fileno())
         return sealed, overrides
 
-    def _locked_manifest(self):
-        """The revision the run is locked to (review rules and policies are read from it)."""
+    def _anchors(self) -> RunAnchors:
+        """The rules this read or append holds the ledger to (``anchors.py``)."""
+        if self.given_anchors is not None:
+            return self.given_anchors
         try:
-            return locked_manifest(self.run_dir)
-        except Fp8opsError as exc:
+            return run_anchors(self.run_dir)
+        except AnchorError as exc:
             raise OverrideError(str(exc)) from None
-
-    def _review(self) -> Review:
-        return self._locked_manifest().review
 
     def _signers(self, review: Review) -> AllowedSigners | None:
         if review.allowed_signers is None:
             return None
         return AllowedSigners.load(review.allowed_signers, review.allowed_signers_sha256)
 
-    def _problems(self, records, signers: AllowedSigners):
-        """(line, record, why) for each record whose author is not proven: a person's record
-        not signed by a key the allowed signers bind to its ``who`` (or approving what the same
-        person staged), a ``policy`` key where only a policy's approval may carry one, or a
-        policy's approval that its policy did not allow (:meth:`_policy_problem`)."""
-        opened: dict[str, Mapping[str, Any]] = {}  # override id -> its proposed/staged record
-        by_policy = 0  # policy approvals so far, under any revision: max_modules is run-wide
-        revisions = None
-        for n, record in enumerate(records, 1):
-            try:
-                kind = record["kind"]
-                if "policy" in record and kind != "approved":
-                    problem = f"a {kind} record carries a policy: only a policy's approval does"
-                elif "policy" in record:
-                    revisions = self._revisions() if revisions is None else revisions
-                    by_policy += 1
-                    problem = _policy_problem(record, opened, revisions, by_policy)
-                elif kind == "proposed" and record["who"] != ALERT_ENGINE:
-                    problem = (
-                        f"a proposal written as {record['who']!r}: only the alert engine proposes"
-                    )
-                elif kind in SIGNED_KINDS:
-                    problem = signers.problem(record)
-                    origin = opened.get(record.get("override"))
-                    if (
-                        problem is None
-                        and kind == "approved"
-                        and origin is not None
-                        and _same_person(origin["who"], record["who"])
-                    ):
-                        revisions = self._revisions() if revisions is None else revisions
-                        # Refused unless some revision of the run allowed it then.
-                        if not any(m.review.allow_self_approval for m in revisions.values()):
-                            problem = "approves what the same operator staged (review rule)"
-                else:
-                    problem = None
-                if kind in ("proposed", "staged"):
-                    opened[record["hash"]] = record
-            except (KeyError, TypeError, AttributeError, ValueError) as exc:
-                problem = f"not a valid record ({type(exc).__name__}: {exc})"
-            if problem is not None:
-                yield n, record, problem
+    def _required_signers(self, anchors: RunAnchors) -> AllowedSigners | None:
+        """The allowed signers where the run requires signatures (None: it does not)."""
+        return self._signers(anchors.review) if anchors.review.require_signatures else None
 
-    def _revisions(self) -> dict[str, Any]:
-        """The revisions the run is locked to, by hash: the locked one and its stored parents."""
-        store, current = ManifestStore(self.layout.manifests), self._locked_manifest()
-        chain = {manifest_hash(current): current}
-        while (
-            current.revision.parent is not None and store.path_for(current.revision.parent).exists()
-        ):
-            current = store.get(current.revision.parent)
-            chain[manifest_hash(current)] = current
-        return chain
+    def _read(self, anchors: RunAnchors | None = None):
+        """The one reader, behind every read and every append: the hash chain (``chain.py``),
+        every checkpoint's anchor, the rules every record must meet, signed or not
+        (:func:`_problem`: what the commands enforce when they write, so a record written by
+        hand can do nothing they refuse), the signatures where the run requires them, and the
+        state machine (:func:`_apply`). Returns (records, overrides)."""
+        anchors = self._anchors() if anchors is None else anchors
+        signers = self._required_signers(anchors)
+        if not self.path.exists():
+            return self._checked(None, anchors, signers)
+        with open(self.path, "rb") as f:
+            fcntl.flock(f, fcntl.LOCK_SH)  # an append in flight is never read half-written
+            return self._checked(f.read(), anchors, signers)
 
-    def _require_signed(self, records, review: Review | None = None, signers=None) -> None:
-        review = self._review() if review is None else review
-        if not review.require_signatures:
-            return
-        signers = self._signers(review) if signers is None else signers
-        for n, record, problem in self._problems(records, signers):
-            raise LedgerError(
-                f"{self.path}, line {n}: {_what(record)}: {problem}. The run's manifest requires "
-                "signed records (review.require_signatures): the ledger cannot be trusted or "
-                "appended to; restore it from a copy"
-            )
-
-    def _refuse_unsigned(self, records, record, review: Review, signers) -> None:
-        if signers is None or not review.require_signatures:
-            return  # written, and flagged by unverified() when there are allowed signers
-        checked = self._problems([*records, record], signers)
-        problem = next((p for n, _, p in checked if n == len(records) + 1), None)
-        if problem is not None:
-            how = (
-                "only the run's own auto-degrade policy writes a policy's approval"
-                if "policy" in record
-                else f"sign with --key KEY (or ${KEY_ENV}): a key {signers.path} lists for "
-                f"{record['who']}"
-            )
-            raise OverrideError(
-                f"refused: the {record['kind']} record by {record['who']} is {problem} "
-                f"(review.require_signatures); {how}"
-            )
-
-    def _fold(self, records: list[dict[str, Any]]) -> dict[str, Override]:
+    def _checked(self, data: bytes | None, anchors: RunAnchors, signers: AllowedSigners | None):
+        """:meth:`_read` of the file's bytes (None: no file)."""
+        records = [] if data is None else parse_chain(self.path, data)
+        self._check_anchors(records, anchors)
         overrides: dict[str, Override] = {}
         for n, record in enumerate(records, 1):
+            found = _problem(record, overrides, anchors, signers)
+            if found is not None:
+                problem, rule = found
+                raise LedgerError(
+                    f"{self.path}, line {n}: {_what(record)}: {problem}. {rule}: the ledger "
+                    "cannot be trusted or appended to; restore it from a copy"
+                )
             try:
                 _apply(overrides, record)
             except OverrideError as exc:
@@ -713,7 +765,25 @@ class Ledger:
             except (KeyError, TypeError, ValueError) as exc:
                 detail = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
                 raise LedgerError(f"{self.path}, line {n}: not a valid record ({detail})") from None
-        return overrides
+        return records, overrides
+
+    def _check_anchors(self, records: list[dict[str, Any]], anchors: RunAnchors) -> None:
+        """The ledger still holds the records every checkpoint saw (its ``ledger`` anchor)."""
+        for checkpoint, anchor in anchors.ledger:
+            n, head = anchor.records, anchor.head
+            if len(records) >= n and records[n - 1]["hash"] == head:
+                continue
+            if not self.path.exists():
+                found = "the ledger is gone"
+            elif len(records) < n:
+                found = f"it has {len(records)} record(s)"
+            else:
+                found = f"its record {n} has hash {records[n - 1]['hash'][:12]}"
+            raise LedgerError(
+                f"{self.path}: checkpoint {checkpoint.name} saw {n} ledger record(s) ending in "
+                f"{head[:12]}, but {found}: the ledger was deleted, rewritten or cut short after "
+                "that checkpoint. Restore it from a copy; nothing reads it until then."
+            )
 
     def _resolve(self, overrides: Mapping[str, Override], ref: str) -> str:
         ref = ref.strip().lower()
@@ -771,7 +841,7 @@ class Ledger:
             raise OverrideError(
                 f"{module} already runs current scaling (layers.json); stage it to 'bf16' instead"
             )
-        backend = locked_manifest(self.run_dir).precision.backend
+        backend = self._anchors().locked.precision.backend
         if backend == "te":
             raise OverrideError(
                 f"{module}: this run's precision.backend is 'te', which runs no per-module "
@@ -806,10 +876,10 @@ class Ledger:
         return [Trigger.from_alert(latest[metric]) for metric in sorted(latest)]
 
     def _self_approval_allowed(self) -> bool:
-        return self._review().allow_self_approval
+        return self._anchors().review.allow_self_approval
 
     def _status_step(self) -> int | None:
-        status = self._read(find_status)
+        status = self._run_file(find_status)
         return status.step if status is not None else None
 
     def _data_version(self) -> str | None:
@@ -817,51 +887,14 @@ class Ledger:
         wrote its record)."""
         if not self.layout.run_record.is_file():
             return None
-        data = self._read(read_run_record).data
+        data = self._run_file(read_run_record).data
         return data.fingerprint if data is not None else None
 
-    def _read(self, reader):
+    def _run_file(self, reader):
         try:
             return reader(self.run_dir)
         except RunRecordError as exc:
             raise OverrideError(str(exc)) from None
-
-
-def _by_a_person(record: Mapping[str, Any]) -> bool:
-    """An operator's record, which is signed; the alert engine's proposals, a resume's
-    ``applied`` and the auto-degrade policy's approvals are not."""
-    return record["kind"] in SIGNED_KINDS and "policy" not in record
-
-
-def _policy_problem(
-    record: Mapping[str, Any], opened: Mapping[str, Mapping[str, Any]], revisions, nth: int
-) -> str | None:
-    """Why the auto-degrade policy could not have written this approval (None: it could): the
-    policy must be a revision of the run's chain, the approval its own, of an alert engine's
-    BF16 proposal triggered by one of its rules by its until_step, within its max_modules."""
-    policy = str(record["policy"])
-    manifest = revisions.get(policy)
-    rules = None if manifest is None else manifest.alerts.auto_degrade
-    if rules is None:
-        return (
-            f"approved as an auto-degrade policy, but {policy[:12]} is no revision of this "
-            "run's manifest chain with alerts.auto_degrade"
-        )
-    if record["who"] != policy_approver(policy):
-        return f"a policy's approval written as {record['who']!r}"
-    origin = opened.get(record["override"])
-    if origin is None or origin["kind"] != "proposed" or origin["who"] != ALERT_ENGINE:
-        return "a policy approves only the alert engine's proposals"
-    if origin.get("scaling") is not None:
-        return "a policy approves only BF16 proposals"
-    if not any(rules.acts_on(t["rule"], origin["step"] or 0) for t in origin["triggers"]):
-        return (
-            f"its proposal (step {origin['step']}) was triggered by none of the policy's rules "
-            f"({', '.join(rules.rules)}) by its until_step"
-        )
-    if nth > rules.max_modules:
-        return f"the policy's approval number {nth}, past its max_modules {rules.max_modules}"
-    return None
 
 
 def _what(record: Mapping[str, Any]) -> str:

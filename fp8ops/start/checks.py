@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fp8ops.checkpoint.directory import LATEST, CheckpointDir, CheckpointError
-from fp8ops.checkpoint.meta import CheckpointMeta, read_meta
+from fp8ops.checkpoint.meta import CheckpointMeta
 from fp8ops.errors import Fp8opsError, ManifestError
 from fp8ops.manifest import ManifestStore, load_manifest, manifest_hash
 from fp8ops.manifest.schema import Manifest
@@ -606,11 +606,3 @@ def check_not_moved_on(plan: Resume) -> None:
             f"{plan.seen[1]} -> {now[1]}): another job trains or trained it. Resume again to "
             "continue from where it is now (or stop the other job first)"
         )
-
-
-def check_ledger_anchors(run_dir: Path, ledger) -> None:
-    """Every checkpoint's ledger anchor still holds: the records it saw are the ledger's first
-    ones (``Ledger.check_anchor``; a chain rewritten from its first line is refused)."""
-    records = ledger.records()
-    for directory in CheckpointDir(run_dir).complete():
-        ledger.check_anchor(read_meta(directory).ledger, directory, records)

@@ -284,25 +284,17 @@ def _apply_ledger(plan: Resume) -> None:
     # Imported here: the ledger's module table (layers.json) costs a third of a second that a
     # resume refused for drift, before this point, should not pay.
     from fp8ops.overrides import Ledger, LedgerError
+    from fp8ops.overrides.anchors import run_anchors
 
-    ledger = Ledger(plan.run_dir)
-    anchor = plan.meta.ledger
-    if anchor is not None and not ledger.path.exists():
-        raise LedgerError(
-            f"{ledger.path}: checkpoint {plan.checkpoint.name} saw {anchor.records} ledger "
-            "record(s), but the ledger is gone. Restore the file from a backup before resuming."
-        )
-    if ledger.path.exists():
-        ledger.verify()  # the chain and the signatures the run requires
-        checks.check_ledger_anchors(plan.run_dir, ledger)
-        plan.unverified_records = ledger.unverified()  # signatures not required: flagged
+    # Read as `overrides verify` reads it, held to this resume's checkpoint and manifest: every
+    # rule, the signatures the run requires, every checkpoint's anchor (a ledger one saw is gone).
+    ledger = Ledger(plan.run_dir, anchors=run_anchors(plan.run_dir, resume=plan))
+    overrides = ledger.overrides()
+    plan.unverified_records = ledger.unverified()  # signatures not required: flagged
     precision = plan.manifest.precision
     # The ledger's entries in force: BF16 overrides, and one-module current-scaling recipes.
     in_force = {o.module: o for o in precision.overrides if o.approval is not None}
     in_force |= {r.modules[0]: r for r in precision.module_recipes if r.approval is not None}
-    if not ledger.path.exists() and not in_force:
-        return
-    overrides = ledger.overrides() if ledger.path.exists() else {}
     approvals = {o.approval: o for o in overrides.values() if o.approval is not None}
     for override in in_force.values():
         if override.approval not in approvals:

@@ -341,6 +341,7 @@ def _record_resume(plan: Resume, trainer: Trainer, run: RunDir) -> None:
     and the ``resumed`` event."""
     from fp8ops.checkpoint import CheckpointDir
     from fp8ops.overrides import Ledger
+    from fp8ops.overrides.anchors import run_anchors
     from fp8ops.run.environment import environment_fingerprint
 
     digest = manifest_hash(plan.manifest)
@@ -349,7 +350,10 @@ def _record_resume(plan: Resume, trainer: Trainer, run: RunDir) -> None:
     news = [o.id for o in plan.applied_overrides if o.status == "approved"]
     news += [o.id for o in plan.lifted_overrides if o.to_lift]
     if news:
-        Ledger(run.path).record_applied(news, step=plan.step + 1, revision=digest)
+        # Held to the resume's checkpoint and the drift it accepted, as the plan read it: the
+        # `resumed` event that records the drift, and a rewind's `latest`, come after.
+        ledger = Ledger(run.path, anchors=run_anchors(run.path, resume=plan))
+        ledger.record_applied(news, step=plan.step + 1, revision=digest)
     superseded = CheckpointDir(run.path).rewind(plan.checkpoint)
     stop_request = trainer.stop_request
     if stop_request is not None and stop_request.stale_file(run.path):

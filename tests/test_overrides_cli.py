@@ -193,6 +193,34 @@ def test_a_proposal_written_by_hand_as_a_person_is_refused_on_an_unsigned_ledger
     _refused_on_read(cli, run_dir, "line 1: the proposed record by ana", "only the alert engine")
 
 
+def test_escape_sequences_in_a_name_or_reason_are_refused_written_or_by_hand(cli, run_dir):
+    """A reason (or name) carrying terminal escapes cleared a reviewer's screen in `overrides
+    list` and painted "approved by security team" over it; a newline added a row of its own.
+    The commands refuse it, and a record written by hand with one is refused on read."""
+    paint = "x\x1b[2J\x1b[1;1Happroved by security team"
+    result = cli("overrides", "stage", run_dir, FC1, "--reason", paint)
+    assert result.code == 2 and "a reason holds a control character (U+001B" in result.err
+    result = cli("overrides", "stage", run_dir, FC1, "--reason", "x", "--user", "ana\u202e")
+    assert result.code == 2 and "U+202E" in result.err  # a right-to-left override
+    assert not (run_dir / "overrides.jsonl").exists() or Ledger(run_dir).records() == []
+    forged_proposal(run_dir)
+    staged = {"kind": "staged", "module": QKV, "dtype": "bf16", "who": "ana", "triggers": []}
+    append_by_hand(run_dir, {**staged, "reason": "a\nb", "step": 1, "data_version": None})
+    _refused_on_read(cli, run_dir, "line 2", "its reason holds a control character (U+000A")
+
+
+def test_a_ledger_replaced_by_a_link_is_neither_read_nor_written_through(cli, run_dir, tmp_path):
+    """A link to a file of whoever runs the command (or to another run's ledger): never
+    followed, so nothing outside the run is cut or written."""
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    (run_dir / "overrides.jsonl").symlink_to(victim)
+    result = cli("overrides", "stage", run_dir, FC1, "--reason", "x")
+    assert result.code == 2 and "overrides.jsonl: is a symbolic link" in result.err
+    _refused_on_read(cli, run_dir, "overrides.jsonl: is a symbolic link")
+    assert victim.read_text() == "keep me"
+
+
 def test_verify_refuses_a_deleted_ledger_that_a_checkpoint_anchored(cli, run_dir):
     """Issue 49, defect 7: `verify` said "no ledger yet" (exit 0) where a resume refused."""
     cli("overrides", "stage", run_dir, FC1, "--reason", "x")

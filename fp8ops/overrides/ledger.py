@@ -31,6 +31,7 @@ import fcntl
 import getpass
 import os
 import re
+import unicodedata
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -42,6 +43,7 @@ from typing import IO, Any, Literal
 from fp8ops.alerts.files import read_alerts
 from fp8ops.alerts.records import Alert, decode_float, encode_float
 from fp8ops.errors import Fp8opsError
+from fp8ops.files import open_log
 from fp8ops.manifest.schema import Bf16Override, ModuleRecipe, Review
 from fp8ops.overrides.anchors import AnchorError, RunAnchors, run_anchors
 from fp8ops.overrides.chain import GENESIS, LedgerError, canonical_json, parse_chain, record_hash
@@ -330,6 +332,11 @@ def _problem(
         kind, who = record["kind"], record["who"]
         if not isinstance(who, str) or not who.strip():
             return "it names nobody as its writer", _RULE
+        for field in ("who", "reason", "note", "module"):
+            text = record.get(field)
+            found = _control_character(text) if isinstance(text, str) else None
+            if found is not None:
+                return f"its {field} holds {found}", _RULE
         if "policy" in record:
             if kind != "approved":
                 return f"a {kind} record carries a policy: only a policy's approval does", _RULE
@@ -673,7 +680,7 @@ class Ledger:
 
     @contextmanager
     def _locked(self) -> Iterator[IO[bytes]]:
-        with open(self.path, "a+b") as f:  # created if absent; writes go to the end
+        with open_log(self.path) as f:  # created if absent, never through a link
             fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
             yield f
 
@@ -741,6 +748,11 @@ class Ledger:
         signers = self._required_signers(anchors)
         if not self.path.exists():
             return self._checked(None, anchors, signers)
+        if self.path.is_symlink():  # another file, maybe another run's ledger
+            raise LedgerError(
+                f"{self.path}: is a symbolic link; a run's ledger is a regular file in its run "
+                "directory: replace the link with the ledger it should be"
+            )
         with open(self.path, "rb") as f:
             fcntl.flock(f, fcntl.LOCK_SH)  # an append in flight is never read half-written
             return self._checked(f.read(), anchors, signers)
@@ -912,7 +924,24 @@ def _text(value: str, what: str) -> str:
     value = value.strip()
     if not value:
         raise OverrideError(f"give {what} (it is recorded in the ledger)")
+    found = _control_character(value)
+    if found is not None:
+        raise OverrideError(f"{what} holds {found}; write it as plain text")
     return value
+
+
+# Bidirectional overrides and isolates reorder what a reader sees ("Trojan Source").
+_BIDI = frozenset(map(chr, [*range(0x202A, 0x202F), *range(0x2066, 0x206A)]))
+
+
+def _control_character(text: str) -> str | None:
+    """The first character of ``text`` a terminal or a page would act on rather than show (a
+    control character: an escape sequence can clear a reviewer's screen and paint "approved"
+    over it, a newline a row of its own; a bidirectional override), described; None if none."""
+    for position, char in enumerate(text, 1):
+        if unicodedata.category(char) == "Cc" or char in _BIDI:
+            return f"a control character (U+{ord(char):04X} at position {position})"
+    return None
 
 
 def _triggers(items: Iterable[Trigger | Alert]) -> list[Trigger]:

@@ -331,6 +331,7 @@ def test_evaluations_between_steps_stay_out_of_the_telemetry(manifest, tmp_path)
 def test_a_store_of_another_catalogue_refuses_the_resume_saying_what_to_do(manifest, tmp_path):
     """A store written before the block metrics existed (40 module metrics, not 52): the resume
     cannot append rows of another layout to it, and says so before training."""
+    from fp8ops.run import read_run_record
     from fp8ops.start.plan import ResumeRequest, plan_start
     from fp8ops.telemetry import TelemetryWriter
     from fp8ops.telemetry.catalogue import STEP_METRIC_NAMES
@@ -347,7 +348,8 @@ def test_a_store_of_another_catalogue_refuses_the_resume_saying_what_to_do(manif
     old = [m for m in MODULE_METRIC_NAMES if ".block_" not in m and "blocks_at" not in m]
     assert len(old) == 40 and len(MODULE_METRIC_NAMES) == 52
     shutil.rmtree(store)
-    writer = TelemetryWriter(store, rank=0, modules=modules, module_metrics=old)
+    run_id = {"run_id": read_run_record(run).run_id}  # this run's store, of an older layout
+    writer = TelemetryWriter(store, rank=0, modules=modules, module_metrics=old, attrs=run_id)
     for step in (1, 2):
         writer.append(
             step,
@@ -366,3 +368,37 @@ def test_a_store_of_another_catalogue_refuses_the_resume_saying_what_to_do(manif
     assert "holds 40 module metrics per row" in message and "writes 52" in message
     assert "input.block_exp_min" in message and f"mv {store} {store}.old" in message
     assert open_run(run).committed_steps == {0: 2}  # the store is left as it was
+
+
+@pytest.mark.slow  # two runs trained
+def test_a_store_linked_from_another_run_is_not_continued(manifest, tmp_path):
+    """Found by trying to attack a run: telemetry.zarr replaced by a link to another run's
+    store got this run's resumed steps appended to that run's telemetry (and a resume drops a
+    store's steps past its own). The store names the run that made it; another's is refused
+    before anything is opened for writing."""
+    from fp8ops.start.plan import ResumeRequest, plan_start
+
+    runs = {}
+    for name in ("mine", "theirs"):
+        runs[name] = tmp_path / name
+        trainer = _trainer(manifest, runs[name], steps=6)
+        try:
+            trainer.train(stop_at=4 if name == "theirs" else 2)
+        finally:
+            shutdown_distributed()
+            trainer.run.release()
+    store, theirs = runs["mine"] / "telemetry.zarr", runs["theirs"] / "telemetry.zarr"
+    before = {p.relative_to(theirs): p.read_bytes() for p in theirs.rglob("*") if p.is_file()}
+    shutil.rmtree(store)
+    store.symlink_to(theirs)
+    plan = plan_start(ResumeRequest(runs["mine"]))
+    ranks = init_distributed(plan.manifest.topology, source="test")
+    try:
+        with pytest.raises(TelemetryError, match="was written by another run") as refused:
+            open_trainer(plan, ranks, progress=False)
+    finally:
+        shutdown_distributed()
+    assert f"mv {store} {store}.damaged" in str(refused.value)
+    after = {p.relative_to(theirs): p.read_bytes() for p in theirs.rglob("*") if p.is_file()}
+    assert after == before  # their store: not a byte changed, its steps 3 and 4 kept
+    assert open_run(runs["theirs"]).committed_steps == {0: 4}

@@ -111,6 +111,9 @@ class RunRecord(_Record):
     # on it (compare's own-run check) refuse a record without it.
     manifest: str | None = None
     revision: int | None = None
+    # Made at random when the run starts, and written into its telemetry store: a store that
+    # names another run's id (a link or copy) is not continued. Older runs have none.
+    run_id: str | None = None
     command: list[str] = []
     environment: dict[str, str | None] | None = None
     cpu_bf16_gemm: str | None = None

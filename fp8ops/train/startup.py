@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import uuid
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -277,6 +278,7 @@ def _run_record(trainer: Trainer) -> RunRecord:
         {
             "manifest": manifest_hash(manifest),
             "revision": manifest.revision.number,
+            "run_id": uuid.uuid4().hex,  # rank 0's is written
             "command": sys.argv,
             "environment": environment_fingerprint(),
             "cpu_bf16_gemm": trainer.cpu_bf16_gemm,

@@ -50,13 +50,13 @@ from fp8ops.megatron.stages import every_stage
 from fp8ops.overrides import Ledger
 from fp8ops.precision import DelayedScalingRecipe, Fp8Scope, recipe_from_precision
 from fp8ops.precision.state import carry_scales
-from fp8ops.run import MetricsRow, RunDir, read_metrics
+from fp8ops.run import MetricsRow, RunDir, read_metrics, read_run_record
 from fp8ops.run.environment import environment_fingerprint
 from fp8ops.run.records import RecipeRecord, table_hash
 from fp8ops.telemetry import TelemetryWriter
 from fp8ops.telemetry.catalogue import MODULE_METRIC_NAMES, STEP_METRIC_NAMES
 from fp8ops.telemetry.collector import TelemetryCollector
-from fp8ops.telemetry.store import TelemetryError, rank_group
+from fp8ops.telemetry.store import TelemetryError, rank_group, read_schema
 from fp8ops.train import ending
 from fp8ops.train.cpu_gemm import Fp32Gemm, check_compiled_casts, cpu_bf16_gemm
 from fp8ops.train.degrade import auto_degrade, propose_overrides
@@ -604,6 +604,8 @@ class Trainer:
             return None
         if reopened:
             try:
+                # Before anything is opened for writing: a resume drops steps past its own.
+                _check_same_run(path, read_schema(path)[1].run_attrs, self._run_id())
                 if (path / rank_group(self.ranks.rank)).exists():
                     writer = TelemetryWriter.resume(path, rank=self.ranks.rank, next_step=first)
                 else:
@@ -636,8 +638,17 @@ class Trainer:
             first_step=first,
             modules=self.telemetry_modules,
             flush_every=self.manifest.telemetry.flush_steps,
-            attrs={"manifest": manifest_hash(self.manifest), "world_size": self.ranks.world_size},
+            attrs={
+                "manifest": manifest_hash(self.manifest),
+                "world_size": self.ranks.world_size,
+                "run_id": self._run_id(),
+            },
         )
+
+    def _run_id(self) -> str | None:
+        """``run.json``'s run id (rank 0 wrote it before the trainer opened; None: an older
+        run's record, without one)."""
+        return read_run_record(self.run.path).run_id
 
     # -- parts ---------------------------------------------------------------------------------
 
@@ -734,3 +745,14 @@ def _check_catalogue(path, stored: tuple[str, ...], first: int) -> None:
         f"or move it aside (mv {path} {path}.old; its steps stay readable there) and a new one "
         f"records from step {first}"
     )
+
+
+def _check_same_run(path: Path, attrs: dict, run_id: str | None) -> None:
+    """The store being continued was made by this run: a link to or a copy of another run's
+    store would get this run's steps appended to that run's telemetry."""
+    if run_id is not None and attrs.get("run_id") != run_id:
+        raise TelemetryError(
+            f"{path} was written by another run (run id {attrs.get('run_id')}, this run's is "
+            f"{run_id} in run.json): it is a link to or a copy of that run's store, and "
+            "continuing it would write this run's steps into it"
+        )

@@ -198,6 +198,7 @@ def test_a_stop_and_resume_equals_the_straight_run(manifest, straight, tmp_path,
     _new(_with_policy(manifest), run, stop_at=stop_at)
     resumed = _resume(run)
     straight_run, straight_trainer = straight
+    # Exact: one configuration in this process, the same arithmetic across the checkpoint.
     assert _losses(run) == _losses(straight_run)
     expected = _weights(straight_trainer)
     got = _weights(resumed)

@@ -454,6 +454,7 @@ def test_capability_evaluation_does_not_change_training(manifest, straight, tmp_
     run_training(manifest, off, assignments={"capability.enabled": False}, progress=False)
     assert not (off / "capability.jsonl").exists()
     a, b = read_metrics(straight), read_metrics(off)
+    # Exact: the same training arithmetic in this process, the evaluation aside of it.
     for key in ("loss", "grad_norm", "update_norm", "lr", "skipped"):
         assert [getattr(m, key) for m in a] == [getattr(m, key) for m in b], key
     assert [e["loss"] for e in read_jsonl(straight / "eval.jsonl")] == [

@@ -44,14 +44,18 @@ def test_every_bf16_gemm_is_the_float32_product_rounded_once_backward_included()
         attended = torch.bmm(scores, q)
         projected = torch.nn.functional.linear(x, w, bias)  # addmm
     xf, wf, gf = x.detach().float(), w.detach().float(), grad.float()
+    qf, kf, bf = q.detach().float(), k.detach().float(), bias.detach().float()
+    # Exact: each is the same float32 operation on the same operands as the mode's, rounded
+    # once to bf16 (a scaled or biased GEMM too: a BLAS may add the bias before its last sums).
     assert y.dtype == torch.bfloat16
     assert torch.equal(y, (xf @ wf.t()).bfloat16())
     assert torch.equal(x.grad, (gf @ wf).bfloat16())  # the custom backward's GEMMs too
     assert torch.equal(w.grad, (gf.t() @ xf).bfloat16())
-    expected_scores = (0.5 * (q.detach().float() @ k.detach().float())).bfloat16()
+    zeros = torch.zeros(3, 16, 16)
+    expected_scores = torch.baddbmm(zeros, qf, kf, beta=0.0, alpha=0.5).bfloat16()
     assert torch.equal(scores, expected_scores)
-    assert torch.equal(attended, (expected_scores.float() @ q.detach().float()).bfloat16())
-    assert torch.equal(projected, (xf @ wf.t() + bias.detach().float()).bfloat16())
+    assert torch.equal(attended, (expected_scores.float() @ qf).bfloat16())
+    assert torch.equal(projected, torch.addmm(bf, xf, wf.t()).bfloat16())
     # The kernels that ran show the float32 path (GemmLog), the backward's two GEMMs included.
     assert kernels.gemms == [("mm.default", {torch.float32})] * 3 + [
         ("baddbmm.default", {torch.float32}),

@@ -162,6 +162,7 @@ def test_outside_a_scope_the_model_is_megatrons_local_gpt(model, manifest):
 
     batch = make_batch(manifest)
     loss, plain_loss = loss_of(model, batch), loss_of(plain, batch)
+    # Exact: outside a scope our layers call the same torch operations on the same operands.
     assert torch.equal(loss, plain_loss)
     loss.backward()
     plain_loss.backward()

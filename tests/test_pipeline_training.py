@@ -15,11 +15,13 @@ at PP 2, bit for bit.
 
 import importlib.util
 import json
+import math
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+from support.float_bounds import reordered_norm_rel_tol
 from support.small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
 from support.torchrun import fp8ops_ranks
 
@@ -194,11 +196,16 @@ def test_dp2_pp2_with_the_distributed_optimizer_trains_as_dp2(manifest, tmp_path
     fp8ops_ranks("train", manifest, "--run-dir", dp2, *sharded)
     fp8ops_ranks("train", manifest, "--run-dir", both, *sharded, *PP2, ranks=4)
     a, b = _metrics(dp2), _metrics(both)
+    # Exact: the same gradients (a sum over two ranks is the same in either order), and a
+    # clip factor that differs in the float64 norm's last bit rounds to the same float32 but
+    # once in about 2**29 (tests/test_distributed_optimizer.py's docstring).
     assert [loss for loss, _, _ in a.values()] == [loss for loss, _, _ in b.values()]
+    # The slices' sums of squares are added over DP and PP in another order: the same terms,
+    # so within reordered_norm_rel_tol of each other (measured: within an ulp).
+    rel_tol = reordered_norm_rel_tol(read_run_record(dp2).model.parameters)
     for (_, norm_a, update_a), (_, norm_b, update_b) in zip(a.values(), b.values(), strict=True):
-        # The slices' sums of squares are added over DP and PP in another order: within an ulp.
-        assert norm_b == pytest.approx(norm_a, rel=1e-15)
-        assert update_b == pytest.approx(update_a, rel=1e-15)
+        assert math.isclose(norm_b, norm_a, rel_tol=rel_tol)
+        assert math.isclose(update_b, update_a, rel_tol=rel_tol)
     assert _meta(dp2, 2 * N).fp8.digests == _meta(both, 2 * N).fp8.digests
 
 

@@ -94,6 +94,8 @@ def _telemetry(run: Path, rank: int = 0) -> dict[str, np.ndarray]:
 
 
 def assert_same_training(a: Path, b: Path) -> None:
+    """Bit for bit: the runs compared are one configuration run the same way (both in this
+    process, or both under torchrun), the same arithmetic on either side of a checkpoint."""
     ma, mb = read_metrics(a), read_metrics(b)
     assert [m.step for m in ma] == [m.step for m in mb] == list(range(1, 2 * N + 1))
     for key in ("loss", "grad_norm", "lr", "skipped"):

@@ -5,9 +5,9 @@ over tensor parallelism.
 * which gradients are summed over TP: the norms under sequence parallelism, the query/key norms
   whenever the model has them (Megatron's ``finalize_model_grads`` rule);
 * end to end at TP 2 over gloo: with sequence parallelism a run trains, evaluates and generates
-  as without it (losses and evaluations bit for bit, gradient norms to float32 summation noise),
-  its ranks' FP8 states agree, and it stops and resumes bit for bit; a model with query/key norms
-  trains at TP 2 as at TP 1; on two pipeline stages (four ranks) it trains as TP 2 alone.
+  as without it (losses, evaluations and gradient norms to float32 summation noise), its ranks'
+  FP8 states agree, and it stops and resumes bit for bit; a model with query/key norms trains at
+  TP 2 as at TP 1; on two pipeline stages (four ranks) it trains as TP 2 alone.
 """
 
 import importlib.util
@@ -136,6 +136,12 @@ def test_a_built_tp2_model_splits_the_sequence_and_marks_its_norms(tmp_path):
 # -- end to end at TP 2 -----------------------------------------------------------------------
 
 FP32 = {"precision.base_dtype": "fp32"}
+# Losses and evaluations of runs that add the norms' float32 weight gradients in another order
+# (per rank, then over TP), relative: the weights move apart by float32 rounding from the first
+# step on. Measured: equal on one machine's base; 3.2e-8 at step 6 on another's (TP 2 x DP 2);
+# 4.7e-8 by step 6 from random weights (TP 2 x PP 2). A gradient left unsummed over TP shows
+# 1.9e-6 and more (test_query_key_norms_train_at_tp2_as_at_tp1's docstring).
+REORDERED_LOSS = 5e-7
 
 
 def _metrics(run: Path, key: str) -> list:
@@ -189,12 +195,13 @@ def test_sequence_parallelism_trains_as_tensor_parallelism_alone(
     fp8ops_ranks("train", tp2_manifest, "--run-dir", sp, *SP)
     # The same GEMMs on the same rows, and the residual stream's partial sums reduce-scattered
     # instead of all-reduced (a sum of two: the same bits). Only the norms' weight gradients
-    # are summed in another order (per-rank parts, then over TP).
-    assert _metrics(sp, "loss") == _metrics(plain, "loss")
-    # Measured: within 1.1e-9 relative.
+    # are summed in another order (per-rank parts, then over TP), and reach the weights.
+    # Measured: losses and evaluations equal, gradient norms within 1.1e-9 relative.
+    assert _metrics(sp, "loss") == pytest.approx(_metrics(plain, "loss"), rel=REORDERED_LOSS)
     assert _metrics(sp, "grad_norm") == pytest.approx(_metrics(plain, "grad_norm"), rel=1e-7)
     evals = [[row["loss"] for row in read_jsonl(run / "eval.jsonl")] for run in (plain, sp)]
-    assert evals[0] == evals[1]
+    assert evals[1] == pytest.approx(evals[0], rel=REORDERED_LOSS)
+    # Greedy answers: weights 1e-8 apart change one only where two logits tie that closely.
     generated = [_generated(run) for run in (plain, sp)]
     assert generated[0] == generated[1] and len(generated[0]) > 10  # every sequence length
     checks = [e for e in read_jsonl(sp / "events.jsonl") if e["event"] == "fp8_state_checked"]
@@ -213,6 +220,7 @@ def test_sequence_parallelism_trains_as_tensor_parallelism_alone(
 
     fp8ops_ranks("train", tp2_manifest, "--run-dir", resumed, *SP, "--stop-at", 3)
     fp8ops_ranks("resume", resumed)
+    # Exact: the same configuration and arithmetic, across a checkpoint.
     assert _metrics(resumed, "loss") == _metrics(sp, "loss")
     assert _metrics(resumed, "grad_norm") == _metrics(sp, "grad_norm")
 
@@ -260,7 +268,7 @@ def test_tp2_dp2_with_sequence_parallelism_and_the_distributed_optimizer(tp2_man
     plain, both = tmp_path / "plain", tmp_path / "both"
     # Measured: equal on one machine's base; on another's, equal to step 5 and 3.2e-8 relative
     # apart at step 6 (the norms' reordered gradient sums reaching the weights).
-    assert _metrics(both, "loss") == pytest.approx(_metrics(plain, "loss"), rel=1e-7)
+    assert _metrics(both, "loss") == pytest.approx(_metrics(plain, "loss"), rel=REORDERED_LOSS)
     assert _metrics(both, "grad_norm") == pytest.approx(_metrics(plain, "grad_norm"), rel=1e-7)
     held = json.loads((both / "run.json").read_text())["optimizer"]["state_bytes_per_rank"]
     replicated = json.loads((plain / "run.json").read_text())["optimizer"]["state_bytes_per_rank"]
@@ -286,10 +294,10 @@ def test_sequence_parallelism_on_two_pipeline_stages_trains_as_tp2(
     # Measured on this base: losses and evaluations equal, gradient norms within 1.6e-9
     # relative. From random initialisation (no base) the reordered norm sums reach the losses:
     # 4.7e-8 apart by step 6.
-    assert _metrics(both, "loss") == pytest.approx(_metrics(plain_tp2, "loss"), rel=1e-7)
+    assert _metrics(both, "loss") == pytest.approx(_metrics(plain_tp2, "loss"), rel=REORDERED_LOSS)
     assert _metrics(both, "grad_norm") == pytest.approx(_metrics(plain_tp2, "grad_norm"), rel=1e-7)
     evals = [[row["loss"] for row in read_jsonl(run / "eval.jsonl")] for run in (plain_tp2, both)]
-    assert evals[1] == pytest.approx(evals[0], rel=1e-7)
+    assert evals[1] == pytest.approx(evals[0], rel=REORDERED_LOSS)
     assert _generated(both) == _generated(plain_tp2)
     checks = [e for e in read_jsonl(both / "events.jsonl") if e["event"] == "fp8_state_checked"]
     # Compared within each stage's amax group (its two TP ranks), the verdict over all four.

@@ -732,6 +732,7 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_result(
     assert "nothing to" in _log(straight, chain[1])  # the chain's second job: already complete
 
     a, b = read_metrics(straight), read_metrics(stopped)
+    # Exact: one configuration launched alike, the same arithmetic across the checkpoint.
     assert [m.step for m in a] == [m.step for m in b] == list(range(1, 61))
     for key in ("loss", "grad_norm"):
         assert [getattr(m, key) for m in a] == [getattr(m, key) for m in b], key

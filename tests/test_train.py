@@ -395,8 +395,11 @@ def test_tp2_matches_tp1_and_ranks_agree(finetune_manifest, tmp_path):
 
     tp1_losses, tp2_losses = _losses(tmp_path / "tp1"), _losses(tmp_path / "tp2")
     # Measured: equal to 4e-7 for four steps; then a value within fp32 noise of an FP8 rounding
-    # boundary rounds the other way on one layout, and the gap jumps to 2.3e-5 relative.
-    assert tp2_losses == pytest.approx(tp1_losses, rel=1e-4, abs=0)
+    # boundary rounds the other way on one layout, and the gap jumps to 2.3e-5 relative. Which
+    # values sit that close to a boundary depends on the machine's float32 kernels (the tiny
+    # model's TP test measured 4e-5 on another CPU, test_megatron_tp.py), and each one that
+    # rounds the other way adds its jump: 5e-4 leaves room for several.
+    assert tp2_losses == pytest.approx(tp1_losses, rel=5e-4, abs=0)
     checks = [
         e
         for e in read_jsonl(tmp_path / "tp2" / "events.jsonl")
@@ -438,7 +441,8 @@ def test_a_llama_shaped_run_checkpoints_resumes_and_verifies_at_another_tp_size(
     assert run_training(base, tmp_path / "base", progress=False, stop_at=1).paused
     resume_training(tmp_path / "base", progress=False)
     run_training(base, tmp_path / "straight", progress=False)
-    assert _losses(tmp_path / "base") == _losses(tmp_path / "straight")  # step 2 after a resume
+    # Exact: one configuration in this process, step 2 after a resume as straight on.
+    assert _losses(tmp_path / "base") == _losses(tmp_path / "straight")
     final = {
         json.loads((tmp_path / run / "final" / META_FILE).read_text())["fingerprint"]
         for run in ("base", "straight")

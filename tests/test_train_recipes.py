@@ -152,6 +152,7 @@ def test_stop_and_resume_equals_the_straight_run(runs, small_base, tmp_path, cli
     result = cli("resume", run, "--no-progress")
     assert result.code == 0, result.err
     straight, resumed = read_metrics(runs[name]), read_metrics(run)
+    # Exact: one configuration in this process, the same arithmetic across the checkpoint.
     assert [m.loss for m in straight] == [m.loss for m in resumed]
     final = run / "checkpoints" / checkpoint_name(2 * N)
     straight_final = runs[name] / "checkpoints" / checkpoint_name(2 * N)

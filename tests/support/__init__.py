@@ -11,5 +11,6 @@
 * ``gemm_log``: a dispatch mode recording the GEMMs that reach torch's kernels;
 * ``megatron_specs``: Megatron layer specs in the shapes of other megatron-core releases;
 * ``te_stand_in``: a stand-in for a Transformer Engine linear's FP8 bookkeeping;
-* ``te_update_oracle``: the independent scalar oracle of TE's delayed-scaling update.
+* ``te_update_oracle``: the independent scalar oracle of TE's delayed-scaling update;
+* ``float_bounds``: how far a float64 norm summed in another order may land from itself.
 """

@@ -57,7 +57,7 @@ def main(out_dir: Path, dtype_name: str) -> None:
     replicated = MainParamsOptimizer(replicated_model, cfg, **groups)
     sharded = DistributedMainParamsOptimizer(sharded_model, cfg, **groups)
 
-    found = {"steps": []}
+    found = {"steps": [], "terms": sum(p.numel() for p in replicated_model.parameters())}
     for step in range(STEPS):
         for model in (replicated_model, sharded_model):
             give_grads(model, step, rank, world)

@@ -49,6 +49,9 @@ SHORT = {
     "capability.max_new_tokens": 8,
 }
 TRACKS = ("bf16", "fp8", "fp8-fallback")
+# How long a dualtrack process may take, against a hang only: tens of seconds here, and a
+# machine twice as slow running other tests beside it takes four times that.
+HANG_S = 600
 
 
 @pytest.fixture(scope="module")
@@ -75,16 +78,16 @@ def short_dualtrack(short_manifest, tmp_path_factory) -> Path:
         "--no-progress",
     ]
     first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + HANG_S
     while not (out / "fp8" / "metrics.jsonl").exists() and first.poll() is None:
         assert time.monotonic() < deadline, "the candidate track never started"
         time.sleep(0.02)
     first.send_signal(signal.SIGUSR1)
-    output, _ = first.communicate(timeout=120)
+    output, _ = first.communicate(timeout=HANG_S)
     assert first.returncode == REQUEUE_EXIT, output
     assert read_status(out / "fp8").state == "interrupted"
     assert not (out / "fp8-fallback").exists()
-    second = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    second = subprocess.run(command, capture_output=True, text=True, timeout=HANG_S, check=False)
     assert second.returncode == 0, second.stdout + second.stderr
     return out
 
@@ -489,7 +492,7 @@ def test_dualtrack_at_tensor_parallel_2(short_manifest, tmp_path):
         "--no-png",
         "--no-progress",
     ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=HANG_S, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     plan = json.loads((tmp_path / "dt" / "dualtrack.json").read_text())
     assert [t["status"] for t in plan["tracks"]] == ["completed"] * 3

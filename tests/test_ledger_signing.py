@@ -260,9 +260,9 @@ def test_a_key_held_by_ssh_agent_signs_through_its_public_half(
     socket = tmp_path / "agent.sock"
     agent = subprocess.Popen(["ssh-agent", "-D", "-a", str(socket)], stdout=subprocess.DEVNULL)
     try:
-        for _ in range(100):  # the socket appears once the agent listens
-            if socket.exists():
-                break
+        deadline = time.monotonic() + 60  # against a hang only: the agent starts in milliseconds
+        while not socket.exists():  # the socket appears once the agent listens
+            assert time.monotonic() < deadline and agent.poll() is None, "ssh-agent never listened"
             time.sleep(0.05)
         monkeypatch.setenv("SSH_AUTH_SOCK", str(socket))
         subprocess.run(["ssh-add", "-q", str(paths["ana"])], check=True, capture_output=True)

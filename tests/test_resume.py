@@ -542,10 +542,11 @@ def test_sigusr1_to_one_rank_stops_both_at_one_step_and_resume_finishes(manifest
         stderr=subprocess.STDOUT,
         text=True,
     )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (
-        (run / "metrics.jsonl").exists() and len(read_jsonl(run / "metrics.jsonl")) >= 2
-    ):
+    deadline = time.monotonic() + 600  # against a hang only: the start and two steps
+    while not ((run / "metrics.jsonl").exists() and len(read_jsonl(run / "metrics.jsonl")) >= 2):
+        if time.monotonic() > deadline or process.poll() is not None:
+            process.kill()
+            pytest.fail(f"two steps not logged:\n{process.communicate()[0][-3000:]}")
         time.sleep(0.2)
     workers = subprocess.run(
         ["pgrep", "-P", str(process.pid)], capture_output=True, text=True, check=False
@@ -554,7 +555,7 @@ def test_sigusr1_to_one_rank_stops_both_at_one_step_and_resume_finishes(manifest
     assert len(pids) == 2, workers
     rank1 = next(p for p in pids if "RANK=1\0" in Path(f"/proc/{p}/environ").read_text())
     os.kill(rank1, signal.SIGUSR1)
-    out, _ = process.communicate(timeout=120)
+    out, _ = process.communicate(timeout=600)  # against a hang only: a step and a checkpoint
     assert process.returncode != 0, out[-2000:]  # torchrun reports the workers' exit 75
     assert "exit 75" in out
     status = read_status(run)

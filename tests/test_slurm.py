@@ -491,7 +491,9 @@ TERMINAL = {
     "BOOT_FAIL",
     "DEADLINE",
 }
-JOB_TIMEOUT = 240  # seconds; a job here takes about a minute
+# Seconds, against a hang only: a job here takes about a minute (two attempts, for a requeued
+# one), and beside a full suite on two loaded cores more.
+JOB_TIMEOUT = 600
 
 
 @pytest.fixture(scope="module")
@@ -555,8 +557,10 @@ def _launch(cluster: list[str], manifest: Path, run_dir: Path, *args: object) ->
             "slurm",
             str(manifest),
             "--cpu",
+            # An hour: SLURM signals the time limit's checkpoint 300 s before it, which must not
+            # reach a job here however slow the machine (a minute each when quiet).
             "--time",
-            "10",
+            "60",
             "--run-dir",
             str(run_dir),
             *map(str, args),

@@ -360,14 +360,15 @@ def test_resume_overwrites_a_torn_tail(tmp_path):
 
 WRITER_SCRIPT = textwrap.dedent("""
     import sys, time
+    from pathlib import Path
     from fp8ops.telemetry import TelemetryWriter
     sys.path.insert(0, sys.argv[3])
     from test_telemetry_store import MODULES, module_values, step_values
-    path, seconds = sys.argv[1], float(sys.argv[2])
+    path, seconds, stop = sys.argv[1], float(sys.argv[2]), Path(sys.argv[4])
     writer = TelemetryWriter(path, rank=0, modules=MODULES, flush_every=8, steps_per_shard=32)
     print("ready", flush=True)
     step, deadline = 1, time.monotonic() + seconds
-    while time.monotonic() < deadline and step < 9000:
+    while time.monotonic() < deadline and step < 9000 and not stop.exists():
         writer.append(step, module_values(step), step_values(step))
         if step % 13 == 0:
             writer.flush()  # partial blocks: chunk files replaced under the reader
@@ -378,9 +379,20 @@ WRITER_SCRIPT = textwrap.dedent("""
 """)
 
 
-def start_writer(path: Path, seconds: float) -> subprocess.Popen:
+def start_writer(path: Path, seconds: float, stop: Path | None = None) -> subprocess.Popen:
+    """A process appending steps to the store at ``path`` for ``seconds``, or until the file
+    ``stop`` appears."""
+    stop = stop or path.parent / "never"
     process = subprocess.Popen(
-        [sys.executable, "-c", WRITER_SCRIPT, str(path), str(seconds), str(Path(__file__).parent)],
+        [
+            sys.executable,
+            "-c",
+            WRITER_SCRIPT,
+            str(path),
+            str(seconds),
+            str(Path(__file__).parent),
+            str(stop),
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -410,9 +422,17 @@ def check_committed(run, full: bool) -> int:
 
 @pytest.mark.slow
 def test_a_reader_beside_a_live_writer_sees_only_whole_steps(tmp_path):
-    writer = start_writer(tmp_path / STORE_NAME, seconds=3.0)
+    stop = tmp_path / "stop"
+    writer = start_writer(tmp_path / STORE_NAME, seconds=300.0, stop=stop)  # 300: a hang guard
     reads, merged, seen = 0, 0, set()
+    # Three seconds of reads at least, and on until there are enough of them, then the writer
+    # stops: a count, not a time, since a slower or busier machine reads less often in three
+    # seconds (here 260 reads in them, 38 steps seen, 149 from both arrays; with the tests'
+    # other processes beside it).
+    least = time.monotonic() + 3.0
     while writer.poll() is None:
+        if time.monotonic() > least and reads > 50 and len(seen) > 10 and merged > 10:
+            stop.touch()
         run = open_run(tmp_path)  # a new reader now and then, a refreshed one otherwise
         for _ in range(20):
             run.refresh()

@@ -254,21 +254,28 @@ def _start_long_run(manifest, tmp_path, steps_logged: int):
         tmp_path / "long.yaml",
     )
     run = tmp_path / "run"
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "fp8ops",
-            "train",
-            str(manifest_file),
-            "--run-dir",
-            str(run),
-            "--no-progress",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    # A process started with SIGINT ignored keeps ignoring it (Python installs its handler only
+    # over the default), and a script's background job, as a suite may be, ignores SIGINT. A
+    # handled signal is reset to the default in the child: so the run can be interrupted.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "fp8ops",
+                "train",
+                str(manifest_file),
+                "--run-dir",
+                str(run),
+                "--no-progress",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     deadline = time.monotonic() + 600  # against a hang only: it takes seconds
     metrics = run / "metrics.jsonl"
     while not (metrics.exists() and len(read_jsonl(metrics)) >= steps_logged):

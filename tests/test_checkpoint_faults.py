@@ -38,7 +38,14 @@ from support.checkpoint_surgery import edit_meta, rehash
 from support.small_model import write_small_finetune
 
 from fp8ops.checkpoint import CheckpointDir, read_meta
-from fp8ops.checkpoint.directory import META_FILE, checkpoint_name, checkpoint_step, verify_files
+from fp8ops.checkpoint.consistency import SEAL_FILE, read_consistent
+from fp8ops.checkpoint.directory import (
+    META_FILE,
+    CheckpointError,
+    checkpoint_name,
+    checkpoint_step,
+    verify_files,
+)
 from fp8ops.checkpoint.weights import META_FILE as WEIGHTS_META
 from fp8ops.files import read_jsonl
 from fp8ops.manifest import ManifestStore, derive, load_manifest, manifest_hash, write_manifest
@@ -363,6 +370,139 @@ def test_a_damaged_checkpoint_record_is_named(run, cli, damage, problem):
     assert f"{record}: {problem}" in refused.err
     listed = cli("checkpoints", "list", run)
     assert re.search(rf"^\s+{LATEST}\s+damaged:", listed.out, re.MULTILINE), listed.out
+
+
+# -- a checkpoint record that disagrees with itself ---------------------------------------------
+
+AHEAD = PAUSED_AT + 2  # the step an edit claims: the issue's 4 -> 6
+
+
+def _claim_step(checkpoint: Path, step: int) -> None:
+    edit_meta(checkpoint, lambda meta: meta.update(step=step))
+
+
+def _rename(checkpoint: Path, step: int) -> Path:
+    """Move ``checkpoint`` to ``step``'s name, and `latest` with it: edited by someone careful."""
+    renamed = checkpoint.rename(checkpoint.with_name(checkpoint_name(step)))
+    (checkpoint.parent / "latest").write_text(renamed.name + "\n")
+    return renamed
+
+
+def _unseal(checkpoint: Path) -> None:
+    """Make it a checkpoint saved before the seal existed (no fp8ops_progress.json)."""
+    (checkpoint / SEAL_FILE).unlink()
+    edit_meta(checkpoint, lambda meta: meta["files"].pop(SEAL_FILE))
+
+
+def _step_edited(checkpoint: Path) -> tuple[Path, str]:
+    _claim_step(checkpoint, AHEAD)
+    return checkpoint, f"it says step {AHEAD}, but its directory {LATEST} is step {PAUSED_AT}'s"
+
+
+def _step_edited_and_renamed(checkpoint: Path) -> tuple[Path, str]:
+    _claim_step(checkpoint, AHEAD)
+    return _rename(checkpoint, AHEAD), (
+        f"it says step {AHEAD}, but the record sealed with its files ({SEAL_FILE}) says {PAUSED_AT}"
+    )
+
+
+def _cursor_edited(checkpoint: Path) -> tuple[Path, str]:
+    edit_meta(checkpoint, lambda meta: meta["sampler"].update(cursor=meta["sampler"]["cursor"] + 8))
+    return checkpoint, f"it says sampler {{'epoch': 0, 'cursor': {8 * PAUSED_AT + 8}"
+
+
+def _unsealed_step_edited_and_renamed(checkpoint: Path) -> tuple[Path, str]:
+    _unseal(checkpoint)
+    _claim_step(checkpoint, AHEAD)
+    # The small fine-tuning's global batch is 8 sequences.
+    return _rename(checkpoint, AHEAD), (
+        f"its data position (sampler epoch 0, cursor {8 * PAUSED_AT}) is not where {AHEAD} "
+        f"steps of 8 sequences end (epoch 0, cursor {8 * AHEAD})"
+    )
+
+
+def _unsealed_optimizer_ahead(checkpoint: Path) -> tuple[Path, str]:
+    _unseal(checkpoint)
+    edit_meta(checkpoint, lambda meta: meta.update(optimizer_steps=AHEAD))
+    return checkpoint, f"it says the optimizer took {AHEAD} steps in {PAUSED_AT} training steps"
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        _step_edited,
+        _step_edited_and_renamed,
+        _cursor_edited,
+        _unsealed_step_edited_and_renamed,
+        _unsealed_optimizer_ahead,
+    ],
+    ids=["step", "step-and-name", "cursor", "unsealed-step-and-name", "unsealed-optimizer"],
+)
+def test_a_checkpoint_record_that_disagrees_with_itself_is_refused_as_damaged(
+    run, tmp_path, cli, edit
+):
+    """Issue 49.3: ``fp8ops_checkpoint.json`` is in no hash list. Its step set from 4 to 6, a
+    resume was refused for the telemetry store ("the checkpoint is not affected ... move it
+    aside"), and once the store was moved it trained steps 7-8, skipping 5-6, and completed.
+    Every reader now refuses a record that disagrees with the rest of its checkpoint first,
+    as a damaged checkpoint, naming the previous one."""
+    checkpoint, problem = edit(run / "checkpoints" / LATEST)
+    said = f"{checkpoint / META_FILE}: {problem}"
+    advice = f"The previous one is {PREVIOUS}: resume from it with --checkpoint {PREVIOUS}"
+    before = _files(run)
+    for command in (
+        ["resume", run],
+        ["train", run / "manifest.yaml", "--resume", "--run-dir", run],
+    ):
+        refused = cli(*command, "--no-progress")
+        assert refused.code == 2, refused.err
+        assert said in refused.err and "the checkpoint disagrees with itself" in refused.err, (
+            refused.err
+        )
+        assert advice in refused.err
+        assert "move it aside" not in refused.err and "not affected" not in refused.err
+    assert _files(run) == before  # refused before anything was written
+    listed = cli("checkpoints", "list", run)
+    assert listed.code == 1
+    # (the message itself is folded into the column)
+    assert re.search(rf"^\s+{checkpoint.name}\s+damaged: ", listed.out, re.MULTILINE), listed.out
+    exported = cli("checkpoints", "export", run, "--out", tmp_path / "weights")
+    assert exported.code == 2 and said in exported.err, exported.err
+    assert not (tmp_path / "weights").exists()
+
+
+def test_a_data_position_past_an_epoch_is_checked_as_far_as_the_record_tells(run):
+    """Past the first epoch the number of steps in one is not in the record (it is the data's),
+    so a position is checked to be whole batches, at least one into its epoch, after passes of
+    one length: step 103 at epoch 1, cursor 24 (8-sequence batches) fits passes of 100 steps,
+    at epoch 2 passes of 50; at epoch 2, cursor 32 fits none (99 steps in two passes)."""
+    checkpoint = run / "checkpoints" / LATEST
+    _unseal(checkpoint)
+    edit_meta(checkpoint, lambda meta: meta.update(step=103, optimizer_steps=103))
+    checkpoint = _rename(checkpoint, 103)
+    cases = [(1, 24, True), (2, 24, True), (2, 32, False), (1, 20, False), (1, 0, False)]
+    for epoch, cursor, fits in cases:
+        edit_meta(checkpoint, lambda meta: meta["sampler"].update(epoch=epoch, cursor=cursor))  # noqa: B023
+        if fits:
+            read_consistent(checkpoint)
+        else:
+            with pytest.raises(CheckpointError, match=rf"sampler epoch {epoch}, cursor {cursor}\)"):
+                read_consistent(checkpoint)
+
+
+@pytest.mark.slow
+def test_the_previous_checkpoint_an_inconsistent_one_names_resumes_the_run(run, reference, cli):
+    """The advice works: from the previous checkpoint the run trains every step, as the
+    straight run did."""
+    _step_edited(run / "checkpoints" / LATEST)
+    refused = cli("resume", run, "--no-progress")
+    assert refused.code == 2 and f"--checkpoint {PREVIOUS}" in refused.err, refused.err
+    resumed = cli("resume", run, "--checkpoint", PREVIOUS, "--stop-at", AHEAD, "--no-progress")
+    assert resumed.code == 0, resumed.err
+    assert [m.step for m in read_metrics(run)] == list(range(1, AHEAD + 1))
+    # The same steps as the straight run, bit for bit (the same operations from the same state).
+    assert read_metrics(run)[-1].loss == read_metrics(reference)[AHEAD - 1].loss
+    assert read_meta(run / "checkpoints" / checkpoint_name(AHEAD)).step == AHEAD
 
 
 # -- a .metadata pickle that would run code -------------------------------------------------

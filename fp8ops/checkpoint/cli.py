@@ -25,8 +25,8 @@ def checkpoints_list(
 ) -> None:
     """List RUN_DIR's checkpoints: step, why it was saved, manifest, topology, size (exit 1
     when one is damaged)."""
+    from fp8ops.checkpoint.consistency import read_consistent
     from fp8ops.checkpoint.directory import CheckpointDir, CheckpointError, verify_files
-    from fp8ops.checkpoint.meta import read_meta
 
     store = CheckpointDir(run_dir)
     found = store.complete()
@@ -46,7 +46,7 @@ def checkpoints_list(
         )
     for path in found:
         try:
-            meta = read_meta(path)
+            meta = read_consistent(path)
         except CheckpointError as exc:
             grid.add_row("", path.name, "", f"damaged: {exc}", "", "", "", "")
             damaged = True

@@ -230,17 +230,17 @@ def verify_files(directory: Path, expected: dict[str, dict[str, int | str]]) -> 
     for name, want in expected.items():
         file = directory / name
         if not file.is_file():
-            raise CheckpointError(f"{file}: missing; {_advice(directory)}")
+            raise CheckpointError(f"{file}: missing; {damaged(directory)}")
         size = file.stat().st_size
         if size != want["size"]:
             raise CheckpointError(
                 f"{file}: {size} bytes, but it was saved with {want['size']} (truncated or "
-                f"replaced); {_advice(directory)}"
+                f"replaced); {damaged(directory)}"
             )
         if _sha256(file) != want["sha256"]:
             raise CheckpointError(
                 f"{file}: its content changed since it was saved (sha256 mismatch); "
-                f"{_advice(directory)}"
+                f"{damaged(directory)}"
             )
     present = {
         f.relative_to(directory).as_posix()
@@ -251,7 +251,7 @@ def verify_files(directory: Path, expected: dict[str, dict[str, int | str]]) -> 
     if extra:
         raise CheckpointError(
             f"{directory / extra[0]}: not part of the checkpoint as saved; remove it or "
-            f"{_advice(directory)}"
+            f"{damaged(directory)}"
         )
     for file in directory.rglob(".metadata"):
         check_dcp_metadata(file)
@@ -262,12 +262,12 @@ def verify_files(directory: Path, expected: dict[str, dict[str, int | str]]) -> 
             torch.load(file, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - any failure means: do not load it
             raise CheckpointError(
-                f"{file}: holds more than tensors and plain data ({exc}); {_advice(directory)}"
+                f"{file}: holds more than tensors and plain data ({exc}); {damaged(directory)}"
             ) from None
 
 
-def _advice(directory: Path) -> str:
-    """Name the previous complete checkpoint, which a damaged one leaves to resume from."""
+def damaged(directory: Path) -> str:
+    """Advice for a damaged checkpoint: the previous complete one, to resume from."""
     store = CheckpointDir(directory.parent.parent)
     older = [p for p in store.complete() if p.name < directory.name]
     if older:
@@ -275,7 +275,10 @@ def _advice(directory: Path) -> str:
             f"the checkpoint {directory.name} is damaged. The previous one is {older[-1].name}: "
             f"resume from it with --checkpoint {older[-1].name}"
         )
-    return f"the checkpoint {directory.name} is damaged and the run has no earlier one"
+    return (
+        f"the checkpoint {directory.name} is damaged and the run has no earlier one: restore it "
+        "from a backup, or train the run again in a new --run-dir"
+    )
 
 
 # torch's distributed-checkpoint index: the dataclasses and enums these modules define (not

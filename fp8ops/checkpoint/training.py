@@ -1,11 +1,13 @@
 """Saving and loading a training checkpoint (collective: every rank calls these together).
 
 Save: every rank hands its shards to ``dist_checkpointing.save`` in a hidden ``.partial``
-directory; rank 0 then writes the manifest and ``fp8ops_checkpoint.json`` (with every file's
-sha256) and publishes it (``directory.CheckpointDir.publish``).
+directory; rank 0 then writes the manifest, the seal of where training stood
+(``consistency.write_seal``) and ``fp8ops_checkpoint.json`` (with every file's sha256) and
+publishes it (``directory.CheckpointDir.publish``).
 
-Load: rank 0 verifies every file against the saved hashes and the pickles against the
-allow-list (all ranks learn the verdict), then every rank loads its shards and puts them back.
+Load: rank 0 checks the metadata agrees with the rest of the checkpoint (``consistency``),
+verifies every file against the saved hashes and the pickles against the allow-list (all ranks
+learn the verdict), then every rank loads its shards and puts them back.
 The restored weights are re-fingerprinted and every module's FP8 state is re-hashed against the
 digests saved with the checkpoint, so a silent reset (scales back to 1, empty histories) or a
 mis-mapped state can never pass.
@@ -21,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8ops.checkpoint import state
+from fp8ops.checkpoint.consistency import check_consistent, write_seal
 from fp8ops.checkpoint.directory import CheckpointDir, CheckpointError, file_digests, verify_files
 from fp8ops.checkpoint.meta import CheckpointMeta, Fp8StateRecord, TopologyRecord, write_meta
 from fp8ops.checkpoint.sharded_io import load_sharded, save_sharded, saved_keys
@@ -80,6 +83,13 @@ def save_checkpoint(
 
     def publish() -> Path:
         write_manifest(manifest, partial / MANIFEST)
+        write_seal(
+            partial,
+            step=step,
+            sampler=sampler,
+            optimizer_steps=optimizer_steps,
+            telemetry_committed=telemetry_committed,
+        )
         meta = CheckpointMeta(
             step=step,
             saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -212,8 +222,14 @@ def verify_fp8(modules: dict, meta: CheckpointMeta, group: int, directory: Path)
 
 
 def _agree_files_verified(directory: Path, meta: CheckpointMeta, is_main: bool) -> None:
-    """Rank 0 checks the files; every rank raises the same error if they are bad."""
-    _on_rank0(is_main, lambda: verify_files(directory, meta.files))
+    """Rank 0 checks the record agrees with itself and the files are whole; every rank raises
+    the same error if not."""
+
+    def verify() -> None:
+        check_consistent(directory, meta)
+        verify_files(directory, meta.files)
+
+    _on_rank0(is_main, verify)
 
 
 def _on_rank0(is_main: bool, work):

@@ -59,12 +59,13 @@ def _change(c: FieldChange) -> str:
 
 def preview_resume(run_dir: Path) -> ResumePreview:
     """What resuming ``run_dir`` from its latest checkpoint would apply."""
-    from fp8ops.checkpoint import CheckpointDir, read_meta
+    from fp8ops.checkpoint import CheckpointDir
+    from fp8ops.checkpoint.consistency import read_consistent
     from fp8ops.start import plan_resume
 
     try:
         directory = CheckpointDir(run_dir).find(None)
-        meta = read_meta(directory)
+        meta = read_consistent(directory)
         plan = plan_resume(run_dir, environment=meta.environment)
     except Fp8opsError as exc:  # CheckpointError, DriftRefused, ManifestError, LedgerError
         return ResumePreview(refusal=str(exc))

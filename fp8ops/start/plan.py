@@ -35,8 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fp8ops.checkpoint.consistency import read_consistent
 from fp8ops.checkpoint.directory import CheckpointDir
-from fp8ops.checkpoint.meta import read_meta
 from fp8ops.manifest import ManifestStore, derive, load_manifest, manifest_hash
 from fp8ops.manifest.canonical import content_dict
 from fp8ops.manifest.schema import Manifest
@@ -194,7 +194,7 @@ def plan_resume(
     run_dir = Path(run_dir)
     checks.check_is_run(run_dir)
     directory = CheckpointDir(run_dir).find(checkpoint)
-    meta = read_meta(directory)
+    meta = read_consistent(directory)  # before anything reads or advises on what it says
     saved = load_manifest(directory / MANIFEST)
     checks.check_saved_manifest(directory, saved, meta)
     checks.check_run_revisions(run_dir, directory, meta)

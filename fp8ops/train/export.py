@@ -48,7 +48,8 @@ def checkpoint_model(
     model at TP 1, its files and weights verified; the process group lives while it is open.
     ``float32``: the model built in float32, the weights widened exactly (``manifest`` is then
     the run's own, not the float32 one)."""
-    from fp8ops.checkpoint import CheckpointDir, CheckpointError, read_meta, weights
+    from fp8ops.checkpoint import CheckpointDir, CheckpointError, weights
+    from fp8ops.checkpoint.consistency import read_consistent
     from fp8ops.checkpoint.directory import verify_files
     from fp8ops.manifest import load_manifest, manifest_hash
     from fp8ops.megatron import build_gpt
@@ -61,7 +62,7 @@ def checkpoint_model(
     if not store.complete():
         raise CheckpointError(f"{run_dir}: no checkpoints to export (no {store.path}/step_*)")
     source = store.find(checkpoint)
-    meta = read_meta(source)
+    meta = read_consistent(source)  # before anything reads what it says
     verify_files(source, meta.files)  # every file whole, as a resume checks
     manifest = load_manifest(source / MANIFEST)
     if manifest_hash(manifest) != meta.manifest:

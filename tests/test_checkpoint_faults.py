@@ -710,6 +710,132 @@ def test_train_into_a_run_being_trained_now_is_refused_as_such(run, manifest, cl
     assert "is being trained by another fp8ops process right now" in refused.err
 
 
+# -- a resume beside a live run that rotates its checkpoints ------------------------------------
+
+# Holds the run's lock as a training process does, until its stdin closes.
+HOLDER = (
+    "import sys; from fp8ops.run import RunDir; run = RunDir(sys.argv[1]); run._hold(); "
+    "print('holding', flush=True); sys.stdin.read()"
+)
+
+
+@contextlib.contextmanager
+def _trained_by_another_process(run: Path):
+    """A live process that holds ``run``'s lock (another job training it); yields its pid."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert holder.stdout.readline() == b"holding\n"
+        yield holder.pid
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+
+
+def _rotate(run: Path, *, saved: list[int], keep: int = 2) -> None:
+    """What a live run's saves do to ``checkpoints/``: each new step renamed into place,
+    `latest` moved to it, the oldest beyond ``keep`` renamed away and deleted (their content
+    here is the paused checkpoint's: nothing reads them)."""
+    store = CheckpointDir(run)
+    for step in saved:
+        shutil.copytree(store.latest(), store.path / f".{checkpoint_name(step)}.partial")
+        (store.path / f".{checkpoint_name(step)}.partial").rename(
+            store.path / checkpoint_name(step)
+        )
+        (store.path / "latest").write_text(checkpoint_name(step) + "\n")
+        for old in store.complete()[:-keep]:
+            doomed = old.rename(old.with_name(f".{old.name}.deleting"))
+            shutil.rmtree(doomed)
+
+
+@pytest.mark.parametrize("other_job", ["training", "ended"])
+def test_a_resume_whose_checkpoint_a_live_run_rotated_away_blames_that_run(
+    run, cli, monkeypatch, other_job
+):
+    """Issue 49.9, made deterministic: this resume planned from step 2 while nobody trained
+    the run; before it read the checkpoint's files, another job took the run, saved steps 3 and
+    4 and deleted steps 1 and 2 (keep_checkpoints 2). It called step 2 damaged with no earlier
+    checkpoint ("…/.metadata: missing"); it says the other job trains the run (exit 2, as the
+    lock's own refusal) or, that job ended, moved it on (exit 4)."""
+    from fp8ops.train.trainer import Trainer
+
+    load, holder = Trainer.restore, {}
+    with contextlib.ExitStack() as other:
+
+        def rotated_first(self, plan):
+            holder["pid"] = other.enter_context(_trained_by_another_process(run))
+            _rotate(run, saved=[PAUSED_AT + 1, PAUSED_AT + 2])
+            if other_job == "ended":
+                other.close()  # the lock released: the process is gone
+            return load(self, plan)
+
+        monkeypatch.setattr(Trainer, "restore", rotated_first)
+        refused = cli("resume", run, "--no-progress")
+    assert "damaged" not in refused.err, refused.err
+    if other_job == "training":
+        assert refused.code == 2, refused.err
+        assert (
+            f"refusing to resume {run}: another fp8ops process is training it right now "
+            f"(pid {holder['pid']} on {os.uname().nodename}); it replaced or removed {LATEST} "
+            "as this resume read it. Wait for it to finish, or stop it, then resume"
+        ) in refused.err
+    else:
+        assert refused.code == 4, refused.err
+        assert (
+            f"refusing to resume {run}: it moved on while this resume read {LATEST} (latest "
+            f"checkpoint {LATEST} -> {checkpoint_name(PAUSED_AT + 2)}"
+        ) in refused.err
+
+
+def test_a_resume_of_a_run_another_process_trains_is_refused_before_reading_it(run, manifest, cli):
+    """A live run moves `latest` and deletes old checkpoints as it saves: a resume beside it
+    refuses before it reads any, naming the process that holds the lock."""
+    with _trained_by_another_process(run) as pid:
+        for command in (["resume", run], ["train", manifest, "--resume", "--run-dir", run]):
+            refused = cli(*command, "--no-progress")
+            assert refused.code == 2, refused.err
+            assert (
+                f"another fp8ops process is training it right now (pid {pid} on "
+                f"{os.uname().nodename}). Wait for it to finish, or stop it, then resume"
+            ) in refused.err
+
+
+@pytest.mark.slow
+def test_resumes_beside_a_live_run_rotating_its_checkpoints_say_it_trains(
+    saver, small_base, tmp_path, cli
+):
+    """The issue's reproduction: a run trains in the background, saving every step and keeping
+    two, and `fp8ops resume` is called on it again and again while it rotates them."""
+    long = write_small_finetune(
+        tmp_path / "long.yaml",
+        small_base,
+        {"schedule.train_steps": 5000, "schedule.eval_interval": 5000, "capability.enabled": False},
+    )
+    run, log = tmp_path / "run", tmp_path / "live.log"
+    pid = saver.start(log, "train", long, "--run-dir", run, "--no-progress")
+    try:
+        seen = set()
+        deadline = time.monotonic() + 300
+        while len(seen) < 4:  # resumes across four of its saves
+            latest = _latest_step(run) if (run / "checkpoints" / "latest").exists() else 0
+            assert _running(pid), log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            if latest == 0:
+                time.sleep(0.05)
+                continue
+            seen.add(latest)
+            refused = cli("resume", run, "--no-progress")
+            assert refused.code == 2, refused.err
+            assert "damaged" not in refused.err
+            assert (
+                f"another fp8ops process is training it right now (pid {pid} on "
+                f"{os.uname().nodename})"
+            ) in refused.err, refused.err
+    finally:
+        saver.kill(pid)
+
+
 def test_an_unreadable_base_checkpoint_is_named_with_its_field(manifest, tmp_path, cli):
     base = Path(load_manifest(manifest).model.init_checkpoint)
     damaged = Path(shutil.copytree(base, tmp_path / "base"))

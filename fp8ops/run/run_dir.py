@@ -165,6 +165,10 @@ class RunDir:
                 f"{self.path} is being trained by another fp8ops process right now; wait for it "
                 "to finish or stop it first"
             ) from None
+        # Who holds it, for the refusals of others (lock_holder): this process now.
+        self._lock.truncate(0)
+        self._lock.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+        self._lock.flush()
 
     # -- the records ------------------------------------------------------------------------
 
@@ -257,16 +261,23 @@ class RunDir:
 
 def trained_now(path: Path) -> bool:
     """Whether a live process holds the run's ``run.lock`` (``RunDir._hold``)."""
+    return lock_holder(path) is not None
+
+
+def lock_holder(path: Path) -> str | None:
+    """Who holds the run's ``run.lock`` ("pid N on HOST", or "an unknown process"), or None
+    when no live process holds it."""
     try:
         with open(RunLayout(path).lock, "rb") as lock:  # read-only: any reader may probe
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                return True
+                said = lock.read(200).decode(errors="replace").strip()
+                return said if said.startswith("pid ") else "an unknown process"
             fcntl.flock(lock, fcntl.LOCK_UN)
     except OSError:  # no lock file, or not readable: nothing known to hold it
-        return False
-    return False
+        return None
+    return None
 
 
 def locked_manifest(path: Path) -> Manifest:

@@ -13,10 +13,16 @@ In the order a start meets them:
 * as the ranks build the inputs: :func:`check_same_tokenizer`, :func:`check_same_data` (against
   ``run.json``), :func:`check_admission` (the per-layer table against the checkpoint's);
 * after loading: :func:`check_not_moved_on` (nobody trained the run meanwhile).
+
+A run another live process trains is refused before a resume reads its checkpoint
+(:func:`check_not_trained_now`), and a checkpoint that fails to read while one does, or after one
+moved the run on, is blamed on that process and not called damaged (:func:`reading_checkpoint`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from fp8ops.checkpoint.directory import LATEST, CheckpointDir, CheckpointError
@@ -27,6 +33,7 @@ from fp8ops.manifest.schema import Manifest
 from fp8ops.run import RunLayout, RunRecordError, find_status, read_run_record, trained_now
 from fp8ops.run.layout import MANIFEST
 from fp8ops.run.records import read_layers_json
+from fp8ops.run.run_dir import lock_holder
 from fp8ops.start.drift import Change, Drift, DriftRefused, manifest_drift, refuse
 from fp8ops.start.plans import Resume
 
@@ -598,11 +605,48 @@ def check_not_moved_on(plan: Resume) -> None:
     (a resubmission beside a requeued attempt) saved checkpoints or finished the run. Taking the
     run lock only after loading, this resume would otherwise rewind that work. Called on every
     rank after loading, before the lock: every rank reads the same files and refuses alike."""
-    now = where_the_run_is(plan.run_dir)
-    if now != plan.seen:
+    _check_not_moved(plan.run_dir, plan.seen, f"loaded {plan.checkpoint.name}")
+
+
+def _check_not_moved(run_dir: Path, seen: tuple, doing: str) -> None:
+    now = where_the_run_is(run_dir)
+    if now != seen:
         raise DriftRefused(
-            f"refusing to resume {plan.run_dir}: it moved on while this resume loaded "
-            f"{plan.checkpoint.name} (latest checkpoint {plan.seen[0]} -> {now[0]}, status "
-            f"{plan.seen[1]} -> {now[1]}): another job trains or trained it. Resume again to "
-            "continue from where it is now (or stop the other job first)"
+            f"refusing to resume {run_dir}: it moved on while this resume {doing} (latest "
+            f"checkpoint {seen[0]} -> {now[0]}, status {seen[1]} -> {now[1]}): another job "
+            "trains or trained it. Resume again to continue from where it is now (or stop the "
+            "other job first)"
         )
+
+
+def check_not_trained_now(run_dir: Path, *, reading: Path | None = None) -> None:
+    """Refuse to resume a run that another live process trains (it holds ``run.lock``), before
+    anything is read: that process saves checkpoints, moves ``latest`` and deletes old ones
+    (``schedule.keep_checkpoints``) while this one would read them. Exit 2, as the lock's own
+    refusal (``RunDir.reopen``) and a new run's (:func:`check_free`)."""
+    holder = lock_holder(run_dir)
+    if holder is None:
+        return
+    during = f"; it replaced or removed {reading.name} as this resume read it" if reading else ""
+    raise Fp8opsError(
+        f"refusing to resume {run_dir}: another fp8ops process is training it right now "
+        f"({holder}){during}. Wait for it to finish, or stop it, then resume"
+    )
+
+
+@contextmanager
+def reading_checkpoint(
+    run_dir: Path, seen: tuple, checkpoint: Path | None = None
+) -> Iterator[None]:
+    """Around reading a run's checkpoint (planning a resume, loading it): a failure there while
+    another process trains the run, or after one moved it on since ``seen``
+    (:func:`where_the_run_is` before reading), is that process's doing (a checkpoint it rotated
+    away mid-read), said as such; any other failure stands (a damaged checkpoint says so). The
+    lock is taken only after loading (``RunDir.reopen``), so a resume that started beside a
+    live run gets here."""
+    try:
+        yield
+    except Exception:
+        check_not_trained_now(run_dir, reading=checkpoint)
+        _check_not_moved(run_dir, seen, f"read {checkpoint.name if checkpoint else 'it'}")
+        raise

@@ -100,6 +100,7 @@ def _plan_train_command(request: TrainRequest) -> StartPlan:
             if done is not None:
                 return Complete(run_dir, done)
     if request.resume and CheckpointDir(run_dir).complete():
+        checks.check_not_trained_now(run_dir)
         if manifest_path.resolve() != layout.manifest.resolve():
             checks.check_unedited(run_dir)  # else the edit is the request, diffed as drift below
         plan = plan_resume(
@@ -135,6 +136,7 @@ def _plan_resume_command(request: ResumeRequest) -> StartPlan:
         done = checks.nothing_to_train(run_dir)
         if done is not None:
             return Complete(run_dir, done)
+    checks.check_not_trained_now(run_dir)
     checks.check_unedited(run_dir)
     plan = plan_resume(
         run_dir,
@@ -193,10 +195,12 @@ def plan_resume(
     on unaccepted drift and ``StopUnanswered`` for a stopped run that nothing answers."""
     run_dir = Path(run_dir)
     checks.check_is_run(run_dir)
-    directory = CheckpointDir(run_dir).find(checkpoint)
-    meta = read_consistent(directory)  # before anything reads or advises on what it says
-    saved = load_manifest(directory / MANIFEST)
-    checks.check_saved_manifest(directory, saved, meta)
+    seen = checks.where_the_run_is(run_dir)  # before reading: a live run may move it on
+    with checks.reading_checkpoint(run_dir, seen):
+        directory = CheckpointDir(run_dir).find(checkpoint)
+        meta = read_consistent(directory)  # before anything reads or advises on what it says
+        saved = load_manifest(directory / MANIFEST)
+        checks.check_saved_manifest(directory, saved, meta)
     checks.check_run_revisions(run_dir, directory, meta)
     checks.check_reasons(accept_drift, after_stop)
     requested = saved
@@ -230,7 +234,7 @@ def plan_resume(
         fp8_read=fp8_read,
         accept_drift=accept_drift,
         after_stop=after_stop,
-        seen=checks.where_the_run_is(run_dir),
+        seen=seen,
     )
     _apply_ledger(plan)
     checks.check_fp8_state_saved(plan)

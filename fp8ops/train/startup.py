@@ -188,7 +188,8 @@ def _built(plan: New | Resume, ranks, *, progress: bool, stop_request) -> Traine
     )
     if resume is not None:
         checks.check_admission(resume, trainer.admission_hash())
-        trainer.restore(resume)  # loaded and verified before anything is written
+        with checks.reading_checkpoint(resume.run_dir, resume.seen, resume.checkpoint):
+            trainer.restore(resume)  # loaded and verified before anything is written
         checks.check_not_moved_on(resume)  # loading took a while: nobody trained it meanwhile
     return trainer
 

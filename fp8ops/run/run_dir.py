@@ -155,7 +155,7 @@ class RunDir:
     def _hold(self) -> None:
         """Hold an exclusive lock on ``run.lock`` while this process trains the run (the OS
         drops it when the process ends, however it ends): a second trainer is refused."""
-        self._lock = open_log(self.layout.lock)  # held until release(); never written
+        self._lock = open_log(self.layout.lock)  # held until release(); never through a link
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -167,7 +167,7 @@ class RunDir:
             ) from None
         # Who holds it, for the refusals of others (lock_holder): this process now.
         self._lock.truncate(0)
-        self._lock.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+        self._lock.write(f"pid {os.getpid()} on {os.uname().nodename}\n".encode())
         self._lock.flush()
 
     # -- the records ------------------------------------------------------------------------
@@ -273,6 +273,7 @@ def lock_holder(path: Path) -> str | None:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 said = lock.read(200).decode(errors="replace").strip()
+                said = "".join(c for c in said if c.isprintable())  # anyone may write the file
                 return said if said.startswith("pid ") else "an unknown process"
             fcntl.flock(lock, fcntl.LOCK_UN)
     except OSError:  # no lock file, or not readable: nothing known to hold it

@@ -771,7 +771,7 @@ BAD_INPUTS = {
     ),
     "damaged metrics": (
         damage_metrics,
-        "{fp8}/metrics.jsonl:5: not valid JSON; the file is damaged",
+        "{fp8}/metrics.jsonl:5: not valid JSON (",  # (what the parser said); the file is damaged
     ),
     "metrics field": (
         lambda fp8: drop_field(fp8, "metrics.jsonl", "tokens"),

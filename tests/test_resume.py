@@ -290,6 +290,10 @@ def test_per_rank_fp8_state_refuses_a_topology_change(manifest, tmp_path, cli):
             "topology.tensor_parallel=2",
             "--set",
             "precision.reduce_amax=false",
+            # Per-rank scales (no amax reduction) saturate linear_proj's input 1-2% from step 5
+            # on this base: a Stop would end the resume below, which is not what this tests.
+            "--set",
+            "alerts.saturation.stop=null",
             "--stop-at",
             N,
         )

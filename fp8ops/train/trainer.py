@@ -641,7 +641,8 @@ class Trainer:
             attrs={
                 "manifest": manifest_hash(self.manifest),
                 "world_size": self.ranks.world_size,
-                "run_id": self._run_id(),
+                # Rank 0 makes the store's root (its attributes), once run.json is written.
+                "run_id": self._run_id() if self.ranks.is_main else None,
             },
         )
 

@@ -3,7 +3,8 @@
 Every message says *where*: the file, the field path, the value and what is allowed.
 The CLI turns these into a one-line (or few-line) message and the error's ``exit_code``, never a
 traceback: 2 for what a user got wrong; subclasses elsewhere use 0 (nothing to do), 3 (a Stop
-alert), 4 (a resume refused for drift) and 75 (stopped on request: requeue). Under several
+alert), 4 (a resume refused for drift), 5 (a run trained to its end whose result is not
+releasable) and 75 (stopped on request: requeue). Under several
 ranks, errors marked ``collective`` (every rank raises them alike) are printed by rank 0 only.
 """
 

@@ -27,7 +27,7 @@ from fp8ops.checkpoint.weights import META_FILE
 from fp8ops.errors import Fp8opsError
 from fp8ops.files import read_jsonl
 from fp8ops.manifest import ManifestStore, derive, load_manifest, manifest_hash
-from fp8ops.run import RunDir
+from fp8ops.run import EvalRow, MetricsRow, RunDir
 from fp8ops.start import New
 from fp8ops.start.checks import check_free
 from fp8ops.train import open_trainer, run_training
@@ -511,6 +511,85 @@ def test_without_a_held_out_split_evaluation_is_skipped(finetune_manifest, tmp_p
     assert result.last_eval_loss is None
     assert not (tmp_path / "run" / "eval.jsonl").exists()
     assert json.loads((tmp_path / "run" / "status.json").read_text())["state"] == "completed"
+
+
+# -- a run that cannot be released ----------------------------------------------------------
+
+# Issue 49, 1: lr 1e30 blows the weights up at step 1; every later step's loss is NaN and the
+# optimizer skips it. The non-finite Stop is demoted to observe (alerts.nonfinite_stop: false).
+BLOW_UP = {
+    "schedule.train_steps": 4,
+    "schedule.warmup_steps": 0,
+    "optimizer.lr": 1e30,
+    "optimizer.clip_grad": 1e38,
+    "alerts.nonfinite_stop": False,
+    "capability.enabled": False,
+}
+
+
+def test_a_run_whose_loss_turned_nan_ends_failed_without_final_weights(
+    finetune_manifest, tmp_path, cli
+):
+    run = tmp_path / "run"
+    settings = [arg for key, value in BLOW_UP.items() for arg in ("--set", f"{key}={value}")]
+    result = cli("train", finetune_manifest, "--run-dir", run, "--no-progress", *settings)
+    assert result.code == 5, result.err
+    assert "not releasable" in result.err and "Traceback" not in result.err
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert [m["skipped"] for m in metrics] == [False, True, True, True]
+    assert "3 of its 4 steps were skipped" in result.err
+    assert "training loss of step 4 is nan" in result.err
+    assert "last evaluation (step 4) is nan" in result.err
+    assert not (run / "final").exists()
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "failed" and "NotReleasable" in status["error"]
+    assert status["step"] == 4
+    events = {e["event"]: e for e in read_jsonl(run / "events.jsonl")}
+    assert events["not_releasable"]["checkpoint"] == "step_00000004"
+    assert "train_completed" not in events and "weights_saved" not in events
+    assert (run / "checkpoints" / "step_00000004").is_dir()  # kept for diagnosis
+
+    # A resume finds the last step's checkpoint without final weights (a Finish) and refuses
+    # to write them the same way.
+    again = cli("resume", run, "--no-progress")
+    assert again.code == 5, again.err
+    assert "not releasable" in again.err and not (run / "final").exists()
+    assert json.loads((run / "status.json").read_text())["state"] == "failed"
+
+
+def _records(path: Path, losses: list[float], skipped: list[bool], evals: dict[int, float]):
+    manifest = load_manifest(MANIFESTS / "tiny-gpt-cpu.yaml")
+    run = RunDir.claim(path, manifest, [manifest])
+    for step, (loss, skip) in enumerate(zip(losses, skipped, strict=True), 1):
+        row = MetricsRow(step=step, loss=loss, tokens=1, skipped=skip)
+        run.log_metrics(row, with_status=False)
+    for step, loss in evals.items():
+        run.log_eval(EvalRow(step=step, loss=loss))
+    run.release()
+    return path
+
+
+@pytest.mark.parametrize(
+    ("losses", "skipped", "evals", "problems"),
+    [
+        ([2.0, 1.5, 1.2, 1.0], [False] * 4, {2: 1.4, 4: 1.1}, []),
+        # A skipped step or a NaN loss along the way that the run recovered from is releasable.
+        ([2.0, float("nan"), 1.2, 1.0], [False, True, False, False], {4: 1.1}, []),
+        ([2.0, 1.5, 1.2, float("inf")], [False] * 4, {4: 1.1}, ["training loss of step 4"]),
+        ([2.0, 1.5, 1.2, 1.0], [False] * 4, {2: 1.4, 4: float("nan")}, ["evaluation (step 4)"]),
+        # Half the steps skipped is the most a releasable run may skip.
+        ([2.0, 1.5, 1.2, 1.0], [True, True, False, False], {}, []),
+        ([2.0, 1.5, 1.2, 1.0], [True, True, True, False], {}, ["3 of its 4 steps were skipped"]),
+    ],
+    ids=["healthy", "recovered", "last-loss", "last-eval", "half-skipped", "most-skipped"],
+)
+def test_a_result_is_releasable_by_its_records(tmp_path, losses, skipped, evals, problems):
+    from fp8ops.train.ending import release_problems
+
+    found = release_problems(_records(tmp_path / "run", losses, skipped, evals), 4)
+    assert len(found) == len(problems)
+    for said, expected in zip(found, problems, strict=True):
+        assert expected in said
 
 
 # -- run directories ------------------------------------------------------------------------

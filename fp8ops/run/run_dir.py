@@ -220,11 +220,13 @@ class RunDir:
         self.set_status("stopped", step=alert["step"], alert=alert, checkpoint=checkpoint)
         self.event("stopped", alert=alert, checkpoint=checkpoint)
 
-    def failed(self, exc: BaseException) -> None:
-        """Why the run stopped, so nobody mistakes it for a live or finished one."""
+    def failed(self, exc: BaseException, step: int | None = None) -> None:
+        """Why the run stopped (and the last ``step`` it finished, where known), so nobody
+        mistakes it for a live or finished one."""
         error = f"{type(exc).__name__}: {exc}"
-        self.set_status("failed", error=error)
-        self.event("failed", error=error)
+        reached = {} if step is None else {"step": step}
+        self.set_status("failed", error=error, **reached)
+        self.event("failed", error=error, **reached)
 
     def write_fallbacks(self, overrides: Iterable, *, from_step: int, revision: str) -> None:
         """``fallbacks.json``: module -> dtype, reason, the step it took effect, revision, for

@@ -1,7 +1,11 @@
 """The ways a run ends, each leaving its run directory resumable or finished:
 
-* completed: after the last step, the final checkpoint, then ``final/``
-  (:func:`save_final_weights`), then status completed (:func:`complete`);
+* completed: after the last step, the final checkpoint, then, if the result is releasable
+  (:func:`check_releasable`), ``final/`` (:func:`save_final_weights`), then status completed
+  (:func:`complete`);
+* not releasable: the last step trained but its loss or held-out evaluation is not finite, or
+  most steps were skipped (:class:`NotReleasable`, exit 5): the final checkpoint kept for
+  diagnosis, no ``final/``, status failed;
 * paused: ``--stop-at`` (status paused) or a stop request (status interrupted; the command exits
   75, for a requeue): a checkpoint at the step boundary (:func:`pause`);
 * stopped: a Stop alert (:class:`StopRun`, exit 3): a checkpoint of the step that raised it,
@@ -15,17 +19,19 @@ What a run (or a segment of it, between resumes) reports to the command line is 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch.distributed as dist
 from torch import nn
 
 from fp8ops.checkpoint import read_meta, weights
 from fp8ops.errors import Fp8opsError
 from fp8ops.manifest.schema import Manifest
-from fp8ops.run import RunDir
+from fp8ops.run import RunDir, read_evals, read_metrics
 from fp8ops.telemetry import TelemetryWriter
 
 SaveCheckpoint = Callable[[int, str], Path]
@@ -40,6 +46,19 @@ class StopRun(Fp8opsError):
     def __init__(self, message: str, alerts: list[dict]):
         super().__init__(f"stopped by an alert: {message}")
         self.alerts = alerts
+
+
+class NotReleasable(Fp8opsError):
+    """The run trained to its last step, but what it trained cannot be released (exit 5)."""
+
+    exit_code = 5
+    collective = True  # every rank raises it; rank 0 says so
+
+
+# More than this share of the run's steps skipped (non-finite gradients) and its weights are
+# not released: a run that skipped most of its steps did not train as configured, whatever its
+# last loss says.
+MAX_SKIPPED_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -57,6 +76,53 @@ class TrainResult:
     interrupted_by: str | None = None  # the stop request (signal, request file) that ended it
     resume_summary: list[str] | None = None
     capability_accuracy: float | None = None  # the segment's last capability evaluation
+
+
+def release_problems(run_dir: Path, steps: int) -> list[str]:
+    """Why the result of the run in ``run_dir`` at its last step ``steps`` is not releasable,
+    read from its records (every segment's, across resumes); empty when it is.
+
+    Releasable: the last step's training loss and the last held-out evaluation are finite, and
+    at most :data:`MAX_SKIPPED_SHARE` of the steps were skipped. A line the records lost (a
+    crash mid-write) is not held against the run."""
+    metrics = [row for row in read_metrics(run_dir) if row.step <= steps]
+    problems = []
+    if metrics and metrics[-1].step == steps and not math.isfinite(metrics[-1].loss):
+        problems.append(f"the training loss of step {steps} is {metrics[-1].loss}")
+    evals = [row for row in read_evals(run_dir) if row.step <= steps]
+    if evals and not math.isfinite(evals[-1].loss):
+        problems.append(
+            f"the held-out loss of the last evaluation (step {evals[-1].step}) is {evals[-1].loss}"
+        )
+    skipped = sum(bool(row.skipped) for row in metrics)
+    if skipped > MAX_SKIPPED_SHARE * len(metrics):
+        problems.append(
+            f"{skipped} of its {len(metrics)} steps were skipped (non-finite gradients), more "
+            f"than {MAX_SKIPPED_SHARE:.0%}"
+        )
+    return problems
+
+
+def check_releasable(run: RunDir, steps: int, checkpoint: Path) -> None:
+    """Refuse to release a run whose result is unusable (:func:`release_problems`), whatever
+    its alert settings (``alerts.nonfinite_stop: false`` only demotes an alert): an event, and
+    :class:`NotReleasable` on every rank, so no ``final/`` is written and the run ends failed
+    with the ``checkpoint`` of its last step kept for diagnosis (collective: rank 0 reads the
+    records and tells the others)."""
+    found = [release_problems(run.path, steps) if run.writer else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(found, src=0)
+    problems = found[0]
+    if not problems:
+        return
+    run.event("not_releasable", step=steps, problems=problems, checkpoint=checkpoint.name)
+    raise NotReleasable(
+        f"{run.path}: trained to step {steps}, but the result is not releasable: "
+        f"{'; '.join(problems)}. No final weights were written; the last checkpoint "
+        f"({checkpoint.parent.name}/{checkpoint.name}) is kept for diagnosis and the run is "
+        f"marked failed. See metrics.jsonl and `fp8ops alerts {run.path}` for where it went "
+        "wrong (alerts.nonfinite_stop: false does not release such a run)"
+    )
 
 
 def save_final_weights(
@@ -120,14 +186,17 @@ def stop(
         _close_telemetry_after(run, telemetry, stopped)
         run.stopped(first, path.name)
     except BaseException as exc:  # the Stop path itself failed: say so, not "running"
-        run.failed(exc)
+        run.failed(exc, first["step"])
         raise
 
 
-def fail(run: RunDir, telemetry: TelemetryWriter | None, failure: BaseException) -> None:
-    """Any other end: the telemetry measured up to the failure kept, the run marked failed."""
+def fail(
+    run: RunDir, telemetry: TelemetryWriter | None, failure: BaseException, step: int | None
+) -> None:
+    """Any other end: the telemetry measured up to the failure kept, the run marked failed at
+    ``step``, the last one it finished."""
     _close_telemetry_after(run, telemetry, failure)
-    run.failed(failure)
+    run.failed(failure, step)
 
 
 def _close_telemetry_after(

@@ -305,6 +305,7 @@ class Trainer:
         last_eval = None
         self.run.event("train_started", steps=schedule.train_steps, from_step=self.start_step)
         logger = StepLogger(schedule.train_steps, schedule.log_interval, enabled=self.progress)
+        finished = self.start_step  # the last step finished, as a failure reports it
         try:
             for step in range(self.start_step, schedule.train_steps):
                 row = self.train_step(step)
@@ -330,12 +331,13 @@ class Trainer:
             if self.telemetry is not None:  # the last steps reach the disk before "completed"
                 self.telemetry.close()
             final = self.save_checkpoint(schedule.train_steps, "final")
+            ending.check_releasable(self.run, schedule.train_steps, final)  # or NotReleasable
             self._save_final_weights(final, losses[-1])
         except StopRun as stop:  # a checkpoint of the alert's step, status stopped
             ending.stop(self.run, self.telemetry, self.save_checkpoint, stop)
             raise
         except BaseException as exc:  # what was measured up to the failure kept, status failed
-            ending.fail(self.run, self.telemetry, exc)
+            ending.fail(self.run, self.telemetry, exc, finished)
             raise
         finally:
             logger.close()
@@ -547,9 +549,10 @@ class Trainer:
                     self.evaluator.capability(steps, self.manifest)
             if self.telemetry is not None:
                 self.telemetry.close()
+            ending.check_releasable(self.run, steps, plan.checkpoint)
             self._save_final_weights(plan.checkpoint, last_loss)
         except BaseException as exc:
-            ending.fail(self.run, self.telemetry, exc)
+            ending.fail(self.run, self.telemetry, exc, steps)
             raise
         seconds = ending.complete(self.run, self.manifest, started)
         return TrainResult(

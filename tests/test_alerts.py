@@ -467,6 +467,86 @@ def test_a_nonfinite_loss_without_module_evidence_is_a_run_level_stop():
     assert alert.message.startswith("Step 2: the run's loss was inf, not finite")
 
 
+def unmeasured_casts(cells: dict[tuple[int, str], float] | None = None) -> np.ndarray:
+    """A row of a step whose cast statistics were not measured (``telemetry.every_steps`` >
+    1): NaN and Inf counts unknown, amaxes and scales recorded as on every step."""
+    out = row(cells)
+    for slot in SLOTS:
+        out[:, COLUMN[f"{slot}.nan"]] = out[:, COLUMN[f"{slot}.inf"]] = np.nan
+    return out
+
+
+def test_a_nonfinite_loss_names_the_first_module_whose_amax_jumped():
+    """Issue 49, 10: at lr 1e30 step 1 blew every weight up to 1e30 (finite); step 2's loss is
+    NaN with no cast counting it (not a measuring step). The Stop names where the values left
+    their range: the first module whose amax jumped against the step before."""
+    blown = unmeasured_casts()
+    blown[:, COLUMN["weight.amax"]] = 1e30
+    blown[QKV0, COLUMN["input.amax"]] = np.nan  # a NaN amax is recorded as "not measured"
+    (alert, *jumps) = feed(engine(), [unmeasured_casts(), blown], [GOOD_STEP, NAN_STEP])[2]
+    assert (alert.step, alert.level, alert.rule) == (2, "stop", "nonfinite")
+    assert {(a.level, a.rule) for a in jumps} == {("observe", "amax_jump")}  # one per module
+    assert (alert.module, alert.metric, alert.value, alert.threshold) == (
+        MODULES[QKV0],
+        "weight.amax",
+        1e30,
+        4.0,  # amax_jump_factor x the step before's amax, 1
+    )
+    assert alert.message == (
+        "Step 2: the run's loss was nan, not finite (the step's grad_norm is nan); no cast "
+        f"counted it, but amaxes jumped first in {MODULES[QKV0]}: weight.amax 1 -> 1e+30 "
+        "(1e+30x, above amax_jump_factor 4) since the step before, the first jump in module "
+        "order (4 of 4 modules jumped; all at once, as when an optimizer step blows up the "
+        "weights)."
+    )
+    # One module whose input jumped (a bad batch reaching it), the others calm: that one.
+    spike = unmeasured_casts({(QKV1, "input.amax"): 64.0, (FC1_1, "input.amax"): 3.0})
+    alert = feed(engine(), [unmeasured_casts(), spike], [GOOD_STEP, NAN_STEP])[2][0]
+    assert (alert.module, alert.metric, alert.value) == (MODULES[QKV1], "input.amax", 64.0)
+    assert "(1 of 4 modules jumped)." in alert.message
+    # The amax a jump is measured against is carried across a resume (a checkpoint).
+    eng = engine()
+    feed(eng, [unmeasured_casts()])
+    alert = feed(resumed(eng), [blown], [NAN_STEP], first=2)[2][0]
+    assert (alert.module, alert.metric) == (MODULES[QKV0], "weight.amax")
+    # A checkpoint saved before it was kept resumes without it: nothing to compare with yet.
+    older = {k: v for k, v in eng.state_dict().items() if k != "previous_amax"}
+    again = engine()
+    again.load_state_dict(older)
+    alert = feed(again, [blown], [NAN_STEP], first=2)[2][0]
+    assert alert.module is None and "no module's telemetry shows where it started" in alert.message
+
+
+def test_an_update_orders_of_magnitude_above_the_weights_stops_at_once():
+    """Issue 49, 10: step 1 at lr 1e30 moved weights of norm 20 by 9.1e32 and nothing fired;
+    the next step's NaN was the first alert. The update's size against the weights it changed
+    is a Stop before the next step trains on them."""
+    healthy = {**GOOD_STEP, "update_norm": 1.2, "weight_norm": 20.0}
+    blown = {**GOOD_STEP, "update_norm": 9.1e32, "weight_norm": 20.0}
+    found = feed(engine(), [row()] * 3, [healthy, blown, blown])
+    assert sorted(found) == [2, 3]  # each step it holds: a blown-up update is never routine
+    alert = found[2][0]
+    assert (alert.level, alert.rule, alert.module, alert.metric) == (
+        "stop",
+        "update_blowup",
+        None,
+        "update_norm",
+    )
+    assert (alert.value, alert.threshold) == (9.1e32, 2000.0)
+    assert alert.message.startswith(
+        "Step 2: the optimizer's update had norm 9.1e+32, 4.55e+31x the norm of the weights it "
+        "changed (20), above update_blowup_factor 100: the step replaced the weights"
+    )
+    # At the factor, on a skipped step (no update), or with the rule off: nothing.
+    at_factor = {**GOOD_STEP, "update_norm": 2000.0, "weight_norm": 20.0}
+    skipped = {**GOOD_STEP, "update_norm": math.nan, "weight_norm": math.nan, "skipped": 1.0}
+    assert feed(engine(), [row()] * 3, [at_factor, skipped, GOOD_STEP]) == {}
+    assert feed(engine(update_blowup_factor=None), [row()], [blown]) == {}
+    loose = engine(update_blowup_factor=1e33)  # the manifest's level
+    assert feed(loose, [row()], [blown]) == {}
+    assert only(feed(loose, [row()], [{**blown, "update_norm": 3e34}])).rule == "update_blowup"
+
+
 def test_nonfinite_stop_off_reports_observe_once():
     found = feed(engine(nonfinite_stop=False), [nan_from_module(FC1_0)] * 3, [NAN_STEP] * 3)
     alert = only(found)
@@ -818,6 +898,7 @@ def test_new_alert_fields_have_defaults_and_validate():
         4.0,
     )
     assert (defaults.divergence_factor, defaults.divergence_warmup_steps) == (2.0, 10)
+    assert defaults.update_blowup_factor == 100.0
     assert (defaults.underflow_rise_factor, defaults.underflow_rise_floor) == (2.0, 1e-3)
     assert (defaults.error_growth_samples, defaults.error_growth_floor) == (4, 0.04)
     for name, field in Alerts.model_fields.items():
@@ -827,6 +908,7 @@ def test_new_alert_fields_have_defaults_and_validate():
         {"grad_spike_factor": 1.0},
         {"amax_jump_factor": 0.5},
         {"divergence_factor": 1},
+        {"update_blowup_factor": 1.0},
         {"divergence_warmup_steps": -1},
         {"underflow_rise_floor": 2.0},
         {"error_growth_samples": 2},

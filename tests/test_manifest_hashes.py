@@ -219,6 +219,8 @@ CASES = {
     "parallel": lambda: _from_tiny(PARALLEL),
     "watching": lambda: _from_tiny(WATCHING),
     "second-revision": _second_revision,
+    # Added after the cases above were pinned (alerts.update_blowup_factor): a case of its own.
+    "update-blowup-off": lambda: _from_tiny({"alerts.update_blowup_factor": None}),
 }
 
 # As tests/test_manifest.py pins them; here beside the rest.
@@ -241,6 +243,7 @@ BUILT = {
     "second-revision": "d15654a94a21dd27dcc57ea4f305cb4fc95f79f0d028423e4a637391aabd697c",
     "small-base": "f0908a9ac640e090d66d1fdb4b5445401bb6a9faa4e0ec285a98b2a8ba4f0d96",
     "tasks-as-chat": "b4b8e3178a582f8122f6e81a3ae15a3e8294e838780a2fd29af772dc6d1f1286",
+    "update-blowup-off": "86877c4b72fff4a6f1e798f62fd7088d222914f6da0926da85786d0400e9b70a",
     "watching": "d0adb329f45fca4d1f1905fa678a7086514df3349039e11e1601ef6393ff580d",
 }
 

@@ -140,6 +140,52 @@ def test_nan_in_one_module_stops_the_run_at_that_step_naming_it(manifest, tmp_pa
     assert open_run(run).committed_steps == {0: nan_step}  # flushed on the Stop path
 
 
+# Issue 49, 10: lr 1e30 (clipping out of the way) blows every weight up at step 1; step 2's loss
+# is NaN. Cast statistics every 50 steps, as the CPU default measures them: step 2 counts none.
+BLOW_UP = {
+    "schedule.train_steps": 4,
+    "schedule.warmup_steps": 0,
+    "optimizer.lr": 1e30,
+    "optimizer.clip_grad": 1e38,
+    "telemetry.every_steps": 50,
+    "capability.enabled": False,
+}
+
+
+def test_an_optimizer_blow_up_stops_at_the_step_that_made_it(manifest, tmp_path):
+    blow_up = write_manifest(derive(manifest, BLOW_UP, "lr 1e30"), tmp_path / "blow_up.yaml")
+    with pytest.raises(StopRun) as stop:
+        run_training(blow_up, tmp_path / "run", progress=False)
+    first = stop.value.alerts[0]
+    assert (first["step"], first["rule"], first["metric"]) == (1, "update_blowup", "update_norm")
+    (row,) = read_jsonl(tmp_path / "run" / "metrics.jsonl")  # no second step trained
+    # Measured: an update of norm 3.5e32 on weights of norm 19 (AdamW's first step moves each
+    # weight by lr, 1e30).
+    print("update / weight norm:", row["update_norm"], row["weight_norm"])
+    assert row["update_norm"] > 1e30 and 1 < row["weight_norm"] < 1e3
+    assert first["value"] == pytest.approx(row["update_norm"], rel=1e-6)  # float32 in the alert
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert (status["state"], status["step"]) == ("stopped", 1)
+    meta = read_meta(tmp_path / "run" / "checkpoints" / status["checkpoint"])
+    assert (meta.step, meta.reason) == (1, "alert-stop: update_blowup")
+
+    # With the rule off, step 2's NaN is localized to the first module whose amax jumped,
+    # where the Stop said before that no module's telemetry showed where it started.
+    with pytest.raises(StopRun) as stop:
+        run_training(
+            blow_up,
+            tmp_path / "off",
+            assignments={"alerts.update_blowup_factor": None},
+            progress=False,
+        )
+    first = stop.value.alerts[0]
+    assert (first["step"], first["rule"]) == (2, "nonfinite")
+    assert first["module"] is not None and first["metric"].endswith(".amax")
+    assert first["value"] > 1e29  # an amax of the weights step 1 moved by 1e30 each
+    assert "no module's telemetry shows where it started" not in first["message"]
+    assert f"amaxes jumped first in {first['module']}" in first["message"]
+
+
 def test_a_saturating_weight_draws_degrade_and_a_proposal(manifest, tmp_path):
     # Stop off for saturation and FP8 error: the weight below saturates far past their stop
     # levels (and its clipped output errs accordingly); this test is about the level below.

@@ -523,6 +523,7 @@ BLOW_UP = {
     "optimizer.lr": 1e30,
     "optimizer.clip_grad": 1e38,
     "alerts.nonfinite_stop": False,
+    "alerts.update_blowup_factor": None,  # else a Stop at step 1 (test_telemetry_train.py)
     "capability.enabled": False,
 }
 
@@ -531,7 +532,11 @@ def test_a_run_whose_loss_turned_nan_ends_failed_without_final_weights(
     finetune_manifest, tmp_path, cli
 ):
     run = tmp_path / "run"
-    settings = [arg for key, value in BLOW_UP.items() for arg in ("--set", f"{key}={value}")]
+    settings = [
+        arg
+        for key, value in BLOW_UP.items()
+        for arg in ("--set", f"{key}={'null' if value is None else value}")
+    ]
     result = cli("train", finetune_manifest, "--run-dir", run, "--no-progress", *settings)
     assert result.code == 5, result.err
     assert "not releasable" in result.err and "Traceback" not in result.err

@@ -14,7 +14,11 @@ nonfinite           NaN/Inf in a cast (``<slot>.nan``/``.inf`` > 0), an     stop
                     infinite amax or scale, a non-finite module gradient     ``nonfinite_stop``
                     norm, or a non-finite step ``loss``/``grad_norm``;       is false); at once
                     one alert, naming the first module where it appeared
-                    (forward casts in module order, gradients in reverse)
+                    (forward casts in module order, gradients in reverse);
+                    where no cast shows it, the first module whose amax
+                    jumped (``amax_jump_factor``) since the step before
+update_blowup       the step's ``update_norm`` > ``update_blowup_factor`` x  stop, at once
+                    the weights' norm before it (``weight_norm``)
 divergence          mean loss of the last ``patience_steps`` >               stop, patience
                     ``divergence_factor`` x its lowest value since
                     ``divergence_warmup_steps``
@@ -221,6 +225,8 @@ class AlertEngine:
         self._errors = np.full((n, config.error_growth_samples), np.nan, np.float32)
         self._error_samples = np.zeros(n, np.int32)
         self._previous_base = np.full((n, slots), np.nan, np.float32)
+        # Each slot's last measured amax, for naming where a non-finite step began.
+        self._previous_amax = np.full((n, slots), np.nan, np.float32)
         self._observed = 0
         self.fresh_rules: list[str] = []  # rules a loaded state had no windows of
         self._lowest_loss = np.inf  # of the smoothed loss
@@ -238,6 +244,7 @@ class AlertEngine:
             raise ValueError(f"telemetry row has shape {rows.shape}; expected {expected}")
         alerts = [
             *self._check_nonfinite(step, rows, step_values),
+            *self._check_update_blowup(step, step_values),
             *self._check_divergence(step, step_values),
             *self._check_levels(step, rows),
             *self._check_error_growth(step, rows),
@@ -245,6 +252,8 @@ class AlertEngine:
             *self._check_underflow_rising(step, rows),
             *self._check_amax_jump(step, rows),
         ]
+        amax = rows[:, _columns("amax")]
+        self._previous_amax = np.where(np.isfinite(amax) & (amax > 0), amax, self._previous_amax)
         self._observed += 1
         return sorted(alerts, key=lambda alert: -SEVERITY[alert.level])  # stable: rule order kept
 
@@ -284,6 +293,7 @@ class AlertEngine:
             "errors": self._errors,
             "error_samples": self._error_samples,
             "previous_window_max": self._previous_base,  # the name older checkpoints hold
+            "previous_amax": self._previous_amax,
             "observed": np.array(self._observed, np.int64),
             "lowest_loss": np.array(self._lowest_loss, np.float64),
             "recent_losses": np.array(
@@ -311,6 +321,8 @@ class AlertEngine:
             and not any(f"{rule}.{level}.open" in state for level in leveled.latches)
         ]
         expected = {k: v for k, v in expected.items() if k.split(".")[0] not in fresh}
+        if "previous_amax" not in state:  # saved before it was kept: nothing measured yet
+            state = {**state, "previous_amax": np.full_like(expected["previous_amax"], np.nan)}
         for key, value in expected.items():
             if key not in state or np.shape(state[key]) != value.shape:
                 raise ValueError(
@@ -324,6 +336,7 @@ class AlertEngine:
         self._errors = state["errors"].astype(np.float32)
         self._error_samples = state["error_samples"].astype(np.int32)
         self._previous_base = state["previous_window_max"].astype(np.float32)
+        self._previous_amax = state["previous_amax"].astype(np.float32)
         self._observed = int(state["observed"])
         self._lowest_loss = float(state["lowest_loss"])
         count = int(state["recent_count"])
@@ -377,6 +390,7 @@ class AlertEngine:
         self._underflow[:, held] = np.nan
         self._errors[held], self._error_samples[held] = np.nan, 0
         self._previous_base[held] = np.nan
+        self._previous_amax[held] = np.nan
 
     def _latches(self) -> dict[str, _Latch]:
         latches = {
@@ -473,12 +487,75 @@ class AlertEngine:
             threshold = 0.0 if limit == "above 0" else None
             return [self._alert(step, level, "nonfinite", index, metric, value, threshold, message)]
         name, value = run_level[0]
-        message = (
-            f"Step {step}: the run's {name} was {format_value(value)}, not finite"
-            + (f" ({'; '.join(also[1:])})" if len(also) > 1 else "")
-            + "; no module's telemetry shows where it started."
+        message = f"Step {step}: the run's {name} was {format_value(value)}, not finite" + (
+            f" ({'; '.join(also[1:])})" if len(also) > 1 else ""
         )
-        return [self._alert(step, level, "nonfinite", None, name, value, None, message)]
+        jumps = self._amax_jumps(rows)
+        if not jumps:
+            message += "; no module's telemetry shows where it started."
+            return [self._alert(step, level, "nonfinite", None, name, value, None, message)]
+        # No cast counted a NaN or Inf (or none was measured this step), but amaxes jumped:
+        # the first module they jumped in is where the step's values left their range.
+        index, j, before, now = jumps[0]
+        metric, factor = f"{SLOTS[j]}.amax", self.config.amax_jump_factor
+        modules = len({i for i, *_ in jumps})
+        message += (
+            f"; no cast counted it, but amaxes jumped first in {self.modules[index]}: {metric} "
+            f"{format_value(_py(before))} -> {format_value(_py(now))} "
+            f"({format_value(_py(now / before))}x, above amax_jump_factor {factor:g}) since the "
+            f"step before, the first jump in module order ({modules} of {len(self.modules)} "
+            "modules jumped"
+            + (
+                "; all at once, as when an optimizer step blows up the weights"
+                if modules > 1
+                else ""
+            )
+            + ")."
+        )
+        threshold = factor * before
+        return [self._alert(step, level, "nonfinite", index, metric, now, threshold, message)]
+
+    def _amax_jumps(self, rows) -> list[tuple[int, int, float, float]]:
+        """(module index, slot index, previous amax, amax) of every forward cast whose amax
+        this step is above ``amax_jump_factor`` x the last one measured, in module order."""
+        amax, previous = rows[:, _columns("amax")], self._previous_amax
+        with np.errstate(invalid="ignore", over="ignore"):
+            jumped = np.isfinite(amax) & (
+                amax > np.float32(self.config.amax_jump_factor) * previous
+            )
+        forward = [SLOTS.index(slot) for slot in _FORWARD]
+        return [
+            (int(i), int(j), float(previous[i, j]), float(amax[i, j]))
+            for i, j in np.argwhere(jumped & self.fp8[:, None])
+            if j in forward
+        ]
+
+    def _check_update_blowup(self, step, step_values) -> list[Alert]:
+        """An optimizer step far larger than the weights it changed: a Stop before the next
+        step trains on them (every time it holds: a blown-up step is never routine)."""
+        factor = self.config.update_blowup_factor
+        update, weights = step_values.get("update_norm"), step_values.get("weight_norm")
+        if factor is None or update is None or weights is None:
+            return []
+        if not (np.isfinite(update) and np.isfinite(weights) and weights > 0):
+            return []  # a skipped step changed nothing; a non-finite one is nonfinite's
+        if update <= factor * weights:
+            return []
+        message = (
+            f"Step {step}: the optimizer's update had norm {format_value(update)}, "
+            f"{format_value(update / weights)}x the norm of the weights it changed "
+            f"({format_value(weights)}), above update_blowup_factor {factor:g}: the step "
+            "replaced the weights instead of adjusting them (a learning rate far too high, or a "
+            "corrupted gradient). Stopped before the next step trains on them; this step's "
+            "checkpoint holds the weights after the update, an earlier checkpoint (or the base) "
+            "those before it."
+        )
+        threshold = factor * weights
+        return [
+            self._alert(
+                step, "stop", "update_blowup", None, "update_norm", update, threshold, message
+            )
+        ]
 
     def _nonfinite_cells(self, rows, step_values) -> list[tuple[int, str, float, str]]:
         """(module index, metric, value, pass) of every non-finite cell, first appearance first."""

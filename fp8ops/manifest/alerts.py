@@ -180,6 +180,21 @@ class Alerts(Section):
             "own amax."
         ),
     )
+    update_blowup_factor: float | None = added_field(
+        100.0,
+        added_in="0.1.0",
+        gt=1,
+        description=(
+            "Optimizer blow-up (stop, at once): a step whose update's norm is above this many "
+            "times the norm of the weights it changed. AdamW moves each weight by about lr a "
+            "step, so a healthy update is a small fraction of the weights (at most 0.014 in the "
+            "CPU default's first 30 steps at lr 2e-3); one 100 times the weights has replaced "
+            "them, and the next step trains on garbage (lr 1e30 there: an update of 9.1e32 on "
+            "weights of norm 37, then a NaN loss). "
+            "Runs before this rule existed never reached it without going non-finite next, so "
+            "it is on for them too. null: off."
+        ),
+    )
     divergence_factor: float = Field(
         2.0,
         gt=1,

@@ -138,6 +138,7 @@ class MetricsRow(_Record):
     tokens: int
     grad_norm: float | None = None  # None: not finite (JSON has no NaN)
     update_norm: float | None = None
+    weight_norm: float | None = None  # the weights' global norm before the step's update
     lr: float | None = None
     skipped: bool | None = None
     loss_tokens: int | None = None

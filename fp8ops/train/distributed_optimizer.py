@@ -146,12 +146,13 @@ class DistributedMainParamsOptimizer(_MainParams):
                 main.grad = grad
             for group in self.inner.param_groups:
                 group["lr"] = lr
+            self.last_weight_norm = self._weight_norm()
             self.inner.step()
             self.last_update_norm = global_norm(
                 self._copy_back(), self._is_shard, self.tp_group, self._device, self.pp_group
             )
         else:
-            self.last_update_norm = None
+            self.last_update_norm = self.last_weight_norm = None
         for main in self.main_params:
             main.grad = None
         self.zero_grad()

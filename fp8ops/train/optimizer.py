@@ -182,6 +182,8 @@ class _MainParams:
     model_params: list[nn.Parameter]
     main_params: list[torch.Tensor]
     last_update_norm: float | None
+    # The weights' norm before that update, which the update_blowup alert compares it with.
+    last_weight_norm: float | None = None
 
     @property
     def moment_kinds(self) -> tuple[str, ...]:
@@ -241,6 +243,12 @@ class _MainParams:
     @property
     def _device(self) -> torch.device:
         return self.model_params[0].device if self.model_params else torch.device("cpu")
+
+    def _weight_norm(self) -> float:
+        """The global norm of the model's weights as they are (before a step), in their own
+        dtype, counted as the update's norm is (collective, as that one)."""
+        weights = (p.detach() for p in self.model_params)
+        return global_norm(weights, self._is_shard, self.tp_group, self._device, self.pp_group)
 
     def _owners(self) -> list[nn.Parameter]:
         """The model parameter each main tensor belongs to."""
@@ -302,12 +310,13 @@ class MainParamsOptimizer(_MainParams):
                 p.detach().clone() if m is p else None
                 for p, m in zip(self.model_params, self.main_params)
             ]
+            self.last_weight_norm = self._weight_norm()
             self.inner.step()
             self.last_update_norm = global_norm(
                 self._copy_back(before), self._is_shard, self.tp_group, self._device, self.pp_group
             )
-        else:
-            self.last_update_norm = None  # nothing changed: no update, rather than a zero one
+        else:  # nothing changed: no update, rather than a zero one
+            self.last_update_norm = self.last_weight_norm = None
         for main in self.main_params:
             main.grad = None
         self.zero_grad()

@@ -383,6 +383,7 @@ class Trainer:
             loss=step_loss.item(),
             grad_norm=grad_norm if math.isfinite(grad_norm) else None,  # JSON has no NaN
             update_norm=self.optimizer.last_update_norm,
+            weight_norm=self.optimizer.last_weight_norm,
             lr=lr,
             skipped=skipped,
             tokens=int(tokens.item()),
@@ -416,6 +417,9 @@ class Trainer:
         step_values = {
             "loss": row.loss,
             "grad_norm": math.nan if row.grad_norm is None else row.grad_norm,
+            # Not in the store (its step columns are fixed); the update_blowup rule reads them.
+            "update_norm": math.nan if row.update_norm is None else row.update_norm,
+            "weight_norm": math.nan if row.weight_norm is None else row.weight_norm,
             "lr": row.lr,
             "skipped": float(row.skipped),
             "tokens_per_s": row.tokens_per_s,

@@ -17,7 +17,7 @@ from fp8ops.checkpoint.cli import checkpoints_app
 from fp8ops.compare.cli import compare_command
 from fp8ops.console.cli import console_command, whatif_command
 from fp8ops.dualtrack.cli import dualtrack_command
-from fp8ops.errors import Fp8opsError
+from fp8ops.errors import STORAGE_ERRNOS, Fp8opsError, StorageFull
 from fp8ops.hf.cli import hf_app
 from fp8ops.launch.cli import launch_app
 from fp8ops.manifest.cli import manifest_app
@@ -59,15 +59,14 @@ def main(argv: list[str] | None = None) -> None:
             print(exc if rank == 0 else f"[rank {rank}] {exc}", file=sys.stderr)
         raise SystemExit(exc.exit_code) from None
     except OSError as exc:
-        if exc.filename is None:  # not about a path (a connection, a device): a real fault
+        full = exc.errno in STORAGE_ERRNOS  # a full disk, wherever it was met: said once
+        if exc.filename is None and not full:  # not about a path (a connection): a real fault
             raise
         # A path given (or the disk under it) failed: say which, as for every user error.
         paths = [str(p) for p in (exc.filename, exc.filename2) if p is not None]
-        print(
-            f"[rank {rank}] " * (rank != 0) + f"{' -> '.join(paths)}: {exc.strerror or exc}",
-            file=sys.stderr,
-        )
-        raise SystemExit(2) from None
+        where = f"{' -> '.join(paths)}: " if paths else ""
+        print(f"[rank {rank}] " * (rank != 0) + f"{where}{exc.strerror or exc}", file=sys.stderr)
+        raise SystemExit(StorageFull.exit_code if full else 2) from None
 
 
 if __name__ == "__main__":

@@ -44,6 +44,46 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         os.close(dir_fd)
 
 
+# Free space below which a file system counts as full (or below 1% of it, on a small one): a
+# write that failed for space leaves about nothing free (the writer filled the disk).
+FULL_BELOW_BYTES = 64 * 2**20
+
+
+def disk_full(path: str | Path, need: int = 0) -> str | None:
+    """Why the file system holding ``path`` refuses writes (full, no inodes left, read-only,
+    or less free than the ``need`` bytes a write of the kind that failed takes), as a message
+    says it; None when it has room. For a failure that does not say (torch's zip writer
+    reports a short write as "unexpected pos"), rather than its errno."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        found = os.statvfs(path)
+    except OSError:
+        return None
+    if found.f_flag & os.ST_RDONLY:
+        return "the file system is read-only"
+    free, size = found.f_bavail * found.f_frsize, found.f_blocks * found.f_frsize
+    if free < need:
+        return (
+            f"no space left on the device ({free / 2**20:.1f} MiB free, less than the "
+            f"{need / 2**20:.1f} MiB the write takes)"
+        )
+    if free < min(FULL_BELOW_BYTES, size // 100) or (found.f_files and found.f_favail == 0):
+        return f"no space left on the device ({free / 2**20:.1f} MiB free)"
+    return None
+
+
+def mount_point(path: str | Path) -> Path:
+    """The mount point of the file system holding ``path`` (for "free space on ...")."""
+    path = Path(path).resolve()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
 def append_lines(path: str | Path, text: str) -> None:
     """Append ``text`` (whole lines) to a log in one write, first cutting off a torn last line.
 

@@ -680,6 +680,105 @@ def test_a_run_killed_between_its_final_checkpoint_and_final_weights_is_finished
     assert again.code == 0 and "nothing to train" in again.err
 
 
+@pytest.fixture
+def small_disk(tmp_path) -> Path:
+    """A 16 MiB tmpfs mounted for the test: a disk that fills up for real."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    yield disk
+    if subprocess.run(["umount", str(disk)], capture_output=True).returncode:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def _fill(disk: Path, name: str, leave: int) -> None:
+    """Write a file onto ``disk`` that leaves ``leave`` bytes free (all of it, when 0)."""
+    free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+    with open(disk / name, "wb") as filler, contextlib.suppress(OSError):  # ENOSPC: full
+        filler.write(b"\0" * max(0, free - leave))
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_said_once_with_what_was_kept_and_the_run_resumes_after(
+    paused, reference, small_disk, cli
+):
+    """Issue 49, 5: a checkpoint save on a full disk ended in a chained OSError 28 traceback
+    (exit 1), status.json still said running at step 0 though step 2 was checkpointed, and a
+    resume on the still-full disk failed the same way."""
+    run = Path(shutil.copytree(paused, small_disk / "run"))
+    size = sum(f.stat().st_size for f in (run / "checkpoints" / LATEST).iterdir())
+    _fill(small_disk, "filler", leave=size // 2)  # the next save cannot fit
+
+    failed = cli("resume", run, "--no-progress")
+    assert failed.code == 74, failed.err
+    assert "Traceback" not in failed.err and failed.err.count("no space left") == 1
+    assert re.search(
+        f"{run}: no space left on the device .*after step {PAUSED_AT + 1} ", failed.err
+    )
+    assert f"checkpoints/{LATEST} is the latest whole checkpoint" in failed.err
+    assert f"fp8ops resume {run}" in failed.err and "(status.json says failed)" in failed.err
+    status = json.loads((run / "status.json").read_text())
+    assert (status["state"], status["step"]) == ("failed", PAUSED_AT + 1)
+    assert status["error"].startswith("StorageFull: ")
+    assert read_jsonl(run / "events.jsonl")[-1]["event"] == "failed"
+    assert CheckpointDir(run).latest().name == LATEST
+    assert not list((run / "checkpoints").glob(".*.partial"))  # its space handed back
+
+    # Full to the last byte, a resume fails at its first write, the same clear way.
+    _fill(small_disk, "filler2", leave=0)
+    again = cli("resume", run, "--no-progress")
+    assert again.code == 74, again.err
+    assert "Traceback" not in again.err
+    assert f"checkpoints/{LATEST} is the latest whole checkpoint" in again.err
+
+    # With space again, the resume continues as the straight run did.
+    for name in ("filler", "filler2"):
+        (small_disk / name).unlink()
+    resumed = cli("resume", run, "--stop-at", PAUSED_AT + 2, "--no-progress")
+    assert resumed.code == 0, resumed.err
+    losses = [r.loss for r in read_metrics(run)]
+    assert losses == [r.loss for r in read_metrics(reference)][: PAUSED_AT + 2]  # bit for bit
+
+
+def test_what_a_full_disk_is_taken_for(run, monkeypatch):
+    """The failures the run reports as a full disk: an OSError saying so anywhere in the chain;
+    an error that says nothing, on a full file system; never a user error, which says what it
+    is, an interrupt, nor anything on a disk with room."""
+    import errno
+
+    from fp8ops.errors import StorageFull
+    from fp8ops.train import ending
+
+    full = OSError(errno.EDQUOT, "Disk quota exceeded", str(run / "metrics.jsonl"))
+    assert ending.storage_cause(run, full) == (
+        str(run / "metrics.jsonl"),
+        "disk quota exceeded",
+        f"OSError: [Errno {errno.EDQUOT}] Disk quota exceeded: '{run / 'metrics.jsonl'}'",
+    )
+    silent = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    assert ending.storage_cause(run, silent) is None  # this disk has room
+    assert ending.storage_cause(run, StorageFull("said already")) is None
+    monkeypatch.setattr(ending, "disk_full", lambda path, need: "no space left on the device")
+    cause = ending.storage_cause(run, silent)
+    assert cause == (str(run), "no space left on the device", f"RuntimeError: {silent}")
+    assert ending.storage_cause(run, DriftRefused("a drift")) is None
+    assert ending.storage_cause(run, KeyboardInterrupt()) is None  # Ctrl-C is not the disk
+    message = ending.storage_message(run, cause, 3, [".step_00000003.partial"])
+    assert message.startswith(f"{run}: no space left on the device after step 3 (RuntimeError")
+    assert (
+        f"checkpoints/{LATEST} is the latest whole checkpoint (the failed save "
+        ".step_00000003.partial was removed)"
+    ) in message
+
+
 @pytest.mark.slow
 def test_a_damaged_telemetry_store_says_how_to_resume_without_it(run, reference, cli):
     store = run / "telemetry.zarr"

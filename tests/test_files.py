@@ -1,15 +1,19 @@
-"""fp8ops.files: logs that survive a torn last line, and the CLI's answer to paths that fail."""
+"""fp8ops.files: logs that survive a torn last line, the CLI's answer to paths that fail, and
+how a full, over-quota or read-only disk is recognised (fp8ops.errors.storage_error,
+fp8ops.files.disk_full)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 
-from fp8ops.errors import Fp8opsError
-from fp8ops.files import NONFINITE, append_lines, json_line, read_jsonl
+from fp8ops.errors import Fp8opsError, StorageFull, storage_error
+from fp8ops.files import NONFINITE, append_lines, disk_full, json_line, read_jsonl
 from fp8ops.run import read_status
 
 
@@ -167,3 +171,100 @@ def test_a_log_replaced_by_a_link_is_refused_and_the_target_untouched(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(Fp8opsError, match="events.jsonl: not a regular file"):
         append_lines(fifo, json_line({"event": "x"}))
+
+
+# -- a full disk ---------------------------------------------------------------------------------
+
+
+def _raised(make):
+    try:
+        make()
+    except BaseException as exc:  # noqa: BLE001 - the test looks at what was raised
+        return exc
+    raise AssertionError("nothing raised")
+
+
+def _chained(outer: Exception, inner: BaseException, *, cause: bool = False):
+    def make():
+        try:
+            raise inner
+        except BaseException as exc:
+            if cause:
+                raise outer from exc
+            raise outer  # noqa: B904 - while handling: its context, as a failing cleanup
+
+    return _raised(make)
+
+
+FULL = OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EROFS])
+def test_a_storage_error_is_found_wherever_it_hides_in_the_chain(code):
+    error = OSError(code, os.strerror(code))
+    assert storage_error(error) is error
+    # Raised from, or while handling it (a status write failing after the save did).
+    assert storage_error(_chained(RuntimeError("save failed"), error, cause=True)) is error
+    assert storage_error(_chained(OSError(errno.ENOSPC, "again"), error)) is error  # the first
+    # Collected from a worker, as torch's CheckpointException holds (exception, stack) by rank.
+    collected = RuntimeError("CheckpointException ranks:dict_keys([0])")
+    collected.failures = {0: (error, "stack")}
+    assert storage_error(collected) is error
+
+
+def test_what_is_not_a_full_disk_is_not_taken_for_one():
+    assert storage_error(OSError(errno.EACCES, "Permission denied")) is None
+    assert storage_error(RuntimeError("unexpected pos 704 vs 598")) is None
+    # A context suppressed (raise ... from None) was already said by the error itself.
+    hidden = _raised(lambda: _suppressed(FULL))
+    assert storage_error(hidden) is None
+
+
+def _suppressed(inner):
+    try:
+        raise inner
+    except OSError:
+        raise ValueError("said already") from None
+
+
+def test_a_full_file_system_is_recognised_by_its_free_space(tmp_path, monkeypatch):
+    """For an error that does not say (torch's zip writer: "unexpected pos"), the file system
+    under the run: under 64 MiB or 1% of it free, less than the failed write takes, no inode
+    left, or read-only."""
+
+    def statvfs(free_blocks, *, files=1000, free_files=500, flag=0, blocks=10**7):
+        found = SimpleNamespace(
+            f_bavail=free_blocks,
+            f_frsize=4096,
+            f_blocks=blocks,
+            f_files=files,
+            f_favail=free_files,
+            f_flag=flag,
+        )
+        monkeypatch.setattr(os, "statvfs", lambda path: found)
+
+    statvfs(10**6)  # 3.8 GiB free of 38
+    assert disk_full(tmp_path / "run" / "not-yet") is None
+    statvfs(100)
+    assert disk_full(tmp_path) == "no space left on the device (0.4 MiB free)"
+    statvfs(10**6, free_files=0)
+    assert disk_full(tmp_path).startswith("no space left")
+    statvfs(10**6, flag=os.ST_RDONLY)
+    assert disk_full(tmp_path) == "the file system is read-only"
+    statvfs(3000, blocks=5000)  # 12 MiB free of a 20 MiB disk: room
+    assert disk_full(tmp_path) is None
+    # Unless the write that failed takes more (a checkpoint's size, while its save was cut).
+    assert disk_full(tmp_path, need=20 * 2**20) == (
+        "no space left on the device (11.7 MiB free, less than the 20.0 MiB the write takes)"
+    )
+
+
+def test_a_full_disk_met_outside_a_run_is_said_without_a_traceback(cli, monkeypatch):
+    from fp8ops.manifest import cli as manifest_cli
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")  # no path, as a write says it
+
+    monkeypatch.setattr(manifest_cli, "load_manifest", full)
+    result = cli("manifest", "validate", "any.yaml")
+    assert (result.code, result.err.strip()) == (StorageFull.exit_code, "No space left on device")

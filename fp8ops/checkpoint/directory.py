@@ -140,6 +140,19 @@ class CheckpointDir:
         partial.mkdir(parents=True)
         return partial
 
+    def partial(self) -> list[Path]:
+        """The ``.partial`` directories of saves in progress or cut short."""
+        return sorted(self.path.glob(".*.partial")) if self.path.is_dir() else []
+
+    def discard_partial(self) -> list[str]:
+        """Remove the ``.partial`` directories of saves that failed (a full disk: the space
+        they hold is what the run's records need to say so); their names (rank 0 only). Never
+        read, and :meth:`begin` would remove them anyway."""
+        partial = self.partial()
+        for leftover in partial:
+            shutil.rmtree(leftover, ignore_errors=True)
+        return [p.name for p in partial]
+
     def publish(self, partial: Path, step: int, keep: int) -> Path:
         """Make a finished save visible: fsync its files, rename it into place, move ``latest``,
         then delete all but the newest ``keep`` checkpoints (rank 0 only)."""

@@ -13,6 +13,7 @@ are only appended to, a line at a time, so a crash loses at most the line being 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -71,11 +72,12 @@ class RunDir:
         with os.fdopen(lock, "w") as f:
             f.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
         run._hold()
-        store = ManifestStore(run.layout.manifests)
-        for revision in lineage:
-            store.put(revision)
-        write_manifest(manifest, run.layout.manifest)
-        run.set_status("running", step=0, manifest=manifest_hash(manifest))
+        with run._released_on_failure():
+            store = ManifestStore(run.layout.manifests)
+            for revision in lineage:
+                store.put(revision)
+            write_manifest(manifest, run.layout.manifest)
+            run.set_status("running", step=0, manifest=manifest_hash(manifest))
         return run
 
     @classmethod
@@ -93,19 +95,21 @@ class RunDir:
         it is locked to."""
         run = cls(path)
         run._hold()
-        store = ManifestStore(run.layout.manifests)
-        for revision in new_revisions:
-            store.put(revision)
-        # The lock moves to the resumed revision (a new one, or an earlier one after a rewind);
-        # every revision stays in manifests/.
-        file = run.layout.manifest
-        if not file.is_file() or file.read_text() != to_yaml(manifest):
-            atomic_write_text(file, to_yaml(manifest))
-        # A fresh status: an earlier attempt's error, alert, step or checkpoint is not this one's.
-        run._status = {}
-        run.set_status(
-            "running", manifest=manifest_hash(manifest), step=step, resumed_from=checkpoint
-        )
+        with run._released_on_failure():
+            store = ManifestStore(run.layout.manifests)
+            for revision in new_revisions:
+                store.put(revision)
+            # The lock moves to the resumed revision (a new one, or an earlier one after a
+            # rewind); every revision stays in manifests/.
+            file = run.layout.manifest
+            if not file.is_file() or file.read_text() != to_yaml(manifest):
+                atomic_write_text(file, to_yaml(manifest))
+            # A fresh status: an earlier attempt's error, alert, step or checkpoint is not this
+            # one's.
+            run._status = {}
+            run.set_status(
+                "running", manifest=manifest_hash(manifest), step=step, resumed_from=checkpoint
+            )
         return run
 
     def advance_manifest(self, revision: Manifest) -> None:
@@ -151,6 +155,16 @@ class RunDir:
         if self._lock is not None:
             self._lock.close()  # closing the descriptor drops the flock
             self._lock = None
+
+    @contextlib.contextmanager
+    def _released_on_failure(self):
+        """A claim or reopen that fails (a full disk) lets go of ``run.lock``: nobody else
+        would, in a process that goes on (a test, a notebook)."""
+        try:
+            yield
+        except BaseException:
+            self.release()
+            raise
 
     def _hold(self) -> None:
         """Hold an exclusive lock on ``run.lock`` while this process trains the run (the OS
@@ -220,13 +234,20 @@ class RunDir:
         self.set_status("stopped", step=alert["step"], alert=alert, checkpoint=checkpoint)
         self.event("stopped", alert=alert, checkpoint=checkpoint)
 
-    def failed(self, exc: BaseException, step: int | None = None) -> None:
+    def failed(self, exc: BaseException, step: int | None = None) -> bool:
         """Why the run stopped (and the last ``step`` it finished, where known), so nobody
-        mistakes it for a live or finished one."""
+        mistakes it for a live or finished one. Whether ``status.json`` says so: on a full disk
+        it may not be writable, and that is not raised, so the failure that stopped the run
+        stays the one reported."""
         error = f"{type(exc).__name__}: {exc}"
         reached = {} if step is None else {"step": step}
-        self.set_status("failed", error=error, **reached)
-        self.event("failed", error=error, **reached)
+        try:
+            self.set_status("failed", error=error, **reached)
+        except OSError:
+            return False
+        with contextlib.suppress(OSError):
+            self.event("failed", error=error, **reached)
+        return True
 
     def write_fallbacks(self, overrides: Iterable, *, from_step: int, revision: str) -> None:
         """``fallbacks.json``: module -> dtype, reason, the step it took effect, revision, for

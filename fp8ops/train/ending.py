@@ -11,7 +11,8 @@
 * stopped: a Stop alert (:class:`StopRun`, exit 3): a checkpoint of the step that raised it,
   resumable with an approved override, and status stopped (:func:`stop`);
 * failed: anything else raised: the telemetry measured up to the failure kept, status failed
-  (:func:`fail`).
+  (:func:`fail`); a full, over-quota or read-only disk said once, as
+  :class:`~fp8ops.errors.StorageFull` (exit 74), naming the path and the checkpoint kept.
 
 What a run (or a segment of it, between resumes) reports to the command line is a
 :class:`TrainResult`. ``save_checkpoint(step, reason)``: the trainer's collective save.
@@ -19,6 +20,7 @@ What a run (or a segment of it, between resumes) reports to the command line is 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -28,8 +30,15 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import nn
 
-from fp8ops.checkpoint import read_meta, weights
-from fp8ops.errors import Fp8opsError
+from fp8ops.checkpoint import CheckpointDir, read_meta, weights
+from fp8ops.errors import (
+    STORAGE_ERRNOS,
+    Fp8opsError,
+    StorageFull,
+    storage_error,
+    worker_failures,
+)
+from fp8ops.files import disk_full, mount_point
 from fp8ops.manifest.schema import Manifest
 from fp8ops.run import RunDir, read_evals, read_metrics
 from fp8ops.telemetry import TelemetryWriter
@@ -186,17 +195,98 @@ def stop(
         _close_telemetry_after(run, telemetry, stopped)
         run.stopped(first, path.name)
     except BaseException as exc:  # the Stop path itself failed: say so, not "running"
-        run.failed(exc, first["step"])
-        raise
+        full = fail(run, telemetry, exc, first["step"])
+        if full is None:
+            raise
+        raise full from None
 
 
 def fail(
     run: RunDir, telemetry: TelemetryWriter | None, failure: BaseException, step: int | None
-) -> None:
+) -> StorageFull | None:
     """Any other end: the telemetry measured up to the failure kept, the run marked failed at
-    ``step``, the last one it finished."""
+    ``step``, the last one it finished. Where a full (or over-quota, read-only) disk is why,
+    the failed saves are removed first, so that the records can still say so, and the
+    :class:`~fp8ops.errors.StorageFull` to raise instead of ``failure`` is returned."""
+    cause = storage_cause(run.path, failure)  # before anything frees space
+    discarded = CheckpointDir(run.path).discard_partial() if cause and run.writer else []
     _close_telemetry_after(run, telemetry, failure)
-    run.failed(failure, step)
+    if cause is None:
+        run.failed(failure, step)
+        return None
+    message = storage_message(run.path, cause, step, discarded)
+    written = run.failed(StorageFull(message), step)
+    said = "status.json says failed" if written else "status.json could not be updated either"
+    return StorageFull(f"{message} ({said})")
+
+
+def storage_cause(run_dir: Path, failure: BaseException) -> tuple[str, str, str] | None:
+    """(path, why, the error) where ``failure`` came from a full, over-quota or read-only
+    file system: an ``OSError`` saying so in its chain, or, for an error that says nothing
+    (torch's zip writer reports a short write as "unexpected pos"), a file system under
+    ``run_dir`` that is full or has less room than a checkpoint takes (a failed save filled
+    it). None otherwise, and for a user error that says what it is."""
+    if isinstance(failure, StorageFull):
+        return None  # already said
+    found = storage_error(failure)
+    if found is not None:
+        error = f"{type(found).__name__}: {found}"
+        return str(found.filename or run_dir), STORAGE_ERRNOS[found.errno], error
+    # Not for a user error (it says what it is) nor an interrupt (Ctrl-C is not the disk).
+    # (torch's CheckpointException is a BaseException, not an Exception.)
+    unsaid = not isinstance(failure, (Fp8opsError, KeyboardInterrupt, SystemExit))
+    why = disk_full(run_dir, need=_checkpoint_bytes(run_dir)) if unsaid else None
+    if why is None:
+        return None
+    said = (worker_failures(failure) or [failure])[0]  # a worker's own words, if it collects them
+    first_line = (str(said).strip().splitlines() or [""])[0][:200]
+    return str(run_dir), why, f"{type(said).__name__}: {first_line}"
+
+
+def _checkpoint_bytes(run_dir: Path) -> int:
+    """While a save is cut short (its ``.partial`` left), the size of the latest whole
+    checkpoint: about what that save needed. 0 otherwise (no save failed, or none before)."""
+    store = CheckpointDir(run_dir)
+    try:
+        latest = store.latest() if store.partial() else None
+    except Fp8opsError:
+        return 0
+    if latest is None:
+        return 0
+    return sum(f.stat().st_size for f in latest.rglob("*") if f.is_file())
+
+
+def storage_message(
+    run_dir: Path, cause: tuple[str, str, str], step: int | None, discarded: list[str] = ()
+) -> str:
+    """A full disk said once: the path, what was kept, and what to do."""
+    path, why, error = cause
+    try:
+        latest = CheckpointDir(run_dir).latest()
+    except Fp8opsError:
+        latest = None
+    if latest is None:
+        kept = "no checkpoint was saved before it"
+        then = (
+            f"start it again with `fp8ops train MANIFEST --resume --run-dir {run_dir}` (which "
+            "sets this attempt aside)"
+        )
+    else:
+        kept = f"checkpoints/{latest.name} is the latest whole checkpoint"
+        then = f"continue with `fp8ops resume {run_dir}`"
+    if discarded:
+        kept += f" (the failed save {', '.join(discarded)} was removed)"
+    after = "" if step is None else f" after step {step}"
+    where = mount_point(run_dir)
+    fix = (
+        f"Make {where} writable"
+        if "read-only" in why
+        else f"Free space on {where} (or raise the quota)"
+    )
+    return (
+        f"{path}: {why}{after} ({error}). Nothing written before it was lost: {kept}, and the "
+        f"logs and telemetry hold the steps written before the failure. {fix}, then {then}"
+    )
 
 
 def _close_telemetry_after(
@@ -208,4 +298,5 @@ def _close_telemetry_after(
         if telemetry is not None:
             telemetry.close()
     except Exception as exc:  # noqa: BLE001 - secondary to `failure`
-        run.event("telemetry_lost", error=str(exc), during=type(failure).__name__)
+        with contextlib.suppress(OSError):  # a full disk may take the event too
+            run.event("telemetry_lost", error=str(exc), during=type(failure).__name__)

@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fp8ops.errors import ManifestError
+from fp8ops.errors import ManifestError, StorageFull
 from fp8ops.manifest import manifest_hash
 from fp8ops.run import RunDir, RunRecord, read_metrics
 from fp8ops.start import (
@@ -95,6 +95,7 @@ def start(plan: StartPlan, *, progress: bool = True) -> TrainResult | Complete:
     if isinstance(plan, Complete):
         return plan
     from fp8ops.train.distributed import init_distributed, shutdown_distributed
+    from fp8ops.train.ending import storage_cause, storage_message
     from fp8ops.train.signals import Interrupted, stop_on_signals
 
     with stop_on_signals() as stop_request:
@@ -113,6 +114,11 @@ def start(plan: StartPlan, *, progress: bool = True) -> TrainResult | Complete:
                 trainer.run.release()
             if isinstance(plan, Resume) and ranks.is_main:
                 result = replace(result, resume_summary=resume_summary(plan, trainer))
+        except BaseException as exc:  # a full disk before the trainer could say so: said once
+            cause = storage_cause(plan.run_dir, exc)
+            if cause is None:
+                raise
+            raise StorageFull(storage_message(plan.run_dir, cause, None)) from None
         finally:
             shutdown_distributed()
     if result.interrupted_by is not None:

@@ -337,8 +337,10 @@ class Trainer:
             ending.stop(self.run, self.telemetry, self.save_checkpoint, stop)
             raise
         except BaseException as exc:  # what was measured up to the failure kept, status failed
-            ending.fail(self.run, self.telemetry, exc, finished)
-            raise
+            full = ending.fail(self.run, self.telemetry, exc, finished)
+            if full is None:
+                raise
+            raise full from None  # a full disk, said once
         finally:
             logger.close()
         seconds = ending.complete(self.run, self.manifest, started)
@@ -556,8 +558,10 @@ class Trainer:
             ending.check_releasable(self.run, steps, plan.checkpoint)
             self._save_final_weights(plan.checkpoint, last_loss)
         except BaseException as exc:
-            ending.fail(self.run, self.telemetry, exc, steps)
-            raise
+            full = ending.fail(self.run, self.telemetry, exc, steps)
+            if full is None:
+                raise
+            raise full from None
         seconds = ending.complete(self.run, self.manifest, started)
         return TrainResult(
             self.run.path,

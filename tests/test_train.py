@@ -528,6 +528,7 @@ BLOW_UP = {
 }
 
 
+@pytest.mark.slow
 def test_a_run_whose_loss_turned_nan_ends_failed_without_final_weights(
     finetune_manifest, tmp_path, cli
 ):

@@ -41,7 +41,9 @@ class _Record(BaseModel):
 
 # -- status.json --------------------------------------------------------------------------------
 
-State = Literal["running", "paused", "interrupted", "completed", "failed", "stopped"]
+# "imported": a run fp8ops did not train, read from another tool's logs (run.json's ``imported``
+# says from where); nothing can resume it.
+State = Literal["running", "paused", "interrupted", "completed", "failed", "stopped", "imported"]
 
 
 class Status(_Record):
@@ -104,8 +106,42 @@ class RunData(_Record):
     source: dict[str, Any] | None = None  # where the data came from: file sha256, corpus, ...
 
 
+class ImportedFile(_Record):
+    """One log file an imported run was read from, as it was when read."""
+
+    path: str  # relative to ``ImportedFrom.source``
+    sha256: str
+    bytes: int
+    rank: int
+    lines: int  # statistics lines read from it
+    skipped: int = 0  # lines left out (a torn last line, a name that cannot be split)
+
+
+class ImportedFrom(_Record):
+    """Where an imported run's telemetry came from (``run.json``'s ``imported``)."""
+
+    kind: Literal["te_debug"]  # Transformer Engine's debug API statistics logs (nvdlfw_inspect)
+    source: str  # the log directory, absolute
+    files: list[ImportedFile]
+    imported_at: str
+    fp8ops_version: str
+    # What the logs say about the tools that wrote them; None: not in the logs (TE 2.20's
+    # statistics logs name no version).
+    transformer_engine_version: str | None = None
+    nvdlfw_inspect_version: str | None = None
+    recipe: str | None = None  # the training recipe the mapping assumed (fp8ops' word), if known
+    recipe_from: str | None = None  # how it was known: --recipe, the manifest, the stats' names
+    naming: str = "te"  # how module names were made from TE's layer names
+    first_iteration: int | None = None
+    last_iteration: int | None = None
+    mapped: dict[str, str] = {}  # TE stat (tensor_stat) -> the catalogue metric it fills
+    kept: list[str] = []  # the store's columns under TE's own names
+    warnings: list[str] = []
+
+
 class RunRecord(_Record):
-    """``run.json``: what the run started from, written once when it starts."""
+    """``run.json``: what the run started from, written once when it starts (or, for a run
+    fp8ops did not train, when it was imported: ``imported``)."""
 
     # The revision it started under: every run.json fp8ops writes has it; the readers that rely
     # on it (compare's own-run check) refuse a record without it.
@@ -125,6 +161,7 @@ class RunRecord(_Record):
     data: RunData | None = None
     admission: dict[str, int] | None = None
     fp8_casts: str | None = None  # which kernels cast: the same bits either way
+    imported: ImportedFrom | None = None  # not trained by fp8ops: read from another tool's logs
 
 
 # -- the logs -----------------------------------------------------------------------------------

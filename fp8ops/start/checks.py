@@ -69,6 +69,18 @@ def nothing_to_train(run_dir: Path) -> str | None:
     )
 
 
+def check_not_imported(run_dir: Path) -> None:
+    """A run imported from another tool's logs (``fp8ops import-te-debug``) holds no checkpoint,
+    manifest or data of fp8ops': nothing continues it, and a new run must not be trained over
+    it (``train --resume`` would otherwise take the directory for an unfinished attempt)."""
+    status = find_status(run_dir) if Path(run_dir).is_dir() else None
+    if status is not None and status.state == "imported":
+        raise Fp8opsError(
+            f"{run_dir} holds a run imported from another tool's logs ({status.reason}); "
+            "fp8ops cannot train or resume it: choose a new --run-dir"
+        )
+
+
 def check_free(path: Path, manifest: Manifest) -> str | None:
     """Refuse a directory that holds another run (on every rank, before anything is written).
 

@@ -85,6 +85,7 @@ class ResumeRequest:
 
 def plan_start(request: TrainRequest | ResumeRequest) -> StartPlan:
     """Decide how ``request`` starts; the refusals are :mod:`fp8ops.start.checks`'."""
+    checks.check_not_imported(Path(request.run_dir))
     if isinstance(request, ResumeRequest):
         return _plan_resume_command(request)
     return _plan_train_command(request)

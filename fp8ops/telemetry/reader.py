@@ -194,6 +194,14 @@ class TelemetryRun:
         values = self._read(rank, MODULE_METRICS, np.s_[lo:hi, :, k])
         return _frame(values, self._step_index(lo, hi), _columns(self.modules, "module"))
 
+    def module_rows(
+        self, start: int | None = None, stop: int | None = None, *, rank: int = 0
+    ) -> np.ndarray:
+        """The rows as written, ``[steps, modules, metrics]`` float32 (the columns in
+        :attr:`metrics` order): what the alert rules judged, for replaying them."""
+        lo, hi = self._rows(start, stop, self._rank(rank))
+        return self._read(rank, MODULE_METRICS, np.s_[lo:hi])
+
     def step_metrics(
         self, start: int | None = None, stop: int | None = None, *, rank: int = 0
     ) -> pd.DataFrame:

@@ -277,6 +277,7 @@ class TelemetryWriter:
         steps_per_shard: int = STEPS_PER_SHARD,
         attrs: dict | None = None,
         wait_s: float = RANK_WAIT_S,
+        catalogue: dict | None = None,
     ):
         if rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
@@ -291,6 +292,9 @@ class TelemetryWriter:
             module_metrics=tuple(module_metrics),
             step_metrics=tuple(step_metrics),
             first_step=first_step,
+            # The units and meanings of the columns: the catalogue's, unless the columns are
+            # not all the catalogue's (an imported run's, fp8ops.te_import).
+            catalogue=describe() if catalogue is None else json.loads(json.dumps(catalogue)),
             run_attrs=json.loads(json.dumps(attrs or {})),  # JSON-able now, not at a flush
         )
         if rank == 0:

@@ -209,6 +209,14 @@ def load_run(track: Track) -> RunRecords:
             f"{path}: not an fp8ops run directory (no status.json); {USAGE}, as `fp8ops train` "
             "leaves them"
         )
+    if status.state == "imported":
+        # TE's statistics logs hold per-layer statistics only: no loss, no evaluation, no data
+        # or seed fingerprint, so no gate could be judged and no comparability checked.
+        raise Fp8opsError(
+            f"{path}: an imported run ({status.reason}); compare judges held-out loss and "
+            "capability evaluations on the same data, which those logs do not record. Look at "
+            "it with fp8ops inspect, fp8ops alerts --replay MANIFEST or fp8ops console"
+        )
     if not layout.manifest.is_file():
         raise Fp8opsError(f"{path}: no {MANIFEST}; the run directory is incomplete or damaged")
     manifest = locked_manifest(path)  # not a manifest.yaml edited or copied in since

@@ -62,6 +62,8 @@ HEATMAP_METRICS = [
     for s in SLOTS
 ] + ["fp8_rel_error"]
 DEFAULT_METRIC = "input.amax"
+METRIC_CHOICES = HEATMAP_METRICS + [m for m in MODULE_METRIC_NAMES if m not in HEATMAP_METRICS]
+CATALOGUE = frozenset(MODULE_METRIC_NAMES)
 WINDOWS = [
     ("last 1,000 steps", 1_000),
     ("last 10,000 steps", 10_000),
@@ -247,8 +249,7 @@ class ConsoleApp:
         self.live = W.HTML()
         self.message = W.HTML()
 
-        metrics = HEATMAP_METRICS + [m for m in MODULE_METRIC_NAMES if m not in HEATMAP_METRICS]
-        self.metric = W.Dropdown(options=metrics, value=DEFAULT_METRIC, description="metric")
+        self.metric = W.Dropdown(options=METRIC_CHOICES, value=DEFAULT_METRIC, description="metric")
         self.window = W.Dropdown(options=WINDOWS, value=DEFAULT_WINDOW, description="steps")
         self.log_scale = W.Checkbox(value=True, description="log colour scale", indent=False)
         self.heatmap_note = W.HTML()
@@ -472,6 +473,11 @@ class ConsoleApp:
         with self._quietly():
             self.module.options = modules
             self.module.value = modules[0] if modules else None
+            # A store's own columns beyond the catalogue (an imported run's TE stats) too.
+            own = [m for m in run.telemetry.metrics if m not in CATALOGUE] if modules else []
+            chosen = self.metric.value
+            self.metric.options = METRIC_CHOICES + own
+            self.metric.value = chosen if chosen in self.metric.options else DEFAULT_METRIC
         if run.manifest is not None and run.manifest.precision.scaling == "delayed":
             p = run.manifest.precision
             self.whatif_len.value, self.whatif_margin.value = p.amax_history_len, p.margin

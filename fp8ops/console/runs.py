@@ -15,7 +15,7 @@ from pathlib import Path
 from fp8ops.alerts import LEVELS, Alert, read_alerts
 from fp8ops.errors import Fp8opsError
 from fp8ops.manifest import Manifest, load_manifest, manifest_hash
-from fp8ops.run import RunLayout, RunRecordError, find_status
+from fp8ops.run import RunLayout, RunRecordError, find_status, read_run_record
 from fp8ops.run.layout import MANIFEST, STATUS, TELEMETRY
 from fp8ops.telemetry import TelemetryRun, open_run
 
@@ -95,10 +95,13 @@ def read_header(
         quiet = time.time() - layout.status.stat().st_mtime
         if quiet > QUIET_S:  # a killed trainer cannot say it stopped: say how long it has not
             header.state = f"running? (no word for {quiet / 60:.0f} min: is it still alive?)"
-    try:
-        manifest = manifest or load_manifest(layout.manifest)
-    except Fp8opsError as exc:
-        header.problems.append(str(exc))
+    if header.state == "imported" and manifest is None and not layout.manifest.exists():
+        _imported_header(header, run_dir)  # no manifest: TE's logs were not an fp8ops run's
+    else:
+        try:
+            manifest = manifest or load_manifest(layout.manifest)
+        except Fp8opsError as exc:
+            header.problems.append(str(exc))
     if manifest is not None:
         p, t = manifest.precision, manifest.topology
         header.name = manifest.name
@@ -118,3 +121,18 @@ def read_header(
         alerts = []
     header.alerts = {level: sum(a.level == level for a in alerts) for level in LEVELS}
     return header
+
+
+def _imported_header(header: RunHeader, run_dir: Path) -> None:
+    """An imported run's recipe and topology lines, from run.json's ``imported``."""
+    try:
+        imported = read_run_record(run_dir).imported
+    except RunRecordError as exc:
+        header.problems.append(str(exc))
+        return
+    if imported is None:
+        header.problems.append(f"{run_dir}/run.json: state imported, but no 'imported' record")
+        return
+    recipe = imported.recipe or "recipe not known"
+    header.recipe = f"imported from Transformer Engine debug logs ({recipe}): {imported.source}"
+    header.topology = f"{len(imported.files)} rank logs"

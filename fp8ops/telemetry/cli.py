@@ -32,11 +32,16 @@ def inspect_command(
     worst by a telemetry metric over the run's committed steps."""
     from fp8ops.run import RunLayout, read_layers_json  # the run's records: only when asked
 
-    document = read_layers_json(run_dir)
-    table = document.table
     out = output()
     if not out.is_terminal:
         out.width = 200  # a log or a file: seven columns without folding module names
+    imported = _imported(run_dir)
+    if imported is not None:  # no layers.json: TE's logs give no shapes or admission
+        _print_imported(out, run_dir, imported, layers)
+        _print_worst(out, run_dir, worst, top, rank)
+        return
+    document = read_layers_json(run_dir)
+    table = document.table
     recipe = document.recipe
     out.print(
         f"{run_dir}: manifest {document.manifest_hash[:12]}, tensor_parallel "
@@ -72,6 +77,43 @@ def inspect_command(
         out.print(f"fp8ops inspect {run_dir} --layers: every module's precision and why")
     if RunLayout(run_dir).telemetry.exists():
         _print_worst(out, run_dir, worst, top, rank)
+
+
+def _imported(run_dir: Path):
+    """Where an imported run came from (run.json's ``imported``); None for a run fp8ops
+    trained, and where run.json is missing (read_layers_json then says what is wrong)."""
+    from fp8ops.run import RunLayout, read_run_record
+
+    if not RunLayout(run_dir).run_record.is_file():
+        return None
+    return read_run_record(run_dir).imported
+
+
+def _print_imported(out: Console, run_dir: Path, imported, layers: bool) -> None:
+    """What an imported run is: where from, the recipe assumed, what the store holds."""
+    from fp8ops.telemetry import open_run
+
+    store = open_run(run_dir)
+    kept = [m for m in store.metrics if m.startswith("te.")]
+    out.print(
+        f"{run_dir}: imported from Transformer Engine debug logs in {imported.source} "
+        f"({len(imported.files)} rank logs, {sum(f.lines for f in imported.files):,} lines, "
+        f"iterations {imported.first_iteration}-{imported.last_iteration}, "
+        f"{imported.imported_at})"
+    )
+    out.print(f"recipe: {imported.recipe or 'not known'} ({imported.recipe_from or 'not given'})")
+    mapped = ", ".join(f"{te} -> {ours}" for te, ours in imported.mapped.items()) or "none"
+    out.print(f"mapped onto the catalogue: {mapped}")
+    out.print(f"kept under TE's names: {', '.join(kept) or 'none'}")
+    if imported.warnings:
+        out.print(f"{len(imported.warnings)} warning(s) at import (run.json imported.warnings)")
+    out.print(
+        f"{len(store.modules)} modules in the store; no layers.json (TE's logs give no GEMM "
+        "shapes, parallelism or admission)"
+    )
+    if layers:
+        for module in store.modules:
+            out.print(f"  {module}")
 
 
 def _print_worst(out: Console, run_dir: Path, metric: str, top: int, rank: int) -> None:

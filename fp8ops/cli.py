@@ -23,6 +23,7 @@ from fp8ops.launch.cli import launch_app
 from fp8ops.manifest.cli import manifest_app
 from fp8ops.overrides.cli import overrides_app
 from fp8ops.preflight.cli import preflight_command
+from fp8ops.te_import.cli import import_te_debug_command
 from fp8ops.telemetry.cli import inspect_command
 from fp8ops.train.cli import resume_command, train_command
 
@@ -38,6 +39,7 @@ app.command("resume")(resume_command)
 app.command("dualtrack")(dualtrack_command)
 app.command("inspect")(inspect_command)
 app.command("alerts")(alerts_command)
+app.command("import-te-debug")(import_te_debug_command)
 app.add_typer(checkpoints_app, name="checkpoints")
 app.add_typer(hf_app, name="hf")
 app.command("console")(console_command)

@@ -221,7 +221,7 @@ LAYERS = [
     {"start"},
     {"overrides"},  # the ledger's reads check the checkpoints' anchors and revisions
     {"checkpoint", "evaluate", "admission"},
-    {"hf"},
+    {"hf", "te_import"},  # te_import replays alerts over what it imports
     {"alerts", "megatron"},
     {"telemetry"},
     {"precision", "data", "launch"},

@@ -81,7 +81,7 @@ def rank_file(log_dir: Path, rank: int) -> Path:
     return log_dir / "nvdlfw_inspect_statistics_logs" / f"nvdlfw_inspect_globalrank-{rank}.log"
 
 
-# -- the store --------------------------------------------------------------------------------------
+# -- the store ----------------------------------------------------------------------------------
 
 
 def test_every_value_lands_in_its_module_metric_and_step_in_the_catalogue_s_unit(imported):
@@ -155,7 +155,7 @@ def test_the_run_records_say_it_was_imported_and_from_which_files(imported, logs
     assert not (imported / "layers.json").exists()  # TE's logs give no shapes: none made up
 
 
-# -- what works on it ---------------------------------------------------------------------------------
+# -- what works on it ---------------------------------------------------------------------------
 
 
 def test_the_replayed_alerts_name_the_saturating_layer_and_the_nan(imported):
@@ -254,7 +254,7 @@ def test_the_console_opens_the_imported_run(imported):
         app.close()
 
 
-# -- the recipe and names -----------------------------------------------------------------------------
+# -- the recipe and names -----------------------------------------------------------------------
 
 
 def test_what_if_stats_of_another_recipe_stay_under_te_names(tmp_path):
@@ -306,7 +306,7 @@ def test_inferred_layer_names_become_fp8ops_module_paths(tmp_path):
         import_te_debug(tmp_path / "other", tmp_path / "run2", naming="inferred")
 
 
-# -- bad logs -------------------------------------------------------------------------------------------
+# -- bad logs -----------------------------------------------------------------------------------
 
 
 def test_a_torn_last_line_is_skipped_with_a_warning(logs, tmp_path):
@@ -337,6 +337,28 @@ def test_a_malformed_line_mid_file_is_an_error_naming_file_and_line(logs, tmp_pa
         import_te_debug(log_dir, tmp_path / "run")
     assert not (tmp_path / "run").exists()
     assert not list(tmp_path.glob(".run.importing-*"))
+
+
+def test_bytes_that_are_not_text_are_named_by_line(logs, tmp_path):
+    log_dir = copy_logs(logs, tmp_path)
+    path = rank_file(log_dir, 1)
+    lines = path.read_bytes().split(b"\n")
+    lines[6] = lines[6][:40] + b"\xff\xfe" + lines[6][40:]
+    path.write_bytes(b"\n".join(lines))
+    with pytest.raises(TeLogError, match=r"globalrank-1.log:7: not UTF-8 text"):
+        import_te_debug(log_dir, tmp_path / "run")
+
+
+def test_timestamped_logs_are_found_and_two_runs_of_one_rank_refused(logs, tmp_path):
+    folder = tmp_path / "logs" / "nvdlfw_inspect_statistics_logs"
+    folder.mkdir(parents=True)
+    source = rank_file(logs, 0).read_bytes()
+    (folder / "nvdlfw_inspect_20261207_101500_globalrank-0.log").write_bytes(source)
+    result = import_te_debug(tmp_path / "logs", tmp_path / "run")
+    assert result.steps == {0: 39}
+    (folder / "nvdlfw_inspect_20261207_111500_globalrank-0.log").write_bytes(source)
+    with pytest.raises(TeLogError, match="rank 0 has 2 logs .*import one run at a time"):
+        import_te_debug(tmp_path / "logs", tmp_path / "run2")
 
 
 def test_an_unknown_stat_is_kept_under_its_name_with_one_warning(tmp_path):

@@ -4,9 +4,10 @@ nvdlfw_inspect's default statistics logger (``FileLogger.log_scalar`` in
 ``nvdlfw_inspect/logging.py``) writes one file per global rank,
 ``LOG_DIR/nvdlfw_inspect_statistics_logs/nvdlfw_inspect_globalrank-<rank>.log`` (with
 ``_<timestamp>`` before ``_globalrank`` under ``NVDLFW_INSPECT_ENABLE_LOG_TIMESTAMP``), one line
-per value::
+per value (folded here)::
 
-    2026-03-02 10:15:02,118 - INFO - model.decoder.layers.1.mlp.linear_fc1_activation_cur_amax \\t\\t\\t\\t iteration=000002 \\t\\t\\t\\t value=4.3188
+    2026-03-02 10:15:02,118 - INFO - model.decoder.layers.1.mlp.linear_fc1_activation_cur_amax
+        \\t\\t\\t\\t iteration=000002 \\t\\t\\t\\t value=4.3188
 
 (``%(asctime)s - %(levelname)s - %(message)s``; the message ``{name} iteration={:06d}
 value={:.4f}``, so every value has four decimals). A rank's lines come in iteration order: each
@@ -23,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import re
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -114,25 +115,12 @@ def read_rank_log(
 ) -> RankLog:
     """Parse ``path``. ``usable(name, where)`` decides once per new name whether its lines are
     kept (it warns about those that are not); ``warn`` takes every other warning."""
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise TeLogError(f"{path}: not UTF-8 text ({exc}); is this a statistics log?") from None
-    lines = text.split("\n")
-    skipped = 0
-    last = lines.pop()  # "" when the file ends with its newline
-    if last.strip():
-        skipped += 1
-        warn(
-            f"{path}:{len(lines) + 1}: the last line has no newline (a crash mid-write?); "
-            f"skipped, since its value may be cut short: {last[:_SHOWN]!r}"
-        )
     iterations, ids, values, numbers = array("q"), array("i"), array("d"), array("i")
     index, dropped = table.index, set()
-    previous, previous_line = -1, 0
+    previous, previous_line, skipped = -1, 0, 0
     first_time = last_time = None
-    for number, line in enumerate(lines, 1):
+    read = _Read(path)
+    for number, line in read.lines():
         parts = line.rsplit(None, 2)
         if len(parts) != 3:
             if not line.strip():
@@ -177,11 +165,18 @@ def read_rank_log(
         ids.append(name_id)
         values.append(value)
         numbers.append(number)
+    if read.torn is not None:
+        number, raw = read.torn
+        skipped += 1
+        warn(
+            f"{path}:{number}: the last line has no newline (a crash mid-write?); skipped, "
+            f"since its value may be cut short: {raw[:_SHOWN].decode(errors='replace')!r}"
+        )
     log = RankLog(
         rank,
         path,
-        hashlib.sha256(data).hexdigest(),
-        len(data),
+        read.digest.hexdigest(),
+        read.size,
         np.frombuffer(iterations, np.int64) if iterations else np.zeros(0, np.int64),
         np.frombuffer(ids, np.int32) if ids else np.zeros(0, np.int32),
         np.frombuffer(values, np.float64) if values else np.zeros(0, np.float64),
@@ -192,6 +187,40 @@ def read_rank_log(
     )
     _refuse_repeats(log, table)
     return log
+
+
+class _Read:
+    """A log's complete lines, read in blocks (a long run's log is gigabytes; only its entries,
+    24 bytes each, are kept), every byte hashed on the way; a last line without its newline is
+    kept apart in ``torn``."""
+
+    BLOCK = 1 << 24
+
+    def __init__(self, path: Path):
+        self.path, self.digest, self.size = path, hashlib.sha256(), 0
+        self.torn: tuple[int, bytes] | None = None
+
+    def lines(self) -> Iterator[tuple[int, str]]:
+        number, rest = 0, b""
+        with open(self.path, "rb") as file:
+            while block := file.read(self.BLOCK):
+                self.digest.update(block)
+                self.size += len(block)
+                data = rest + block
+                cut = data.rfind(b"\n") + 1
+                rest = data[cut:]
+                try:
+                    text = data[:cut].decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    where = number + data[: exc.start].count(b"\n") + 1
+                    raise TeLogError(
+                        f"{self.path}:{where}: not UTF-8 text; is this a statistics log?"
+                    ) from None
+                for line in text.split("\n")[:-1]:  # text ends with its last newline
+                    number += 1
+                    yield number, line
+        if rest.strip():
+            self.torn = (number + 1, rest)
 
 
 def _refuse_repeats(log: RankLog, table: NameTable) -> None:

@@ -149,7 +149,7 @@ def module_name(layer: str, naming: str) -> str:
 
     ``te``: TE's name as it is. ``inferred``: a name nvdlfw_inspect's
     ``infer_and_assign_layer_names`` gave a Megatron-Core model, made fp8ops' module path again
-    (the inverse of ``fp8ops overrides export-te --naming inferred``): without the ``model.``
+    (the inverse of ``fp8ops overrides export-te --names inferred``): without the ``model.``
     prefix, and a decoder layer's 0-based index for Megatron's 1-based ``layer_number``.
     """
     if naming == "te":

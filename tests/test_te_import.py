@@ -27,6 +27,7 @@ from fp8ops.run import read_run_record, read_status
 from fp8ops.te_import import TeLogError, import_te_debug
 from fp8ops.te_import.names import module_name
 from fp8ops.telemetry import MODULE_METRIC_NAMES, STEP_METRIC_NAMES, TelemetryWriter, open_run
+from fp8ops.telemetry.catalogue import describe
 
 pytest.importorskip("nvdlfw_inspect")
 
@@ -134,6 +135,10 @@ def test_the_store_s_catalogue_says_where_each_column_came_from(imported):
     assert about["te.activation.mse"]["unit"] == "value^2"
     assert "kept under its own name" in about["te.weight.l2_norm"]["meaning"]
     assert about["input.scale"]["meaning"].startswith("The scale in use")  # the catalogue's
+    # The import's meanings are the store's: the catalogue itself (every other store's) is as
+    # it was. (The import once edited the catalogue's own dicts.)
+    ours = {m["name"]: m["meaning"] for m in describe()["module_metrics"]}
+    assert ours["input.underflow"].startswith("Share of this step's cast elements")
 
 
 def test_the_run_records_say_it_was_imported_and_from_which_files(imported, logs):

@@ -13,7 +13,7 @@ metric with nothing to report this step (an unsampled error, a BF16 module's sat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 
 @dataclass(frozen=True)
@@ -164,8 +164,9 @@ def applies(metric: str, scaling: str) -> bool:
 
 
 def describe() -> dict[str, list[dict[str, str]]]:
-    """The catalogue as JSON-able lists (what the store keeps in its attributes)."""
+    """The catalogue as JSON-able lists (what the store keeps in its attributes): new dicts, so
+    a caller that edits them (an imported store's meanings) leaves the catalogue as it is."""
     return {
-        "module_metrics": [vars(m) for m in MODULE_METRICS],
-        "step_metrics": [vars(m) for m in STEP_METRICS],
+        "module_metrics": [asdict(m) for m in MODULE_METRICS],
+        "step_metrics": [asdict(m) for m in STEP_METRICS],
     }

@@ -38,7 +38,8 @@ def find_runs(runs_dir: str | Path) -> list[Path]:
         raise Fp8opsError(f"{root}: no such runs directory")
     if is_run_dir(root):
         return [root]
-    runs = [p for p in root.iterdir() if is_run_dir(p)]
+    # Hidden directories are not runs: an import being written (.NAME.importing-PID) is one.
+    runs = [p for p in root.iterdir() if is_run_dir(p) and not p.name.startswith(".")]
     return sorted(runs, key=_updated, reverse=True)
 
 

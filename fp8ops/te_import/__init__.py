@@ -8,7 +8,17 @@ and, with a manifest, the replayed alerts, written whole or not at all), ``cli``
 docs/telemetry.md, "Importing Transformer Engine debug logs".
 """
 
-from fp8ops.te_import.importer import ImportResult, import_te_debug
-from fp8ops.te_import.logs import TeLogError
+import importlib
+
+# Loaded on first use (PEP 562): every `fp8ops` command imports `te_import.cli` to register
+# `import-te-debug`, and the importer's imports (numpy, zarr, the alert rules) are not needed
+# for that.
+_WHERE = {"ImportResult": "importer", "import_te_debug": "importer", "TeLogError": "logs"}
 
 __all__ = ["ImportResult", "TeLogError", "import_te_debug"]
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

@@ -80,11 +80,13 @@ def inspect_command(
 
 
 def _imported(run_dir: Path):
-    """Where an imported run came from (run.json's ``imported``); None for a run fp8ops
-    trained, and where run.json is missing (read_layers_json then says what is wrong)."""
+    """Where an imported run came from (run.json's ``imported``); None for a run with a
+    layers.json (fp8ops trained it) or without a run.json (read_layers_json then says what is
+    wrong)."""
     from fp8ops.run import RunLayout, read_run_record
 
-    if not RunLayout(run_dir).run_record.is_file():
+    layout = RunLayout(run_dir)
+    if layout.layers.is_file() or not layout.run_record.is_file():
         return None
     return read_run_record(run_dir).imported
 

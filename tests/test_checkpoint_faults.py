@@ -427,6 +427,18 @@ def _unsealed_optimizer_ahead(checkpoint: Path) -> tuple[Path, str]:
     return checkpoint, f"it says the optimizer took {AHEAD} steps in {PAUSED_AT} training steps"
 
 
+def _ledger_anchor_dropped(checkpoint: Path) -> tuple[Path, str]:
+    """The anchor says what of the ledger the checkpoint saw: dropped, a rewritten ledger
+    would pass (the ledger's rules are read from the record, fp8ops.overrides.anchors)."""
+    anchor = {"records": 3, "head": "a" * 64}
+    seal = checkpoint / SEAL_FILE
+    seal.write_text(json.dumps({**json.loads(seal.read_text()), "ledger": anchor}))
+    rehash(checkpoint, SEAL_FILE)  # as if the save had seen three records
+    edit_meta(checkpoint, lambda meta: meta.update(ledger=anchor))
+    edit_meta(checkpoint, lambda meta: meta.update(ledger=None))
+    return checkpoint, f"it says ledger None, but the record sealed with its files ({SEAL_FILE})"
+
+
 @pytest.mark.parametrize(
     "edit",
     [
@@ -435,8 +447,16 @@ def _unsealed_optimizer_ahead(checkpoint: Path) -> tuple[Path, str]:
         _cursor_edited,
         _unsealed_step_edited_and_renamed,
         _unsealed_optimizer_ahead,
+        _ledger_anchor_dropped,
     ],
-    ids=["step", "step-and-name", "cursor", "unsealed-step-and-name", "unsealed-optimizer"],
+    ids=[
+        "step",
+        "step-and-name",
+        "cursor",
+        "unsealed-step-and-name",
+        "unsealed-optimizer",
+        "ledger-anchor",
+    ],
 )
 def test_a_checkpoint_record_that_disagrees_with_itself_is_refused_as_damaged(
     run, tmp_path, cli, edit
@@ -875,9 +895,9 @@ def test_a_resume_whose_checkpoint_a_live_run_rotated_away_blames_that_run(
     if other_job == "training":
         assert refused.code == 2, refused.err
         assert (
-            f"refusing to resume {run}: another fp8ops process is training it right now "
-            f"(pid {holder['pid']} on {os.uname().nodename}); it replaced or removed {LATEST} "
-            "as this resume read it. Wait for it to finish, or stop it, then resume"
+            f"refusing to resume: {run} is being trained by another fp8ops process right now "
+            f"(pid {holder['pid']} on {os.uname().nodename}): wait for it to finish, or stop it "
+            f"first (it replaced or removed {LATEST} as this resume read it); then resume"
         ) in refused.err
     else:
         assert refused.code == 4, refused.err
@@ -895,8 +915,8 @@ def test_a_resume_of_a_run_another_process_trains_is_refused_before_reading_it(r
             refused = cli(*command, "--no-progress")
             assert refused.code == 2, refused.err
             assert (
-                f"another fp8ops process is training it right now (pid {pid} on "
-                f"{os.uname().nodename}). Wait for it to finish, or stop it, then resume"
+                f"{run} is being trained by another fp8ops process right now (pid {pid} on "
+                f"{os.uname().nodename}): wait for it to finish, or stop it first; then resume"
             ) in refused.err
 
 
@@ -928,7 +948,7 @@ def test_resumes_beside_a_live_run_rotating_its_checkpoints_say_it_trains(
             assert refused.code == 2, refused.err
             assert "damaged" not in refused.err
             assert (
-                f"another fp8ops process is training it right now (pid {pid} on "
+                f"is being trained by another fp8ops process right now (pid {pid} on "
                 f"{os.uname().nodename})"
             ) in refused.err, refused.err
     finally:
@@ -1252,7 +1272,12 @@ def test_a_checkpoint_from_another_run_is_refused(run, manifest, tmp_path, cli):
     (latest / "manifest.yaml").unlink()
     write_manifest(other, latest / "manifest.yaml")
     rehash(latest, "manifest.yaml")
-    edit_meta(latest, lambda meta: meta.update(manifest=manifest_hash(other)))
+    # As another run saved it: its own revision chain, sealed with it (consistent in itself).
+    chain = {"manifest": manifest_hash(other), "revisions": [manifest_hash(other)]}
+    seal = latest / SEAL_FILE
+    seal.write_text(json.dumps({**json.loads(seal.read_text()), **chain}))
+    rehash(latest, SEAL_FILE)
+    edit_meta(latest, lambda meta: meta.update(chain))
     before = _files(run)
     refused = cli("resume", run, "--no-progress")
     assert refused.code == 2

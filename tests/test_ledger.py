@@ -282,7 +282,7 @@ def _persons_proposal(run_dir):
 @pytest.mark.parametrize(
     "forge, words",
     [
-        (_self_approval, "line 2: .*approves what the same operator staged"),
+        (_self_approval, "line 2: .*cannot approve it too"),
         (_policy_approval, "line 2: .*no revision of this run's manifest chain"),
         (_persons_proposal, "line 1: .*only the alert engine proposes"),
     ],
@@ -301,7 +301,7 @@ def test_a_resume_reads_the_ledger_under_the_drift_it_accepts(run_dir):
     _self_approval(run_dir)
     saved = load_manifest(run_dir / "manifest.yaml")
     solo = derive(saved, {"review.allow_self_approval": True}, "resume accepted drift: solo")
-    with pytest.raises(LedgerError, match="approves what the same operator staged"):
+    with pytest.raises(LedgerError, match="cannot approve it too"):
         _resume_ledger(run_dir, saved)
     plan = _resume_ledger(run_dir, saved, accepted=solo)
     assert [o.module for o in plan.applied_overrides] == [FC1]

@@ -376,7 +376,7 @@ def test_forged_records_that_claim_a_policy_are_refused_on_read(signed_run, keys
     refused(_sealed([], {"who": "ana"}), "line 1: the unknown record by ana")
     # The two-person rule holds on read too: ana approving her own staging, signed by her.
     mine = {"kind": "approved", "override": staged[0]["hash"], "who": "ana", "note": None}
-    refused(_sealed(staged, mine, paths["ana"]), "approves what the same operator staged")
+    refused(_sealed(staged, mine, paths["ana"]), "cannot approve it too")
     # A malformed signature is a refusal naming the line, not a crash.
     refused(_sealed(staged, {**revoke, "signature": 5}), "line 2: .*not a valid record")
     # What the policy could have written passes.

@@ -19,9 +19,11 @@ from support.ledger_run import (
     append_by_hand,
     checkpoint_record,
     forged_proposal,
+    lock_to,
     make_run_dir,
 )
 
+from fp8ops.manifest import ManifestStore, derive, load_manifest, manifest_hash
 from fp8ops.overrides import Ledger
 
 pytestmark = [
@@ -155,7 +157,7 @@ def test_a_self_approval_written_by_hand_is_refused_on_an_unsigned_ledger(cli, r
         cli,
         run_dir,
         f"{run_dir}/overrides.jsonl, line 2: the approved record by ana",
-        "approves what the same operator staged",
+        "cannot approve it too",
         "restore it from a copy",
     )
     # Nothing appends to it either, and a resume's read refuses it (tests/test_ledger.py).
@@ -191,6 +193,48 @@ def test_a_proposal_written_by_hand_as_a_person_is_refused_on_an_unsigned_ledger
     may approve, unlike a staging) is refused on read, as `propose` under that name is."""
     forged_proposal(run_dir, who="ana")
     _refused_on_read(cli, run_dir, "line 1: the proposed record by ana", "only the alert engine")
+
+
+def test_a_tightened_review_rule_holds_against_a_record_written_by_hand(
+    cli, admitted, tmp_path, monkeypatch
+):
+    """A self-approval the run allowed when it was written (and a checkpoint anchored) still
+    reads; after the rule is tightened, the command refuses a new one, and so does a read of
+    the same record written by hand (it held only for signed ledgers, or any revision)."""
+    monkeypatch.setenv("FP8OPS_USER", "ana")
+    run = make_run_dir(tmp_path / "run", admitted, allow_self_approval=True)
+    cli("overrides", "stage", run, FC1, "--reason", "x")
+    assert cli("overrides", "approve", run, staged_id(run)).code == 0  # allowed then
+    checkpoint_record(run, Ledger(run).anchor())
+    tight = load_manifest(run / "manifest.yaml")
+    lock_to(run, derive(tight, {"review.allow_self_approval": False}, "two people now"))
+    assert cli("overrides", "verify", run).code == 0  # the anchored self-approval stands
+    cli("overrides", "stage", run, QKV, "--reason", "y")
+    qkv = staged_id(run, QKV)
+    refused = cli("overrides", "approve", run, qkv)
+    assert refused.code == 2 and "cannot approve it too" in refused.err
+    append_by_hand(run, {"kind": "approved", "override": qkv, "who": "ana", "note": None})
+    _refused_on_read(cli, run, "line 4: the approved record by ana", "cannot approve it too")
+
+
+def test_a_revision_slipped_into_a_checkpoints_chain_is_refused(cli, run_dir):
+    """The ledger's rules are read from the newest checkpoint's revision chain: a revision that
+    allows self-approval, stored in manifests/ and its name added to that chain, would let a
+    self-approval written by hand pass. The chain must be the checkpoint's own."""
+    from fp8ops.checkpoint.meta import META_FILE
+
+    cli("overrides", "stage", run_dir, FC1, "--reason", "x")
+    checkpoint = checkpoint_record(run_dir, Ledger(run_dir).anchor())
+    locked = load_manifest(run_dir / "manifest.yaml")
+    loose = derive(locked, {"review.allow_self_approval": True}, "forged")
+    ManifestStore(run_dir / "manifests").put(loose)
+    append_by_hand(
+        run_dir, {"kind": "approved", "override": staged_id(run_dir), "who": "ana", "note": None}
+    )
+    record = json.loads((checkpoint / META_FILE).read_text())
+    for chain in ([manifest_hash(loose), record["manifest"]], [*record["revisions"], "0" * 64]):
+        (checkpoint / META_FILE).write_text(json.dumps({**record, "revisions": chain}))
+        _refused_on_read(cli, run_dir, "its revision chain", "the checkpoint disagrees with itself")
 
 
 def test_escape_sequences_in_a_name_or_reason_are_refused_written_or_by_hand(cli, run_dir):

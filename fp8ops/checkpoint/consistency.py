@@ -12,11 +12,14 @@ naming the previous checkpoint to resume from.
 What is cross-checked, all from small files (no tensor is read, torch is not imported):
 
 * the directory's name (``step_N``) names the record's step;
-* the seal, ``fp8ops_progress.json``: the step, data position, optimizer step count and
-  telemetry commit, written beside the tensors and so covered by the record's sha256 of every
-  file; checkpoints saved before it existed have none and skip this check;
+* the seal, ``fp8ops_progress.json``: the step, data position, optimizer step count, telemetry
+  commit, revision chain and ledger anchor, written beside the tensors and so covered by the
+  record's sha256 of every file; checkpoints saved before it existed have none and skip this;
 * the optimizer steps at most once a step (``optimizer_steps``), and the telemetry store was
   committed up to the step at most (``telemetry_committed``);
+* the revision chain (``revisions``) ends at the checkpoint's manifest, each revision's parent
+  the one before it; the chain and the ledger anchor are sealed too, since the ledger's rules
+  are read from them (``fp8ops.overrides.anchors``);
 * the data position: every step, skipped ones too, takes one global batch from the sampler
   (``fp8ops.data.sampler``), so while the run kept one ``schedule.global_batch_size`` the
   position is where ``step`` batches end.
@@ -31,29 +34,29 @@ from pathlib import Path
 from fp8ops.checkpoint.directory import META_FILE, CheckpointError, checkpoint_step, damaged
 from fp8ops.checkpoint.meta import CheckpointMeta, read_meta
 from fp8ops.errors import Fp8opsError
+from fp8ops.files import loads_json
 from fp8ops.manifest import ManifestStore
 from fp8ops.run import RunLayout, read_run_record
 
 SEAL_FILE = "fp8ops_progress.json"
-_SEALED = ("step", "sampler", "optimizer_steps", "telemetry_committed")
+# Where training stood, and what the ledger's rules are read from: the revision chain and the
+# ledger anchor (a revision added to the chain, or the anchor dropped, would loosen them).
+_SEALED = (
+    "step",
+    "sampler",
+    "optimizer_steps",
+    "telemetry_committed",
+    "manifest",
+    "revisions",
+    "ledger",
+)
 
 
-def write_seal(
-    directory: Path,
-    *,
-    step: int,
-    sampler: dict,
-    optimizer_steps: int,
-    telemetry_committed: int | None,
-) -> None:
-    """Where training stood, written into a save before its files are hashed."""
-    record = {
-        "step": step,
-        "sampler": sampler,
-        "optimizer_steps": optimizer_steps,
-        "telemetry_committed": telemetry_committed,
-    }
-    (Path(directory) / SEAL_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+def write_seal(directory: Path, **fields) -> None:
+    """The record's ``_SEALED`` fields, written into a save before its files are hashed."""
+    if set(fields) != set(_SEALED):
+        raise ValueError(f"a seal holds exactly {_SEALED}, not {sorted(fields)}")
+    (Path(directory) / SEAL_FILE).write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
 
 
 def read_consistent(directory: Path) -> CheckpointMeta:
@@ -66,7 +69,7 @@ def read_consistent(directory: Path) -> CheckpointMeta:
 def check_consistent(directory: Path, meta: CheckpointMeta) -> None:
     """Raise :class:`CheckpointError` if ``meta`` disagrees with the rest of its checkpoint."""
     directory = Path(directory)
-    for check in (_name, _seal, _counts, _data_position):
+    for check in (_name, _seal, _counts, _revision_chain, _data_position):
         problem = check(directory, meta)
         if problem is not None:
             raise CheckpointError(
@@ -96,16 +99,39 @@ def _seal(directory: Path, meta: CheckpointMeta) -> str | None:
     if hashlib.sha256(data).hexdigest() != saved["sha256"]:
         return f"{SEAL_FILE} changed since it was saved (sha256 mismatch)"
     try:
-        sealed = json.loads(data)
+        sealed = loads_json(data)
     except ValueError:
         return f"{SEAL_FILE} is not valid JSON"
     if not isinstance(sealed, dict):
         return f"{SEAL_FILE} is not a record"
+    recorded = meta.model_dump(mode="json", include=set(_SEALED))
     for field in _SEALED:
-        if sealed.get(field) != getattr(meta, field):
+        if sealed.get(field) != recorded[field]:
             return (
-                f"it says {field} {getattr(meta, field)}, but the record sealed with its files "
+                f"it says {field} {recorded[field]}, but the record sealed with its files "
                 f"({SEAL_FILE}) says {sealed.get(field)}"
+            )
+    return None
+
+
+def _revision_chain(directory: Path, meta: CheckpointMeta) -> str | None:
+    """``revisions`` is the chain of the checkpoint's own revision: it ends there, and each
+    revision the run stores names the one before it as its parent (a revision's name is its
+    hash, so no other can be slipped in)."""
+    if meta.revisions[-1:] != [meta.manifest]:
+        return f"its revision chain does not end at its own manifest {meta.manifest[:12]}"
+    store = ManifestStore(RunLayout(directory.parent.parent).manifests)
+    for parent, child in zip(meta.revisions, meta.revisions[1:]):
+        if not store.path_for(child).exists():
+            continue  # not stored in this run: the resume's own checks say so
+        try:
+            named = store.get(child).revision.parent
+        except (Fp8opsError, OSError):
+            return None  # an edited or unreadable revision: check_run_revisions names it
+        if named != parent:
+            return (
+                f"its revision chain lists {parent[:12]} before {child[:12]}, whose parent is "
+                f"{str(named)[:12]}"
             )
     return None
 

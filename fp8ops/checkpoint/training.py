@@ -89,6 +89,9 @@ def save_checkpoint(
             sampler=sampler,
             optimizer_steps=optimizer_steps,
             telemetry_committed=telemetry_committed,
+            manifest=manifest_hash(manifest),
+            revisions=revisions,
+            ledger=ledger,
         )
         meta = CheckpointMeta(
             step=step,

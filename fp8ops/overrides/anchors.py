@@ -35,8 +35,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fp8ops.checkpoint.directory import CheckpointDir
-from fp8ops.checkpoint.meta import LedgerAnchor, read_meta
+from fp8ops.checkpoint.consistency import read_consistent
+from fp8ops.checkpoint.directory import CheckpointDir, checkpoint_step
+from fp8ops.checkpoint.meta import LedgerAnchor
 from fp8ops.errors import Fp8opsError
 from fp8ops.manifest import ManifestStore, manifest_hash
 from fp8ops.manifest.schema import Manifest, Review
@@ -60,6 +61,9 @@ class RunAnchors:
     ledger: list[tuple[Path, LedgerAnchor]]  # every complete checkpoint's ledger anchor
     anchored: frozenset[str]  # the checkpoint's revision chain (or, without one, the locked one's)
     store: ManifestStore
+    # The records the checkpoint's own ledger anchor covers (0: none): the chain fixes them,
+    # so only later records can have been written after the rules in force now.
+    anchored_records: int = 0
     honoured: dict[str, Manifest] = field(default_factory=dict)  # read so far, rules held
     accepted_now: frozenset[str] = frozenset()  # the drift the resuming command accepts
     _accepted: set[str] | None = None  # revisions a resume accepted as drift (events.jsonl)
@@ -85,9 +89,14 @@ class RunAnchors:
             return None
         return self.honoured[digest]
 
-    def allows_self_approval(self) -> bool:
-        """Some revision of the run allowed self-approval: the anchored chain, or a revision
-        after it whose rules are held (the approval may have been written under it)."""
+    def allows_self_approval(self, seq: int) -> bool:
+        """Whether the ledger's record number ``seq`` (0-based) may approve what its writer
+        staged. A record the checkpoint anchored was written under some revision of the run:
+        allowed if one of them (the anchored chain, or a revision after it whose rules are held)
+        allowed it. A later record was written under the rules in force now (the locked
+        revision), as the command that appends one is held to them: a tightened rule holds."""
+        if seq >= self.anchored_records:
+            return self.locked.review.allow_self_approval
         revisions = [self.revision(digest) for digest in sorted(self.anchored)]
         revisions += self.honoured.values()
         return any(m is not None and m.review.allow_self_approval for m in revisions)
@@ -155,7 +164,12 @@ def run_anchors(run_dir: Path, resume=None) -> RunAnchors:
     run_dir = Path(run_dir)
     store = ManifestStore(RunLayout(run_dir).manifests)
     checkpoints = CheckpointDir(run_dir).complete()
-    ledger = [(d, meta.ledger) for d in checkpoints if (meta := read_meta(d)).ledger is not None]
+    if resume is not None:  # the later ones are superseded by this resume, read or not
+        checkpoints = [d for d in checkpoints if checkpoint_step(d.name) <= resume.meta.step]
+    # Each checked to agree with itself (its revisions a true chain, its anchor sealed).
+    ledger = [
+        (d, meta.ledger) for d in checkpoints if (meta := read_consistent(d)).ledger is not None
+    ]
     if resume is not None:  # its checkpoint's own files were checked by the resume already
         new = {manifest_hash(m): m for m in resume.new_revisions}
         anchors = RunAnchors(
@@ -165,6 +179,7 @@ def run_anchors(run_dir: Path, resume=None) -> RunAnchors:
             ledger,
             frozenset(resume.meta.revisions),
             store,
+            anchored_records=resume.meta.ledger.records if resume.meta.ledger else 0,
             honoured={resume.meta.manifest: resume.saved_manifest, **new},
             accepted_now=frozenset(new),
         )
@@ -183,14 +198,22 @@ def run_anchors(run_dir: Path, resume=None) -> RunAnchors:
         anchors.honoured[manifest_hash(locked)] = locked
         return anchors
     checkpoint = checkpoints[-1]
-    meta = read_meta(checkpoint)
+    meta = read_consistent(checkpoint)
     if not store.path_for(meta.manifest).exists():
         raise AnchorError(
             f"{checkpoint}: saved under manifest {meta.manifest[:12]}, which is not one of this "
             f"run's revisions ({store.directory}): the ledger's review rules cannot be read. "
             "Restore the run's manifests/ from a copy"
         )
-    anchors = RunAnchors(run_dir, locked, checkpoint, ledger, frozenset(meta.revisions), store)
+    anchors = RunAnchors(
+        run_dir,
+        locked,
+        checkpoint,
+        ledger,
+        frozenset(meta.revisions),
+        store,
+        anchored_records=meta.ledger.records if meta.ledger else 0,
+    )
     try:
         anchors._descent(locked, {meta.manifest})
     except AnchorError as exc:

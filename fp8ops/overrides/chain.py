@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8ops.errors import Fp8opsError
+from fp8ops.files import loads_json
 
 GENESIS = "0" * 64  # the ``prev`` of the first record
 
@@ -59,8 +60,8 @@ def parse_chain(path: Path, data: bytes) -> list[dict[str, Any]]:
     prev = GENESIS
     for n, raw in enumerate(lines[:-1], 1):
         try:
-            record = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
+            record = loads_json(raw.decode("utf-8"))
+        except ValueError:  # not UTF-8, not JSON, nested too deeply
             record = None
         if not isinstance(record, dict) or not isinstance(record.get("hash"), str):
             raise LedgerError(

@@ -354,9 +354,14 @@ def _problem(
         if (
             origin is not None
             and _same_person(origin.who, who)
-            and not anchors.allows_self_approval()
+            and not anchors.allows_self_approval(record["seq"])
         ):
-            return "approves what the same operator staged (review.allow_self_approval)", _RULE
+            return (
+                f"{who} {origin.origin} {_describe(origin)} and cannot approve it too: another "
+                "operator must (a one-person team sets review.allow_self_approval: true in the "
+                "run's manifest)",
+                _RULE,
+            )
     except Fp8opsError:
         raise  # the run's files (a revision, events.jsonl) could not be read: not the record's
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
@@ -619,12 +624,7 @@ class Ledger:
         def build(overrides: dict[str, Override]) -> list[dict[str, Any]]:
             o = overrides[self._resolve(overrides, ref)]
             _check_transition(o, "approved")
-            if _same_person(who, o.who) and not self._self_approval_allowed():
-                raise OverrideError(
-                    f"{who} {o.origin} {_describe(o)} and cannot approve it too: another operator "
-                    "must (a one-person team sets review.allow_self_approval: true in the run's "
-                    "manifest)"
-                )
+            # Who may approve is a rule every record is held to (_problem), here as on read.
             record = {"kind": "approved", "override": o.id, "who": who, "note": note or None}
             return [record if policy is None else {**record, "policy": policy}]
 
@@ -886,9 +886,6 @@ class Ledger:
         """The latest alert per metric for ``module`` in alerts.jsonl, by metric name."""
         latest = {a.metric or a.rule: a for a in read_alerts(self.run_dir) if a.module == module}
         return [Trigger.from_alert(latest[metric]) for metric in sorted(latest)]
-
-    def _self_approval_allowed(self) -> bool:
-        return self._anchors().review.allow_self_approval
 
     def _status_step(self) -> int | None:
         status = self._run_file(find_status)

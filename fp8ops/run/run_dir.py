@@ -69,8 +69,7 @@ class RunDir:
                 f"--run-dir {str(run.path)!r} was claimed by another fp8ops run a moment ago; "
                 "choose a new --run-dir"
             ) from None
-        with os.fdopen(lock, "w") as f:
-            f.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+        os.close(lock)  # _hold takes it, and writes who holds it
         run._hold()
         with run._released_on_failure():
             store = ManifestStore(run.layout.manifests)
@@ -175,10 +174,7 @@ class RunDir:
         except BlockingIOError:
             self._lock.close()
             self._lock = None
-            raise Fp8opsError(
-                f"{self.path} is being trained by another fp8ops process right now; wait for it "
-                "to finish or stop it first"
-            ) from None
+            raise Fp8opsError(trained_elsewhere(self.path, lock_holder(self.path))) from None
         # Who holds it, for the refusals of others (lock_holder): this process now.
         self._lock.truncate(0)
         self._lock.write(f"pid {os.getpid()} on {os.uname().nodename}\n".encode())
@@ -285,6 +281,14 @@ class RunDir:
 def trained_now(path: Path) -> bool:
     """Whether a live process holds the run's ``run.lock`` (``RunDir._hold``)."""
     return lock_holder(path) is not None
+
+
+def trained_elsewhere(path: Path, holder: str | None) -> str:
+    """What every refusal of a run that another live process trains says."""
+    return (
+        f"{path} is being trained by another fp8ops process right now "
+        f"({holder or 'an unknown process'}): wait for it to finish, or stop it first"
+    )
 
 
 def lock_holder(path: Path) -> str | None:

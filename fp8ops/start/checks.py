@@ -30,10 +30,10 @@ from fp8ops.checkpoint.meta import CheckpointMeta
 from fp8ops.errors import Fp8opsError, ManifestError
 from fp8ops.manifest import ManifestStore, load_manifest, manifest_hash
 from fp8ops.manifest.schema import Manifest
-from fp8ops.run import RunLayout, RunRecordError, find_status, read_run_record, trained_now
+from fp8ops.run import RunLayout, RunRecordError, find_status, read_run_record
 from fp8ops.run.layout import MANIFEST
 from fp8ops.run.records import read_layers_json
-from fp8ops.run.run_dir import lock_holder
+from fp8ops.run.run_dir import lock_holder, trained_elsewhere
 from fp8ops.start.drift import Change, Drift, DriftRefused, manifest_drift, refuse
 from fp8ops.start.plans import Resume
 
@@ -108,11 +108,9 @@ def check_free(path: Path, manifest: Manifest) -> str | None:
             f"{path} already holds a completed run of this manifest (sha256 {digest[:12]}"
             f"{later}); nothing to do. Its results are in that directory."
         )
-    if trained_now(path):
-        raise Fp8opsError(
-            f"--run-dir {str(path)!r} is being trained by another fp8ops process right now; "
-            "wait for it to finish or stop it, or choose a new --run-dir"
-        )
+    holder = lock_holder(path)
+    if holder is not None:
+        raise Fp8opsError(f"--run-dir: {trained_elsewhere(path, holder)}, or choose a new one")
     if status is None:
         raise Fp8opsError(
             f"--run-dir {str(path)!r} holds files that are not an fp8ops run; choose a new "
@@ -639,10 +637,9 @@ def check_not_trained_now(run_dir: Path, *, reading: Path | None = None) -> None
     holder = lock_holder(run_dir)
     if holder is None:
         return
-    during = f"; it replaced or removed {reading.name} as this resume read it" if reading else ""
+    during = f" (it replaced or removed {reading.name} as this resume read it)" if reading else ""
     raise Fp8opsError(
-        f"refusing to resume {run_dir}: another fp8ops process is training it right now "
-        f"({holder}){during}. Wait for it to finish, or stop it, then resume"
+        f"refusing to resume: {trained_elsewhere(run_dir, holder)}{during}; then resume"
     )
 
 

@@ -237,7 +237,8 @@ def plan_resume(
         after_stop=after_stop,
         seen=seen,
     )
-    _apply_ledger(plan)
+    with checks.reading_checkpoint(run_dir, seen):  # every checkpoint's record is read
+        _apply_ledger(plan)
     checks.check_fp8_state_saved(plan)
     checks.check_stop_answered(plan)
     return plan

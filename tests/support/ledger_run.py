@@ -110,7 +110,8 @@ def checkpoint_record(run, anchor=None, step=120):
             admission=None,
             weights_fingerprint="0" * 64,
             fp8=Fp8StateRecord(layout="none", groups=1, history_len=0, modules=[], digests={}),
-            sampler={},
+            # where `step` global batches end, as fp8ops.checkpoint.consistency checks
+            sampler={"epoch": 0, "cursor": step * _global_batch(run, manifest)},
             optimizer_steps=step,
             optimizer_main=False,
             telemetry_committed=None,
@@ -120,6 +121,12 @@ def checkpoint_record(run, anchor=None, step=120):
         ),
     )
     return directory
+
+
+def _global_batch(run, digest: str) -> int:
+    from fp8ops.manifest import ManifestStore
+
+    return ManifestStore(run / "manifests").get(digest).schedule.global_batch_size
 
 
 def append_by_hand(run, body):

@@ -194,6 +194,21 @@ WATCHING = {
     "review.allowed_signers_sha256": SHA,
     "review.require_signatures": True,
 }
+# The metric sinks and alert notifications (fields added in 0.1.0).
+REPORTING = {
+    "logging.tensorboard": {"dir": "tb"},
+    "logging.wandb": {"project": "fp8", "entity": "team", "mode": "offline", "dir": "w"},
+    "logging.mlflow": {"tracking_uri": "file:///srv/mlruns", "experiment": "fp8"},
+    "logging.every_steps": 10,
+    "logging.worst_modules": 3,
+    "notifications.webhooks": [
+        {"url_env": "FP8OPS_SLACK_WEBHOOK", "format": "slack", "level": "stop"},
+        {"url_env": "FP8OPS_WEBHOOK"},
+    ],
+    "notifications.timeout_seconds": 2.0,
+    "notifications.retries": 1,
+    "notifications.exit_wait_seconds": 30.0,
+}
 
 
 def _from_tiny(changes: dict[str, Any]) -> Manifest:
@@ -218,6 +233,7 @@ CASES = {
     "tasks-as-chat": lambda: _from_tiny(TASKS_AS_CHAT),
     "parallel": lambda: _from_tiny(PARALLEL),
     "watching": lambda: _from_tiny(WATCHING),
+    "reporting": lambda: _from_tiny(REPORTING),
     "second-revision": _second_revision,
     # Added after the cases above were pinned (alerts.update_blowup_factor): a case of its own.
     "update-blowup-off": lambda: _from_tiny({"alerts.update_blowup_factor": None}),
@@ -240,6 +256,7 @@ BUILT = {
     "precision-block-2d-inputs": "56522112086d3c47f3aa7d5e811633f17bd397577b90da1ec8d801ae269f1048",
     "precision-current": "c6bb1f79ce23141edaf0c0f9059c26332af72bd37727e2c7ca120d97fc069098",
     "precision-delayed": "a466e051f67b654fc108882a463a9f0c7564f8cd2bf3565616c904f38a2e38d7",
+    "reporting": "69ff3cd5a40905b64590e62d69c140329d41a8c9edc30de2d20129e09eaba4eb",
     "second-revision": "d15654a94a21dd27dcc57ea4f305cb4fc95f79f0d028423e4a637391aabd697c",
     "small-base": "f0908a9ac640e090d66d1fdb4b5445401bb6a9faa4e0ec285a98b2a8ba4f0d96",
     "tasks-as-chat": "b4b8e3178a582f8122f6e81a3ae15a3e8294e838780a2fd29af772dc6d1f1286",

@@ -41,12 +41,14 @@ from fp8ops.manifest.levels import (
 )
 from fp8ops.manifest.model import ModelConfig, RopeScaling
 from fp8ops.manifest.module_precision import Bf16Override, ModuleFqn, ModuleRecipe, SmallGemmRule
+from fp8ops.manifest.notifications import Notifications, Webhook
 from fp8ops.manifest.optimizer import OptimizerConfig
 from fp8ops.manifest.precision import PrecisionPolicy, recipe_line
 from fp8ops.manifest.review import Review
 from fp8ops.manifest.revision import Revision
 from fp8ops.manifest.schedule import Schedule
 from fp8ops.manifest.seeds import Seeds
+from fp8ops.manifest.sinks import Logging, MlflowSink, TensorBoardSink, WandbSink
 from fp8ops.manifest.telemetry import Telemetry
 from fp8ops.manifest.topology import Topology
 
@@ -91,6 +93,16 @@ class Manifest(Section):
     )
     telemetry: Telemetry = Field(default_factory=Telemetry, description="Telemetry cadence.")
     review: Review = Field(default_factory=Review, description="Override review rules.")
+    logging: Logging = added_field(
+        default_factory=Logging,
+        added_in="0.1.0",
+        description="Metric sinks: TensorBoard, W&B, MLflow. None by default.",
+    )
+    notifications: Notifications = added_field(
+        default_factory=Notifications,
+        added_in="0.1.0",
+        description="Webhooks told of alerts. None by default.",
+    )
 
     @field_validator("schema_version", mode="before")
     @classmethod
@@ -238,12 +250,15 @@ __all__ = [
     "Gates",
     "Globs",
     "Levels",
+    "Logging",
     "Manifest",
+    "MlflowSink",
     "ModelConfig",
     "ModuleFqn",
     "ModuleGlob",
     "ModuleRecipe",
     "NonEmptyStr",
+    "Notifications",
     "OptimizerConfig",
     "PrecisionPolicy",
     "Review",
@@ -257,9 +272,12 @@ __all__ = [
     "Sha256",
     "SmallGemmRule",
     "Telemetry",
+    "TensorBoardSink",
     "TokenizerConfig",
     "Topology",
     "UnderflowLevels",
+    "WandbSink",
+    "Webhook",
     "added_field",
     "recipe_line",
 ]

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up a fresh machine for fp8ops on the CPU: a .venv with a CPU build of torch, fp8ops
-# (editable) with its test, megatron and console extras, Transformer Engine's pure-Python recipe
-# module, and (as root, with apt) Debian's Chromium for the console's browser test.
+# (editable) with its test, megatron, console, hf and sinks extras, Transformer Engine's
+# pure-Python recipe module, and (as root, with apt) Debian's Chromium for the console's browser
+# test.
 # Idempotent: re-running only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +19,7 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2> >(grep -v
 if [ -n "$TORCH_SPEC" ] && ! .venv/bin/python -c "import torch" 2>/dev/null; then
     pip install "$TORCH_SPEC"
 fi
-pip install -e '.[test,megatron,console,hf]'
+pip install -e '.[test,megatron,console,hf,sinks]'
 # Only TE's recipe module is usable without a GPU build; --no-deps keeps the 276 MB CUDA
 # core library out (docs/precision.md).
 .venv/bin/python -c "import importlib.util as u; exit(u.find_spec('transformer_engine') is None)" \

@@ -220,7 +220,7 @@ LAYERS = [
     {"console"},
     {"start"},
     {"overrides"},  # the ledger's reads check the checkpoints' anchors and revisions
-    {"checkpoint", "evaluate", "admission"},
+    {"checkpoint", "evaluate", "admission", "sinks", "notify"},
     {"hf", "te_import"},  # te_import replays alerts over what it imports
     {"alerts", "megatron"},
     {"telemetry"},

@@ -22,6 +22,10 @@
       stop.request         asks the run to checkpoint and stop at the next step boundary
       attempts/N/          an attempt that ended before its first checkpoint, set aside by a
                            `train --resume` that started the run over
+      sinks.json           the metric sinks' run ids and last steps, so a resume continues them
+      tensorboard/         TensorBoard event files (manifest `logging.tensorboard`, by default)
+      mlruns/              an MLflow file store (manifest `logging.mlflow`, by default)
+      wandb/               W&B's own files (manifest `logging.wandb`, by default)
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ CHECKPOINTS = "checkpoints"
 FINAL = "final"
 STOP_REQUEST = "stop.request"
 ATTEMPTS = "attempts"
+SINKS = "sinks.json"
+TENSORBOARD = "tensorboard"
+MLRUNS = "mlruns"
 # In a weights checkpoint (final/, or any model.init_checkpoint): what the weights are.
 WEIGHTS_META = "fp8ops_weights.json"
 
@@ -136,6 +143,18 @@ class RunLayout:
     @property
     def attempts(self) -> Path:
         return self.root / ATTEMPTS
+
+    @property
+    def sinks(self) -> Path:
+        return self.root / SINKS
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / TENSORBOARD
+
+    @property
+    def mlruns(self) -> Path:
+        return self.root / MLRUNS
 
     def finished(self) -> bool:
         """Whether the run's final weights are written (before it says so in status.json)."""

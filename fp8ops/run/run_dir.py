@@ -9,6 +9,9 @@ line: :func:`~fp8ops.run.records.read_metrics`), and ``events.jsonl`` records th
 
 Files that are rewritten (status, run record, fallbacks) are replaced atomically; the JSONL logs
 are only appended to, a line at a time, so a crash loses at most the line being written.
+
+What rank 0 appends is also handed, once written, to the run's listeners (:meth:`RunDir.listen`):
+the metric sinks follow a run this way (``fp8ops.sinks``).
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ import contextlib
 import fcntl
 import json
 import os
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +56,9 @@ class RunDir:
         self.writer = writer
         self._status: dict[str, Any] | None = None  # what status.json holds, kept in memory
         self._lock = None
+        self._listeners: list[Callable[[str, dict[str, Any]], None]] = []
+        # A listener's thread records its own failures as events: one append at a time.
+        self._appending = threading.Lock()
 
     @classmethod
     def claim(cls, path: Path, manifest: Manifest, lineage: list[Manifest]) -> RunDir:
@@ -273,9 +280,19 @@ class RunDir:
         if self.writer:
             atomic_write_text(file, json.dumps(document, indent=2, sort_keys=True) + "\n")
 
+    def listen(self, listener: Callable[[str, dict[str, Any]], None]) -> None:
+        """Hand every record appended from now on to ``listener(file name, record)`` once it is
+        written (rank 0: ``metrics.jsonl``, ``eval.jsonl``, ``events.jsonl``). Called on the
+        training step's path, so it must return at once (the sinks queue it)."""
+        if self.writer:
+            self._listeners.append(listener)
+
     def _append(self, file: Path, record: dict[str, Any]) -> None:
         if self.writer:
-            append_lines(file, json_line(record))
+            with self._appending:
+                append_lines(file, json_line(record))
+            for listener in self._listeners:
+                listener(file.name, record)
 
 
 def trained_now(path: Path) -> bool:

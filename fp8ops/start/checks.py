@@ -5,7 +5,8 @@ In the order a start meets them:
 * the directory: :func:`nothing_to_train` (a rerun after the end: the plan is ``Complete``),
   :func:`check_free` (a new run never writes into another run's directory),
   :func:`check_unedited` (``manifest.yaml`` is still a stored revision);
-* the request: :func:`check_stop_at`, :func:`check_inputs` (tokenizer, dtype, topology, base);
+* the request: :func:`check_stop_at`, :func:`check_inputs` (tokenizer, dtype, topology, base,
+  the metric sinks' libraries and the webhooks' URLs: :func:`reporting_ready`);
 * the resume, from the checkpoint's metadata: :func:`check_is_run`,
   :func:`check_saved_manifest`, :func:`check_run_revisions`, :func:`check_reasons`,
   :func:`check_drift` (manifest and environment drift, FP8 state mapping, changes no
@@ -207,6 +208,7 @@ def check_inputs(manifest: Manifest, source: str, *, resuming: bool) -> None:
         tokenizer_for(manifest.tokenizer)  # its file, library and end-of-document token
     except ManifestError as exc:
         raise ManifestError(f"{source}: {exc}") from None
+    reporting_ready(manifest, source)
     if manifest.precision.base_dtype == "fp16":
         # fp16's range ends near 6e-8: small gradients flush to zero unless the loss is scaled,
         # and nothing would show it. bf16 keeps float32's range; it is what FP8 recipes use.
@@ -223,6 +225,19 @@ def check_inputs(manifest: Manifest, source: str, *, resuming: bool) -> None:
             field=f"{source}: model.init_checkpoint",
             fingerprint=False,
         )
+
+
+def reporting_ready(manifest: Manifest, source: str) -> None:
+    """The metric sinks' libraries are installed and the webhooks' URLs are in the environment:
+    a run must not train for hours before anyone finds its W&B run or its alerts missing."""
+    from fp8ops.notify import check_environment
+    from fp8ops.sinks import check_libraries
+
+    try:
+        check_libraries(manifest.logging)
+        check_environment(manifest.notifications)
+    except ManifestError as exc:
+        raise ManifestError(f"{source}: {exc}") from None
 
 
 # -- the resume, from the checkpoint's metadata --------------------------------------------------

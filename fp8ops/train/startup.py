@@ -110,7 +110,8 @@ def start(plan: StartPlan, *, progress: bool = True) -> TrainResult | Complete:
                 result = (
                     trainer.finish() if isinstance(plan, Finish) else trainer.train(plan.stop_at)
                 )
-            finally:
+            finally:  # however it ended (a Stop's exit 3 too): sinks and webhooks sent first
+                trainer.reporting.close()
                 trainer.run.release()
             if isinstance(plan, Resume) and ranks.is_main:
                 result = replace(result, resume_summary=resume_summary(plan, trainer))

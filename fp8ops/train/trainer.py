@@ -67,6 +67,7 @@ from fp8ops.train.evaluation import Evaluator
 from fp8ops.train.inputs import Inputs
 from fp8ops.train.optimizer import MainParamsOptimizer, learning_rate
 from fp8ops.train.progress import StepLogger
+from fp8ops.train.reporting import Reporting
 
 
 class Trainer:
@@ -195,6 +196,7 @@ class Trainer:
         self.ledger: Ledger | None = None
         self.telemetry: TelemetryWriter | None = None
         self.evaluator: Evaluator | None = None
+        self.reporting = Reporting()  # open(): rank 0's metric sinks and webhooks
 
     # -- before the loop: a checkpoint in, the run directory handed over ------------------------
 
@@ -283,6 +285,9 @@ class Trainer:
         if run.writer:
             self.ledger = Ledger(run.path)
         self.telemetry = self._open_telemetry()
+        self.reporting = Reporting.open(
+            run, self.manifest, start_step=self.start_step, modules=self.telemetry_modules
+        )
         self.evaluator = Evaluator(
             self.model,
             self.inputs,
@@ -433,6 +438,7 @@ class Trainer:
         if self.telemetry is not None:
             scalars = np.array([step_values[m] for m in STEP_METRIC_NAMES], dtype=np.float32)
             self.telemetry.append(row.step, stored, scalars)
+            self.reporting.layers(row.step, stored)
         if self.collector.active:  # an unobserved step (a benchmark's) has nothing to judge
             alerts = self.alert_engine.observe(row.step, telemetry_row, step_values)
             self._raise_alerts(row.step, alerts)
@@ -453,7 +459,9 @@ class Trainer:
             # Degrade proposes a BF16 override into the ledger, where an operator reviews it.
             propose_overrides(self.run, self.ledger, proposals, everyone)
         stops = [a for a in everyone if a["level"] == "stop"]
+        proposed = [p.module for p in proposals]
         if stops:
+            self.reporting.alerts(everyone, proposed=proposed)
             raise StopRun(stops[0]["message"], stops)
         # A reviewed policy may switch modules to BF16 before the next step (degrade.py).
         switched = auto_degrade(
@@ -465,6 +473,9 @@ class Trainer:
             alert_engine=self.alert_engine,
             run=self.run,
             ledger=self.ledger,
+        )
+        self.reporting.alerts(
+            everyone, proposed=proposed, switched=switched.modules if switched else ()
         )
         if switched is not None:
             self.manifest, self.admission = switched.manifest, switched.admission

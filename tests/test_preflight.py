@@ -181,6 +181,22 @@ def test_the_pipeline_rehearsal_picks_a_size_the_manifest_allows():
     assert changes is None and not too_big and "one fixed shape" in invalid[0], invalid
 
 
+def test_a_rehearsal_writes_to_no_metric_sink_and_pages_nobody():
+    from fp8ops.preflight.rehearsal import derived, fitted_changes
+
+    plain = load_manifest(MANIFESTS / "tiny-gpt-cpu.yaml")
+    reporting = {
+        "logging.tensorboard": {},
+        "logging.wandb": {"project": "team"},
+        "logging.mlflow": {},
+        "notifications.webhooks": [{"url_env": "ONCALL_WEBHOOK", "level": "stop"}],
+    }
+    rehearsal = derived(derive(plain, reporting, "t"), fitted_changes(plain, 4), "r")
+    assert not rehearsal.logging.configured and rehearsal.notifications.webhooks == ()
+    # A manifest without them rehearses as before: the same revision as without the rule.
+    assert "logging" not in canonical_dict(derived(plain, fitted_changes(plain, 4), "r"))
+
+
 # -- record items fail on real inputs -------------------------------------------------------------
 
 

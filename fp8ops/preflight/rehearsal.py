@@ -48,9 +48,11 @@ class RehearsalError(Exception):
 
 def fitted_changes(manifest: Manifest, steps: int) -> dict[str, Any]:
     """The manifest shortened to ``steps``: one evaluation and no periodic checkpoint (the last
-    step has both anyway), a short evaluation, no generation, telemetry every step. A run's
-    fallbacks stay, as hand-written overrides: their approvals are in the run's ledger, and a
-    resume refuses approvals its own ledger does not hold."""
+    step has both anyway), a short evaluation, no generation, telemetry every step, and no metric
+    sink or webhook (a rehearsal's numbers and alerts are not the run's: they must not reach the
+    team's W&B project or page anyone). A run's fallbacks stay, as hand-written overrides: their
+    approvals are in the run's ledger, and a resume refuses approvals its own ledger does not
+    hold."""
     schedule = manifest.schedule
     overrides = [
         {**o.model_dump(mode="json"), "approval": None} for o in manifest.precision.overrides
@@ -65,6 +67,10 @@ def fitted_changes(manifest: Manifest, steps: int) -> dict[str, Any]:
         "capability.enabled": False,
         "telemetry.every_steps": 1,
         "telemetry.error_sample_every": min(manifest.telemetry.error_sample_every, steps),
+        "logging.tensorboard": None,
+        "logging.wandb": None,
+        "logging.mlflow": None,
+        "notifications.webhooks": [],
     }
 
 

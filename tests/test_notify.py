@@ -5,16 +5,19 @@ failing then recovering, refusing, down, slow), and the notifier's thread."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 from support.webhook_server import WebhookServer, refused_url
 
 from fp8ops.errors import ManifestError
+from fp8ops.manifest import derive, load_manifest
 from fp8ops.manifest.schema import Notifications
 from fp8ops.notify import Notice, Notifier, RunInfo, Target, action_of, targets
 from fp8ops.notify.delivery import DeliveryFailed, deliver
 from fp8ops.notify.formats import SLACK_ALERTS, json_body, slack_body
 
+MANIFESTS = Path(__file__).resolve().parents[1] / "manifests"
 RUN = RunInfo(dir="/runs/a", id="0123abcd", name="tiny-gpt-cpu", host="node7")
 
 
@@ -115,9 +118,15 @@ def test_a_webhook_url_comes_from_the_environment_and_is_never_shown():
     assert "SECRET" not in target.label()
 
 
-def test_a_url_in_the_manifest_is_refused():
-    with pytest.raises(ValueError, match="not the URL"):
-        Notifications.model_validate({"webhooks": [{"url_env": "https://hooks.example/x"}]})
+def test_a_url_in_the_manifest_is_refused_without_repeating_it():
+    tiny = load_manifest(MANIFESTS / "tiny-gpt-cpu.yaml")
+    webhook = {"url_env": "https://hooks.example/services/XXXXSECRET"}
+    with pytest.raises(ManifestError) as refused:
+        derive(tiny, {"notifications.webhooks": [webhook]}, "a URL where its variable belongs")
+    assert "notifications.webhooks[0].url_env: must name the environment variable" in str(
+        refused.value
+    )
+    assert "SECRET" not in str(refused.value)
 
 
 # -- one delivery, against a real local server ----------------------------------------------------

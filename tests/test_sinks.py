@@ -260,7 +260,7 @@ def test_a_sink_whose_library_is_missing_is_refused_with_the_pip_command(monkeyp
 @pytest.mark.parametrize(
     ("uri", "words"),
     [
-        ("https://me:secret@mlflow.example", "holds credentials"),
+        ("https://me:SECRET@mlflow.example", "holds credentials"),
         ("/srv/mlruns", "must be a URI with its scheme"),
         ("databricks", None),
         ("sqlite:////srv/mlflow.db", None),
@@ -271,8 +271,9 @@ def test_an_mlflow_uri_with_credentials_or_without_a_scheme_is_refused(uri, word
     if words is None:
         derive(tiny, {"logging.mlflow": {"tracking_uri": uri}}, "ok")
         return
-    with pytest.raises(ManifestError, match=words):
+    with pytest.raises(ManifestError, match=words) as refused:
         derive(tiny, {"logging.mlflow": {"tracking_uri": uri}}, "refused")
+    assert "SECRET" not in str(refused.value)  # credentials are not repeated into logs
 
 
 # -- the libraries themselves ------------------------------------------------------------------

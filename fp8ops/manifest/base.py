@@ -27,6 +27,9 @@ from pydantic_core import PydanticCustomError, PydanticUndefined
 
 # The marker of a field added after the schema's first release (``added_field``).
 ADDED_IN = "fp8ops_added_in"
+# The error type of a rule whose bad value may be a secret (a webhook URL where the name of its
+# variable belongs): ``messages.py`` does not repeat the value.
+SECRET = "secret_value"
 
 
 def added_field(default: Any = PydanticUndefined, *, added_in: str, **kwargs: Any) -> Any:

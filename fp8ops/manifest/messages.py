@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from fp8ops.errors import ManifestError
+from fp8ops.manifest.base import SECRET
 from fp8ops.manifest.schema import Manifest
 from fp8ops.manifest.yaml_io import Loc, load_yaml_value
 
@@ -106,6 +107,8 @@ def describe_error(error: Mapping[str, Any], lines: Mapping[Loc, int]) -> str:
         text = error["msg"]
     if kind == "value_error" and isinstance(value, str) and repr(value) in text:
         got = ""  # the validator already quoted the value
+    if kind == SECRET:
+        got = ""  # a webhook URL or credentials: not repeated into logs
 
     line = lines.get(loc)
     where = f" [line {line}]" if line else ""

@@ -9,8 +9,9 @@ import re
 from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, field_validator
+from pydantic_core import PydanticCustomError
 
-from fp8ops.manifest.base import Section, added_field, list_to_tuple
+from fp8ops.manifest.base import SECRET, Section, added_field, list_to_tuple
 
 
 class Webhook(Section):
@@ -41,10 +42,11 @@ class Webhook(Section):
     @classmethod
     def _a_variable_name(cls, value: str) -> str:
         if "://" in value:
-            raise ValueError(
+            raise PydanticCustomError(
+                SECRET,
                 "must name the environment variable that holds the URL, not the URL (a webhook "
                 "URL is a secret, and the manifest is copied into the run directory): e.g. "
-                "url_env: FP8OPS_SLACK_WEBHOOK, then export FP8OPS_SLACK_WEBHOOK=https://..."
+                "url_env: FP8OPS_SLACK_WEBHOOK, then export FP8OPS_SLACK_WEBHOOK=https://...",
             )
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
             raise ValueError("must be an environment variable name: letters, digits and '_'")

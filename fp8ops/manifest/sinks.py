@@ -9,8 +9,9 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from pydantic import field_validator
+from pydantic_core import PydanticCustomError
 
-from fp8ops.manifest.base import NonEmptyStr, Section, added_field
+from fp8ops.manifest.base import SECRET, NonEmptyStr, Section, added_field
 
 
 class TensorBoardSink(Section):
@@ -84,10 +85,11 @@ class MlflowSink(Section):
                 "'databricks'"
             )
         if "@" in urlsplit(value).netloc:
-            raise ValueError(
+            raise PydanticCustomError(
+                SECRET,
                 "holds credentials (user:password@): a manifest is copied into the run "
                 "directory and its revisions; set MLFLOW_TRACKING_USERNAME and "
-                "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment instead"
+                "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment instead",
             )
         return value
 

@@ -31,6 +31,8 @@ pytestmark = pytest.mark.skipif(
         ("bench_telemetry_host.py", ["--layers", "0"], "--layers must be at least 1"),
         ("bench_data.py", ["--documents", "5"], "--documents must be at least 100"),
         ("bench_data.py", ["--examples", "99"], "--examples must be at least 100"),
+        ("bench_sinks.py", ["--steps", "4"], "--steps must be at least 5"),
+        ("bench_sinks.py", ["--rounds", "0"], "--rounds must be at least 1"),
     ],
 )
 def test_a_count_too_small_is_refused(script, args, message, monkeypatch, capsys):

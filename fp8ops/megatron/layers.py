@@ -25,7 +25,9 @@ Outside an active scope (or inside ``scope(enabled=False)``) ``forward`` *is* th
 it is for a layer whose ``fp8_enabled`` is False: per-layer admission (``fp8ops.admission``) keeps
 such a layer in the base dtype. It keeps its FP8 state, frozen (it records no amax, so its scopes'
 updates leave it alone), so every module has the same state layout whether it runs FP8 or not, and
-a BF16 override can later be lifted without a gap in the checkpoint.
+a BF16 override can later be lifted without a gap in the checkpoint. ``fp8_gemms`` (admission sets
+it; all three by default) says which of an FP8 layer's GEMMs run FP8, the others in the base
+dtype (``fp8ops.precision.gemms``); a tensor none of them reads keeps its slot frozen the same way.
 
 How the recipe and the GEMM reach a layer: ``recipe`` and ``gemm`` constructor arguments, which
 ``ModuleSpec.params`` carries (``spec.py``); ``gemm`` is the emulated FP8 GEMM by default, or
@@ -79,6 +81,7 @@ from fp8ops.precision import (
     active_scope,
     fp8_linear,
 )
+from fp8ops.precision.gemms import ALL_GEMMS
 
 if TYPE_CHECKING:  # the telemetry package imports its store (zarr, pandas): not needed to run
     from fp8ops.telemetry.probe import Probe
@@ -119,6 +122,9 @@ class _Fp8LocalGemm:
         self.fp8_meta = Fp8Meta.fresh(recipe) if delayed else None
         self.cast_record = None if delayed else CastRecord()
         self.fp8_enabled = True  # False: admitted to the base dtype (see module docstring)
+        # The GEMMs that run FP8 while fp8_enabled (admission: per-GEMM overrides and
+        # module_recipes' gemms); the others run in the base dtype, as with fp8_enabled False.
+        self.fp8_gemms = ALL_GEMMS
         self.gemm = gemm or EmulatedGemm()
         self.is_first_microbatch: bool | None = None
         self.probe: Probe | None = None  # telemetry attaches one (fp8ops.telemetry.probe)
@@ -188,9 +194,10 @@ class _Fp8LocalGemm:
             track=track,
             record=self.cast_record,
             recipe=None if self.fp8_meta is not None else self.recipe,
+            gemms=self.fp8_gemms,
         )
         if self.probe is not None:
-            self.probe.fp8_call(x, out, weight, bias)
+            self.probe.fp8_call(x, out, weight, bias, fp8_gemms=self.fp8_gemms)
         if self.is_first_microbatch and owns_weight:
             self._weight_fp8, self._weight_fp8_version = weight_fp8, weight._version
         if self.is_first_microbatch is not None:

@@ -5,7 +5,8 @@ FP8 operands. Backward: grad output is cast with the backward scale (E5M2 under 
 dgrad = grad_out @ W and wgrad = grad_out^T @ x use the same FP8 operands, as TE does.
 Every cast max-accumulates its amax into history row 0 of its slot. The weight is cast (and
 its amax recorded) only on the first micro-batch of a step, so its history rolls once per
-optimizer step.
+optimizer step. Each of the three GEMMs may run in high precision instead (``gemms.py``); a
+tensor then read by no FP8 GEMM is not cast.
 
 Backends differ only in :class:`Fp8Gemm`: :class:`EmulatedGemm` here; a native FP8 GEMM
 (``torch._scaled_mm`` on GPUs) is another implementation of the same protocol. The scaling
@@ -26,6 +27,7 @@ from torch import nn
 from fp8ops.precision import cast_kernel
 from fp8ops.precision.blocks import BlockQuantized
 from fp8ops.precision.compiled import Compiled, compiles_for, env_choice, record_probes
+from fp8ops.precision.gemms import ALL_GEMMS, hp_dgrad, hp_fprop, hp_wgrad
 from fp8ops.precision.quantize import (
     COUNTS,
     CastStats,
@@ -193,56 +195,77 @@ def cast_and_record(
 
 
 class Fp8LinearFunction(torch.autograd.Function):
-    """``y = x @ W.T + b`` with FP8 operands. ``x`` is ``[..., in]``, ``W`` is ``[out, in]``.
+    """``y = x @ W.T + b`` with each of its GEMMs in FP8 or in high precision (``gemms.py``).
+    ``x`` is ``[..., in]``, ``W`` is ``[out, in]``.
 
-    The FP8 weight arrives already cast (it may come from the step's first micro-batch);
-    ``weight`` itself is only here to receive its gradient.
+    The FP8 weight arrives already cast (it may come from the step's first micro-batch; None
+    when no FP8 GEMM reads the weight); ``weight`` itself is here to receive its gradient and,
+    for a GEMM in high precision, to be multiplied.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, qw, meta, gemm, update_scope, track, dgrad, wgrad):
+    def forward(ctx, x, weight, bias, qw, meta, gemm, update_scope, track, dgrad, wgrad, fp8):
         """``qw``: the FP8 weight; ``dgrad``/``wgrad``: whether the backward will compute the
-        input's / the weight's gradient, which take the weight / the input transposed."""
+        input's / the weight's gradient; ``fp8``: the GEMMs that run in FP8."""
         x2d = x.reshape(-1, weight.shape[1])  # [tokens, in]
-        qx = cast_and_record(x2d, meta.forward, FWD_INPUT, track, "input", transposed=wgrad)
-        out = gemm(qx, qw, out_dtype=x.dtype, bias=bias)  # [tokens, out]
+        fp8_wgrad = wgrad and "wgrad" in fp8
+        if "fprop" in fp8 or fp8_wgrad:  # cast only for a GEMM that reads it in FP8
+            qx = cast_and_record(x2d, meta.forward, FWD_INPUT, track, "input", transposed=fp8_wgrad)
+        if "fprop" in fp8:
+            out = gemm(qx, qw, out_dtype=x.dtype, bias=bias)  # [tokens, out]
+        else:
+            out = hp_fprop(x2d, weight, bias)
 
-        # FP8 operands, in the layouts backward multiplies them in, are all it keeps, as in
-        # TE: a quarter of the float32 memory. Both transposed copies come from the casts.
+        # What the backward GEMMs multiply, in the layouts they multiply it in, is all it keeps,
+        # as in TE: the FP8 copies for an FP8 GEMM (a quarter of the float32 memory; both
+        # transposed copies come from the casts), the high-precision input for a wgrad in high
+        # precision (the weight is the parameter itself: no copy).
+        fp8_dgrad = dgrad and "dgrad" in fp8
         ctx.save_for_backward(
-            qx.transposed().data if wgrad else None,
-            qx.scale_inv,
-            qw.transposed().data if dgrad else None,
-            qw.scale_inv,
+            qx.transposed().data if fp8_wgrad else None,
+            qx.scale_inv if fp8_wgrad else None,
+            qw.transposed().data if fp8_dgrad else None,
+            qw.scale_inv if fp8_dgrad else None,
+            x2d if wgrad and not fp8_wgrad else None,
+            weight if dgrad and not fp8_dgrad else None,
         )
         ctx.meta, ctx.gemm, ctx.track, ctx.update_scope = meta, gemm, track, update_scope
+        ctx.fp8 = fp8
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.out_features, ctx.has_bias = weight.shape[0], bias is not None
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
-        qx_t_data, qx_scale_inv, qw_t_data, qw_scale_inv = ctx.saved_tensors
+        qx_t_data, qx_scale_inv, qw_t_data, qw_scale_inv, x2d, weight = ctx.saved_tensors
         fwd = ctx.meta.forward.fp8
-        qx_t = QuantizedTensor(qx_t_data, qx_scale_inv, fwd)  # [in, tokens]
-        qw_t = QuantizedTensor(qw_t_data, qw_scale_inv, fwd)  # [in, out]
-
         grad2d = grad_out.reshape(-1, ctx.out_features)  # [tokens, out]
         needs_input, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        qg = cast_and_record(
-            grad2d,
-            ctx.meta.backward,
-            BWD_GRAD_OUTPUT,
-            ctx.track,
-            "grad_output",
-            transposed=needs_weight,
-        )
+        fp8_dgrad = needs_input and "dgrad" in ctx.fp8
+        fp8_wgrad = needs_weight and "wgrad" in ctx.fp8
+        if fp8_dgrad or fp8_wgrad:
+            qg = cast_and_record(
+                grad2d,
+                ctx.meta.backward,
+                BWD_GRAD_OUTPUT,
+                ctx.track,
+                "grad_output",
+                transposed=fp8_wgrad,
+            )
         grad_input = grad_weight = grad_bias = None
         if needs_input:
-            grad_input = ctx.gemm(qg, qw_t, out_dtype=ctx.x_dtype)  # [tokens, in]
+            if fp8_dgrad:
+                qw_t = QuantizedTensor(qw_t_data, qw_scale_inv, fwd)  # [in, out]
+                grad_input = ctx.gemm(qg, qw_t, out_dtype=ctx.x_dtype)  # [tokens, in]
+            else:
+                grad_input = hp_dgrad(grad2d, weight)
             grad_input = grad_input.reshape(ctx.x_shape)
         if needs_weight:
-            grad_weight = ctx.gemm(qg.transposed(), qx_t, out_dtype=ctx.w_dtype)  # [out, in]
+            if fp8_wgrad:
+                qx_t = QuantizedTensor(qx_t_data, qx_scale_inv, fwd)  # [in, tokens]
+                grad_weight = ctx.gemm(qg.transposed(), qx_t, out_dtype=ctx.w_dtype)  # [out, in]
+            else:
+                grad_weight = hp_wgrad(grad2d, x2d)
         if needs_bias and ctx.has_bias:
             grad_bias = grad2d.sum(dim=0)
 
@@ -250,7 +273,7 @@ class Fp8LinearFunction(torch.autograd.Function):
             # This module ran first in the scope, so its backward runs last: every grad
             # amax of this backward pass has been recorded by now.
             ctx.update_scope.reduce_and_update(forward=False)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, *[None] * 8
 
 
 def fp8_linear(
@@ -265,14 +288,17 @@ def fp8_linear(
     track: dict | None = None,
     record: CastRecord | None = None,
     recipe: StatelessRecipe | None = None,
-) -> tuple[torch.Tensor, QuantizedTensor]:
+    gemms: frozenset[str] = ALL_GEMMS,
+) -> tuple[torch.Tensor, QuantizedTensor | None]:
     """Run one FP8 linear inside ``scope``: under delayed scaling with the module's ``meta``,
     under a stateless recipe with ``meta=None`` — the module's own ``recipe`` (a per-module
-    recipe, TE's nested autocast), else the scope's.
+    recipe, TE's nested autocast), else the scope's. ``gemms``: the GEMMs that run in FP8 (the
+    others in high precision, ``gemms.py``); a tensor no FP8 GEMM reads is not cast, and under
+    delayed scaling records no amax, so its history does not roll.
 
-    Returns the output and the FP8 weight used; pass that back as ``cached_weight`` on later
-    micro-batches of the same step to skip the weight cast (and its amax), as TE does when
-    ``is_first_microbatch`` is False.
+    Returns the output and the FP8 weight used (None: no FP8 GEMM read it); pass that back as
+    ``cached_weight`` on later micro-batches of the same step to skip the weight cast (and its
+    amax), as TE does when ``is_first_microbatch`` is False.
     """
     if meta is None:  # a module of a stateless recipe: nothing to record or update
         recipe = scope.recipe if recipe is None else recipe
@@ -290,6 +316,7 @@ def fp8_linear(
             cached_weight=cached_weight,
             track=track,
             record=record,
+            gemms=gemms,
         )
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {weight.shape[1]}")
@@ -301,9 +328,10 @@ def fp8_linear(
     )
     dgrad = builds_graph and x.requires_grad
     wgrad = builds_graph and weight.requires_grad
-    if cached_weight is None:
+    fp8_dgrad = dgrad and "dgrad" in gemms
+    if cached_weight is None and ("fprop" in gemms or fp8_dgrad):
         cached_weight = cast_and_record(
-            weight, meta.forward, FWD_WEIGHT, track, "weight", transposed=dgrad
+            weight, meta.forward, FWD_WEIGHT, track, "weight", transposed=fp8_dgrad
         )
     update_scope = scope if builds_graph and scope.claim_backward_update() else None
     out = Fp8LinearFunction.apply(
@@ -317,6 +345,7 @@ def fp8_linear(
         track,
         dgrad,
         wgrad,
+        gemms,
     )
     return out, cached_weight
 
@@ -345,6 +374,7 @@ class Fp8Linear(nn.Module):
         self.recipe = recipe
         self.fp8_meta = Fp8Meta.fresh(recipe) if isinstance(recipe, DelayedScalingRecipe) else None
         self.gemm = gemm or EmulatedGemm()
+        self.fp8_gemms = ALL_GEMMS  # the GEMMs in FP8; the others in the weight's dtype
         self.track_stats = False
         self.last_cast_stats: dict | None = None  # role -> CastStats of the last call
         self._weight_fp8 = None  # the step's FP8 weight (delayed: one cast; stateless: two)
@@ -369,6 +399,7 @@ class Fp8Linear(nn.Module):
             gemm=self.gemm,
             cached_weight=self._weight_fp8 if reuse else None,
             track=self.last_cast_stats,
+            gemms=self.fp8_gemms,
         )
         # Keep the FP8 weight only when micro-batching says a later call may reuse it.
         self._weight_fp8 = weight_fp8 if is_first_microbatch is not None else None

@@ -34,6 +34,7 @@ from fp8ops.precision.blocks import (
     quantize_scaled,
 )
 from fp8ops.precision.formats import Fp8Dtype, Fp8Format
+from fp8ops.precision.gemms import ALL_GEMMS, hp_dgrad, hp_fprop, hp_wgrad
 from fp8ops.precision.quantize import QuantizedTensor, cast, quantize
 from fp8ops.precision.scales import scale_from_amax, tensor_amax
 
@@ -234,21 +235,30 @@ def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 class StatelessFp8LinearFunction(torch.autograd.Function):
-    """``y = x @ W.T + b`` with FP8 operands under a stateless recipe (the module docstring's
-    GEMMs); ``x`` is ``[..., in]``, ``W`` is ``[out, in]``. The weight's two copies arrive
-    already cast (they may come from the step's first micro-batch)."""
+    """``y = x @ W.T + b`` under a stateless recipe (the module docstring's GEMMs), each GEMM in
+    FP8 or in high precision (``gemms.py``); ``x`` is ``[..., in]``, ``W`` is ``[out, in]``. The
+    weight's two copies arrive already cast (they may come from the step's first micro-batch;
+    None where no FP8 GEMM reads them)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, weight_casts, recipe, gemm, track, record, wgrad):
+    def forward(ctx, x, weight, bias, weight_casts, recipe, gemm, track, record, wgrad, fp8):
         tokens = x.numel() // weight.shape[1]
-        x2d = _pad_rows(x.reshape(tokens, weight.shape[1]), recipe.divisor())
-        qx = recipe.quantize(x2d, "input", track=track, record=record, rows=tokens)
+        x_rows = x.reshape(tokens, weight.shape[1])
+        x2d = _pad_rows(x_rows, recipe.divisor())
+        fp8_wgrad = wgrad and "wgrad" in fp8
+        if "fprop" in fp8 or fp8_wgrad:  # cast only for a GEMM that reads it in FP8
+            qx = recipe.quantize(x2d, "input", track=track, record=record, rows=tokens)
         qw, qw_columnwise = weight_casts
-        out = gemm(qx, qw, out_dtype=x.dtype, bias=bias)[:tokens]
-        # The FP8 copies backward multiplies are all it keeps, as in TE.
-        ctx.x_t = recipe.columnwise(x2d, "input", qx).transposed() if wgrad else None
+        if "fprop" in fp8:
+            out = gemm(qx, qw, out_dtype=x.dtype, bias=bias)[:tokens]
+        else:
+            out = hp_fprop(x_rows, weight, bias)
+        # What the backward GEMMs multiply is all it keeps, as in TE: the FP8 copies of an FP8
+        # GEMM, the high-precision input of a wgrad in high precision.
+        ctx.x_t = recipe.columnwise(x2d, "input", qx).transposed() if fp8_wgrad else None
         ctx.w_t = None if qw_columnwise is None else qw_columnwise.transposed()
-        ctx.recipe, ctx.gemm, ctx.track, ctx.record = recipe, gemm, track, record
+        ctx.save_for_backward(x_rows if wgrad and not fp8_wgrad else None, weight)
+        ctx.recipe, ctx.gemm, ctx.track, ctx.record, ctx.fp8 = recipe, gemm, track, record, fp8
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.out_features, ctx.has_bias, ctx.tokens = weight.shape[0], bias is not None, tokens
         return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -256,22 +266,40 @@ class StatelessFp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         recipe = ctx.recipe
+        x_rows, weight = ctx.saved_tensors
         grad2d = grad_out.reshape(ctx.tokens, ctx.out_features)
         padded = _pad_rows(grad2d, recipe.divisor())
         needs_input, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        qg = recipe.quantize(
-            padded, "grad_output", track=ctx.track, record=ctx.record, rows=ctx.tokens
-        )
+        fp8_dgrad = needs_input and "dgrad" in ctx.fp8
+        fp8_wgrad = needs_weight and "wgrad" in ctx.fp8
+        if fp8_dgrad or fp8_wgrad:
+            qg = recipe.quantize(
+                padded, "grad_output", track=ctx.track, record=ctx.record, rows=ctx.tokens
+            )
         grad_input = grad_weight = grad_bias = None
         if needs_input:
-            grad_input = ctx.gemm(qg, ctx.w_t, out_dtype=ctx.x_dtype)[: ctx.tokens]
+            if fp8_dgrad:
+                grad_input = ctx.gemm(qg, ctx.w_t, out_dtype=ctx.x_dtype)[: ctx.tokens]
+            else:
+                grad_input = hp_dgrad(grad2d, weight)
             grad_input = grad_input.reshape(ctx.x_shape)
         if needs_weight:
-            qg_t = recipe.columnwise(padded, "grad_output", qg).transposed()
-            grad_weight = ctx.gemm(qg_t, ctx.x_t, out_dtype=ctx.w_dtype)
+            if fp8_wgrad:
+                qg_t = recipe.columnwise(padded, "grad_output", qg).transposed()
+                grad_weight = ctx.gemm(qg_t, ctx.x_t, out_dtype=ctx.w_dtype)
+            else:
+                grad_weight = hp_wgrad(grad2d, x_rows)
         if needs_bias and ctx.has_bias:
             grad_bias = grad2d.sum(dim=0)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, *[None] * 7
+
+
+def _weight_casts_needed(cached, fprop: bool, dgrad: bool) -> bool:
+    """Whether the weight must be cast now: a GEMM reads it in FP8 and ``cached`` (the step's
+    first micro-batch's casts) lacks the copy it reads."""
+    if not (fprop or dgrad):
+        return False
+    return cached is None or (dgrad and cached[1] is None)
 
 
 def cast_weight(
@@ -297,20 +325,24 @@ def stateless_fp8_linear(
     cached_weight: tuple[Quantized, Quantized | None] | None = None,
     track: dict | None = None,
     record: CastRecord | None = None,
-) -> tuple[torch.Tensor, tuple[Quantized, Quantized | None]]:
-    """One FP8 linear under ``recipe``. Returns the output and the weight's casts; pass those
-    back as ``cached_weight`` on later micro-batches of a step to skip casting the weight again
-    (TE's ``is_first_microbatch=False``)."""
+    gemms: frozenset[str] = ALL_GEMMS,
+) -> tuple[torch.Tensor, tuple[Quantized, Quantized | None] | None]:
+    """One FP8 linear under ``recipe``, the GEMMs ``gemms`` in FP8 and the others in high
+    precision. Returns the output and the weight's casts (None: no FP8 GEMM read the weight);
+    pass those back as ``cached_weight`` on later micro-batches of a step to skip casting the
+    weight again (TE's ``is_first_microbatch=False``)."""
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {weight.shape[1]}")
     builds_graph = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias)
     )
-    dgrad = builds_graph and x.requires_grad
+    fp8_dgrad = builds_graph and x.requires_grad and "dgrad" in gemms
     wgrad = builds_graph and weight.requires_grad
-    if cached_weight is None or (dgrad and cached_weight[1] is None):
-        cached_weight = cast_weight(weight, recipe, dgrad=dgrad, track=track, record=record)
+    if _weight_casts_needed(cached_weight, "fprop" in gemms, fp8_dgrad):
+        # The row-wise cast is made whenever the weight is cast, as TE's debug quantizer does
+        # for a tensor only a column-wise GEMM reads in FP8.
+        cached_weight = cast_weight(weight, recipe, dgrad=fp8_dgrad, track=track, record=record)
     out = StatelessFp8LinearFunction.apply(
-        x, weight, bias, cached_weight, recipe, gemm, track, record, wgrad
+        x, weight, bias, cached_weight or (None, None), recipe, gemm, track, record, wgrad, gemms
     )
     return out, cached_weight

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from fp8ops.precision.gemms import ALL_GEMMS, GEMMS
+
 
 @dataclass
 class Probe:
@@ -42,14 +44,28 @@ class Probe:
         self.cast_logs.append(log)
         return log
 
-    def fp8_call(self, x: torch.Tensor, out: torch.Tensor, weight, bias, *, error=True) -> None:
-        """After an FP8 forward: count its GEMMs; measure the input and, when sampling, the
-        error against the same GEMM in the input's dtype. ``error=False`` where ``out`` is not
-        ``x @ weight.T + bias`` (a TE LayerNormLinear normalises ``x`` first)."""
-        self.fp8_gemms += _gemms(x, weight)
+    def fp8_call(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        weight,
+        bias,
+        *,
+        error=True,
+        fp8_gemms: frozenset[str] = ALL_GEMMS,
+    ) -> None:
+        """After an FP8 forward: count its GEMMs, in FP8 (``fp8_gemms``) and not; measure the
+        input and, when sampling, the error against the same GEMM in the input's dtype (not
+        when fprop itself ran in high precision: there is no FP8 output to compare).
+        ``error=False`` where ``out`` is not ``x @ weight.T + bias`` (a TE LayerNormLinear
+        normalises ``x`` first)."""
+        ran = _gemms(x, weight)
+        in_fp8 = sum(g in fp8_gemms for g in ran)
+        self.fp8_gemms += in_fp8
+        self.fallback_gemms += len(ran) - in_fp8
         if self.measure:
             self.input_norm = _norm(x)
-        if self.sample_error and error:
+        if self.sample_error and error and "fprop" in fp8_gemms:
             x_rows, out_rows = _token_sample(x, out, self.error_tokens)
             with torch.no_grad():
                 reference = F.linear(x_rows, weight.detach(), bias).float()
@@ -61,7 +77,7 @@ class Probe:
         """After a forward in the base dtype (the module is held out of FP8, or no scope).
         ``sequence_group``: the TP group ``x``'s sequence is split over (sequence parallelism),
         whose parts make up the input the FP8 path measures after gathering it (collective)."""
-        self.fallback_gemms += _gemms(x, weight)
+        self.fallback_gemms += len(_gemms(x, weight))
         if self.measure:
             if sequence_group is None or dist.get_world_size(sequence_group) == 1:
                 self.input_norm = _norm(x)
@@ -87,10 +103,10 @@ class Probe:
         return record
 
 
-def _gemms(x: torch.Tensor, weight) -> int:
+def _gemms(x: torch.Tensor, weight) -> tuple[str, ...]:
     # fprop, plus dgrad and wgrad when this call will run a backward.
     builds_graph = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return 3 if builds_graph else 1
+    return GEMMS if builds_graph else ("fprop",)
 
 
 def _norm(x: torch.Tensor) -> torch.Tensor:

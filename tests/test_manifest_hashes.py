@@ -209,6 +209,25 @@ REPORTING = {
     "notifications.retries": 1,
     "notifications.exit_wait_seconds": 30.0,
 }
+PER_GEMM = {
+    "precision.scaling": "current",
+    "precision.amax_history_len": 1024,
+    "precision.overrides": [
+        {
+            "module": "decoder.layers.3.mlp.linear_fc2",
+            "reason": "grads",
+            "gemms": ["wgrad", "dgrad"],
+        }
+    ],
+    "precision.module_recipes": [
+        {
+            "modules": ["decoder.layers.0.*"],
+            "scaling": "current",
+            "reason": "wgrad in bf16",
+            "gemms": ["fprop", "dgrad"],
+        }
+    ],
+}
 
 
 def _from_tiny(changes: dict[str, Any]) -> Manifest:
@@ -237,6 +256,8 @@ CASES = {
     "second-revision": _second_revision,
     # Added after the cases above were pinned (alerts.update_blowup_factor): a case of its own.
     "update-blowup-off": lambda: _from_tiny({"alerts.update_blowup_factor": None}),
+    # Added with per-GEMM precision (precision.overrides[].gemms, module_recipes[].gemms).
+    "per-gemm": lambda: _from_tiny(PER_GEMM),
 }
 
 # As tests/test_manifest.py pins them; here beside the rest.
@@ -252,6 +273,7 @@ BUILT = {
     "llama-shaped": "e8049efe2d4f7dd5b3217718578a0331018f1ceb7b842d4a11833b4393405396",
     "minimal": "0cb8ad7cf990b5d68fdae7435048d1475aa8bd921cf1583845d8d0c199cecc9f",
     "parallel": "e355d025a6ff01c7562b838186cc41fbfeb7f45325cd49fef12521299662dbf0",
+    "per-gemm": "e93de4bd4bfae6701eb369e7d577d30960ab3822bac88f51f7495cba568c3177",
     "precision-block": "725fd2a20587795a3005af48cf1bbedcc35c57e3707c90968525de3686168757",
     "precision-block-2d-inputs": "56522112086d3c47f3aa7d5e811633f17bd397577b90da1ec8d801ae269f1048",
     "precision-current": "c6bb1f79ce23141edaf0c0f9059c26332af72bd37727e2c7ca120d97fc069098",

@@ -1,15 +1,17 @@
 """What the ``precision`` section says about single modules: the shape rule that keeps small
 GEMMs out of FP8, the modules taken back to BF16 (``overrides``), and the modules that run
-another recipe (``module_recipes``)."""
+another recipe (``module_recipes``); each of the last two for all of a module's GEMMs or, with
+``gemms``, some of them (``fp8ops.gemm_roles``)."""
 
 from __future__ import annotations
 
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, field_validator
+from pydantic import AfterValidator, BeforeValidator, Field, field_validator
 
-from fp8ops.manifest.base import Globs, NonEmptyStr, Section, Sha256, added_field
+from fp8ops.gemm_roles import ALL_GEMMS, gemms_problem, in_order
+from fp8ops.manifest.base import Globs, NonEmptyStr, Section, Sha256, added_field, list_to_tuple
 
 
 class SmallGemmRule(Section):
@@ -57,6 +59,22 @@ def _check_fqn(value: str) -> str:
 ModuleFqn = Annotated[str, AfterValidator(_check_fqn)]
 
 
+def _check_gemms(value: tuple[str, ...]) -> tuple[str, ...]:
+    problem = gemms_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return in_order(value)  # one order, so [wgrad, dgrad] and [dgrad, wgrad] hash alike
+
+
+# A subset of a linear's GEMMs (fprop, dgrad, wgrad), stored in that order.
+Gemms = Annotated[tuple[str, ...], BeforeValidator(list_to_tuple), AfterValidator(_check_gemms)]
+
+
+def _some_gemms(gemms: tuple[str, ...] | None) -> bool:
+    """Whether ``gemms`` names fewer than a module's three GEMMs (None: all three)."""
+    return gemms is not None and frozenset(gemms) != ALL_GEMMS
+
+
 class Bf16Override(Section):
     """One module taken out of FP8 into the base dtype (a per-layer fallback).
 
@@ -79,6 +97,20 @@ class Bf16Override(Section):
             "training (no person approved it); null: approved by an operator, or hand-written."
         ),
     )
+    gemms: Gemms | None = added_field(
+        None,
+        added_in="0.1.0",
+        description=(
+            "The module's GEMMs that run in the base dtype, of fprop (y = x W^T), dgrad "
+            "(dx = dy W) and wgrad (dW = dy^T x), e.g. [dgrad, wgrad] for saturating "
+            "gradients; the others stay FP8. null: all three, the whole module."
+        ),
+    )
+
+    @property
+    def some_gemms(self) -> bool:
+        """Whether it takes fewer than the module's three GEMMs out of FP8."""
+        return _some_gemms(self.gemms)
 
 
 class ModuleRecipe(Section):
@@ -100,6 +132,19 @@ class ModuleRecipe(Section):
     approval: Sha256 | None = Field(
         None, description="sha256 of the ledger record that approved it; null if hand-written."
     )
+    gemms: Gemms | None = added_field(
+        None,
+        added_in="0.1.0",
+        description=(
+            "The GEMMs of these modules that run this recipe, of fprop, dgrad and wgrad; the "
+            "others run in base_dtype (a module runs one recipe). null: all three."
+        ),
+    )
+
+    @property
+    def some_gemms(self) -> bool:
+        """Whether these modules run fewer than their three GEMMs in FP8."""
+        return _some_gemms(self.gemms)
 
     @field_validator("scaling", mode="before")
     @classmethod

@@ -23,6 +23,7 @@ class PrecisionPolicy(PrecisionFields):
         problems += _duplicate_globs("overrides", tuple(o.module for o in self.overrides))
         problems += self._recipe_fields()
         problems += self._module_recipe_rules()
+        problems += self._gemm_rules()
         algo = self.amax_algo
         if algo.kind == "trimmed_max" and algo.k >= self.amax_history_len:
             problems.append(
@@ -109,7 +110,8 @@ class PrecisionPolicy(PrecisionFields):
             later = self.module_recipes[i + 1 :]
             own = entry.scaling == self.scaling and entry.approval is None
             differing = self._stateless_fields_set() if own else []
-            if own and all(e.scaling == self.scaling for e in later):
+            # With some of their GEMMs only, the run's own recipe changes the others to base_dtype.
+            if own and not entry.some_gemms and all(e.scaling == self.scaling for e in later):
                 # Before an entry of another recipe, it keeps modules from that entry's globs
                 # (the first match decides); admission checks that it keeps some.
                 problems.append(
@@ -147,6 +149,24 @@ class PrecisionPolicy(PrecisionFields):
                 problems.append((where, entry.scaling, _mxfp8_on_scaled_mm(way_out)))
         return problems
 
+    def _gemm_rules(self) -> list:
+        """Per-GEMM precision (``gemms``) runs on fp8ops' own layers: Transformer Engine's take
+        a whole module in or out of FP8 here (its debug API's DisableQuantizationGEMM is what
+        ``fp8ops overrides export-te`` writes for a TE run)."""
+        if self.backend != "te":
+            return []
+        return [
+            (
+                ("overrides", i, "gemms"),
+                list(o.gemms),
+                "per-GEMM overrides are not wired to Transformer Engine's layers in fp8ops yet "
+                "(TE runs a module's GEMMs all in FP8 or all in BF16 here); remove gemms (the "
+                "whole module) or use backend 'emulated'",
+            )
+            for i, o in enumerate(self.overrides)
+            if o.some_gemms
+        ]
+
     def _stateless_fields_set(self) -> list[str]:
         """The run's current/block fields that differ from TE's defaults for its recipe."""
         defaults = {
@@ -167,6 +187,8 @@ class PrecisionPolicy(PrecisionFields):
         text = recipe_line(self)
         for entry in self.module_recipes:
             text += f"; {entry.scaling} for {', '.join(entry.modules)}"
+            if entry.some_gemms:
+                text += f" ({', '.join(entry.gemms)} only)"
         return text
 
 

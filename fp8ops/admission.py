@@ -31,10 +31,13 @@ from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
 from fp8ops.errors import ManifestError
+from fp8ops.gemm_roles import ALL_GEMMS, GEMMS, describe
 from fp8ops.run.records import (
     AdmissionRow,
     AdmissionTable,
     Formats,
+    GemmPrecision,
+    GemmPrecisions,
     GemmShape,
     Reason,
     ReasonCode,
@@ -207,6 +210,7 @@ def decide_admission(
         own = module_recipe(precision, f.fqn)
         scaling = own[1].scaling if own else precision.scaling
         reason = _decide(f, rank_shape, precision, fp8_gemm_sizes(precision.backend, scaling))
+        reason, gemms = _decide_gemms(f.fqn, reason, precision)
         rows.append(
             AdmissionRow(
                 fqn=f.fqn,
@@ -219,9 +223,11 @@ def decide_admission(
                 formats=formats if reason.code == "fp8" else None,
                 reason=reason,
                 scaling=own[1].scaling if own and reason.code == "fp8" else None,
+                gemms=gemms,
             )
         )
     rows = every_stage(rows)
+    _refuse_gemms_never_fp8(rows, precision)
     if refuse_idle_recipes:
         _refuse_idle_module_recipes(rows, precision)
     _refuse_unaligned(rows, precision)
@@ -284,16 +290,9 @@ def _decide(
     exclude = _first_match(f.fqn, "exclude_modules", precision.exclude_modules)
     if exclude:
         return Reason(code="excluded", text=f"excluded by {exclude}")
-    override = next((o for o in precision.overrides if o.module == f.fqn), None)
-    if override is not None:
-        approval = (
-            f"approved in the ledger as {override.approval[:12]}"
-            if override.approval
-            else ("written in the manifest")
-        )
-        if override.policy:
-            approval += f" by the auto-degrade policy of revision {override.policy[:12]}"
-        return Reason(code="override", text=f"BF16 override ({approval}): {override.reason}")
+    override = _override(precision, f.fqn)
+    if override is not None and not override.some_gemms:  # some GEMMs: _decide_gemms
+        return Reason(code="override", text=_override_text(override))
     text = f"included by {include}"
     if precision.small_gemm.enabled:
         too_small = small_gemm_verdict(precision.small_gemm, rank_shape)
@@ -319,8 +318,89 @@ def _decide(
     return Reason(code="fp8", text=text)
 
 
+def _override(precision: PrecisionPolicy, fqn: str) -> Any:
+    return next((o for o in precision.overrides if o.module == fqn), None)
+
+
+def _override_text(override: Any) -> str:
+    approval = (
+        f"approved in the ledger as {override.approval[:12]}"
+        if override.approval
+        else "written in the manifest"
+    )
+    if override.policy:
+        approval += f" by the auto-degrade policy of revision {override.policy[:12]}"
+    what = (
+        "BF16 override"
+        if not override.some_gemms
+        else f"BF16 override of {describe(override.gemms)}"
+    )
+    return f"{what} ({approval}): {override.reason}"
+
+
+def _decide_gemms(
+    fqn: str, reason: Reason, precision: PrecisionPolicy
+) -> tuple[Reason, GemmPrecisions]:
+    """Each of a module's GEMMs (``fp8ops.gemm_roles``) and why, given the module's
+    ``reason``: a module in the base dtype runs all three there; an FP8 module runs in FP8 those
+    its ``module_recipes`` entry names (all three without ``gemms``) less those its override
+    names. A module left with no FP8 GEMM runs in the base dtype, for its override. Returns the
+    module's reason (changed in that case) and its GEMMs."""
+    base = precision.base_dtype
+    if reason.code != "fp8":
+        return reason, GemmPrecisions.uniform(base, reason)
+    own, override = module_recipe(precision, fqn), _override(precision, fqn)
+    decided = {}
+    for gemm in GEMMS:
+        if own is not None and own[1].some_gemms and gemm not in own[1].gemms:
+            index, entry = own
+            text = (
+                f"precision.module_recipes[{index}] runs {describe(entry.gemms)} of these "
+                f"modules under {entry.scaling} scaling, the others in {base} ({entry.reason})"
+            )
+            decided[gemm] = GemmPrecision(
+                precision=base, reason=Reason(code="module_recipe", text=text)
+            )
+        elif override is not None and gemm in override.gemms:
+            decided[gemm] = GemmPrecision(
+                precision=base, reason=Reason(code="override", text=_override_text(override))
+            )
+        else:
+            decided[gemm] = GemmPrecision(precision="fp8", reason=reason)
+    if all(d.precision == base for d in decided.values()):
+        reason = Reason(code="override", text=_override_text(override) + "; no GEMM left in FP8")
+    return reason, GemmPrecisions(**decided)
+
+
+def _refuse_gemms_never_fp8(rows: list[AdmissionRow], precision: PrecisionPolicy) -> None:
+    """An override naming GEMMs of a module that never runs FP8 (an embedding, the LM head, a
+    norm, a plain linear) is a mistake: no GEMM of it can leave FP8."""
+    by_fqn = {row.fqn: row for row in rows}
+    problems = [
+        f"  precision.overrides[{i}].gemms: {o.module} is {_NEVER_WORDS[row.reason.code]}, which "
+        "never runs FP8"
+        for i, o in enumerate(precision.overrides)
+        if o.gemms is not None
+        and (row := by_fqn.get(o.module)) is not None
+        and row.reason.code in _NEVER_FP8
+    ]
+    if problems:
+        raise AdmissionError(
+            "per-GEMM overrides of modules that have no FP8 GEMM:\n"
+            + "\n".join(problems)
+            + "\nRemove them in a new revision (fp8ops manifest derive --set "
+            "'precision.overrides=[...]' ...)."
+        )
+
+
 # Modules no glob can put in FP8, whatever the manifest says.
 _NEVER_FP8 = ("embedding", "lm_head", "norm", "not_fp8_capable")
+_NEVER_WORDS = {
+    "embedding": "an embedding",
+    "lm_head": "the LM head",
+    "norm": "a norm",
+    "not_fp8_capable": "a plain linear (built from the plain spec)",
+}
 
 
 def _refuse_idle_module_recipes(rows: list[AdmissionRow], precision: PrecisionPolicy) -> None:
@@ -355,7 +435,7 @@ def _refuse_idle_module_recipes(rows: list[AdmissionRow], precision: PrecisionPo
                 f"{where}: every module it matches is decided by an earlier entry "
                 f"(precision.module_recipes[{first}]); the first matching entry decides"
             )
-        elif entry.scaling == precision.scaling:
+        elif entry.scaling == precision.scaling and not entry.some_gemms:
             later = [e for e in precision.module_recipes[index + 1 :] if e.scaling != entry.scaling]
             if not any(_matches(r.fqn, e.modules) for r in decided for e in later):
                 problems.append(
@@ -650,7 +730,8 @@ def _suggest(glob: str, fqns: list[str]) -> str | None:
 
 
 def apply_admission(table: AdmissionTable, model: nn.Module) -> None:
-    """Set ``fp8_enabled`` on every FP8-capable linear of ``model`` as ``table`` decided.
+    """Set ``fp8_enabled`` (and ``fp8_gemms``: which GEMMs) on every FP8-capable linear of
+    ``model`` as ``table`` decided.
 
     The table must list exactly the model's linear-like modules (one decided for, or read from
     the ``layers.json`` of, the same model); otherwise nothing is changed and
@@ -692,8 +773,17 @@ def apply_admission(table: AdmissionTable, model: nn.Module) -> None:
             f"the model's modules run other recipes than the admission table says: {_few(wrong)} "
             "(build the model from the manifest the table was decided for)"
         )
+    wrong = [row.fqn for row in here if row.some_gemms and row.fqn not in own]
+    if wrong:
+        raise AdmissionError(
+            f"the admission table runs some GEMMs of {_few(wrong)} in FP8 and others not, which "
+            "only fp8ops' own FP8 layers do (not Transformer Engine's)"
+        )
     for fqn, module in capable.items():
-        module.fp8_enabled = table.row(fqn).fp8
+        row = table.row(fqn)
+        module.fp8_enabled = row.fp8
+        if fqn in own:
+            module.fp8_gemms = frozenset(row.fp8_gemms) if row.fp8 else ALL_GEMMS
 
 
 def _few(names: list[str], limit: int = 4) -> str:

@@ -173,6 +173,82 @@ def test_an_override_is_its_own_reason_and_counted_in_the_summary(model, manifes
     )
 
 
+def test_an_override_of_some_gemms_keeps_the_module_fp8_and_says_why_per_gemm(model, manifest):
+    fc2 = "decoder.layers.1.mlp.linear_fc2"
+    table = decide(
+        model, manifest, overrides=[{"module": fc2, "reason": "grads", "gemms": ["wgrad", "dgrad"]}]
+    )
+    row = table.row(fc2)
+    assert (row.precision, row.reason.code, row.fp8_gemms) == ("fp8", "fp8", ("fprop",))
+    assert row.gemms.fprop.reason == row.reason
+    for gemm in (row.gemms.dgrad, row.gemms.wgrad):
+        assert (gemm.precision, gemm.reason.code) == ("bf16", "override")
+        assert gemm.reason.text == (
+            "BF16 override of dgrad and wgrad (written in the manifest): grads"
+        )
+    assert row.gemm_summary() == "fprop fp8; dgrad, wgrad bf16"
+    assert table.summary() == (
+        "8 of 16 modules FP8; 8 in bf16: 2 embedding, 1 LM head, 5 norm; "
+        "1 FP8 with some GEMMs in the base dtype"
+    )
+    # Every other module: all three GEMMs as the module, for its reason.
+    for other in table.rows:
+        if other.fqn != fc2:
+            assert {g.reason for _, g in other.gemms.items()} == {other.reason}
+            assert {g.precision for _, g in other.gemms.items()} == {other.precision}
+
+
+def test_a_module_recipe_of_some_gemms_and_an_override_of_the_rest_leave_no_fp8_gemm(
+    model, manifest
+):
+    fc1 = "decoder.layers.0.mlp.linear_fc1"
+    entry = {**recipe_entry(["decoder.layers.0.*"]), "gemms": ["fprop"]}
+    table = decide(model, manifest, module_recipes=[entry])
+    row = table.row(fc1)
+    assert (row.scaling, row.fp8_gemms) == ("current", ("fprop",))
+    assert row.gemms.wgrad.reason.code == "module_recipe"
+    assert "precision.module_recipes[0] runs fprop of these modules" in row.gemms.wgrad.reason.text
+    both = decide(
+        model,
+        manifest,
+        module_recipes=[entry],
+        overrides=[{"module": fc1, "reason": "all of it", "gemms": ["fprop"]}],
+    ).row(fc1)
+    assert (both.precision, both.reason.code, both.fp8_gemms, both.scaling) == (
+        "bf16",
+        "override",
+        (),
+        None,
+    )
+    assert both.reason.text.endswith("; no GEMM left in FP8")
+
+
+def test_a_per_gemm_override_of_a_module_that_never_runs_fp8_is_refused(model, manifest):
+    overrides = [
+        {"module": "output_layer", "reason": "x", "gemms": ["wgrad"]},
+        {"module": "decoder.layers.0.mlp.linear_fc1", "reason": "y", "gemms": ["wgrad"]},
+        {"module": "decoder.final_layernorm", "reason": "z", "gemms": ["fprop"]},
+    ]
+    with pytest.raises(AdmissionError) as found:
+        decide(model, manifest, overrides=overrides)
+    message = str(found.value)
+    assert "precision.overrides[0].gemms: output_layer is the LM head, which never runs FP8" in (
+        message
+    )
+    assert "precision.overrides[2].gemms: decoder.final_layernorm is a norm" in message
+    assert "overrides[1]" not in message
+
+
+def test_applied_admission_sets_each_modules_fp8_gemms(manifest, recipe):
+    model = build_gpt(manifest, recipe)
+    fc2 = "decoder.layers.1.mlp.linear_fc2"
+    table = decide(model, manifest, overrides=[{"module": fc2, "reason": "g", "gemms": ["wgrad"]}])
+    apply_admission(table, model)
+    modules = fp8_modules(model)
+    assert modules[fc2].fp8_gemms == {"fprop", "dgrad"} and modules[fc2].fp8_enabled
+    assert all(m.fp8_gemms == {"fprop", "dgrad", "wgrad"} for n, m in modules.items() if n != fc2)
+
+
 def test_a_bf16_twins_table_decided_again_admits_what_the_fp8_model_admits(model, manifest):
     """``admitted_under``: a dual-track control's layers.json (the plain model, FP8 off) says
     which modules the FP8 candidate will run in FP8, under each kind of rule."""
@@ -442,6 +518,41 @@ def test_layers_json_round_trip(run_dir, model, manifest, recipe):
     assert os.listdir(run_dir) == ["layers.json"]  # no temporary file left behind
 
 
+def test_per_gemm_rows_round_trip_and_uniform_rows_hash_as_before_the_field(
+    tmp_path, model, manifest, recipe
+):
+    """A row whose three GEMMs run as the module hashes as a row of a table written before
+    per-GEMM precision (no ``gemms``): a run's table keeps the identity its checkpoints carry.
+    Such an older file reads, its FP8 rows running all three GEMMs in FP8."""
+    from fp8ops.run.records import table_hash
+
+    fc2 = "decoder.layers.1.mlp.linear_fc2"
+    m = revised(manifest, overrides=[{"module": fc2, "reason": "g", "gemms": ["dgrad", "wgrad"]}])
+    table = decide_admission(model, m.precision, tensor_parallel=1)
+    write_layers_json(tmp_path, table, recipe, tensor_parallel=1, manifest_hash="0" * 64)
+    document = read_layers_json(tmp_path)
+    assert document.table == table and document.table.row(fc2).fp8_gemms == ("fprop",)
+
+    plain = decide(model, manifest)
+    old_rows = tuple(row.model_copy(update={"gemms": None}) for row in plain.rows)
+    record = document.recipe
+    assert table_hash(plain.rows, record) == table_hash(old_rows, record)
+    assert table_hash(table.rows, record) != table_hash(plain.rows, record)
+    raw = json.loads((tmp_path / "layers.json").read_text())
+    for row in raw["rows"]:
+        del row["gemms"]
+    raw["rows"] = [r for r in raw["rows"] if r["fqn"] != fc2] + [
+        json.loads(plain.row(fc2).model_dump_json(by_alias=True, exclude={"gemms"}))
+    ]
+    raw["table_hash"] = table_hash(
+        tuple(plain.row(r["fqn"]).model_copy(update={"gemms": None}) for r in raw["rows"]), record
+    )
+    (tmp_path / "layers.json").write_text(json.dumps(raw))
+    old = read_layers_json(tmp_path).table
+    assert old.row(fc2).gemms is None and old.row(fc2).fp8_gemms == ("fprop", "dgrad", "wgrad")
+    assert old.row("output_layer").fp8_gemms == ()
+
+
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(
     run_dir, model, manifest, recipe, monkeypatch
 ):
@@ -468,6 +579,11 @@ def test_a_corrupt_or_edited_layers_json_is_refused_naming_the_file(run_dir):
 
     edited = json.loads(text)
     edited["rows"][3]["precision"] = "fp8"
+    path.write_text(json.dumps(edited))
+    with pytest.raises(LayersFileError, match=r"rows\[3\]: .*runs fp8, but its GEMMs say"):
+        read_layers_json(run_dir)
+    for gemm in edited["rows"][3]["gemms"].values():  # edited as the row: only the hash tells
+        gemm["precision"] = "fp8"
     path.write_text(json.dumps(edited))
     with pytest.raises(LayersFileError, match="table_hash .* does not match its rows"):
         read_layers_json(run_dir)
@@ -505,6 +621,20 @@ def test_inspect_layers_prints_every_module_and_the_summary(run_dir, capsys):
 
     code, out, _ = inspect(run_dir, capsys=capsys)
     assert code == 0 and "4 of 16 modules FP8" in out and "decoder.layers" not in out
+
+
+def test_inspect_layers_shows_each_gemm_of_a_partly_fp8_module(
+    tmp_path, model, manifest, recipe, capsys
+):
+    fc2 = "decoder.layers.1.mlp.linear_fc2"
+    m = revised(manifest, overrides=[{"module": fc2, "reason": "grads", "gemms": ["wgrad"]}])
+    table = decide_admission(model, m.precision, tensor_parallel=1)
+    write_layers_json(tmp_path, table, recipe, tensor_parallel=1, manifest_hash="0" * 64)
+    code, out, _ = inspect(tmp_path, "--layers", capsys=capsys)
+    assert code == 0
+    assert "fprop, dgrad fp8; wgrad bf16" in " ".join(out.split())
+    assert "wgrad: BF16 override of wgrad (written in the manifest): grads" in " ".join(out.split())
+    assert "1 FP8 with some GEMMs in the base dtype" in out
 
 
 def test_inspect_without_a_run_is_a_user_error(tmp_path, capsys):

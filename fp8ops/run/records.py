@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fp8ops.errors import Fp8opsError
 from fp8ops.files import atomic_write_text, loads_json, read_jsonl
+from fp8ops.gemm_roles import GEMMS
 from fp8ops.run.layout import RunLayout
 
 
@@ -232,7 +233,9 @@ ReasonCode = Literal[
     "norm",
     "override",
     "unaligned",
+    "module_recipe",  # a GEMM's only: its module_recipes entry runs other GEMMs of the module
 ]
+Precision = Literal["fp8", "bf16", "fp16", "fp32"]  # "fp8" or precision.base_dtype
 
 
 class _LayersRecord(BaseModel):
@@ -272,8 +275,35 @@ class Formats(_LayersRecord):
     backward: Literal["E4M3", "E5M2"]
 
 
+class GemmPrecision(_LayersRecord):
+    """What one of a module's GEMMs runs in, and why: FP8 under the module's recipe (the row's
+    ``scaling``, else the file's recipe), or the base dtype."""
+
+    precision: Precision
+    reason: Reason
+
+
+class GemmPrecisions(_LayersRecord):
+    """A module's three GEMMs (``fp8ops.gemm_roles``): fprop ``y = x W^T``, dgrad ``dx = dy W``,
+    wgrad ``dW = dy^T x``."""
+
+    fprop: GemmPrecision
+    dgrad: GemmPrecision
+    wgrad: GemmPrecision
+
+    @classmethod
+    def uniform(cls, precision: str, reason: Reason) -> GemmPrecisions:
+        """All three as their module."""
+        each = GemmPrecision(precision=precision, reason=reason)
+        return cls(fprop=each, dgrad=each, wgrad=each)
+
+    def items(self) -> list[tuple[str, GemmPrecision]]:
+        return [(name, getattr(self, name)) for name in GEMMS]
+
+
 class AdmissionRow(_LayersRecord):
-    """One linear-like module and the precision it runs in."""
+    """One linear-like module and the precision it runs in: "fp8" when some of its GEMMs run
+    FP8 (``gemms`` says which), else the base dtype."""
 
     fqn: str = Field(min_length=1)
     kind: Kind
@@ -281,16 +311,54 @@ class AdmissionRow(_LayersRecord):
     global_shape: GemmShape
     rank_shape: GemmShape
     params_dtype: str
-    precision: Literal["fp8", "bf16", "fp16", "fp32"]  # "fp8" or precision.base_dtype
+    precision: Precision
     formats: Formats | None  # None unless precision is "fp8"
     reason: Reason
     # The module's own recipe (precision.module_recipes) where it runs FP8 under another than
     # the run's; None: the run's (and every table written before per-module recipes).
     scaling: Literal["current", "block", "mxfp8"] | None = None
+    # Each GEMM's precision and why; None (tables written before per-GEMM precision): all three
+    # as the module.
+    gemms: GemmPrecisions | None = None
+
+    @model_validator(mode="after")
+    def _gemms_agree(self) -> AdmissionRow:
+        if self.gemms is None:
+            return self
+        fp8 = [name for name, gemm in self.gemms.items() if gemm.precision == "fp8"]
+        other = {gemm.precision for _, gemm in self.gemms.items()} - {"fp8"}
+        # FP8 iff a GEMM is; the others in one dtype, the row's when none is FP8
+        base = other if self.precision == "fp8" else other | {self.precision}
+        if (self.precision == "fp8") != bool(fp8) or len(base) > 1:
+            raise ValueError(
+                f"gemms: {self.fqn} runs {self.precision}, but its GEMMs say "
+                f"{', '.join(f'{n} {g.precision}' for n, g in self.gemms.items())}"
+            )
+        return self
 
     @property
     def fp8(self) -> bool:
         return self.precision == "fp8"
+
+    @property
+    def fp8_gemms(self) -> tuple[str, ...]:
+        """The GEMMs that run FP8, in the order fprop, dgrad, wgrad."""
+        if self.gemms is None:
+            return GEMMS if self.fp8 else ()
+        return tuple(name for name, gemm in self.gemms.items() if gemm.precision == "fp8")
+
+    @property
+    def some_gemms(self) -> bool:
+        """An FP8 module with some of its GEMMs in the base dtype."""
+        return self.fp8 and len(self.fp8_gemms) < len(GEMMS)
+
+    def gemm_summary(self) -> str:
+        """Its GEMMs in words: "fp8", "bf16", or "fprop fp8; dgrad, wgrad bf16"."""
+        if not self.some_gemms:
+            return self.precision
+        high = [(name, gemm) for name, gemm in self.gemms.items() if gemm.precision != "fp8"]
+        dtype = high[0][1].precision
+        return f"{', '.join(self.fp8_gemms)} fp8; {', '.join(n for n, _ in high)} {dtype}"
 
 
 @dataclass(frozen=True)
@@ -325,6 +393,9 @@ class AdmissionTable:
             dtypes = "/".join(sorted(set(base)))
             parts = ", ".join(f"{n} {_SUMMARY_LABELS[code]}" for code, n in counts.items())
             line += f"; {len(base)} in {dtypes}: {parts}"
+        some = sum(row.some_gemms for row in self.rows)
+        if some:
+            line += f"; {some} FP8 with some GEMMs in the base dtype"
         return line
 
 
@@ -425,9 +496,17 @@ def table_hash(rows: tuple[AdmissionRow, ...], recipe: RecipeRecord) -> str:
 
 
 def _hashed_row(row: AdmissionRow) -> dict:
-    content = row.model_dump(mode="json", by_alias=True, exclude={"reason": {"text"}})
+    texts = {name: {"reason": {"text"}} for name in GEMMS}
+    content = row.model_dump(
+        mode="json", by_alias=True, exclude={"reason": {"text"}, "gemms": texts}
+    )
     if content["scaling"] is None:  # the run's recipe: a row hashes as it did before the field
         del content["scaling"]
+    # All three GEMMs as the module: hashed as before per-GEMM precision, so a run's table
+    # keeps the identity its checkpoints carry.
+    uniform = {"precision": row.precision, "reason": {"code": row.reason.code}}
+    if content["gemms"] is None or all(g == uniform for g in content["gemms"].values()):
+        del content["gemms"]
     return content
 
 

@@ -68,8 +68,8 @@ def inspect_command(
                 row.parallel,
                 str(row.global_shape),
                 str(row.rank_shape),
-                row.precision,
-                row.reason.text,
+                row.gemm_summary(),
+                _reason(row),
             )
         out.print(grid)
     out.print(table.summary())
@@ -89,6 +89,17 @@ def _imported(run_dir: Path):
     if layout.layers.is_file() or not layout.run_record.is_file():
         return None
     return read_run_record(run_dir).imported
+
+
+def _reason(row) -> str:
+    """A row's reason, and for a module with some GEMMs in the base dtype theirs."""
+    if not row.some_gemms:
+        return row.reason.text
+    by_text: dict[str, list[str]] = {}
+    for name, gemm in row.gemms.items():
+        if gemm.precision != "fp8":
+            by_text.setdefault(gemm.reason.text, []).append(name)
+    return row.reason.text + "".join(f"; {', '.join(n)}: {t}" for t, n in by_text.items())
 
 
 def _print_imported(out: Console, run_dir: Path, imported, layers: bool) -> None:

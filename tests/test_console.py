@@ -241,6 +241,24 @@ def test_a_module_staged_to_current_scaling_previews_a_module_recipe(run_copy):
     assert f"applies {staged['hash'][:12]}: {module} -&gt; current scaling" in preview
 
 
+def test_a_module_staged_for_some_gemms_previews_an_override_of_those(run_copy):
+    app = console(run_copy, user="ana")
+    module = app.module.value
+    assert app.stage_gemms.value == ("fprop", "dgrad", "wgrad")  # the whole module by default
+    app.stage_reason.value = "gradients saturate"
+    app.stage_gemms.value = ("dgrad", "wgrad")
+    app.stage_button.click()
+    (staged,) = ledger_lines(run_copy)
+    assert staged["gemms"] == ["dgrad", "wgrad"]
+    assert f"staged {module} to bf16 (dgrad, wgrad)" in app.message.value
+    assert app.stage_gemms.value == ("fprop", "dgrad", "wgrad")  # back for the next staging
+    app.user.value = "ben"
+    app.approve_button.click()
+    preview = app.resume_preview.value
+    assert f"applies {staged['hash'][:12]}: {module} -&gt; bf16 (dgrad, wgrad)" in preview
+    assert "precision.overrides" in preview
+
+
 def test_self_approval_when_the_manifest_allows_it(run_copy):
     solo = derive(
         load_manifest(run_copy / "manifest.yaml"),

@@ -106,6 +106,70 @@ def test_stage_then_approve(run_dir):
     assert (entry.module, entry.reason, entry.approval) == (FC1, staged.reason, records[1]["hash"])
 
 
+def test_an_override_of_some_gemms_is_recorded_and_applied_as_such(run_dir):
+    ledger = Ledger(run_dir)
+    staged = ledger.stage(FC1, "gradients saturate", who="ana", gemms=["wgrad", "dgrad"])
+    assert staged.gemms == ("dgrad", "wgrad") and staged.target == "bf16 (dgrad, wgrad)"
+    (record,) = [json.loads(line) for line in lines(run_dir)]
+    assert record["gemms"] == ["dgrad", "wgrad"]  # in one order, whatever order was given
+    approved = ledger.approve(staged.id, who="ben")
+    entry = approved.as_manifest_override()
+    assert (entry.module, entry.gemms, entry.approval) == (
+        FC1,
+        ("dgrad", "wgrad"),
+        approved.approval,
+    )
+    assert Ledger(run_dir).get(staged.id).gemms == ("dgrad", "wgrad")  # read back from the file
+    # All three named: the whole module, recorded as every override was before per-GEMM ones.
+    whole = ledger.stage(QKV, "x", who="ana", gemms=["fprop", "dgrad", "wgrad"])
+    assert whole.gemms is None and "gemms" not in json.loads(lines(run_dir)[-1])
+    assert whole.as_manifest_override().gemms is None
+
+
+@pytest.mark.parametrize(
+    "gemms, to, words",
+    [
+        (["wgard"], "bf16", "gemms: 'wgard' is not a GEMM"),
+        ([], "bf16", "gemms: empty"),
+        (["wgrad", "wgrad"], "bf16", "gemms: 'wgrad' is listed twice"),
+        (["wgrad"], "current", "gemms: takes some GEMMs to bf16"),
+    ],
+)
+def test_bad_gemms_are_refused_and_nothing_is_written(run_dir, gemms, to, words):
+    with pytest.raises(OverrideError, match=words):
+        Ledger(run_dir).stage(FC1, "x", who="ana", gemms=gemms, to=to)
+    with pytest.raises(OverrideError, match="output_layer already runs in bf16, not FP8"):
+        Ledger(run_dir).stage("output_layer", "x", who="ana", gemms=["wgrad"])
+    assert Ledger(run_dir).records() == []  # nothing written
+
+
+def test_a_record_without_gemms_is_all_three_and_a_bad_one_written_by_hand_is_refused(run_dir):
+    forged_proposal(run_dir)  # as every record before per-GEMM overrides: no gemms key
+    (o,) = Ledger(run_dir).overrides().values()
+    assert o.gemms is None and o.target == "bf16"
+    assert o.as_manifest_override().gemms is None
+    body = {
+        "kind": "staged",
+        "module": QKV,
+        "dtype": "bf16",
+        "reason": "r",
+        "who": "ana",
+        "triggers": [],
+        "step": 1,
+        "data_version": DATA,
+    }
+    for gemms, words in (
+        (["wgrad", "dgrad"], "its gemms are not in the order fprop, dgrad, wgrad"),
+        (["fprop", "fprop"], "its gemms: 'fprop' is listed twice"),
+        ("wgrad", "its gemms is not a list of GEMM names"),
+    ):
+        saved = (run_dir / "overrides.jsonl").read_text()
+        append_by_hand(run_dir, {**body, "gemms": gemms})
+        with pytest.raises(LedgerError, match=f"line 2: .*{re.escape(words)}"):
+            Ledger(run_dir).verify()
+        (run_dir / "overrides.jsonl").write_text(saved)
+
+
 def test_self_approval_is_refused_unless_the_manifest_allows_it(run_dir, tmp_path, admitted):
     ledger = Ledger(run_dir)
     o = ledger.stage(FC1, "saturation", who="ana")
@@ -554,6 +618,45 @@ def test_te_debug_yaml_disables_fp8_in_exactly_the_overridden_layers(run_dir, ad
     assert pattern.search("model.decoder.layers.1.mlp.linear_fc1")  # layer_number is 1-based
     assert pattern.search("model.decoder.layers.2.self_attention.linear_qkv")
     assert not pattern.search(FC1) and not pattern.search("model." + FC1)
+
+
+def test_te_debug_yaml_disables_quantization_of_the_overridden_gemms(run_dir, admitted):
+    """TE's config gives a layer one section and a section one feature: whole modules in
+    DisableQuantizationLayer, each set of GEMMs in a DisableQuantizationGEMM section of its
+    own."""
+    ledger = Ledger(run_dir)
+    fc2 = "decoder.layers.1.mlp.linear_fc2"
+    for module, gemms in ((FC1, None), (QKV, ["wgrad", "dgrad"]), (fc2, ["dgrad", "wgrad"])):
+        ledger.approve(ledger.stage(module, "x", who="ana", triggers=[], gemms=gemms).id, who="ben")
+    ledger.approve(
+        ledger.stage("decoder.layers.2.mlp.linear_fc2", "x", who="ana", gemms=["fprop"]).id,
+        who="ben",
+    )
+    text = te_debug_yaml(ledger)
+    config = yaml.safe_load(text)
+    assert list(config) == [
+        "fp8ops_bf16_overrides",
+        "fp8ops_bf16_overrides_dgrad_wgrad",
+        "fp8ops_bf16_overrides_fprop",
+    ]
+    every_name = [row.fqn for row in admitted[2].rows]
+
+    def layers(section):
+        pattern = re.compile(config[section]["layers"]["layer_name_regex_pattern"])
+        return [n for n in every_name if pattern.search(n)]
+
+    assert layers("fp8ops_bf16_overrides") == [FC1]
+    assert config["fp8ops_bf16_overrides"]["transformer_engine"] == {
+        "DisableQuantizationLayer": {"enabled": True}
+    }
+    assert layers("fp8ops_bf16_overrides_dgrad_wgrad") == [QKV, fc2]
+    assert config["fp8ops_bf16_overrides_dgrad_wgrad"]["transformer_engine"] == {
+        "DisableQuantizationGEMM": {"enabled": True, "gemms": ["dgrad", "wgrad"]}
+    }
+    assert config["fp8ops_bf16_overrides_fprop"]["transformer_engine"] == {
+        "DisableQuantizationGEMM": {"enabled": True, "gemms": ["fprop"]}
+    }
+    assert "# dgrad, wgrad of these layers run in high precision:" in text
 
 
 def test_te_layer_names():

@@ -107,6 +107,18 @@ def test_signed_records_verify_here_and_with_ssh_keygen(signed_run, keys, tmp_pa
         assert done.returncode == 0, done.stderr
 
 
+def test_a_signed_override_of_some_gemms_verifies(signed_run, keys):
+    """The signature covers the record's gemms like the rest of its body."""
+    paths, _ = keys
+    staged = Ledger(signed_run, key=paths["ana"]).stage(FC1, "s", who="ana", gemms=["wgrad"])
+    Ledger(signed_run, key=paths["ben"]).approve(staged.id[:12], who="ben")
+    ledger = Ledger(signed_run)
+    assert ledger.verify() == 2 and ledger.unverified() == []
+    assert ledger.get(staged.id).gemms == ("wgrad",)
+    first = json.loads(_lines(signed_run)[0])
+    assert first["gemms"] == ["wgrad"] and b'"gemms":["wgrad"]' in signed_body(first)
+
+
 @pytest.mark.parametrize(
     "signer, words",
     [

@@ -92,6 +92,25 @@ def test_stage_approve_list_verify(cli, run_dir):
     )
 
 
+def test_stage_some_gemms(cli, run_dir):
+    result = cli("overrides", "stage", run_dir, FC1, "--reason", "r", "--gemms", "wgrad, dgrad")
+    assert result.code == 0, result.err
+    fc1 = staged_id(run_dir)
+    assert f"staged {fc1[:12]}: {FC1} to bf16 (dgrad, wgrad) (staged)" in result.out
+    assert Ledger(run_dir).get(fc1).gemms == ("dgrad", "wgrad")
+    row = cli("overrides", "list", run_dir).out.splitlines()[2].split()
+    assert row[:5] == [fc1[:12], FC1, "bf16", "(dgrad,", "wgrad)"]
+    listed = json.loads(cli("overrides", "list", run_dir, "--json").out)
+    assert listed["gemms"] == ["dgrad", "wgrad"]
+    for given, words in (
+        ("wgard", "'wgard' is not a GEMM"),
+        ("", "empty"),
+        ("wgrad,wgrad", "twice"),
+    ):
+        result = cli("overrides", "stage", run_dir, QKV, "--reason", "r", "--gemms", given)
+        assert result.code == 2 and "--gemms: " in result.err and words in result.err
+
+
 def test_reject_revoke_and_list_all(cli, run_dir):
     cli("overrides", "stage", run_dir, FC1, QKV, "--reason", "r")
     fc1, qkv = staged_id(run_dir), staged_id(run_dir, QKV)

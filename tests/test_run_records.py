@@ -113,6 +113,18 @@ def test_fallbacks_keep_their_first_step_for_the_same_approval(tmp_path):
     assert {m: e.from_step for m, e in read_fallbacks(tmp_path).items()} == {fc1.module: 31}
 
 
+def test_a_fallback_of_some_gemms_names_them_and_one_of_all_three_reads_as_before(tmp_path):
+    run = RunDir(tmp_path)
+    fc2 = Bf16Override(module="m.fc2", reason="grads", approval="1" * 64, gemms=["wgrad", "dgrad"])
+    fc1 = Bf16Override(module="m.fc1", reason="all of it", approval="2" * 64)
+    run.write_fallbacks([fc2, fc1], from_step=5, revision="c" * 64)
+    written = json.loads((tmp_path / "fallbacks.json").read_text())
+    assert written["m.fc2"]["gemms"] == ["dgrad", "wgrad"]
+    assert "gemms" not in written["m.fc1"]  # as every file before per-GEMM overrides
+    table = read_fallbacks(tmp_path)
+    assert (table["m.fc2"].gemms, table["m.fc1"].gemms) == (["dgrad", "wgrad"], None)
+
+
 def test_a_claimed_run_is_a_run_and_holds_its_locked_manifest(tmp_path):
     manifest = load_manifest(TINY)
     run = RunDir.claim(tmp_path / "run", manifest, [manifest])

@@ -45,6 +45,7 @@ from fp8ops.console.ledger_state import ModuleState, fp8_modules, module_states,
 from fp8ops.console.resume_preview import ResumePreview, preview_resume
 from fp8ops.console.runs import RunHeader, find_runs, open_telemetry, read_header
 from fp8ops.errors import Fp8opsError
+from fp8ops.gemm_roles import GEMMS
 from fp8ops.manifest import Manifest, load_manifest
 from fp8ops.overrides import Ledger, Override, default_user
 from fp8ops.overrides.signing import KEY_ENV
@@ -283,6 +284,18 @@ class ConsoleApp:
             description="to",
             tooltip="where the staged modules go: BF16, or FP8 under current scaling",
         )
+        self.stage_gemms = W.SelectMultiple(
+            options=[
+                ("fprop: y = x W^T", "fprop"),
+                ("dgrad: dx = dy W", "dgrad"),
+                ("wgrad: dW = dy^T x", "wgrad"),
+            ],
+            value=GEMMS,
+            rows=3,
+            description="GEMMs",
+            tooltip="which of each module's GEMMs go to BF16 (all three: the whole module); "
+            "dgrad and wgrad for saturating gradients",
+        )
         self.stage_button = W.Button(
             description="Stage",
             button_style="warning",
@@ -359,6 +372,7 @@ class ConsoleApp:
                 self.stage_modules,
                 self.stage_reason,
                 self.stage_to,
+                self.stage_gemms,
                 self.stage_button,
                 self.ledger_table,
                 self.override_pick,
@@ -390,6 +404,7 @@ class ConsoleApp:
             "stage_modules",
             "stage_reason",
             "stage_to",
+            "stage_gemms",
             "stage_button",
             "override_pick",
             "decision_reason",
@@ -676,10 +691,16 @@ class ConsoleApp:
         modules = list(self.stage_modules.value)
         if not modules:
             raise Fp8opsError("choose the modules to stage (the list above the reason)")
+        gemms = list(self.stage_gemms.value)
         staged = self._ledger().stage_many(
-            modules, self.stage_reason.value, who=self._operator(), to=self.stage_to.value
+            modules,
+            self.stage_reason.value,
+            who=self._operator(),
+            to=self.stage_to.value,
+            gemms=None if set(gemms) == set(GEMMS) else gemms,
         )
         self.stage_reason.value = ""
+        self.stage_gemms.value = GEMMS
         return "; ".join(
             f"staged {o.module} to {o.target} as {o.id[:12]} by {o.who} "
             f"({len(o.triggers)} trigger(s) attached)"

@@ -18,7 +18,7 @@ from fp8ops.run.records import read_layers_json
 @dataclass(frozen=True)
 class ModuleState:
     module: str
-    precision: str  # from layers.json: fp8, or the base dtype
+    precision: str  # from layers.json: fp8, the base dtype, or each GEMM's
     why: str  # layers.json's reason code (admitted, override, excluded, ...)
     override: Override | None  # its open override, else its newest one
 
@@ -42,8 +42,11 @@ def module_states(run_dir: Path) -> list[ModuleState]:
     rows = []
     for row in read_layers_json(run_dir).rows:
         if row.fp8 or row.reason.code == "override" or row.fqn in newest:
-            # A module under a per-module recipe says which: "fp8 (current)".
-            precision = row.precision if row.scaling is None else f"fp8 ({row.scaling})"
+            # A module under a per-module recipe says which, "fp8 (current)"; one with some
+            # GEMMs in the base dtype says which: "fprop fp8; dgrad, wgrad bf16".
+            precision = row.gemm_summary()
+            if row.scaling is not None:
+                precision = precision.replace("fp8", f"fp8 ({row.scaling})", 1)
             rows.append(ModuleState(row.fqn, precision, row.reason.code, newest.get(row.fqn)))
     return rows
 

@@ -16,7 +16,9 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from fp8ops.errors import Fp8opsError
 from fp8ops.files import atomic_write_text
+from fp8ops.gemm_roles import gemms_problem
 
 if TYPE_CHECKING:
     from fp8ops.overrides.ledger import Override
@@ -79,11 +81,26 @@ def stage(
             "per-module recipe)."
         ),
     ] = "bf16",
+    gemms: Annotated[
+        str | None,
+        typer.Option(
+            help="Only these of each module's GEMMs to bf16, comma-separated: fprop (y = x W^T), "
+            "dgrad (dx = dy W), wgrad (dW = dy^T x); e.g. 'dgrad,wgrad' for saturating "
+            "gradients (default: all three).",
+            show_default=False,
+        ),
+    ] = None,
     key: Key = None,
 ) -> None:
     """Ask for MODULE... to run in BF16 (or under current scaling) from the next resume;
     another operator approves."""
-    for o in _ledger(run_dir, key).stage_many(modules, reason, who=user, to=to):
+    names = None if gemms is None else [g.strip() for g in gemms.split(",") if g.strip()]
+    if names is not None:
+        problem = gemms_problem(names)
+        if problem is not None:
+            raise Fp8opsError(f"--gemms: {problem}")
+    ledger = _ledger(run_dir, key)
+    for o in ledger.stage_many(modules, reason, who=user, to=to, gemms=names):
         print(_line("staged", o))
         print(f"  approve: fp8ops overrides approve {run_dir} {o.id[:12]}")
 
@@ -117,7 +134,8 @@ def revoke(
     print(_line("revoked", o))
     if o.to_lift:
         if o.scaling is None:
-            print(f"  {o.module} runs in BF16 until the next resume, then in FP8 again")
+            what = "in BF16" if o.gemms is None else f"{', '.join(o.gemms)} in BF16"
+            print(f"  {o.module} runs {what} until the next resume, then in FP8 again")
         else:
             print(f"  {o.module} runs {o.target} until the next resume, then the run's recipe")
 

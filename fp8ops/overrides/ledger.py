@@ -44,6 +44,7 @@ from fp8ops.alerts.files import read_alerts
 from fp8ops.alerts.records import Alert, decode_float, encode_float
 from fp8ops.errors import Fp8opsError
 from fp8ops.files import open_log
+from fp8ops.gemm_roles import GEMMS, describe, gemms_problem, in_order
 from fp8ops.manifest.schema import Bf16Override, ModuleRecipe, Review
 from fp8ops.overrides.anchors import AnchorError, RunAnchors, run_anchors
 from fp8ops.overrides.chain import GENESIS, LedgerError, canonical_json, parse_chain, record_hash
@@ -162,11 +163,17 @@ class Override:
     lifted_revision: str | None = None
     scaling: str | None = None  # "current": the module stays FP8 under current scaling
     policy: str | None = None  # approved by the auto-degrade policy of this manifest revision
+    # The GEMMs it takes to BF16 (fp8ops.gemm_roles), in order; None: all three (every record
+    # written before per-GEMM overrides)
+    gemms: tuple[str, ...] | None = None
 
     @property
     def target(self) -> str:
-        """Where the override puts the module, in words: "bf16" or "current scaling"."""
-        return "bf16" if self.scaling is None else f"{self.scaling} scaling"
+        """Where the override puts the module, in words: "bf16", "bf16 (dgrad, wgrad)" or
+        "current scaling"."""
+        if self.scaling is not None:
+            return f"{self.scaling} scaling"
+        return "bf16" if self.gemms is None else f"bf16 ({', '.join(self.gemms)})"
 
     @property
     def is_open(self) -> bool:
@@ -197,10 +204,15 @@ class Override:
             reason=self.reason,
             approval=self.approval,
             policy=self.policy,
+            gemms=self.gemms,
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "triggers": [t.to_json() for t in self.triggers]}
+        return {
+            **dataclasses.asdict(self),
+            "triggers": [t.to_json() for t in self.triggers],
+            "gemms": None if self.gemms is None else list(self.gemms),
+        }
 
 
 # --------------------------------------------------------------------------------------
@@ -255,6 +267,7 @@ def _apply(overrides: dict[str, Override], record: Mapping[str, Any]) -> None:
             triggers=tuple(Trigger.from_json(t) for t in record["triggers"]),
             step=record["step"],
             data_version=record["data_version"],
+            gemms=None if record.get("gemms") is None else tuple(record["gemms"]),
         )
     elif kind in ("approved", "rejected", "revoked"):
         o = _known(overrides, record["override"])
@@ -337,6 +350,10 @@ def _problem(
             found = _control_character(text) if isinstance(text, str) else None
             if found is not None:
                 return f"its {field} holds {found}", _RULE
+        if "gemms" in record:
+            problem = _gemms_problem(record)
+            if problem is not None:
+                return problem, _RULE
         if "policy" in record:
             if kind != "approved":
                 return f"a {kind} record carries a policy: only a policy's approval does", _RULE
@@ -367,6 +384,20 @@ def _problem(
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
         return f"not a valid record ({type(exc).__name__}: {exc})", _RULE
     return None
+
+
+def _gemms_problem(record: Mapping[str, Any]) -> str | None:
+    """Why a record's ``gemms`` is not one the commands write (None: it is): only a BF16
+    proposal or staging carries one, a list of some of fprop, dgrad and wgrad, in that order."""
+    gemms, kind = record["gemms"], record["kind"]
+    if kind not in ("proposed", "staged") or record.get("scaling") is not None:
+        return f"a {kind} record carries gemms: only a BF16 proposal or staging does"
+    if not isinstance(gemms, list) or not all(isinstance(g, str) for g in gemms):
+        return f"its gemms is not a list of GEMM names ({gemms!r})"
+    problem = gemms_problem(gemms)
+    if problem is None and tuple(gemms) != in_order(gemms):
+        problem = f"its gemms are not in the order {', '.join(GEMMS)}"
+    return None if problem is None else f"its gemms: {problem}"
 
 
 def _signature_problem(record: Mapping[str, Any], signers: AllowedSigners) -> str | None:
@@ -531,14 +562,18 @@ class Ledger:
         triggers: Iterable[Trigger | Alert] | None = None,
         step: int | None = None,
         to: Literal["bf16", "current"] = "bf16",
+        gemms: Sequence[str] | None = None,
     ) -> Override:
         """An operator asks for ``module`` in BF16 (or, ``to="current"``, in FP8 under current
-        scaling); another operator must approve it.
+        scaling); another operator must approve it. ``gemms``: only these of its GEMMs to BF16
+        (fprop, dgrad, wgrad; None: all three).
 
         ``triggers`` default to the latest alert per metric for the module in ``alerts.jsonl``;
         ``step`` to ``status.json``'s step.
         """
-        return self.stage_many([module], reason, who, triggers=triggers, step=step, to=to)[0]
+        return self.stage_many(
+            [module], reason, who, triggers=triggers, step=step, to=to, gemms=gemms
+        )[0]
 
     def stage_many(
         self,
@@ -548,10 +583,12 @@ class Ledger:
         triggers: Iterable[Trigger | Alert] | None = None,
         step: int | None = None,
         to: Literal["bf16", "current"] = "bf16",
+        gemms: Sequence[str] | None = None,
     ) -> list[Override]:
         """:meth:`stage` for several modules at once: all are staged or none is."""
         if to not in ("bf16", "current"):
             raise OverrideError(f"an override takes a module to 'bf16' or 'current', not {to!r}")
+        gemms = _checked_gemms(gemms, to)
         reason, who = _text(reason, "a reason"), _text(who or default_user(), "a user name")
         if _same_person(who, ALERT_ENGINE):
             raise OverrideError(
@@ -566,7 +603,7 @@ class Ledger:
 
         def build(overrides: dict[str, Override]) -> list[dict[str, Any]]:
             for module in modules:
-                self._check_module(overrides, module, to)
+                self._check_module(overrides, module, to, gemms)
             return [
                 self._proposal(
                     "staged",
@@ -576,6 +613,7 @@ class Ledger:
                     step,
                     given if given is not None else self._alert_triggers(module),
                     to,
+                    gemms,
                 )
                 for module in modules
             ]
@@ -590,19 +628,22 @@ class Ledger:
         triggers: Iterable[Trigger | Alert],
         step: int,
         who: str = ALERT_ENGINE,
+        gemms: Sequence[str] | None = None,
     ) -> Override | None:
-        """The alert engine proposes ``module`` in BF16; any person may approve it.
+        """The alert engine proposes ``module`` in BF16 (``gemms``: only these of its GEMMs, as
+        an auto-degrade policy of ``granularity: gemm`` chooses them); any person may approve it.
 
         None when the module already has an open override: training never fails on a repeated
         alert.
         """
         reason, found = _text(reason, "a reason"), _triggers(triggers)
+        gemms = _checked_gemms(gemms, "bf16")
 
         def build(overrides: dict[str, Override]) -> list[dict[str, Any]]:
             if _open_conflict(overrides, module) is not None:
                 return []
-            self._check_module(overrides, module)
-            return [self._proposal("proposed", module, reason, who, step, found)]
+            self._check_module(overrides, module, gemms=gemms)
+            return [self._proposal("proposed", module, reason, who, step, found, gemms=gemms)]
 
         written, overrides = self._append(build)
         return overrides[written[0]["hash"]] if written else None
@@ -818,11 +859,16 @@ class Ledger:
         return found[0]
 
     def _check_module(
-        self, overrides: Mapping[str, Override], module: str, to: str = "bf16"
+        self,
+        overrides: Mapping[str, Override],
+        module: str,
+        to: str = "bf16",
+        gemms: tuple[str, ...] | None = None,
     ) -> None:
         """``module`` must be a module of this run that runs FP8 and has no open override; for
         ``to="current"``, one that does not run current scaling already, on a backend that runs
-        per-module recipes."""
+        per-module recipes; for some ``gemms``, one whose named GEMMs run FP8 now, on fp8ops'
+        own layers."""
         existing = _open_conflict(overrides, module)
         if existing is not None:
             raise OverrideError(_conflict_message(existing))
@@ -847,6 +893,22 @@ class Ledger:
             )
         if to == "current":
             self._check_current(module, row.scaling or layers.recipe.scaling)
+        if gemms is not None:
+            self._check_gemms(module, row, gemms, relapse)
+
+    def _check_gemms(self, module: str, row, gemms: tuple[str, ...], relapse: bool) -> None:
+        backend = self._anchors().locked.precision.backend
+        if backend == "te":
+            raise OverrideError(
+                f"{module}: this run's precision.backend is 'te', which takes a module's GEMMs "
+                "all in or all out of FP8 in fp8ops; stage the whole module (no --gemms)"
+            )
+        high = [g for g in gemms if g not in row.fp8_gemms]
+        if high and not relapse:
+            raise OverrideError(
+                f"{module} runs {describe(high)} in {_high_dtype(row)} already "
+                f"({row.gemm_summary()}); name only GEMMs that run FP8 (gemms)"
+            )
 
     def _check_current(self, module: str, scaling: str) -> None:
         if scaling == "current":
@@ -869,8 +931,11 @@ class Ledger:
         step: int | None,
         triggers: list[Trigger],
         to: str = "bf16",
+        gemms: tuple[str, ...] | None = None,
     ) -> dict[str, Any]:
         target = {"dtype": "bf16"} if to == "bf16" else {"dtype": "fp8", "scaling": to}
+        if gemms is not None:  # absent: all three, as every record before per-GEMM overrides
+            target["gemms"] = list(gemms)
         return {
             "kind": kind,
             "module": module,
@@ -939,6 +1004,31 @@ def _control_character(text: str) -> str | None:
         if unicodedata.category(char) == "Cc" or char in _BIDI:
             return f"a control character (U+{ord(char):04X} at position {position})"
     return None
+
+
+def _checked_gemms(gemms: Sequence[str] | None, to: str) -> tuple[str, ...] | None:
+    """``gemms`` as a proposal records them: in the order fprop, dgrad, wgrad; None for all
+    three (named or not), so an override of the whole module reads as every override did
+    before per-GEMM ones."""
+    if gemms is None:
+        return None
+    gemms = list(gemms)
+    problem = gemms_problem(gemms)
+    if problem is not None:
+        raise OverrideError(f"gemms: {problem}")
+    if to != "bf16":
+        raise OverrideError(
+            f"gemms: takes some GEMMs to bf16; a module under {to} scaling runs all three in "
+            "it (stage it without gemms)"
+        )
+    ordered = in_order(gemms)
+    return None if ordered == GEMMS else ordered
+
+
+def _high_dtype(row) -> str:
+    """The dtype a layers.json row's high-precision GEMMs run in."""
+    found = [g.precision for _, g in row.gemms.items() if g.precision != "fp8"] if row.gemms else []
+    return found[0] if found else row.precision
 
 
 def _triggers(items: Iterable[Trigger | Alert]) -> list[Trigger]:

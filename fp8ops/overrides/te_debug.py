@@ -1,8 +1,11 @@
 """The ledger's BF16 overrides as a Transformer Engine debug-API config (``nvdlfw_inspect``).
 
-A run on real TE can take the same modules out of FP8 with TE's own per-layer switch, the
-``DisableQuantizationLayer`` feature (``DisableFP8Layer`` in TE releases before the rename), by
-loading this YAML before the first TE module is built::
+A run on real TE can take the same modules out of FP8 with TE's own switches: the per-layer
+``DisableQuantizationLayer`` feature (``DisableFP8Layer`` in TE releases before the rename) for
+an override of a whole module, and ``DisableQuantizationGEMM`` (``DisableFP8GEMM``) with its
+``gemms`` list for an override of some GEMMs. TE's config puts a layer in one section only, and
+a section gives its layers one feature, so each set of GEMMs gets its own section. Load the
+YAML before the first TE module is built::
 
     import nvdlfw_inspect.api as debug_api
     debug_api.initialize(config_file="bf16_overrides.yaml",
@@ -75,18 +78,43 @@ def te_debug_yaml(ledger: Ledger, naming: Naming = "fqn") -> str:
         raise OverrideError(
             f"{ledger.path}: no applied or approved BF16 override; nothing to export"
         )
+    by_gemms: dict[tuple[str, ...] | None, list[Override]] = {}
+    for o in overrides:
+        by_gemms.setdefault(o.gemms, []).append(o)
+    # The whole-module section first, as the export wrote it before per-GEMM overrides.
+    groups = sorted(by_gemms.items(), key=lambda item: (item[0] is not None, item[0] or ()))
+    text = (
+        f"# Transformer Engine debug-API config (nvdlfw_inspect): BF16 overrides from {ledger.path}\n"
+        f"# (layer names: {naming}).\n"
+    )
+    for gemms, group in groups:
+        text += _section(group, gemms, naming)
+    return text
+
+
+def _section(overrides: list[Override], gemms: tuple[str, ...] | None, naming: Naming) -> str:
+    """One section: the layers of ``overrides``, all of whose GEMMs (``gemms`` None) or
+    ``gemms`` run in high precision."""
     pattern = layer_regex([te_layer_name(o.module, naming) for o in overrides])
     listed = "\n".join(f"#   {o.id[:12]}  {o.status:<8}  {o.module}" for o in overrides)
     quoted = pattern.replace("'", "''")  # YAML single quotes: backslashes stay literal
+    if gemms is None:
+        said, name = "Every GEMM of these layers runs", SECTION
+        feature = "    DisableQuantizationLayer:\n      enabled: True\n"
+    else:
+        said, name = f"{', '.join(gemms)} of these layers run", f"{SECTION}_{'_'.join(gemms)}"
+        feature = (
+            "    DisableQuantizationGEMM:\n"
+            "      enabled: True\n"
+            f"      gemms: [{', '.join(gemms)}]\n"
+        )
     return (
-        f"# Transformer Engine debug-API config (nvdlfw_inspect): BF16 overrides from {ledger.path}\n"
-        f"# (layer names: {naming}). Every GEMM of these layers runs in high precision:\n"
+        f"# {said} in high precision:\n"
         f"{listed}\n"
-        f"{SECTION}:\n"
+        f"{name}:\n"
         "  enabled: True\n"
         "  layers:\n"
         f"    layer_name_regex_pattern: '{quoted}'\n"
         "  transformer_engine:\n"
-        "    DisableQuantizationLayer:\n"
-        "      enabled: True\n"
+        f"{feature}"
     )

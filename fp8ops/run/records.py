@@ -205,13 +205,15 @@ class Event(_Record):
 
 
 class Fallback(_Record):
-    """A module running in a high-precision dtype by approved override, since ``from_step``."""
+    """A module running in a high-precision dtype by approved override, since ``from_step``:
+    all its GEMMs, or ``gemms`` only."""
 
     dtype: str
     reason: str
     approval: str | None
     from_step: int
     revision: str
+    gemms: list[str] | None = None  # absent: all three (every file before per-GEMM overrides)
 
 
 # -- layers.json --------------------------------------------------------------------------------

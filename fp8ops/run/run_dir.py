@@ -266,14 +266,19 @@ class RunDir:
             if earlier is not None and earlier.approval == override.approval:
                 table[override.module] = earlier
                 continue
+            gemms = getattr(override, "gemms", None)
             table[override.module] = Fallback(
                 dtype=override.dtype,
                 reason=override.reason,
                 approval=override.approval,
                 from_step=from_step,
                 revision=revision,
+                gemms=None if gemms is None else list(gemms),
             )
-        document = {module: entry.model_dump(mode="json") for module, entry in table.items()}
+        document = {
+            module: entry.model_dump(mode="json", exclude=None if entry.gemms else {"gemms"})
+            for module, entry in table.items()
+        }
         self._write_json(self.layout.fallbacks, document)
 
     def _write_json(self, file: Path, document: dict[str, Any]) -> None:

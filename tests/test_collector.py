@@ -241,6 +241,35 @@ def test_a_bf16_module_appears_with_its_frozen_state_marked(setup):
     assert math.isnan(value(row, collector, fc1, "fp8_rel_error"))  # nothing to compare
 
 
+def test_slots_no_fp8_gemm_reads_are_not_applicable_and_the_gemms_are_counted_apart(setup):
+    """fc2 with dgrad and wgrad in bf16 casts no gradient; proj with only fprop and dgrad in
+    bf16 casts no weight. Those slots are NaN, every metric of them, while the state behind
+    them stays as it was (frozen): not zero, not the frozen scale. The other slots are
+    measured as before, and the GEMMs are counted in FP8 and in bf16 apart."""
+    _, model, scope, collector = setup
+    fc2, proj = "decoder.layers.1.mlp.linear_fc2", "decoder.layers.1.self_attention.linear_proj"
+    collector.modules[fc2].fp8_gemms = frozenset({"fprop"})
+    collector.modules[proj].fp8_gemms = frozenset({"wgrad"})
+    run_step(model, scope, collector, 1, seed=0)
+    frozen = collector.modules[fc2].fp8_meta.backward.scale.clone()
+    row = run_step(model, scope, collector, 2, seed=1)  # a measuring step
+    assert torch.equal(collector.modules[fc2].fp8_meta.backward.scale, frozen)
+    slot_metrics = [m for m in MODULE_METRIC_NAMES if m.startswith("grad_output.")]
+    assert all(math.isnan(value(row, collector, fc2, m)) for m in slot_metrics)
+    assert value(row, collector, fc2, "input.scale") > 0
+    assert 0 <= value(row, collector, fc2, "weight.saturation") <= 1
+    assert 0 < value(row, collector, fc2, "fp8_rel_error") < 0.2  # fprop runs FP8
+    assert value(row, collector, fc2, "fp8_gemms") == MICRO_BATCHES
+    assert value(row, collector, fc2, "fallback_gemms") == 2 * MICRO_BATCHES
+    weight_metrics = [m for m in MODULE_METRIC_NAMES if m.startswith("weight.")]
+    assert all(math.isnan(value(row, collector, proj, m)) for m in weight_metrics)
+    assert 0 <= value(row, collector, proj, "grad_output.saturation") <= 1
+    assert value(row, collector, proj, "input.amax") > 0
+    assert math.isnan(value(row, collector, proj, "fp8_rel_error"))  # fprop is not FP8's
+    assert value(row, collector, proj, "fp8_gemms") == MICRO_BATCHES
+    assert value(row, collector, proj, "fp8_enabled") == 1
+
+
 def test_saturation_is_measured_when_the_scale_is_stale(setup):
     _, model, scope, collector = setup
     run_step(model, scope, collector, 2, seed=0)

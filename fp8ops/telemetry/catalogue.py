@@ -8,7 +8,9 @@ Module metrics are one row per FP8-capable module per step (a ``[modules, metric
 For each FP8 slot a module uses (``input`` and ``weight`` in forward, ``grad_output`` in
 backward) there are the same fifteen metrics, named ``<slot>.<metric>``; then seven metrics of the
 module itself. Step metrics are one row per step for the whole run. Values are float32; a
-metric with nothing to report this step (an unsampled error, a BF16 module's saturation) is NaN.
+metric with nothing to report this step (an unsampled error, a BF16 module's saturation) is NaN,
+and so is every metric of a slot no FP8 GEMM of an FP8 module reads (its GEMMs in the base
+dtype, ``fp8ops.gemm_roles``): not applicable, never 0.
 """
 
 from __future__ import annotations
@@ -97,17 +99,30 @@ MODULE_OWN_METRICS = (
         "Norm of this rank's weight-shard gradient, summed over micro-batches, before the "
         "data-parallel sum.",
     ),
-    Metric("fp8_gemms", "count", "GEMMs the module ran in FP8 this step (3 per micro-batch)."),
-    Metric("fallback_gemms", "count", "GEMMs it ran in higher precision this step."),
+    Metric(
+        "fp8_gemms",
+        "count",
+        "GEMMs the module ran in FP8 this step (up to 3 per micro-batch: fprop, dgrad, wgrad).",
+    ),
+    Metric(
+        "fallback_gemms",
+        "count",
+        "GEMMs it ran in higher precision this step: all of a module held in the base dtype, "
+        "or those of its GEMMs an override or module recipe takes out of FP8.",
+    ),
     Metric(
         "fp8_rel_error",
         "ratio",
         "||y_fp8 - y_ref|| / ||y_ref|| of the forward output against the base-dtype GEMM on the "
         "same input (at most telemetry.error_sample_tokens of its tokens, evenly spaced); "
-        "measured every telemetry.error_sample_every steps, NaN otherwise.",
+        "measured every telemetry.error_sample_every steps, NaN otherwise (and when fprop "
+        "itself runs in the base dtype).",
     ),
     Metric(
-        "fp8_enabled", "0/1", "1 if the module ran FP8 (admitted), 0 if held in the base dtype."
+        "fp8_enabled",
+        "0/1",
+        "1 if the module ran FP8 (admitted; some of its GEMMs may run in the base dtype), 0 if "
+        "held in the base dtype.",
     ),
 )
 

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fp8ops.gemm_roles import ALL_GEMMS, cast_roles
 from fp8ops.precision.scaling import BWD_GRAD_OUTPUT, FWD_INPUT, FWD_WEIGHT
-from fp8ops.telemetry.catalogue import COLUMN, MODULE_METRIC_NAMES
+from fp8ops.telemetry.catalogue import COLUMN, MODULE_METRIC_NAMES, SLOT_METRICS
 from fp8ops.telemetry.probe import Probe
 
 # (slot name in the catalogue, forward?, slot index in the FP8 state)
@@ -38,6 +39,10 @@ _SLOTS = (
     ("weight", True, FWD_WEIGHT),
     ("grad_output", False, BWD_GRAD_OUTPUT),
 )
+
+
+# Every metric column of each slot (``<slot>.<metric>``).
+_SLOT_COLUMNS = {slot: [COLUMN[f"{slot}.{m.name}"] for m in SLOT_METRICS] for slot, _, _ in _SLOTS}
 
 
 class TelemetryCollector:
@@ -162,6 +167,11 @@ class TelemetryCollector:
                 row[self._stateless_rows, COLUMN[metric]] = values
         for metric in ("fp8_gemms", "fallback_gemms", "fp8_enabled"):
             row[:, COLUMN[metric]] = [counts[metric] for counts in pending.counts]
+        # A tensor no FP8 GEMM of an FP8 module casts (its GEMMs in the base dtype): its slot's
+        # state is frozen and nothing was cast, so none of its metrics applies.
+        for i, counts in enumerate(pending.counts):
+            for slot in counts["uncast"]:
+                row[i, _SLOT_COLUMNS[slot]] = np.nan
         measured = _values(pending.measured, pending.measured_copy)
         for i, values in enumerate(measured):
             for metric, value in values.items():  # none on ordinary steps
@@ -330,11 +340,15 @@ class TelemetryCollector:
         return values
 
     @staticmethod
-    def _counts(module, record: Probe) -> dict[str, float]:
+    def _counts(module, record: Probe) -> dict:
+        # The module's split as it ran this step (an auto-degrade switch comes between steps).
+        gemms = getattr(module, "fp8_gemms", ALL_GEMMS)  # TE's modules: all or none
+        cast = cast_roles(gemms)
         return {
             "fp8_gemms": record.fp8_gemms,
             "fallback_gemms": record.fallback_gemms,
             "fp8_enabled": float(module.fp8_enabled),
+            "uncast": [s for s, _, _ in _SLOTS if s not in cast] if module.fp8_enabled else [],
         }
 
 

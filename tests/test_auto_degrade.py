@@ -16,8 +16,8 @@ from support.torchrun import torchrun
 
 import fp8ops.megatron  # noqa: F401  (before Megatron-Core: TE's meta-package otherwise)
 from fp8ops.alerts import read_alerts
-from fp8ops.alerts.policy import policy_switches
-from fp8ops.alerts.records import Proposal
+from fp8ops.alerts.policy import gemms_to_switch, policy_switches
+from fp8ops.alerts.records import Alert, Proposal
 from fp8ops.checkpoint import CheckpointDir, read_meta
 from fp8ops.errors import ManifestError
 from fp8ops.files import read_jsonl
@@ -83,7 +83,8 @@ def _inject(trainer) -> None:
     def grow(mod, args):
         calls["n"] += 1
         step = (calls["n"] + 1) // 2
-        if calls["n"] % 2 == 1 and mod.fp8_enabled:
+        # While the weight is cast for fprop: a switch of fprop to bf16 ends it, as of the module.
+        if calls["n"] % 2 == 1 and mod.fp8_enabled and "fprop" in mod.fp8_gemms:
             with torch.no_grad():
                 mod.weight.mul_(_growth(step))
 
@@ -211,6 +212,56 @@ def test_a_stop_and_resume_equals_the_straight_run(manifest, straight, tmp_path,
     assert kinds == ["proposed", "approved", "applied"]
 
 
+@pytest.fixture(scope="module")
+def straight_gemm(manifest, tmp_path_factory):
+    """The policy's run at granularity gemm, straight through: (run directory, trainer)."""
+    run = tmp_path_factory.mktemp("straight-gemm") / "run"
+    return run, _new(_with_policy(manifest, granularity="gemm"), run)
+
+
+@pytest.mark.slow  # a training run of its own (~20 s)
+def test_a_gemm_policy_switches_only_the_gemms_that_read_the_saturating_weight(straight_gemm):
+    """The weight saturates: fprop and dgrad read it, and go to bf16; wgrad stays FP8, and with
+    it the module, whose input and gradient casts the rules go on judging."""
+    run, trainer = straight_gemm
+    status = json.loads((run / "status.json").read_text())
+    assert (status["state"], status["step"]) == ("completed", SMALL["schedule.train_steps"])
+    module = dict(trainer.model.named_modules())[TARGET]
+    assert module.fp8_enabled and module.fp8_gemms == {"wgrad"}
+    assert trainer.alert_engine.fp8[trainer.alert_engine.modules.index(TARGET)]
+    (override,) = Ledger(run).overrides().values()
+    assert (override.gemms, override.status, override.applied_step) == (
+        ("fprop", "dgrad"),
+        "applied",
+        DEGRADE_STEP,
+    )
+    (entry,) = load_manifest(run / "manifest.yaml").precision.overrides
+    assert entry.gemms == ("fprop", "dgrad") and entry.policy is not None
+    row = next(r for r in read_layers_json(run).rows if r.fqn == TARGET)
+    assert (row.precision, row.fp8_gemms) == ("fp8", ("wgrad",))
+    assert "BF16 override of fprop and dgrad" in row.gemms.fprop.reason.text
+    (event,) = [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "auto_degraded"]
+    assert event["gemms"] == {TARGET: ["fprop", "dgrad"]}
+    assert not [a for a in read_alerts(run) if a.level == "stop"]
+
+
+@pytest.mark.slow  # the straight run and two more (~40 s)
+@pytest.mark.parametrize("stop_at", [DEGRADE_STEP + 2, DEGRADE_STEP - 1])
+def test_a_gemm_switch_stop_and_resume_equals_the_straight_run(
+    manifest, straight_gemm, tmp_path, stop_at
+):
+    run = tmp_path / "run"
+    _new(_with_policy(manifest, granularity="gemm"), run, stop_at=stop_at)
+    resumed = _resume(run)
+    straight_run, straight_trainer = straight_gemm
+    # Exact: one configuration in this process, the same arithmetic across the checkpoint.
+    assert _losses(run) == _losses(straight_run)
+    expected, got = _weights(straight_trainer), _weights(resumed)
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    assert dict(resumed.model.named_modules())[TARGET].fp8_gemms == {"wgrad"}
+    assert [r["kind"] for r in Ledger(run).records()] == ["proposed", "approved", "applied"]
+
+
 def test_a_person_revokes_the_policys_switch_and_the_next_resume_returns_it_to_fp8(
     manifest, tmp_path
 ):
@@ -253,6 +304,71 @@ def test_the_policy_acts_on_its_rules_only_up_to_its_until_step():
     assert policy_switches(None, proposals, step=5) == []
 
 
+def _alert(rule, metric, module="m", level="degrade", step=5):
+    return Alert(
+        step=step,
+        level=level,
+        rule=rule,
+        module=module,
+        metric=metric,
+        value=0.5,
+        threshold=0.1,
+        message=rule,
+    )
+
+
+@pytest.mark.parametrize(
+    "alerts, gemms",
+    [
+        ([("saturation", "grad_output.saturation")], ("dgrad", "wgrad")),
+        ([("underflow", "grad_output.underflow")], ("dgrad", "wgrad")),
+        ([("saturation", "input.saturation")], ("fprop", "wgrad")),
+        ([("blocks_at_floor", "weight.blocks_at_floor")], ("fprop", "dgrad")),
+        ([("scale_jitter", "weight.scale_change")], ("fprop", "dgrad")),
+        ([("fp8_error", "fp8_rel_error")], ("fprop",)),
+        # Two tensors: every GEMM that reads either; all three is the whole module (None).
+        ([("saturation", "input.saturation"), ("underflow", "grad_output.underflow")], None),
+        ([("saturation", "weight.saturation"), ("fp8_error", "fp8_rel_error")], ("fprop", "dgrad")),
+        # No tensor named: the whole module.
+        ([("grad_spike", "grad_norm")], None),
+        # A rule the policy does not act on is left out.
+        ([("saturation", "weight.saturation"), ("amax_jump", "input.amax")], ("fprop", "dgrad")),
+    ],
+)
+def test_a_gemm_granularity_policy_switches_the_gemms_that_read_the_alerted_tensor(alerts, gemms):
+    rules = [
+        "saturation",
+        "underflow",
+        "blocks_at_floor",
+        "scale_jitter",
+        "fp8_error",
+        "grad_spike",
+    ]
+    policy = AutoDegrade(rules=rules, max_modules=1, granularity="gemm")
+    assert gemms_to_switch(policy, [_alert(r, m) for r, m in alerts]) == gemms
+    module_policy = AutoDegrade(rules=rules, max_modules=1)  # the default: the whole module
+    assert module_policy.granularity == "module"
+    assert gemms_to_switch(module_policy, [_alert(r, m) for r, m in alerts]) is None
+
+
+def test_proposals_carry_the_gemms_only_where_a_gemm_policy_acts(manifest):
+    from fp8ops.alerts.rules import AlertEngine
+
+    def proposals(policy):
+        config = derive(manifest, {"alerts.auto_degrade": policy}, "p").alerts
+        engine = AlertEngine(config, ["m", "n"], [True, True])
+        alerts = [
+            _alert("saturation", "grad_output.saturation", "m"),
+            _alert("underflow", "weight.underflow", "n"),
+        ]
+        return {p.module: p.gemms for p in engine.proposals(alerts)}
+
+    gemm_policy = {**POLICY, "granularity": "gemm"}
+    assert proposals(gemm_policy) == {"m": ("dgrad", "wgrad"), "n": None}  # underflow: not its
+    assert proposals({**gemm_policy, "until_step": 4}) == {"m": None, "n": None}
+    assert proposals(POLICY) == {"m": None, "n": None}
+
+
 @pytest.mark.parametrize(
     "policy, field, words",
     [
@@ -262,6 +378,11 @@ def test_the_policy_acts_on_its_rules_only_up_to_its_until_step():
         ({"rules": ["saturation"], "max_modules": 0}, "max_modules", ">= 1"),
         ({"rules": ["saturation"], "max_modules": 1, "until_step": 0}, "until_step", ">= 1"),
         ({"rules": ["saturation"]}, "max_modules", "required"),
+        (
+            {"rules": ["saturation"], "max_modules": 1, "granularity": "tensor"},
+            "granularity",
+            "gemm",
+        ),
     ],
 )
 def test_a_bad_policy_is_refused_naming_the_field(manifest, policy, field, words):

@@ -88,14 +88,17 @@ class Proposal:
     reason: str
     metrics: dict[str, float | None] = field(default_factory=dict)
     rule: str = ""  # the rule of the alert it answers (an auto-degrade policy acts by rule)
+    # Only these GEMMs to BF16 (an auto-degrade policy of granularity gemm); None: all three
+    gemms: tuple[str, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        found = {
             "step": self.step,
             "module": self.module,
             "reason": self.reason,
             "metrics": {name: encode_float(value) for name, value in self.metrics.items()},
         }
+        return found if self.gemms is None else {**found, "gemms": list(self.gemms)}
 
     @classmethod
     def from_json(cls, record: Mapping[str, Any]) -> Proposal:
@@ -104,6 +107,7 @@ class Proposal:
             module=str(record["module"]),
             reason=str(record.get("reason", "")),
             metrics={k: decode_float(v) for k, v in (record.get("metrics") or {}).items()},
+            gemms=None if record.get("gemms") is None else tuple(record["gemms"]),
         )
 
 

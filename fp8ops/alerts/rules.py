@@ -63,6 +63,7 @@ from typing import Any
 
 import numpy as np
 
+from fp8ops.alerts.policy import gemms_to_switch
 from fp8ops.alerts.records import (
     LEVELS,
     SEVERITY,
@@ -84,6 +85,11 @@ _PROPOSING_STOPS = frozenset(
 )
 _FORWARD = tuple(slot for slot in SLOTS if slot != "grad_output")
 _BACKWARD = ("grad_output",)
+
+
+def _proposes(alert: Alert) -> bool:
+    """A Degrade alert, or a Stop alert of a rule that passes Degrade on its way up."""
+    return alert.level == "degrade" or (alert.level == "stop" and alert.rule in _PROPOSING_STOPS)
 
 
 def _columns(metric: str, slots: Sequence[str] = SLOTS) -> list[int]:
@@ -369,6 +375,12 @@ class AlertEngine:
             latch.rearm(latch.open.copy())  # only the open ones: the rest continue as before
         self._forget(~self.fp8)
 
+    def forget(self, modules: Iterable[str]) -> None:
+        """``modules`` run some of their GEMMs in BF16 from the next step on (an auto-degrade
+        switch of some GEMMs): they stay FP8 for the rules, which judge the slots their FP8
+        GEMMs still cast, and their FP8 history is forgotten, as :meth:`hold` forgets it."""
+        self._forget(np.isin(np.array(self.modules), list(modules)))
+
     def hold(self, modules: Iterable[str]) -> None:
         """``modules`` run in BF16 from the next step on (an auto-degrade switch): the FP8-only
         rules skip them, and their FP8 history is forgotten, as a resume forgets it for a module
@@ -419,13 +431,14 @@ class AlertEngine:
         """
         alerts = [a if isinstance(a, Alert) else Alert.from_json(a) for a in alerts]
         fp8 = self.other_stages | dict(zip(self.modules, self.fp8.tolist(), strict=True))
+        # Under an auto-degrade policy of granularity gemm, a proposal its policy acts on names
+        # the GEMMs that read the alerted tensors (policy.py); every other, the whole module.
+        policy = self.config.auto_degrade
+        proposing = [a for a in alerts if _proposes(a)]
         new: dict[str, Proposal] = {}
         for alert in sorted(alerts, key=lambda a: -SEVERITY[a.level]):
             module = alert.module
-            proposes = alert.level == "degrade" or (
-                alert.level == "stop" and alert.rule in _PROPOSING_STOPS
-            )
-            if not proposes or module is None or not fp8.get(module, True):
+            if not _proposes(alert) or module is None or not fp8.get(module, True):
                 continue
             if module in new:
                 continue
@@ -434,7 +447,13 @@ class AlertEngine:
                 for a in alerts
                 if a.module == module and a.metric is not None and a.step == alert.step
             }
-            new[module] = Proposal(alert.step, module, alert.message, metrics, rule=alert.rule)
+            gemms = None
+            if policy is not None and policy.acts_on(alert.rule, alert.step):
+                mine = [a for a in proposing if a.module == module and a.step == alert.step]
+                gemms = gemms_to_switch(policy, mine)
+            new[module] = Proposal(
+                alert.step, module, alert.message, metrics, rule=alert.rule, gemms=gemms
+            )
         return list(new.values())
 
     # -- rules --------------------------------------------------------------------------------

@@ -53,6 +53,17 @@ class AutoDegrade(Section):
             "over) they only propose. null: for the whole run."
         ),
     )
+    granularity: Literal["module", "gemm"] = added_field(
+        "module",
+        added_in="0.1.0",
+        description=(
+            "What a switch takes to BF16: 'module', all three of the module's GEMMs; 'gemm', "
+            "only the GEMMs that read the tensor whose metric alerted (input: fprop and wgrad; "
+            "weight: fprop and dgrad; grad_output: dgrad and wgrad; the forward output's "
+            "fp8_error: fprop), the whole module for an alert that names no tensor "
+            "(grad_spike). Its proposals carry those GEMMs."
+        ),
+    )
 
     def acts_on(self, rule: str, step: int) -> bool:
         """Whether an alert of ``rule`` at ``step`` is one this policy may act on alone (its

@@ -1,7 +1,8 @@
 """What a Degrade alert does: it proposes a BF16 override of its module into the run's ledger,
 for an operator to review (:func:`propose_overrides`); under the manifest's
 ``alerts.auto_degrade`` policy it also acts, switching modules to BF16 between two steps,
-without a restart (:func:`auto_degrade`).
+without a restart (:func:`auto_degrade`). Under the policy's ``granularity: gemm`` a proposal,
+and so the switch, takes only the GEMMs that read the alerted tensor (``alerts/policy.py``).
 
 After a step's alerts are gathered (every rank holds them all), :func:`policy_switches` picks
 the same proposals on every rank. Then, before the next step:
@@ -58,7 +59,9 @@ def propose_overrides(
             and a.get("metric") is not None
         ]
         try:
-            ledger.propose(proposal.module, proposal.reason, triggers, proposal.step)
+            ledger.propose(
+                proposal.module, proposal.reason, triggers, proposal.step, gemms=proposal.gemms
+            )
         except Fp8opsError as exc:
             run.event(
                 "proposal_not_recorded", module=proposal.module, step=proposal.step, error=str(exc)
@@ -68,7 +71,8 @@ def propose_overrides(
 @dataclass(frozen=True)
 class Switched:
     """What a switch changed: the run's manifest (the revision) and its admission table, which
-    the trainer runs on from the next step, and the modules now in BF16."""
+    the trainer runs on from the next step, and the modules now in BF16 (all or some of their
+    GEMMs)."""
 
     manifest: Manifest
     admission: AdmissionTable
@@ -111,6 +115,7 @@ def auto_degrade(
     # The entries a resume would write for them (the policy's revision where it approved).
     added = [approved[p.module].as_manifest_override() for p in switching]
     modules = [p.module for p in switching]
+    targets = [f"{p.module} to {approved[p.module].target}" for p in switching]
     child = derive(
         manifest,
         {
@@ -118,7 +123,7 @@ def auto_degrade(
                 o.model_dump(mode="json") for o in (*manifest.precision.overrides, *added)
             ]
         },
-        f"{policy_approver(revision)}: {', '.join(modules)} to bf16 after step {step}",
+        f"{policy_approver(revision)}: {', '.join(targets)} after step {step}",
         source="the auto-degrade policy",
     )
     admission = decide_admission(
@@ -128,7 +133,9 @@ def auto_degrade(
         refuse_idle_recipes=False,  # the switch adds a BF16 override, no module recipe
     )
     apply_admission(admission, model)
-    alert_engine.hold(modules)
+    # A module left with FP8 GEMMs stays FP8 for the rules, which judge what it still casts.
+    alert_engine.hold([m for m in modules if not admission.row(m).fp8])
+    alert_engine.forget([m for m in modules if admission.row(m).fp8])
     if run.writer:
         run.advance_manifest(child)
         write_layers_json(
@@ -146,10 +153,12 @@ def auto_degrade(
                 )
             except Exception as exc:  # noqa: BLE001 - the switch stands; training goes on
                 run.event("auto_degrade_not_recorded", modules=modules, step=step, error=str(exc))
+        gemms = {m: list(o.gemms) for m, o in approved.items() if o.gemms is not None}
         run.event(
             "auto_degraded",
             step=step,
             modules=modules,
+            **({"gemms": gemms} if gemms else {}),  # the modules switched for some GEMMs
             rules=[p.rule for p in switching],
             policy=revision,
             revision=manifest_hash(child),
@@ -192,7 +201,11 @@ def _approve_all(
             )
             if override is None:  # the alert's proposal was not recorded when it was raised
                 override = ledger.propose(
-                    proposal.module, proposal.reason, [_trigger(proposal)], proposal.step
+                    proposal.module,
+                    proposal.reason,
+                    [_trigger(proposal)],
+                    proposal.step,
+                    gemms=proposal.gemms,
                 )
             replay = override.policy is not None and override.status == "applied"
             if override.status == "approved" or replay:

@@ -258,6 +258,9 @@ CASES = {
     "update-blowup-off": lambda: _from_tiny({"alerts.update_blowup_factor": None}),
     # Added with per-GEMM precision (precision.overrides[].gemms, module_recipes[].gemms).
     "per-gemm": lambda: _from_tiny(PER_GEMM),
+    "auto-degrade-gemm": lambda: _from_tiny(
+        {"alerts.auto_degrade": {"rules": ["saturation"], "max_modules": 1, "granularity": "gemm"}}
+    ),
 }
 
 # As tests/test_manifest.py pins them; here beside the rest.
@@ -270,6 +273,7 @@ SHIPPED = {
 }
 
 BUILT = {
+    "auto-degrade-gemm": "9fc5e3798d0b6ddb12297b095abb054083d514c095bf51246852a4e71d3f4659",
     "llama-shaped": "e8049efe2d4f7dd5b3217718578a0331018f1ceb7b842d4a11833b4393405396",
     "minimal": "0cb8ad7cf990b5d68fdae7435048d1475aa8bd921cf1583845d8d0c199cecc9f",
     "parallel": "e355d025a6ff01c7562b838186cc41fbfeb7f45325cd49fef12521299662dbf0",

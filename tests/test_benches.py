@@ -33,6 +33,7 @@ pytestmark = pytest.mark.skipif(
         ("bench_data.py", ["--examples", "99"], "--examples must be at least 100"),
         ("bench_sinks.py", ["--steps", "4"], "--steps must be at least 5"),
         ("bench_sinks.py", ["--rounds", "0"], "--rounds must be at least 1"),
+        ("bench_gemms.py", ["--rounds", "0"], "--rounds and --steps must be at least 1"),
     ],
 )
 def test_a_count_too_small_is_refused(script, args, message, monkeypatch, capsys):

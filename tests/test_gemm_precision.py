@@ -286,3 +286,26 @@ def test_a_megatron_layer_with_every_gemm_in_bf16_is_its_base_dtype_fallback(meg
     assert all(torch.equal(grads[n], base_grads[n]) for n in base_grads)
     loss, grads = run(wgrad_only)
     assert not torch.equal(loss, base_loss)
+
+
+def test_on_scaled_mm_the_fp8_gemms_are_its_and_the_others_plain_matmuls():
+    """The backend only changes the FP8 GEMM: with wgrad in high precision, fprop and dgrad
+    are torch._scaled_mm's of the same casts (compared exactly with the same GEMM called on
+    them), wgrad the float32 matmul."""
+    from fp8ops.precision import ScaledMmGemm, scaled_mm_unsupported
+
+    reason = scaled_mm_unsupported("cpu")
+    if reason is not None:
+        pytest.skip(f"no torch._scaled_mm here: {reason}")
+    recipe = STATELESS["current"]
+    x, w, grad = data(seed=2, tokens=64, k=96, n=32)
+    gemm = ScaledMmGemm()
+    layer = layer_with(recipe, w, frozenset({"fprop", "dgrad"}))
+    layer.gemm = gemm
+    qx, qw, qg = (
+        recipe.quantize(t, r) for t, r in ((x, "input"), (w, "weight"), (grad, "grad_output"))
+    )
+    out, dx, dw, _ = step(layer, Fp8Scope(recipe), x, grad)
+    assert torch.equal(out, gemm(qx, qw, torch.float32, layer.bias.detach()))
+    assert torch.equal(dx, gemm(qg, qw.transposed(), torch.float32))
+    assert torch.equal(dw, grad.t() @ x)

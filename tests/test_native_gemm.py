@@ -537,13 +537,15 @@ def test_training_with_scaled_mm_tracks_the_emulated_run(backend_runs):
     native, emulated = losses(backend_runs["scaled_mm"]), losses(backend_runs["emulated"])
     assert len(native) == len(emulated) == 4
     assert all(math.isfinite(loss) for loss in native)
-    # Observed on the CPU: equal at step 1, then 3e-4 apart at most (losses near 5.4): the
-    # backends differ by one bf16 rounding here and there, which the next steps carry on. On an
-    # H200, 1.01e-3: its FP8 tensor cores keep fewer accumulator bits than float32 (ci/gpu_check
-    # measured 1.3e-4 normwise on a float32-output GEMM). FP8 against bf16 is allowed 2e-3
-    # (test_megatron_layers.py), which bounds both.
-    bound = 2e-3 if torch.cuda.is_available() else 1e-3
-    assert max(abs(a - b) for a, b in zip(native, emulated, strict=True)) < bound
+    # The backends differ by one bf16 rounding here and there (oneDNN's FP8 GEMM accumulates in
+    # another order than the emulation's float32 matmul; 4e-5 apart at step 1 here), which the
+    # next steps carry on: observed 3e-4 on the CPU from one initialisation, 1.5e-3 from
+    # another (the weights drawn by global name), and 1.01e-3 on an H200, whose FP8 tensor cores
+    # keep fewer accumulator bits than float32 (ci/gpu_check measured 1.3e-4 normwise on a
+    # float32-output GEMM). How far they drift is not a property of the GEMM but of the
+    # trajectory, so the bound is the one FP8 against bf16 is allowed (test_megatron_layers.py),
+    # which bounds both: 2e-3 relative to losses near 5.4 would be a wrong GEMM's 1e-2 and more.
+    assert max(abs(a - b) for a, b in zip(native, emulated, strict=True)) < 2e-3
 
 
 @needs_megatron

@@ -292,11 +292,10 @@ def test_fallback_modules_come_from_alerts_and_globs(short_manifest, short_dualt
     # is the latest resume's) still ran FP8 before that: it is still chosen.
     layers = json.loads((candidate / "layers.json").read_text())
     row = next(r for r in layers["rows"] if r["fqn"] == fc1)
-    row.update(
-        precision="bf16",
-        formats=None,
-        reason={"code": "override", "text": "approved override (ledger)"},
-    )
+    override = {"code": "override", "text": "approved override (ledger)"}
+    row.update(precision="bf16", formats=None, reason=override)
+    if row.get("gemms") is not None:  # a module override moves all three GEMMs
+        row["gemms"] = {g: {"precision": "bf16", "reason": override} for g in row["gemms"]}
     rows = tuple(AdmissionRow.model_validate(r) for r in layers["rows"])
     layers["table_hash"] = table_hash(rows, RecipeRecord.model_validate(layers["recipe"]))
     (candidate / "layers.json").write_text(json.dumps(layers))

@@ -4,6 +4,7 @@ and JSON lines that strict readers (jq, JavaScript) accept."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import math
 import os
@@ -107,23 +108,40 @@ def append_lines(path: str | Path, text: str) -> None:
 
 
 def open_log(path: str | Path) -> BinaryIO:
-    """``path`` opened to read and append (created if absent), as a regular file only: a log or
-    ledger replaced by a symbolic link (or a FIFO, a device) is refused, never followed, since
-    appending cuts a torn-looking last line first and would cut and write a file outside the
-    run, of whoever runs fp8ops."""
+    """``path`` opened to read and append (created if absent), as a regular file only
+    (:func:`open_regular`): appending cuts a torn-looking last line first, and through a link
+    would cut and write a file outside the run, of whoever runs fp8ops."""
+    return open_regular(path, write=True)
+
+
+def open_regular(path: str | Path, *, write: bool = False) -> BinaryIO:
+    """``path`` opened to read (``write``: to read and append, created if absent) only if it
+    is a regular file. A run's files replaced by a symbolic link (to another run's file, or to
+    one of whoever runs fp8ops) are refused, never followed; and a FIFO or a device, which an
+    ordinary ``open`` waits on forever (a FIFO until someone writes it), is refused at once:
+    opened without blocking, checked with ``fstat``, and only then made a blocking file."""
+    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT if write else os.O_RDONLY
     try:
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as exc:
         if exc.errno != errno.ELOOP:
             raise
         raise Fp8opsError(
-            f"{path}: is a symbolic link; fp8ops writes its logs only as regular files in the "
-            "run directory, never through a link: replace the link with the file it should be"
+            f"{path}: is a symbolic link; fp8ops reads and writes a run's files only as regular "
+            "files in the run directory, never through a link: replace the link with the file "
+            "it should be"
         ) from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise Fp8opsError(
+                f"{path}: not a regular file (a FIFO, a device or a directory); replace it with "
+                "the file it should be"
+            )
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
         os.close(fd)
-        raise Fp8opsError(f"{path}: not a regular file; replace it with the log it should be")
-    return os.fdopen(fd, "ab+")  # writes go to the end
+        raise
+    return os.fdopen(fd, "ab+" if write else "rb")  # writes go to the end
 
 
 def _is_json(data: bytes) -> bool:
@@ -210,11 +228,12 @@ def _restore_nonfinite(record: dict[str, Any]) -> dict[str, Any]:
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """The records of an append-only log; a torn last line (a crash mid-write) is skipped, and
-    the non-finite numbers :func:`json_line` wrote as ``null`` are numbers again."""
+    the non-finite numbers :func:`json_line` wrote as ``null`` are numbers again. A log that is
+    not a regular file (a link, a FIFO) is refused (:func:`open_regular`)."""
     records = []
     try:
-        with open(path, encoding="utf-8") as log:
-            lines = log.read().split("\n")
+        with open_regular(path) as log:  # never through a link, never waiting on a FIFO
+            lines = log.read().decode("utf-8").split("\n")
     except UnicodeDecodeError:
         raise Fp8opsError(f"{path}: not text (not UTF-8); the file is damaged") from None
     for number, line in enumerate(lines, 1):

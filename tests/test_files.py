@@ -5,15 +5,24 @@ fp8ops.files.disk_full)."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import math
 import os
 from types import SimpleNamespace
 
 import pytest
+from support.fifo import without_waiting
 
 from fp8ops.errors import Fp8opsError, StorageFull, storage_error
-from fp8ops.files import NONFINITE, append_lines, disk_full, json_line, read_jsonl
+from fp8ops.files import (
+    NONFINITE,
+    append_lines,
+    disk_full,
+    json_line,
+    open_regular,
+    read_jsonl,
+)
 from fp8ops.run import read_status
 
 
@@ -171,6 +180,45 @@ def test_a_log_replaced_by_a_link_is_refused_and_the_target_untouched(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(Fp8opsError, match="events.jsonl: not a regular file"):
         append_lines(fifo, json_line({"event": "x"}))
+
+
+def test_a_log_or_lock_that_is_not_a_regular_file_is_refused_at_once_on_read(tmp_path):
+    """A FIFO where a log or run.lock should be: an ordinary open for reading waits for a writer
+    forever, and every reader of the run (the console, a resume's checks) hung. A link is
+    refused on read as on append, rather than followed to another run's file."""
+    from fp8ops.run.run_dir import lock_holder, trained_now
+
+    run = tmp_path / "run"
+    run.mkdir()
+    os.mkfifo(run / "metrics.jsonl")
+    os.mkfifo(run / "run.lock")
+    refused = without_waiting(lambda: read_jsonl(run / "metrics.jsonl"), run / "metrics.jsonl")
+    assert isinstance(refused, Fp8opsError), refused
+    assert str(refused).startswith(f"{run / 'metrics.jsonl'}: not a regular file")
+    for probe in (lock_holder, trained_now):
+        refused = without_waiting(lambda probe=probe: probe(run), run / "run.lock")
+        assert isinstance(refused, Fp8opsError), (probe, refused)
+        assert "run.lock: not a regular file" in str(refused)
+
+    theirs = tmp_path / "theirs.jsonl"
+    theirs.write_text(json_line({"step": 1}))
+    (run / "events.jsonl").symlink_to(theirs)
+    with pytest.raises(Fp8opsError, match="events.jsonl: is a symbolic link"):
+        read_jsonl(run / "events.jsonl")
+
+
+def test_a_regular_file_opened_without_waiting_reads_and_writes_as_a_blocking_file(tmp_path):
+    log = tmp_path / "log.jsonl"
+    with open_regular(log, write=True) as f:  # created
+        assert not fcntl.fcntl(f.fileno(), fcntl.F_GETFL) & os.O_NONBLOCK
+        f.write(b"a\n")
+    with open_regular(log) as f:
+        assert not fcntl.fcntl(f.fileno(), fcntl.F_GETFL) & os.O_NONBLOCK
+        assert f.read() == b"a\n"
+    with pytest.raises(FileNotFoundError):
+        open_regular(tmp_path / "absent")
+    with pytest.raises(Fp8opsError, match="not a regular file"):
+        open_regular(tmp_path)  # a directory
 
 
 # -- a full disk ---------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 
 import pytest
 import yaml
@@ -12,6 +13,7 @@ import yaml
 if importlib.util.find_spec("megatron") is None:  # the layer table comes from the real model
     pytest.skip("needs the megatron extra: pip install -e '.[megatron]'", allow_module_level=True)
 
+from support.fifo import without_waiting
 from support.ledger_run import (
     FC1,
     QKV,
@@ -282,6 +284,19 @@ def test_a_ledger_replaced_by_a_link_is_neither_read_nor_written_through(cli, ru
     assert result.code == 2 and "overrides.jsonl: is a symbolic link" in result.err
     _refused_on_read(cli, run_dir, "overrides.jsonl: is a symbolic link")
     assert victim.read_text() == "keep me"
+
+
+def test_a_ledger_replaced_by_a_fifo_is_refused_at_once(cli, run_dir):
+    """A FIFO: `list` and `verify` waited in open() for a writer, forever."""
+    ledger = run_dir / "overrides.jsonl"
+    os.mkfifo(ledger)
+    failed = without_waiting(
+        lambda: _refused_on_read(cli, run_dir, "overrides.jsonl: not a regular file"), ledger
+    )
+    assert failed is None, failed  # an assertion of _refused_on_read's, raised in the thread
+    refused = without_waiting(lambda: Ledger(run_dir).records(), ledger)
+    assert type(refused).__name__ == "LedgerError", refused
+    assert "overrides.jsonl: not a regular file" in str(refused)
 
 
 def test_verify_refuses_a_deleted_ledger_that_a_checkpoint_anchored(cli, run_dir):

@@ -43,7 +43,7 @@ from typing import IO, Any, Literal
 from fp8ops.alerts.files import read_alerts
 from fp8ops.alerts.records import Alert, decode_float, encode_float
 from fp8ops.errors import Fp8opsError
-from fp8ops.files import open_log
+from fp8ops.files import open_log, open_regular
 from fp8ops.gemm_roles import GEMMS, describe, gemms_problem, in_order
 from fp8ops.manifest.schema import Bf16Override, ModuleRecipe, Review
 from fp8ops.overrides.anchors import AnchorError, RunAnchors, run_anchors
@@ -787,14 +787,13 @@ class Ledger:
         state machine (:func:`_apply`). Returns (records, overrides)."""
         anchors = self._anchors() if anchors is None else anchors
         signers = self._required_signers(anchors)
-        if not self.path.exists():
+        try:  # a link (maybe to another run's ledger) or a FIFO is refused, never followed
+            ledger = open_regular(self.path)
+        except FileNotFoundError:
             return self._checked(None, anchors, signers)
-        if self.path.is_symlink():  # another file, maybe another run's ledger
-            raise LedgerError(
-                f"{self.path}: is a symbolic link; a run's ledger is a regular file in its run "
-                "directory: replace the link with the ledger it should be"
-            )
-        with open(self.path, "rb") as f:
+        except Fp8opsError as exc:
+            raise LedgerError(str(exc)) from None
+        with ledger as f:
             fcntl.flock(f, fcntl.LOCK_SH)  # an append in flight is never read half-written
             return self._checked(f.read(), anchors, signers)
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8ops.errors import Fp8opsError
-from fp8ops.files import append_lines, atomic_write_text, json_line, open_log
+from fp8ops.files import append_lines, atomic_write_text, json_line, open_log, open_regular
 from fp8ops.manifest import ManifestStore, load_manifest, manifest_hash, write_manifest
 from fp8ops.manifest.canonical import to_yaml
 from fp8ops.manifest.schema import Manifest
@@ -315,9 +315,10 @@ def trained_elsewhere(path: Path, holder: str | None) -> str:
 
 def lock_holder(path: Path) -> str | None:
     """Who holds the run's ``run.lock`` ("pid N on HOST", or "an unknown process"), or None
-    when no live process holds it."""
+    when no live process holds it. A ``run.lock`` that is not a regular file (a link, a FIFO
+    that an ordinary open waits on forever) is refused (:func:`~fp8ops.files.open_regular`)."""
     try:
-        with open(RunLayout(path).lock, "rb") as lock:  # read-only: any reader may probe
+        with open_regular(RunLayout(path).lock) as lock:  # read-only: any reader may probe
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

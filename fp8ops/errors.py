@@ -38,6 +38,9 @@ class StorageFull(Fp8opsError):
     message names the path and what was kept."""
 
     exit_code = 74  # sysexits.h's EX_IOERR (75, EX_TEMPFAIL, asks for a requeue)
+    # Said once: the ranks meet one full disk (a save fails on every rank; the records are
+    # rank 0's), each with its own path in the message, and rank 0 says it.
+    collective = True
 
 
 # What each storage errno means, as a message says it.

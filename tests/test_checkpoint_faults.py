@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -768,6 +769,19 @@ def test_a_full_disk_is_said_once_with_what_was_kept_and_the_run_resumes_after(
     assert losses == [r.loss for r in read_metrics(reference)][: PAUSED_AT + 2]  # bit for bit
 
 
+def _free_space(monkeypatch, free: int, size: int) -> None:
+    """The file systems' free space and size as ``os.statvfs`` reports them (1 KiB blocks)."""
+    found = SimpleNamespace(
+        f_bavail=free // 1024,
+        f_frsize=1024,
+        f_blocks=size // 1024,
+        f_files=10**6,
+        f_favail=10**5,
+        f_flag=0,
+    )
+    monkeypatch.setattr(os, "statvfs", lambda path: found)
+
+
 def test_what_a_full_disk_is_taken_for(run, monkeypatch):
     """The failures the run reports as a full disk: an OSError saying so anywhere in the chain;
     an error that says nothing, on a full file system; never a user error, which says what it
@@ -776,6 +790,8 @@ def test_what_a_full_disk_is_taken_for(run, monkeypatch):
 
     from fp8ops.errors import StorageFull
     from fp8ops.train import ending
+
+    _free_space(monkeypatch, free=2**40, size=2**42)  # room, whatever this machine's disk has
 
     full = OSError(errno.EDQUOT, "Disk quota exceeded", str(run / "metrics.jsonl"))
     assert ending.storage_cause(run, full) == (
@@ -797,6 +813,49 @@ def test_what_a_full_disk_is_taken_for(run, monkeypatch):
         f"checkpoints/{LATEST} is the latest whole checkpoint (the failed save "
         ".step_00000003.partial was removed)"
     ) in message
+
+
+def test_a_save_cut_short_by_something_else_on_a_disk_with_room_is_not_a_full_disk(
+    run, monkeypatch
+):
+    """A peer's crash late in a save, on a disk with room for 1.5 checkpoints: the `.partial`
+    holds 0.9 of a checkpoint, so 0.6 is left free, less than a checkpoint takes. That was said
+    as "no space left", the `.partial` removed and the real error dropped; the save had room."""
+    from fp8ops.train import ending
+
+    size = sum(f.stat().st_size for f in (run / "checkpoints" / LATEST).rglob("*"))
+    partial = run / "checkpoints" / f".{checkpoint_name(PAUSED_AT + 1)}.partial"
+    partial.mkdir()
+    (partial / "shard").write_bytes(b"\0" * int(0.9 * size))
+    crash = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    disk = 10 * size  # 1% of it is a tenth of a checkpoint: not full by that rule
+    _free_space(monkeypatch, free=int(0.6 * size), size=disk)
+    assert ending.storage_cause(run, crash) is None
+
+    # A save that failed for space early: what it wrote and what is free fall short of a
+    # checkpoint.
+    (partial / "shard").write_bytes(b"\0" * int(0.1 * size))
+    _free_space(monkeypatch, free=int(0.6 * size), size=disk)
+    assert ending.storage_cause(run, crash)[1].startswith("no space left on the device")
+
+
+def test_a_full_disk_keeps_the_failure_it_was_found_in_as_its_cause(run):
+    """The StorageFull said instead of a failure chains it: the real traceback is not lost."""
+    import errno
+
+    from fp8ops.errors import StorageFull
+    from fp8ops.run import RunDir
+    from fp8ops.train import ending
+
+    full = OSError(errno.ENOSPC, "No space left on device", str(run / "checkpoints"))
+
+    def save_checkpoint(step, reason):
+        raise full
+
+    stop = ending.StopRun("a Stop", [{"step": 3, "rule": "nonfinite", "message": "NaN"}])
+    with pytest.raises(StorageFull, match="no space left on the device") as said:
+        ending.stop(RunDir(run), None, save_checkpoint, stop)
+    assert said.value.__cause__ is full
 
 
 @pytest.mark.slow

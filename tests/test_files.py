@@ -307,6 +307,21 @@ def test_a_full_file_system_is_recognised_by_its_free_space(tmp_path, monkeypatc
     )
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_full_disk_is_said_once_under_several_ranks(cli, monkeypatch, rank):
+    """Every rank that met the full disk printed its own message; rank 0 says it."""
+    from fp8ops.manifest import cli as manifest_cli
+
+    def full(*args, **kwargs):
+        raise StorageFull("/run/checkpoints: no space left on the device")
+
+    monkeypatch.setattr(manifest_cli, "load_manifest", full)
+    monkeypatch.setenv("RANK", str(rank))
+    result = cli("manifest", "validate", "any.yaml")
+    said = "/run/checkpoints: no space left on the device" if rank == 0 else ""
+    assert (result.code, result.err.strip()) == (StorageFull.exit_code, said)
+
+
 def test_a_full_disk_met_outside_a_run_is_said_without_a_traceback(cli, monkeypatch):
     from fp8ops.manifest import cli as manifest_cli
 

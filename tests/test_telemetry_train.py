@@ -161,7 +161,6 @@ def test_an_optimizer_blow_up_stops_at_the_step_that_made_it(manifest, tmp_path)
     (row,) = read_jsonl(tmp_path / "run" / "metrics.jsonl")  # no second step trained
     # Measured: an update of norm 3.5e32 on weights of norm 19 (AdamW's first step moves each
     # weight by lr, 1e30).
-    print("update / weight norm:", row["update_norm"], row["weight_norm"])
     assert row["update_norm"] > 1e30 and 1 < row["weight_norm"] < 1e3
     assert first["value"] == pytest.approx(row["update_norm"], rel=1e-6)  # float32 in the alert
     status = json.loads((tmp_path / "run" / "status.json").read_text())

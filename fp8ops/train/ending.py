@@ -198,7 +198,7 @@ def stop(
         full = fail(run, telemetry, exc, first["step"])
         if full is None:
             raise
-        raise full from None
+        raise full from exc
 
 
 def fail(
@@ -224,8 +224,8 @@ def storage_cause(run_dir: Path, failure: BaseException) -> tuple[str, str, str]
     """(path, why, the error) where ``failure`` came from a full, over-quota or read-only
     file system: an ``OSError`` saying so in its chain, or, for an error that says nothing
     (torch's zip writer reports a short write as "unexpected pos"), a file system under
-    ``run_dir`` that is full or has less room than a checkpoint takes (a failed save filled
-    it). None otherwise, and for a user error that says what it is."""
+    ``run_dir`` that is full or had less room than a checkpoint takes when the failed save
+    began. None otherwise, and for a user error that says what it is."""
     if isinstance(failure, StorageFull):
         return None  # already said
     found = storage_error(failure)
@@ -235,7 +235,7 @@ def storage_cause(run_dir: Path, failure: BaseException) -> tuple[str, str, str]
     # Not for a user error (it says what it is) nor an interrupt (Ctrl-C is not the disk).
     # (torch's CheckpointException is a BaseException, not an Exception.)
     unsaid = not isinstance(failure, (Fp8opsError, KeyboardInterrupt, SystemExit))
-    why = disk_full(run_dir, need=_checkpoint_bytes(run_dir)) if unsaid else None
+    why = disk_full(run_dir, need=_room_lacking(run_dir)) if unsaid else None
     if why is None:
         return None
     said = (worker_failures(failure) or [failure])[0]  # a worker's own words, if it collects them
@@ -243,17 +243,27 @@ def storage_cause(run_dir: Path, failure: BaseException) -> tuple[str, str, str]
     return str(run_dir), why, f"{type(said).__name__}: {first_line}"
 
 
-def _checkpoint_bytes(run_dir: Path) -> int:
-    """While a save is cut short (its ``.partial`` left), the size of the latest whole
-    checkpoint: about what that save needed. 0 otherwise (no save failed, or none before)."""
+def _room_lacking(run_dir: Path) -> int:
+    """While a save is cut short (its ``.partial`` left), the free space it still needed to
+    complete: the size of the latest whole checkpoint (about what the save takes) less what
+    the ``.partial`` already holds. A save cut short by anything else (a peer's crash late in
+    the save) on a disk with room for it leaves at least that much free, so the free space,
+    which the ``.partial`` takes its share of, is not read as a full disk. 0 otherwise (no
+    save failed, or none before)."""
     store = CheckpointDir(run_dir)
     try:
-        latest = store.latest() if store.partial() else None
+        partial = store.partial()
+        latest = store.latest() if partial else None
     except Fp8opsError:
         return 0
     if latest is None:
         return 0
-    return sum(f.stat().st_size for f in latest.rglob("*") if f.is_file())
+    written = sum(_bytes(p) for p in partial)
+    return max(0, _bytes(latest) - written)
+
+
+def _bytes(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
 
 
 def storage_message(

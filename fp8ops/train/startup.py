@@ -119,7 +119,7 @@ def start(plan: StartPlan, *, progress: bool = True) -> TrainResult | Complete:
             cause = storage_cause(plan.run_dir, exc)
             if cause is None:
                 raise
-            raise StorageFull(storage_message(plan.run_dir, cause, None)) from None
+            raise StorageFull(storage_message(plan.run_dir, cause, None)) from exc
         finally:
             shutdown_distributed()
     if result.interrupted_by is not None:

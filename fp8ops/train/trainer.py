@@ -345,7 +345,7 @@ class Trainer:
             full = ending.fail(self.run, self.telemetry, exc, finished)
             if full is None:
                 raise
-            raise full from None  # a full disk, said once
+            raise full from exc  # a full disk, said once (the traceback kept as its cause)
         finally:
             logger.close()
         seconds = ending.complete(self.run, self.manifest, started)
@@ -572,7 +572,7 @@ class Trainer:
             full = ending.fail(self.run, self.telemetry, exc, steps)
             if full is None:
                 raise
-            raise full from None
+            raise full from exc
         seconds = ending.complete(self.run, self.manifest, started)
         return TrainResult(
             self.run.path,

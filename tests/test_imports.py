@@ -229,7 +229,7 @@ LAYERS = [
     {"precision", "data", "launch"},
     {"run"},
     {"manifest"},
-    {"files", "terminal"},
+    {"files", "terminal", "collective"},
     {"errors", "amax_algo", "gemm_roles"},
 ]
 

@@ -27,6 +27,7 @@ from fp8ops.checkpoint.consistency import check_consistent, write_seal
 from fp8ops.checkpoint.directory import CheckpointDir, CheckpointError, file_digests, verify_files
 from fp8ops.checkpoint.meta import CheckpointMeta, Fp8StateRecord, TopologyRecord, write_meta
 from fp8ops.checkpoint.sharded_io import load_sharded, save_sharded, saved_keys
+from fp8ops.collective import on_rank0, raise_if_any
 from fp8ops.manifest import manifest_hash, write_manifest
 from fp8ops.run.layout import MANIFEST
 
@@ -67,7 +68,7 @@ def save_checkpoint(
     started = time.perf_counter()
     store = CheckpointDir(run_dir)
     main = parts.ranks.is_main
-    partial = _on_rank0(main, lambda: store.begin(step))
+    partial = on_rank0(main, lambda: store.begin(step), error=CheckpointError)
     weights = state.weights_state(parts.model)
     sharded = {
         **weights,
@@ -122,7 +123,7 @@ def save_checkpoint(
         write_meta(partial, meta)
         return store.publish(partial, step, keep)
 
-    path = _on_rank0(main, publish)
+    path = on_rank0(main, publish, error=CheckpointError)
     return path, time.perf_counter() - started
 
 
@@ -202,7 +203,7 @@ def load_checkpoint(
         problem = None
     except CheckpointError as exc:
         problem = str(exc)
-    _raise_if_any(problem)
+    raise_if_any(problem, error=CheckpointError)
     return time.perf_counter() - started
 
 
@@ -232,36 +233,4 @@ def _agree_files_verified(directory: Path, meta: CheckpointMeta, is_main: bool) 
         check_consistent(directory, meta)
         verify_files(directory, meta.files)
 
-    _on_rank0(is_main, verify)
-
-
-def _on_rank0(is_main: bool, work):
-    """Run ``work`` on rank 0 and hand its result to every rank; if it fails, every rank
-    raises (the others would otherwise wait for rank 0 in the next collective forever)."""
-    result, problem = None, None
-    if is_main:
-        try:
-            result = work()
-        except Exception as exc:  # noqa: BLE001 - reported on every rank, re-raised on rank 0
-            problem, failure = f"{exc}", exc
-    result, problem = _from_rank0((result, problem))
-    if problem is not None:
-        if is_main:
-            raise failure
-        raise CheckpointError(f"rank 0 failed: {problem}")
-    return result
-
-
-def _raise_if_any(problem: str | None) -> None:
-    """Every rank learns every rank's problem; all raise the first one."""
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, problem)
-    first = next((p for p in everyone if p is not None), None)
-    if first is not None:
-        raise CheckpointError(first)
-
-
-def _from_rank0(value):
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    on_rank0(is_main, verify, error=CheckpointError)

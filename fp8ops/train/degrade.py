@@ -28,13 +28,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.distributed as dist
 from torch import nn
 
 from fp8ops.admission import AdmissionTable, apply_admission, decide_admission
 from fp8ops.alerts.policy import policy_switches
 from fp8ops.alerts.records import Alert, Proposal
 from fp8ops.alerts.rules import AlertEngine
+from fp8ops.collective import on_rank0
 from fp8ops.errors import Fp8opsError
 from fp8ops.manifest import derive, manifest_hash
 from fp8ops.manifest.schema import Manifest
@@ -102,13 +102,11 @@ def auto_degrade(
     revision = manifest_hash(manifest)
     # Rank 0 decides with the ledger (its limit, an operator's open staging) and every rank
     # follows its answer: {module: the ledger's approved override}.
-    approved = (
-        _approve_all(ledger, run, switching, revision, policy.max_modules) if run.writer else {}
+    # (A failure there, even of the event that reports one, fails every rank, not rank 0 alone.)
+    approved = on_rank0(
+        run.writer,
+        lambda: _approve_all(ledger, run, switching, revision, policy.max_modules),
     )
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [approved]
-        dist.broadcast_object_list(box, src=0)
-        approved = box[0]
     switching = [p for p in switching if p.module in approved]
     if not switching:
         return None
@@ -182,7 +180,8 @@ def _approve_all(
     (the replay of the same switch), is taken as it is and takes no room. A module an operator
     staged is left to the operator's review. Nothing switches unrecorded: a module the ledger
     cannot take (damaged, or refusing the record) keeps running FP8, an event says why, and the
-    Stop rules still guard it. Nothing here raises: the other ranks wait for this answer."""
+    Stop rules still guard it. Nothing here raises (the other ranks wait for this answer; what
+    escapes, such as a full disk taking the event, fails them all: :func:`auto_degrade`)."""
     approved = {}
     try:
         used = sum(o.policy is not None for o in ledger.overrides().values())

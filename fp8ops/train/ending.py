@@ -27,10 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch.distributed as dist
 from torch import nn
 
 from fp8ops.checkpoint import CheckpointDir, read_meta, weights
+from fp8ops.collective import on_rank0
 from fp8ops.errors import (
     STORAGE_ERRNOS,
     Fp8opsError,
@@ -118,10 +118,8 @@ def check_releasable(run: RunDir, steps: int, checkpoint: Path) -> None:
     :class:`NotReleasable` on every rank, so no ``final/`` is written and the run ends failed
     with the ``checkpoint`` of its last step kept for diagnosis (collective: rank 0 reads the
     records and tells the others)."""
-    found = [release_problems(run.path, steps) if run.writer else None]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(found, src=0)
-    problems = found[0]
+    # A record rank 0 cannot read (a damaged line) fails every rank, not rank 0 alone.
+    problems = on_rank0(run.writer, lambda: release_problems(run.path, steps))
     if not problems:
         return
     run.event("not_releasable", step=steps, problems=problems, checkpoint=checkpoint.name)

@@ -547,6 +547,32 @@ def test_an_update_orders_of_magnitude_above_the_weights_stops_at_once():
     assert only(feed(loose, [row()], [{**blown, "update_norm": 3e34}])).rule == "update_blowup"
 
 
+def test_a_non_finite_update_from_finite_gradients_stops_at_once():
+    """The update made the weights non-finite while the step's loss and gradients were finite:
+    nothing fired until the next step's NaN, and at the last step never."""
+    overflowed = {**GOOD_STEP, "update_norm": math.inf, "weight_norm": 20.0}
+    alert = only(feed(engine(), [row()] * 2, [GOOD_STEP, overflowed]))
+    assert (alert.step, alert.level, alert.rule, alert.module, alert.metric) == (
+        2,
+        "stop",
+        "nonfinite",
+        None,
+        "update_norm",
+    )
+    assert alert.value == math.inf
+    assert alert.message.startswith(
+        "Step 2: the optimizer's update had norm inf, not finite, from finite gradients"
+    )
+    nan_update = {**GOOD_STEP, "update_norm": math.nan, "weight_norm": 20.0}
+    assert only(feed(engine(), [row()], [nan_update])).metric == "update_norm"
+    # A skipped step made no update (its norm is NaN): nothing; nor without an update measured.
+    skipped = {**GOOD_STEP, "update_norm": math.nan, "weight_norm": math.nan, "skipped": 1.0}
+    assert feed(engine(), [row()] * 2, [skipped, GOOD_STEP]) == {}
+    # A non-finite loss is named first, as before.
+    both = {**overflowed, "loss": math.nan}
+    assert only(feed(engine(), [row()], [both])).metric == "loss"
+
+
 def test_nonfinite_stop_off_reports_observe_once():
     found = feed(engine(nonfinite_stop=False), [nan_from_module(FC1_0)] * 3, [NAN_STEP] * 3)
     alert = only(found)

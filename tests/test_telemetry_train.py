@@ -31,7 +31,7 @@ from fp8ops.telemetry import TelemetryError, open_run
 from fp8ops.telemetry.catalogue import MODULE_METRIC_NAMES
 from fp8ops.train import open_trainer, run_training
 from fp8ops.train.distributed import init_distributed, shutdown_distributed
-from fp8ops.train.ending import StopRun
+from fp8ops.train.ending import NotReleasable, StopRun
 
 # Every test trains a run (several in a process that is signalled or killed): the full suite's.
 pytestmark = [
@@ -183,6 +183,57 @@ def test_an_optimizer_blow_up_stops_at_the_step_that_made_it(manifest, tmp_path)
     assert first["value"] > 1e29  # an amax of the weights step 1 moved by 1e30 each
     assert "no module's telemetry shows where it started" not in first["message"]
     assert f"amaxes jumped first in {first['module']}" in first["message"]
+
+
+# An SGD step at the learning rate's bound (float32's largest number), clipping off: a gradient
+# element above 1 steps its weight past the float range. The gradients stay finite.
+OVERFLOW = {
+    "schedule.warmup_steps": 0,
+    "optimizer.name": "sgd",
+    "optimizer.beta1": 0.0,
+    "optimizer.lr": 3.4e38,
+    "optimizer.clip_grad": None,
+    "alerts.update_blowup_factor": None,  # the non-finite update is nonfinite's to say
+    "capability.enabled": False,
+}
+
+
+def _overflowing(manifest, run_dir, steps: int, **settings):
+    """A trainer whose first step overflows a weight: one weight's gradient made 1e4x larger
+    (measured on this model without it: no element above 1, so the step stays finite)."""
+    trainer = _trainer(
+        derive(manifest, {**OVERFLOW, **settings}, "sgd at lr's bound"), run_dir, steps
+    )
+    weight = dict(trainer.model.named_parameters())[f"{TARGET}.weight"]
+    weight.register_hook(lambda grad: grad * 1e4)
+    return trainer
+
+
+def test_an_update_that_overflows_the_weights_stops_at_its_step(manifest, tmp_path):
+    """Issue 49 review: finite gradients, an update past the float range: nothing fired until
+    the next step's NaN, and at the last step never, where the run then released them."""
+    trainer = _overflowing(manifest, tmp_path / "run", steps=4)
+    try:
+        with pytest.raises(StopRun) as stop:
+            trainer.train()
+    finally:
+        shutdown_distributed()
+    first = stop.value.alerts[0]
+    assert (first["step"], first["rule"], first["metric"]) == (1, "nonfinite", "update_norm")
+    assert "the optimizer's update had norm inf, not finite, from finite gradients" in str(
+        stop.value
+    )
+    (row,) = read_jsonl(tmp_path / "run" / "metrics.jsonl")  # no second step trained
+    assert row["grad_norm"] is not None and row["skipped"] is False  # finite gradients
+
+    # With the Stop demoted, a run that ends on that step is not released.
+    trainer = _overflowing(manifest, tmp_path / "last", steps=1, **{"alerts.nonfinite_stop": False})
+    try:
+        with pytest.raises(NotReleasable, match="the norm of step 1's update is inf"):
+            trainer.train()
+    finally:
+        shutdown_distributed()
+    assert not (tmp_path / "last" / "final").exists()
 
 
 def test_a_saturating_weight_draws_degrade_and_a_proposal(manifest, tmp_path):

@@ -598,6 +598,32 @@ def test_a_result_is_releasable_by_its_records(tmp_path, losses, skipped, evals,
         assert expected in said
 
 
+@pytest.mark.parametrize(
+    ("update", "weights", "problem"),
+    [
+        (float("inf"), 20.0, "the norm of step 2's update is inf (update_norm)"),
+        (1.0, float("nan"), "the norm of step 2's weights before it is nan (weight_norm)"),
+        (None, None, None),  # a skipped last step changed nothing
+    ],
+)
+def test_weights_the_last_update_left_non_finite_are_not_releasable(
+    tmp_path, update, weights, problem
+):
+    """The last step's loss was computed before its update: finite, whatever the update did."""
+    from fp8ops.train.ending import release_problems
+
+    manifest = load_manifest(MANIFESTS / "tiny-gpt-cpu.yaml")
+    run = RunDir.claim(tmp_path / "run", manifest, [manifest])
+    rows = [
+        MetricsRow(step=1, loss=2.0, tokens=1, update_norm=1.0, weight_norm=20.0),
+        MetricsRow(step=2, loss=1.5, tokens=1, update_norm=update, weight_norm=weights),
+    ]
+    for row in rows:
+        run.log_metrics(row, with_status=False)
+    run.release()
+    assert release_problems(tmp_path / "run", 2) == ([] if problem is None else [problem])
+
+
 # -- run directories ------------------------------------------------------------------------
 
 

@@ -12,7 +12,8 @@ rule                condition                                                lev
 ==================  =======================================================  ==================
 nonfinite           NaN/Inf in a cast (``<slot>.nan``/``.inf`` > 0), an     stop (observe if
                     infinite amax or scale, a non-finite module gradient     ``nonfinite_stop``
-                    norm, or a non-finite step ``loss``/``grad_norm``;       is false); at once
+                    norm, or a non-finite step ``loss``/``grad_norm``, or    is false); at once
+                    ``update_norm`` of a step not skipped;
                     one alert, naming the first module where it appeared
                     (forward casts in module order, gradients in reverse);
                     where no cast shows it, the first module whose amax
@@ -482,9 +483,12 @@ class AlertEngine:
         """
         cells = self._nonfinite_cells(rows, step_values)
         loss, grad_norm = step_values.get("loss"), step_values.get("grad_norm")
+        # Finite gradients can still step the weights past the float range (a learning rate
+        # far too high): a non-finite update. A skipped step made none (its norm is NaN).
+        update = None if step_values.get("skipped") else step_values.get("update_norm")
         run_level = [
             (name, value)
-            for name, value in (("loss", loss), ("grad_norm", grad_norm))
+            for name, value in (("loss", loss), ("grad_norm", grad_norm), ("update_norm", update))
             if value is not None and not np.isfinite(value)
         ]
         held = bool(cells) or bool(run_level)
@@ -506,6 +510,14 @@ class AlertEngine:
             threshold = 0.0 if limit == "above 0" else None
             return [self._alert(step, level, "nonfinite", index, metric, value, threshold, message)]
         name, value = run_level[0]
+        if name == "update_norm":  # the step's forward and backward were finite: no module to name
+            message = (
+                f"Step {step}: the optimizer's update had norm {format_value(value)}, not "
+                "finite, from finite gradients: the step left non-finite weights (a learning "
+                "rate far too high, without optimizer.clip_grad). Stopped before the next step "
+                "trains on them; an earlier checkpoint (or the base) holds finite weights."
+            )
+            return [self._alert(step, level, "nonfinite", None, name, value, None, message)]
         message = f"Step {step}: the run's {name} was {format_value(value)}, not finite" + (
             f" ({'; '.join(also[1:])})" if len(also) > 1 else ""
         )
@@ -557,7 +569,7 @@ class AlertEngine:
         if factor is None or update is None or weights is None:
             return []
         if not (np.isfinite(update) and np.isfinite(weights) and weights > 0):
-            return []  # a skipped step changed nothing; a non-finite one is nonfinite's
+            return []  # a skipped step changed nothing; a non-finite update is nonfinite's
         if update <= factor * weights:
             return []
         message = (

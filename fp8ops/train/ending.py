@@ -3,8 +3,8 @@
 * completed: after the last step, the final checkpoint, then, if the result is releasable
   (:func:`check_releasable`), ``final/`` (:func:`save_final_weights`), then status completed
   (:func:`complete`);
-* not releasable: the last step trained but its loss or held-out evaluation is not finite, or
-  most steps were skipped (:class:`NotReleasable`, exit 5): the final checkpoint kept for
+* not releasable: the last step trained but its loss, its weights or the held-out evaluation
+  is not finite, or most steps were skipped (:class:`NotReleasable`, exit 5): the final checkpoint kept for
   diagnosis, no ``final/``, status failed;
 * paused: ``--stop-at`` (status paused) or a stop request (status interrupted; the command exits
   75, for a requeue): a checkpoint at the step boundary (:func:`pause`);
@@ -91,13 +91,20 @@ def release_problems(run_dir: Path, steps: int) -> list[str]:
     """Why the result of the run in ``run_dir`` at its last step ``steps`` is not releasable,
     read from its records (every segment's, across resumes); empty when it is.
 
-    Releasable: the last step's training loss and the last held-out evaluation are finite, and
-    at most :data:`MAX_SKIPPED_SHARE` of the steps were skipped. A line the records lost (a
-    crash mid-write) is not held against the run."""
+    Releasable: the last step's training loss, the weights it ended with and the last held-out
+    evaluation are finite, and at most :data:`MAX_SKIPPED_SHARE` of the steps were skipped. The
+    loss was computed before the last update, so the weights are read from the last row's norms:
+    the weights' before the update and the update's (finite both, so is their sum). A line the
+    records lost (a crash mid-write) is not held against the run."""
     metrics = [row for row in read_metrics(run_dir) if row.step <= steps]
     problems = []
-    if metrics and metrics[-1].step == steps and not math.isfinite(metrics[-1].loss):
-        problems.append(f"the training loss of step {steps} is {metrics[-1].loss}")
+    last = metrics[-1] if metrics and metrics[-1].step == steps else None
+    if last is not None and not math.isfinite(last.loss):
+        problems.append(f"the training loss of step {steps} is {last.loss}")
+    for norm, what in (("weight_norm", "weights before it"), ("update_norm", "update")):
+        value = None if last is None else getattr(last, norm)
+        if value is not None and not math.isfinite(value):
+            problems.append(f"the norm of step {steps}'s {what} is {value} ({norm})")
     evals = [row for row in read_evals(run_dir) if row.step <= steps]
     if evals and not math.isfinite(evals[-1].loss):
         problems.append(

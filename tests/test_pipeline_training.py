@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from support.float_bounds import reordered_norm_rel_tol
 from support.small_model import MANIFESTS, SCHEDULE, SMALL_MODEL, write_derived
-from support.torchrun import fp8ops_ranks
+from support.torchrun import fp8ops_ranks, worker_records
 
 from fp8ops.checkpoint import read_meta
 from fp8ops.checkpoint.directory import checkpoint_name
@@ -43,6 +43,7 @@ pytestmark = [
 N = 4  # steps before a stop, and after it
 PP2 = ("--set", "topology.pipeline_parallel=2")
 OWN_RECIPE = "decoder.layers.1.mlp.linear_fc1"
+RESUME_WORKER = Path(__file__).parent / "workers" / "resume_outcome.py"
 # Tied embeddings at PP 2 against PP 1, relative: PP 1 adds the embedding's two gradients in
 # bf16 (autograd, in the parameter's dtype), PP 2 in float32 over the embedding group. Measured
 # 1.1e-5 (losses), 1.4e-4 (gradient norms), 7.6e-3 (update norms); without the sum, 1.1e-4,
@@ -178,6 +179,19 @@ def test_a_pp2_checkpoint_resumes_at_pp1_and_a_pp1_checkpoint_at_pp2(pp1, pp2, t
     assert _metrics(up) == _metrics(pp2)
     assert _meta(up, 2 * N).fp8.digests == _meta(pp2, 2 * N).fp8.digests
     assert _meta(up, 2 * N).topology.pipeline_parallel == 2
+
+
+def test_a_store_of_another_run_stops_every_stage_with_the_refusal(pp1, pp2, tmp_path):
+    """Only the first stage opens the telemetry store: it refused a store linked from another
+    run, while the second stage went on into the pipeline schedule and waited there for it."""
+    run = tmp_path / "run"
+    shutil.copytree(pp2, run)
+    shutil.rmtree(run / "telemetry.zarr")
+    (run / "telemetry.zarr").symlink_to(pp1 / "telemetry.zarr")  # another run's
+    outcomes = worker_records(RESUME_WORKER, tmp_path / "out", run, N, ranks=2)
+    assert outcomes[0] == outcomes[1], outcomes  # the same refusal, said once (rank 0)
+    assert outcomes[0]["outcome"] == "TelemetryError" and outcomes[0]["collective"]
+    assert "telemetry.zarr was written by another run" in outcomes[0]["message"]
 
 
 def test_tp2_pp2_on_four_ranks_trains_as_tp2(manifest, tmp_path):

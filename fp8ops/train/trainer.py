@@ -33,6 +33,7 @@ from fp8ops.checkpoint import weights
 from fp8ops.checkpoint.meta import TopologyRecord
 from fp8ops.checkpoint.state import Fp8Layout, fp8_states_agree
 from fp8ops.checkpoint.training import TrainingParts, load_checkpoint, save_checkpoint
+from fp8ops.collective import together
 from fp8ops.data import TrainSampler
 from fp8ops.errors import Fp8opsError, ManifestError
 from fp8ops.hf import verify as hf_verify
@@ -618,12 +619,19 @@ class Trainer:
         metrics are in metrics.jsonl, and there is no per-module FP8 state to record)."""
         if not self.telemetry_modules:
             return None
-        path, first, resumed = self.run.layout.telemetry, self.start_step + 1, self.resumed_from
+        path, resumed = self.run.layout.telemetry, self.resumed_from
         reopened = resumed is not None and path.exists()
         if reopened:
             dist.barrier()  # rank 0 may have rewritten nothing yet; all ranks see one store
-        if not self.first_stage:  # the first stage writes every stage's modules (observe())
-            return None
+        # The first stage writes every stage's modules (observe()); a store it refuses stops
+        # every stage, or the others would wait for it in the pipeline schedule.
+        with together(TelemetryError):
+            return self._open_store(path, reopened) if self.first_stage else None
+
+    def _open_store(self, path: Path, reopened: bool) -> TelemetryWriter:
+        """The first stage's writer: a resume's store reopened (checked to be this run's), or
+        a new one."""
+        first, resumed = self.start_step + 1, self.resumed_from
         if reopened:
             try:
                 # Before anything is opened for writing: a resume drops steps past its own.

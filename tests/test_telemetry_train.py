@@ -236,6 +236,27 @@ def test_an_update_that_overflows_the_weights_stops_at_its_step(manifest, tmp_pa
     assert not (tmp_path / "last" / "final").exists()
 
 
+def test_a_result_not_releasable_keeps_the_checkpoints_its_advice_names(manifest, tmp_path):
+    """The final save ran before the result was judged, and deleted the oldest checkpoint
+    (keep_checkpoints) that the refusal then advised resuming with a fix."""
+    keep_one = {"alerts.nonfinite_stop": False, "schedule.checkpoint_interval": 1}
+    keep_one["schedule.keep_checkpoints"] = 1
+    trainer = _overflowing(manifest, tmp_path / "run", steps=3, **keep_one)
+    try:
+        with pytest.raises(NotReleasable) as refused:
+            trainer.train()
+    finally:
+        shutdown_distributed()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_00000002", "step_00000003"]
+    said = str(refused.value)
+    assert "its checkpoints are kept (step_00000002, step_00000003 in checkpoints/)" in said
+    assert (
+        f"resume an earlier one with a fix (fp8ops resume {tmp_path / 'run'} --checkpoint 2 "
+        in said
+    )
+
+
 def test_a_saturating_weight_draws_degrade_and_a_proposal(manifest, tmp_path):
     # Stop off for saturation and FP8 error: the weight below saturates far past their stop
     # levels (and its clipped output errs accordingly); this test is about the level below.

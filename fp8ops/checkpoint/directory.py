@@ -153,9 +153,10 @@ class CheckpointDir:
             shutil.rmtree(leftover, ignore_errors=True)
         return [p.name for p in partial]
 
-    def publish(self, partial: Path, step: int, keep: int) -> Path:
+    def publish(self, partial: Path, step: int, keep: int | None) -> Path:
         """Make a finished save visible: fsync its files, rename it into place, move ``latest``,
-        then delete all but the newest ``keep`` checkpoints (rank 0 only)."""
+        then delete all but the newest ``keep`` checkpoints (None: none deleted; rank 0
+        only)."""
         for file in partial.rglob("*"):
             if file.is_file():
                 _fsync_path(file)
@@ -170,7 +171,7 @@ class CheckpointDir:
         atomic_write_text(self.path / LATEST, final.name + "\n")
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)
-        for old in self.complete()[:-keep]:
+        for old in self.complete()[:-keep] if keep is not None else []:
             _remove(old)
         return final
 

@@ -59,10 +59,11 @@ def save_checkpoint(
     admission: str | None,
     sampler: dict,
     telemetry_committed: int | None,
-    keep: int,
+    keep: int | None,
     ledger: dict | None = None,
 ) -> tuple[Path, float]:
-    """Write the checkpoint of ``step`` and publish it; returns its path and the seconds taken."""
+    """Write the checkpoint of ``step`` and publish it, keeping the newest ``keep`` (None:
+    every one); returns its path and the seconds taken."""
     from fp8ops.checkpoint.weights import FINGERPRINT_SCHEME, weights_fingerprint
 
     started = time.perf_counter()

@@ -1,11 +1,12 @@
 """The ways a run ends, each leaving its run directory resumable or finished:
 
-* completed: after the last step, the final checkpoint, then, if the result is releasable
-  (:func:`check_releasable`), ``final/`` (:func:`save_final_weights`), then status completed
-  (:func:`complete`);
+* completed: after the last step, the result judged from the records (:func:`releasable`),
+  the final checkpoint, then, if the result is releasable (:func:`check_releasable`),
+  ``final/`` (:func:`save_final_weights`), then status completed (:func:`complete`);
 * not releasable: the last step trained but its loss, its weights or the held-out evaluation
-  is not finite, or most steps were skipped (:class:`NotReleasable`, exit 5): the final checkpoint kept for
-  diagnosis, no ``final/``, status failed;
+  is not finite, or most steps were skipped (:class:`NotReleasable`, exit 5): judged before the
+  final checkpoint, which then deletes no earlier one (the advice names them), no ``final/``,
+  status failed;
 * paused: ``--stop-at`` (status paused) or a stop request (status interrupted; the command exits
   75, for a requeue): a checkpoint at the step boundary (:func:`pause`);
 * stopped: a Stop alert (:class:`StopRun`, exit 3): a checkpoint of the step that raised it,
@@ -30,6 +31,7 @@ from pathlib import Path
 from torch import nn
 
 from fp8ops.checkpoint import CheckpointDir, read_meta, weights
+from fp8ops.checkpoint.directory import checkpoint_step
 from fp8ops.collective import on_rank0
 from fp8ops.errors import (
     STORAGE_ERRNOS,
@@ -119,23 +121,40 @@ def release_problems(run_dir: Path, steps: int) -> list[str]:
     return problems
 
 
-def check_releasable(run: RunDir, steps: int, checkpoint: Path) -> None:
-    """Refuse to release a run whose result is unusable (:func:`release_problems`), whatever
-    its alert settings (``alerts.nonfinite_stop: false`` only demotes an alert): an event, and
+def releasable(run: RunDir, steps: int) -> list[str]:
+    """:func:`release_problems` on every rank (collective: rank 0 reads the records and tells
+    the others; a record it cannot read, such as a damaged line, fails every rank)."""
+    return on_rank0(run.writer, lambda: release_problems(run.path, steps))
+
+
+def check_releasable(
+    run: RunDir, steps: int, checkpoint: Path, problems: list[str] | None = None
+) -> None:
+    """Refuse to release a run whose result is unusable (``problems``: :func:`releasable`'s,
+    found before the final ``checkpoint`` was saved, or found now), whatever its alert
+    settings (``alerts.nonfinite_stop: false`` only demotes an alert): an event, and
     :class:`NotReleasable` on every rank, so no ``final/`` is written and the run ends failed
-    with the ``checkpoint`` of its last step kept for diagnosis (collective: rank 0 reads the
-    records and tells the others)."""
-    # A record rank 0 cannot read (a damaged line) fails every rank, not rank 0 alone.
-    problems = on_rank0(run.writer, lambda: release_problems(run.path, steps))
+    with its checkpoints kept: the last for diagnosis, the earlier ones to resume with a fix
+    (the final save of such a run deletes none of them)."""
+    problems = releasable(run, steps) if problems is None else problems
     if not problems:
         return
+    kept = [path.name for path in CheckpointDir(run.path).complete()]
     run.event("not_releasable", step=steps, problems=problems, checkpoint=checkpoint.name)
+    earlier = [name for name in kept if name != checkpoint.name]
+    resume = (
+        f"; to go on, resume an earlier one with a fix (fp8ops resume {run.path} --checkpoint "
+        f"{checkpoint_step(earlier[-1])} --set ... --accept-drift WHY)"
+        if earlier
+        else ""
+    )
     raise NotReleasable(
         f"{run.path}: trained to step {steps}, but the result is not releasable: "
-        f"{'; '.join(problems)}. No final weights were written; the last checkpoint "
-        f"({checkpoint.parent.name}/{checkpoint.name}) is kept for diagnosis and the run is "
-        f"marked failed. See metrics.jsonl and `fp8ops alerts {run.path}` for where it went "
-        "wrong (alerts.nonfinite_stop: false does not release such a run)"
+        f"{'; '.join(problems)}. No final weights were written and the run is marked failed; "
+        f"its checkpoints are kept ({', '.join(kept)} in {checkpoint.parent.name}/): the last, "
+        f"{checkpoint.name}, for diagnosis{resume}. See metrics.jsonl and `fp8ops alerts "
+        f"{run.path}` for where it went wrong (alerts.nonfinite_stop: false does not release "
+        "such a run)"
     )
 
 

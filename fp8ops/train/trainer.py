@@ -336,8 +336,10 @@ class Trainer:
                     self.save_checkpoint(finished, "periodic")
             if self.telemetry is not None:  # the last steps reach the disk before "completed"
                 self.telemetry.close()
-            final = self.save_checkpoint(schedule.train_steps, "final")
-            ending.check_releasable(self.run, schedule.train_steps, final)  # or NotReleasable
+            # Judged first: the final save of a result not releasable deletes no checkpoint.
+            problems = ending.releasable(self.run, schedule.train_steps)
+            final = self.save_checkpoint(schedule.train_steps, "final", rotate=not problems)
+            ending.check_releasable(self.run, schedule.train_steps, final, problems)
             self._save_final_weights(final, losses[-1])
         except StopRun as stop:  # a checkpoint of the alert's step, status stopped
             ending.stop(self.run, self.telemetry, self.save_checkpoint, stop)
@@ -509,8 +511,9 @@ class Trainer:
 
     # -- checkpoints and the ways a run ends ------------------------------------------------------
 
-    def save_checkpoint(self, step: int, reason: str) -> Path:
-        """A training checkpoint of the state after ``step`` (collective)."""
+    def save_checkpoint(self, step: int, reason: str, *, rotate: bool = True) -> Path:
+        """A training checkpoint of the state after ``step`` (collective); ``rotate``: delete
+        the oldest beyond ``schedule.keep_checkpoints``."""
         committed = None
         if self.telemetry is not None and not self.telemetry.closed:
             self.telemetry.flush()  # the store is committed up to the checkpoint's step
@@ -535,7 +538,7 @@ class Trainer:
             admission=self.admission_hash(),
             sampler=self.sampler.state_dict(),
             telemetry_committed=committed,
-            keep=self.manifest.schedule.keep_checkpoints,
+            keep=self.manifest.schedule.keep_checkpoints if rotate else None,
             ledger=self._ledger_anchor(),
         )
         self.run.event(

@@ -117,8 +117,10 @@ def test_one_rank_steps_as_the_replicated_optimizer(gloo_world_of_one, dtype, na
         # squares are added in another order (measured: equal).
         assert math.isclose(norm_b, norm_a, rel_tol=reordered_norm_rel_tol(terms))
         assert skipped_a == skipped_b
-        # Exact: both take the update's norm over whole parameters in the model's order.
+        # Exact: both take the update's norm, and the weights' before it, over whole
+        # parameters in the model's order.
         assert a.last_update_norm == b.last_update_norm
+        assert a.last_weight_norm == b.last_weight_norm
         for x, y in zip(a_model.parameters(), b_model.parameters()):
             assert torch.equal(x, y)  # exact: see the module's docstring
     assert a.steps == b.steps == (4 if name == "adamw" else 0)

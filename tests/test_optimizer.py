@@ -102,3 +102,27 @@ def test_clipping_uses_the_global_norm_and_skips_non_finite_steps():
     assert torch.equal(optimizer.main_params[0], before)  # weights untouched
     assert optimizer.last_update_norm is None  # a skipped step made no update
     assert layer.weight.grad is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_weight_norm_is_of_the_weights_before_the_step(dtype):
+    """Measured in the update norm's pass (no pass or collectives of its own): the weights as
+    they were before the update, in their own dtype, which update_blowup compares it with."""
+    cfg = _manifest(**{"optimizer.name": "adamw", "optimizer.clip_grad": None}).optimizer
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8)).to(dtype)
+    optimizer = MainParamsOptimizer(model, cfg, tp_group=None, dp_group=None)
+    for step in range(3):
+        before = [p.detach().clone() for p in model.parameters()]
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        optimizer.step(lr=0.1)
+        weights = math.sqrt(sum(float(w.double().pow(2).sum()) for w in before))
+        # The change as the model holds it (float32 for either dtype), squared in float64.
+        changes = [(p.float() - w.float()).double() for p, w in zip(model.parameters(), before)]
+        update = math.sqrt(sum(float(c.pow(2).sum()) for c in changes))
+        # Both sums in float64 of exact squares, in other orders: within float64 rounding
+        # (measured 2e-16 relative).
+        assert optimizer.last_weight_norm == pytest.approx(weights, rel=1e-12), step
+        assert optimizer.last_update_norm == pytest.approx(update, rel=1e-12), step
+        assert optimizer.last_update_norm > 0.01 * optimizer.last_weight_norm  # a real step

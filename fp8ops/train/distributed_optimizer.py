@@ -30,9 +30,10 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8ops.train.optimizer import (
+    UPDATE_AND_WEIGHTS,
     _MainParams,
     all_reduce_flat,
-    global_norm,
+    global_norms,
     inner_optimizer,
     main_grad,
     norm_kinds,
@@ -146,10 +147,16 @@ class DistributedMainParamsOptimizer(_MainParams):
                 main.grad = grad
             for group in self.inner.param_groups:
                 group["lr"] = lr
-            self.last_weight_norm = self._weight_norm()
             self.inner.step()
-            self.last_update_norm = global_norm(
-                self._copy_back(), self._is_shard, self.tp_group, self._device, self.pp_group
+            # Both norms over the whole gathered weights, which every DP rank holds: no
+            # collective over DP (each rank finds the same), one pass for both.
+            self.last_update_norm, self.last_weight_norm = global_norms(
+                self._copy_back(),
+                UPDATE_AND_WEIGHTS,
+                self._is_shard,
+                self.tp_group,
+                self._device,
+                self.pp_group,
             )
         else:
             self.last_update_norm = self.last_weight_norm = None
@@ -250,9 +257,9 @@ class DistributedMainParamsOptimizer(_MainParams):
             dist.all_reduce(total, group=self.pp_group)  # the stages' parameters are disjoint
         return math.sqrt(total.item())
 
-    def _copy_back(self) -> Iterator[torch.Tensor]:
+    def _copy_back(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Gather every rank's new weights (in the model's dtype) into each replica, yielding
-        each parameter's change in float32 as it goes."""
+        each parameter's change in float32 and its weights before it as it goes."""
         dtype = self.model_params[0].dtype if self.model_params else torch.float32
         local = torch.zeros(self.layout.shard_numel, dtype=dtype, device=self._device)
         for piece, main in zip(self.pieces, self.main_params):
@@ -261,7 +268,7 @@ class DistributedMainParamsOptimizer(_MainParams):
         with torch.no_grad():
             for param, (start, stop) in zip(self.model_params, self.layout.ranges):
                 new = whole[start:stop].view_as(param)
-                yield new.float() - param.float()
+                yield new.float() - param.float(), param  # read before the copy below
                 param.copy_(new)
 
     def _all_gather(self, local: torch.Tensor) -> torch.Tensor:

@@ -60,7 +60,8 @@ def _megatron_tp1(megatron_tp1):
 
 @pytest.fixture(scope="module")
 def manifest():
-    return load_manifest(TINY)
+    """The CPU default without its base: its weights drawn by global name (init.py)."""
+    return derive(load_manifest(TINY), {"model.init_checkpoint": None}, "no base")
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +196,20 @@ def test_each_weight_is_drawn_from_the_seed_and_its_global_name(model, manifest)
     model.register_parameter("extra", torch.nn.Parameter(torch.randn(3)))
     with pytest.raises(RuntimeError, match="extra: a parameter drawn at random"):
         init_by_global_name(model, model.config, manifest.seeds.model, 0, 1)
+
+
+def test_a_model_whose_base_overwrites_it_is_not_drawn_again(manifest, recipe, monkeypatch):
+    """A fine-tuning run loads model.init_checkpoint over every weight: every rank drew every
+    whole weight again by name first, for nothing."""
+    from fp8ops.megatron import model as model_module
+
+    drawn = []
+    monkeypatch.setattr(model_module, "init_by_global_name", lambda *args: drawn.append(args))
+    fine_tuning = derive(manifest, {"model.init_checkpoint": "base/final"}, "a base")
+    build_gpt(fine_tuning, recipe)
+    assert drawn == []
+    build_gpt(manifest, recipe)  # from scratch: drawn
+    assert len(drawn) == 1
 
 
 # -- inside a scope: FP8 -------------------------------------------------------------------------

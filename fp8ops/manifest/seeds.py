@@ -6,8 +6,8 @@ from pydantic import Field
 
 from fp8ops.manifest.base import Section
 
-# Megatron adds offsets to the model seed per rank and torch takes at most 64 bits; 32 bits is
-# what every generator a run seeds takes.
+# Why 32 bits: Megatron adds offsets to the model seed (+2718, and per rank) that must stay
+# within torch's 64-bit seeds, and numpy's legacy seeds take 32 bits; 32 bits leave room for all.
 SEED_MAX = 2**32 - 1
 
 

@@ -63,8 +63,11 @@ def build_gpt(
 
     ``recipe=None`` builds the same model from Megatron's plain local spec: the high-precision
     reference. Both draw each initial weight from ``seeds.model`` and its global name
-    (``init.py``), so they start identical, at every TP and PP. Megatron's parallel state must be initialised (module docstring). On a
-    machine without CUDA this applies the CPU shims (``cpu_shims.py``) first. The model is in
+    (``init.py``), so they start identical, at every TP and PP; a manifest that names a base
+    (``model.init_checkpoint``) is built with Megatron's own draws instead, for the base to
+    overwrite (the caller loads it, or a checkpoint). Megatron's parallel state must be
+    initialised (module docstring). On a machine without CUDA this applies the CPU shims
+    (``cpu_shims.py``) first. The model is in
     ``precision.base_dtype`` on ``device`` (default: the CPU), its FP8 state with it. All four
     projections of every layer are built FP8-capable; which of them run FP8 is per-layer
     admission's decision (``fp8ops.admission``).
@@ -86,7 +89,8 @@ def build_gpt(
 
     # Seeds Megatron's RNG tracker as Megatron-LM's initialisation does. Megatron draws the
     # weights from torch's default generator (use_cpu_initialization) in build order, which
-    # depends on the pipeline stage; init_by_global_name below draws them again by name.
+    # depends on the pipeline stage; init_by_global_name below draws them again by name (when
+    # no base is loaded over them).
     torch.manual_seed(manifest.seeds.model)
     tensor_parallel.model_parallel_cuda_manual_seed(manifest.seeds.model)
 
@@ -116,13 +120,16 @@ def build_gpt(
         **gpt_model_args(manifest),
     )
     set_rope_scaling(model, model_cfg)
-    init_by_global_name(
-        model,
-        config,
-        manifest.seeds.model,
-        parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_tensor_model_parallel_world_size(),
-    )
+    # A fine-tuning run's weights come from its base (model.init_checkpoint), which overwrites
+    # every one: drawing each whole weight again on every rank first would be wasted work.
+    if model_cfg.init_checkpoint is None:
+        init_by_global_name(
+            model,
+            config,
+            manifest.seeds.model,
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_world_size(),
+        )
     # The local spec's torch norms are created in float32 whatever params_dtype says; casting
     # the whole model is what Megatron's Float16Module does to the module it wraps (the wrapper
     # itself would prefix every name with "module."). The FP8 state follows the device only.

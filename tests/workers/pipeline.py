@@ -55,6 +55,7 @@ def main(out_dir: Path, tensor_parallel: int) -> None:
         "model.ffn_hidden_size": 256,
         "model.num_attention_heads": 4,
         "model.seq_length": S,
+        "model.init_checkpoint": None,  # from scratch: every stage draws its weights by name
         "precision.base_dtype": "fp32",
         "topology.tensor_parallel": tensor_parallel,
         "topology.pipeline_parallel": world // tensor_parallel,

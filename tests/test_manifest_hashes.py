@@ -229,6 +229,21 @@ PER_GEMM = {
     ],
 }
 
+PRECISION_SCHEDULE = {
+    "precision.schedule": [
+        {"start": 10, "end": 20, "modules": ["*.linear_fc2"], "reason": "warm-up"},
+        {
+            "start_fraction": 0.5,
+            "end_fraction": 0.8,
+            "modules": ["decoder.layers.0.*"],
+            "gemms": ["wgrad"],
+            "to": "bf16",
+            "reason": "middle",
+        },
+        {"start_fraction": 0.9, "modules": ["*"], "gemms": ["fprop"], "reason": "the last 10%"},
+    ]
+}
+
 
 def _from_tiny(changes: dict[str, Any]) -> Manifest:
     return derive(load_manifest(TINY), changes, "test: every field")
@@ -261,6 +276,8 @@ CASES = {
     "auto-degrade-gemm": lambda: _from_tiny(
         {"alerts.auto_degrade": {"rules": ["saturation"], "max_modules": 1, "granularity": "gemm"}}
     ),
+    # Added with the precision schedule (precision.schedule).
+    "precision-schedule": lambda: _from_tiny(PRECISION_SCHEDULE),
 }
 
 # As tests/test_manifest.py pins them; here beside the rest.
@@ -278,6 +295,7 @@ BUILT = {
     "minimal": "0cb8ad7cf990b5d68fdae7435048d1475aa8bd921cf1583845d8d0c199cecc9f",
     "parallel": "e355d025a6ff01c7562b838186cc41fbfeb7f45325cd49fef12521299662dbf0",
     "per-gemm": "e93de4bd4bfae6701eb369e7d577d30960ab3822bac88f51f7495cba568c3177",
+    "precision-schedule": "15be88eb74ebf8140336ee029fa3e14e8c4ed63333e9629327e834a9054ce1f4",
     "precision-block": "725fd2a20587795a3005af48cf1bbedcc35c57e3707c90968525de3686168757",
     "precision-block-2d-inputs": "56522112086d3c47f3aa7d5e811633f17bd397577b90da1ec8d801ae269f1048",
     "precision-current": "c6bb1f79ce23141edaf0c0f9059c26332af72bd37727e2c7ca120d97fc069098",

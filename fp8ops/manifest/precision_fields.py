@@ -12,6 +12,7 @@ from pydantic import BeforeValidator, Field, field_validator
 
 from fp8ops.manifest.base import Globs, Section, added_field, list_to_tuple
 from fp8ops.manifest.module_precision import Bf16Override, ModuleRecipe, SmallGemmRule
+from fp8ops.manifest.precision_schedule import PrecisionPhase
 
 if TYPE_CHECKING:
     from fp8ops.amax_algo import AmaxAlgo
@@ -153,6 +154,16 @@ class PrecisionFields(Section):
                 "base_dtype."
             ),
         )
+    )
+
+    schedule: Annotated[tuple[PrecisionPhase, ...], BeforeValidator(list_to_tuple)] = added_field(
+        (),
+        added_in="0.1.0",
+        description=(
+            "Phases of training in which some modules' GEMMs run in base_dtype instead of "
+            "FP8, by step or by fraction of schedule.train_steps (e.g. fprop of every layer "
+            "for the last 10%); switched at the step boundary (docs/precision.md)."
+        ),
     )
 
     @field_validator("fp8_format", mode="before")

@@ -44,6 +44,7 @@ from fp8ops.manifest.module_precision import Bf16Override, ModuleFqn, ModuleReci
 from fp8ops.manifest.notifications import Notifications, Webhook
 from fp8ops.manifest.optimizer import OptimizerConfig
 from fp8ops.manifest.precision import PrecisionPolicy, recipe_line
+from fp8ops.manifest.precision_schedule import PrecisionPhase, schedule_problems
 from fp8ops.manifest.review import Review
 from fp8ops.manifest.revision import Revision
 from fp8ops.manifest.schedule import Schedule
@@ -144,6 +145,14 @@ class Manifest(Section):
             problems.extend(self._sequence_parallel_problems())
         if topology.pipeline_parallel > 1:
             problems.extend(self._pipeline_problems())
+        problems.extend(
+            schedule_problems(
+                self.precision.schedule,
+                schedule.train_steps,
+                enabled=self.precision.enabled,
+                backend=self.precision.backend,
+            )
+        )
         if self.tokenizer.kind == "byte" and self.model.vocab_size < 256:
             problems.append(
                 (("model", "vocab_size"), self.model.vocab_size, "must be >= 256 for byte tokens")
@@ -260,6 +269,7 @@ __all__ = [
     "NonEmptyStr",
     "Notifications",
     "OptimizerConfig",
+    "PrecisionPhase",
     "PrecisionPolicy",
     "Review",
     "Revision",

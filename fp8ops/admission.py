@@ -46,6 +46,7 @@ from fp8ops.run.records import (
 if TYPE_CHECKING:
     from torch import nn
 
+    from fp8ops.manifest.precision_schedule import Phase
     from fp8ops.manifest.schema import PrecisionPolicy, SmallGemmRule
 
 
@@ -176,6 +177,8 @@ def decide_admission(
     *,
     tensor_parallel: int,
     refuse_idle_recipes: bool = True,
+    phases: Sequence[Phase] = (),
+    step: int = 1,
 ) -> AdmissionTable:
     """Decide, for every linear-like module of ``model``, whether it runs FP8.
 
@@ -195,6 +198,12 @@ def decide_admission(
     A hand-written ``module_recipes`` entry that would change no module's recipe is refused
     too (``refuse_idle_recipes``; a resume passes False: what its checkpoint ran, it runs).
 
+    ``phases``: ``precision.schedule`` resolved (``fp8ops.manifest.precision_schedule``); the
+    table is the one for ``step`` (counted from 1), whose covering phases take their GEMMs of
+    the FP8 modules they match to the base dtype. Every phase's globs must match some module
+    that can run FP8, and two phases that overlap in steps must not switch the same GEMM of a
+    module (:func:`_refuse_schedule_problems`): a schedule is checked whole, whatever the step.
+
     Under pipeline parallelism ``model`` is this rank's stage; the globs are checked against,
     and the table lists, the modules of every stage (collective over the pipeline group), so
     every stage decides and records the same table.
@@ -210,7 +219,8 @@ def decide_admission(
         own = module_recipe(precision, f.fqn)
         scaling = own[1].scaling if own else precision.scaling
         reason = _decide(f, rank_shape, precision, fp8_gemm_sizes(precision.backend, scaling))
-        reason, gemms = _decide_gemms(f.fqn, reason, precision)
+        covering = [p for p in phases if p.covers(step)]
+        reason, gemms = _decide_gemms(f.fqn, reason, precision, covering)
         rows.append(
             AdmissionRow(
                 fqn=f.fqn,
@@ -228,6 +238,7 @@ def decide_admission(
         )
     rows = every_stage(rows)
     _refuse_gemms_never_fp8(rows, precision)
+    _refuse_schedule_problems(rows, phases)
     if refuse_idle_recipes:
         _refuse_idle_module_recipes(rows, precision)
     _refuse_unaligned(rows, precision)
@@ -339,13 +350,14 @@ def _override_text(override: Any) -> str:
 
 
 def _decide_gemms(
-    fqn: str, reason: Reason, precision: PrecisionPolicy
+    fqn: str, reason: Reason, precision: PrecisionPolicy, covering: Sequence[Phase] = ()
 ) -> tuple[Reason, GemmPrecisions]:
     """Each of a module's GEMMs (``fp8ops.gemm_roles``) and why, given the module's
     ``reason``: a module in the base dtype runs all three there; an FP8 module runs in FP8 those
     its ``module_recipes`` entry names (all three without ``gemms``) less those its override
-    names. A module left with no FP8 GEMM runs in the base dtype, for its override. Returns the
-    module's reason (changed in that case) and its GEMMs."""
+    names and those the ``covering`` phases of ``precision.schedule`` name. A module left with
+    no FP8 GEMM runs in the base dtype, for its override or phase. Returns the module's reason
+    (changed in that case) and its GEMMs."""
     base = precision.base_dtype
     if reason.code != "fp8":
         return reason, GemmPrecisions.uniform(base, reason)
@@ -365,11 +377,35 @@ def _decide_gemms(
             decided[gemm] = GemmPrecision(
                 precision=base, reason=Reason(code="override", text=_override_text(override))
             )
+        elif phase := _covering_phase(fqn, gemm, covering):
+            decided[gemm] = GemmPrecision(
+                precision=base, reason=Reason(code="schedule", text=_phase_text(phase))
+            )
         else:
             decided[gemm] = GemmPrecision(precision="fp8", reason=reason)
     if all(d.precision == base for d in decided.values()):
-        reason = Reason(code="override", text=_override_text(override) + "; no GEMM left in FP8")
+        # The module's reason: its override where it has one (as before the schedule existed,
+        # so its row hashes as it did), else the phase.
+        reasons = [d.reason for d in decided.values() if d.reason.code in ("override", "schedule")]
+        cause = min(reasons, key=lambda r: r.code != "override")
+        reason = Reason(code=cause.code, text=cause.text + "; no GEMM left in FP8")
     return reason, GemmPrecisions(**decided)
+
+
+def _covering_phase(fqn: str, gemm: str, covering: Sequence[Phase]) -> Phase | None:
+    """The phase among ``covering`` that takes ``gemm`` of ``fqn`` out of FP8 (the manifest and
+    :func:`_refuse_schedule_problems` leave at most one)."""
+    return next(
+        (p for p in covering if gemm in p.entry.all_gemms and _matches(fqn, p.entry.modules)),
+        None,
+    )
+
+
+def _phase_text(phase: Phase) -> str:
+    return (
+        f"{phase.where}, steps {phase.first} to {phase.last}: {phase.entry.to} "
+        f"({phase.entry.reason})"
+    )
 
 
 def _refuse_gemms_never_fp8(rows: list[AdmissionRow], precision: PrecisionPolicy) -> None:
@@ -390,6 +426,46 @@ def _refuse_gemms_never_fp8(rows: list[AdmissionRow], precision: PrecisionPolicy
             + "\n".join(problems)
             + "\nRemove them in a new revision (fp8ops manifest derive --set "
             "'precision.overrides=[...]' ...)."
+        )
+
+
+def _refuse_schedule_problems(rows: list[AdmissionRow], phases: Sequence[Phase]) -> None:
+    """Refuse a schedule that does not fit the model: a phase's glob that matches no module, or
+    only modules that never run FP8 (nothing to switch), and two phases overlapping in steps
+    that both switch a GEMM of one module (the schema catches only the same glob written
+    twice)."""
+    problems = []
+    for phase in phases:
+        for i, glob in enumerate(phase.entry.modules):
+            matched = [r for r in rows if fnmatchcase(r.fqn, glob)]
+            where = f"  {phase.where}.modules[{i}] {glob!r}"
+            if not matched:
+                suggestion = _suggest(glob, [r.fqn for r in rows])
+                hint = f" (did you mean {suggestion!r}?)" if suggestion else ""
+                problems.append(f"{where}: matches no module{hint}")
+            elif all(r.reason.code in _NEVER_FP8 for r in matched):
+                kinds = ", ".join(sorted({_NEVER_WORDS[r.reason.code] for r in matched}))
+                problems.append(f"{where}: matches only modules that never run FP8 ({kinds})")
+    for later in phases:
+        for earlier in phases[: later.index]:
+            gemms = earlier.entry.all_gemms & later.entry.all_gemms
+            both = [
+                r.fqn
+                for r in rows
+                if _matches(r.fqn, earlier.entry.modules) and _matches(r.fqn, later.entry.modules)
+            ]
+            if later.overlaps(earlier) and gemms and both:
+                problems.append(
+                    f"  {later.where}.modules: switches {describe(gemms)} of {_few(both)} in "
+                    f"steps {earlier.where} covers too ({max(earlier.first, later.first)} to "
+                    f"{min(earlier.last, later.last)})"
+                )
+    if problems:
+        raise AdmissionError(
+            "precision.schedule does not fit the model:\n"
+            + "\n".join(problems)
+            + "\nFix the phases (module names as in `fp8ops inspect RUN_DIR --layers`; phases "
+            "that switch one module's GEMM must follow each other)."
         )
 
 

@@ -236,6 +236,7 @@ ReasonCode = Literal[
     "override",
     "unaligned",
     "module_recipe",  # a GEMM's only: its module_recipes entry runs other GEMMs of the module
+    "schedule",  # a phase of precision.schedule covers the step
 ]
 Precision = Literal["fp8", "bf16", "fp16", "fp32"]  # "fp8" or precision.base_dtype
 
@@ -466,6 +467,17 @@ class RecipeRecord(_LayersRecord):
         return recipe_line(self)
 
 
+class TableChange(_LayersRecord):
+    """A switch of the table during training, before ``step``: what caused it (a phase of
+    ``precision.schedule`` starting or ending), the modules whose precision changed and the
+    hash of the table from then on."""
+
+    step: int = Field(ge=1)
+    cause: str
+    modules: tuple[str, ...]
+    table_hash: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
 class LayersDocument(_LayersRecord):
     """The content of a run's ``layers.json``."""
 
@@ -475,6 +487,8 @@ class LayersDocument(_LayersRecord):
     table_hash: str = Field(pattern=r"^[0-9a-f]{64}$")
     recipe: RecipeRecord
     rows: tuple[AdmissionRow, ...]
+    # The scheduled switches so far, oldest first; left out of the file while empty.
+    history: tuple[TableChange, ...] = ()
 
     @property
     def table(self) -> AdmissionTable:
@@ -519,8 +533,10 @@ def write_layers_json(
     *,
     tensor_parallel: int,
     manifest_hash: str,
+    history: tuple[TableChange, ...] = (),
 ) -> Path:
-    """Write ``run_dir/layers.json`` atomically (readers see the old file or the new one)."""
+    """Write ``run_dir/layers.json`` atomically (readers see the old file or the new one);
+    ``history``: the table's switches so far (:func:`layers_history`)."""
     if tensor_parallel != table.tensor_parallel:
         raise ValueError(
             f"tensor_parallel={tensor_parallel}, but the table was decided for "
@@ -534,10 +550,21 @@ def write_layers_json(
         table_hash=table_hash(table.rows, record),
         recipe=record,
         rows=table.rows,
+        history=history,
     )
     path = RunLayout(run_dir).layers
-    atomic_write_text(path, document.model_dump_json(by_alias=True, indent=2) + "\n")
+    empty = {"history"} if not history else None
+    atomic_write_text(path, document.model_dump_json(by_alias=True, indent=2, exclude=empty) + "\n")
     return path
+
+
+def layers_history(run_dir: str | Path, *, before: int | None = None) -> tuple[TableChange, ...]:
+    """The switches ``run_dir/layers.json`` records, those before step ``before`` only when
+    given (a resume drops what its checkpoint had not run yet); none without the file."""
+    if not RunLayout(run_dir).layers.is_file():
+        return ()
+    history = read_layers_json(run_dir).history
+    return tuple(c for c in history if before is None or c.step < before)
 
 
 def read_layers_json(run_dir: str | Path) -> LayersDocument:

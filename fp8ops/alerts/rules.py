@@ -394,6 +394,18 @@ class AlertEngine:
             if module in self.other_stages:
                 self.other_stages[module] = False
 
+    def release(self, modules: Iterable[str]) -> None:
+        """``modules`` run FP8 again from the next step on (a phase of the precision schedule
+        ended): the FP8-only rules judge them again, from a history that starts empty, as
+        after :meth:`hold`."""
+        modules = list(modules)
+        back = np.isin(np.array(self.modules), modules)
+        self.fp8 = self.fp8 | back
+        self._forget(back)
+        for module in modules:
+            if module in self.other_stages:
+                self.other_stages[module] = True
+
     def _forget(self, held: np.ndarray) -> None:
         for _, leveled in self._leveled.values():
             for _, latch in leveled.latches.values():

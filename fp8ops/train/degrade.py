@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from fp8ops.admission import AdmissionTable, apply_admission, decide_admission
+from fp8ops.admission import AdmissionTable, apply_admission
 from fp8ops.alerts.policy import policy_switches
 from fp8ops.alerts.records import Alert, Proposal
 from fp8ops.alerts.rules import AlertEngine
@@ -41,7 +41,8 @@ from fp8ops.manifest.schema import Manifest
 from fp8ops.overrides.ledger import Ledger, Override, Trigger, policy_approver
 from fp8ops.precision import DelayedScalingRecipe, StatelessRecipe
 from fp8ops.run import RunDir
-from fp8ops.run.records import write_layers_json
+from fp8ops.run.records import layers_history, write_layers_json
+from fp8ops.train.phases import decide_at
 
 
 def propose_overrides(
@@ -124,12 +125,8 @@ def auto_degrade(
         f"{policy_approver(revision)}: {', '.join(targets)} after step {step}",
         source="the auto-degrade policy",
     )
-    admission = decide_admission(
-        model,
-        child.precision,
-        tensor_parallel=child.topology.tensor_parallel,
-        refuse_idle_recipes=False,  # the switch adds a BF16 override, no module recipe
-    )
+    # For the next step, under the phases of the precision schedule that cover it.
+    admission = decide_at(model, child, step + 1)
     apply_admission(admission, model)
     # A module left with FP8 GEMMs stays FP8 for the rules, which judge what it still casts.
     alert_engine.hold([m for m in modules if not admission.row(m).fp8])
@@ -142,6 +139,7 @@ def auto_degrade(
             recipe,
             tensor_parallel=child.topology.tensor_parallel,
             manifest_hash=manifest_hash(child),
+            history=layers_history(run.path),
         )
         fresh = [o.id for o in approved.values() if o.status == "approved"]  # not replays
         if fresh:

@@ -172,6 +172,7 @@ def open_trainer(plan: New | Resume, ranks, *, progress: bool = True, stop_reque
 
 def _built(plan: New | Resume, ranks, *, progress: bool, stop_request) -> Trainer:
     from fp8ops.train.inputs import build_inputs
+    from fp8ops.train.phases import resume_at
     from fp8ops.train.trainer import Trainer
 
     resume = plan if isinstance(plan, Resume) else None
@@ -194,6 +195,7 @@ def _built(plan: New | Resume, ranks, *, progress: bool, stop_request) -> Traine
         stop_request=stop_request,
     )
     if resume is not None:
+        resume_at(trainer, resume.step + 1)  # under the phases of the schedule that cover it
         checks.check_admission(resume, trainer.admission_hash())
         with checks.reading_checkpoint(resume.run_dir, resume.seen, resume.checkpoint):
             trainer.restore(resume)  # loaded and verified before anything is written
@@ -233,6 +235,7 @@ def _write_start_records(plan: New | Resume, trainer: Trainer, run: RunDir) -> N
     gathers TP shards) or a resume's ledger records, ``latest`` rewound and ``resumed`` event;
     then ``fallbacks.json``."""
     from fp8ops.run.records import write_layers_json
+    from fp8ops.train.phases import resumed_history
 
     manifest = plan.manifest
     if run.writer:
@@ -242,6 +245,8 @@ def _write_start_records(plan: New | Resume, trainer: Trainer, run: RunDir) -> N
             trainer.recipe,
             tensor_parallel=manifest.topology.tensor_parallel,
             manifest_hash=manifest_hash(manifest),
+            # A resume keeps the schedule's switches up to its first step (phases.py).
+            history=resumed_history(trainer, run.path) if isinstance(plan, Resume) else (),
         )
     if isinstance(plan, New):
         record = _run_record(trainer)

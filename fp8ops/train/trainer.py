@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fp8ops.admission import apply_admission, decide_admission
+from fp8ops.admission import apply_admission
 from fp8ops.alerts import AlertEngine, write_alerts
 from fp8ops.alerts.records import merge_rank_alerts
 from fp8ops.checkpoint import weights
@@ -67,6 +67,7 @@ from fp8ops.train.ending import StopRun, TrainResult
 from fp8ops.train.evaluation import Evaluator
 from fp8ops.train.inputs import Inputs
 from fp8ops.train.optimizer import MainParamsOptimizer, learning_rate
+from fp8ops.train.phases import at_boundary, decide_at
 from fp8ops.train.progress import StepLogger
 from fp8ops.train.reporting import Reporting
 
@@ -136,11 +137,12 @@ class Trainer:
         self.model_dtype = next(self.model.parameters()).dtype
         # Decided before the base loads: it also refuses FP8 modules whose GEMM
         # precision.backend cannot take, which loading weights first would only delay.
-        self.admission = decide_admission(
+        # For the first step: a resume decides again for its own (phases.resume_at).
+        self.admission = decide_at(
             self.model,
-            precision,
-            tensor_parallel=manifest.topology.tensor_parallel,
-            refuse_idle_recipes=from_base,  # a resume runs what its checkpoint ran
+            manifest,
+            1,
+            refuse_idle_recipes=from_base,  # a resume runs as it ran
         )
         apply_admission(self.admission, self.model)
         # Before the optimizer: it takes its float32 main weights from the model as it is now.
@@ -327,6 +329,7 @@ class Trainer:
                     self.evaluator.capability(finished, self.manifest)
                 if finished == schedule.train_steps:
                     break
+                self.admission = at_boundary(self, finished + 1)  # the precision schedule
                 if finished == stop_at:
                     return self._pause(finished, losses, last_eval, started, "stop-at")
                 if self.stop_request is not None and self.stop_request.agreed(self.run.path):

@@ -125,8 +125,10 @@ def auto_degrade(
         f"{policy_approver(revision)}: {', '.join(targets)} after step {step}",
         source="the auto-degrade policy",
     )
-    # For the next step, under the phases of the precision schedule that cover it.
-    admission = decide_at(model, child, step + 1)
+    # Under the phases of the precision schedule that covered this step: where one starts or
+    # ends at the next, the trainer's switch follows this one (phases.at_boundary), comparing
+    # against this table.
+    admission = decide_at(model, child, step)
     apply_admission(admission, model)
     # A module left with FP8 GEMMs stays FP8 for the rules, which judge what it still casts.
     alert_engine.hold([m for m in modules if not admission.row(m).fp8])

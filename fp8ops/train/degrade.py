@@ -141,7 +141,7 @@ def auto_degrade(
             recipe,
             tensor_parallel=child.topology.tensor_parallel,
             manifest_hash=manifest_hash(child),
-            history=layers_history(run.path),
+            history=layers_history(run.path) if child.precision.schedule else (),
         )
         fresh = [o.id for o in approved.values() if o.status == "approved"]  # not replays
         if fresh:

@@ -117,6 +117,8 @@ def resumed_history(trainer: Trainer, run_dir) -> tuple[TableChange, ...]:
     """The history a resume's ``layers.json`` starts from: the switches before its first step
     as they were recorded, and the one into its first step as this resume's manifest makes it
     (a resume under a changed schedule must not keep what the old one switched there)."""
+    if not trainer.manifest.precision.schedule:
+        return ()  # only a schedule writes a history: without one, layers.json is not read
     step = trainer.start_step + 1
     kept = layers_history(run_dir, before=step)
     started, ended = _bounds(trainer.manifest, step)

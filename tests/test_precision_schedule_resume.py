@@ -115,3 +115,38 @@ def test_scheduled_switches_are_recorded_and_a_stop_before_one_resumes_as_straig
         (2, "precision.schedule[0] starts"),
         (5, "precision.schedule[1] starts; precision.schedule[0] ended with step 4"),
     ]
+
+
+@pytest.mark.slow  # two short trainings of the small model
+def test_a_stop_checkpoint_before_a_switch_carries_the_next_steps_table(small_base, tmp_path):
+    """As a pause's checkpoint does: a resume decides the table of the step after the Stop, and
+    the Stop's checkpoint must hold that table, else the resume reads the switch as drift."""
+    from fp8ops.train.ending import StopRun
+
+    settings = {
+        "schedule.train_steps": 8,
+        "schedule.eval_interval": 8,
+        "data.num_examples": 400,
+        "telemetry.every_steps": 1,
+        "telemetry.error_sample_every": 1,
+        "precision.margin": 17,  # most of every FP8 tensor underflows: the FP8-error Stop fires
+    }
+    plain = write_small_finetune(tmp_path / "plain.yaml", small_base, settings)
+    with pytest.raises(StopRun) as first:
+        run_training(plain, tmp_path / "plain", progress=False)
+    halted = first.value.alerts[0]["step"]
+    assert halted < 8
+    phase = {"start": halted + 1, "modules": [FC1], "reason": "from the step after the Stop"}
+    scheduled = write_small_finetune(
+        tmp_path / "scheduled.yaml", small_base, {**settings, "precision.schedule": [phase]}
+    )
+    with pytest.raises(StopRun) as second:
+        run_training(scheduled, tmp_path / "run", progress=False)
+    assert second.value.alerts[0]["step"] == halted  # the phase starts after it
+    layers = read_layers_json(tmp_path / "run")
+    assert [(c.step, c.cause) for c in layers.history] == [
+        (halted + 1, "precision.schedule[0] starts")
+    ]
+    saved = read_meta(tmp_path / "run" / "checkpoints" / checkpoint_name(halted))
+    assert saved.admission == layers.history[-1].table_hash == layers.table_hash
+    assert not layers.table.row(FC1).fp8

@@ -345,6 +345,8 @@ class Trainer:
             ending.check_releasable(self.run, schedule.train_steps, final, problems)
             self._save_final_weights(final, losses[-1])
         except StopRun as stop:  # a checkpoint of the alert's step, status stopped
+            if (halted := stop.alerts[0]["step"]) < schedule.train_steps:  # as a pause's does,
+                self.admission = at_boundary(self, halted + 1)  # its table is the next step's
             ending.stop(self.run, self.telemetry, self.save_checkpoint, stop)
             raise
         except BaseException as exc:  # what was measured up to the failure kept, status failed

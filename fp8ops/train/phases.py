@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 from fp8ops.admission import AdmissionTable, apply_admission, decide_admission
-from fp8ops.gemm_roles import in_order
+from fp8ops.gemm_roles import ALL_GEMMS, in_order
 from fp8ops.manifest import manifest_hash
 from fp8ops.manifest.precision_schedule import Phase, resolve
 from fp8ops.run.records import (
@@ -157,7 +157,7 @@ def _changed(before: AdmissionTable, after: AdmissionTable) -> list[str]:
 def _follow(trainer: Trainer, before: AdmissionTable, after: AdmissionTable) -> list[str]:
     """Tell the alert rules which modules changed between the tables, as an auto-degrade
     switch does; returns them, in the table's order."""
-    changed = [row.fqn for row in after.rows if row.fp8_gemms != before.row(row.fqn).fp8_gemms]
+    changed = _changed(before, after)
     engine = trainer.alert_engine
     engine.hold([m for m in changed if not after.row(m).fp8])
     engine.release([m for m in changed if after.row(m).fp8 and not before.row(m).fp8])
@@ -167,4 +167,4 @@ def _follow(trainer: Trainer, before: AdmissionTable, after: AdmissionTable) -> 
 
 def _base_gemms(table: AdmissionTable, fqn: str) -> list[str]:
     fp8 = set(table.row(fqn).fp8_gemms) if table.row(fqn).fp8 else set()
-    return list(in_order({"fprop", "dgrad", "wgrad"} - fp8))
+    return list(in_order(ALL_GEMMS - fp8))

@@ -16,7 +16,12 @@ from fp8ops.terminal import output
 def inspect_command(
     run_dir: Annotated[Path, typer.Argument(help="A run directory.", show_default=False)],
     layers: Annotated[
-        bool, typer.Option("--layers", help="Every module's precision and why (layers.json).")
+        bool,
+        typer.Option(
+            "--layers",
+            help="Every module's precision and why (layers.json), and the switches during "
+            "training (the precision schedule's, the auto-degrade policy's).",
+        ),
     ] = False,
     worst: Annotated[
         str,
@@ -28,8 +33,9 @@ def inspect_command(
     top: Annotated[int, typer.Option(min=1, help="How many modules to list.")] = 10,
     rank: Annotated[int, typer.Option(min=0, help="Whose telemetry (ranks record their own).")] = 0,
 ) -> None:
-    """Summarise a run: recipe, per-layer precision (--layers: the full table), and the modules
-    worst by a telemetry metric over the run's committed steps."""
+    """Summarise a run: recipe, per-layer precision (--layers: the full table and its switches
+    during training), and the modules worst by a telemetry metric over the run's committed
+    steps."""
     from fp8ops.run import RunLayout, read_layers_json  # the run's records: only when asked
 
     out = output()
@@ -73,10 +79,27 @@ def inspect_command(
             )
         out.print(grid)
     out.print(table.summary())
+    if layers:
+        _print_switches(out, run_dir)
     if not layers:
         out.print(f"fp8ops inspect {run_dir} --layers: every module's precision and why")
     if RunLayout(run_dir).telemetry.exists():
         _print_worst(out, run_dir, worst, top, rank)
+
+
+def _print_switches(out: Console, run_dir: Path) -> None:
+    """The table's switches during training (the schedule's and the auto-degrade policy's),
+    oldest first: from which step, why, and what the modules run from then on."""
+    from fp8ops.run.switches import read_switches
+
+    switches = read_switches(run_dir)
+    if not switches:
+        return
+    out.print(f"precision switches ({len(switches)}), each from the step it names:")
+    for switch in switches:
+        out.print(f"  step {switch.step}: {switch.cause}")
+        for now, modules in switch.grouped():
+            out.print(f"    {now}: {', '.join(modules)}")
 
 
 def _imported(run_dir: Path):

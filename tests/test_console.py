@@ -95,6 +95,9 @@ def test_the_header_names_manifest_recipe_state_step_and_alerts(trained):
     alerts = list(read_jsonl(run / "alerts.jsonl"))
     assert f"{sum(a['level'] == 'observe' for a in alerts)} observe" in header
     assert app.message.value == ""
+    # No schedule, no policy: the switches section says so, with no empty plot.
+    assert "no precision switches in this run" in app.switches_note.value
+    assert app.timeline_view.output.outputs == () and app.switches_table.value == ""
 
 
 def test_the_heatmap_holds_the_metric_for_every_module_and_step(trained):

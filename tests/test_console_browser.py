@@ -125,6 +125,7 @@ def test_pick_a_module_stage_and_approve_in_the_browser(served, tmp_path):
             title = page.locator(".fp8ops-detail-fig .gtitle")
             expect(title).to_have_text(re.compile(re.escape(f"{store.modules[0]} · input")))
             expect(page.locator(".fp8ops-heatmap-fig .js-plotly-plot")).to_be_visible()
+            expect(page.locator(".fp8ops-switches-note")).to_contain_text("no precision switches")
 
             # Pick a module: the plot shows its history.
             page.locator(".fp8ops-module select").select_option(module)

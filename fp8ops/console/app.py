@@ -10,8 +10,10 @@ Everything the page does goes through this object, so tests drive it without a b
 widget's value or ``click()`` a button, then read the figures' data and the files on disk.
 
 Sections, top to bottom: run picker and operator; the run's header; a modules x steps heatmap
-of one metric; one module's history; the alerts; the overrides (stage, approve, reject, revoke,
-the ledger's state per module, what the next resume would apply); the window what-if.
+of one metric; the precision switches (the schedule's and the auto-degrade policy's: a marker
+per switch over the run's steps, and a table); one module's history; the alerts; the overrides
+(stage, approve, reject, revoke, the ledger's state per module, what the next resume would
+apply); the window what-if.
 
 Keeping the kernel responsive: reads that can take a while (a run to show, pooling a long run's
 whole history, a what-if replay, the follower's poll) run in a worker thread, and only the
@@ -50,7 +52,8 @@ from fp8ops.manifest import Manifest, load_manifest
 from fp8ops.overrides import Ledger, Override, default_user
 from fp8ops.overrides.signing import KEY_ENV
 from fp8ops.run import RunLayout
-from fp8ops.run.layout import ALERTS, CHECKPOINTS, LAYERS, MANIFEST, OVERRIDES, STATUS
+from fp8ops.run.layout import ALERTS, CHECKPOINTS, EVENTS, LAYERS, MANIFEST, OVERRIDES, STATUS
+from fp8ops.run.switches import Switch, read_switches
 from fp8ops.telemetry import MODULE_METRIC_NAMES, TelemetryRun
 from fp8ops.telemetry.catalogue import SLOTS, applies
 
@@ -76,7 +79,7 @@ DEFAULT_WINDOW = 10_000  # read in < 0.5 s at 256 modules; "whole run" pools in 
 FOLLOW_EVERY_S = 2.0
 _STALE = object()  # what background work queued for a run no longer on screen returns
 # Files whose change means a view must be redrawn (size and mtime are compared).
-WATCHED = (STATUS, MANIFEST, ALERTS, OVERRIDES, LAYERS, f"{CHECKPOINTS}/latest")
+WATCHED = (STATUS, MANIFEST, ALERTS, OVERRIDES, LAYERS, EVENTS, f"{CHECKPOINTS}/latest")
 
 
 @dataclass
@@ -119,6 +122,21 @@ def read_ledger(run_dir: Path) -> LedgerView:
 
 
 @dataclass
+class Timeline:
+    """The precision switches section as read from the run directory."""
+
+    switches: list[Switch]
+    problem: str | None = None  # a damaged layers.json or events.jsonl
+
+
+def read_timeline(run_dir: Path) -> Timeline:
+    try:
+        return Timeline(read_switches(run_dir))
+    except Fp8opsError as exc:
+        return Timeline([], problem=str(exc))
+
+
+@dataclass
 class RunRead:
     """All a run's first drawing needs, read in one go: in the worker thread when an event loop
     runs. ``heatmap`` and ``detail`` are for the metric, window and slot on screen when the read
@@ -127,6 +145,7 @@ class RunRead:
 
     run: LoadedRun
     ledger: LedgerView
+    timeline: Timeline
     metric: str
     window: int
     slot: str
@@ -152,7 +171,17 @@ def read_run(run_dir: Path, metric: str, window: int, slot: str) -> RunRead:
             detail = module_history(telemetry, telemetry.modules[0], slot)
         except Exception as exc:  # noqa: BLE001 - shown on the message line
             problem = _describe(exc)
-    return RunRead(run, read_ledger(run_dir), metric, window, slot, heatmap, detail, problem)
+    return RunRead(
+        run,
+        read_ledger(run_dir),
+        read_timeline(run_dir),
+        metric,
+        window,
+        slot,
+        heatmap,
+        detail,
+        problem,
+    )
 
 
 def _window_heatmap(telemetry: TelemetryRun, metric: str, window: int) -> Heatmap:
@@ -258,6 +287,11 @@ class ConsoleApp:
         self.heatmap_fig = self.heatmap_view.figure
         self.hottest = W.Select(options=[], value=None, rows=5, layout=wide, description="worst")
 
+        self.switches_note = W.HTML()
+        self.timeline_view = figures.FigureView(figures.timeline_figure(), "fp8ops-timeline-fig")
+        self.timeline_fig = self.timeline_view.figure
+        self.switches_table = W.HTML()
+
         self.module = W.Dropdown(description="module", layout=W.Layout(width="60%"))
         self.slot = W.ToggleButtons(options=list(SLOTS), value="input", description="slot")
         self.detail_view = figures.FigureView(figures.detail_figure(), "fp8ops-detail-fig")
@@ -361,6 +395,10 @@ class ConsoleApp:
                 self.heatmap_note,
                 self.heatmap_view.widget,
                 self.hottest,
+                section("Precision switches"),
+                self.switches_note,
+                self.timeline_view.widget,
+                self.switches_table,
                 section("Module"),
                 W.HBox([self.module, self.slot]),
                 self.detail_view.widget,
@@ -473,7 +511,8 @@ class ConsoleApp:
     def _clear(self) -> None:
         self.header.value = self.heatmap_note.value = self.whatif_summary.value = ""
         self.ledger_table.value = self.resume_preview.value = ""
-        for view in (self.heatmap_view, self.detail_view, self.whatif_view):
+        self.switches_note.value = self.switches_table.value = ""
+        for view in (self.heatmap_view, self.timeline_view, self.detail_view, self.whatif_view):
             view.clear()
         with self._quietly():
             for choice in (self.hottest, self.module, self.alerts_list, self.override_pick):
@@ -507,6 +546,7 @@ class ConsoleApp:
             self._guard(lambda: self._show_detail(self.module.value, read.slot, read.detail))
         elif read.problem is None:
             self._guard(self.draw_detail)
+        self._guard(lambda: self._show_timeline(read.timeline))
         self._guard(self._show_alerts)
         self._guard(lambda: self._show_ledger_view(read.ledger))
         if read.problem is not None:
@@ -611,6 +651,33 @@ class ConsoleApp:
         """A module of the heatmap's worst list leads to its history."""
         if self.hottest.value in self.module.options:
             self.module.value = self.hottest.value
+
+    # ----------------------------------------------------------------------------------
+    # Precision switches
+    # ----------------------------------------------------------------------------------
+
+    def _show_timeline(self, timeline: Timeline) -> None:
+        switches = timeline.switches
+        if timeline.problem is not None:
+            note = f"<span style='color:#b00'>{html.escape(timeline.problem)}</span>"
+        elif not switches:
+            note = (
+                "no precision switches in this run (a phase of precision.schedule starting or "
+                "ending, the auto-degrade policy acting)"
+            )
+        else:
+            note = (
+                "each switch from the first step under the new precision, with what its modules "
+                "run from then on"
+            )
+        self.switches_note.value = f"<div class='fp8ops-switches-note'>{note}</div>"
+        self.switches_table.value = _switches_table(switches) if switches else ""
+        if not switches:  # no empty plot to draw on the page
+            self.timeline_view.clear()
+            return
+        manifest = self.run.manifest
+        train_steps = manifest.schedule.train_steps if manifest is not None else None
+        figures.show_timeline(self.timeline_view, switches, train_steps)
 
     # ----------------------------------------------------------------------------------
     # Module
@@ -938,6 +1005,8 @@ class ConsoleApp:
             stamps[n] != before[n] for n in (OVERRIDES, LAYERS, f"{CHECKPOINTS}/latest", MANIFEST)
         ):
             changes["ledger"] = read_ledger(run.run_dir)
+        if stamps[LAYERS] != before[LAYERS] or stamps[EVENTS] != before[EVENTS]:
+            changes["timeline"] = read_timeline(run.run_dir)
         return changes
 
     def _apply(self, changes: dict[str, Any]) -> None:
@@ -965,6 +1034,8 @@ class ConsoleApp:
         detail = changes.get("detail")
         if detail is not None and detail[:2] == (self.module.value, self.slot.value):
             self._show_detail(*detail)
+        if "timeline" in changes:
+            self._guard(lambda: self._show_timeline(changes["timeline"]))
         if "ledger" in changes:
             self._guard(lambda: self._show_ledger_view(changes["ledger"]))
         self.live.value = (
@@ -1089,6 +1160,17 @@ def _steps(steps: tuple[int, ...]) -> str:
     return ", ".join(str(s) for s in steps) or "none"
 
 
+def _switches_table(switches: list[Switch]) -> str:
+    rows = [("from step", "by", "why", "modules")]
+    for s in switches:
+        modules = "<br>".join(
+            f"<b>{html.escape(now)}</b>: {html.escape(', '.join(names))}"
+            for now, names in s.grouped()
+        )
+        rows.append((str(s.step), s.source, html.escape(s.cause), modules))
+    return _table(rows, header=True, cls="fp8ops-switches")
+
+
 def _ledger_table(states: list[ModuleState]) -> str:
     rows = [("module", "precision", "ledger", "id", "by", "decided by", "reason", "triggers")]
     for s in states:
@@ -1110,7 +1192,8 @@ def _ledger_table(states: list[ModuleState]) -> str:
                     o.id[:12] if o else "",
                     o.who if o else "",
                     (o.decided_by or "") if o else "",
-                    o.reason if o else "",
+                    # A module a phase of the schedule holds: the phase, as layers.json says it.
+                    "; ".join(filter(None, (o.reason if o else "", s.phase))),
                     triggers,
                 )
             )

@@ -14,6 +14,7 @@ which the browser draws anew.
 
 from __future__ import annotations
 
+import html
 import json
 
 import ipywidgets as W
@@ -23,6 +24,7 @@ import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from fp8ops.console.data import MAX_POINTS, Heatmap, Series, bin_size, pool
+from fp8ops.run.switches import Switch
 from fp8ops.telemetry.catalogue import applies
 
 FONT = {"size": 11}
@@ -215,6 +217,72 @@ def show_detail(
             trace.name = label
         fig.layout.title.text = title
     view.publish()
+
+
+# --------------------------------------------------------------------------------------
+# Precision switches
+# --------------------------------------------------------------------------------------
+
+# One trace (a row of markers) per source of switches, in this order.
+SWITCH_SOURCES = ("schedule", "auto-degrade")
+HOVER_MODULES = 12  # modules listed in a marker's hover text; the table below lists them all
+
+
+def timeline_figure() -> go.Figure:
+    fig = go.Figure(
+        [
+            go.Scatter(
+                x=[],
+                y=[],
+                name=source,
+                mode="markers",
+                marker={"size": 11, "symbol": symbol},
+                hovertemplate="%{hovertext}<extra></extra>",
+            )
+            for source, symbol in zip(SWITCH_SOURCES, ("diamond", "x"), strict=True)
+        ],
+        layout=go.Layout(
+            height=200,
+            margin={"l": 10, "r": 10, "t": 40, "b": 40},
+            font=FONT,
+            xaxis={"title": {"text": "first step under the new precision"}},
+            yaxis={
+                "type": "category",
+                "categoryorder": "array",
+                "categoryarray": SWITCH_SOURCES,
+            },
+            title={"text": "", "x": 0.01},
+            showlegend=False,
+        ),
+    )
+    return fig
+
+
+def show_timeline(view: FigureView, switches: list[Switch], train_steps: int | None) -> None:
+    """A marker per switch at its step, in its source's row; the hover text says why and what
+    the modules run from then on. The x axis spans the run's steps when ``train_steps`` is
+    known, so a switch shows where in training it falls."""
+    fig = view.figure
+    with fig.batch_update():
+        for trace, source in zip(fig.data, SWITCH_SOURCES, strict=True):
+            mine = [s for s in switches if s.source == source]
+            trace.x = [s.step for s in mine]
+            trace.y = [source] * len(mine)
+            trace.hovertext = [switch_hover(s) for s in mine]
+        fig.layout.xaxis.range = [0, train_steps + 1] if train_steps else None
+        fig.layout.title.text = f"precision switches: {len(switches)}"
+    view.publish()
+
+
+def switch_hover(switch: Switch) -> str:
+    """A marker's hover text: step and cause, then up to HOVER_MODULES modules with what they
+    run from then on."""
+    lines = [f"step {switch.step}: {html.escape(switch.cause)}"]
+    modules = list(switch.modules.items())
+    lines += [f"{html.escape(m)}: {html.escape(now)}" for m, now in modules[:HOVER_MODULES]]
+    if len(modules) > HOVER_MODULES:
+        lines.append(f"... and {len(modules) - HOVER_MODULES} more (the table below)")
+    return "<br>".join(lines)
 
 
 # --------------------------------------------------------------------------------------

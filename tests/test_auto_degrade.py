@@ -28,6 +28,7 @@ from fp8ops.overrides.chain import canonical_json, record_hash
 from fp8ops.overrides.ledger import policy_approver
 from fp8ops.overrides.signing import NAMESPACE
 from fp8ops.run.records import read_layers_json
+from fp8ops.run.switches import read_switches
 from fp8ops.start import New
 from fp8ops.start.plan import ResumeRequest, plan_resume, plan_start
 from fp8ops.train import open_trainer
@@ -535,3 +536,133 @@ def test_the_console_shows_the_policys_switch(straight):
     table = app.ledger_table.value
     assert TARGET in table and "applied" in table and "auto-degrade policy of revision" in table
     assert "unverified" not in table
+
+
+# -- a policy's switch and a phase of the schedule on one step ----------------------------------
+
+PHASE = {
+    "start": DEGRADE_STEP + 1,  # the step the policy's switch after DEGRADE_STEP starts too
+    "modules": ["decoder.layers.*"],
+    "gemms": ["fprop"],
+    "reason": "fprop in BF16 to the end",
+}
+PROJECTIONS = 8  # two layers of qkv, proj, fc1, fc2
+
+
+def _scheduled(manifest):
+    return derive(_with_policy(manifest), {"precision.schedule": [PHASE]}, "and a phase")
+
+
+@pytest.fixture(scope="module")
+def same_step(manifest, tmp_path_factory):
+    """The policy's run with a phase starting at the step its switch starts: (run, trainer)."""
+    run = tmp_path_factory.mktemp("same_step") / "run"
+    return run, _new(_scheduled(manifest), run)
+
+
+def test_a_policy_switch_and_a_phase_on_one_step_both_apply_the_policys_first(same_step):
+    run, trainer = same_step
+    first = DEGRADE_STEP + 1
+    # One table: TARGET all in BF16 by the policy's override, the others' fprop by the phase.
+    layers = read_layers_json(run)
+    rows = {r.fqn: r for r in layers.rows if r.fqn.startswith("decoder.layers.") and r.gemms}
+    others = [fqn for fqn, r in rows.items() if r.kind != "norm" and fqn != TARGET]
+    assert len(others) == PROJECTIONS - 1
+    assert (rows[TARGET].precision, rows[TARGET].reason.code) == ("bf16", "override")
+    for fqn in others:
+        assert rows[fqn].fp8_gemms == ("dgrad", "wgrad")
+        assert rows[fqn].gemms.fprop.reason.code == "schedule"
+    modules = dict(trainer.model.named_modules())
+    assert not modules[TARGET].fp8_enabled
+    assert all(modules[fqn].fp8_gemms == {"dgrad", "wgrad"} for fqn in others)
+    # The policy switched first (after the alert's step), then the phase from its table: the
+    # phase's history entry leaves TARGET out, already in BF16, and names the table run now.
+    (change,) = layers.history
+    assert (change.step, change.cause) == (first, "precision.schedule[0] starts")
+    assert sorted(change.modules) == sorted(others)
+    assert change.table_hash == layers.table_hash
+    events = [
+        (e["event"], e["step"], e["modules"])
+        for e in read_jsonl(run / "events.jsonl")
+        if e["event"] in ("auto_degraded", "precision_phase")
+    ]
+    assert events == [
+        ("auto_degraded", DEGRADE_STEP, [TARGET]),
+        ("precision_phase", first, list(change.modules)),
+    ]
+    kinds = [r["kind"] for r in Ledger(run).records()]
+    assert kinds == ["proposed", "approved", "applied"]  # the phase is the manifest's: no record
+    # Both on the timeline, at the step they start, in the order made.
+    switches = read_switches(run)
+    assert [(s.step, s.source) for s in switches] == [(first, "auto-degrade"), (first, "schedule")]
+    assert switches[0].modules == {TARGET: "bf16"}
+    assert switches[0].cause.startswith(f"auto-degrade after step {DEGRADE_STEP}'s saturation")
+    assert switches[1].modules == dict.fromkeys(change.modules, "dgrad, wgrad fp8; fprop bf16")
+
+
+@pytest.mark.slow  # two more trainings of the small model (~20 s)
+def test_a_stop_at_the_step_of_both_switches_resumes_as_the_straight_run(
+    manifest, same_step, tmp_path
+):
+    # Stopped after DEGRADE_STEP: both switches are made before its checkpoint, which carries
+    # their table; the resume decides it again from the policy's revision and the schedule.
+    straight_run, straight_trainer = same_step
+    run = tmp_path / "run"
+    _new(_scheduled(manifest), run, stop_at=DEGRADE_STEP)
+    resumed = _resume(run)
+    # Exact: one configuration in this process, the same arithmetic across the checkpoint.
+    assert _losses(run) == _losses(straight_run)
+    expected, got = _weights(straight_trainer), _weights(resumed)
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    layers, straight_layers = read_layers_json(run), read_layers_json(straight_run)
+    assert layers.table_hash == straight_layers.table_hash
+    assert layers.history == straight_layers.history
+    assert read_switches(run) == read_switches(straight_run)
+
+
+def test_inspect_layers_lists_both_switches_after_the_table(manifest, same_step, cli):
+    run, _ = same_step
+    result = cli("inspect", run, "--layers")
+    assert result.code == 0, result.err
+    lines = result.out.splitlines()
+    at = lines.index("precision switches (2), each from the step it names:")
+    assert "modules FP8" in lines[at - 1]  # after the table and its summary
+    # Long lists of modules fold at the terminal's width: compared with spaces evened out.
+    text = " ".join(" ".join(lines[at + 1 :]).split())
+    (change,) = read_layers_json(run).history
+    first, policy = DEGRADE_STEP + 1, manifest_hash(_scheduled(manifest))[:12]
+    expected = (
+        f"step {first}: auto-degrade after step {DEGRADE_STEP}'s saturation alert, by the "
+        f"policy of revision {policy} bf16: {TARGET} "
+        f"step {first}: precision.schedule[0] starts "
+        f"dgrad, wgrad fp8; fprop bf16: {', '.join(change.modules)} "
+    )
+    assert text.startswith(expected)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ipywidgets") is None, reason="needs the console")
+def test_the_console_shows_both_switches_on_its_timeline_and_the_phase_in_the_ledger(same_step):
+    from fp8ops.console import ConsoleApp
+
+    run, _ = same_step
+    app = ConsoleApp(run.parent, user="ana", follow=False)
+    assert app.run is not None and app.run.run_dir == run
+    # A marker per switch, at its step, in its source's row; hover text says why and what.
+    schedule, policy = app.timeline_fig.data
+    first = DEGRADE_STEP + 1
+    assert (list(schedule.x), list(schedule.y)) == ([first], ["schedule"])
+    assert (list(policy.x), list(policy.y)) == ([first], ["auto-degrade"])
+    assert f"{TARGET}: bf16" in policy.hovertext[0]
+    assert "precision.schedule[0] starts" in schedule.hovertext[0]
+    assert schedule.hovertext[0].count("dgrad, wgrad fp8; fprop bf16") == PROJECTIONS - 1
+    assert list(app.timeline_fig.layout.xaxis.range) == [0, SMALL["schedule.train_steps"] + 1]
+    table = app.switches_table.value
+    assert table.index("auto-degrade after step") < table.index("precision.schedule[0] starts")
+    # The ledger's rows: TARGET by its override, the others' fprop by the phase, said so.
+    ledger = app.ledger_table.value
+    other = "decoder.layers.0.mlp.linear_fc1"
+    row = ledger[ledger.index(other) :].split("</tr>")[0]
+    assert "dgrad, wgrad fp8; fprop bf16 (schedule)" in row
+    assert "precision.schedule[0], steps 5 to 10: bf16 (fprop in BF16 to the end)" in row
+    app.close()

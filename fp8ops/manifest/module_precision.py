@@ -75,6 +75,44 @@ def _some_gemms(gemms: tuple[str, ...] | None) -> bool:
     return gemms is not None and frozenset(gemms) != ALL_GEMMS
 
 
+# The recipes a module may run instead of precision.scaling: module_recipes' and a phase's.
+ModuleScaling = Literal["current", "block", "mxfp8"]
+
+
+def not_delayed(value: Any) -> Any:
+    """Refuse delayed scaling as a module's own recipe (a before-validator)."""
+    if value == "delayed":
+        raise ValueError(
+            "delayed scaling is never a per-module recipe (Megatron-Core refuses it: a "
+            "module's own autocast would reduce its amaxes apart from the others'); make "
+            "delayed the run's recipe (precision.scaling) and give these modules 'current', "
+            "'block' or 'mxfp8'"
+        )
+    return value
+
+
+def module_recipe_backend_problem(scaling: str, backend: str, way_out: str) -> str | None:
+    """Why ``backend`` cannot run ``scaling`` as a module's own recipe, else None. ``way_out``:
+    what to do about MXFP8 on ``scaled_mm``, in the words of the field refused."""
+    if backend == "te":
+        return (
+            "per-module recipes are not wired to Transformer Engine's layers in "
+            "fp8ops yet (Megatron-Core's quant_recipe would run them, unchecked "
+            "here); use backend 'emulated'"
+        )
+    if backend == "scaled_mm" and scaling == "mxfp8":
+        return mxfp8_on_scaled_mm(way_out)
+    return None
+
+
+def mxfp8_on_scaled_mm(way_out: str) -> str:
+    return (
+        "MXFP8 on precision.backend 'scaled_mm' would need torch's MXFP8 GEMM "
+        "(ScalingType.BlockWise1x32, Blackwell only; Transformer Engine refuses MXFP8 before "
+        f"Blackwell), which fp8ops does not call yet; {way_out}"
+    )
+
+
 class Bf16Override(Section):
     """One module taken out of FP8 into the base dtype (a per-layer fallback).
 
@@ -125,7 +163,7 @@ class ModuleRecipe(Section):
     """
 
     modules: Globs = Field(description="fnmatch globs on module names, as in layers.json.")
-    scaling: Literal["current", "block", "mxfp8"] = Field(
+    scaling: ModuleScaling = Field(
         description="The recipe these modules run instead of precision.scaling."
     )
     reason: NonEmptyStr = Field(description="Why these modules need it (reviewed with the rest).")
@@ -149,14 +187,7 @@ class ModuleRecipe(Section):
     @field_validator("scaling", mode="before")
     @classmethod
     def _not_delayed(cls, value: Any) -> Any:
-        if value == "delayed":
-            raise ValueError(
-                "delayed scaling is never a per-module recipe (Megatron-Core refuses it: a "
-                "module's own autocast would reduce its amaxes apart from the others'); make "
-                "delayed the run's recipe (precision.scaling) and give these modules 'current', "
-                "'block' or 'mxfp8'"
-            )
-        return value
+        return not_delayed(value)
 
     @field_validator("modules")
     @classmethod

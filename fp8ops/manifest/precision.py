@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import model_validator
 
 from fp8ops.manifest.base import raise_problems
+from fp8ops.manifest.module_precision import module_recipe_backend_problem, mxfp8_on_scaled_mm
 from fp8ops.manifest.precision_fields import PrecisionFields
 
 
@@ -73,7 +74,7 @@ class PrecisionPolicy(PrecisionFields):
             )
         if self.scaling == "mxfp8" and self.backend == "scaled_mm":
             way_out = "use precision.backend 'emulated'"
-            problems.append((("backend",), self.backend, _mxfp8_on_scaled_mm(way_out)))
+            problems.append((("backend",), self.backend, mxfp8_on_scaled_mm(way_out)))
         if self.scaling == "block":
             dims = [self.x_block_scaling_dim, self.w_block_scaling_dim, self.grad_block_scaling_dim]
             if dims.count(2) > 1:
@@ -134,19 +135,10 @@ class PrecisionPolicy(PrecisionFields):
                         "run the run's recipe. Narrow the later entry's globs instead",
                     )
                 )
-            elif self.backend == "te":
-                problems.append(
-                    (
-                        where,
-                        entry.scaling,
-                        "per-module recipes are not wired to Transformer Engine's layers in "
-                        "fp8ops yet (Megatron-Core's quant_recipe would run them, unchecked "
-                        "here); use backend 'emulated'",
-                    )
-                )
-            elif self.backend == "scaled_mm" and entry.scaling == "mxfp8":
-                way_out = "give these modules 'block' or 'current' instead"
-                problems.append((where, entry.scaling, _mxfp8_on_scaled_mm(way_out)))
+            elif problem := module_recipe_backend_problem(
+                entry.scaling, self.backend, "give these modules 'block' or 'current' instead"
+            ):
+                problems.append((where, entry.scaling, problem))
         return problems
 
     def _gemm_rules(self) -> list:
@@ -226,11 +218,3 @@ def _duplicate_globs(
             problems.append(((field, index), glob, f"duplicate of item [{first_seen[glob]}]"))
         first_seen.setdefault(glob, index)
     return problems
-
-
-def _mxfp8_on_scaled_mm(way_out: str) -> str:
-    return (
-        "MXFP8 on precision.backend 'scaled_mm' would need torch's MXFP8 GEMM "
-        "(ScalingType.BlockWise1x32, Blackwell only; Transformer Engine refuses MXFP8 before "
-        f"Blackwell), which fp8ops does not call yet; {way_out}"
-    )

@@ -200,9 +200,11 @@ def decide_admission(
 
     ``phases``: ``precision.schedule`` resolved (``fp8ops.manifest.precision_schedule``); the
     table is the one for ``step`` (counted from 1), whose covering phases take their GEMMs of
-    the FP8 modules they match to the base dtype. Every phase's globs must match some module
-    that can run FP8, and two phases that overlap in steps must not switch the same GEMM of a
-    module (:func:`_refuse_schedule_problems`): a schedule is checked whole, whatever the step.
+    the FP8 modules they match to the base dtype, or those modules to their recipe (the row's
+    ``scaling``, reason ``schedule``). Every phase's globs must match some module that can run
+    FP8, two phases that overlap in steps must not switch the same GEMM of a module, and a
+    phase's recipe must fit the modules it moves (:func:`_refuse_schedule_problems`): a
+    schedule is checked whole, whatever the step.
 
     Under pipeline parallelism ``model`` is this rank's stage; the globs are checked against,
     and the table lists, the modules of every stage (collective over the pipeline group), so
@@ -220,7 +222,9 @@ def decide_admission(
         scaling = own[1].scaling if own else precision.scaling
         reason = _decide(f, rank_shape, precision, fp8_gemm_sizes(precision.backend, scaling))
         covering = [p for p in phases if p.covers(step)]
-        reason, gemms = _decide_gemms(f.fqn, reason, precision, covering)
+        reason, gemms, moved = _decide_gemms(f.fqn, reason, precision, covering)
+        fp8 = any(gemm.precision == "fp8" for _, gemm in gemms.items())
+        scaling = moved or (own[1].scaling if own and fp8 else None)
         rows.append(
             AdmissionRow(
                 fqn=f.fqn,
@@ -229,16 +233,16 @@ def decide_admission(
                 global_shape=f.global_shape,
                 rank_shape=rank_shape,
                 params_dtype=_params_dtype(f.module),
-                precision="fp8" if reason.code == "fp8" else precision.base_dtype,
-                formats=formats if reason.code == "fp8" else None,
+                precision="fp8" if fp8 else precision.base_dtype,
+                formats=formats if fp8 else None,
                 reason=reason,
-                scaling=own[1].scaling if own and reason.code == "fp8" else None,
+                scaling=scaling,
                 gemms=gemms,
             )
         )
     rows = every_stage(rows)
     _refuse_gemms_never_fp8(rows, precision)
-    _refuse_schedule_problems(rows, phases)
+    _refuse_schedule_problems(rows, phases, precision)
     if refuse_idle_recipes:
         _refuse_idle_module_recipes(rows, precision)
     _refuse_unaligned(rows, precision)
@@ -351,16 +355,20 @@ def _override_text(override: Any) -> str:
 
 def _decide_gemms(
     fqn: str, reason: Reason, precision: PrecisionPolicy, covering: Sequence[Phase] = ()
-) -> tuple[Reason, GemmPrecisions]:
+) -> tuple[Reason, GemmPrecisions, str | None]:
     """Each of a module's GEMMs (``fp8ops.gemm_roles``) and why, given the module's
     ``reason``: a module in the base dtype runs all three there; an FP8 module runs in FP8 those
     its ``module_recipes`` entry names (all three without ``gemms``) less those its override
-    names and those the ``covering`` phases of ``precision.schedule`` name. A module left with
-    no FP8 GEMM runs in the base dtype, for its override or phase. Returns the module's reason
-    (changed in that case) and its GEMMs."""
+    names and those the ``covering`` phases of ``precision.schedule`` to the base dtype name.
+    A module left with no FP8 GEMM runs in the base dtype, for its override or phase. A
+    covering phase to a recipe gives the FP8 module that recipe, with its reason. Returns the
+    module's reason (changed in those cases), its GEMMs, and the phase's recipe or None."""
     base = precision.base_dtype
     if reason.code != "fp8":
-        return reason, GemmPrecisions.uniform(base, reason)
+        return reason, GemmPrecisions.uniform(base, reason), None
+    moved = _recipe_phase(fqn, covering)
+    if moved is not None:
+        reason = Reason(code="schedule", text=f"{reason.text}; {_phase_text(moved)}")
     own, override = module_recipe(precision, fqn), _override(precision, fqn)
     decided = {}
     for gemm in GEMMS:
@@ -389,23 +397,36 @@ def _decide_gemms(
         reasons = [d.reason for d in decided.values() if d.reason.code in ("override", "schedule")]
         cause = min(reasons, key=lambda r: r.code != "override")
         reason = Reason(code=cause.code, text=cause.text + "; no GEMM left in FP8")
-    return reason, GemmPrecisions(**decided)
+    return reason, GemmPrecisions(**decided), moved.entry.recipe if moved else None
 
 
 def _covering_phase(fqn: str, gemm: str, covering: Sequence[Phase]) -> Phase | None:
     """The phase among ``covering`` that takes ``gemm`` of ``fqn`` out of FP8 (the manifest and
     :func:`_refuse_schedule_problems` leave at most one)."""
     return next(
-        (p for p in covering if gemm in p.entry.all_gemms and _matches(fqn, p.entry.modules)),
+        (
+            p
+            for p in covering
+            if p.entry.recipe is None
+            and gemm in p.entry.all_gemms
+            and _matches(fqn, p.entry.modules)
+        ),
+        None,
+    )
+
+
+def _recipe_phase(fqn: str, covering: Sequence[Phase]) -> Phase | None:
+    """The phase among ``covering`` that moves ``fqn`` to another recipe (at most one: two
+    covering phases never share a module's GEMM, and a recipe's phase takes all three)."""
+    return next(
+        (p for p in covering if p.entry.recipe is not None and _matches(fqn, p.entry.modules)),
         None,
     )
 
 
 def _phase_text(phase: Phase) -> str:
-    return (
-        f"{phase.where}, steps {phase.first} to {phase.last}: {phase.entry.to} "
-        f"({phase.entry.reason})"
-    )
+    to = phase.entry.to if phase.entry.recipe is None else f"{phase.entry.recipe} scaling"
+    return f"{phase.where}, steps {phase.first} to {phase.last}: {to} ({phase.entry.reason})"
 
 
 def _refuse_gemms_never_fp8(rows: list[AdmissionRow], precision: PrecisionPolicy) -> None:
@@ -429,13 +450,17 @@ def _refuse_gemms_never_fp8(rows: list[AdmissionRow], precision: PrecisionPolicy
         )
 
 
-def _refuse_schedule_problems(rows: list[AdmissionRow], phases: Sequence[Phase]) -> None:
+def _refuse_schedule_problems(
+    rows: list[AdmissionRow], phases: Sequence[Phase], precision: PrecisionPolicy
+) -> None:
     """Refuse a schedule that does not fit the model: a phase's glob that matches no module, or
-    only modules that never run FP8 (nothing to switch), and two phases overlapping in steps
+    only modules that never run FP8 (nothing to switch), two phases overlapping in steps
     that both switch a GEMM of one module (the schema catches only the same glob written
-    twice)."""
+    twice), and a phase's recipe that does not fit a module it moves (:func:`_recipe_problems`).
+    """
     problems = []
     for phase in phases:
+        problems += _recipe_problems(rows, phase, precision)
         for i, glob in enumerate(phase.entry.modules):
             matched = [r for r in rows if fnmatchcase(r.fqn, glob)]
             where = f"  {phase.where}.modules[{i}] {glob!r}"
@@ -467,6 +492,45 @@ def _refuse_schedule_problems(rows: list[AdmissionRow], phases: Sequence[Phase])
             + "\nFix the phases (module names as in `fp8ops inspect RUN_DIR --layers`; phases "
             "that switch one module's GEMM must follow each other)."
         )
+
+
+def _recipe_problems(
+    rows: list[AdmissionRow], phase: Phase, precision: PrecisionPolicy
+) -> list[str]:
+    """A phase's recipe moves only modules of the run's recipe: one a ``module_recipes`` entry
+    gives its own already is refused (which of the two would decide is not the phase's to
+    say), and so is one whose GEMM the recipe cannot take on ``precision.backend``. The
+    modules that may run FP8 at some step count: the FP8 ones, and those a phase takes out."""
+    recipe = phase.entry.recipe
+    if recipe is None:
+        return []
+    moved = [
+        r
+        for r in rows
+        if r.reason.code in ("fp8", "schedule") and _matches(r.fqn, phase.entry.modules)
+    ]
+    where, problems = f"  {phase.where}.to {phase.entry.to!r}", []
+    owned = [(r.fqn, own[0]) for r in moved if (own := module_recipe(precision, r.fqn))]
+    if owned:
+        names = [f"{fqn} (precision.module_recipes[{index}])" for fqn, index in owned]
+        problems.append(
+            f"{where}: {_few(names)} run their own recipe by module_recipes already, and a phase "
+            "moves modules of the run's recipe only; narrow the phase's globs or the entry's"
+        )
+    sizes = fp8_gemm_sizes(precision.backend, recipe)
+    if sizes is not None:
+        unfit = [
+            f"{r.fqn} (K x N = {r.rank_shape} per rank)"
+            for r in moved
+            if not sizes.fits(r.rank_shape)
+        ]
+        if unfit:
+            problems.append(
+                f"{where}: its GEMMs need K in multiples of {sizes.k_multiple} and N in "
+                f"multiples of {sizes.n_multiple} per rank ({sizes.why}), and {_few(unfit)} "
+                "are not; narrow the phase's globs, or give them 'block' or 'current'"
+            )
+    return problems
 
 
 # Modules no glob can put in FP8, whatever the manifest says.
@@ -806,8 +870,9 @@ def _suggest(glob: str, fqns: list[str]) -> str | None:
 
 
 def apply_admission(table: AdmissionTable, model: nn.Module) -> None:
-    """Set ``fp8_enabled`` (and ``fp8_gemms``: which GEMMs) on every FP8-capable linear of
-    ``model`` as ``table`` decided.
+    """Set ``fp8_enabled`` (and ``fp8_gemms``: which GEMMs; the recipe a phase of
+    ``precision.schedule`` gives it) on every FP8-capable linear of ``model`` as ``table``
+    decided.
 
     The table must list exactly the model's linear-like modules (one decided for, or read from
     the ``layers.json`` of, the same model); otherwise nothing is changed and
@@ -836,13 +901,14 @@ def apply_admission(table: AdmissionTable, model: nn.Module) -> None:
             "plain spec (build the model with a recipe)"
         )
     # Megatron handed each module its per-module recipe (quant_config.py); the table decided
-    # the same from the same globs. A model built otherwise must not run under this table.
+    # the same from the same globs. A model built otherwise must not run under this table. A
+    # phase's recipe is not built in: the module runs it while the phase lasts (layers.py).
     own = fp8_modules(model)
     wrong = [
-        f"{row.fqn} (the table: {row.scaling or 'the run recipe'}; the model: "
+        f"{row.fqn} (the table: {_built_scaling(row) or 'the run recipe'}; the model: "
         f"{own[row.fqn].own_scaling or 'the run recipe'})"
         for row in here
-        if row.fp8 and row.fqn in own and own[row.fqn].own_scaling != row.scaling
+        if row.fp8 and row.fqn in own and own[row.fqn].own_scaling != _built_scaling(row)
     ]
     if wrong:
         raise AdmissionError(
@@ -860,6 +926,17 @@ def apply_admission(table: AdmissionTable, model: nn.Module) -> None:
         module.fp8_enabled = row.fp8
         if fqn in own:
             module.fp8_gemms = frozenset(row.fp8_gemms) if row.fp8 else ALL_GEMMS
+            module.run_phase_recipe(_phase_scaling(row))
+
+
+def _phase_scaling(row: AdmissionRow) -> str | None:
+    """The recipe a phase of ``precision.schedule`` gives the row's module, if one does."""
+    return row.scaling if row.fp8 and row.reason.code == "schedule" else None
+
+
+def _built_scaling(row: AdmissionRow) -> str | None:
+    """The recipe ``module_recipes`` built the row's module with (None: the run's)."""
+    return None if _phase_scaling(row) else row.scaling
 
 
 def _few(names: list[str], limit: int = 4) -> str:

@@ -92,6 +92,35 @@ def test_phases_that_follow_each_other_or_switch_other_gemms_may_share_modules()
     assert len(manifest.precision.schedule) == 2
 
 
+def test_a_phase_to_a_recipe_takes_what_module_recipes_takes():
+    manifest = with_schedule({"start": 10, "end": 20, "to": "current"}, {"start": 21, "to": "bf16"})
+    assert [p.recipe for p in manifest.precision.schedule] == ["current", None]
+    # A changed target is a changed manifest: drift at resume, as any precision change.
+    targets = ("bf16", "current", "block")
+    assert len({manifest_hash(with_schedule({"start": 10, "to": to})) for to in targets}) == 3
+
+
+@pytest.mark.parametrize(
+    "phase, changes, where, words",
+    [
+        ({"to": "fp32"}, {}, r"\.to", "'bf16', 'current', 'block' or 'mxfp8'"),
+        ({"to": "delayed"}, {}, r"\.to", "delayed scaling is never a per-module recipe"),
+        (
+            {"to": "current"},
+            {"precision.scaling": "current", "precision.amax_history_len": 1024},
+            r"\.to",
+            "'current' is the run's own recipe \\(precision.scaling\\)",
+        ),
+        ({"to": "current"}, {"precision.backend": "te"}, r"\.to", "not wired to Transformer"),
+        ({"to": "mxfp8"}, {"precision.backend": "scaled_mm"}, r"\.to", "MXFP8 on precision"),
+        ({"to": "block", "gemms": ["fprop"]}, {}, r"\.gemms", "moves whole modules"),
+    ],
+)
+def test_a_phase_to_a_recipe_module_recipes_would_refuse_is_refused(phase, changes, where, words):
+    with pytest.raises(ManifestError, match=rf"precision\.schedule\[0\]{where}: .*{words}"):
+        with_schedule({"start": 10, **phase}, **changes)
+
+
 def test_a_schedule_without_fp8_or_per_gemm_on_te_is_refused():
     with pytest.raises(ManifestError, match=r"precision\.schedule: .*enabled is false"):
         with_schedule({"start": 10}, **{"precision.enabled": False})

@@ -30,11 +30,14 @@ pytestmark = [
 
 STEPS = 6
 FC1 = "decoder.layers.1.mlp.linear_fc1"
+FC2 = "decoder.layers.0.mlp.linear_fc2"
 SCHEDULE = [
     # FC1 in BF16 for steps 2 and 3, back in FP8 from step 4.
     {"start": 2, "end": 3, "modules": [FC1], "reason": "a BF16 interval"},
     # fprop of every projection in BF16 for the last third: steps 5 and 6.
     {"start_fraction": 0.67, "modules": ["decoder.layers.*"], "gemms": ["fprop"], "reason": "end"},
+    # FC2 of layer 0 under current scaling for step 4 only: its delayed state frozen meanwhile.
+    {"start": 4, "end": 4, "modules": [FC2], "to": "current", "reason": "another recipe"},
 ]
 
 
@@ -60,18 +63,24 @@ def test_scheduled_switches_are_recorded_and_a_stop_before_one_resumes_as_straig
     events = [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "precision_phase"]
     assert [(e["step"], e["started"], e["ended"]) for e in events] == [
         (2, [0], []),
-        (4, [], [0]),
-        (5, [1], []),
+        (4, [2], [0]),
+        (5, [1], [2]),
     ]
     assert events[0]["modules"] == [FC1] and events[0]["base_gemms"] == {
         FC1: ["fprop", "dgrad", "wgrad"]
     }
-    assert len(events[2]["modules"]) == 8 and events[2]["to"] == "bf16"
+    assert events[0]["to"] == {FC1: "bf16"}
+    assert events[1]["to"] == {FC2: "current", FC1: "delayed"}
+    assert len(events[2]["modules"]) == 8 and set(events[2]["to"].values()) == {"delayed"}
     layers = read_layers_json(run)
     assert [(c.step, c.cause) for c in layers.history] == [
         (2, "precision.schedule[0] starts"),
-        (4, "precision.schedule[0] ended with step 3"),
-        (5, "precision.schedule[1] starts"),
+        (
+            4,
+            "precision.schedule[2] starts (to current scaling); "
+            "precision.schedule[0] ended with step 3",
+        ),
+        (5, "precision.schedule[1] starts; precision.schedule[2] ended with step 4"),
     ]
     assert layers.history[-1].table_hash == layers.table_hash  # the table it runs now
     assert layers.table.row(FC1).fp8_gemms == ("dgrad", "wgrad")
@@ -80,11 +89,18 @@ def test_scheduled_switches_are_recorded_and_a_stop_before_one_resumes_as_straig
     micro_batches = fp8_gemms[0] / 3
     assert micro_batches >= 1
     assert list(fp8_gemms / micro_batches) == [3, 0, 0, 3, 2, 2]
+    # FC2 ran FP8 throughout, current scaling at step 4: its delayed state, frozen then, is
+    # not what it cast, so that row's state metrics are NaN (the others' are not).
+    fc2 = open_run(run).module_history(FC2)
+    assert list(fc2["fp8_gemms"].to_numpy() / micro_batches) == [3, 3, 3, 3, 2, 2]
+    assert list(fc2["input.scale"].isna()) == [False, False, False, True, False, False]
+    stopped = read_layers_json(paused).table.row(FC2)  # the table for step 4, the resume's
+    assert (stopped.scaling, stopped.reason.code) == ("current", "schedule")
 
     # The stopped run's checkpoint carries the table for step 4, which the resume decides again.
     copy = tmp_path / "copy"
     shutil.copytree(paused, copy)
-    changed = [dict(SCHEDULE[0], end=4), SCHEDULE[1]]
+    changed = [dict(SCHEDULE[0], end=4), *SCHEDULE[1:]]
     drift = cli("resume", paused, "--set", f"precision.schedule={changed}", "--no-progress")
     assert drift.code == 4 and "precision.schedule" in drift.err, drift.err
     finished = cli("resume", paused, "--no-progress")
@@ -113,7 +129,12 @@ def test_scheduled_switches_are_recorded_and_a_stop_before_one_resumes_as_straig
     history = [(c.step, c.cause) for c in read_layers_json(copy).history]
     assert history == [
         (2, "precision.schedule[0] starts"),
-        (5, "precision.schedule[1] starts; precision.schedule[0] ended with step 4"),
+        (4, "precision.schedule[2] starts (to current scaling)"),
+        (
+            5,
+            "precision.schedule[1] starts; precision.schedule[0] ended with step 4; "
+            "precision.schedule[2] ended with step 4",
+        ),
     ]
 
 

@@ -1,11 +1,13 @@
 """``precision.schedule``: phases of training in which some modules' GEMMs leave FP8, e.g.
-``fprop`` of every layer in BF16 for the last 10% of steps.
+``fprop`` of every layer in BF16 for the last 10% of steps, or some modules run another FP8
+recipe than the run's, e.g. current scaling in a delayed-scaling run.
 
 A phase names the steps it covers, by number (``start``, ``end``) or by fraction of
-``schedule.train_steps`` (``start_fraction``, ``end_fraction``), and what runs in the base dtype
-meanwhile (``modules`` globs, ``gemms``). Admission applies the phases that cover a step on top
-of the manifest's own decisions, as overrides would (``fp8ops.admission``); the trainer switches
-at the step boundary where a phase starts or ends (``fp8ops.train.phases``).
+``schedule.train_steps`` (``start_fraction``, ``end_fraction``), and what changes meanwhile
+(``modules`` globs, ``gemms``; ``to``: the base dtype, or a recipe ``module_recipes`` could
+give). Admission applies the phases that cover a step on top of the manifest's own decisions,
+as overrides would (``fp8ops.admission``); the trainer switches at the step boundary where a
+phase starts or ends (``fp8ops.train.phases``).
 
 The step numbers are the ones ``metrics.jsonl`` gives: the first step is 1. A fraction ``f``
 stands for step ``floor(f * train_steps)`` computed on the decimal as written (0.29 is 29/100,
@@ -27,13 +29,19 @@ from pydantic import Field, field_validator, model_validator
 
 from fp8ops.gemm_roles import ALL_GEMMS
 from fp8ops.manifest.base import Globs, NonEmptyStr, Section, raise_problems
-from fp8ops.manifest.module_precision import Gemms
+from fp8ops.manifest.module_precision import (
+    Gemms,
+    ModuleScaling,
+    module_recipe_backend_problem,
+    not_delayed,
+)
 
 OpenFraction = float  # checked by the phase: 0 < f < 1
 
 
 class PrecisionPhase(Section):
-    """Steps of training in which some modules' GEMMs run in the base dtype instead of FP8."""
+    """Steps of training in which some modules' GEMMs run in the base dtype instead of FP8, or
+    some modules run another FP8 recipe than the run's."""
 
     start: int | None = Field(
         None, ge=1, description="The first step of the phase (steps count from 1)."
@@ -60,10 +68,20 @@ class PrecisionPhase(Section):
             "three, the whole module."
         ),
     )
-    to: Literal["bf16"] = Field(
-        "bf16", description="Where they go: the base dtype (precision.base_dtype)."
+    to: Literal["bf16", ModuleScaling] = Field(
+        "bf16",
+        description=(
+            "Where they go: bf16, the base dtype (precision.base_dtype); or a recipe these FP8 "
+            "modules run instead of precision.scaling, as a module_recipes entry would give "
+            "('current', 'block' or 'mxfp8'; whole modules, no gemms)."
+        ),
     )
     reason: NonEmptyStr = Field(description="Why (reviewed with the rest of the manifest).")
+
+    @field_validator("to", mode="before")
+    @classmethod
+    def _not_delayed(cls, value: Any) -> Any:
+        return not_delayed(value)
 
     @field_validator("modules")
     @classmethod
@@ -87,6 +105,11 @@ class PrecisionPhase(Section):
                 )
         raise_problems("PrecisionPhase", problems)
         return self
+
+    @property
+    def recipe(self) -> str | None:
+        """The recipe its modules run during the phase; None: the base dtype."""
+        return None if self.to == "bf16" else self.to
 
     @property
     def all_gemms(self) -> frozenset[str]:
@@ -140,11 +163,18 @@ def resolve(schedule: tuple[PrecisionPhase, ...], train_steps: int) -> tuple[Pha
 
 
 def schedule_problems(
-    schedule: tuple[PrecisionPhase, ...], train_steps: int, *, enabled: bool, backend: str
+    schedule: tuple[PrecisionPhase, ...],
+    train_steps: int,
+    *,
+    enabled: bool,
+    backend: str,
+    scaling: str,
 ) -> list[tuple[tuple[str | int, ...], Any, str]]:
     """What the manifest alone shows wrong in ``precision.schedule`` (locations relative to the
     manifest): a phase outside training or empty, two overlapping phases that name the same
-    glob for a common GEMM, a schedule with nothing in FP8 to switch, per-GEMM phases on TE."""
+    glob for a common GEMM, a schedule with nothing in FP8 to switch, per-GEMM phases on TE,
+    and a recipe ``to`` that ``module_recipes`` would refuse (the run's own ``scaling``, one
+    ``backend`` cannot run) or that names some ``gemms``."""
     if not schedule:
         return []
     field = ("precision", "schedule")
@@ -190,6 +220,7 @@ def schedule_problems(
                     "yet; remove gemms (the whole module) or use backend 'emulated'",
                 )
             )
+        problems += _recipe_problems(entry, at, backend=backend, scaling=scaling)
     for later in phases:
         for earlier in phases[: later.index]:
             common = set(earlier.entry.modules) & set(later.entry.modules)
@@ -205,4 +236,37 @@ def schedule_problems(
                         "merge the phases or make their steps follow each other",
                     )
                 )
+    return problems
+
+
+def _recipe_problems(
+    entry: PrecisionPhase, at: tuple[str | int, ...], *, backend: str, scaling: str
+) -> list[tuple[tuple[str | int, ...], Any, str]]:
+    """A phase's recipe under the rules of a ``module_recipes`` entry, and whole modules only:
+    a module runs one recipe, so its GEMMs cannot split between two."""
+    if entry.recipe is None:
+        return []
+    problems: list[tuple[tuple[str | int, ...], Any, str]] = []
+    if entry.recipe == scaling:
+        problems.append(
+            (
+                (*at, "to"),
+                entry.to,
+                f"'{entry.to}' is the run's own recipe (precision.scaling): these modules run it "
+                "without the phase; name another recipe, or bf16",
+            )
+        )
+    elif problem := module_recipe_backend_problem(
+        entry.recipe, backend, "give these modules 'block' or 'current' instead"
+    ):
+        problems.append(((*at, "to"), entry.to, problem))
+    if entry.gemms is not None and entry.all_gemms != ALL_GEMMS:
+        problems.append(
+            (
+                (*at, "gemms"),
+                list(entry.gemms),
+                f"a phase to '{entry.to}' moves whole modules (a module's GEMMs run one recipe); "
+                "remove gemms, or make it a phase to bf16",
+            )
+        )
     return problems

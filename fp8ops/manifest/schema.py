@@ -151,6 +151,7 @@ class Manifest(Section):
                 schedule.train_steps,
                 enabled=self.precision.enabled,
                 backend=self.precision.backend,
+                scaling=self.precision.scaling,
             )
         )
         if self.tokenizer.kind == "byte" and self.model.vocab_size < 256:

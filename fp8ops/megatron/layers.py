@@ -68,7 +68,7 @@ from fp8ops.megatron.compat import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from fp8ops.megatron.quant_config import global_name, recipe_from_quant_config
+from fp8ops.megatron.quant_config import global_name, recipe_from_quant_config, stateless_recipe
 from fp8ops.megatron.te_extra_state import read_extra_state, recipe_differences
 from fp8ops.precision import (
     CastRecord,
@@ -118,6 +118,7 @@ class _Fp8LocalGemm:
         # A stateless recipe keeps no state (fp8_meta None), only what its casts saw this step.
         self.recipe = recipe
         self.own_scaling: str | None = None  # a per-module recipe's kind (finish_init)
+        self.phase_recipe: StatelessRecipe | None = None  # run_phase_recipe
         delayed = isinstance(recipe, DelayedScalingRecipe)
         self.fp8_meta = Fp8Meta.fresh(recipe) if delayed else None
         self.cast_record = None if delayed else CastRecord()
@@ -138,6 +139,25 @@ class _Fp8LocalGemm:
         if quantization_config is not None:
             self._init_fp8(recipe_from_quant_config(quantization_config), self.gemm)
             self.own_scaling = self.recipe.kind
+
+    def run_phase_recipe(self, kind: str | None) -> None:
+        """Run the stateless recipe ``kind`` (at TE's defaults in this module's format, as a
+        per-module recipe) from the next step on, for a phase of ``precision.schedule``; None:
+        the module's own recipe again. Admission calls it between steps.
+
+        The module's delayed-scaling state, if it has one, stays as it is meanwhile, frozen
+        as while it runs in the base dtype: no cast of the phase's recipe records an amax in
+        it, so the scope's updates leave it alone, and the module picks it up where it left
+        it when the phase ends (as TE keeps ``fp8_meta`` while another recipe runs)."""
+        if kind == (self.phase_recipe.kind if self.phase_recipe else None):
+            return
+        if kind is not None and self.own_scaling is not None:
+            raise ValueError(
+                f"{type(self).__name__} runs its own recipe ({self.own_scaling}) by "
+                "module_recipes; a phase moves modules of the run's recipe only"
+            )
+        self.phase_recipe = None if kind is None else stateless_recipe(kind, self.recipe.fp8_format)
+        self._weight_fp8 = None  # cast under one recipe, not to be reused under the other
 
     def _apply(self, fn, recurse=True):
         # What model.to(...), .cuda() and .cpu() go through: the FP8 state follows the weights
@@ -183,17 +203,20 @@ class _Fp8LocalGemm:
         owns_weight = weight is self.weight
         cached = self._reusable_weight() if owns_weight else None
         track = self.probe.track() if self.probe is not None else None
+        # A phase's recipe runs without the module's FP8 state, which it leaves frozen; its
+        # casts are recorded where the module keeps a record (a stateless run's module).
+        meta = self.fp8_meta if self.phase_recipe is None else None
         out, weight_fp8 = fp8_linear(
             x,
             weight,
             bias,
-            self.fp8_meta,
+            meta,
             scope,
             gemm=self.gemm,
             cached_weight=cached,
             track=track,
             record=self.cast_record,
-            recipe=None if self.fp8_meta is not None else self.recipe,
+            recipe=None if meta is not None else (self.phase_recipe or self.recipe),
             gemms=self.fp8_gemms,
         )
         if self.probe is not None:

@@ -389,7 +389,8 @@ class AdmissionTable:
     def summary(self) -> str:
         """One line, e.g. "8 of 16 modules FP8; 8 in bf16: 1 embedding, 1 LM head, 5 norm"."""
         counts = self.counts()
-        fp8 = counts.pop("fp8", 0)
+        counts.pop("fp8", None)
+        fp8 = sum(row.fp8 for row in self.rows)  # a phase's recipe: reason schedule, in FP8
         line = f"{fp8} of {len(self.rows)} modules FP8"
         base = [row.precision for row in self.rows if not row.fp8]
         if base:

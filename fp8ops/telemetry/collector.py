@@ -344,6 +344,10 @@ class TelemetryCollector:
         # The module's split as it ran this step (an auto-degrade switch comes between steps).
         gemms = getattr(module, "fp8_gemms", ALL_GEMMS)  # TE's modules: all or none
         cast = cast_roles(gemms)
+        if getattr(module, "phase_recipe", None) is not None and module.fp8_meta is not None:
+            # A phase's recipe casts without the module's delayed-scaling state, which its row
+            # reads: frozen, it says nothing of those casts (NaN, as for a module in BF16).
+            cast = ()
         return {
             "fp8_gemms": record.fp8_gemms,
             "fallback_gemms": record.fallback_gemms,

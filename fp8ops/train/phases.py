@@ -14,7 +14,9 @@ compares the two).
 A module switched back into FP8 runs on from its FP8 state as the phase left it: its amax
 history and scales are not updated while it runs in BF16 (no FP8 GEMM casts its tensors, and
 the amax reduction goes on over the others), as Transformer Engine keeps a module's
-``fp8_meta`` while FP8 is off for it and picks it up when it is on again.
+``fp8_meta`` while FP8 is off for it and picks it up when it is on again. So it is for a phase
+that moves a delayed-scaling module to a stateless recipe (``to: current``): that recipe's
+casts keep no state and record nothing in the module's (``fp8ops.megatron.layers``).
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from fp8ops.admission import AdmissionTable, apply_admission, decide_admission
 from fp8ops.gemm_roles import ALL_GEMMS, in_order
 from fp8ops.manifest import manifest_hash
-from fp8ops.manifest.precision_schedule import Phase, resolve
+from fp8ops.manifest.precision_schedule import Phase, PrecisionPhase, resolve
 from fp8ops.run.records import (
+    AdmissionRow,
     RecipeRecord,
     TableChange,
     layers_history,
@@ -97,9 +100,10 @@ def at_boundary(trainer: Trainer, step: int) -> AdmissionTable:
             started=started,
             ended=ended,
             modules=changed,
-            # What each changed module runs in the base dtype from this step on.
+            # What each changed module runs in the base dtype from this step on, and where it
+            # goes: the recipe its FP8 GEMMs run, or the base dtype when none is FP8.
             base_gemms={m: _base_gemms(table, m) for m in changed},
-            to=trainer.manifest.precision.base_dtype,
+            to={m: _target(trainer, table.row(m)) for m in changed},
         )
     return table
 
@@ -140,7 +144,8 @@ def _change(
     trainer: Trainer, step: int, before: AdmissionTable, after: AdmissionTable
 ) -> TableChange:
     started, ended = _bounds(trainer.manifest, step)
-    causes = [f"precision.schedule[{i}] starts" for i in started]
+    schedule = trainer.manifest.precision.schedule
+    causes = [f"precision.schedule[{i}] starts{_to_recipe(schedule[i])}" for i in started]
     causes += [f"precision.schedule[{i}] ended with step {step - 1}" for i in ended]
     return TableChange(
         step=step,
@@ -150,8 +155,19 @@ def _change(
     )
 
 
+def _to_recipe(entry: PrecisionPhase) -> str:
+    """A phase to a recipe, in a cause: the recipe (one to the base dtype reads as before)."""
+    return "" if entry.recipe is None else f" (to {entry.recipe} scaling)"
+
+
 def _changed(before: AdmissionTable, after: AdmissionTable) -> list[str]:
-    return [row.fqn for row in after.rows if row.fp8_gemms != before.row(row.fqn).fp8_gemms]
+    """The modules whose FP8 GEMMs or recipe differ between the tables."""
+    return [
+        row.fqn
+        for row in after.rows
+        if (row.fp8_gemms, row.scaling)
+        != (before.row(row.fqn).fp8_gemms, before.row(row.fqn).scaling)
+    ]
 
 
 def _follow(trainer: Trainer, before: AdmissionTable, after: AdmissionTable) -> list[str]:
@@ -163,6 +179,13 @@ def _follow(trainer: Trainer, before: AdmissionTable, after: AdmissionTable) -> 
     engine.release([m for m in changed if after.row(m).fp8 and not before.row(m).fp8])
     engine.forget([m for m in changed if after.row(m).fp8 and before.row(m).fp8])
     return changed
+
+
+def _target(trainer: Trainer, row: AdmissionRow) -> str:
+    """What a module runs from a switch on: its FP8 GEMMs' recipe, else the base dtype."""
+    if not row.fp8:
+        return trainer.manifest.precision.base_dtype
+    return row.scaling or trainer.manifest.precision.scaling
 
 
 def _base_gemms(table: AdmissionTable, fqn: str) -> list[str]:

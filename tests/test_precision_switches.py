@@ -111,6 +111,43 @@ def test_the_schedules_and_the_policys_switches_in_the_order_made(tmp_path):
     assert switches[1].grouped() == [("dgrad, wgrad fp8; fprop bf16", [QKV]), ("bf16", [FC2])]
 
 
+def test_a_phase_to_a_recipe_names_it_and_the_return_says_fp8(tmp_path):
+    # Since phases may name a recipe, the event's `to` is per module: the recipe its FP8 GEMMs
+    # run (the run's own, delayed, reads "fp8"), or the base dtype (with `base_dtype` beside).
+    write_layers(
+        tmp_path,
+        TableChange(
+            step=3, cause="precision.schedule[0] starts", modules=(FC1, QKV), table_hash=HASH
+        ),
+        TableChange(
+            step=4,
+            cause="precision.schedule[1] starts (to current scaling)",
+            modules=(FC1, FC2),
+            table_hash=HASH,
+        ),
+        TableChange(
+            step=6, cause="precision.schedule[1] ended with step 5", modules=(FC2,), table_hash=HASH
+        ),
+    )
+    per_module = {"base_dtype": "fp16"}
+    write_events(
+        tmp_path,
+        started(0),
+        {
+            **phase(3, {FC1: ["wgrad"], QKV: ["fprop", "dgrad", "wgrad"]}),
+            "to": {FC1: "delayed", QKV: "fp16"},
+            **per_module,
+        },
+        {**phase(4, {FC1: [], FC2: []}), "to": {FC1: "current", FC2: "current"}, **per_module},
+        {**phase(6, {FC2: []}), "to": {FC2: "delayed"}, **per_module},
+    )
+    assert [s.modules for s in read_switches(tmp_path)] == [
+        {FC1: "fprop, dgrad fp8; wgrad fp16", QKV: "fp16"},
+        {FC1: "current", FC2: "current"},
+        {FC2: "fp8"},  # back to the run's recipe
+    ]
+
+
 def test_a_resume_drops_what_it_ran_past_and_keeps_the_replay(tmp_path):
     # Paused at step 6 after both switches; resumed from the checkpoint of step 3, which runs
     # the policy's switch again at the same step; the history is cut as the resume cuts it.

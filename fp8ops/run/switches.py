@@ -27,7 +27,13 @@ from typing import Any, Literal
 
 from fp8ops.gemm_roles import GEMMS, in_order
 from fp8ops.run.layout import RunLayout
-from fp8ops.run.records import Event, RunRecordError, layers_history, read_events
+from fp8ops.run.records import (
+    Event,
+    RunRecordError,
+    layers_history,
+    read_events,
+    read_layers_json,
+)
 
 Source = Literal["auto-degrade", "schedule"]
 
@@ -87,31 +93,45 @@ def _schedule_switches(run_dir: str | Path, events: list[Event]) -> list[Switch]
     if not RunLayout(run_dir).layers.is_file():
         return []
     file = RunLayout(run_dir).events
-    recorded: dict[tuple[int, tuple[str, ...]], tuple[dict, str]] = {}
+    run_recipe = read_layers_json(run_dir).recipe.scaling
+    recorded: dict[tuple[int, tuple[str, ...]], dict[str, str]] = {}
     for number, event in enumerate(events, 1):
         if event.event == "precision_phase":  # the latest of a step and its modules wins
             fields = _Fields(event, file, number)
             key = (fields.get("step", int), tuple(fields.modules()))
-            recorded[key] = (fields.get("base_gemms", dict), fields.get("to", str))
+            recorded[key] = _phase_words(fields, run_recipe)
     switches = []
     for change in layers_history(run_dir):
-        base_gemms, to = recorded.get((change.step, change.modules), ({}, ""))
-        modules = {
-            m: _words(base_gemms[m], to) if m in base_gemms else "changed" for m in change.modules
-        }
+        words = recorded.get((change.step, change.modules), {})
+        modules = {m: words.get(m, "changed") for m in change.modules}
         switches.append(Switch(change.step, "schedule", change.cause, modules))
     return switches
 
 
-def _words(base: list[str] | tuple[str, ...], to: str) -> str:
-    """A module's GEMMs once ``base`` of them run in ``to``, as ``AdmissionRow.gemm_summary``
-    says them."""
-    fp8 = [g for g in GEMMS if g not in base]
+def _phase_words(fields: _Fields, run_recipe: str) -> dict[str, str]:
+    """Each module of a ``precision_phase`` event as it runs from the event's step on. Its ``to``
+    is, since phases may name a recipe, per module: the recipe its FP8 GEMMs run, or the base
+    dtype where none is FP8; before that, one string, the base dtype (every target was)."""
+    base_gemms, to = fields.get("base_gemms", dict), fields.get("to", (dict, str))
+    if isinstance(to, str):
+        return {m: _words(gemms, to, "fp8") for m, gemms in base_gemms.items()}
+    base_dtype = fields.get("base_dtype", str)
+    words = {}
+    for module, gemms in base_gemms.items():
+        recipe = str(to.get(module, run_recipe))
+        words[module] = _words(gemms, base_dtype, "fp8" if recipe == run_recipe else recipe)
+    return words
+
+
+def _words(base: list[str] | tuple[str, ...], to: str, fp8: str = "fp8") -> str:
+    """A module's GEMMs once ``base`` of them run in ``to`` and the others in ``fp8`` (the run's
+    recipe, or the one a phase moved the module to), as ``AdmissionRow.gemm_summary`` says them."""
+    in_fp8 = [g for g in GEMMS if g not in base]
     if not base:
-        return "fp8"
-    if not fp8:
+        return fp8
+    if not in_fp8:
         return to
-    return f"{', '.join(fp8)} fp8; {', '.join(in_order(base))} {to}"
+    return f"{', '.join(in_fp8)} {fp8}; {', '.join(in_order(base))} {to}"
 
 
 class _Fields:
@@ -120,10 +140,11 @@ class _Fields:
     def __init__(self, event: Event, file: Path, number: int):
         self.values, self.event, self.where = event.model_dump(), event.event, (file, number)
 
-    def get(self, name: str, kind: type, default: Any = None) -> Any:
+    def get(self, name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
         value = self.values.get(name, default)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            self._refuse(name, value, f"a {kind.__name__}")
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if not isinstance(value, kinds) or (int in kinds and isinstance(value, bool)):
+            self._refuse(name, value, " or ".join(f"a {k.__name__}" for k in kinds))
         return value
 
     def modules(self) -> list[str]:

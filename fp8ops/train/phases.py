@@ -104,6 +104,7 @@ def at_boundary(trainer: Trainer, step: int) -> AdmissionTable:
             # goes: the recipe its FP8 GEMMs run, or the base dtype when none is FP8.
             base_gemms={m: _base_gemms(table, m) for m in changed},
             to={m: _target(trainer, table.row(m)) for m in changed},
+            base_dtype=trainer.manifest.precision.base_dtype,
         )
     return table
 

@@ -6,8 +6,10 @@
 One bf16 activation-shaped tensor (tokens x hidden; default 4096 x 4096) cast to E4M3 by each
 recipe's quantizer, as the emulated FP8 linear runs it: delayed scaling (the scale given: amax +
 cast), current scaling (amax, scale, cast), block scaling 1x128 row-wise, its 128x1 column-wise
-copy and 128x128 weight tiles, MXFP8 1x32 row-wise and 32x1 column-wise. Median of repeated runs
-(torch.utils.benchmark); millions of elements per second and the time relative to delayed.
+copy and 128x128 weight tiles, MXFP8 1x32 row-wise and 32x1 column-wise; then to NVFP4 (cast
+arithmetic only, not yet a training recipe): 1x16 row-wise, the column-wise copy through the
+random Hadamard transform, 16x16 weight tiles, stochastic rounding, 4over6. Median of repeated
+runs (torch.utils.benchmark); millions of elements per second and the time relative to delayed.
 
 Then one forward GEMM ``x @ W^T`` (default 1024 x 1024 x 1024, bf16 output) of each recipe's
 casts on both CPU backends (current and block scaling: ``scaled_mm`` takes no MXFP8):
@@ -27,6 +29,8 @@ from torch.utils.benchmark import Timer
 
 from fp8ops.precision import E4M3, EmulatedGemm, ScaledMmGemm, block_scaled_mm_unsupported
 from fp8ops.precision.blocks import BlockQuantized, quantize_mxfp8, quantize_scaled
+from fp8ops.precision.nvfp4 import NVFP4Config
+from fp8ops.precision.nvfp4 import quantize as nvfp4
 from fp8ops.precision.quantize import cast_and_amax, quantize_current
 
 CASTS = {
@@ -37,6 +41,11 @@ CASTS = {
     "block 128x128 (weights)": "quantize_scaled(x, (128, 128), E4M3, power_2_scale=True)",
     "MXFP8 1x32 (row-wise)": "quantize_mxfp8(x, E4M3)",
     "MXFP8 32x1 (column-wise)": "quantize_mxfp8(x, E4M3, columnwise=True)",
+    "NVFP4 1x16 (row-wise)": "nvfp4(x, NVFP4Config(), columnwise=False)",
+    "NVFP4 1x16 + RHT (column-wise copy)": "nvfp4(x, NVFP4Config(with_rht=True), rowwise=False)",
+    "NVFP4 16x16 (weights, row-wise)": "nvfp4(x, TILES, columnwise=False)",
+    "NVFP4 1x16 stochastic (row-wise)": "nvfp4(x, SR, columnwise=False, generator=g)",
+    "NVFP4 1x16 4over6 MAE (row-wise)": "nvfp4(x, FOUR_OVER_SIX, columnwise=False)",
 }
 
 
@@ -59,8 +68,14 @@ def main() -> None:
         "quantize_current": quantize_current,
         "quantize_scaled": quantize_scaled,
         "quantize_mxfp8": quantize_mxfp8,
+        "nvfp4": nvfp4,
+        "NVFP4Config": NVFP4Config,
+        "TILES": NVFP4Config(with_2d_quantization=True),
+        "SR": NVFP4Config(stochastic_rounding=True),
+        "FOUR_OVER_SIX": NVFP4Config(nvfp4_use_4over6=True, nvfp4_e4m3_max=256),
+        "g": torch.Generator().manual_seed(0),
     }
-    table = Table(title=f"cast to E4M3 of a {m} x {k} bf16 tensor")
+    table = Table(title=f"cast to E4M3 (NVFP4: E2M1) of a {m} x {k} bf16 tensor")
     for column in ("recipe", "ms", "Melem/s", "x delayed"):
         table.add_column(column, justify="right")
     base = None

@@ -19,6 +19,8 @@ from support import nvfp4_oracle as oracle
 
 from fp8ops.precision import e2m1
 from fp8ops.precision.nvfp4 import (
+    RHT_MATRIX,
+    RHT_SIGNS,
     NVFP4Config,
     NVFP4Recipe,
     global_encode_scale,
@@ -141,6 +143,14 @@ def check_against_oracle(name: str, blocks: int) -> None:
             assert_same(copy.data.numpy(), oracle.pack(codes), f"{where}: data bytes")
             assert_same(copy.scale_inv.view(torch.uint8).numpy(), scale, f"{where}: scales")
             assert_same(copy.amax.numpy().view(np.uint32), amax.view(np.uint32), f"{where}: amax")
+            # the same float32 operations in the same order on both sides: equal bits
+            dequantized = oracle.dequantize(codes, scale, amax, config.e4m3_max)
+            assert_same_f32(copy.dequantize().numpy(), dequantized, f"{where}: dequantized")
+
+
+def assert_same_f32(got: np.ndarray, expected: np.ndarray, what: str) -> None:
+    same = (got.view(np.uint32) == expected.view(np.uint32)) | (np.isnan(got) & np.isnan(expected))
+    assert same.all(), f"{what}: {(~same).sum()} differ: {got[~same][:4]} vs {expected[~same][:4]}"
 
 
 def assert_same(got: np.ndarray, expected: np.ndarray, what: str) -> None:
@@ -244,8 +254,6 @@ def test_weights_16x16_copies_are_transposes():
 def test_rht_matrix_is_orthogonal_with_tes_signs():
     """RHT_MATRIX = diag(TE's signs) H16 / 4 is orthogonal, so transforming twice by its
     transpose returns the input; its first column carries the sign vector."""
-    from fp8ops.precision.nvfp4 import RHT_MATRIX, RHT_SIGNS
-
     assert torch.equal(RHT_MATRIX @ RHT_MATRIX.t(), torch.eye(16))
     assert (RHT_MATRIX[:, 0] * 4).tolist() == list(RHT_SIGNS)
     x = torch.tensor([[1.0] + [0.0] * 15], dtype=torch.bfloat16)

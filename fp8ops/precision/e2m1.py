@@ -4,9 +4,10 @@ packing of two codes per byte.
 A code is 4 bits: a sign bit (8) and a magnitude index 0..7 into ``E2M1_GRID``. Conversion
 follows PTX ``cvt.rn.satfinite.e2m1x2.f32``, as TE's cast kernels issue it: round to nearest,
 ties to the even code; anything beyond 6, infinities included, becomes +-6; the sign of zero is
-kept; NaN, which E2M1 cannot hold, becomes +6 (what TE's software rounding, written to agree
-with the instruction, documents). TE's pure-torch reference quantizer differs on two inputs its
-tests never feed it: -0.0 (it writes +0) and NaN (it writes +0).
+kept. NaN, which E2M1 cannot hold, becomes +6, as TE's software stochastic rounding has it
+(``ptx.cuh``); TE's tests never feed NaN to its kernels, so for round-to-nearest this one case
+is a choice made here, not a checked fact. TE's pure-torch reference quantizer writes +0 for
+both -0.0 and NaN.
 
 Stochastic rounding follows TE's ``stochastic_round_fp4_e2m1`` (``ptx.cuh``): 8 random bits
 ``r`` per element, ``t = |x| + (r / 256) * step`` with ``step`` the grid spacing at ``|x|``,

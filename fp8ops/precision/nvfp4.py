@@ -72,6 +72,8 @@ class NVFP4Config:
     with_rht: bool = False  # column-wise copy only
     with_2d_quantization: bool = False
     stochastic_rounding: bool = False
+    # one global scale per row; the column-wise copy's per row of the transpose (TE's bf16
+    # kernel and reference quantizer; its float32 kernel refuses a row-scaled column-wise copy)
     row_scaled_nvfp4: bool = False
     nvfp4_use_4over6: bool = False
     nvfp4_e4m3_max: int = 448

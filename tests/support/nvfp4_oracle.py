@@ -190,3 +190,13 @@ def rht(x: np.ndarray) -> np.ndarray:
     matrix = (SIGNS[:, None] * HADAMARD) / 4.0
     y = (x.reshape(-1, 16) @ matrix).astype(np.float32)
     return bf16_round(y).reshape(x.shape)
+
+
+def dequantize(codes: np.ndarray, scale: np.ndarray, amax: np.ndarray, e4m3_max: float):
+    """TE's ``dequantize_fp4_kernel``: ``e2m1 * ((scale * amax) * f32(1 / (6 e4m3_max)))``."""
+    factor = F32(1.0 / (6.0 * e4m3_max))
+    rows, cols = codes.shape
+    with np.errstate(invalid="ignore", over="ignore"):  # an inf amax times a zero scale: NaN
+        per_block = (e4m3_value(scale) * amax.reshape(-1, 1).astype(np.float32)) * factor
+        values = e2m1_values(codes).reshape(rows, cols // 16, 16) * per_block[..., None]
+    return values.reshape(rows, cols)

@@ -4,7 +4,8 @@ and the float32 amax behind the global scale, for 1x16 and 16x16 blocks, both co
 Hadamard transform, row scaling and 4over6 (MAE, MSE; 448 and 256), with zeros, tiny and huge
 amaxes, NaN and inf mixed in; 100,000 random blocks of 16 elements per configuration in the slow
 tests (6,250 tiles where they are 16x16), 10,000 in the fast ones. Stochastic rounding is tested as TE tests it: each value lands on one of its
-two neighbours, unbiased in expectation, two draws differ. Then TE's refusals, and the recipe's
+two neighbours, unbiased in expectation, two draws differ. Where TE's package is installed, the
+same bytes and scales as TE's own reference quantizer. Then TE's refusals, and the recipe's
 per-role quantizers against TE's own recipe class where it imports."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from support import nvfp4_oracle as oracle
+from support import te_nvfp4_reference
 
 from fp8ops.precision import e2m1
 from fp8ops.precision.nvfp4 import (
@@ -171,6 +173,57 @@ def test_cast_matches_oracle(name):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_cast_matches_oracle_100k_blocks(name):
     check_against_oracle(name, 100_000)
+
+
+# TE's reference quantizer's arguments for each configuration it implements (it has no
+# stochastic rounding).
+REFERENCE_ARGUMENTS = {
+    "1x16 float32": {},
+    "16x16": {"quant_tile_shape": (16, 16)},
+    "rht": {"with_rht": True},
+    "row-scaled": {"row_scaled_nvfp4": True},
+    "4over6 MAE 256": {"nvfp4_use_4over6": True, "nvfp4_e4m3_max": 256},
+    "4over6 MSE 448": {"nvfp4_use_4over6": True, "nvfp4_4over6_err_mode": "MSE"},
+    "4over6 16x16 MAE": {
+        "nvfp4_use_4over6": True,
+        "nvfp4_e4m3_max": 256,
+        "quant_tile_shape": (16, 16),
+    },
+    "4over6 16x16 MSE": {
+        "nvfp4_use_4over6": True,
+        "nvfp4_4over6_err_mode": "MSE",
+        "quant_tile_shape": (16, 16),
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(REFERENCE_ARGUMENTS))
+def test_matches_tes_reference_quantizer(name):
+    """The same bytes and scales as TE's own ``NVFP4QuantizerRef`` (the quantizer TE's kernels
+    are tested against with atol=0), on finite tensors from 1e-30 to 1e30 in scale, both
+    copies. Finite only: the reference keeps NaN where the kernels skip it."""
+    reference = te_nvfp4_reference.load()
+    if reference is None:
+        pytest.skip("Transformer Engine's reference_nvfp4.py is not installed")
+    kwargs, dtype = CONFIGS[name]
+    config = NVFP4Config(**kwargs)
+    quantizer = reference.NVFP4QuantizerRef(
+        dtype=reference.reference_utils.Fp4Formats.E2M1, **REFERENCE_ARGUMENTS[name]
+    )
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    for _ in range(4):
+        scale = 10.0 ** torch.empty(1).uniform_(-30, 30, generator=g).item()
+        x = torch.randn(64, 128, generator=g) * torch.logspace(-2, 2, 128) * scale
+        x = x.to(dtype)
+        theirs, ours = quantizer.quantize(x), quantize(x, config)
+        pairs = {
+            "row-wise data": (ours.rowwise.data, theirs.data),
+            "row-wise scales": (ours.rowwise.scale_inv, theirs.scale),
+            "column-wise data": (ours.columnwise.data, theirs.data_t),
+            "column-wise scales": (ours.columnwise.scale_inv, theirs.scale_t),
+        }
+        for what, (a, b) in pairs.items():
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{name}: {what}"
 
 
 # -- fixed numbers, worked by hand -------------------------------------------------------------

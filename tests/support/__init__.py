@@ -12,6 +12,8 @@
 * ``megatron_specs``: Megatron layer specs in the shapes of other megatron-core releases;
 * ``te_stand_in``: a stand-in for a Transformer Engine linear's FP8 bookkeeping;
 * ``te_update_oracle``: the independent scalar oracle of TE's delayed-scaling update;
+* ``nvfp4_oracle``: the independent numpy oracle of TE's NVFP4 casts;
+* ``te_nvfp4_reference``: TE's own NVFP4 reference quantizer, loaded without its CUDA build;
 * ``float_bounds``: how far a float64 norm summed in another order may land from itself;
 * ``fifo``: a read that must refuse a FIFO rather than wait on it, guarded by a timeout.
 """

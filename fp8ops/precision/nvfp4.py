@@ -330,7 +330,8 @@ def _four_over_six(
     config: NVFP4Config,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """4over6's codes and scales (``quantize_4over6_nvfp4.cuh``): map-to-4 where its error
-    is strictly below map-to-6's."""
+    is strictly below map-to-6's. The kernel's base scale divides by 6 where the standard path
+    multiplies by f32(1/6): the two can differ by an ulp, so each path keeps its own."""
     base = block_amax / e2m1.E2M1_MAX * s_enc
     candidates = []
     for expand in (1.5, 1.0):  # map-to-4, map-to-6

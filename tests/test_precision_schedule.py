@@ -120,6 +120,15 @@ def test_a_schedule_that_does_not_fit_the_model_is_refused_naming_the_field(mode
     assert "schedule[0].modules[1]" not in message
 
 
+def test_the_summary_counts_the_modules_a_phase_holds_in_the_base_dtype(model, manifest):
+    m = scheduled(manifest, {"start": 2, "modules": ["*.linear_fc2"], "reason": "tail"})
+    before, during = table_at(model, m, 1), table_at(model, m, 2)
+    assert before.summary() == "8 of 16 modules FP8; 8 in bf16: 2 embedding, 1 LM head, 5 norm"
+    assert during.summary() == (
+        "6 of 16 modules FP8; 10 in bf16: 2 schedule phase, 2 embedding, 1 LM head, 5 norm"
+    )
+
+
 def test_a_phase_to_a_recipe_runs_its_modules_under_it_with_reason_schedule(model, manifest):
     m = scheduled(manifest, {"start": 4, "end": 6, "modules": ["*.linear_fc2"], "to": "current"})
     before, during, after = (table_at(model, m, s) for s in (3, 4, 7))

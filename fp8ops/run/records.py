@@ -388,14 +388,15 @@ class AdmissionTable:
 
     def summary(self) -> str:
         """One line, e.g. "8 of 16 modules FP8; 8 in bf16: 1 embedding, 1 LM head, 5 norm"."""
-        counts = self.counts()
-        counts.pop("fp8", None)
         fp8 = sum(row.fp8 for row in self.rows)  # a phase's recipe: reason schedule, in FP8
         line = f"{fp8} of {len(self.rows)} modules FP8"
-        base = [row.precision for row in self.rows if not row.fp8]
+        base = [row for row in self.rows if not row.fp8]
         if base:
-            dtypes = "/".join(sorted(set(base)))
-            parts = ", ".join(f"{n} {_SUMMARY_LABELS[code]}" for code, n in counts.items())
+            dtypes = "/".join(sorted({row.precision for row in base}))
+            found = Counter(row.reason.code for row in base)
+            parts = ", ".join(
+                f"{found[c]} {label}" for c, label in _SUMMARY_LABELS.items() if found[c]
+            )
             line += f"; {len(base)} in {dtypes}: {parts}"
         some = sum(row.some_gemms for row in self.rows)
         if some:
@@ -407,6 +408,7 @@ _SUMMARY_LABELS = {
     "fp8": "FP8",
     "excluded": "excluded",
     "override": "override",
+    "schedule": "schedule phase",
     "not_included": "not included",
     "small_gemm": "small GEMM",
     "fp8_disabled": "FP8 disabled",

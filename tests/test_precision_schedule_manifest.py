@@ -67,7 +67,11 @@ def test_no_schedule_hashes_as_before_the_field():
         ([{"start": 0}], r"schedule\[0\]\.start", ">= 1"),
         ([{"start": 1, "gemms": ["wgard"]}], r"schedule\[0\]\.gemms", "'wgard' is not a GEMM"),
         ([{"start": 1, "to": "fp16"}], r"schedule\[0\]\.to", "'bf16'"),
-        ([{"start": 1, "modules": []}], r"schedule\[0\]\.modules", "name at least one"),
+        (
+            [{"start": 1, "modules": []}],
+            r"schedule\[0\]\.modules",
+            "must list at least one module glob",
+        ),
         (
             [{"start": 10, "end": 50}, {"start": 40, "gemms": ["fprop"]}],
             r"schedule\[1\]\.modules",

@@ -109,8 +109,17 @@ def _check_glob(pattern: str) -> str:
     return pattern
 
 
+def _some_globs(value: tuple[str, ...]) -> tuple[str, ...]:
+    # An after-validator, not Field(min_length=1): pydantic counts only the items that
+    # validated, so a list with one bad glob would also be reported as empty.
+    if not value:
+        raise ValueError("must list at least one module glob, e.g. '*.linear_fc1'")
+    return value
+
+
 Sha256 = Annotated[str, AfterValidator(_check_sha256)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 ModuleGlob = Annotated[str, AfterValidator(_check_glob)]
 Globs = Annotated[tuple[ModuleGlob, ...], BeforeValidator(list_to_tuple)]
+SomeGlobs = Annotated[Globs, AfterValidator(_some_globs)]  # at least one
 Fraction = Annotated[float, Field(ge=0, le=1)]

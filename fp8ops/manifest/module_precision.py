@@ -11,7 +11,14 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BeforeValidator, Field, field_validator
 
 from fp8ops.gemm_roles import ALL_GEMMS, gemms_problem, in_order
-from fp8ops.manifest.base import Globs, NonEmptyStr, Section, Sha256, added_field, list_to_tuple
+from fp8ops.manifest.base import (
+    NonEmptyStr,
+    Section,
+    Sha256,
+    SomeGlobs,
+    added_field,
+    list_to_tuple,
+)
 
 
 class SmallGemmRule(Section):
@@ -162,7 +169,7 @@ class ModuleRecipe(Section):
     an approved ledger record that staged a module in ``current`` (``approval`` its hash).
     """
 
-    modules: Globs = Field(description="fnmatch globs on module names, as in layers.json.")
+    modules: SomeGlobs = Field(description="fnmatch globs on module names, as in layers.json.")
     scaling: ModuleScaling = Field(
         description="The recipe these modules run instead of precision.scaling."
     )
@@ -188,10 +195,3 @@ class ModuleRecipe(Section):
     @classmethod
     def _not_delayed(cls, value: Any) -> Any:
         return not_delayed(value)
-
-    @field_validator("modules")
-    @classmethod
-    def _some_module(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        if not value:
-            raise ValueError("must list at least one module glob, e.g. 'decoder.layers.0.*'")
-        return value

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, field_validator
 
-from fp8ops.manifest.base import Globs, Section, added_field, list_to_tuple
+from fp8ops.manifest.base import Globs, Section, SomeGlobs, added_field, list_to_tuple
 from fp8ops.manifest.module_precision import Bf16Override, ModuleRecipe, SmallGemmRule
 from fp8ops.manifest.precision_schedule import PrecisionPhase
 
@@ -122,7 +122,7 @@ class PrecisionFields(Section):
             "Engine only; refused elsewhere)."
         ),
     )
-    include_modules: Globs = Field(
+    include_modules: SomeGlobs = Field(
         ("*.linear_qkv", "*.linear_proj", "*.linear_fc1", "*.linear_fc2"),
         description=(
             "fnmatch globs on module names that may run FP8 (default: the four attention/MLP "
@@ -175,15 +175,6 @@ class PrecisionFields(Section):
                 "training is not supported\"); use 'hybrid', which gives E5M2 to gradients and "
                 "keeps E4M3 for forward tensors"
             )
-        return value
-
-    @field_validator("include_modules")
-    @classmethod
-    def _something_included(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        # Not Field(min_length=1): pydantic counts only the items that validated, so a list
-        # with one bad glob would also be reported as empty.
-        if not value:
-            raise ValueError("must list at least one module glob, e.g. '*.linear_fc1'")
         return value
 
     @field_validator("amax_compute_algo")

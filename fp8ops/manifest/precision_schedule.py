@@ -28,7 +28,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from fp8ops.gemm_roles import ALL_GEMMS
-from fp8ops.manifest.base import Globs, NonEmptyStr, Section, raise_problems
+from fp8ops.manifest.base import NonEmptyStr, Section, SomeGlobs, raise_problems
 from fp8ops.manifest.module_precision import (
     Gemms,
     ModuleScaling,
@@ -60,7 +60,7 @@ class PrecisionPhase(Section):
         None,
         description="Or: the phase ends with this fraction of schedule.train_steps, 0 < f < 1.",
     )
-    modules: Globs = Field(description="fnmatch globs on module names, as in layers.json.")
+    modules: SomeGlobs = Field(description="fnmatch globs on module names, as in layers.json.")
     gemms: Gemms | None = Field(
         None,
         description=(
@@ -82,13 +82,6 @@ class PrecisionPhase(Section):
     @classmethod
     def _not_delayed(cls, value: Any) -> Any:
         return not_delayed(value)
-
-    @field_validator("modules")
-    @classmethod
-    def _some_modules(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        if not value:
-            raise ValueError("empty; name at least one module glob")
-        return value
 
     @model_validator(mode="after")
     def _one_bound_each(self) -> PrecisionPhase:

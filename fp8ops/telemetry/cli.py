@@ -81,7 +81,7 @@ def inspect_command(
     out.print(table.summary())
     if layers:
         _print_switches(out, run_dir)
-    if not layers:
+    else:
         out.print(f"fp8ops inspect {run_dir} --layers: every module's precision and why")
     if RunLayout(run_dir).telemetry.exists():
         _print_worst(out, run_dir, worst, top, rank)
